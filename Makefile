@@ -1,0 +1,29 @@
+# `make demo` and `make test` work on a fresh clone: both create .venv when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvledger-installed
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+demo: install
+	@bash scripts/demo.sh $(VENV)/bin/kvledger
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+bench: install
+	$(PY) benchmarks/ledger_ops.py
+
+clean:
+	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info

@@ -1,0 +1,349 @@
+"""KV geometry: how many bytes one token, one block and one sequence cost on one rank.
+
+Everything here is plain arithmetic over a frozen `KVSpec`; nothing allocates memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from ..units import format_bytes, parse_bytes
+
+# Bytes per element of the KV cache, by short name. fp8 is an alias of the e4m3 layout: both fp8
+# variants are one byte, and the layout only matters to kernels, not to the ledger.
+KV_DTYPE_BYTES: dict[str, int] = {
+    "bf16": 2,
+    "fp16": 2,
+    "fp32": 4,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+}
+
+# Hugging Face / torch spellings mapped onto the short names, so a config's `torch_dtype` can be
+# passed straight in.
+_DTYPE_ALIASES: dict[str, str] = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e4m3": "fp8_e4m3",
+    "fp8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+}
+
+ATTENTION_KINDS = ("full", "sliding", "mla", "hybrid")
+
+
+def canonical_dtype(name: str) -> str:
+    """Return the short name (`bf16`, `fp8_e4m3`, ...) for a dtype given in either spelling."""
+    if not isinstance(name, str):
+        raise ConfigError(f"dtype must be a string, got {name!r}")
+    key = name.strip().lower().removeprefix("torch.")
+    key = _DTYPE_ALIASES.get(key, key)
+    if key not in KV_DTYPE_BYTES:
+        known = ", ".join(sorted(set(KV_DTYPE_BYTES) | set(_DTYPE_ALIASES)))
+        raise ConfigError(f"unknown dtype {name!r} (known: {known})")
+    return key
+
+
+def dtype_bytes(name: str) -> int:
+    """Bytes per element of a dtype: `dtype_bytes("bfloat16") == 2`, `dtype_bytes("fp8") == 1`."""
+    return KV_DTYPE_BYTES[canonical_dtype(name)]
+
+
+def _check_positive_int(value: Any, what: str) -> None:
+    # bool is an int subclass; `True` heads is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KVSpec:
+    """The KV cache geometry of one model served with tensor parallelism `tp`.
+
+    `kv_heads` is the model's total number of KV heads, across all ranks. For MLA the cache holds
+    one compressed latent per token and layer (width `kv_lora_rank + rope_dim`) instead of K and V
+    heads, so `kv_heads` and `head_dim` are informational there (`from_hf_config` sets them to 1
+    and the latent width).
+    """
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: str = "bf16"
+    block_size: int = 16
+    tp: int = 1
+    attention: str = "full"
+    sliding_window: int | None = None
+    sliding_layers: int = 0
+    kv_lora_rank: int = 0
+    rope_dim: int = 0
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "kv_heads", "head_dim", "block_size", "tp"):
+            _check_positive_int(getattr(self, field), field)
+        # Store the short dtype name so equal specs compare equal whatever spelling was used.
+        object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
+        if self.attention not in ATTENTION_KINDS:
+            kinds = ", ".join(ATTENTION_KINDS)
+            raise ConfigError(f"attention must be one of {kinds}, got {self.attention!r}")
+        self._check_window()
+        self._check_mla()
+        self.kv_heads_per_rank  # noqa: B018 -- raises ConfigError now rather than on first use
+
+    def _check_window(self) -> None:
+        if self.attention in ("full", "mla"):
+            if self.sliding_window is not None or self.sliding_layers:
+                raise ConfigError(
+                    f"sliding_window/sliding_layers given but attention is {self.attention!r}; "
+                    "use attention='sliding' or 'hybrid'"
+                )
+            return
+        _check_positive_int(self.sliding_window, f"sliding_window (needed by attention={self.attention!r})")
+        if self.attention == "sliding":
+            # Every layer slides; 0 is the "not given" default.
+            if self.sliding_layers not in (0, self.layers):
+                raise ConfigError(
+                    f"attention='sliding' means all {self.layers} layers slide, got sliding_layers="
+                    f"{self.sliding_layers}; use attention='hybrid' for a mix"
+                )
+            object.__setattr__(self, "sliding_layers", self.layers)
+        else:  # hybrid
+            if self.sliding_layers == 0:
+                # Default to Gemma 2's pattern: every other layer slides (layers 0, 2, 4, ...).
+                object.__setattr__(self, "sliding_layers", (self.layers + 1) // 2)
+            _check_positive_int(self.sliding_layers, "sliding_layers")
+            if self.sliding_layers > self.layers:
+                raise ConfigError(
+                    f"sliding_layers ({self.sliding_layers}) cannot exceed layers ({self.layers})"
+                )
+
+    def _check_mla(self) -> None:
+        if self.attention == "mla":
+            _check_positive_int(self.kv_lora_rank, "kv_lora_rank (required for attention='mla')")
+            if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) or self.rope_dim < 0:
+                raise ConfigError(f"rope_dim must be a non-negative integer, got {self.rope_dim!r}")
+        elif self.kv_lora_rank or self.rope_dim:
+            raise ConfigError("kv_lora_rank/rope_dim are only meaningful with attention='mla'")
+
+    # ---- per-rank head layout -------------------------------------------------------------
+
+    @property
+    def kv_heads_per_rank(self) -> int:
+        """KV heads each rank stores. With tp > kv_heads each rank keeps one (replicated) head."""
+        if self.attention == "mla":
+            # The latent is shared by all heads, so it cannot be split: every rank holds all of it.
+            return 1
+        if self.kv_heads % self.tp == 0:
+            return self.kv_heads // self.tp
+        if self.tp % self.kv_heads == 0:
+            return 1
+        raise ConfigError(
+            f"tp={self.tp} must divide the {self.kv_heads} KV heads or be a multiple of them"
+        )
+
+    @property
+    def kv_replication(self) -> int:
+        """How many ranks hold a copy of each KV head (or of the MLA latent)."""
+        if self.attention == "mla":
+            return self.tp
+        return 1 if self.kv_heads >= self.tp else self.tp // self.kv_heads
+
+    @property
+    def dtype_bytes(self) -> int:
+        return KV_DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def layer_bytes_per_token(self) -> int:
+        """Bytes one token costs in one layer on one rank."""
+        if self.attention == "mla":
+            # One latent vector (compressed KV plus the decoupled RoPE key); no separate K and V.
+            return (self.kv_lora_rank + self.rope_dim) * self.dtype_bytes
+        return 2 * self.kv_heads_per_rank * self.head_dim * self.dtype_bytes  # 2 = K and V
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token costs on one rank when every layer holds it (the block pool's view)."""
+        return self.layers * self.layer_bytes_per_token
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block: `block_size` tokens across all layers."""
+        return self.bytes_per_token * self.block_size
+
+    # ---- blocks and pools -------------------------------------------------------------------
+
+    def blocks_for_tokens(self, n_tokens: int) -> int:
+        """Blocks needed for `n_tokens`; a partly filled tail block is charged whole."""
+        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
+            raise ConfigError(f"token count must be a non-negative integer, got {n_tokens!r}")
+        return -(-n_tokens // self.block_size)
+
+    def pool_blocks(self, pool_bytes: int | str) -> int:
+        """Whole blocks that fit in `pool_bytes` (floor); a pool below one block is an error."""
+        size = parse_bytes(pool_bytes)
+        blocks = size // self.block_bytes
+        if blocks < 1:
+            block = format_bytes(self.block_bytes)
+            raise ConfigError(f"pool of {format_bytes(size)} is smaller than one KV block ({block})")
+        return blocks
+
+    def kv_bytes_for_sequence(self, n_tokens: int) -> int:
+        """Bytes a sequence of `n_tokens` really needs when sliding layers keep only their window.
+
+        Full layers hold all `n_tokens`; sliding layers hold `min(n_tokens, sliding_window)`; each
+        layer group is rounded up to whole blocks. The block pool does NOT charge this: its block
+        is a uniform page across all layers, so it charges `blocks_for_tokens(n) * block_bytes`
+        (the worst case). The difference is what a per-layer-group allocator would save.
+
+        A window that does not start on a block boundary straddles one more block than this
+        counts, so a real sliding allocator may hold up to one extra block per sliding layer.
+        """
+        full_layers = self.layers - self.sliding_layers
+        held = full_layers * self.blocks_for_tokens(n_tokens)
+        if self.sliding_layers:
+            assert self.sliding_window is not None  # guaranteed by __post_init__
+            held += self.sliding_layers * self.blocks_for_tokens(min(n_tokens, self.sliding_window))
+        return held * self.block_size * self.layer_bytes_per_token
+
+    def pool_bytes_for_sequence(self, n_tokens: int) -> int:
+        """Bytes the block pool charges for `n_tokens` (whole blocks, every layer)."""
+        return self.blocks_for_tokens(n_tokens) * self.block_bytes
+
+    # ---- construction from a Hugging Face config -------------------------------------------
+
+    @classmethod
+    def from_hf_config(
+        cls,
+        cfg: dict[str, Any],
+        *,
+        kv_dtype: str | None = None,
+        tp: int = 1,
+        block_size: int = 16,
+        name: str | None = None,
+    ) -> KVSpec:
+        """Build a spec from a Hugging Face `config.json` dict.
+
+        Handles Llama, Mistral (sliding window on every layer unless null), Qwen2 (window only
+        when `use_sliding_window`), Gemma 2 (window on every other layer), Gemma 3 style
+        `sliding_window_pattern` or `layer_types`, and DeepSeek-V2/V3 MLA (`kv_lora_rank`).
+        The KV dtype defaults to the checkpoint's `torch_dtype` (see `default_dtype`).
+        """
+        cfg = text_config(cfg)
+        layers = config_int(cfg, "num_hidden_layers")
+        dtype = default_dtype(cfg) if kv_dtype is None else kv_dtype
+        common = dict(kv_dtype=dtype, tp=tp, block_size=block_size, name=name)
+        if cfg.get("kv_lora_rank") is not None:
+            rank = config_int(cfg, "kv_lora_rank")
+            rope = config_int(cfg, "qk_rope_head_dim", minimum=0)
+            # One latent "head" as wide as the latent; it is what every rank caches.
+            return cls(layers, 1, rank + rope, attention="mla", kv_lora_rank=rank, rope_dim=rope, **common)
+        heads = config_int(cfg, "num_attention_heads")
+        kv_heads = config_int(cfg, "num_key_value_heads", default=heads)
+        if cfg.get("head_dim") is not None:
+            head_dim = config_int(cfg, "head_dim")
+        else:
+            hidden = config_int(cfg, "hidden_size")
+            if hidden % heads:
+                raise ConfigError(
+                    f"hidden_size {hidden} is not divisible by num_attention_heads {heads}; give head_dim"
+                )
+            head_dim = hidden // heads
+        window, sliding = _sliding_layout(cfg, layers)
+        if sliding == 0:
+            return cls(layers, kv_heads, head_dim, **common)
+        kind = "sliding" if sliding == layers else "hybrid"
+        return cls(layers, kv_heads, head_dim, attention=kind, sliding_window=window,
+                   sliding_layers=sliding, **common)
+
+
+# ---- helpers for reading Hugging Face config dicts (shared with inventory.py) ----------------
+
+_MISSING = object()
+
+
+def text_config(cfg: Any) -> dict[str, Any]:
+    """The language-model part of a config: multimodal configs (Gemma 3) nest it in `text_config`."""
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"model config must be a JSON object, got {type(cfg).__name__}")
+    inner = cfg.get("text_config")
+    if "num_hidden_layers" not in cfg and isinstance(inner, dict):
+        return {"model_type": cfg.get("model_type"), "torch_dtype": cfg.get("torch_dtype"), **inner}
+    return cfg
+
+
+def config_int(cfg: dict[str, Any], key: str, *, default: Any = _MISSING, minimum: int = 1) -> int:
+    """Read an integer key; a missing key falls back to `default` or is an error naming the key.
+
+    A key present with value null counts as missing (HF writes nulls for unset options).
+    """
+    value = cfg.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise ConfigError(f"model config is missing required key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"model config key {key!r} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(f"model config key {key!r} must be at least {minimum}, got {value}")
+    return value
+
+
+def default_dtype(cfg: dict[str, Any]) -> str:
+    """The serving dtype implied by a config: its `torch_dtype` (or newer `dtype`), else bf16.
+
+    fp32 checkpoints (e.g. Gemma 2) map to bf16: serving engines run them in 16-bit by default,
+    and a 4-byte KV cache would double every number in the ledger for no realistic reason.
+    """
+    raw = cfg.get("torch_dtype") or cfg.get("dtype")
+    if not isinstance(raw, str):
+        return "bf16"
+    try:
+        name = canonical_dtype(raw)
+    except ConfigError:
+        return "bf16"
+    return "bf16" if name == "fp32" else name
+
+
+def _sliding_layout(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
+    """(window, number of sliding layers) for a non-MLA config; (None, 0) when nothing slides."""
+    model_type = str(cfg.get("model_type") or "")
+    key = "sliding_window" if cfg.get("sliding_window") is not None else "sliding_window_size"
+    window = config_int(cfg, key, default=None)
+    if window is None:
+        return None, 0
+    if cfg.get("use_sliding_window") is False:  # Qwen2 ships a window but turns it off
+        return None, 0
+    layer_types = cfg.get("layer_types")
+    if isinstance(layer_types, list):
+        # Newer transformers configs spell the per-layer pattern out; trust it over model_type.
+        if len(layer_types) != layers:
+            raise ConfigError(
+                f"model config key 'layer_types' has {len(layer_types)} entries for {layers} layers"
+            )
+        return window, sum(1 for t in layer_types if t == "sliding_attention")
+    if model_type == "gemma2":
+        # Gemma 2 alternates, starting with a sliding layer at index 0.
+        return window, (layers + 1) // 2
+    if cfg.get("sliding_window_pattern") is not None:
+        # Gemma 3 style: every `pattern`-th layer is global, the rest slide.
+        pattern = config_int(cfg, "sliding_window_pattern")
+        return window, layers - layers // pattern
+    if cfg.get("use_sliding_window") is True and cfg.get("max_window_layers") is not None:
+        # Qwen2 with the window on: layers from index max_window_layers upward slide.
+        first = config_int(cfg, "max_window_layers", minimum=0)
+        return window, max(0, layers - first)
+    return window, layers
+
+
+__all__ = [
+    "ATTENTION_KINDS", "KV_DTYPE_BYTES", "KVSpec", "canonical_dtype", "config_int", "default_dtype",
+    "dtype_bytes", "text_config",
+]

@@ -1,0 +1,229 @@
+"""KV geometry: bytes per token, per block, per pool and per sequence, as a user would check them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvledger.core.geometry import KV_DTYPE_BYTES, KVSpec, dtype_bytes
+from kvledger.core.models import list_models, load_model_config, model_source
+from kvledger.errors import ConfigError
+
+MiB = 2**20
+
+BUNDLED = ["deepseek-v3", "gemma-2-9b", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "qwen2.5-7b",
+           "smollm2-135m"]
+
+
+def seed(**overrides) -> KVSpec:
+    return KVSpec(**{"layers": 32, "kv_heads": 8, "head_dim": 128, "kv_dtype": "bf16", **overrides})
+
+
+# ---- the seed fixed point -----------------------------------------------------------------------
+
+
+def test_seed_bytes_per_token_block_and_pool():
+    spec = seed()
+    assert spec.bytes_per_token == 131072  # 128 KiB
+    assert spec.block_bytes == 2 * MiB
+    assert spec.pool_blocks(512 * MiB) == 256
+    assert spec.pool_blocks("512MiB") == 256
+    assert spec.blocks_for_tokens(2048 + 257) == 145
+
+
+def test_pool_rounds_down_to_whole_blocks_and_rejects_a_pool_below_one_block():
+    spec = seed()
+    assert spec.pool_blocks(512 * MiB + 2 * MiB - 1) == 256
+    with pytest.raises(ConfigError, match="smaller than one KV block"):
+        spec.pool_blocks(MiB)
+
+
+def test_tail_block_is_charged_whole():
+    spec = seed()
+    assert [spec.blocks_for_tokens(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]
+
+
+def test_gqa_costs_a_quarter_of_mha():
+    assert seed(kv_heads=32).bytes_per_token == 4 * seed(kv_heads=8).bytes_per_token
+
+
+def test_dtype_sizes_and_hf_spellings():
+    assert KV_DTYPE_BYTES["fp8"] == 1 and KV_DTYPE_BYTES["fp32"] == 4
+    assert dtype_bytes("bfloat16") == 2
+    assert dtype_bytes("float8_e4m3fn") == 1
+    assert dtype_bytes("float32") == 4
+    assert seed(kv_dtype="fp8").bytes_per_token == 65536
+    assert seed(kv_dtype="bfloat16") == seed(kv_dtype="bf16")  # stored under the short name
+    with pytest.raises(ConfigError, match="unknown dtype"):
+        dtype_bytes("fp4_unicorn")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"layers": 0},
+        {"head_dim": -1},
+        {"kv_heads": True},
+        {"block_size": 0},
+        {"kv_dtype": "int3"},
+        {"attention": "linear"},
+        {"attention": "sliding"},  # no window
+        {"attention": "full", "sliding_window": 4096},
+        {"attention": "mla"},  # no kv_lora_rank
+        {"kv_lora_rank": 512},  # only for MLA
+        {"attention": "hybrid", "sliding_window": 4096, "sliding_layers": 33},
+    ],
+)
+def test_bad_specs_are_config_errors(overrides):
+    with pytest.raises(ConfigError):
+        seed(**overrides)
+
+
+# ---- tensor parallelism -------------------------------------------------------------------------
+
+
+def test_tp_splits_kv_heads_and_bytes():
+    spec = seed(tp=2)
+    assert spec.kv_heads_per_rank == 4
+    assert spec.kv_replication == 1
+    assert spec.bytes_per_token == 131072 // 2
+
+
+def test_llama_70b_tp8_one_head_per_rank_and_tp16_replicates():
+    cfg = load_model_config("llama-3.1-70b")
+    tp8 = KVSpec.from_hf_config(cfg, tp=8)
+    assert (tp8.kv_heads_per_rank, tp8.kv_replication) == (1, 1)
+    tp16 = KVSpec.from_hf_config(cfg, tp=16)
+    assert (tp16.kv_heads_per_rank, tp16.kv_replication) == (1, 2)
+    # A replicated head costs each rank as much as an unreplicated one: no saving past tp=kv_heads.
+    assert tp16.bytes_per_token == tp8.bytes_per_token == 80 * 1 * 128 * 2 * 2
+
+
+def test_tp_that_neither_divides_nor_multiplies_kv_heads_is_rejected():
+    with pytest.raises(ConfigError, match="tp=3 must divide"):
+        seed(tp=3)
+
+
+def test_mla_bytes_for_deepseek_v3_are_replicated_on_every_rank():
+    cfg = load_model_config("deepseek-v3")
+    spec = KVSpec.from_hf_config(cfg)
+    assert spec.attention == "mla"
+    assert spec.bytes_per_token == 61 * (512 + 64) * 2
+    tp8 = KVSpec.from_hf_config(cfg, tp=8)
+    assert tp8.bytes_per_token == spec.bytes_per_token  # the latent is not split by tp
+    assert (tp8.kv_heads_per_rank, tp8.kv_replication) == (1, 8)
+
+
+# ---- sliding windows ----------------------------------------------------------------------------
+
+
+def test_gemma2_hybrid_window_saves_half_the_layers_beyond_the_window():
+    spec = KVSpec.from_hf_config(load_model_config("gemma-2-9b"))
+    assert spec.attention == "hybrid"
+    assert (spec.sliding_window, spec.sliding_layers, spec.layers) == (4096, 21, 42)
+    assert spec.kv_dtype == "bf16"  # fp32 checkpoint, served in 16-bit
+    per_layer_token = 8 * 256 * 2 * 2
+    # Inside the window every layer holds every token: exact == the pool's worst case.
+    assert spec.kv_bytes_for_sequence(4096) == spec.pool_bytes_for_sequence(4096)
+    n = 8192
+    exact = spec.kv_bytes_for_sequence(n)
+    assert exact == (21 * n + 21 * 4096) * per_layer_token
+    assert spec.pool_bytes_for_sequence(n) == 42 * n * per_layer_token
+    assert spec.pool_bytes_for_sequence(n) - exact == 21 * 4096 * per_layer_token
+
+
+def test_mistral_slides_on_every_layer_and_qwen_window_is_off():
+    mistral = KVSpec.from_hf_config(load_model_config("mistral-7b"))
+    assert (mistral.attention, mistral.sliding_layers) == ("sliding", 32)
+    assert mistral.kv_bytes_for_sequence(100_000) == mistral.pool_bytes_for_sequence(4096)
+    qwen = KVSpec.from_hf_config(load_model_config("qwen2.5-7b"))
+    assert qwen.attention == "full" and qwen.sliding_window is None
+    assert qwen.bytes_per_token == 28 * 4 * 128 * 2 * 2
+
+
+def test_full_attention_sequence_bytes_equal_the_pool_charge():
+    spec = seed()
+    assert spec.kv_bytes_for_sequence(2305) == 145 * spec.block_bytes
+
+
+# ---- from_hf_config edge cases ------------------------------------------------------------------
+
+
+def test_hf_defaults_head_dim_and_kv_heads():
+    spec = KVSpec.from_hf_config({"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4})
+    assert (spec.kv_heads, spec.head_dim, spec.kv_dtype) == (4, 64, "bf16")
+    assert KVSpec.from_hf_config({"num_hidden_layers": 2, "hidden_size": 256, "num_attention_heads": 4},
+                                 kv_dtype="fp8").kv_dtype == "fp8"
+
+
+def test_gemma3_style_pattern_and_layer_types():
+    base = {"num_hidden_layers": 12, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+            "sliding_window": 1024}
+    spec = KVSpec.from_hf_config({**base, "sliding_window_pattern": 6})
+    assert (spec.attention, spec.sliding_layers) == ("hybrid", 10)
+    types = ["sliding_attention"] * 11 + ["full_attention"]
+    assert KVSpec.from_hf_config({**base, "layer_types": types}).sliding_layers == 11
+
+
+@pytest.mark.parametrize(
+    ("cfg", "key"),
+    [
+        ({"hidden_size": 64, "num_attention_heads": 4}, "num_hidden_layers"),
+        ({"num_hidden_layers": 2, "num_attention_heads": 4}, "hidden_size"),
+        ({"num_hidden_layers": "32", "hidden_size": 64, "num_attention_heads": 4}, "num_hidden_layers"),
+        ({"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4.0}, "num_attention_heads"),
+    ],
+)
+def test_missing_or_mistyped_keys_name_the_key(cfg, key):
+    with pytest.raises(ConfigError, match=key):
+        KVSpec.from_hf_config(cfg)
+
+
+def test_non_dict_config_is_a_config_error():
+    with pytest.raises(ConfigError):
+        KVSpec.from_hf_config([1, 2, 3])  # type: ignore[arg-type]
+
+
+# ---- bundled models -----------------------------------------------------------------------------
+
+
+def test_every_bundled_model_loads_names_its_source_and_builds_a_spec():
+    assert list_models() == BUNDLED
+    for name in BUNDLED:
+        cfg = load_model_config(name)
+        assert "config.json" in model_source(name)
+        spec = KVSpec.from_hf_config(cfg, name=name)
+        assert spec.bytes_per_token > 0 and spec.name == name
+
+
+def test_smollm2_geometry():
+    spec = KVSpec.from_hf_config(load_model_config("smollm2-135m"))
+    assert spec.bytes_per_token == 30 * 3 * 64 * 2 * 2
+    with pytest.raises(ConfigError, match="tp=2"):
+        KVSpec.from_hf_config(load_model_config("smollm2-135m"), tp=2)  # 3 KV heads
+
+
+def test_unknown_model_lists_known_names():
+    with pytest.raises(ConfigError, match="llama-3.1-8b"):
+        load_model_config("llama-9")
+
+
+def test_config_from_a_path_or_a_directory(tmp_path):
+    cfg = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert load_model_config(tmp_path) == cfg
+    assert load_model_config(str(tmp_path / "config.json")) == cfg
+    assert model_source(str(tmp_path)).endswith("config.json")
+
+
+def test_malformed_or_non_object_config_is_a_config_error(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text('{"num_hidden_layers": 32,')
+    with pytest.raises(ConfigError, match=r"config\.json is not valid JSON"):
+        load_model_config(bad)
+    bad.write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="JSON object"):
+        load_model_config(bad)
+    with pytest.raises(ConfigError, match="no model config"):
+        load_model_config(tmp_path / "missing.json")

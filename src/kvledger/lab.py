@@ -27,9 +27,10 @@ class LabSpec:
     groups: int = 1
     prefix_caching: bool = True
     model: str = "lab"
+    branches: int = 1  # n-way parallel sampling per request
 
     def __post_init__(self) -> None:
-        for name in ("pool_blocks", "block_size", "requests", "prompt", "groups"):
+        for name in ("pool_blocks", "block_size", "requests", "prompt", "groups", "branches"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
@@ -51,7 +52,7 @@ def lab_requests(spec: LabSpec) -> list[Request]:
         start = _PRIVATE_TOKEN_BASE + i * private_len
         prompt = shared + list(range(start, start + private_len))
         ctx = CacheContext(trust_group=f"group-{i % spec.groups}", model=spec.model)
-        out.append(Request(f"req-{i}", prompt, spec.max_new, ctx))
+        out.append(Request(f"req-{i}", prompt, spec.max_new, ctx, branches=spec.branches))
     return out
 
 
@@ -72,13 +73,16 @@ def run_lab(spec: LabSpec) -> dict:
     together (with and without sharing) by admitting them into a pool large enough for everyone."""
     bs = spec.block_size
     blocks_per_request = -(-(spec.prompt + spec.max_new) // bs)
+    # Each extra branch: its own output allowance plus one copy of the prompt's partial tail.
+    per_branch = blocks_per_request - spec.prompt // bs
+    branch_blocks = (spec.branches - 1) * per_branch
     ledger, decisions = _admit_all(spec, spec.pool_blocks, spec.prefix_caching)
-    roomy = spec.requests * blocks_per_request
+    roomy = spec.requests * (blocks_per_request + branch_blocks)
     together, _ = _admit_all(spec, roomy, spec.prefix_caching)
     unshared, _ = _admit_all(spec, roomy, False)
     # What one request of a group shares with another of the same group: ask the ledger with a pair.
-    pair = LabSpec(2 * blocks_per_request, bs, 2, spec.prompt, spec.shared_prefix, spec.max_new, 1,
-                   spec.prefix_caching, spec.model)
+    pair = LabSpec(2 * (blocks_per_request + branch_blocks), bs, 2, spec.prompt, spec.shared_prefix,
+                   spec.max_new, 1, spec.prefix_caching, spec.model, spec.branches)
     shared_blocks = _admit_all(pair, pair.pool_blocks, spec.prefix_caching)[1][1].blocks_hit
     usage = ledger.usage()
     admitted = [d for d in decisions if d.admitted]
@@ -91,7 +95,9 @@ def run_lab(spec: LabSpec) -> dict:
         "shared_prefix": spec.shared_prefix,
         "max_new": spec.max_new,
         "prefix_caching": spec.prefix_caching,
+        "branches": spec.branches,
         "blocks_per_request": blocks_per_request,
+        "branch_blocks_per_request": branch_blocks,
         "shared_prefix_blocks": shared_blocks,
         "private_blocks_per_request": blocks_per_request - shared_blocks,
         "blocks_needed_all": _charged(together),
@@ -100,6 +106,7 @@ def run_lab(spec: LabSpec) -> dict:
         "admitted_blocks": usage.active + usage.promised,
         "free_blocks_after": usage.available,
         "usage": usage.as_dict(),
+        "token_usage": ledger.token_usage(),
         "decisions": [
             {
                 "request": d.request_id,
@@ -109,6 +116,7 @@ def run_lab(spec: LabSpec) -> dict:
                 "blocks_shared": d.blocks_hit,
                 "blocks_new": d.blocks_new,
                 "blocks_promised": d.blocks_promised,
+                "blocks_branches": d.blocks_branches,
                 "reason": d.reason,
             }
             for i, d in enumerate(decisions)

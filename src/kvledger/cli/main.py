@@ -151,15 +151,18 @@ def plan(model: str | None, layers: int | None, kv_heads: int | None, head_dim: 
 @click.option("--groups", type=int, default=1, show_default=True, help="Trust groups the requests are spread over.")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Share identical prefixes within a trust group.")
+@click.option("--branches", type=int, default=1, show_default=True,
+              help="Parallel samples per request (n-way sampling); each extra branch reserves its own output.")
 @json_option
 def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
           kv_dtype: str | None, tp: int, block_size: int, pool: str, requests: int, prompt: int,
-          shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, as_json: bool) -> None:
+          shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, branches: int,
+          as_json: bool) -> None:
     """Admit N requests into one pool with full output reservation, through the real ledger."""
     spec, _ = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
     pool_bytes = parse_bytes(pool)
     result = run_lab(LabSpec(spec.pool_blocks(pool_bytes), spec.block_size, requests, prompt, shared_prefix,
-                             max_new, groups, prefix_cache, model or "explicit"))
+                             max_new, groups, prefix_cache, model or "explicit", branches))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
             "pool_bytes": pool_bytes, **result}
     if as_json:
@@ -180,12 +183,19 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
     for outcome, reason in reasons.items():
         con.print(f"[bold]{outcome}[/bold] e.g. {reason}")
     u = data["usage"]
+    if branches > 1:
+        con.print(f"each request samples {branches} branches: the extra {branches - 1} need "
+                  f"{data['branch_blocks_per_request']} more blocks per request (own output allowance + one "
+                  f"copy-on-write copy of the prompt's partial tail each)")
     con.print(
         f"blocks per request {data['blocks_per_request']} = {data['shared_prefix_blocks']} shared-prefix + "
         f"{data['private_blocks_per_request']} private; all {requests} together need "
         f"{data['blocks_needed_all']} (sharing as groups allow), {data['blocks_needed_unshared']} unshared.\n"
         f"admitted {data['admitted']} using {data['admitted_blocks']} blocks "
-        f"({u['active']} live + {u['promised']} promised); {data['free_blocks_after']} left to promise.")
+        f"({u['active']} live + {u['promised']} promised); {data['free_blocks_after']} left to promise.\n"
+        f"pool by state: {u['free']} free, {u['active']} active, {u['retained']} retained (evictable "
+        f"{u['evictable']}), {u['promised']} promised; token slots used "
+        f"{data['token_usage']['token_slots_used']} of {data['token_usage']['token_slots_held']} held.")
 
 
 # ---- catalogues ------------------------------------------------------------------------------------

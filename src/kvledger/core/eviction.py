@@ -1,26 +1,36 @@
 """Eviction policies for retained blocks (ref count 0, still indexed, recoverable by recompute).
 
-A policy only orders the retained set; the pool decides *when* to evict (only when a block is needed and
-the free list is empty) and guarantees that only retained blocks are ever offered to a policy.
-Every operation is O(1) (amortised) so that releasing or evicting never scans the pool.
+A policy only orders the retained set; the pool decides *when* to evict (only when a block is needed
+and the free list is empty) and guarantees that only retained blocks are ever offered to a policy.
+Operations are O(1) (LRU) or O(1) amortised plus O(log n) per expiring priority (priority policy), so
+releasing or evicting never scans the pool.
 """
 
 from __future__ import annotations
 
+import heapq
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
+
+DEFAULT_PRIORITY = 35  # the level of a block nobody gave a priority (TensorRT-LLM uses 35 of 0..100)
+MAX_PRIORITY = 100
 
 
 class EvictionPolicy(Protocol):
     """Orders retained blocks. ``add`` is called when a block becomes retained (its last reference went
     away), ``remove`` when it leaves the retained set for any reason other than eviction (a new request
-    hit it), ``pop_victim`` when the pool needs a block back."""
+    hit it), ``pop_victims`` when the pool needs blocks back. ``set_priority`` lets a request say how
+    valuable a block is when it becomes retained; policies that do not use it ignore it."""
+
+    name: str
 
     def add(self, block: int) -> None: ...
     def add_many(self, blocks: list[int]) -> None: ...
     def remove(self, block: int) -> None: ...
-    def pop_victim(self) -> int: ...
     def pop_victims(self, n: int) -> list[int]: ...
+    def set_priority(self, block: int, priority: int, expires_at: float | None) -> None: ...
     def __len__(self) -> int: ...
     def __contains__(self, block: int) -> bool: ...
     def blocks(self) -> list[int]: ...
@@ -30,7 +40,8 @@ class LRUPolicy:
     """Least recently released first.
 
     The ledger releases a finished sequence's blocks tail first, so within one request the deepest
-    (least shareable) blocks become eligible before its shared head -- the same refinement vLLM uses.
+    (least shareable) blocks become eligible before its shared head -- a prefix's head is needed by
+    every deeper block, so losing it first would strand the rest of the chain.
     """
 
     name = "lru"
@@ -48,12 +59,12 @@ class LRUPolicy:
     def remove(self, block: int) -> None:
         del self._order[block]
 
-    def pop_victim(self) -> int:
-        return self._order.popitem(last=False)[0]
-
     def pop_victims(self, n: int) -> list[int]:
         pop = self._order.popitem
         return [pop(last=False)[0] for _ in range(n)]
+
+    def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
+        return None
 
     def __len__(self) -> int:
         return len(self._order)
@@ -64,3 +75,112 @@ class LRUPolicy:
     def blocks(self) -> list[int]:
         """Eviction order, first victim first (for reports and tests; O(n))."""
         return list(self._order)
+
+
+class PriorityPolicy:
+    """Retention priorities with expiry, LRU within a priority level.
+
+    A request may mark token ranges with a priority in 0..100 and an optional duration: a system prompt
+    worth keeping for a minute gets 90 for 60 s, a one-off document 10. Eviction takes the lowest level
+    first, least recently released within it. When a priority expires the block falls back to
+    ``DEFAULT_PRIORITY`` (lazily, when the policy next picks victims). The application knows which
+    prefixes will come back; recency alone cannot tell a system prompt from a stale answer.
+    """
+
+    name = "priority"
+    __slots__ = ("_levels", "_level_of", "_want", "_expiry", "_clock", "_count")
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._levels: dict[int, OrderedDict[int, None]] = {}
+        self._level_of: dict[int, int] = {}  # retained block -> its level
+        self._want: dict[int, tuple[int, float | None]] = {}  # block -> (priority, expires_at) once set
+        self._expiry: list[tuple[float, int]] = []  # heap of (expires_at, block) for raised levels
+        self._clock = clock
+        self._count = 0
+
+    def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
+        if not 0 <= priority <= MAX_PRIORITY:
+            raise ValueError(f"priority must be in 0..{MAX_PRIORITY}, got {priority}")
+        self._want[block] = (priority, expires_at)
+
+    def _level_for(self, block: int) -> int:
+        priority, expires_at = self._want.get(block, (DEFAULT_PRIORITY, None))
+        if expires_at is not None:
+            if expires_at <= self._clock():
+                return DEFAULT_PRIORITY
+            heapq.heappush(self._expiry, (expires_at, block))
+        return priority
+
+    def add(self, block: int) -> None:
+        level = self._level_for(block)
+        bucket = self._levels.get(level)
+        if bucket is None:
+            bucket = self._levels[level] = OrderedDict()
+        bucket[block] = None
+        self._level_of[block] = level
+        self._count += 1
+
+    def add_many(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.add(block)
+
+    def remove(self, block: int) -> None:
+        level = self._level_of.pop(block)
+        del self._levels[level][block]
+        self._count -= 1
+
+    def _expire(self) -> None:
+        now = self._clock()
+        heap = self._expiry
+        while heap and heap[0][0] <= now:
+            _, block = heapq.heappop(heap)
+            level = self._level_of.get(block)
+            if level is None or level == DEFAULT_PRIORITY:
+                continue  # evicted or re-used since; stale heap entry
+            want = self._want.get(block)
+            if want is not None and want[1] is not None and want[1] > now:
+                continue  # re-prioritised with a later expiry
+            del self._levels[level][block]
+            self._levels.setdefault(DEFAULT_PRIORITY, OrderedDict())[block] = None
+            self._level_of[block] = DEFAULT_PRIORITY
+
+    def pop_victims(self, n: int) -> list[int]:
+        self._expire()
+        out: list[int] = []
+        for level in sorted(self._levels):  # at most 101 levels
+            bucket = self._levels[level]
+            while bucket and len(out) < n:
+                block = bucket.popitem(last=False)[0]
+                del self._level_of[block]
+                out.append(block)
+            if len(out) == n:
+                break
+        self._count -= len(out)
+        if len(out) < n:
+            raise IndexError("fewer retained blocks than requested victims")
+        return out
+
+    def forget(self, block: int) -> None:
+        """The block lost its identity (freed or evicted): its priority belongs to the old content."""
+        self._want.pop(block, None)
+
+    def __len__(self) -> int:
+        return self._count
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._level_of
+
+    def blocks(self) -> list[int]:
+        self._expire()
+        return [b for level in sorted(self._levels) for b in self._levels[level]]
+
+
+def make_policy(name: str, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
+    """A policy by name: ``lru`` or ``priority``."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "priority":
+        return PriorityPolicy(clock)
+    from ..errors import ConfigError
+
+    raise ConfigError(f"unknown eviction policy {name!r}; choose lru or priority")

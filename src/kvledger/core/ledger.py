@@ -1,139 +1,43 @@
-"""The KV ledger: admission with full reservation, block tables, prefix sharing, growth and release.
+"""The KV ledger: admission with reservation, block tables, prefix sharing, growth and release.
 
 Two ledgers live side by side and are never mixed:
 
 * **live blocks** -- physical blocks in the :class:`BlockPool` (free / active / retained);
-* **promises** -- blocks a running sequence has been promised for its declared output allowance but
-  has not materialised yet. They hold no data and no block id; they are a claim on capacity.
+* **promises** -- blocks a running sequence has been promised for its reserved output allowance (and
+  copy-on-write copies its branches will need) but has not materialised yet. They hold no data and no
+  block id; they are a claim on capacity.
 
 The promise rule (checked by :meth:`KVLedger.check`): ``promised <= free + evictable``. Admission keeps
 it true, so every promise can be turned into a block without evicting or preempting a running request.
 Admission is one atomic decision under the ledger's lock, so concurrent admissions cannot overcommit.
+
+Branches (forks, beam search), leases, pins and statistics live in :mod:`.branches` and
+:mod:`.lifetimes`, mixed into :class:`KVLedger`; they share its lock and its state.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
+import time
+from collections.abc import Callable, Iterable
 
-from ..errors import AdmissionError, ConfigError, InvariantError, LedgerError, OutOfBlocksError
+from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
+from .branches import BranchOps
 from .eviction import EvictionPolicy
-from .identity import CacheContext, block_digest, chain_digests, token_bytes
+from .identity import block_digest, chain_digests, token_bytes
+from .lifetimes import LifetimeOps
+from .observe import Counters, EventLog
 from .pool import BlockPool
 from .table import BlockTable
+from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState, Usage
 
-_DEFAULT_CONTEXT = CacheContext()
+_MAX_TOKEN = 2**32 - 1  # token ids are hashed as uint32
 
-
-class Outcome(str, Enum):
-    ADMITTED = "admitted"
-    NOT_NOW = "not_now"  # fits an empty pool, but not beside what is running/promised now
-    NEVER = "never"  # larger than the whole pool: waiting will not help
+__all__ = ["Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage", "CopyOp"]
 
 
-@dataclass(frozen=True, slots=True)
-class Request:
-    """What admission needs to know. ``reserve_new_tokens`` is the output allowance to reserve now;
-    ``None`` means the whole declared ``max_new_tokens`` (full reservation, the default policy)."""
-
-    request_id: str
-    prompt: Sequence[int]
-    max_new_tokens: int
-    context: CacheContext = _DEFAULT_CONTEXT
-    reserve_new_tokens: int | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    request_id: str
-    outcome: Outcome
-    reason: str
-    blocks_total: int  # blocks the sequence occupies at its reserved length, shared ones included
-    blocks_hit: int  # leading full blocks found in the prefix index (charged once, to nobody new)
-    blocks_hit_pending: int  # of those, blocks another request is still filling
-    blocks_new: int  # blocks allocated now for the rest of the prompt
-    blocks_promised: int  # blocks promised for the reserved output allowance
-
-    @property
-    def admitted(self) -> bool:
-        return self.outcome is Outcome.ADMITTED
-
-    @property
-    def blocks_charged(self) -> int:
-        """Capacity this admission consumed: new blocks plus promises (hits are charged once, earlier)."""
-        return self.blocks_new + self.blocks_promised
-
-    def raise_for_outcome(self) -> Decision:
-        if not self.admitted:
-            raise AdmissionError(f"request {self.request_id!r} {self.outcome.value}: {self.reason}")
-        return self
-
-
-@dataclass(slots=True)
-class SequenceState:
-    """A running sequence: its tokens, its block table and its outstanding promises."""
-
-    request_id: str
-    context: CacheContext
-    root: bytes
-    tokens: list[int]
-    num_prompt: int
-    max_new_tokens: int
-    table: BlockTable
-    promised: int
-    digests: list[bytes] = field(default_factory=list)  # one per identified full block, in order
-    computed_mark: int = 0  # tokens confirmed written by mark_computed or a block boundary
-    written_blocks: int = 0  # leading blocks known to be written
-    hit_blocks: int = 0
-    limit: int = 0  # num_prompt + max_new_tokens: the declared maximum length
-
-    def __post_init__(self) -> None:
-        self.limit = self.num_prompt + self.max_new_tokens
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def num_generated(self) -> int:
-        return len(self.tokens) - self.num_prompt
-
-    @property
-    def num_computed(self) -> int:
-        """Tokens whose KV is written. Once a token has been sampled, every earlier token was run
-        through the model, so during decode this is ``num_tokens - 1`` (the newest token is written by
-        the next step); the ledger only records it eagerly at block boundaries."""
-        if len(self.tokens) > self.num_prompt:
-            return max(self.computed_mark, len(self.tokens) - 1)
-        return self.computed_mark
-
-
-@dataclass(frozen=True, slots=True)
-class Usage:
-    total: int
-    free: int
-    active: int
-    retained: int
-    evictable: int
-    promised: int
-    sequences: int
-
-    @property
-    def available(self) -> int:
-        """Blocks a new admission may still claim: free + evictable - already promised."""
-        return self.free + self.evictable - self.promised
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "total": self.total, "free": self.free, "active": self.active, "retained": self.retained,
-            "evictable": self.evictable, "promised": self.promised, "available": self.available,
-            "sequences": self.sequences,
-        }
-
-
-class KVLedger:
+class KVLedger(BranchOps, LifetimeOps):
     """Owns one block pool and every sequence that holds blocks of it. Thread-safe."""
 
     def __init__(
@@ -143,22 +47,42 @@ class KVLedger:
         *,
         prefix_caching: bool = True,
         policy: EvictionPolicy | None = None,
+        events: EventLog | None = None,
+        max_pinned_fraction: float = 0.25,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"the pool needs at least one block, got {num_blocks!r}")
-        if not isinstance(block_size, int) or block_size <= 0:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
             raise ConfigError(f"block size must be a positive integer, got {block_size!r}")
+        if not 0 <= max_pinned_fraction <= 1:
+            raise ConfigError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks, policy)
         self.promised = 0
+        self.events = events
+        if events is not None:
+            self.pool.on_event = events.emit
+        self.counters = Counters()
+        self.max_pinned_fraction = max_pinned_fraction
+        self.clock = clock
         self._seqs: dict[str, SequenceState] = {}
+        self._cow_promises: dict[int, int] = {}  # shared partial tail -> copies still promised for it
+        self._copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
+        self._leases: dict[int, list[int]] = {}
+        self._next_lease = 1
+        self._pins: dict[str, list[int]] = {}
         self._lock = threading.RLock()
 
     # ---- queries --------------------------------------------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.pool.num_blocks
+
+    @property
+    def policy_name(self) -> str:
+        return getattr(self.pool.retained, "name", type(self.pool.retained).__name__)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks covering ``num_tokens``: the tail block is charged whole."""
@@ -168,7 +92,7 @@ class KVLedger:
         with self._lock:
             p = self.pool
             return Usage(p.num_blocks, p.num_free, p.num_active, p.num_retained, p.num_evictable,
-                         self.promised, len(self._seqs))
+                         self.promised, len(self._seqs), sum(len(b) for b in self._pins.values()), p.deferred)
 
     def sequence(self, request_id: str) -> SequenceState:
         try:
@@ -179,6 +103,9 @@ class KVLedger:
     def sequences(self) -> list[str]:
         with self._lock:
             return list(self._seqs)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._seqs
 
     def ready_tokens(self, request_id: str) -> int:
         """Leading tokens whose KV is written and readable now (shared blocks still being filled by
@@ -193,73 +120,98 @@ class KVLedger:
 
     # ---- admission ------------------------------------------------------------------------------
     def _validate(self, request: Request) -> tuple[int, int]:
+        rid = request.request_id
         if not request.prompt:
-            raise ConfigError(f"request {request.request_id!r} has an empty prompt")
+            raise ConfigError(f"request {rid!r} has an empty prompt")
         if request.max_new_tokens < 0:
-            raise ConfigError(f"request {request.request_id!r}: max_new_tokens must be >= 0")
+            raise ConfigError(f"request {rid!r}: max_new_tokens must be >= 0")
         reserve = request.max_new_tokens if request.reserve_new_tokens is None else request.reserve_new_tokens
         if not 0 <= reserve <= request.max_new_tokens:
-            raise ConfigError(
-                f"request {request.request_id!r}: reserve_new_tokens must be in [0, max_new_tokens]")
-        return len(request.prompt), reserve
+            raise ConfigError(f"request {rid!r}: reserve_new_tokens must be in [0, max_new_tokens]")
+        if request.branches < 1:
+            raise ConfigError(f"request {rid!r}: branches must be >= 1")
+        if request.lookahead < 0:
+            raise ConfigError(f"request {rid!r}: lookahead must be >= 0")
+        # Speculative slots sit beyond the newest token; they are reserved on top of the allowance.
+        return len(request.prompt), reserve + request.lookahead
 
     def _digests(self, request: Request) -> list[bytes]:
         if not self.prefix_caching:
             return []
         return chain_digests(request.context.root_digest(), token_bytes(request.prompt), self.block_size)
 
-    def can_admit(self, request: Request) -> Decision:
+    def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
         digests = self._digests(request)
         with self._lock:
-            return self._decide(request, digests)[0]
+            return self._decide(request, digests, keep_free)[0]
 
-    def admit(self, request: Request) -> Decision:
+    def admit(self, request: Request, keep_free: int = 0) -> Decision:
         """Admit ``request`` atomically: share indexed prefix blocks, allocate the rest of the prompt,
-        and promise the reserved output allowance -- or change nothing and say why not."""
+        and promise the reserved output allowance -- or change nothing and say why not.
+
+        ``keep_free`` blocks must stay available after the admission: the watermark or emergency
+        headroom of policies that do not reserve the whole output allowance."""
         digests = self._digests(request)  # hashing is pure: keep it outside the lock
         with self._lock:
-            if request.request_id in self._seqs:
-                raise LedgerError(f"request id {request.request_id!r} is already running")
-            decision, hits = self._decide(request, digests)
+            rid = request.request_id
+            if rid in self._seqs or any(f"{rid}/{i}" in self._seqs for i in range(1, request.branches)):
+                raise LedgerError(f"request id {rid!r} is already running")
+            decision, hits = self._decide(request, digests, keep_free)
+            c = self.counters
             if decision.admitted:
                 self._commit(request, digests, hits, decision)
+                c.admitted += 1
+                if self.prefix_caching:
+                    c.record_query(request.context.trust_group, len(digests), len(hits), len(request.prompt),
+                                   len(hits) * self.block_size)
+            elif decision.outcome is Outcome.NEVER:
+                c.rejected_never += 1
+            else:
+                c.rejected_not_now += 1
             return decision
 
-    def _decide(self, request: Request, digests: list[bytes]) -> tuple[Decision, list[int]]:
+    def _decide(self, request: Request, digests: list[bytes], keep_free: int = 0) -> tuple[Decision, list[int]]:
         prompt_len, reserve = self._validate(request)
-        pool = self.pool
+        pool, bs = self.pool, self.block_size
         total = self.blocks_for(prompt_len + reserve)
         prompt_blocks = self.blocks_for(prompt_len)
         rid = request.request_id
-        if self.blocks_for(prompt_len + request.max_new_tokens) > pool.num_blocks or total > pool.num_blocks:
-            need = self.blocks_for(prompt_len + request.max_new_tokens)
-            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens) but the whole "
-                      f"pool has {pool.num_blocks}")
+        k = request.branches
+        # Each extra branch: its own output allowance, plus a copy of the partial prompt tail.
+        per_branch = (total - prompt_blocks) + (1 if prompt_len % bs else 0)
+        longest = self.blocks_for(prompt_len + request.max_new_tokens + request.lookahead)
+        if longest + (k - 1) * (longest - prompt_len // bs) > pool.num_blocks:
+            need = longest + (k - 1) * (longest - prompt_len // bs)
+            branches = f" for {k} branches" if k > 1 else ""
+            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but the "
+                      f"whole pool has {pool.num_blocks}")
             return Decision(rid, Outcome.NEVER, reason, need, 0, 0, 0, 0), []
         hits: list[int] = []
-        index, ref, written = pool.index, pool.ref, pool.written
+        index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
         for d in digests:
             block = index.get(d)
             if block is None:
                 break
             hits.append(block)
-        retained_hits = sum(1 for b in hits if ref[b] == 0)
+        # Retained hits stop being evictable once taken, so they cannot also back a new block.
+        retained_hits = sum(1 for b in hits if ref[b] == 0 and not leased[b])
         pending_hits = sum(1 for b in hits if not written[b])
         new_now = prompt_blocks - len(hits)
-        promise = total - prompt_blocks
+        branch_blocks = (k - 1) * per_branch
+        promise = total - prompt_blocks + branch_blocks
         need = new_now + promise
-        # Retained hits stop being evictable once taken, so they cannot also back a new block.
-        available = pool.num_free + pool.num_evictable - self.promised - retained_hits
+        available = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
         if need > available:
             reason = (f"needs {need} new blocks ({len(hits)} of {total} shared) but only {max(available, 0)} "
                       f"can be promised now ({pool.num_free} free + {pool.num_evictable} evictable - "
                       f"{self.promised} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
-                      + ")")
-            return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now,
-                            promise), hits
-        reason = f"{len(hits)} shared + {new_now} new + {promise} promised = {total} blocks"
-        return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise), hits
+                      + (f" - {keep_free} kept free" if keep_free else "") + ")")
+            return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
+                            branch_blocks), hits
+        reason = f"{len(hits)} shared + {new_now} new + {promise} promised = {total + branch_blocks} blocks"
+        return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
+                        branch_blocks), hits
 
     def _commit(self, request: Request, digests: list[bytes], hits: list[int], decision: Decision) -> None:
         pool = self.pool
@@ -267,33 +219,58 @@ class KVLedger:
         for block in hits:
             pool.share(block)
         blocks = hits + pool.allocate_many(decision.blocks_new)
-        # Index the new full prompt blocks (inlined BlockPool.register): pending until written.
-        index, block_digest_of = pool.index, pool.digest
-        for i in range(len(hits), len(digests)):
-            d = digests[i]
-            if d not in index:
-                index[d] = blocks[i]
-                block_digest_of[blocks[i]] = d
-        self.promised += decision.blocks_promised
+        group = request.context.trust_group
+        if pool.on_event is None:
+            # Index the new full prompt blocks (inlined BlockPool.register): pending until written.
+            index, block_digest_of, block_group = pool.index, pool.digest, pool.group
+            for i in range(len(hits), len(digests)):
+                d = digests[i]
+                if d not in index:
+                    index[d] = blocks[i]
+                    block_digest_of[blocks[i]] = d
+                    block_group[blocks[i]] = group
+        else:
+            for i in range(len(hits), len(digests)):
+                pool.register(blocks[i], digests[i], group)
+        if request.retention:
+            self._apply_retention(request.retention, blocks, 0, len(digests))
+        branch_promise = decision.blocks_branches // max(request.branches - 1, 1)
+        own_promise = decision.blocks_promised - decision.blocks_branches
+        self.promised += own_promise
         written = pool.written
         ready = 0
         while ready < len(hits) and written[hits[ready]]:
             ready += 1
         prompt = list(request.prompt)
-        self._seqs[request.request_id] = SequenceState(
-            request_id=request.request_id,
-            context=request.context,
+        rid = request.request_id
+        seq = SequenceState(
+            request_id=rid, context=request.context,
             root=request.context.root_digest() if self.prefix_caching else b"",
-            tokens=prompt,
-            num_prompt=len(prompt),
-            max_new_tokens=request.max_new_tokens,
-            table=BlockTable(self.block_size, blocks),
-            promised=decision.blocks_promised,
-            digests=digests,
-            computed_mark=min(ready * self.block_size, len(prompt)),
-            written_blocks=ready,
-            hit_blocks=len(hits),
+            tokens=prompt, num_prompt=len(prompt), max_new_tokens=request.max_new_tokens,
+            table=BlockTable(self.block_size, blocks), promised=own_promise, digests=digests,
+            computed_mark=min(ready * self.block_size, len(prompt)), written_blocks=ready,
+            hit_blocks=len(hits), retention=request.retention, family=request.family or rid,
+            reserved_blocks=decision.blocks_total,
         )
+        self._seqs[rid] = seq
+        for i in range(1, request.branches):
+            self._fork_unchecked(seq, f"{rid}/{i}")
+        if request.branches > 1:
+            # _fork_unchecked charged each branch its parent's promise and a tail copy: the same total.
+            assert branch_promise * (request.branches - 1) == decision.blocks_branches
+
+    def _apply_retention(self, ranges: tuple[Retention, ...], blocks: list[int], start: int, end: int) -> None:
+        """Tell the eviction policy the priority of blocks ``[start, end)`` from the request's ranges."""
+        bs, now, policy = self.block_size, self.clock(), self.pool.retained
+        for i in range(start, end):
+            lo, hi = i * bs, (i + 1) * bs
+            best: Retention | None = None
+            for r in ranges:
+                if r.start < hi and r.end > lo and (best is None or r.priority > best.priority):
+                    best = r
+            if best is not None:
+                expires = None if best.duration_s is None else now + best.duration_s
+                policy.set_priority(blocks[i], best.priority, expires)
 
     # ---- progress -------------------------------------------------------------------------------
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
@@ -318,19 +295,25 @@ class KVLedger:
         for i in range(seq.written_blocks, full):
             written[blocks[i]] = True
         seq.written_blocks = full
-        if self.prefix_caching:
+        if self.prefix_caching and len(seq.digests) < full:
             digests, tokens, register = seq.digests, seq.tokens, self.pool.register
+            first = len(digests)
             while len(digests) < full:
                 i = len(digests)
                 digest = block_digest(digests[-1] if digests else seq.root, tokens[i * bs : (i + 1) * bs])
                 digests.append(digest)
-                register(blocks[i], digest)
+                register(blocks[i], digest, seq.context.trust_group)
+            if seq.retention:
+                self._apply_retention(seq.retention, blocks, first, full)
 
-    def append_token(self, request_id: str, token_id: int) -> None:
+    def append_token(self, request_id: str, token_id: int) -> list[CopyOp]:
         """Append one sampled token. Sampling it means the model has run over every earlier token, so
-        their KV is confirmed written; the new token's KV is written by the next step."""
+        their KV is confirmed written; the new token's KV is written by the next step. Returns the
+        copy-on-write copies the runtime must perform before writing (usually none)."""
         with self._lock:
+            before = len(self._copies)
             self._append(self.sequence(request_id), token_id)
+            return self._copies[before:]
 
     def append_tokens(self, request_id: str, token_ids: Iterable[int]) -> None:
         with self._lock:
@@ -341,8 +324,9 @@ class KVLedger:
     def decode_step(self, steps: Iterable[tuple[str, int]]) -> None:
         """One engine step: append one token to each named sequence, under one lock acquisition.
 
-        This is the ledger's hottest path, so the common case (the token lands inside the tail block)
-        is inlined; every ``block_size`` tokens :meth:`_boundary` does the real work."""
+        This is the ledger's hottest path, so the common case (the token lands inside the tail block,
+        which the sequence owns alone) is inlined; every ``block_size`` tokens, or on the first write
+        into a forked tail, :meth:`_append` does the real work."""
         bs = self.block_size
         with self._lock:
             seqs = self._seqs
@@ -352,7 +336,7 @@ class KVLedger:
                     raise LedgerError(f"unknown sequence {request_id!r}")
                 tokens = seq.tokens
                 n = len(tokens)
-                if n % bs and n < seq.limit:
+                if n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail and 0 <= token <= _MAX_TOKEN:
                     tokens.append(token)
                 else:
                     self._append(seq, token)
@@ -362,17 +346,28 @@ class KVLedger:
         n = len(tokens)
         if n >= seq.limit:
             raise LedgerError(f"{seq.request_id!r} already generated its max_new_tokens={seq.max_new_tokens}")
+        try:
+            token = operator.index(token)
+        except TypeError:
+            raise ConfigError(f"{seq.request_id!r}: token id {token!r} is not an integer") from None
+        if not 0 <= token <= _MAX_TOKEN:
+            raise ConfigError(f"{seq.request_id!r}: token id {token} is outside [0, 2**32)")
         if n % self.block_size == 0:
             self._boundary(seq, n)
+        else:
+            self._computed(seq, n)  # sampling this token confirms every earlier token (cheap if no new block)
+            if seq.cow_tail:
+                self._copy_on_write(seq, n)
         tokens.append(token)
 
     def _boundary(self, seq: SequenceState, n: int) -> None:
         """Token ``n`` starts a new block: the blocks before are fully written, and the new block comes
         from the sequence's promise or, past its reservation, from unpromised capacity."""
         self._computed(seq, n)
+        seq.cow_tail = False  # a full tail is immutable and shared as is; the new block is private
         blocks = seq.table.blocks
         if n < len(blocks) * self.block_size:
-            return  # the block already exists (the prompt's reservation covered it)
+            return  # the block already exists (the prompt's allocation covered it)
         pool = self.pool
         if seq.promised:
             seq.promised -= 1
@@ -383,17 +378,93 @@ class KVLedger:
                 f"({pool.num_free} free, {pool.num_evictable} evictable, {self.promised} promised)")
         blocks.append(pool.allocate())
 
+    # ---- speculative slots ----------------------------------------------------------------------
+    def reserve_lookahead(self, request_id: str, slots: int) -> int:
+        """Make sure blocks exist for ``slots`` positions beyond the newest token (draft tokens the
+        verifier may accept). They come from the sequence's promise first. Returns blocks allocated."""
+        with self._lock:
+            seq = self.sequence(request_id)
+            need = self.blocks_for(len(seq.tokens) + slots) - len(seq.table.blocks)
+            pool = self.pool
+            if need > seq.promised + max(pool.num_free + pool.num_evictable - self.promised, 0):
+                raise OutOfBlocksError(f"{request_id!r}: no room for {slots} lookahead slots")
+            for _ in range(max(need, 0)):
+                if seq.promised:
+                    seq.promised -= 1
+                    self.promised -= 1
+                seq.table.blocks.append(pool.allocate())
+            return max(need, 0)
+
+    def trim_lookahead(self, request_id: str) -> int:
+        """Free blocks beyond the sequence's tokens (rejected draft slots). Blocks that were promised
+        become promises again, up to the reservation. Returns blocks freed."""
+        with self._lock:
+            seq = self.sequence(request_id)
+            keep = self.blocks_for(len(seq.tokens))
+            extra = seq.table.blocks[keep:]
+            if not extra:
+                return 0
+            del seq.table.blocks[keep:]
+            self.pool.release_many(extra[::-1])
+            repromise = max(0, min(len(extra), seq.reserved_blocks - len(seq.table.blocks) - seq.promised))
+            seq.promised += repromise
+            self.promised += repromise
+            return len(extra)
+
     # ---- release --------------------------------------------------------------------------------
     def release(self, request_id: str) -> None:
-        """Finish (or abandon) a sequence: drop its references, tail block first so that LRU eviction
-        takes its deepest blocks before its shared head, and cancel its unmaterialised promises."""
+        """Finish a sequence (see :meth:`_drop`)."""
         with self._lock:
-            seq = self._seqs.pop(request_id, None)
-            if seq is None:
-                raise LedgerError(f"unknown sequence {request_id!r} (already released?)")
-            self.pool.release_many(seq.table.blocks[::-1])
-            self.promised -= seq.promised
-            seq.promised = 0
+            self._drop(request_id)
+            self.counters.finished += 1
+
+    def retract(self, request_id: str) -> None:
+        """Undo an admission that a caller could not complete (a family admitted all-or-nothing)."""
+        with self._lock:
+            self._drop(request_id)
+            self.counters.admitted -= 1
+
+    def preempt(self, request_id: str) -> list[int]:
+        """Take a running sequence's memory away (the scheduler recovers it by recompute or from a host
+        copy). Its full, written blocks stay in the prefix index as retained cache, which softens a later
+        recompute. Returns its token ids: the state a recompute must replay."""
+        with self._lock:
+            tokens = list(self.sequence(request_id).tokens)
+            self._drop(request_id)
+            self.counters.preemptions += 1
+            return tokens
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request at any point: every branch of it is dropped and its promises freed at once;
+        blocks still leased by an in-flight step are released when that lease ends. Cancelling a
+        request that was never admitted (or already finished) is a no-op and returns False."""
+        with self._lock:
+            family = [rid for rid, s in self._seqs.items() if s.family == request_id or rid == request_id]
+            for rid in family:
+                self._drop(rid)
+            if family:
+                self.counters.cancelled += 1
+            return bool(family)
+
+    def _drop(self, request_id: str) -> None:
+        """Drop a sequence's references, tail block first so that LRU eviction takes its deepest blocks
+        before its shared head, and cancel its unmaterialised promises."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            raise LedgerError(f"unknown sequence {request_id!r} (already released?)")
+        blocks = seq.table.blocks
+        if seq.cow_tail:
+            self._trim_cow_promise(blocks[len(seq.tokens) // self.block_size])
+        self.pool.release_many(blocks[::-1])
+        self.promised -= seq.promised
+        seq.promised = 0
+
+    def take_copies(self) -> list[CopyOp]:
+        """Copy-on-write instructions recorded since the last call; the runtime executes them before
+        the step that writes the destination blocks."""
+        with self._lock:
+            copies, self._copies = self._copies, []
+            return copies
 
     # ---- audit ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -402,12 +473,12 @@ class KVLedger:
             pool = self.pool
             pool.check()
             refs = [0] * pool.num_blocks
-            promised = 0
+            promised = sum(self._cow_promises.values())
             bs = self.block_size
             for seq in self._seqs.values():
                 blocks = seq.table.blocks
                 n = len(seq.tokens)
-                if len(blocks) != -(-n // bs):
+                if len(blocks) < -(-n // bs):  # more is fine: speculative lookahead slots
                     raise InvariantError(f"{seq.request_id!r}: {len(blocks)} blocks for {n} tokens")
                 if seq.promised < 0:
                     raise InvariantError(f"{seq.request_id!r}: negative promise")
@@ -418,11 +489,23 @@ class KVLedger:
                 for b in blocks:
                     refs[b] += 1
                 promised += seq.promised
+            for blocks in self._pins.values():
+                for b in blocks:
+                    refs[b] += 1
             if refs != pool.ref:
                 bad = [b for b in range(pool.num_blocks) if refs[b] != pool.ref[b]][:8]
-                raise InvariantError(f"ref counts disagree with block tables at blocks {bad}")
+                raise InvariantError(f"ref counts disagree with block tables and pins at blocks {bad}")
+            leases = [0] * pool.num_blocks
+            for blocks in self._leases.values():
+                for b in blocks:
+                    leases[b] += 1
+            if leases != pool.leased:
+                raise InvariantError("lease counts disagree with outstanding leases")
+            for block, count in self._cow_promises.items():
+                if count <= 0 or count != pool.ref[block] - 1:
+                    raise InvariantError(f"shared tail {block}: {count} copy promises for ref {pool.ref[block]}")
             if promised != self.promised:
-                raise InvariantError(f"promise ledger {self.promised} != sum of sequence promises {promised}")
+                raise InvariantError(f"promise ledger {self.promised} != sequence and copy promises {promised}")
             if self.promised > pool.num_free + pool.num_evictable:
                 raise InvariantError(
                     f"overcommitted: {self.promised} promised > {pool.num_free} free + "

@@ -1,12 +1,14 @@
 """The block pool: every physical block of one managed KV pool, each in exactly one state.
 
-    free      ref == 0, no identity, on the free list
-    active    ref >= 1, held by one or more block tables (possibly shared)
-    retained  ref == 0, still indexed by its digest, evictable (an idle cache entry)
+    free      ref == 0, not leased, no identity, on the free list
+    active    ref >= 1 (held by block tables or pins), or ref == 0 but still leased (a *deferred*
+              release: an in-flight step or transfer still touches it)
+    retained  ref == 0, not leased, indexed by its digest, evictable (an idle cache entry)
 
-Conservation law (checked by :meth:`BlockPool.check`): ``free + active + retained == total``.
-Ledger operations are O(1): per-block facts live in flat lists indexed by block id, the free list is a
-stack, and retained blocks are ordered by an :class:`~kvledger.core.eviction.EvictionPolicy`.
+Conservation law (checked by :meth:`BlockPool.check`): ``free + active + retained == total``, and a
+leased block is never free or retained. Ledger operations are O(1): per-block facts live in flat lists
+indexed by block id, the free list is a stack, and retained blocks are ordered by an
+:class:`~kvledger.core.eviction.EvictionPolicy`.
 
 The pool is not thread-safe by itself; :class:`~kvledger.core.ledger.KVLedger` serialises access.
 """
@@ -15,29 +17,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import InvariantError, OutOfBlocksError
+from ..errors import InvariantError, LedgerError, OutOfBlocksError
 from .eviction import EvictionPolicy, LRUPolicy
 
-EvictHook = Callable[[int, bytes], None]
+# (kind, block, digest, trust_group): "stored", "removed", "evicted"
+EventHook = Callable[[str, int, bytes, "str | None"], None]
 
 
 class BlockPool:
-    __slots__ = ("num_blocks", "ref", "digest", "written", "_free", "retained", "index", "on_evict")
+    __slots__ = ("num_blocks", "ref", "leased", "digest", "group", "written", "_free", "retained", "index",
+                 "on_event", "deferred", "evictions", "_policy_forget")
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError("a pool needs at least one block")
         self.num_blocks = num_blocks
         self.ref: list[int] = [0] * num_blocks
+        self.leased: list[int] = [0] * num_blocks  # outstanding accesses (steps, transfers)
         self.digest: list[bytes | None] = [None] * num_blocks
+        self.group: list[str | None] = [None] * num_blocks  # trust group of an indexed block
         # A block is `written` once every token slot in it holds computed KV. An indexed block that is
         # not yet written is *pending*: others may share it, but must not read it before it is written.
         self.written: list[bool] = [False] * num_blocks
         # Pop from the end: block 0 is handed out first, which keeps small demos readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.retained: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        # Policies that remember per-block facts (priorities) are told when a block loses its identity.
+        self._policy_forget: Callable[[int], None] | None = getattr(self.retained, "forget", None)
         self.index: dict[bytes, int] = {}
-        self.on_evict: EvictHook | None = None
+        self.on_event: EventHook | None = None
+        self.deferred = 0  # blocks whose last reference is gone but whose lease is not
+        self.evictions = 0
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -59,18 +69,10 @@ class BlockPool:
     # ---- transitions --------------------------------------------------------------------------
     def allocate(self) -> int:
         """free -> active, or (free list empty) evict one retained block -> active."""
-        if self._free:
-            block = self._free.pop()
-        elif len(self.retained):
-            block = self.retained.pop_victim()
-            self._forget(block, evicted=True)  # the block goes straight to its new owner
-        else:
-            raise OutOfBlocksError("no free or evictable block left in the pool")
-        self.ref[block] = 1
-        return block
+        return self.allocate_many(1)[0]
 
     def allocate_many(self, n: int) -> list[int]:
-        """``n`` blocks at once (admission's prompt blocks); same rules as :meth:`allocate`."""
+        """``n`` blocks: from the free list first, then by evicting retained blocks in policy order."""
         free = self._free
         take = min(n, len(free))
         blocks = free[len(free) - take :]
@@ -81,15 +83,21 @@ class BlockPool:
                 free.extend(reversed(blocks))
                 raise OutOfBlocksError("no free or evictable block left in the pool")
             # Inlined _forget: this loop runs once per block whenever the pool is full of cache.
-            index, digest, written = self.index, self.digest, self.written
-            hook = self.on_evict
-            for block in self.retained.pop_victims(n - take):
+            index, digest, written, group = self.index, self.digest, self.written, self.group
+            hook = self.on_event
+            victims = self.retained.pop_victims(n - take)
+            self.evictions += len(victims)
+            forget = self._policy_forget
+            for block in victims:
+                if forget is not None:
+                    forget(block)
                 d = digest[block]
-                del index[d]  # a retained block is always its digest's canonical entry
-                digest[block] = None
-                written[block] = False
+                del index[d]  # type: ignore[arg-type]  # a retained block is its digest's canonical entry
                 if hook is not None:
-                    hook(block, d)  # type: ignore[arg-type]
+                    hook("evicted", block, d, group[block])  # type: ignore[arg-type]
+                digest[block] = None
+                group[block] = None
+                written[block] = False
                 blocks.append(block)
         ref = self.ref
         for block in blocks:
@@ -98,36 +106,32 @@ class BlockPool:
 
     def share(self, block: int) -> None:
         """Take one more reference on an indexed block: retained -> active, or active ref += 1."""
-        if self.ref[block] == 0:
+        if self.ref[block] == 0 and not self.leased[block]:
             self.retained.remove(block)
+        elif self.ref[block] == 0:
+            self.deferred -= 1  # a deferred block picked up again before its lease ended
         self.ref[block] += 1
 
-    def register(self, block: int, digest: bytes) -> bool:
+    def register(self, block: int, digest: bytes, group: str | None = None) -> bool:
         """Index ``block`` under ``digest``. If another block already holds that identity the first one
         stays canonical and this block stays anonymous (it is freed, not retained, on release)."""
         if digest in self.index:
             return False
         self.index[digest] = block
         self.digest[block] = digest
+        self.group[block] = group
+        if self.on_event is not None:
+            self.on_event("stored", block, digest, group)
         return True
 
     def release(self, block: int) -> None:
-        """Drop one reference; at zero a written, indexed block is retained, anything else is freed."""
-        ref = self.ref[block] - 1
-        if ref < 0:
-            raise InvariantError(f"block {block} released more often than it was taken")
-        self.ref[block] = ref
-        if ref:
-            return
-        if self.digest[block] is not None and self.written[block]:
-            self.retained.add(block)
-        else:
-            self._forget(block, evicted=False)
-            self._free.append(block)
+        """Drop one reference (see :meth:`release_many`)."""
+        self.release_many((block,))
 
-    def release_many(self, blocks: list[int]) -> None:
-        """:meth:`release` for each block, in the given order (the hot path of finishing a request)."""
-        ref, digest, written = self.ref, self.digest, self.written
+    def release_many(self, blocks: list[int] | tuple[int, ...]) -> None:
+        """Drop one reference on each block, in order. At zero references a leased block is deferred
+        until its lease ends; otherwise a written, indexed block is retained and anything else freed."""
+        ref, digest, written, leased = self.ref, self.digest, self.written, self.leased
         keep: list[int] = []
         for block in blocks:
             r = ref[block] - 1
@@ -137,28 +141,54 @@ class BlockPool:
             if r < 0:
                 raise InvariantError(f"block {block} released more often than it was taken")
             ref[block] = 0
-            if digest[block] is not None and written[block]:
+            if leased[block]:
+                self.deferred += 1
+            elif digest[block] is not None and written[block]:
                 keep.append(block)
             else:
-                self._forget(block, evicted=False)
+                self._forget(block)
                 self._free.append(block)
         if keep:
             self.retained.add_many(keep)  # in release order: the first released is evicted first
 
+    def lease(self, block: int) -> None:
+        """Mark an outstanding access. Only blocks someone holds can be leased."""
+        if self.ref[block] == 0 and not self.leased[block]:
+            raise LedgerError(f"block {block} is not held by anyone; it cannot be leased")
+        self.leased[block] += 1
+
+    def unlease(self, block: int) -> None:
+        """End one access; a deferred block then completes its release."""
+        n = self.leased[block] - 1
+        if n < 0:
+            raise InvariantError(f"block {block} unleased more often than leased")
+        self.leased[block] = n
+        if n == 0 and self.ref[block] == 0:
+            self.deferred -= 1
+            if self.digest[block] is not None and self.written[block]:
+                self.retained.add(block)
+            else:
+                self._forget(block)
+                self._free.append(block)
+
     def evict(self, block: int) -> None:
-        """Evict one specific retained block (used by explicit cache clearing)."""
+        """Evict one specific retained block (explicit cache clearing)."""
         self.retained.remove(block)
+        self.evictions += 1
         self._forget(block, evicted=True)
         self._free.append(block)
 
-    def _forget(self, block: int, *, evicted: bool) -> None:
+    def _forget(self, block: int, *, evicted: bool = False) -> None:
         digest = self.digest[block]
         if digest is not None:
             if self.index.get(digest) == block:
                 del self.index[digest]
+                if self.on_event is not None:
+                    self.on_event("evicted" if evicted else "removed", block, digest, self.group[block])
             self.digest[block] = None
-            if evicted and self.on_evict is not None:
-                self.on_evict(block, digest)
+            self.group[block] = None
+            if self._policy_forget is not None:
+                self._policy_forget(block)
         self.written[block] = False
 
     # ---- audit --------------------------------------------------------------------------------
@@ -171,16 +201,21 @@ class BlockPool:
         retained = set(self.retained.blocks())
         if len(free) != len(self._free):
             raise InvariantError("a block is on the free list twice")
+        if len(retained) != len(self.retained):
+            raise InvariantError("the eviction policy lists a block twice")
         if free & retained:
             raise InvariantError(f"blocks both free and retained: {sorted(free & retained)[:8]}")
-        active = {b for b in range(self.num_blocks) if self.ref[b] > 0}
+        active = {b for b in range(self.num_blocks) if self.ref[b] > 0 or self.leased[b] > 0}
         if active & (free | retained):
-            raise InvariantError("a referenced block is also free or retained")
+            raise InvariantError("a referenced or leased block is also free or retained")
         if len(free) + len(active) + len(retained) != self.num_blocks:
             raise InvariantError(
                 f"conservation broken: free {len(free)} + active {len(active)} + retained "
                 f"{len(retained)} != total {self.num_blocks}"
             )
+        deferred = sum(1 for b in range(self.num_blocks) if self.ref[b] == 0 and self.leased[b] > 0)
+        if deferred != self.deferred:
+            raise InvariantError(f"deferred count {self.deferred} != {deferred} blocks awaiting a lease")
         for block in free:
             if self.digest[block] is not None or self.written[block]:
                 raise InvariantError(f"free block {block} still carries an identity")

@@ -30,6 +30,10 @@ class BlockTable:
 
     def slot_mapping(self, start: int, end: int) -> list[int]:
         """Flat slot indices for token positions ``[start, end)``."""
+        if start < 0 or end < start:
+            raise IndexError(f"bad token range [{start}, {end})")
+        if end > len(self.blocks) * self.block_size:
+            raise IndexError(f"token position {end - 1} is beyond the table's {len(self.blocks)} blocks")
         bs = self.block_size
         blocks = self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]

@@ -1,0 +1,133 @@
+"""Branches: forks for parallel sampling and beam search, with copy-on-write partial tails.
+
+A fork shares every block of its parent. Full blocks are immutable and stay shared for as long as both
+branches live. The partial tail block is the only writable shared block: the first branch that writes
+into it while another still holds it gets a private copy (a :class:`CopyOp` the runtime executes before
+the write); the last holder writes in place. So a tail shared by k branches is copied at most k - 1
+times, and exactly that many copies are promised when the fork happens: ``_cow_promises[tail]`` always
+equals ``ref[tail] - 1`` (checked by :meth:`KVLedger.check`).
+
+Under full reservation each branch is charged its own output allowance, because any branch may diverge
+at its next token and then needs its own blocks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import AdmissionError, LedgerError, OutOfBlocksError
+from .table import BlockTable
+from .types import CopyOp, SequenceState
+
+if TYPE_CHECKING:
+    from .ledger import KVLedger
+
+
+class BranchOps:
+    """Mixed into :class:`~kvledger.core.ledger.KVLedger`; runs under its lock."""
+
+    def fork(self: KVLedger, parent_id: str, child_id: str) -> int:
+        """Fork ``parent_id`` into a new sequence ``child_id``. Returns the blocks newly promised (the
+        child's output allowance plus one tail copy if the tail is partial). Raises AdmissionError when
+        the pool cannot promise them now: a fork is an admission of one more branch."""
+        with self._lock:
+            parent = self.sequence(parent_id)
+            if child_id in self._seqs:
+                raise LedgerError(f"request id {child_id!r} is already running")
+            need = self._fork_need(parent)
+            available = self.pool.num_free + self.pool.num_evictable - self.promised
+            if need > available:
+                raise AdmissionError(
+                    f"cannot fork {parent_id!r}: the branch needs {need} blocks, {max(available, 0)} available")
+            self._fork_unchecked(parent, child_id)
+            return need
+
+    def _fork_need(self: KVLedger, parent: SequenceState) -> int:
+        return parent.promised + (1 if len(parent.tokens) % self.block_size else 0)
+
+    def _fork_unchecked(self: KVLedger, parent: SequenceState, child_id: str) -> None:
+        blocks = parent.table.blocks
+        pool = self.pool
+        for block in blocks:
+            pool.share(block)
+        if len(parent.tokens) % self.block_size:
+            tail = blocks[len(parent.tokens) // self.block_size]
+            self._cow_promises[tail] = self._cow_promises.get(tail, 0) + 1
+            self.promised += 1
+            parent.cow_tail = True
+            cow = True
+        else:
+            cow = False
+        self.promised += parent.promised
+        child = SequenceState(
+            request_id=child_id, context=parent.context, root=parent.root, tokens=list(parent.tokens),
+            num_prompt=parent.num_prompt, max_new_tokens=parent.max_new_tokens,
+            table=BlockTable(self.block_size, list(blocks)), promised=parent.promised,
+            digests=list(parent.digests), computed_mark=parent.computed_mark,
+            written_blocks=parent.written_blocks, hit_blocks=parent.hit_blocks, cow_tail=cow,
+            family=parent.family, retention=parent.retention, reserved_blocks=parent.reserved_blocks,
+        )
+        self._seqs[child_id] = child
+        self.counters.forks += 1
+
+    def _copy_on_write(self: KVLedger, seq: SequenceState, n: int) -> None:
+        """Token ``n`` is about to be written into a tail block that may still be shared."""
+        seq.cow_tail = False
+        blocks = seq.table.blocks
+        at = n // self.block_size
+        tail = blocks[at]
+        pool = self.pool
+        if pool.ref[tail] == 1:
+            return  # every sibling has copied away or left: write in place
+        promised = self._cow_promises.get(tail, 0)
+        if promised:
+            if promised == 1:
+                del self._cow_promises[tail]
+            else:
+                self._cow_promises[tail] = promised - 1
+            self.promised -= 1
+        elif pool.num_free + pool.num_evictable - self.promised <= 0:
+            seq.cow_tail = True
+            raise OutOfBlocksError(f"{seq.request_id!r} needs a copy of its shared tail and no block is left")
+        copy = pool.allocate()
+        blocks[at] = copy
+        pool.release_many((tail,))
+        op = CopyOp(tail, copy, n % self.block_size)
+        self._copies.append(op)
+        self.counters.copies += 1
+        if self.events is not None:
+            self.events.emit("copied", copy, None, seq.context.trust_group, source_block=tail)
+
+    def _trim_cow_promise(self: KVLedger, tail: int) -> None:
+        """A holder of a shared tail leaves without copying: one copy fewer will ever be needed."""
+        promised = self._cow_promises.get(tail, 0)
+        if not promised:
+            return
+        if promised == 1:
+            del self._cow_promises[tail]
+        else:
+            self._cow_promises[tail] = promised - 1
+        self.promised -= 1
+
+    def beam_step(self: KVLedger, forks: list[tuple[str, str]], drops: list[str]) -> None:
+        """One beam-search step: drop the pruned beams, then fork the survivors that spawn more than one
+        continuation. Dropping releases only blocks no surviving beam holds (ref counts); a dropped
+        beam's blocks that an in-flight step still reads stay until its lease ends."""
+        with self._lock:
+            parents = {p for p, _ in forks}
+            if parents & set(drops):
+                raise LedgerError("a beam cannot both spawn a continuation and be dropped in one step")
+            for rid in drops:
+                self.sequence(rid)
+            for parent, child in forks:
+                self.sequence(parent)
+                if child in self._seqs:
+                    raise LedgerError(f"request id {child!r} is already running")
+            for rid in drops:
+                self._drop(rid)
+            need = sum(self._fork_need(self._seqs[p]) for p, _ in forks)
+            available = self.pool.num_free + self.pool.num_evictable - self.promised
+            if need > available:
+                raise AdmissionError(f"beam step needs {need} blocks for its forks, {max(available, 0)} available")
+            for parent, child in forks:
+                self._fork_unchecked(self._seqs[parent], child)

@@ -1,0 +1,107 @@
+"""Cache events and statistics.
+
+Events are what a router or a log consumes: a block was stored in the prefix index, removed (its
+pending fill was abandoned), evicted, cleared, or copied (copy-on-write). Each event names the trust
+group that owns the block; :meth:`EventLog.view` gives one tenant only its own events, so no tenant
+ever sees another group's digests. The operator's view (:meth:`EventLog.all`) sees everything.
+
+Statistics never carry digests at all; per-group counters are likewise only shown per group.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvent:
+    seq: int  # monotonically increasing event number
+    kind: str  # stored | removed | evicted | cleared | copied
+    block: int
+    digest: str | None  # hex; None for anonymous blocks (copies of partial tails)
+    trust_group: str | None
+    source_block: int | None = None  # for "copied"
+
+
+class EventLog:
+    """A bounded in-memory log of cache events (oldest dropped first) plus optional subscribers."""
+
+    def __init__(self, maxlen: int = 100_000) -> None:
+        self._events: deque[CacheEvent] = deque(maxlen=maxlen)
+        self._subscribers: list = []
+        self._seq = itertools.count()
+
+    def subscribe(self, callback) -> None:  # callback(CacheEvent)
+        self._subscribers.append(callback)
+
+    def emit(self, kind: str, block: int, digest: bytes | None, group: str | None,
+             source_block: int | None = None) -> None:
+        event = CacheEvent(next(self._seq), kind, block, digest.hex() if digest is not None else None, group,
+                           source_block)
+        self._events.append(event)
+        for callback in self._subscribers:
+            callback(event)
+
+    def all(self) -> list[CacheEvent]:
+        """Operator view: every event."""
+        return list(self._events)
+
+    def view(self, trust_group: str) -> list[CacheEvent]:
+        """Tenant view: only the events of blocks owned by ``trust_group``."""
+        return [e for e in self._events if e.trust_group == trust_group]
+
+    def __len__(self) -> int:
+        return len(self._events)
+
+
+@dataclass(slots=True)
+class GroupCounters:
+    queries: int = 0  # admissions that looked up the prefix index
+    query_blocks: int = 0
+    hit_blocks: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Counters:
+    """Monotonic counters kept by the ledger (O(1) updates)."""
+
+    admitted: int = 0
+    rejected_not_now: int = 0
+    rejected_never: int = 0
+    finished: int = 0
+    cancelled: int = 0
+    forks: int = 0
+    copies: int = 0
+    preemptions: int = 0
+    cleared: int = 0
+    groups: dict[str, GroupCounters] = field(default_factory=dict)
+    window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=1000))
+
+    def record_query(self, group: str, blocks: int, hits: int, tokens: int, hit_tokens: int) -> None:
+        g = self.groups.get(group)
+        if g is None:
+            g = self.groups[group] = GroupCounters()
+        g.queries += 1
+        g.query_blocks += blocks
+        g.hit_blocks += hits
+        g.query_tokens += tokens
+        g.hit_tokens += hit_tokens
+        self.window.append((tokens, hit_tokens))
+
+    def totals(self) -> GroupCounters:
+        t = GroupCounters()
+        for g in self.groups.values():
+            t.queries += g.queries
+            t.query_blocks += g.query_blocks
+            t.hit_blocks += g.hit_blocks
+            t.query_tokens += g.query_tokens
+            t.hit_tokens += g.hit_tokens
+        return t
+
+    def window_hit_rate(self) -> float:
+        tokens = sum(t for t, _ in self.window)
+        return sum(h for _, h in self.window) / tokens if tokens else 0.0

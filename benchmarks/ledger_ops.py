@@ -1,12 +1,19 @@
 """Ledger throughput, driven as an engine would drive it.
 
-10,000 requests of 2,048 prompt + 257 output tokens, block size 16, a pool of 4,096 blocks, prefix
-identity hashing on; every other request starts with one of 8 shared 1,024-token prefixes. Up to 24
-requests run at once; a new one is admitted when one finishes; each step advances every running request
-by one token; finished requests are released.
+Base case: 10,000 requests of 2,048 prompt + 257 output tokens, block size 16, a pool of 4,096 blocks,
+prefix identity hashing on; every other request starts with one of 8 shared 1,024-token prefixes. Up to
+24 requests run at once; a new one is admitted when one finishes; each step advances every running
+request by one token; finished requests are released.
 
-Prints microseconds per request lifecycle and per operation, then one JSON line of the figures.
-Usage: python benchmarks/ledger_ops.py [--requests N] [--running R] [--seed S]
+Two more cases run in the same process, side by side:
+* ``n4``    -- parallel sampling: every request samples 4 branches (forked at admission, each branch
+               charged its own allowance, distinct tokens per branch).
+* ``evict`` -- eviction-heavy: every prompt unique, pool at ~2x the working set, so once the cache is
+               warm every new block evicts a retained one.
+
+Prints microseconds per request lifecycle and per operation, then one JSON line of the figures
+(``us_per_request`` is the base case).
+Usage: python benchmarks/ledger_ops.py [--requests N] [--cases base,n4,evict]
 """
 
 from __future__ import annotations
@@ -22,12 +29,13 @@ from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Request
 
 
-def make_prompts(n: int, prompt_len: int, shared_len: int, n_prefixes: int, seed: int) -> list[list[int]]:
+def make_prompts(n: int, prompt_len: int, shared_len: int, n_prefixes: int, seed: int,
+                 share: bool = True) -> list[list[int]]:
     rng = random.Random(seed)
     prefixes = [[rng.randrange(32000) for _ in range(shared_len)] for _ in range(n_prefixes)]
     prompts = []
     for i in range(n):
-        if i % 2 == 0:
+        if share and i % 2 == 0:
             head = prefixes[rng.randrange(n_prefixes)]
             prompts.append(head + [rng.randrange(32000) for _ in range(prompt_len - shared_len)])
         else:
@@ -35,11 +43,18 @@ def make_prompts(n: int, prompt_len: int, shared_len: int, n_prefixes: int, seed
     return prompts
 
 
-def run(args: argparse.Namespace) -> dict:
-    prompts = make_prompts(args.requests, args.prompt, args.shared, args.prefixes, args.seed)
+def run(args: argparse.Namespace, case: str = "base") -> dict:
+    branches = 4 if case == "n4" else 1
+    share = case != "evict"
+    pool_blocks = args.pool_blocks
+    if case == "evict":
+        working_set = args.running * -(-(args.prompt + args.max_new) // args.block_size)
+        pool_blocks = 2 * working_set
+    prompts = make_prompts(args.requests, args.prompt, args.shared, args.prefixes, args.seed, share)
     ctx = CacheContext(model="bench", trust_group="tenant-0")
-    ledger = KVLedger(args.pool_blocks, args.block_size, prefix_caching=True)
-    pending = deque(Request(f"r{i}", p, args.max_new, ctx) for i, p in enumerate(prompts))
+    ledger = KVLedger(pool_blocks, args.block_size, prefix_caching=True)
+    pending = deque(Request(f"r{i}", p, args.max_new, ctx, branches=branches) for i, p in enumerate(prompts))
+    seq_ids = {f"r{i}": [f"r{i}"] + [f"r{i}/{b}" for b in range(1, branches)] for i in range(len(prompts))}
     running: dict[str, int] = {}  # request id -> tokens still to generate
     t_admit = t_step = t_release = 0.0
     n_admit = n_steps = n_tokens = n_release = 0
@@ -60,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
             n_admit += 1
             hit_blocks += decision.blocks_hit
             running[req.request_id] = args.max_new
-        step = [(rid, 7) for rid in running]
+        step = [(sid, 7 + b) for rid in running for b, sid in enumerate(seq_ids[rid])]
         t0 = clock()
         ledger.decode_step(step)
         t_step += clock() - t0
@@ -73,14 +88,20 @@ def run(args: argparse.Namespace) -> dict:
                 done.append(rid)
         t0 = clock()
         for rid in done:
-            ledger.release(rid)
+            for sid in seq_ids[rid]:
+                ledger.release(sid)
             del running[rid]
         t_release += clock() - t0
         n_release += len(done)
     wall = clock() - start
     ledger.check()
     ledger_time = t_admit + t_step + t_release
+    stats = ledger.stats()["lifetimes"]
     return {
+        "case": case,
+        "pool_blocks": pool_blocks,
+        "evictions": stats["evictions"],
+        "copies": stats["copies"],
         "requests": args.requests,
         "us_per_request": ledger_time / args.requests * 1e6,
         "us_per_request_wall": wall / args.requests * 1e6,
@@ -104,16 +125,38 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--pool-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cases", default="base,n4,evict", help="comma-separated: base, n4, evict")
     args = ap.parse_args(argv)
-    r = run(args)
-    print(f"ledger_ops: {r['requests']} requests, {r['steps']} steps")
-    print(f"  per request lifecycle : {r['us_per_request']:8.1f} us (ledger calls; "
-          f"{r['us_per_request_wall']:.1f} us with the driver loop)")
-    print(f"  admit (+prefill mark) : {r['us_per_admit']:8.1f} us")
-    print(f"  token append          : {r['us_per_token_append']:8.3f} us")
-    print(f"  release               : {r['us_per_release']:8.1f} us")
-    print(f"  prefix hit blocks/req : {r['prefix_hit_blocks_per_request']:8.1f}")
-    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}))
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    for c in cases:
+        if c not in ("base", "n4", "evict"):
+            ap.error(f"unknown case {c!r}")
+    results = {}
+    for c in cases:
+        print(f"running case {c} ...", file=sys.stderr, flush=True)
+        results[c] = run(args, c)
+    rows = [
+        ("pool blocks", "pool_blocks", "{:>10d}"),
+        ("per request lifecycle us", "us_per_request", "{:>10.1f}"),
+        ("  with driver loop us", "us_per_request_wall", "{:>10.1f}"),
+        ("admit (+prefill mark) us", "us_per_admit", "{:>10.1f}"),
+        ("token append us", "us_per_token_append", "{:>10.3f}"),
+        ("release us", "us_per_release", "{:>10.1f}"),
+        ("prefix hit blocks/req", "prefix_hit_blocks_per_request", "{:>10.1f}"),
+        ("evictions", "evictions", "{:>10d}"),
+        ("copy-on-write copies", "copies", "{:>10d}"),
+    ]
+    print(f"ledger_ops: {args.requests} requests of {args.prompt}+{args.max_new} tokens, block size "
+          f"{args.block_size}, up to {args.running} running")
+    print(f"{'':28s}" + "".join(f"{c:>10s}" for c in cases))
+    for label, key, fmt in rows:
+        print(f"{label:28s}" + "".join(fmt.format(results[c][key]) for c in cases))
+    summary: dict = {}
+    if "base" in results:
+        summary.update({k: (round(v, 3) if isinstance(v, float) else v) for k, v in results["base"].items()})
+    for c in cases:
+        summary[f"us_per_request_{c}"] = round(results[c]["us_per_request"], 3)
+    print(json.dumps(summary))
     return 0
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from .core.identity import CacheContext
 from .core.ledger import Decision, KVLedger, Request
 from .errors import ConfigError
+from .scheduler import GenRequest, Scheduler, SchedulerConfig
+from .scheduler.policies import OutputLengthTracker, reserve_tokens
 
 _SHARED_TOKEN_BASE = 1_000  # the common prefix: the same token ids in every group (only trust separates)
 _PRIVATE_TOKEN_BASE = 1_000_000  # private suffixes: distinct per request
@@ -28,6 +30,7 @@ class LabSpec:
     prefix_caching: bool = True
     model: str = "lab"
     branches: int = 1  # n-way parallel sampling per request
+    policy: str = "full"
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "block_size", "requests", "prompt", "groups", "branches"):
@@ -40,8 +43,14 @@ class LabSpec:
                 raise ConfigError(f"{name.replace('_', '-')} must be >= 0, got {value!r}")
         if self.shared_prefix > self.prompt:
             raise ConfigError(f"shared-prefix ({self.shared_prefix}) cannot exceed prompt ({self.prompt})")
-        if self.groups > self.requests and self.requests > 1:
+        if self.groups > self.requests:
             raise ConfigError(f"groups ({self.groups}) cannot exceed requests ({self.requests})")
+
+
+def _config(spec: LabSpec) -> SchedulerConfig:
+    # One step prefills everything: the lab is about memory, not about chunking.
+    return SchedulerConfig(policy=spec.policy, token_budget=10**9, prefill_chunk=10**9,
+                           max_running=10**6)
 
 
 def lab_requests(spec: LabSpec) -> list[Request]:
@@ -57,10 +66,58 @@ def lab_requests(spec: LabSpec) -> list[Request]:
 
 
 def _admit_all(spec: LabSpec, pool_blocks: int, prefix_caching: bool) -> tuple[KVLedger, list[Decision]]:
+    """Admit every request at once, reserving what the policy reserves (the same code the scheduler
+    uses), and keeping the policy's watermark free."""
     ledger = KVLedger(pool_blocks, spec.block_size, prefix_caching=prefix_caching)
-    decisions = [ledger.admit(r) for r in lab_requests(spec)]
+    config = _config(spec)
+    keep_free = int(config.watermark * pool_blocks) if config.policy != "full" else 0
+    reserve = reserve_tokens(config, OutputLengthTracker(), spec.max_new, spec.max_new)
+    decisions = []
+    for r in lab_requests(spec):
+        policy_request = Request(r.request_id, r.prompt, r.max_new_tokens, r.context,
+                                 reserve_new_tokens=reserve, branches=r.branches)
+        decisions.append(ledger.admit(policy_request, keep_free))
     ledger.check()
     return ledger, decisions
+
+
+def _growth_is_cheap(spec: LabSpec) -> bool:
+    if spec.max_new == 0:
+        return False  # nothing grows: the admission above is the whole story
+    return spec.requests * spec.branches * (spec.max_new + spec.prompt // spec.block_size) <= 2_000_000
+
+
+def run_growth(spec: LabSpec) -> dict:
+    """Run the requests to completion through the real scheduler (each generates its whole allowance)
+    and report what growth does under the policy: how many start at once, preemptions, steps."""
+    ledger = KVLedger(spec.pool_blocks, spec.block_size, prefix_caching=spec.prefix_caching)
+    sched = Scheduler(ledger, _config(spec))
+    for r in lab_requests(spec):
+        sched.add(GenRequest(r.request_id, list(r.prompt), spec.max_new, r.context, n=spec.branches))
+    started: list[int] = []
+    running_peak = steps = 0
+    ended: dict[str, str] = {}
+    while sched.has_work():
+        plan = sched.schedule()
+        if steps == 0:
+            started = [len(plan.admitted)]
+        running_peak = max(running_peak, len(sched.running))
+        sampled = {w.seq_id: [7] for w in (*plan.prefills, *plan.decodes) if w.sample}
+        sched.confirm(plan, sampled)
+        sched.check()
+        steps += 1
+        if steps > 100 * (spec.prompt + spec.max_new) * spec.requests:
+            raise ConfigError("the growth run made no progress")  # a guard, never expected
+    for rid, branches in sched.finished.items():
+        ended[rid] = branches[0].finish_reason or "?"
+    return {
+        "policy": spec.policy,
+        "started_at_once": started[0] if started else 0,
+        "peak_running_requests": running_peak,
+        "preemptions": sched.preemptions,
+        "steps": steps,
+        "finish_reasons": sorted(set(ended.values())),
+    }
 
 
 def _charged(ledger: KVLedger) -> int:
@@ -78,15 +135,18 @@ def run_lab(spec: LabSpec) -> dict:
     branch_blocks = (spec.branches - 1) * per_branch
     ledger, decisions = _admit_all(spec, spec.pool_blocks, spec.prefix_caching)
     roomy = spec.requests * (blocks_per_request + branch_blocks)
-    together, _ = _admit_all(spec, roomy, spec.prefix_caching)
-    unshared, _ = _admit_all(spec, roomy, False)
+    full = LabSpec(spec.pool_blocks, bs, spec.requests, spec.prompt, spec.shared_prefix, spec.max_new,
+                   spec.groups, spec.prefix_caching, spec.model, spec.branches, "full")
+    together, _ = _admit_all(full, roomy, spec.prefix_caching)
+    unshared, _ = _admit_all(full, roomy, False)
     # What one request of a group shares with another of the same group: ask the ledger with a pair.
     pair = LabSpec(2 * (blocks_per_request + branch_blocks), bs, 2, spec.prompt, spec.shared_prefix,
-                   spec.max_new, 1, spec.prefix_caching, spec.model, spec.branches)
+                   spec.max_new, 1, spec.prefix_caching, spec.model, spec.branches, "full")
     shared_blocks = _admit_all(pair, pair.pool_blocks, spec.prefix_caching)[1][1].blocks_hit
     usage = ledger.usage()
     admitted = [d for d in decisions if d.admitted]
     return {
+        "policy": spec.policy,
         "pool_blocks": spec.pool_blocks,
         "block_size": bs,
         "requests": spec.requests,
@@ -105,6 +165,7 @@ def run_lab(spec: LabSpec) -> dict:
         "admitted": len(admitted),
         "admitted_blocks": usage.active + usage.promised,
         "free_blocks_after": usage.available,
+        "growth": run_growth(spec) if _growth_is_cheap(spec) else None,
         "usage": usage.as_dict(),
         "token_usage": ledger.token_usage(),
         "decisions": [

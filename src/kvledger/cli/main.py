@@ -61,6 +61,17 @@ def resolve_spec(model: str | None, layers: int | None, kv_heads: int | None, he
     return spec, None
 
 
+def _reserve_bytes(text: str) -> int:
+    """A reserve may be zero, in any spelling (0, 0B, 0GiB)."""
+    stripped = text.strip().rstrip("bBiIkKmMgGtT").strip()
+    try:
+        if float(stripped) == 0:
+            return 0
+    except ValueError:
+        pass
+    return parse_bytes(text)
+
+
 def _emit_json(data: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
@@ -102,7 +113,7 @@ def plan(model: str | None, layers: int | None, kv_heads: int | None, head_dim: 
     inv = build_inventory(
         spec, cfg, pool_bytes=parse_bytes(pool) if pool is not None else None, gpu=gpu,
         device_bytes=parse_bytes(device_memory) if device_memory is not None else None,
-        utilization=utilization, runtime_reserve_bytes=parse_bytes(reserve) if reserve not in ("0", "") else 0,
+        utilization=utilization, runtime_reserve_bytes=_reserve_bytes(reserve),
         weight_dtype=weight_dtype,
     )
     data: dict[str, Any] = {"model": model, **inv.to_dict(), "block_size": spec.block_size,
@@ -151,18 +162,20 @@ def plan(model: str | None, layers: int | None, kv_heads: int | None, head_dim: 
 @click.option("--groups", type=int, default=1, show_default=True, help="Trust groups the requests are spread over.")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Share identical prefixes within a trust group.")
+@click.option("--policy", type=click.Choice(["full", "incremental", "predicted"]), default="full",
+              show_default=True, help="Admission policy: what is reserved at admission.")
 @click.option("--branches", type=int, default=1, show_default=True,
               help="Parallel samples per request (n-way sampling); each extra branch reserves its own output.")
 @json_option
 def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
           kv_dtype: str | None, tp: int, block_size: int, pool: str, requests: int, prompt: int,
-          shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, branches: int,
+          shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, policy: str, branches: int,
           as_json: bool) -> None:
     """Admit N requests into one pool with full output reservation, through the real ledger."""
     spec, _ = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
     pool_bytes = parse_bytes(pool)
     result = run_lab(LabSpec(spec.pool_blocks(pool_bytes), spec.block_size, requests, prompt, shared_prefix,
-                             max_new, groups, prefix_cache, model or "explicit", branches))
+                             max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
             "pool_bytes": pool_bytes, **result}
     if as_json:
@@ -170,7 +183,8 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
         return
     con = Console()
     con.print(_kv_table(spec))
-    t = Table(title=f"Admission: {requests} requests, {groups} trust group(s), pool {data['pool_blocks']} blocks")
+    t = Table(title=f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
+                    f"pool {data['pool_blocks']} blocks")
     for col in ("request", "group", "outcome", "shared", "new", "promised"):
         t.add_column(col, justify="left" if col in ("request", "group", "outcome") else "right")
     reasons: dict[str, str] = {}
@@ -196,6 +210,12 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
         f"pool by state: {u['free']} free, {u['active']} active, {u['retained']} retained (evictable "
         f"{u['evictable']}), {u['promised']} promised; token slots used "
         f"{data['token_usage']['token_slots_used']} of {data['token_usage']['token_slots_held']} held.")
+    g = data["growth"]
+    if g is not None:
+        con.print(
+            f"growth under '{policy}': {g['started_at_once']} started at once, peak {g['peak_running_requests']} "
+            f"running, {g['preemptions']} preemption(s), all done after {g['steps']} steps "
+            f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
 # ---- catalogues ------------------------------------------------------------------------------------

@@ -117,17 +117,24 @@ class BranchOps:
             parents = {p for p, _ in forks}
             if parents & set(drops):
                 raise LedgerError("a beam cannot both spawn a continuation and be dropped in one step")
+            if len(set(drops)) != len(drops):
+                raise LedgerError("a beam step names the same dropped beam twice")
             for rid in drops:
                 self.sequence(rid)
+            children = [c for _, c in forks]
+            if len(set(children)) != len(children):
+                raise LedgerError("a beam step names the same new branch twice")
             for parent, child in forks:
                 self.sequence(parent)
                 if child in self._seqs:
                     raise LedgerError(f"request id {child!r} is already running")
-            for rid in drops:
-                self._drop(rid)
+            # Decide before changing anything: the drops give back at least their promises.
             need = sum(self._fork_need(self._seqs[p]) for p, _ in forks)
-            available = self.pool.num_free + self.pool.num_evictable - self.promised
+            available = (self.pool.num_free + self.pool.num_evictable - self.promised
+                         + sum(self._seqs[rid].promised for rid in drops))
             if need > available:
                 raise AdmissionError(f"beam step needs {need} blocks for its forks, {max(available, 0)} available")
+            for rid in drops:
+                self._drop(rid)
             for parent, child in forks:
                 self._fork_unchecked(self._seqs[parent], child)

@@ -138,8 +138,8 @@ class PriorityPolicy:
             if level is None or level == DEFAULT_PRIORITY:
                 continue  # evicted or re-used since; stale heap entry
             want = self._want.get(block)
-            if want is not None and want[1] is not None and want[1] > now:
-                continue  # re-prioritised with a later expiry
+            if want is None or want[1] is None or want[1] > now:
+                continue  # re-prioritised since (permanently, or with a later expiry)
             del self._levels[level][block]
             self._levels.setdefault(DEFAULT_PRIORITY, OrderedDict())[block] = None
             self._level_of[block] = DEFAULT_PRIORITY

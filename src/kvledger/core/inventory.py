@@ -365,6 +365,7 @@ def build_inventory(
     if pool_bytes is not None:
         budget = _size(pool_bytes, "pool_bytes")
         available = budget
+        reserve = 0  # the pool was given directly: nothing is subtracted from it
     elif device is None:
         raise ConfigError("give device_bytes, gpu or pool_bytes to size the KV pool")
     else:

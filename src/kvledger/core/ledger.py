@@ -20,6 +20,7 @@ from __future__ import annotations
 import operator
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
@@ -73,6 +74,7 @@ class KVLedger(BranchOps, LifetimeOps):
         self._leases: dict[int, list[int]] = {}
         self._next_lease = 1
         self._pins: dict[str, list[int]] = {}
+        self._digest_cache: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now"
         self._lock = threading.RLock()
 
     # ---- queries --------------------------------------------------------------------------------
@@ -136,9 +138,22 @@ class KVLedger(BranchOps, LifetimeOps):
         return len(request.prompt), reserve + request.lookahead
 
     def _digests(self, request: Request) -> list[bytes]:
+        """Prompt block digests. A request that had to wait ("not now") is usually asked again every
+        step, so its digests are remembered (keyed by its id, checked against the same prompt object
+        and context) instead of hashing the whole prompt again."""
         if not self.prefix_caching:
             return []
-        return chain_digests(request.context.root_digest(), token_bytes(request.prompt), self.block_size)
+        cache = self._digest_cache
+        with self._lock:
+            hit = cache.get(request.request_id)
+        if hit is not None and hit[0] is request.prompt and hit[1] == request.context:
+            return list(hit[2])  # same immutable prompt object (Request keeps a tuple): same digests
+        digests = chain_digests(request.context.root_digest(), token_bytes(request.prompt), self.block_size)
+        with self._lock:
+            cache[request.request_id] = (request.prompt, request.context, tuple(digests))
+            if len(cache) > 1024:
+                cache.popitem(last=False)
+        return digests
 
     def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
@@ -160,6 +175,7 @@ class KVLedger(BranchOps, LifetimeOps):
             decision, hits = self._decide(request, digests, keep_free)
             c = self.counters
             if decision.admitted:
+                self._digest_cache.pop(rid, None)
                 self._commit(request, digests, hits, decision)
                 c.admitted += 1
                 if self.prefix_caching:
@@ -455,6 +471,9 @@ class KVLedger(BranchOps, LifetimeOps):
         blocks = seq.table.blocks
         if seq.cow_tail:
             self._trim_cow_promise(blocks[len(seq.tokens) // self.block_size])
+        if self._copies:  # a copy into a block that is about to be released must never run
+            mine = set(blocks)
+            self._copies = [op for op in self._copies if op.dst not in mine]
         self.pool.release_many(blocks[::-1])
         self.promised -= seq.promised
         seq.promised = 0

@@ -49,7 +49,7 @@ class LifetimeOps:
             held = self._leases.pop(lease_id, None)
             if held is None:
                 raise LedgerError(f"unknown lease {lease_id!r} (already ended?)")
-            for block in held:
+            for block in reversed(held):  # tail first, as a normal release would retain them
                 self.pool.unlease(block)
 
     def outstanding_leases(self: KVLedger) -> int:
@@ -102,9 +102,7 @@ class LifetimeOps:
         with self._lock:
             victims = self.pool.retained.blocks()
             for block in victims:
-                if self.events is not None:
-                    self.events.emit("cleared", block, self.pool.digest[block], self.pool.group[block])
-                self.pool.evict(block)
+                self.pool.evict(block, kind="cleared")
             self.counters.cleared += len(victims)
             return len(victims)
 

@@ -171,20 +171,21 @@ class BlockPool:
                 self._forget(block)
                 self._free.append(block)
 
-    def evict(self, block: int) -> None:
-        """Evict one specific retained block (explicit cache clearing)."""
+    def evict(self, block: int, kind: str = "evicted") -> None:
+        """Evict one specific retained block; ``kind`` names the event ("cleared" for cache clearing)."""
         self.retained.remove(block)
-        self.evictions += 1
-        self._forget(block, evicted=True)
+        if kind == "evicted":
+            self.evictions += 1
+        self._forget(block, event=kind)
         self._free.append(block)
 
-    def _forget(self, block: int, *, evicted: bool = False) -> None:
+    def _forget(self, block: int, *, event: str = "removed") -> None:
         digest = self.digest[block]
         if digest is not None:
             if self.index.get(digest) == block:
                 del self.index[digest]
                 if self.on_event is not None:
-                    self.on_event("evicted" if evicted else "removed", block, digest, self.group[block])
+                    self.on_event(event, block, digest, self.group[block])
             self.digest[block] = None
             self.group[block] = None
             if self._policy_forget is not None:

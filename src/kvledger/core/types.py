@@ -50,6 +50,12 @@ class Request:
     lookahead: int = 0  # speculative slots per step, charged in the reservation, never indexed
     family: str | None = None  # the request a re-admitted branch belongs to (defaults to request_id)
 
+    def __post_init__(self) -> None:
+        # An immutable copy: the ledger may remember the prompt's digests between admission attempts,
+        # which is only sound if nobody can change the tokens behind its back.
+        if type(self.prompt) is not tuple:
+            object.__setattr__(self, "prompt", tuple(self.prompt))
+
 
 @dataclass(frozen=True, slots=True)
 class Decision:

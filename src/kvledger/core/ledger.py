@@ -352,7 +352,8 @@ class KVLedger(BranchOps, LifetimeOps):
                     raise LedgerError(f"unknown sequence {request_id!r}")
                 tokens = seq.tokens
                 n = len(tokens)
-                if n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail and 0 <= token <= _MAX_TOKEN:
+                if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
+                        and type(token) is int and 0 <= token <= _MAX_TOKEN):
                     tokens.append(token)
                 else:
                     self._append(seq, token)

@@ -1,0 +1,98 @@
+"""Block tables: logical token positions -> physical (block, slot), on hand-worked examples."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.core.table import BlockTable
+
+
+@pytest.fixture
+def table() -> BlockTable:
+    # Logical block 0 lives in physical block 7, logical block 1 in physical block 3.
+    return BlockTable(16, [7, 3])
+
+
+@pytest.mark.parametrize(
+    ("position", "expected"),
+    [
+        (0, (7, 0)),
+        (1, (7, 1)),
+        (15, (7, 15)),
+        (16, (3, 0)),
+        (17, (3, 1)),
+        (31, (3, 15)),
+    ],
+)
+def test_slot_maps_position_to_physical_block_and_offset(table: BlockTable, position, expected) -> None:
+    assert table.slot(position) == expected
+
+
+def test_flat_slot_of_position_17_is_49(table: BlockTable) -> None:
+    # block 3, offset 1: 3 * 16 + 1
+    assert table.slot_mapping(17, 18) == [49]
+
+
+def test_slot_mapping_crosses_block_boundary(table: BlockTable) -> None:
+    # positions 14, 15 in block 7 (slots 126, 127), 16, 17 in block 3 (slots 48, 49)
+    assert table.slot_mapping(14, 18) == [126, 127, 48, 49]
+
+
+def test_slot_mapping_whole_table(table: BlockTable) -> None:
+    assert table.slot_mapping(0, 32) == list(range(112, 128)) + list(range(48, 64))
+
+
+def test_slot_mapping_empty_range(table: BlockTable) -> None:
+    assert table.slot_mapping(5, 5) == []
+
+
+def test_slot_mapping_agrees_with_slot() -> None:
+    t = BlockTable(4, [9, 0, 5, 2])
+    for p in range(16):
+        block, offset = t.slot(p)
+        assert t.slot_mapping(p, p + 1) == [block * 4 + offset]
+
+
+@pytest.mark.parametrize("position", [32, 33, 1000])
+def test_slot_beyond_table_raises_index_error(table: BlockTable, position: int) -> None:
+    with pytest.raises(IndexError):
+        table.slot(position)
+
+
+def test_slot_negative_position_raises_index_error(table: BlockTable) -> None:
+    with pytest.raises(IndexError):
+        table.slot(-1)
+
+
+def test_slot_mapping_beyond_table_raises_index_error(table: BlockTable) -> None:
+    with pytest.raises(IndexError):
+        table.slot_mapping(30, 33)
+
+
+def test_slot_mapping_negative_start_raises_index_error(table: BlockTable) -> None:
+    # slot(-1) raises IndexError; slot_mapping must not silently wrap around to the last block
+    # (Python's negative list indexing would give block 3, offset 15 -> slot 63).
+    with pytest.raises(IndexError):
+        table.slot_mapping(-1, 1)
+
+
+@pytest.mark.parametrize(("num_tokens", "slack"), [(32, 0), (31, 1), (20, 12), (17, 15)])
+def test_tail_slack(table: BlockTable, num_tokens: int, slack: int) -> None:
+    assert table.tail_slack(num_tokens) == slack
+
+
+def test_capacity_and_len(table: BlockTable) -> None:
+    assert len(table) == 2
+    assert table.capacity() == 32
+    empty = BlockTable(16)
+    assert len(empty) == 0
+    assert empty.capacity() == 0
+    with pytest.raises(IndexError):
+        empty.slot(0)
+
+
+def test_block_size_one() -> None:
+    t = BlockTable(1, [4, 2, 8])
+    assert [t.slot(p) for p in range(3)] == [(4, 0), (2, 0), (8, 0)]
+    assert t.slot_mapping(0, 3) == [4, 2, 8]
+    assert t.tail_slack(3) == 0

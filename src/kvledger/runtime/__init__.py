@@ -1,0 +1,21 @@
+"""The torch runtime: a paged KV store, paged attention and a Llama-family model runner.
+
+It executes what the ledger decided (block tables, slot mappings from :mod:`kvledger.core`); it never
+allocates blocks itself. Needs torch and safetensors; GGUF loading also needs transformers and gguf.
+"""
+
+from __future__ import annotations
+
+from .attention import AttentionBackend, AttentionBatch, TorchPagedAttention
+from .config import SUPPORTED_MODEL_TYPES, DecoderConfig
+from .kv_store import KVStore, torch_dtype
+from .loop import LoopStats, generate_greedy
+from .model import BackendFactory, Decoder, ModelRunner, SeqStep
+from .weights import CACHE_ENV, Checkpoint, cache_root, convert_gguf, resolve_checkpoint
+
+__all__ = [
+    "CACHE_ENV", "SUPPORTED_MODEL_TYPES", "AttentionBackend", "AttentionBatch", "BackendFactory",
+    "Checkpoint", "Decoder", "DecoderConfig", "KVStore", "LoopStats", "ModelRunner", "SeqStep",
+    "TorchPagedAttention", "cache_root", "convert_gguf", "generate_greedy", "resolve_checkpoint",
+    "torch_dtype",
+]

@@ -1,0 +1,206 @@
+"""Paged attention: queries of a batch of sequences attend to K/V read through their block tables.
+
+The model talks to an :class:`AttentionBackend` only: it hands over a per-step :class:`AttentionBatch`
+once (``plan``) and then, per layer, the new tokens' Q/K/V (``forward``). The backend owns both the
+cache write (through the slot mapping) and the read (through the block tables), because fast kernels
+fuse or order those themselves. A CUDA backend (FlashInfer, FlexAttention) implements the same two
+methods; nothing in the ledger or the model changes.
+
+Token layout is "varlen": the new tokens of all sequences are packed along dim 0, sequence after
+sequence, so a batch mixing a 300-token prefill chunk with 1-token decodes wastes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .kv_store import KVStore
+
+
+@dataclass(slots=True)
+class AttentionBatch:
+    """Where each sequence's new tokens sit and where its K/V live. Built once per forward step.
+
+    Sequence ``i`` contributes ``query_lens[i]`` new tokens at positions
+    ``[starts[i], starts[i] + query_lens[i])``; they attend causally to every earlier position of the
+    sequence (already cached) and to each other. ``block_tables[i]`` must cover all those positions,
+    and ``slot_mapping`` holds the flat slot of every new token (packed in batch order).
+    """
+
+    starts: list[int]
+    query_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor  # [total new tokens], int64, on the store's device
+    positions: torch.Tensor = field(init=False)  # [total new tokens], int64, for RoPE
+    offsets: list[int] = field(init=False)  # where each sequence's tokens begin in the packed layout
+
+    def __post_init__(self) -> None:
+        n = len(self.starts)
+        if not (len(self.query_lens) == len(self.block_tables) == n):
+            raise ConfigError("starts, query_lens and block_tables must have one entry per sequence")
+        self.offsets = [0] * (n + 1)
+        for i, (start, qlen) in enumerate(zip(self.starts, self.query_lens, strict=True)):
+            if start < 0 or qlen <= 0:
+                raise ConfigError(f"sequence {i}: start {start} / {qlen} new tokens are not a valid step")
+            self.offsets[i + 1] = self.offsets[i] + qlen
+        if self.slot_mapping.numel() != self.offsets[-1]:
+            raise ConfigError(
+                f"slot mapping has {self.slot_mapping.numel()} slots for {self.offsets[-1]} new tokens")
+        device = self.slot_mapping.device
+        ranges = [torch.arange(s, s + q) for s, q in zip(self.starts, self.query_lens, strict=True)]
+        self.positions = (torch.cat(ranges) if n else torch.empty(0, dtype=torch.long)).to(device)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.starts)
+
+    @property
+    def context_lens(self) -> list[int]:
+        """Tokens each sequence attends over after this step: cached context plus the new tokens."""
+        return [s + q for s, q in zip(self.starts, self.query_lens, strict=True)]
+
+
+class AttentionBackend(Protocol):
+    """What the model needs from an attention implementation bound to one :class:`KVStore`."""
+
+    def plan(self, batch: AttentionBatch) -> None:
+        """Prepare for one forward step (index tensors, masks, kernel plans); called before layer 0."""
+        ...
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """Write ``k``/``v`` ``[T, kv_heads, D]`` into the cache, then return attention of ``q``
+        ``[T, heads, D]`` over each sequence's context: ``[T, heads, D]``. ``window`` limits each query
+        to the ``window`` most recent positions (itself included), as sliding-window layers do."""
+        ...
+
+
+def _context_slots(table: list[int], context_len: int, block_size: int) -> torch.Tensor:
+    """Flat slots of positions ``[0, context_len)`` of one block table."""
+    need = -(-context_len // block_size)
+    if need > len(table):
+        raise ConfigError(f"block table of {len(table)} blocks cannot hold {context_len} tokens")
+    blocks = torch.tensor(table[:need], dtype=torch.long)
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    return slots[:context_len]
+
+
+def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean mask ``[q, k]``: causal, and inside the sliding window when there is one."""
+    ok = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        ok &= k_pos[None, :] > q_pos[:, None] - window
+    return ok
+
+
+@dataclass(slots=True)
+class _Plan:
+    batch: AttentionBatch
+    prefill: list[int]  # sequences with more than one new token: one SDPA call each
+    ctx_slots: list[torch.Tensor]  # per sequence, slots of its whole context
+    decode: list[int]  # single-token sequences: batched into one padded SDPA call
+    decode_rows: torch.Tensor | None  # where the decode tokens sit in the packed batch
+    decode_slots: torch.Tensor | None  # [len(decode), max context], padded with slot 0
+    decode_lens: torch.Tensor | None  # [len(decode)] context lengths
+    # Built on first use and shared by every layer with the same window: (sequence | -1, window).
+    masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+
+class TorchPagedAttention:
+    """Reference backend for any device: gathers each context through its block table into a
+    contiguous tensor and calls ``scaled_dot_product_attention``. Exact, simple, memory-hungry for long
+    contexts (the gather copies them); the CUDA backends exist to avoid that copy."""
+
+    def __init__(self, store: KVStore) -> None:
+        self.store = store
+        self._plan: _Plan | None = None
+
+    def plan(self, batch: AttentionBatch) -> None:
+        bs, dev = self.store.block_size, self.store.device
+        ctx = [
+            _context_slots(t, c, bs).to(dev)
+            for t, c in zip(batch.block_tables, batch.context_lens, strict=True)
+        ]
+        decode = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        prefill = [i for i, q in enumerate(batch.query_lens) if q > 1]
+        decode_rows = decode_slots = decode_lens = None
+        if decode:
+            decode_rows = torch.tensor([batch.offsets[i] for i in decode], device=dev)
+            lens = [batch.context_lens[i] for i in decode]
+            decode_slots = torch.zeros(len(decode), max(lens), dtype=torch.long, device=dev)
+            for row, i in enumerate(decode):
+                decode_slots[row, : lens[row]] = ctx[i]
+            decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
+        self._plan = _Plan(batch, prefill, ctx, decode, decode_rows, decode_slots, decode_lens)
+
+    def _decode_mask(self, plan: _Plan, window: int | None) -> torch.Tensor:
+        """``[B, 1, 1, max context]``: each row's own context (hides the padding), within the window."""
+        key = (-1, window)
+        if key not in plan.masks:
+            assert plan.decode_slots is not None and plan.decode_lens is not None
+            k_pos = torch.arange(plan.decode_slots.shape[1], device=self.store.device)
+            q_pos = plan.decode_lens - 1
+            valid = k_pos[None, :] <= q_pos[:, None]
+            if window is not None:
+                valid &= k_pos[None, :] > q_pos[:, None] - window
+            plan.masks[key] = valid[:, None, None, :]
+        mask = plan.masks[key]
+        assert mask is not None
+        return mask
+
+    def _mask(self, plan: _Plan, i: int, window: int | None) -> torch.Tensor | None:
+        """Mask for prefill sequence ``i``; ``None`` when SDPA's own causal flag is exact."""
+        key = (i, window)
+        if key not in plan.masks:
+            start, qlen = plan.batch.starts[i], plan.batch.query_lens[i]
+            if start == 0 and (window is None or window >= qlen):
+                plan.masks[key] = None  # square causal: is_causal=True is the same mask
+            else:
+                dev = self.store.device
+                q_pos = torch.arange(start, start + qlen, device=dev)
+                plan.masks[key] = _allowed(q_pos, torch.arange(start + qlen, device=dev), window)
+        return plan.masks[key]
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("TorchPagedAttention.forward called before plan()")
+        batch = plan.batch
+        self.store.write(layer, batch.slot_mapping, k, v)
+        kc, vc = self.store.layer(layer)
+        out = torch.empty_like(q)
+        for i in plan.prefill:
+            lo, hi = batch.offsets[i], batch.offsets[i + 1]
+            slots = plan.ctx_slots[i]
+            mask = self._mask(plan, i, window)
+            # [1, heads, tokens, dim]: SDPA broadcasts the KV heads over query groups (GQA).
+            qs = q[lo:hi].transpose(0, 1)[None]
+            ks = kc[slots].to(q.dtype).transpose(0, 1)[None]
+            vs = vc[slots].to(q.dtype).transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            out[lo:hi] = o[0].transpose(0, 1)
+        if plan.decode_rows is not None:
+            # All single-token sequences in one call, contexts padded to the longest and masked.
+            rows, slots = plan.decode_rows, plan.decode_slots
+            assert slots is not None
+            qs = q[rows][:, :, None]  # [B, heads, 1, dim]
+            ks = kc[slots].to(q.dtype).transpose(1, 2)  # [B, kv_heads, ctx, dim]
+            vs = vc[slots].to(q.dtype).transpose(1, 2)
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=self._decode_mask(plan, window), scale=scale, enable_gqa=True)
+            out[rows] = o[:, :, 0]
+        return out
+
+
+__all__ = ["AttentionBackend", "AttentionBatch", "TorchPagedAttention"]

@@ -1,0 +1,272 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) that reads and writes a paged KV cache.
+
+The runner executes what the ledger decided: each sequence in a step brings its new token ids, the
+position of the first one, its block table and the slots of the new tokens (``SeqStep``, usually built
+from a ledger :class:`SequenceState` with :meth:`SeqStep.from_sequence`). It never allocates blocks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..core import KVLedger, KVSpec, SequenceState
+from ..core.geometry import canonical_dtype
+from ..errors import ConfigError
+from .attention import AttentionBackend, AttentionBatch, TorchPagedAttention
+from .config import DecoderConfig
+from .kv_store import KVStore
+from .weights import Checkpoint, resolve_checkpoint
+
+# Builds the attention backend for a store, e.g. ``TorchPagedAttention`` or a CUDA kernel wrapper.
+BackendFactory = Callable[[KVStore], AttentionBackend]
+
+
+@dataclass(frozen=True, slots=True)
+class SeqStep:
+    """One sequence's part of a forward step: ``token_ids`` at positions ``start, start + 1, ...``."""
+
+    token_ids: Sequence[int]
+    start: int
+    block_table: Sequence[int]
+    slot_mapping: Sequence[int]
+
+    @classmethod
+    def from_sequence(cls, seq: SequenceState, start: int, end: int | None = None) -> SeqStep:
+        """The step that computes tokens ``[start, end)`` of a ledger sequence (default: to its end)."""
+        end = seq.num_tokens if end is None else end
+        table = seq.table
+        return cls(seq.tokens[start:end], start, list(table.blocks), table.slot_mapping(start, end))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the compute dtype: the mean of squares overflows/underflows in fp16.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in the Hugging Face layout: the head's two halves are the (real, imaginary) pairs."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.window = cfg.windows[layer]
+        self.scale = cfg.head_dim ** -0.5
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        # q, k and v fused into one GEMM: one weight read per layer instead of three.
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.split = (q, kv, kv)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
+        k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.kv_heads, self.head_dim)
+        out = backend.forward(self.layer, q, k, v, scale=self.scale, window=self.window)
+        return self.o_proj(out.reshape(t, self.heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """Parameters are named like the Hugging Face checkpoint, minus the q/k/v and gate/up fusion."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Logits ``[num_seqs, vocab]`` (fp32) at the last new token of each sequence."""
+        # Angles in fp32 even for 16-bit models: positions in the thousands lose whole radians in bf16.
+        angles = batch.positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1 (heads), head_dim]
+        x = self.embed_tokens(input_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        backend.plan(batch)
+        for layer in self.layers:
+            x = layer(x, cos, sin, backend)
+        last = torch.tensor(batch.offsets[1:], device=x.device) - 1
+        return self.lm_head(self.norm(x[last])).float()
+
+    def load_hf_state(
+        self, tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: str | torch.device = "cpu",
+    ) -> None:
+        """Take Hugging Face named tensors (fusing q/k/v and gate/up) as this model's parameters, in
+        ``dtype`` on ``device``; a missing tensor is an error. Works on a meta-device model."""
+        def take(name: str) -> torch.Tensor:
+            try:
+                return tensors[name]
+            except KeyError:
+                raise ConfigError(f"checkpoint has no tensor {name!r}") from None
+
+        cfg = self.cfg
+        state: dict[str, torch.Tensor] = {
+            "embed_tokens.weight": take("model.embed_tokens.weight"),
+            "norm.weight": take("model.norm.weight"),
+        }
+        if not cfg.tie_word_embeddings:
+            state["lm_head.weight"] = take("lm_head.weight")
+        for i in range(cfg.num_layers):
+            hf, me = f"model.layers.{i}.", f"layers.{i}."
+            for suffix in ("weight", "bias") if cfg.qkv_bias else ("weight",):
+                state[me + f"self_attn.qkv_proj.{suffix}"] = torch.cat(
+                    [take(hf + f"self_attn.{p}_proj.{suffix}") for p in "qkv"])
+            for suffix in ("weight", "bias") if cfg.o_bias else ("weight",):
+                state[me + f"self_attn.o_proj.{suffix}"] = take(hf + f"self_attn.o_proj.{suffix}")
+            for suffix in ("weight", "bias") if cfg.mlp_bias else ("weight",):
+                state[me + f"mlp.gate_up_proj.{suffix}"] = torch.cat(
+                    [take(hf + f"mlp.{p}_proj.{suffix}") for p in ("gate", "up")])
+                state[me + f"mlp.down_proj.{suffix}"] = take(hf + f"mlp.down_proj.{suffix}")
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                state[me + f"{norm}.weight"] = take(hf + f"{norm}.weight")
+        shapes = {k: tuple(v.shape) for k, v in self.state_dict().items()}
+        for name, t in state.items():
+            if tuple(t.shape) != shapes[name]:
+                raise ConfigError(f"checkpoint tensor for {name!r} has shape {tuple(t.shape)}, "
+                                  f"config implies {shapes[name]}")
+            state[name] = t.to(device, dtype)
+        if cfg.tie_word_embeddings:
+            state["lm_head.weight"] = state["embed_tokens.weight"]
+        # assign=True adopts the tensors instead of copying into the current parameters: no second
+        # copy of the weights, and a meta-device model needs no throwaway allocation at all.
+        self.load_state_dict(state, strict=True, assign=True)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.inv_freq = self.cfg.inv_freq().to(device)  # computed, not stored in checkpoints
+
+
+class ModelRunner:
+    """A decoder bound to one KV store: ``forward(steps)`` runs one batched step of the engine."""
+
+    def __init__(self, model: Decoder, spec: KVSpec, num_blocks: int, *,
+                 backend: BackendFactory | None = None) -> None:
+        self.model = model
+        self.config = model.cfg
+        self.spec = spec
+        device = model.embed_tokens.weight.device
+        self.store = KVStore(spec, num_blocks, device)
+        self.backend: AttentionBackend = (backend or TorchPagedAttention)(self.store)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | os.PathLike[str] | Checkpoint,
+        *,
+        num_blocks: int | None = None,
+        pool_bytes: int | str | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        kv_dtype: str | None = None,
+        device: str | torch.device = "cpu",
+        backend: BackendFactory | None = None,
+    ) -> ModelRunner:
+        """Load a HF folder or GGUF file. Give the pool as ``num_blocks`` or ``pool_bytes`` (whole
+        blocks that fit); the KV dtype defaults to the compute ``dtype``."""
+        ckpt = path if isinstance(path, Checkpoint) else resolve_checkpoint(path)
+        cfg = DecoderConfig.from_hf(ckpt.config)
+        kv_dtype = canonical_dtype(str(dtype) if kv_dtype is None else kv_dtype)
+        spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=kv_dtype, block_size=block_size)
+        if (num_blocks is None) == (pool_bytes is None):
+            raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
+        blocks = spec.pool_blocks(pool_bytes) if num_blocks is None else num_blocks
+        with torch.device("meta"):  # no throwaway random init: the checkpoint overwrites everything
+            model = Decoder(cfg)
+        model.load_hf_state(ckpt.tensors(), dtype, device)
+        model.eval()
+        return cls(model, spec, blocks, backend=backend)
+
+    def new_ledger(self, *, prefix_caching: bool = True) -> KVLedger:
+        """A ledger whose block ids address exactly this runner's KV store."""
+        return KVLedger(self.store.num_blocks, self.spec.block_size, prefix_caching=prefix_caching)
+
+    def _check(self, i: int, step: SeqStep) -> None:
+        n = len(step.token_ids)
+        if n == 0 or len(step.slot_mapping) != n:
+            raise ConfigError(f"step {i}: {n} tokens but {len(step.slot_mapping)} slots")
+        bs, table = self.spec.block_size, step.block_table
+        if table and not 0 <= min(table) <= max(table) < self.store.num_blocks:
+            n = self.store.num_blocks
+            raise ConfigError(f"step {i}: block table names blocks outside the {n}-block store")
+        for j, slot in enumerate(step.slot_mapping):
+            pos = step.start + j
+            # The slot must be the table's own slot for this position, or attention would read K/V
+            # from a different place than it was written to.
+            if pos // bs >= len(table) or slot != table[pos // bs] * bs + pos % bs:
+                raise ConfigError(f"step {i}: slot {slot} for position {pos} disagrees with its block table")
+
+    @torch.inference_mode()
+    def forward(self, steps: Sequence[SeqStep]) -> torch.Tensor:
+        """Write each step's K/V through its slots, attend through its table, and return the logits
+        ``[len(steps), vocab]`` (fp32) of each sequence's last new token."""
+        if not steps:
+            raise ConfigError("forward needs at least one sequence")
+        for i, step in enumerate(steps):
+            self._check(i, step)
+        dev = self.store.device
+        ids = torch.tensor([t for s in steps for t in s.token_ids], dtype=torch.long, device=dev)
+        slots = torch.tensor([x for s in steps for x in s.slot_mapping], dtype=torch.long, device=dev)
+        batch = AttentionBatch(
+            starts=[s.start for s in steps],
+            query_lens=[len(s.token_ids) for s in steps],
+            block_tables=[list(s.block_table) for s in steps],
+            slot_mapping=slots,
+        )
+        return self.model(ids, batch, self.backend)
+
+
+__all__ = ["BackendFactory", "Decoder", "ModelRunner", "SeqStep"]

@@ -1,0 +1,163 @@
+"""Finding a checkpoint on disk: a Hugging Face folder (config.json + safetensors) or a GGUF file.
+
+GGUF files are dequantised once through transformers (which needs the ``gguf`` package) and saved as
+an ordinary Hugging Face folder in the kvledger cache, so every later load is a plain safetensors
+read. transformers is imported only for that conversion: serving a safetensors folder needs torch and
+safetensors alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+
+CACHE_ENV = "KVLEDGER_CACHE"
+_SOURCE_FILE = "kvledger-source.json"
+
+
+def cache_root() -> Path:
+    """Where converted weights live: ``$KVLEDGER_CACHE``, else ``$XDG_CACHE_HOME/kvledger``, else
+    ``~/.cache/kvledger``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvledger"
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A Hugging Face style folder: ``config.json`` plus one or more ``*.safetensors`` files."""
+
+    path: Path
+    config: dict[str, Any]
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted(self.path.glob("*.safetensors"))
+
+    def tensors(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Every tensor of every shard, by its Hugging Face name."""
+        from safetensors.torch import load_file
+
+        out: dict[str, torch.Tensor] = {}
+        for f in self.files:
+            out.update(load_file(str(f), device=str(device)))
+        return out
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot read {folder / 'config.json'}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(f"{folder / 'config.json'} is not a JSON object")
+    return cfg
+
+
+def resolve_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """The safetensors checkpoint behind ``path``: a folder with config.json, a ``.gguf`` file, or a
+    folder holding exactly one ``.gguf`` file (converted on first use, see :func:`convert_gguf`)."""
+    p = Path(path).expanduser()
+    if p.is_file() and p.suffix == ".gguf":
+        return convert_gguf(p)
+    if not p.is_dir():
+        raise ConfigError(f"model path {str(path)!r} is neither a model folder nor a .gguf file")
+    if (p / "config.json").is_file():
+        ckpt = Checkpoint(p, _read_config(p))
+        if not ckpt.files:
+            raise ConfigError(f"{p} has a config.json but no *.safetensors weights (the only format read)")
+        return ckpt
+    ggufs = sorted(p.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return convert_gguf(ggufs[0])
+    if ggufs:
+        names = ", ".join(g.name for g in ggufs)
+        raise ConfigError(f"{p} holds several GGUF files ({names}); pass the one to load")
+    raise ConfigError(f"{p} has neither config.json + safetensors nor a .gguf file")
+
+
+def _cache_key(gguf: Path) -> str:
+    # Path, size and mtime identify the source without hashing a multi-gigabyte file on every load.
+    st = gguf.stat()
+    raw = f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    return hashlib.sha256(raw).hexdigest()[:16]
+
+
+def _save_plain(model: torch.nn.Module, folder: Path) -> None:
+    """Write a loaded transformers model as config.json + model.safetensors.
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model (it still counts as quantised),
+    but its weights are plain dequantised fp32 tensors by now, so they are written directly.
+    """
+    from safetensors.torch import save_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict().items():
+        if t.data_ptr() in seen:  # tied lm_head: safetensors stores a tensor once
+            continue
+        seen.add(t.data_ptr())
+        tensors[name] = t.detach().contiguous()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)  # the GGUF marker: these weights are not quantised
+    config["architectures"] = [type(model).__name__]  # lets AutoModel pick the class again
+    (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def convert_gguf(gguf: Path, root: Path | None = None) -> Checkpoint:
+    """Dequantise ``gguf`` to fp32 safetensors under the cache (once) and return that checkpoint.
+
+    The conversion is written to a temporary folder and renamed into place, so an interrupted or
+    concurrent conversion never leaves a half-written cache entry behind.
+    """
+    root = cache_root() if root is None else root
+    target = root / f"{gguf.stem}-{_cache_key(gguf)}"
+    if (target / _SOURCE_FILE).is_file():
+        return Checkpoint(target, _read_config(target))
+    try:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+    except ImportError:
+        raise ConfigError("loading a GGUF file needs the transformers and gguf packages") from None
+    print(f"kvledger: converting {gguf.resolve()} to safetensors in {target} (first load only; "
+          "this can take a minute)", file=sys.stderr)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    try:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except (ValueError, KeyError, OSError, ImportError) as e:
+            raise ConfigError(f"transformers cannot load {gguf.name}: {e}") from None
+        _save_plain(model, tmp)
+        del model
+        try:  # the tokenizer is a convenience for callers; the weights do not depend on it
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
+        except Exception as e:  # noqa: BLE001 -- any tokenizer failure only costs the convenience
+            print(f"kvledger: tokenizer of {gguf.name} not converted: {e}", file=sys.stderr)
+        st = gguf.stat()
+        source = {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+        (tmp / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / _SOURCE_FILE).is_file():  # not a lost race with another converter
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return Checkpoint(target, _read_config(target))
+
+
+__all__ = ["CACHE_ENV", "Checkpoint", "cache_root", "convert_gguf", "resolve_checkpoint"]

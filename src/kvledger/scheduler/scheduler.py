@@ -426,7 +426,7 @@ class Scheduler:
         self.ledger.check()
         if self.host is not None:
             self.host.check()
-        for rid, branches in self.running.items():
+        for branches in self.running.values():
             for br in branches:
                 if br.status is not Status.RUNNING or br.seq_id not in self.ledger:
                     raise InvariantError(f"running branch {br.seq_id!r} is not running in the ledger")

@@ -71,7 +71,8 @@ class KVLedger(BranchOps, LifetimeOps):
         self._seqs: dict[str, SequenceState] = {}
         self._cow_promises: dict[int, int] = {}  # shared partial tail -> copies still promised for it
         self._copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
-        self._leases: dict[int, list[int]] = {}
+        self._leases: dict[int, tuple[list[str], list[int]]] = {}  # lease -> (sequences, leased blocks)
+        self._seq_leases: dict[str, set[int]] = {}  # sequence -> its outstanding leases
         self._next_lease = 1
         self._pins: dict[str, list[int]] = {}
         self._digest_cache: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now"
@@ -94,7 +95,8 @@ class KVLedger(BranchOps, LifetimeOps):
         with self._lock:
             p = self.pool
             return Usage(p.num_blocks, p.num_free, p.num_active, p.num_retained, p.num_evictable,
-                         self.promised, len(self._seqs), sum(len(b) for b in self._pins.values()), p.deferred)
+                         self.promised, len(self._seqs), sum(len(b) for b in self._pins.values()),
+                         p.deferred)
 
     def sequence(self, request_id: str) -> SequenceState:
         try:
@@ -475,6 +477,8 @@ class KVLedger(BranchOps, LifetimeOps):
         if self._copies:  # a copy into a block that is about to be released must never run
             mine = set(blocks)
             self._copies = [op for op in self._copies if op.dst not in mine]
+        if self._seq_leases:
+            self._lease_blocks_of_dropped(request_id, blocks)
         self.pool.release_many(blocks[::-1])
         self.promised -= seq.promised
         seq.promised = 0
@@ -516,9 +520,12 @@ class KVLedger(BranchOps, LifetimeOps):
                 bad = [b for b in range(pool.num_blocks) if refs[b] != pool.ref[b]][:8]
                 raise InvariantError(f"ref counts disagree with block tables and pins at blocks {bad}")
             leases = [0] * pool.num_blocks
-            for blocks in self._leases.values():
+            for _, blocks in self._leases.values():
                 for b in blocks:
                     leases[b] += 1
+            for rid, lids in self._seq_leases.items():
+                if rid not in self._seqs or any(lid not in self._leases for lid in lids):
+                    raise InvariantError(f"lease bookkeeping for {rid!r} is stale")
             if leases != pool.leased:
                 raise InvariantError("lease counts disagree with outstanding leases")
             for block, count in self._cow_promises.items():

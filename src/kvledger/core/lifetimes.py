@@ -27,30 +27,68 @@ class LifetimeOps:
 
     # ---- leases ---------------------------------------------------------------------------------
     def lease(self: KVLedger, request_ids: Iterable[str] = (), blocks: Iterable[int] = ()) -> int:
-        """Lease every block of the named sequences (and any extra ``blocks``); returns a lease id."""
+        """Mark an outstanding access to the named sequences and to extra ``blocks``; returns a lease id.
+
+        Leasing a sequence costs O(1) however many blocks it holds (an engine leases every scheduled
+        sequence every step). Only if a leased sequence is dropped -- finished, cancelled, pruned,
+        preempted -- are its blocks leased one by one, so that their release is deferred until the
+        lease ends. A block lease marks single blocks (a transfer reading blocks directly)."""
         with self._lock:
-            held = [b for rid in request_ids for b in self.sequence(rid).table.blocks]
-            held.extend(blocks)
-            for i, block in enumerate(held):
+            ids = list(request_ids)
+            for rid in ids:
+                self.sequence(rid)
+            extra = list(blocks)
+            for i, block in enumerate(extra):
                 try:
                     self.pool.lease(block)
                 except LedgerError:
-                    for b in held[:i]:
+                    for b in extra[:i]:
                         self.pool.unlease(b)
                     raise
             lease_id = self._next_lease
             self._next_lease += 1
-            self._leases[lease_id] = held
+            self._leases[lease_id] = (ids, extra)
+            seq_leases = self._seq_leases
+            for rid in ids:
+                held = seq_leases.get(rid)
+                if held is None:
+                    seq_leases[rid] = {lease_id}
+                else:
+                    held.add(lease_id)
             return lease_id
 
     def end_lease(self: KVLedger, lease_id: int) -> None:
-        """The access finished: deferred releases of its blocks complete now."""
+        """The access finished: the releases it deferred complete now, tail block first."""
         with self._lock:
-            held = self._leases.pop(lease_id, None)
-            if held is None:
+            entry = self._leases.pop(lease_id, None)
+            if entry is None:
                 raise LedgerError(f"unknown lease {lease_id!r} (already ended?)")
-            for block in reversed(held):  # tail first, as a normal release would retain them
+            ids, extra = entry
+            for block in reversed(extra):
                 self.pool.unlease(block)
+            seq_leases = self._seq_leases
+            for rid in ids:
+                held = seq_leases.get(rid)
+                if held is not None:
+                    held.discard(lease_id)
+                    if not held:
+                        del seq_leases[rid]
+
+    def _lease_blocks_of_dropped(self: KVLedger, request_id: str, blocks: list[int]) -> None:
+        """A leased sequence is being dropped: move its leases onto its blocks (head first, so that
+        ending the lease releases them tail first), before its references go."""
+        leases = self._seq_leases.pop(request_id, None)
+        if not leases:
+            return
+        for lid in leases:
+            extra = self._leases[lid][1]
+            for block in blocks:
+                self.pool.lease(block)
+            extra.extend(blocks)
+
+    def is_leased(self: KVLedger, request_id: str) -> bool:
+        """Whether a sequence has an outstanding lease (its blocks cannot be released before it ends)."""
+        return request_id in self._seq_leases
 
     def outstanding_leases(self: KVLedger) -> int:
         return len(self._leases)

@@ -43,6 +43,8 @@ class Scheduler:
         self.preemptions = 0
         self._restored: list[Branch] = []  # swapped-in branches whose transfer completes this step
         self._swap_leases: list[int] = []  # device blocks being copied out this step
+        self._swapped_now: set[str] = set()  # requests swapped out by the plan being built
+        self._by_seq: dict[str, Branch] = {}
         wm = self.config.watermark if self.config.policy != "full" else 0.0
         self._keep_free = int(wm * ledger.num_blocks) + (
             self.config.headroom_blocks if self.config.on_growth_failure == "headroom" else 0)
@@ -56,6 +58,8 @@ class Scheduler:
             raise LedgerError(f"request {rid!r} needs a prompt, max_new_tokens >= 1 and n >= 1")
         branches = [Branch(rid if i == 0 else f"{rid}/{i}", request, list(request.prompt)) for i in range(request.n)]
         self._all[rid] = branches
+        for br in branches:
+            self._by_seq[br.seq_id] = br
         self.waiting.append(list(branches))  # queues hold their own lists; _all keeps every branch
 
     def cancel(self, request_id: str) -> bool:
@@ -86,23 +90,28 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(self._step)
         self._step += 1
+        self._swapped_now.clear()
         self._grow(plan)
         self._swap_in(plan)
         budget = self.config.token_budget
         budget = self._schedule_running(plan, budget)
         self._admit(plan, budget)
         plan.copies.extend(self.ledger.take_copies())
-        leased = [br.seq_id for w in (*plan.prefills, *plan.decodes) for br in [self._branch(w.seq_id)]]
-        if leased:
-            plan.lease = self.ledger.lease(request_ids=leased)
+        # Lease everything the plan names until confirm: the sequences that compute or are restored,
+        # and both ends of every copy (the source may belong to a sibling that is not scheduled).
+        seqs = {w.seq_id for w in plan.prefills}
+        seqs.update(w.seq_id for w in plan.decodes)
+        seqs.update(br.seq_id for br in self._restored if br.status is Status.RUNNING)
+        blocks = [b for op in plan.copies for b in (op.src, op.dst)]
+        if seqs or blocks:
+            plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks)
         return plan
 
     def _branch(self, seq_id: str) -> Branch:
-        rid = seq_id.split("/", 1)[0]
-        for br in self._all[rid]:
-            if br.seq_id == seq_id:
-                return br
-        raise LedgerError(f"unknown sequence {seq_id!r}")
+        try:
+            return self._by_seq[seq_id]
+        except KeyError:
+            raise LedgerError(f"unknown sequence {seq_id!r}") from None
 
     def _grow(self, plan: StepPlan) -> None:
         """Give the ledger the tokens sampled last step; handle growth failures by policy."""
@@ -118,12 +127,26 @@ class Scheduler:
 
     def _grow_once(self, plan: StepPlan) -> None:
         ledger = self.ledger
+        live = self._live()
+        for br in live:
+            br.deferred = False
+            if br.request.lookahead:
+                ledger.trim_lookahead(br.seq_id)
+        # The common case -- one new token per running branch -- goes to the ledger in one call.
+        single = [br for br in live if len(br.tokens) - br.in_ledger == 1]
+        if single:
+            try:
+                ledger.decode_step([(br.seq_id, br.tokens[br.in_ledger]) for br in single])
+                for br in single:
+                    br.in_ledger += 1
+            except OutOfBlocksError:
+                for br in single:  # decode_step applies in order up to the one that failed
+                    if ledger.sequence(br.seq_id).num_tokens > br.in_ledger:
+                        br.in_ledger += 1
         for rid in list(self.running):
             for br in list(self.running.get(rid, ())):
-                br.deferred = False
                 if br.status is not Status.RUNNING:
                     continue
-                ledger.trim_lookahead(br.seq_id)
                 while br.in_ledger < len(br.tokens) and br.status is Status.RUNNING:
                     try:
                         ledger.append_token(br.seq_id, br.tokens[br.in_ledger])
@@ -148,6 +171,9 @@ class Scheduler:
         rid = br.request.request_id
         victim = self._pick_victim(exclude=set())
         if victim is None or (victim == rid and len(self.running) == 1):
+            if self._swap_leases:
+                br.deferred = True  # blocks being swapped out this step come free at confirm
+                return False
             self._end_branch(br, "rejected: the request outgrew the whole pool", plan)
             return False
         mode = self._preempt(victim, plan, f"{rid} needed a block")
@@ -198,7 +224,9 @@ class Scheduler:
         branches = self.running.pop(rid)
         mode = force or self.config.recovery
         reason = why
-        blocks = sorted({b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks})
+        # Distinct blocks of the family in table order (head first), so that ending the swap lease
+        # releases them tail first, as any release does.
+        blocks = list(dict.fromkeys(b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks))
         if mode == "auto":
             mode, r_s, s_s = self.costs.choose(self._replay_tokens_of(branches), len(blocks))
             reason += f"; auto chose {mode} (recompute {r_s * 1e3:.3f} ms vs swap {s_s * 1e3:.3f} ms)"
@@ -216,14 +244,17 @@ class Scheduler:
                 br.host_blocks = [host_of[b] for b in self.ledger.sequence(br.seq_id).table.blocks]
                 self.ledger.preempt(br.seq_id)
                 br.status = Status.SWAPPED
+                br.deferred = False
                 br.preemptions += 1
             self.swapped.append(branches)
+            self._swapped_now.add(rid)
         else:
             for br in branches:
                 self.ledger.preempt(br.seq_id)
                 br.status = Status.WAITING
                 br.computed = 0
                 br.in_ledger = 0
+                br.deferred = False
                 br.preemptions += 1
             self.waiting.appendleft(branches)  # recovered first, before new arrivals
         self.preemptions += 1
@@ -252,8 +283,11 @@ class Scheduler:
         fresh = unit[0].status is Status.WAITING and unit[0].admitted_order < 0 and len(unit) == unit[0].request.n \
             and all(br.num_generated == 0 for br in unit)
         ledger = self.ledger
+        # The watermark protects running requests' growth; with nothing running it would only stop a
+        # request that fits the pool from ever starting.
+        keep_free = self._keep_free if self.running else 0
         if fresh:
-            decision = ledger.admit(self._ledger_request(unit[0], True), self._keep_free)
+            decision = ledger.admit(self._ledger_request(unit[0], True), keep_free)
             if not decision.admitted:
                 return decision.outcome
             hit_ready = ledger.ready_tokens(unit[0].seq_id)
@@ -261,7 +295,7 @@ class Scheduler:
             # A preempted family comes back whole or not at all (gang semantics).
             admitted: list[str] = []
             for br in unit:
-                decision = ledger.admit(self._ledger_request(br, False), self._keep_free)
+                decision = ledger.admit(self._ledger_request(br, False), keep_free)
                 if not decision.admitted:
                     for seq_id in admitted:
                         ledger.retract(seq_id)
@@ -273,9 +307,14 @@ class Scheduler:
             br.admitted_order = self._order
             if br.status is Status.SWAPPED:
                 seq = ledger.sequence(br.seq_id)
-                for i in range(seq.hit_blocks, len(seq.table.blocks)):
-                    plan.swap_in.append((br.host_blocks[i], seq.table.blocks[i]))
-                br.computed = br.in_ledger - 1
+                blocks, written = seq.table.blocks, ledger.pool.written
+                for i in range(seq.hit_blocks, len(blocks)):
+                    plan.swap_in.append((br.host_blocks[i], blocks[i]))
+                # Prefix hits need no transfer, but one that another request is still filling cannot
+                # be read yet: recompute from there. A prefill cut short by the swap resumes where it was.
+                ready = next((i for i in range(seq.hit_blocks) if not written[blocks[i]]), seq.hit_blocks)
+                br.computed = min(br.computed, br.in_ledger - 1, ready * ledger.block_size
+                                  if ready < seq.hit_blocks else br.in_ledger - 1)
                 plan.transfer_wait_s += self.costs.transfer.blocking_time_s(
                     len(seq.table.blocks) - seq.hit_blocks, self.costs.block_bytes)
                 self._restored.append(br)
@@ -291,21 +330,30 @@ class Scheduler:
 
     def _swap_in(self, plan: StepPlan) -> None:
         while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
+            if self.swapped[0][0].request.request_id in self._swapped_now:
+                break  # its blocks come free only when this step's transfer is done
             if self._admit_unit(self.swapped[0], plan) is not Outcome.ADMITTED:
                 break
             self.swapped.popleft()
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self._live()) + len(self.waiting[0]) <= self.config.max_running:
+        while self.waiting and budget > 0:
             unit = self.waiting[0]
-            outcome = self._admit_unit(unit, plan)
+            if len(unit) > self.config.max_running:
+                outcome = Outcome.NEVER  # more branches than may ever run at once
+            elif len(self._live()) + len(unit) > self.config.max_running:
+                break
+            else:
+                outcome = self._admit_unit(unit, plan)
             if outcome is Outcome.NEVER:
                 self.waiting.popleft()
                 rid = unit[0].request.request_id
+                why = ("never: more branches than max_running" if len(unit) > self.config.max_running
+                       else "never: larger than the whole pool")
                 for br in unit:
                     br.status = Status.FINISHED
-                    br.finish_reason = "never: larger than the whole pool"
-                    plan.ended.append((br.seq_id, br.finish_reason))
+                    br.finish_reason = why
+                    plan.ended.append((br.seq_id, why))
                 self.finished[rid] = self._all[rid]
                 continue
             if outcome is not Outcome.ADMITTED:
@@ -318,12 +366,29 @@ class Scheduler:
         return [br for branches in self.running.values() for br in branches]
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
+        """Decodes first (one token each: they keep latency low), then prefill chunks in the budget
+        that is left. Requests admitted in this plan are scheduled by ``_admit``."""
         admitted = set(plan.admitted)
-        decodes = [br for br in self._live() if len(br.tokens) - br.computed == 1]
-        prefills = [br for br in self._live() if len(br.tokens) - br.computed > 1]
-        for br in decodes + prefills:
-            if br.request.request_id in admitted and br.status is Status.RUNNING and br not in self._restored:
-                continue
+        restored = {br.seq_id for br in self._restored}
+        running = Status.RUNNING
+        later: list[Branch] = []
+        decodes = plan.decodes
+        for branches in self.running.values():
+            for br in branches:
+                if br.deferred or br.status is not running or br.in_ledger < len(br.tokens):
+                    continue
+                if br.request.request_id in admitted and br.seq_id not in restored:
+                    continue
+                todo = len(br.tokens) - br.computed
+                if todo == 1 and not br.request.lookahead:
+                    if budget <= 0:
+                        return budget
+                    decodes.append(Work(br.seq_id, br.computed, br.computed + 1, True, 0))
+                    budget -= 1
+                else:
+                    later.append(br)
+        later.sort(key=lambda b: len(b.tokens) - b.computed > 1)  # lookahead decodes before prefills
+        for br in later:
             budget = self._schedule_branch(br, plan, budget)
         return budget
 
@@ -359,12 +424,13 @@ class Scheduler:
             ledger.mark_computed(br.seq_id, w.end)
             if w.sample:
                 self._accept(br, sampled.get(w.seq_id, ()), done)
+        by_seq, running, accept = self._by_seq, Status.RUNNING, self._accept
         for w in plan.decodes:
-            br = self._branch(w.seq_id)
-            if br.status is not Status.RUNNING:
+            br = by_seq[w.seq_id]
+            if br.status is not running:
                 continue
             br.computed = w.end
-            self._accept(br, sampled.get(w.seq_id, ()), done)
+            accept(br, sampled.get(w.seq_id, ()), done)
         for br in self._restored:
             if br.status is Status.RUNNING:
                 ledger.mark_computed(br.seq_id, min(br.computed, br.in_ledger))
@@ -385,17 +451,18 @@ class Scheduler:
     def _accept(self, br: Branch, tokens: Sequence[int], done: list[Branch]) -> None:
         if not tokens:
             raise LedgerError(f"{br.seq_id!r} was scheduled to sample but no token came back")
-        req = br.request
+        stop = br.request.stop_token_ids
+        out = br.tokens
         for token in tokens:
-            br.tokens.append(int(token))
-            if token in req.stop_token_ids:
+            out.append(int(token))
+            if stop and token in stop:
                 self._end_branch(br, "stop")
-                break
-            if br.num_generated >= req.max_new_tokens:
+                done.append(br)
+                return
+            if len(out) >= br.limit:
                 self._end_branch(br, "length")
-                break
-        if br.status is Status.FINISHED:
-            done.append(br)
+                done.append(br)
+                return
 
     def _end_branch(self, br: Branch, reason: str, plan: StepPlan | None = None) -> None:
         rid = br.request.request_id

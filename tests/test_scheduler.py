@@ -1,0 +1,887 @@
+"""The step scheduler driven end to end by a tiny deterministic executor.
+
+``FakeEngine`` carries out each ``StepPlan`` against a model of KV memory: every device and host block
+is a list of slots, each slot holding the KV value of one token position, which (like real KV) depends
+on every token up to and including that position. Copies, swaps and the forward pass move and write
+those values in the executor's order (copies, swap_out, swap_in, then the forward pass), and every
+position a step reads as context is checked against the value it must hold. So a plan that reads KV
+that was never computed, was overwritten, or came back from the host tier wrong fails the test that ran
+it, whatever the ledger's own books say. Sampled tokens are a function of (sequence, position) only.
+
+Pools are tiny and exact (4-token blocks) so that every preemption below is computed by hand.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from kvledger.core.ledger import KVLedger
+from kvledger.scheduler import (
+    GenRequest,
+    HostPool,
+    RecoveryCosts,
+    Scheduler,
+    SchedulerConfig,
+    Status,
+    StepPlan,
+    TransferModel,
+    Work,
+)
+
+BS = 4  # block size of every pool in this file
+
+
+def toks(n: int, start: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def sample_token(seq_id: str, position: int) -> int:
+    """The fake model: the token at ``position`` of ``seq_id`` (never a draft's value)."""
+    return 10 + zlib.crc32(f"{seq_id}@{position}".encode()) % 1000
+
+
+def draft_token(seq_id: str, position: int) -> int:
+    """A draft the verifier rejects: always differs from ``sample_token``."""
+    return sample_token(seq_id, position) + 5000
+
+
+def kv_chain(tokens: list[int]) -> list[int]:
+    """KV value of each position: a hash of the whole prefix up to it."""
+    out, h = [], 0
+    for t in tokens:
+        h = zlib.crc32(t.to_bytes(4, "little"), h)
+        out.append(h)
+    return out
+
+
+class FakeEngine:
+    """Executes plans on fake KV memory; ``accept(work)`` says how many tokens a decode with
+    lookahead returns (1 .. lookahead + 1; the default accepts every draft)."""
+
+    def __init__(self, s: Scheduler, accept: Callable[[Work], int] | None = None) -> None:
+        self.s = s
+        self.accept = accept or (lambda w: w.lookahead + 1)
+        self.dev: dict[int, list] = {}
+        self.host: dict[int, list] = {}
+        self.drafts: list[tuple[str, int]] = []  # (seq_id, position) of every draft slot written
+
+    def block(self, b: int) -> list:
+        return self.dev.setdefault(b, [None] * BS)
+
+    def run(self, plan: StepPlan) -> dict[str, list[int]]:
+        s, led = self.s, self.s.ledger
+        pool = led.pool
+        for c in plan.copies:
+            self.block(c.dst)[: c.slots] = self.block(c.src)[: c.slots]
+        for d, h in plan.swap_out:
+            assert pool.leased[d], f"step {plan.step}: device block {d} swapped out but not leased"
+            self.host[h] = list(self.block(d))
+        for h, d in plan.swap_in:
+            assert h in self.host, f"step {plan.step}: host block {h} read back but never written"
+            self.dev[d] = list(self.host[h])
+        works = [*plan.prefills, *plan.decodes]
+        # Every read happens before any write of this step: a block another sequence fills in this
+        # very step is not yet readable (the ledger's "pending" rule).
+        for w in works:
+            br, table = s.branches(w.seq_id.split("/")[0]), led.sequence(w.seq_id).table.blocks
+            tokens = next(b for b in br if b.seq_id == w.seq_id).tokens
+            assert w.end <= len(tokens) and w.end + w.lookahead <= len(table) * BS, (plan.step, w)
+            chain = kv_chain(tokens[: w.start])
+            for p in range(w.start):
+                got = self.block(table[p // BS])[p % BS]
+                assert got == chain[p], (f"step {plan.step}: {w.seq_id} reads position {p} (block "
+                                         f"{table[p // BS]}) but its KV was never written there")
+        sampled: dict[str, list[int]] = {}
+        for w in works:
+            br = next(b for b in s.branches(w.seq_id.split("/")[0]) if b.seq_id == w.seq_id)
+            table = led.sequence(w.seq_id).table.blocks
+            # A scheduled sequence is leased as a whole (its blocks are leased only if it is dropped).
+            assert led.is_leased(w.seq_id), f"step {plan.step}: {w.seq_id} runs unleased"
+            chain = kv_chain(br.tokens[: w.end])
+            for p in range(w.start, w.end):
+                self.block(table[p // BS])[p % BS] = chain[p]
+            if not w.sample:
+                continue
+            n = self.accept(w) if w.lookahead else 1
+            assert 1 <= n <= w.lookahead + 1
+            drafts = [sample_token(w.seq_id, w.end + i) if i < n - 1 else draft_token(w.seq_id, w.end + i)
+                      for i in range(w.lookahead)]
+            dchain = kv_chain(br.tokens[: w.end] + drafts)
+            for i in range(w.lookahead):
+                p = w.end + i
+                self.block(table[p // BS])[p % BS] = dchain[p]
+                self.drafts.append((w.seq_id, p))
+            sampled[w.seq_id] = [sample_token(w.seq_id, w.end + i) for i in range(n)]
+        return sampled
+
+    def step(self, before_confirm: Callable[[StepPlan], None] | None = None) -> StepPlan:
+        plan = self.s.schedule()
+        self.s.check()
+        sampled = self.run(plan)
+        if before_confirm is not None:
+            before_confirm(plan)
+        self.s.confirm(plan, sampled)
+        self.s.check()
+        return plan
+
+    def drain(self, limit: int = 500) -> list[StepPlan]:
+        plans = []
+        while self.s.has_work():
+            assert len(plans) < limit, "the scheduler did not finish its work"
+            plans.append(self.step())
+        return plans
+
+
+def assert_drained(s: Scheduler) -> None:
+    """Nothing running, nothing leaked: the end of every test."""
+    for rid in list(s.running):
+        s.cancel(rid)
+    u = s.ledger.usage()
+    assert (u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), u
+    assert s.ledger.outstanding_leases() == 0
+    if s.host is not None:
+        assert s.host.num_free == s.host.num_blocks
+    s.check()
+
+
+def reasons(s: Scheduler) -> dict[str, list[tuple[str | None, int]]]:
+    return {rid: [(b.finish_reason, b.num_generated) for b in brs] for rid, brs in s._all.items()}
+
+
+def expected_output(seq_id: str, prompt_len: int, max_new: int) -> list[int]:
+    return [sample_token(seq_id, prompt_len + i) for i in range(max_new)]
+
+
+@dataclass
+class Snapshot:
+    tokens: list[int]
+    digests: list[bytes]
+    blocks: list[int]
+    contents: dict[bytes, list]  # digest -> slots of its block
+    ledger_tokens: int
+
+
+def spy_preempt(s: Scheduler, engine: FakeEngine) -> dict[str, list[Snapshot]]:
+    """Record each sequence's ledger state at the instant the scheduler preempts it."""
+    snaps: dict[str, list[Snapshot]] = {}
+    led = s.ledger
+    original = led.preempt
+
+    def preempt(seq_id: str) -> list[int]:
+        seq = led.sequence(seq_id)
+        br = next(b for b in s.branches(seq.family) if b.seq_id == seq_id)
+        snaps.setdefault(seq_id, []).append(Snapshot(
+            list(br.tokens), list(seq.digests), list(seq.table.blocks),
+            {d: list(engine.block(b)) for d, b in zip(seq.digests, seq.table.blocks, strict=False)},
+            len(seq.tokens)))
+        return original(seq_id)
+
+    led.preempt = preempt  # type: ignore[method-assign]
+    return snaps
+
+
+# ---- full reservation ---------------------------------------------------------------------------
+def test_full_never_preempts_and_rejects_what_can_never_fit() -> None:
+    led = KVLedger(10, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full", token_budget=64, prefill_chunk=8))
+    s.add(GenRequest("a", toks(6, 100), 9))  # 15 tokens: 4 blocks
+    s.add(GenRequest("b", toks(5, 200), 6, n=2))  # 3 blocks + the branch's 1 + tail copy 1 = 5 blocks
+    s.add(GenRequest("big", toks(30, 300), 11))  # 41 tokens = 11 blocks > the whole pool of 10
+    s.add(GenRequest("c", toks(3, 400), 5))  # 2 blocks: waits until someone finishes
+    engine = FakeEngine(s)
+    first = engine.step()
+    assert first.admitted == ["a", "b"]  # c would overcommit: 4 + 5 + 2 > 10
+    assert ("big", "never: larger than the whole pool") in first.ended
+    for plan in [first, *engine.drain()]:
+        assert not plan.preempted and not plan.swap_out
+        assert s.preemptions == 0
+        u = led.usage()
+        assert u.promised <= u.free + u.evictable
+    assert reasons(s) == {"a": [("length", 9)], "b": [("length", 6), ("length", 6)],
+                          "big": [("never: larger than the whole pool", 0)], "c": [("length", 5)]}
+    assert s.branches("b")[1].output == expected_output("b/1", 5, 6)
+    assert s.finished["big"][0].finish_reason.startswith("never")
+    assert_drained(s)
+
+
+def test_full_growth_cannot_fail_even_with_branches_and_lookahead() -> None:
+    led = KVLedger(9, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full"))
+    s.add(GenRequest("x", toks(6, 10), 7, n=2, lookahead=2))
+    s.add(GenRequest("y", toks(2, 50), 3))
+    engine = FakeEngine(s, accept=lambda w: 1 + (w.start % (w.lookahead + 1)))
+    engine.drain()
+    assert s.preemptions == 0
+    assert reasons(s) == {"x": [("length", 7), ("length", 7)], "y": [("length", 3)]}
+    assert_drained(s)
+
+
+# ---- incremental + preempt: the victim policies -------------------------------------------------
+SHARED = toks(8, 500)  # two blocks C and D share
+
+
+def victim_scenario(victim: str, recovery: str = "recompute", host: HostPool | None = None,
+                    costs: RecoveryCosts | None = None) -> tuple[Scheduler, FakeEngine]:
+    """Pool of 10 four-token blocks, incremental (one token reserved), no watermark.
+
+    admitted in this order      prompt                 blocks at admission
+      A  priority 0             5 tokens               2 (no promise: 6 tokens fit 2 blocks)
+      B  priority -1            8 tokens               2 + 1 promised
+      C  priority 0             SHARED + 1 = 9 tokens  3 (no promise)
+      D  priority 0             SHARED + 4 = 12 tokens 2 shared with C + 1 new + 1 promised
+    = exactly 10 blocks. Step 1 spends B's and D's promises; in step 4 A appends its 9th token
+    (position 8), needs a third block, and none is left: the first growth failure.
+    """
+    led = KVLedger(10, BS)
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", victim=victim,
+                          recovery=recovery, watermark=0.0)
+    s = Scheduler(led, cfg, host=host, costs=costs)
+    s.add(GenRequest("A", toks(5, 100), 20))
+    s.add(GenRequest("B", toks(8, 200), 20, priority=-1))
+    s.add(GenRequest("C", [*SHARED, 7], 20))
+    s.add(GenRequest("D", [*SHARED, 1, 2, 3, 4], 20))
+    return s, FakeEngine(s)
+
+
+# At the failure (step 4, A grows first): tokens = scheduler's tokens, computed = KV written,
+# held = distinct blocks, replay = tokens - blocks still held by another request x 4.
+#        tokens computed held replay            waste = held x replay
+#   A     9      8       2    9                  18
+#   B    12     11       3   12                  36
+#   C    13     12       3   13 - 2*4 = 5        15   (its SHARED blocks are held by D too)
+#   D    16     15       4   16 - 2*4 = 8        32   (... and by C)
+# latest: D (admitted last); priority: B (-1); least_computed: A (8); min_waste: C (15).
+@pytest.mark.parametrize("victim,expected", [("latest", "D"), ("priority", "B"), ("least_computed", "A"),
+                                             ("min_waste", "C")])
+def test_each_victim_policy_picks_its_hand_computed_victim(victim: str, expected: str) -> None:
+    s, engine = victim_scenario(victim)
+    plans = [engine.step() for _ in range(5)]
+    assert [p.preempted for p in plans[:4]] == [[], [], [], []]
+    first = plans[4].preempted[0]
+    assert (first.request_id, first.mode, first.reason) == (expected, "recompute", "A needed a block")
+    assert s.branches(expected)[0].status is Status.WAITING and expected not in s.running
+    assert s.waiting[0][0].request.request_id == expected  # re-queued at the front
+    engine.drain()
+    for rid in "ABCD":
+        br = s.branches(rid)[0]
+        assert (br.finish_reason, br.output) == ("length", expected_output(rid, len(br.request.prompt), 20))
+    assert_drained(s)
+
+
+# ---- recompute ----------------------------------------------------------------------------------
+def test_recompute_replays_exactly_prompt_plus_generated_tokens() -> None:
+    s, engine = victim_scenario("latest")
+    snaps = spy_preempt(s, engine)
+    plans = [engine.step() for _ in range(5)]
+    assert plans[4].preempted[0].request_id == "D"
+    (snap,) = snaps["D"]
+    d = s.branches("D")[0]
+    assert (d.status, d.computed, d.in_ledger, d.tokens) == (Status.WAITING, 0, 0, snap.tokens)
+    assert len(snap.tokens) == 12 + 4  # prompt + the 4 tokens generated so far
+    replay: list[Work] = []
+    while "D" not in s.running or not replay or not replay[-1].sample:
+        plan = engine.step()
+        replay += [w for w in plan.prefills if w.seq_id == "D"]
+        assert not [w for w in plan.decodes if w.seq_id == "D"]
+    # SHARED is still held by C, so the re-admission hits it; the rest is replayed, in order, ending
+    # exactly at len(prompt) + generated, and only the last chunk samples (the 5th output token).
+    assert [(w.start, w.end, w.sample) for w in replay] == [(8, 16, True)]
+    seq = s.ledger.sequence("D")
+    assert (seq.num_prompt, seq.tokens, seq.hit_blocks) == (16, snap.tokens, 2)
+    assert d.tokens[16] == sample_token("D", 16)
+    engine.drain()
+    assert d.output == expected_output("D", 12, 20)
+    assert_drained(s)
+
+
+def test_recompute_preempts_and_readmits_a_family_together() -> None:
+    """Gang semantics: both branches of a request leave and come back in one unit."""
+    led = KVLedger(8, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", watermark=0.0))
+    s.add(GenRequest("G", toks(4, 100), 14))
+    s.add(GenRequest("F", toks(6, 200), 10, n=2))
+    engine = FakeEngine(s)
+    preempted_at = None
+    lens: dict[str, int] = {}
+    gen: dict[str, int] = {}
+
+    def before_confirm(plan: StepPlan) -> None:  # tokens as the plan saw them
+        for br in s.branches("F"):
+            lens[br.seq_id], gen[br.seq_id] = len(br.tokens), br.num_generated
+
+    for _ in range(40):
+        plan = engine.step(before_confirm)
+        if plan.preempted and preempted_at is None:
+            preempted_at = plan.step
+            assert [p.request_id for p in plan.preempted] == ["F"]
+            assert all(b.status is Status.WAITING for b in s.branches("F"))
+            assert "F" not in led and "F/1" not in led
+            assert len(s.waiting[0]) == 2
+        elif preempted_at is not None and "F" in plan.admitted:
+            # Both branches come back in the same step. F's 3 full blocks are still cached (a decode
+            # of position 12 is all it replays); F/1 shares only the first prompt block with it, and
+            # replays positions 4..12 -- in both cases up to exactly prompt + generated.
+            works = {w.seq_id: w for w in plan.prefills + plan.decodes}
+            assert set(works) == {"F", "F/1"}
+            assert [(w.start, w.end) for w in (works["F"], works["F/1"])] == [(12, 13), (4, 13)]
+            assert all(w.sample for w in works.values())
+            assert all(lens[sid] == 6 + gen[sid] == works[sid].end for sid in works)
+            break
+    else:
+        pytest.fail("F was never preempted and re-admitted")
+    engine.drain()
+    assert reasons(s) == {"G": [("length", 14)], "F": [("length", 10), ("length", 10)]}
+    assert_drained(s)
+
+
+# ---- swap ---------------------------------------------------------------------------------------
+@dataclass
+class Restored:
+    tokens: list[int]
+    digests: list[bytes]
+    blocks: list[int]
+    hit_blocks: int
+    contents: list[list]  # slots of each block, in table order
+
+
+def swap_scenario(clear_cache: bool) -> tuple[Scheduler, FakeEngine, Snapshot, list[StepPlan], Restored]:
+    """Pool 6, incremental, victim latest, swap. G (4-token prompt, 12 new) and V (6-token prompt,
+    9 new) grow in lock step; in step 7 V appends position 12, finds no block and, being the latest,
+    swaps itself out (3 blocks). G runs alone until it finishes in step 11; V comes back in step 12."""
+    led = KVLedger(6, BS)
+    cfg = SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0)
+    s = Scheduler(led, cfg, host=HostPool(8))
+    s.add(GenRequest("G", toks(4, 100), 12))
+    s.add(GenRequest("V", toks(6, 200), 9))
+    engine = FakeEngine(s)
+    snaps = spy_preempt(s, engine)
+    plans: list[StepPlan] = []
+    restored = None
+    while s.has_work():
+        assert len(plans) < 60
+        plan = engine.step()
+        plans.append(plan)
+        if plan.swap_out and clear_cache:
+            led.clear_cache()  # evict V's retained blocks: the restore must read every one back
+        if plan.step > 0 and "V" in plan.admitted:
+            seq = led.sequence("V")
+            restored = Restored(list(seq.tokens), list(seq.digests), list(seq.table.blocks), seq.hit_blocks,
+                                [list(engine.block(b)) for b in seq.table.blocks])
+    assert restored is not None and len(snaps["V"]) == 1
+    return s, engine, snaps["V"][0], plans, restored
+
+
+@pytest.mark.parametrize("clear_cache", [False, True])
+def test_swap_then_restore_gives_back_the_same_blocks(clear_cache: bool) -> None:
+    s, engine, snap, plans, back = swap_scenario(clear_cache)
+    (out,) = [p for p in plans if p.swap_out]
+    (restore,) = [p for p in plans if p.step > 0 and "V" in p.admitted]
+    assert (out.step, restore.step) == (7, 12)
+    assert out.preempted[0].request_id == "V" and out.preempted[0].mode == "swap"
+    assert out.transfer_wait_s == pytest.approx(TransferModel().time_s(3, RecoveryCosts().block_bytes))
+    # Every device block V held went out, each to its own host block.
+    assert sorted(d for d, _ in out.swap_out) == sorted(snap.blocks) and len(snap.blocks) == 3
+    host_of = dict(out.swap_out)
+    assert len(set(host_of.values())) == 3
+    # Read back: each host block lands at the table index it left from; prefix hits need no copy.
+    assert restore.swap_in == [(host_of[snap.blocks[i]], back.blocks[i])
+                               for i in range(back.hit_blocks, len(back.blocks))]
+    if clear_cache:
+        assert back.hit_blocks == 0 and {h for h, _ in restore.swap_in} == set(host_of.values())
+    else:  # V's blocks were cached tail first after the copy; G's growth evicted only the tail
+        assert back.hit_blocks == 2 and len(restore.swap_in) == 1
+    for i in range(back.hit_blocks):
+        assert s.ledger.pool.index[back.digests[i]] == back.blocks[i]
+    # Same tokens at the same positions, same digests, and the same contents under each digest.
+    assert back.tokens == snap.tokens[: snap.ledger_tokens]
+    assert back.digests == snap.digests
+    assert {d: c for d, c in zip(back.digests, back.contents, strict=False)} == snap.contents
+    v = s.branches("V")[0]
+    assert (v.finish_reason, v.output) == ("length", expected_output("V", 6, 9))
+    assert v.preemptions == 1 and v.host_blocks == []
+    assert s.host.num_free == s.host.num_blocks
+    assert_drained(s)
+
+
+def test_swap_transfer_wait_follows_staging_and_overlap_flags() -> None:
+    block_bytes = 1_000_000
+    for overlap in (False, True):
+        transfer = TransferModel(link_Bps=1e9, overhead_s=1e-3, staging_blocks=2, overlap=overlap)
+        led = KVLedger(6, BS)
+        cfg = SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0)
+        costs = RecoveryCosts(block_bytes=block_bytes, transfer=transfer)
+        s = Scheduler(led, cfg, host=HostPool(8), costs=costs)
+        s.add(GenRequest("G", toks(4, 100), 12))
+        s.add(GenRequest("V", toks(6, 200), 9))
+        engine = FakeEngine(s)
+        plans = engine.drain()
+        (out,) = [p for p in plans if p.swap_out]
+        blocks = len(out.swap_out)  # 3 blocks: 2 staging rounds
+        rounds = math.ceil(blocks / 2)
+        full = blocks * block_bytes / 1e9 + rounds * 1e-3
+        assert out.transfer_wait_s == pytest.approx(rounds * 1e-3 if overlap else full)
+        assert_drained(s)
+
+
+def test_auto_chooses_by_the_cost_formulas() -> None:
+    """recompute_s = replay x flops_per_token / flops_per_s; swap_s = 2 x (blocks x block_bytes /
+    link_Bps + rounds x overhead_s). The victim is D of the victim scenario: 16 tokens, 4 blocks, the
+    first 2 held by C as well, so replay = 16 - 2 x 4 = 8 tokens."""
+    flops_per_token, flops_per_s, block_bytes = 1e9, 1e12, 1_000_000
+    replay, blocks = 8, 4
+    recompute_s = replay * flops_per_token / flops_per_s  # 8 ms
+    for link_Bps in (1e12, 1e8):
+        transfer = TransferModel(link_Bps=link_Bps, overhead_s=5e-6, staging_blocks=64)
+        swap_s = 2 * (blocks * block_bytes / link_Bps + math.ceil(blocks / 64) * 5e-6)
+        expected = "swap" if swap_s < recompute_s else "recompute"
+        assert expected == ("swap" if link_Bps == 1e12 else "recompute")  # 8 us+ vs 80 ms
+        costs = RecoveryCosts(flops_per_token, flops_per_s, block_bytes, transfer)
+        s, engine = victim_scenario("latest", recovery="auto", host=HostPool(16), costs=costs)
+        plans = [engine.step() for _ in range(5)]
+        p = plans[4].preempted[0]
+        assert (p.request_id, p.mode) == ("D", expected)
+        assert f"auto chose {expected} (recompute {recompute_s * 1e3:.3f} ms vs swap {swap_s * 1e3:.3f} ms)" \
+            in p.reason
+        assert bool(plans[4].swap_out) == (expected == "swap")
+        engine.drain()
+        assert all(b.finish_reason == "length" for brs in s._all.values() for b in brs)
+        assert_drained(s)
+
+
+@pytest.mark.parametrize("host", [None, HostPool(3)])
+def test_swap_without_host_room_falls_back_to_recompute(host: HostPool | None) -> None:
+    s, engine = victim_scenario("latest", recovery="swap", host=host)  # D holds 4 blocks
+    plans = [engine.step() for _ in range(5)]
+    p = plans[4].preempted[0]
+    assert (p.request_id, p.mode) == ("D", "recompute")
+    assert "host pool cannot hold the blocks" in p.reason
+    assert not plans[4].swap_out and (host is None or host.num_free == 3)
+    engine.drain()
+    assert all(b.finish_reason == "length" for brs in s._all.values() for b in brs)
+    assert_drained(s)
+
+
+# ---- defer and reject ---------------------------------------------------------------------------
+def test_defer_skips_the_stuck_request_until_memory_frees() -> None:
+    """Pool 4. X: prompt 4, 4 new (1 block + 1 promised); Z: prompt 7, 5 new (2 blocks, no promise).
+    Step 2: Z appends position 8, needs a third block, none is unpromised: deferred (no work that
+    step), and again in step 3; X finishes in step 3 and frees its blocks; Z resumes in step 4."""
+    led = KVLedger(4, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", on_growth_failure="defer", watermark=0.0))
+    s.add(GenRequest("X", toks(4, 100), 4))
+    s.add(GenRequest("Z", toks(7, 300), 5))
+    engine = FakeEngine(s)
+    deferred = {}
+    while s.has_work():
+        plan = engine.step()
+        ran = {w.seq_id for w in plan.prefills + plan.decodes}
+        stuck = {b.seq_id for b in s._all["Z"] if b.deferred}
+        assert not stuck & ran  # a deferred request does not run that step
+        deferred[plan.step] = sorted(stuck)
+    assert deferred == {0: [], 1: [], 2: ["Z"], 3: ["Z"], 4: [], 5: [], 6: []}
+    assert s.preemptions == 0
+    assert reasons(s) == {"X": [("length", 4)], "Z": [("length", 5)]}
+    assert_drained(s)
+
+
+def test_defer_breaks_a_deadlock_by_recomputing_one_victim() -> None:
+    # Pool 4: X and Y both need a third block at position 8 in the same step; nobody can finish.
+    led = KVLedger(4, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", on_growth_failure="defer", watermark=0.0))
+    s.add(GenRequest("X", toks(4, 100), 8))
+    s.add(GenRequest("Y", toks(4, 200), 8))
+    engine = FakeEngine(s)
+    plans = engine.drain()
+    pre = [p for plan in plans for p in plan.preempted]
+    assert [(p.request_id, p.mode, p.reason) for p in pre] == [
+        ("Y", "recompute", "every running request was deferred")]
+    assert reasons(s) == {"X": [("length", 8)], "Y": [("length", 8)]}
+    assert_drained(s)
+
+
+def test_reject_ends_the_request_that_cannot_grow() -> None:
+    led = KVLedger(4, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", on_growth_failure="reject", watermark=0.0))
+    s.add(GenRequest("X", toks(4, 100), 8))
+    s.add(GenRequest("Y", toks(4, 200), 8, n=1))
+    engine = FakeEngine(s)
+    plans = engine.drain()
+    ended = [e for p in plans for e in p.ended]
+    # Each holds 2 of the 4 blocks; both append position 8 in step 5. X grows first, finds no block
+    # and is rejected (its 5 sampled tokens kept; the 5th never reached the ledger); its blocks are
+    # freed at once, so Y's append in the same step succeeds.
+    assert ended == [("X", "rejected: no memory to grow")]
+    assert reasons(s) == {"X": [("rejected: no memory to grow", 5)], "Y": [("length", 8)]}
+    assert s.preemptions == 0
+    assert_drained(s)
+
+
+def test_headroom_keeps_blocks_free_at_admission() -> None:
+    led = KVLedger(6, BS)
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="headroom", headroom_blocks=2,
+                          watermark=0.0)
+    s = Scheduler(led, cfg)
+    s.add(GenRequest("X", toks(8, 100), 4))  # 2 blocks + 1 promised
+    s.add(GenRequest("Y", toks(4, 200), 4))  # 1 block + 1 promised: would leave 1 < 2 free
+    engine = FakeEngine(s)
+    first = engine.step()
+    assert first.admitted == ["X"]
+    engine.drain()
+    assert reasons(s) == {"X": [("length", 4)], "Y": [("length", 4)]}
+    assert_drained(s)
+
+
+def test_predicted_reserves_the_observed_quantile_after_enough_samples() -> None:
+    led = KVLedger(64, BS)
+    cfg = SchedulerConfig(policy="predicted", predicted_min_samples=2, predicted_quantile=1.0)
+    s = Scheduler(led, cfg)
+    s.add(GenRequest("a", toks(4, 100), 6))
+    engine = FakeEngine(s)
+    engine.step()
+    assert led.sequence("a").promised == 2  # the whole allowance: 10 tokens = 3 blocks, 1 held
+    engine.drain()
+    s.add(GenRequest("b", toks(4, 200), 6))
+    engine.drain()
+    s.add(GenRequest("c", toks(4, 300), 40))
+    engine.step()
+    assert led.sequence("c").promised == 2  # quantile 6 tokens: 10 tokens = 3 blocks, not 11
+    engine.drain()
+    assert s.branches("c")[0].finish_reason == "length"
+    assert_drained(s)
+
+
+# ---- speculative lookahead ----------------------------------------------------------------------
+def test_lookahead_slots_are_trimmed_when_drafts_are_rejected_and_never_indexed() -> None:
+    led = KVLedger(8, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full"))
+    s.add(GenRequest("A", toks(6, 100), 10, lookahead=3))
+    accepts = iter([1, 1, 4, 2, 1, 1, 1, 1, 1, 1])
+    engine = FakeEngine(s, accept=lambda w: next(accepts))
+    trims: list[tuple[int, list[int]]] = []
+    original = led.trim_lookahead
+
+    def trim(seq_id: str) -> int:
+        seq = led.sequence(seq_id)
+        before = list(seq.table.blocks)
+        freed = original(seq_id)
+        gone = before[len(seq.table.blocks):]
+        for b in gone:  # a rejected draft's block leaves with no identity and no reference
+            assert led.pool.ref[b] == 0 and led.pool.digest[b] is None
+        trims.append((len(seq.tokens), gone))
+        return freed
+
+    led.trim_lookahead = trim  # type: ignore[method-assign]
+    reserved = led.usage().promised
+    while s.has_work():
+        plan = engine.step()
+        if "A" in led:
+            seq = led.sequence("A")
+            # no digest covers a position beyond the real tokens; blocks beyond them carry none
+            assert len(seq.digests) * BS <= len(seq.tokens)
+            for b in seq.table.blocks[-(-len(seq.tokens) // BS):]:
+                assert led.pool.digest[b] is None
+            if plan.decodes:
+                assert len(seq.table.blocks) == -(-(len(seq.tokens) + 3) // BS)
+        if plan.step == 0:
+            reserved = led.usage().promised
+    # Step 1 decodes position 6 with drafts at 7, 8, 9: block 2 exists only for drafts. All rejected
+    # (1 token accepted), so step 2 trims it before appending position 7.
+    assert trims[1] == (7, [2])
+    assert reserved == 3  # full: 6 + 10 + 3 lookahead = 19 tokens = 5 blocks, 2 held by the prompt
+    assert ("A", 8) in engine.drafts and ("A", 9) in engine.drafts
+    # Every draft slot was either accepted (and its position later read back with the right KV) or
+    # overwritten by a real token before anything read it: the engine checks each read.
+    a = s.branches("A")[0]
+    assert (a.finish_reason, a.output) == ("length", expected_output("A", 6, 10))
+    assert_drained(s)
+
+
+# ---- cancellation -------------------------------------------------------------------------------
+def test_cancel_mid_flight_defers_release_until_confirm() -> None:
+    led = KVLedger(10, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full"))
+    s.add(GenRequest("A", toks(5, 100), 8, n=2))
+    s.add(GenRequest("B", toks(5, 200), 4))
+    engine = FakeEngine(s)
+    engine.step()
+    plan = s.schedule()
+    sampled = engine.run(plan)
+    held = {b for sid in ("A", "A/1") for b in led.sequence(sid).table.blocks}
+    assert s.cancel("A") is True
+    assert "A" not in led and "A/1" not in led
+    u = led.usage()
+    assert u.deferred == len(held - set(led.sequence("B").table.blocks)) > 0
+    free = set(led.pool.free_blocks())
+    assert not held & free  # still leased by the in-flight step
+    s.confirm(plan, sampled)  # the sampled tokens of A are ignored
+    s.check()
+    assert led.usage().deferred == 0
+    assert [b.finish_reason for b in s.branches("A")] == ["cancelled", "cancelled"]
+    assert s.cancel("A") is False
+    engine.drain()
+    assert s.branches("B")[0].finish_reason == "length"
+    assert_drained(s)
+
+
+def test_cancel_waiting_and_swapped_requests_frees_their_host_blocks() -> None:
+    led = KVLedger(6, BS)
+    host = HostPool(8)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", recovery="swap",
+                                       watermark=0.0), host=host)
+    s.add(GenRequest("G", toks(4, 100), 12))
+    s.add(GenRequest("V", toks(6, 200), 9))
+    s.add(GenRequest("W", toks(30, 300), 1))  # 8 blocks: never
+    engine = FakeEngine(s)
+    while not s.swapped:
+        engine.step()
+    s.add(GenRequest("Q", toks(5, 400), 3))
+    assert host.num_used > 0
+    assert s.cancel("V") is True
+    assert host.num_free == host.num_blocks and not s.swapped
+    assert s.cancel("Q") is True  # still waiting
+    assert s.cancel("nobody") is False
+    engine.drain()
+    assert reasons(s) == {"G": [("length", 12)], "V": [("cancelled", s.branches("V")[0].num_generated)],
+                          "W": [("never: larger than the whole pool", 0)], "Q": [("cancelled", 0)]}
+    assert_drained(s)
+
+
+# ---- bugs found: these fail until src/ is fixed ---------------------------------------------------
+def test_swap_restore_does_not_skip_an_unfinished_prefill() -> None:
+    """G holds 2 blocks and decodes; V (15-token prompt, 4 blocks, no promise: the pool is full) is
+    prefilled in chunks of 4. In step 5 G needs a block for position 8 and swaps out V, the latest,
+    with 12 of its 15 prompt positions computed. On restore (step 9) ``_admit_unit`` sets
+    ``computed = in_ledger - 1`` (scheduler.py:278) and decodes position 14, reading positions 12 and
+    13, whose KV was never computed. The restore must resume the prefill at position 12."""
+    led = KVLedger(6, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0,
+                                       prefill_chunk=4, token_budget=5), host=HostPool(8))
+    s.add(GenRequest("G", toks(4, 100), 8))  # 1 block + 1 promised; position 8 (step 5) needs another
+    engine = FakeEngine(s)
+    engine.step()
+    engine.step()
+    s.add(GenRequest("V", toks(15, 200), 3))
+    computed_at_swap = None
+    while s.has_work():
+        plan = s.schedule()
+        s.check()
+        if plan.swap_out:
+            assert plan.preempted[0].request_id == "V" and plan.step == 5
+            computed_at_swap = 12
+            assert [w for w in plan.prefills if w.seq_id == "V"] == []
+        if computed_at_swap is not None and "V" in plan.admitted:
+            first = [w for w in plan.prefills + plan.decodes if w.seq_id == "V"]
+            assert not first or first[0].start <= computed_at_swap, \
+                f"restored V starts at position {first[0].start}; only {computed_at_swap} were ever computed"
+        s.confirm(plan, engine.run(plan))
+        s.check()
+    assert s.branches("V")[0].preemptions == 1
+    assert reasons(s) == {"G": [("length", 8)], "V": [("length", 3)]}
+    assert_drained(s)
+
+
+def test_swap_victim_is_not_restored_in_the_step_it_was_swapped_out() -> None:
+    """G needs a block at position 8 (step 5) while B (16-token prompt, 4 blocks + 1 promised) is
+    mid-prefill. B, the latest, is swapped out -- and ``_swap_in`` (run right after ``_grow``) admits
+    it again in the same step: its promise was just cancelled, and its own still-leased blocks are
+    prefix hits, including the unwritten ones. G, deferred so that the transfer could free memory,
+    gets nothing; the swap-out was pure cost; and B resumes by decoding position 15 over positions
+    12..14 that were never computed. A unit swapped out in a step should not be restored in it."""
+    led = KVLedger(7, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0,
+                                       prefill_chunk=4), host=HostPool(16))
+    s.add(GenRequest("G", toks(4, 100), 12))
+    engine = FakeEngine(s)
+    engine.step()
+    engine.step()
+    s.add(GenRequest("B", toks(16, 200), 4))
+    swaps = 0
+    while s.has_work():
+        plan = s.schedule()
+        s.check()
+        swapped = {p.request_id for p in plan.preempted if p.mode == "swap"}
+        swaps += len(swapped)
+        assert not swapped & set(plan.admitted), f"step {plan.step}: {swapped} swapped out and back in"
+        s.confirm(plan, engine.run(plan))
+        s.check()
+    assert swaps == 1
+    assert reasons(s) == {"G": [("length", 12)], "B": [("length", 4)]}
+    assert_drained(s)
+
+
+def test_swap_restore_does_not_treat_a_pending_prefix_hit_as_written() -> None:
+    """V (8-token prompt SH, priority -1) is swapped out for G in step 32 and its cached blocks are
+    then cleared. W (prompt SH + 8) is admitted and prefilled one token a step (token budget 2), so
+    W's second block -- SH[4:8] -- is indexed but pending. G is cancelled once W has computed 4
+    positions; in the next step V is restored: it hits W's two SH blocks, skips their swap-in
+    (scheduler.py:276 copies only from ``seq.hit_blocks`` on) and decodes over positions 4..7 that W
+    writes one by one in later steps. Fresh admission uses ``ready_tokens`` for exactly this; a
+    restore must swap in (or recompute) every hit that is not written yet."""
+    SH = toks(8, 500)
+    led = KVLedger(17, BS)
+    cfg = SchedulerConfig(policy="incremental", victim="priority", recovery="swap", watermark=0.0,
+                          prefill_chunk=4, token_budget=2)
+    s = Scheduler(led, cfg, host=HostPool(32))
+    s.add(GenRequest("V", SH, 60, priority=-1))
+    s.add(GenRequest("G", toks(4, 100), 60))
+    engine = FakeEngine(s)
+    phase = "running"
+    while s.has_work():
+        assert engine.s._step < 200
+        plan = s.schedule()
+        s.check()
+        if phase == "G cancelled":
+            assert "V" in plan.admitted
+            seq = led.sequence("V")
+            assert seq.hit_blocks == 2 and not led.pool.written[seq.table.blocks[1]]
+            swapped_in = {d for _, d in plan.swap_in}
+            for w in [w for w in plan.prefills + plan.decodes if w.seq_id == "V"]:
+                context = sorted({seq.table.blocks[p // BS] for p in range(w.start)})
+                unreadable = [b for b in context if not led.pool.written[b] and b not in swapped_in]
+                assert unreadable == [], f"restored V runs {w} over pending blocks {unreadable}"
+            phase = "checked"
+        s.confirm(plan, engine.run(plan))
+        s.check()
+        if phase == "running" and plan.swap_out:
+            assert plan.preempted[0].request_id == "V"
+            led.clear_cache()
+            s.add(GenRequest("W", SH + toks(8, 900), 30))
+            phase = "W added"
+        elif phase == "W added" and "W" in led and s.branches("W")[0].computed == 4:
+            s.cancel("G")
+            phase = "G cancelled"
+    assert phase == "checked"
+    assert [b.finish_reason for rid in "VW" for b in s.branches(rid)] == ["length", "length"]
+    assert_drained(s)
+
+
+def test_swap_of_self_does_not_make_the_other_grower_look_too_big() -> None:
+    """A (priority 0) and B (priority 9) each fill 2 of 4 blocks and both need a third in step 5.
+    A fails first and, being the lowest priority, swaps itself out; its blocks stay leased until
+    confirm. B then fails, finds itself alone in ``running`` and is rejected as 'outgrew the whole
+    pool' (scheduler.py:150) -- but B (4 + 10 tokens = 4 blocks) fits the pool alone, and A's blocks
+    come free at confirm. B should defer for one step, as a grower does after any swap-out."""
+    led = KVLedger(4, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="priority", recovery="swap",
+                                       watermark=0.0), host=HostPool(8))
+    s.add(GenRequest("A", toks(4, 100), 10, priority=0))
+    s.add(GenRequest("B", toks(4, 200), 10, priority=9))
+    engine = FakeEngine(s)
+    engine.drain()
+    assert reasons(s) == {"A": [("length", 10)], "B": [("length", 10)]}
+    assert_drained(s)
+
+
+def test_a_readmitted_request_is_not_left_idle_by_a_stale_deferred_flag() -> None:
+    """Pool 4: X and Y (4 + 8 tokens each) both need a third block in step 5; both defer, so the
+    deadlock breaker recomputes Y. Y still carries ``deferred = True`` from that step (nothing resets
+    it on preemption), so when Y is re-admitted in step 8 ``_schedule_branch`` skips it: the step is
+    empty although Y was just admitted with room to run."""
+    led = KVLedger(4, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", on_growth_failure="defer", watermark=0.0))
+    s.add(GenRequest("X", toks(4, 100), 8))
+    s.add(GenRequest("Y", toks(4, 200), 8))
+    engine = FakeEngine(s)
+    plans = engine.drain()
+    (readmit,) = [p for p in plans if p.step > 0 and p.admitted]
+    assert readmit.admitted == ["Y"]
+    assert [w.seq_id for w in readmit.prefills + readmit.decodes] == ["Y"], f"step {readmit.step} is empty"
+    assert_drained(s)
+
+
+def test_every_block_a_plan_names_is_leased_until_confirm() -> None:
+    """The module's promise: 'Every block the plan touches is leased until confirm'. In the swap
+    scenario V comes back in step 12 with its sampled token not yet appended, so it is not scheduled
+    that step and ``plan.lease`` does not cover it: the swap-in destinations are unleased. Cancelling
+    V mid-flight then puts blocks the executor is still copying into straight on the free list."""
+    led = KVLedger(6, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0),
+                  host=HostPool(8))
+    s.add(GenRequest("G", toks(4, 100), 12))
+    s.add(GenRequest("V", toks(6, 200), 9))
+    engine = FakeEngine(s)
+    while True:
+        plan = s.schedule()
+        s.check()
+        if plan.swap_in:
+            break
+        s.confirm(plan, engine.run(plan))
+    sampled = engine.run(plan)
+    targets = [d for _, d in plan.swap_in] + [c.dst for c in plan.copies] + [c.src for c in plan.copies]
+    assert s.cancel("V")
+    free = set(led.pool.free_blocks())
+    assert [b for b in targets if b in free] == [], "blocks the in-flight plan writes were freed"
+    s.confirm(plan, sampled)
+    s.check()
+    assert_drained(s)
+
+
+def test_finished_requests_stay_cached_tail_first() -> None:
+    """The ledger releases a sequence tail first so that LRU evicts its deepest block before the head
+    every deeper block depends on (core/eviction.py, LRUPolicy). Under the scheduler a request
+    finishes inside ``confirm`` while the step's lease still holds its blocks; the lease then ends in
+    table order (core/lifetimes.py, end_lease), so the blocks become retained head first and the next
+    eviction strands the whole chain. (The swap lease, scheduler.py:201-212, leases ``sorted`` block
+    ids: the same effect for swapped-out requests.)"""
+    led = KVLedger(8, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full"))
+    s.add(GenRequest("A", toks(12, 100), 2))  # 3 full prompt blocks
+    engine = FakeEngine(s)
+    engine.step()
+    digests = list(led.sequence("A").digests)
+    table = list(led.sequence("A").table.blocks)
+    engine.drain()
+    assert led.pool.retained.blocks() == table[2::-1]  # first victim first: the tail of the chain
+    # One block of pressure evicts exactly one of A's: the chain's head must survive it.
+    s.add(GenRequest("B", toks(24, 300), 1))  # 7 blocks: 5 free + 1 evicted + 1 promised
+    engine.step()
+    assert [led.pool.index.get(d) for d in digests] == [table[0], table[1], None]
+    engine.drain()
+    assert_drained(s)
+
+
+def test_a_family_larger_than_max_running_ends_instead_of_waiting_forever() -> None:
+    """n = 2 branches with max_running = 1: ``_admit`` stops at ``len(live) + len(unit) >
+    max_running`` (scheduler.py:299) every step, so the request is never admitted, never rejected,
+    and blocks the queue behind it for good. It should end with a 'never' reason like a request
+    larger than the pool."""
+    led = KVLedger(8, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full", max_running=1))
+    s.add(GenRequest("pair", toks(3, 100), 2, n=2))
+    s.add(GenRequest("next", toks(3, 200), 2))
+    engine = FakeEngine(s)
+    for _ in range(20):
+        if not s.has_work():
+            break
+        engine.step()
+    assert not s.has_work(), "the request with n > max_running is still waiting"
+    assert all(b.finish_reason.startswith("never") for b in s.branches("pair"))
+    assert s.branches("next")[0].finish_reason == "length"
+    assert_drained(s)
+
+
+@pytest.mark.parametrize("cfg", [
+    SchedulerConfig(policy="incremental", watermark=0.25),  # keeps int(0.25 x 8) = 2 blocks free
+    SchedulerConfig(policy="full", on_growth_failure="headroom", headroom_blocks=1),
+])
+def test_kept_free_blocks_do_not_starve_a_request_that_fits_the_pool(cfg: SchedulerConfig) -> None:
+    """A request that fits the whole pool (so admission does not say 'never') but needs more than
+    ``num_blocks - keep_free`` blocks is 'not now' forever, even with the pool empty: the watermark /
+    headroom (scheduler.py:46-48, passed to every ``ledger.admit``) is reserved for growth of running
+    requests, and there are none. It waits for good at the head of the queue."""
+    led = KVLedger(8, BS)
+    s = Scheduler(led, cfg)
+    s.add(GenRequest("wide", toks(28, 100), 4))  # 7 prompt blocks + 1 for the output: 8 = the pool
+    engine = FakeEngine(s)
+    for _ in range(20):
+        if not s.has_work():
+            break
+        engine.step()
+    assert not s.has_work(), "a request that fits the empty pool is waiting forever"
+    assert s.branches("wide")[0].finish_reason is not None
+    assert_drained(s)

@@ -69,6 +69,10 @@ class BlockPool:
     # ---- transitions --------------------------------------------------------------------------
     def allocate(self) -> int:
         """free -> active, or (free list empty) evict one retained block -> active."""
+        if self._free:  # the common case, once per block_size tokens of every sequence
+            block = self._free.pop()
+            self.ref[block] = 1
+            return block
         return self.allocate_many(1)[0]
 
     def allocate_many(self, n: int) -> list[int]:

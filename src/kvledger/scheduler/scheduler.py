@@ -86,6 +86,17 @@ class Scheduler:
     def branches(self, request_id: str) -> list[Branch]:
         return self._all[request_id]
 
+    def forget(self, request_id: str) -> list[Branch]:
+        """Drop a finished request's state (its token lists) and return its branches: long runs (the
+        simulator) keep memory bounded by forgetting what they have already recorded."""
+        if request_id not in self.finished:
+            raise LedgerError(f"request {request_id!r} is not finished")
+        branches = self.finished.pop(request_id)
+        self._all.pop(request_id, None)
+        for br in branches:
+            self._by_seq.pop(br.seq_id, None)
+        return branches
+
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         plan = StepPlan(self._step)

@@ -62,6 +62,8 @@ class DeviceProfile:
     flops_efficiency / bw_efficiency: the fraction of each peak a real step achieves, in (0, 1].
     step_overhead_s: fixed time added to every non-empty step. host_link_Bps: host<->device
     bandwidth in one direction (bytes/s); transfer_overhead_s: fixed time per swap transfer.
+    seq_overhead_s: time added per sequence in a step (per-sequence launch, gather and sampling work
+    that neither FLOPs nor bytes capture; large on a CPU, ~0 on a GPU with batched kernels).
     """
 
     name: str
@@ -73,6 +75,7 @@ class DeviceProfile:
     host_link_Bps: float  # noqa: N815
     transfer_overhead_s: float
     source: str
+    seq_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -84,7 +87,7 @@ class DeviceProfile:
             if value > 1:
                 raise ConfigError(f"{self.name}: {key} must be in (0, 1], got {value!r}")
             object.__setattr__(self, key, value)
-        for key in ("step_overhead_s", "transfer_overhead_s"):
+        for key in ("step_overhead_s", "transfer_overhead_s", "seq_overhead_s"):
             object.__setattr__(self, key, _non_negative(getattr(self, key), f"{self.name}: {key}"))
         if not isinstance(self.source, str):
             raise ConfigError(f"{self.name}: source must be a string")
@@ -122,7 +125,7 @@ class DeviceProfile:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} (known: {', '.join(names)})")
-        values = {"name": CPU_LOCAL, "source": origin, **data}
+        values = {"name": CPU_LOCAL, "source": origin, "seq_overhead_s": 0.0, **data}  # optional keys
         missing = [n for n in names if n not in values]
         if missing:
             raise ConfigError(f"{origin}: missing key(s) {', '.join(missing)}")
@@ -377,12 +380,13 @@ class CostModel:
             linear_flops=linear, attention_flops=attention, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
             compute_s=(linear + attention) / profile.effective_flops,
             memory_s=(weight_bytes + kv_bytes) / profile.effective_bandwidth_Bps,
-            overhead_s=profile.step_overhead_s,
+            overhead_s=profile.step_overhead_s + profile.seq_overhead_s * (n_prefill + n_decode),
         )
 
     def step_time(self, prefill_tokens: Sequence[PrefillEntry] = (), decode_contexts: Sequence[int] = ()
                   ) -> float:
-        """Seconds one step takes: max(compute_s, memory_s) + step_overhead_s (0 for an empty step)."""
+        """Seconds one step takes: max(compute_s, memory_s) + step_overhead_s + seq_overhead_s x sequences
+        (0 for an empty step)."""
         return self.breakdown(prefill_tokens, decode_contexts).time_s
 
     def recompute_time(self, n_tokens: int, context_before: int = 0) -> float:

@@ -1,0 +1,122 @@
+"""Fitting a DeviceProfile to measured step times (the pure-Python half of `kvledger calibrate`).
+
+The measuring half -- loading the bundled SmolLM2 into the torch runtime and timing real forward steps --
+lives in the CLI face (``kvledger.cli.sim_cmds``), so that this layer never imports torch. Here:
+
+* ``CALIBRATION_SHAPES``: the batch shapes timed (prefill chunks and decode batches);
+* ``fit_profile``: the profile whose roofline best explains the measurements. With both efficiencies
+  fixed at 1 the fitted ``peak_flops`` and ``mem_bandwidth_Bps`` *are* the effective rates:
+
+      t_i ~= max(F_i / peak_flops, B_i / mem_bandwidth_Bps) + step_overhead_s
+
+  F_i and B_i come from the same CostModel the simulator uses, so the fit is consistent with how the
+  profile will be read. The fit minimises the squared log error (relative error) over a refined grid of
+  the two rates for each candidate overhead -- no numpy or scipy needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import ConfigError
+from .cost_model import CPU_LOCAL, CostModel, DeviceProfile
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One timed step: prefill entries (new_tokens, context_before) and decode contexts."""
+
+    name: str
+    prefill: tuple[tuple[int, int], ...] = ()
+    decode: tuple[int, ...] = ()
+
+
+CALIBRATION_SHAPES: tuple[Shape, ...] = (
+    Shape("decode x1 @128", decode=(128,)),
+    Shape("decode x4 @128", decode=(128,) * 4),
+    Shape("decode x16 @128", decode=(128,) * 16),
+    Shape("decode x8 @512", decode=(512,) * 8),
+    Shape("prefill 16", prefill=((16, 0),)),
+    Shape("prefill 64", prefill=((64, 0),)),
+    Shape("prefill 256", prefill=((256, 0),)),
+    Shape("prefill 2x64", prefill=((64, 0),) * 2),
+    Shape("prefill 64 @256", prefill=((64, 256),)),
+    Shape("mixed 32 + decode x4", prefill=((32, 0),), decode=(128,) * 4),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Measurement:
+    shape: Shape
+    seconds: float  # median wall time of the step
+
+
+def _rates(cost: CostModel, shapes: Sequence[Shape]) -> list[tuple[float, float, int]]:
+    out = []
+    for s in shapes:
+        b = cost.breakdown(list(s.prefill), list(s.decode))
+        out.append((float(b.flops), float(b.bytes_moved), len(s.prefill) + len(s.decode)))
+    return out
+
+
+def _loss(fb: list[tuple[float, float, int]], times: list[float], p: float, w: float, o: float,
+          q: float = 0.0) -> float:
+    total = 0.0
+    for (f, b, n), t in zip(fb, times, strict=True):
+        pred = max(f / p, b / w) + o + q * n
+        total += math.log(pred / t) ** 2
+    return total
+
+
+def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_link_Bps: float,
+                transfer_overhead_s: float, name: str = CPU_LOCAL, source: str = "") -> tuple[DeviceProfile,
+                                                                                            dict[str, Any]]:
+    """Fit (peak_flops, mem_bandwidth_Bps, step_overhead_s, seq_overhead_s) with efficiencies 1.
+    ``cost`` gives each shape's FLOPs and bytes (its own profile is not used). Returns the profile and
+    a fit report."""
+    if len(measurements) < 3:
+        raise ConfigError("calibration needs at least 3 measured shapes")
+    times = [m.seconds for m in measurements]
+    if any(not t > 0 for t in times):
+        raise ConfigError("measured step times must be positive")
+    fb = _rates(cost, [m.shape for m in measurements])
+    # Starting points: the most compute-heavy and the most memory-heavy shape alone.
+    p0 = max(f / t for (f, _b, _n), t in zip(fb, times, strict=True))
+    w0 = max(b / t for (_f, b, _n), t in zip(fb, times, strict=True))
+    best = (math.inf, p0, w0, 0.0, 0.0)
+    t_min = min(times)
+    q_max = min(t / n for (_f, _b, n), t in zip(fb, times, strict=True) if n) if any(n for *_, n in fb) else 0.0
+    for kq in range(6):
+        q = q_max * 0.9 * kq / 5
+        for k in range(24):
+            o = t_min * 0.95 * k / 23
+            lp, lw, span = math.log(p0), math.log(w0), math.log(1e3)
+            local = (math.inf, p0, w0)
+            for _round in range(4):
+                grid = [(lp + span * (i / 12 - 0.5), lw + span * (j / 12 - 0.5)) for i in range(13)
+                        for j in range(13)]
+                for a, c in grid:
+                    loss = _loss(fb, times, math.exp(a), math.exp(c), o, q)
+                    if loss < local[0]:
+                        local = (loss, math.exp(a), math.exp(c))
+                lp, lw, span = math.log(local[1]), math.log(local[2]), span / 6
+            if local[0] < best[0]:
+                best = (local[0], local[1], local[2], o, q)
+    loss, p, w, o, q = best
+    profile = DeviceProfile(name=name, peak_flops=p, mem_bandwidth_Bps=w, flops_efficiency=1.0,
+                            bw_efficiency=1.0, step_overhead_s=o, seq_overhead_s=q, host_link_Bps=host_link_Bps,
+                            transfer_overhead_s=transfer_overhead_s,
+                            source=source or "kvledger calibrate: fitted to measured runtime steps")
+    rows = []
+    for m, (f, b, n) in zip(measurements, fb, strict=True):
+        pred = max(f / p, b / w) + o + q * n
+        rows.append({"shape": m.shape.name, "measured_s": m.seconds, "predicted_s": pred,
+                     "error": pred / m.seconds - 1, "flops": f, "bytes": b})
+    report = {"rms_log_error": math.sqrt(loss / len(times)), "points": rows}
+    return profile, report
+
+
+__all__ = ["CALIBRATION_SHAPES", "Measurement", "Shape", "fit_profile"]

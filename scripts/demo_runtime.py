@@ -33,7 +33,7 @@ QUESTIONS = [
     "Name one planet in the solar system.",
 ]
 SAMPLED = "Suggest a name for a cat."
-POOL_BLOCKS = 26  # the prompts fit; their growth does not, all at once
+POOL_BLOCKS = 16  # the prompts fit; their growth does not, all at once
 
 
 def main() -> int:
@@ -47,12 +47,13 @@ def main() -> int:
 
     def chat(question: str) -> list[int]:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-        return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False).input_ids)
 
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     handles = [engine.submit(chat(q), 40, SamplingParams(), stop_token_ids=stop, request_id=f"q{i}")
                for i, q in enumerate(QUESTIONS)]
-    sampled = engine.submit(chat(SAMPLED), 16, SamplingParams(temperature=0.8, top_p=0.95, seed=7, n=3),
+    sampled = engine.submit(chat(SAMPLED), 16, SamplingParams(temperature=0.8, top_p=0.95, seed=3, n=3),
                             stop_token_ids=stop, request_id="cat")
     prompt_len = len(chat(QUESTIONS[0]))
     print(f"model: {ckpt.path.name}; {len(QUESTIONS) + 1} requests, prompts ~{prompt_len} tokens sharing a "
@@ -63,7 +64,7 @@ def main() -> int:
         r = h.result()
         print(f"\n> {q}\n  {tok.decode(r.output, skip_special_tokens=True).strip()}")
     r = sampled.result()
-    print(f"\n> {SAMPLED} (n=3, seed 7)")
+    print(f"\n> {SAMPLED} (n=3, seed 3)")
     for branch in r.outputs:
         print(f"  - {tok.decode(branch, skip_special_tokens=True).strip()}")
 

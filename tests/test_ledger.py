@@ -697,3 +697,19 @@ def test_sampling_confirms_the_prompt_for_retention() -> None:
     assert ledger.usage().retained == 1
     d = admit(ledger, "b", prompt, 0)
     assert (d.blocks_hit, d.blocks_hit_pending) == (1, 0)
+
+
+def test_refused_requests_do_not_keep_their_digests_forever() -> None:
+    """A 'not now' request's prompt digests are remembered for its next attempt; admitted and 'never'
+    requests leave nothing behind in that memo."""
+    ledger = KVLedger(4, 4)
+    big = Request("big", list(range(40)), 1)
+    assert ledger.admit(big).outcome is Outcome.NEVER
+    ledger.admit(Request("a", list(range(8)), 8)).raise_for_outcome()
+    wait = Request("wait", list(range(100, 108)), 8)
+    assert ledger.admit(wait).outcome is Outcome.NOT_NOW
+    assert set(ledger._digest_cache) == {"wait"}
+    ledger.release("a")
+    ledger.admit(wait).raise_for_outcome()
+    assert ledger._digest_cache == {}
+    ledger.check()

@@ -184,6 +184,7 @@ class KVLedger(BranchOps, LifetimeOps):
                     c.record_query(request.context.trust_group, len(digests), len(hits), len(request.prompt),
                                    len(hits) * self.block_size)
             elif decision.outcome is Outcome.NEVER:
+                self._digest_cache.pop(rid, None)  # it will not be asked again: keep no copy of it
                 c.rejected_never += 1
             else:
                 c.rejected_not_now += 1

@@ -313,3 +313,14 @@ def test_requests_that_can_never_run_are_refused(make_tiny) -> None:
     result = engine.generate([list(range(20))], 100)
     assert len(result[0].output) == 12 and result[0].finish_reasons == ["length"]
     assert_clean(engine)
+
+
+
+def test_a_prompt_that_is_not_token_ids_is_a_config_error(tiny) -> None:
+    """Passing a tokenizer's output dict or floats instead of token ids is one clear ConfigError."""
+    from kvledger.errors import ConfigError
+
+    engine = _engine(tiny[0], "roomy")
+    for bad in ({"input_ids": [1, 2]}, [1.5, 2]):
+        with pytest.raises(ConfigError, match="integer token ids"):
+            engine.submit(bad, 4)

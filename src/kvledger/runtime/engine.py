@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import operator
 import os
 import secrets
 import threading
@@ -420,7 +421,10 @@ class Engine:
         allowance cut to what the model's context leaves. Raises :class:`ConfigError` for malformed
         input and :class:`AdmissionError` for a request that can never run here."""
         params = sampling or SamplingParams()
-        prompt = [int(t) for t in prompt]
+        try:
+            prompt = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ConfigError("the prompt must be a sequence of integer token ids (tokenize text first)") from None
         vocab = self.runner.config.vocab_size
         if not prompt:
             raise ConfigError("the prompt is empty")

@@ -216,19 +216,20 @@ class Scheduler:
         if v == "least_computed":
             return min(candidates, key=lambda r: (sum(b.computed for b in self.running[r]), -order[r]))
         # min_waste: memory held x time lost recovering it (InferCept's waste), time ~ tokens to replay
-        return min(candidates, key=lambda r: (self._held_blocks(r) * self._replay_tokens(r), -order[r]))
+        return min(candidates, key=lambda r: (self._held_blocks(self.running[r])
+                                              * self._replay_tokens(self.running[r]), -order[r]))
 
-    def _held_blocks(self, rid: str) -> int:
-        return len({b for br in self.running[rid] for b in self.ledger.sequence(br.seq_id).table.blocks})
+    def _held_blocks(self, branches: list[Branch]) -> int:
+        return len({b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks})
 
-    def _replay_tokens(self, rid: str) -> int:
+    def _replay_tokens(self, branches: list[Branch]) -> int:
         """Tokens a recompute must run again: all of them, minus full blocks other requests still hold
         (they stay in the prefix index whatever happens to this request)."""
         ledger = self.ledger
+        mine = len(branches)  # references this family itself holds on a shared block
         total = 0
-        for br in self.running[rid]:
+        for br in branches:
             seq = ledger.sequence(br.seq_id)
-            mine = len(self.running[rid])
             kept = 0
             for b in seq.table.blocks[: seq.written_blocks]:
                 if ledger.pool.ref[b] <= mine:
@@ -246,7 +247,7 @@ class Scheduler:
         # releases them tail first, as any release does.
         blocks = list(dict.fromkeys(b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks))
         if mode == "auto":
-            mode, r_s, s_s = self.costs.choose(self._replay_tokens_of(branches), len(blocks))
+            mode, r_s, s_s = self.costs.choose(self._replay_tokens(branches), len(blocks))
             reason += f"; auto chose {mode} (recompute {r_s * 1e3:.3f} ms vs swap {s_s * 1e3:.3f} ms)"
         if mode == "swap" and (self.host is None or self.host.num_free < len(blocks)):
             mode = "recompute"
@@ -278,14 +279,6 @@ class Scheduler:
         self.preemptions += 1
         plan.preempted.append(Preemption(rid, mode, reason))
         return mode
-
-    def _replay_tokens_of(self, branches: list[Branch]) -> int:
-        rid = branches[0].request.request_id
-        self.running[rid] = branches
-        try:
-            return self._replay_tokens(rid)
-        finally:
-            del self.running[rid]
 
     # ---- restoring and admitting ----------------------------------------------------------------
     def _ledger_request(self, br: Branch, fresh: bool) -> Request:

@@ -13,7 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
 from kvledger.core.types import CopyOp
-from kvledger.errors import AdmissionError, LedgerError
+from kvledger.errors import AdmissionError, ConfigError, LedgerError
 
 BS = 16
 
@@ -316,6 +316,45 @@ def test_lease_of_an_unheld_block_is_refused() -> None:
         ledger.lease(blocks=[3])  # free
     audit(ledger)
     assert ledger.outstanding_leases() == 0
+
+
+def test_leases_name_their_owner_and_are_listed_until_they_end() -> None:
+    """A scheduler audits that every outstanding lease belongs to a step still in flight."""
+    ledger = KVLedger(8, BS)
+    admit(ledger, "r", tokens(20), 4).raise_for_outcome()
+    step = ledger.lease(request_ids=["r"], owner="step-7")
+    copy = ledger.lease(blocks=[0, 1], owner="swap-out-3")
+    anonymous = ledger.lease(request_ids=["r"])
+    assert ledger.leases() == {step: "step-7", copy: "swap-out-3", anonymous: ""}
+    ledger.end_lease(step)
+    assert ledger.leases() == {copy: "swap-out-3", anonymous: ""}
+    ledger.release("r")  # deferred until both remaining leases end
+    ledger.end_lease(copy)
+    ledger.end_lease(anonymous)
+    assert ledger.leases() == {} and ledger.outstanding_leases() == 0
+    audit(ledger)
+
+
+@pytest.mark.parametrize(("kwargs", "error"), [
+    ({"blocks": [10**9]}, ConfigError),
+    ({"blocks": [-1]}, ConfigError),
+    ({"blocks": [True]}, ConfigError),
+    ({"blocks": [0, 2.0]}, ConfigError),
+    ({"blocks": [0, 3]}, LedgerError),  # block 3 is free: only the good block 0 before it
+    ({"request_ids": "r"}, ConfigError),  # a string is not a list of ids
+    ({"request_ids": ["r", "ghost"]}, LedgerError),
+    ({"request_ids": ["r"], "owner": 7}, ConfigError),
+    ({"request_ids": ["r"], "owner": None}, ConfigError),
+])
+def test_a_refused_lease_leases_nothing(kwargs: dict, error: type[Exception]) -> None:
+    ledger = KVLedger(4, BS)
+    admit(ledger, "r", tokens(8), 0).raise_for_outcome()
+    before = (list(ledger.pool.leased), ledger.leases())
+    with pytest.raises(error):
+        ledger.lease(**kwargs)
+    assert (list(ledger.pool.leased), ledger.leases()) == before
+    assert not ledger.is_leased("r")
+    audit(ledger)
 
 
 def test_cancel_unknown_request_is_a_no_op() -> None:

@@ -196,6 +196,17 @@ class BlockPool:
                 self._policy_forget(block)
         self.written[block] = False
 
+    def drop_cache(self) -> int:
+        """Evict every retained block ("cleared" events) and let the policy forget everything it
+        remembers (priorities, expiry heaps). Returns the number of blocks evicted."""
+        victims = self.retained.blocks()
+        for block in victims:
+            self.evict(block, kind="cleared")
+        clear = getattr(self.retained, "clear", None)
+        if clear is not None:
+            clear()
+        return len(victims)
+
     # ---- audit --------------------------------------------------------------------------------
     def free_blocks(self) -> list[int]:
         return list(self._free)
@@ -222,7 +233,7 @@ class BlockPool:
         if deferred != self.deferred:
             raise InvariantError(f"deferred count {self.deferred} != {deferred} blocks awaiting a lease")
         for block in free:
-            if self.digest[block] is not None or self.written[block]:
+            if self.digest[block] is not None or self.group[block] is not None or self.written[block]:
                 raise InvariantError(f"free block {block} still carries an identity")
         for block in retained:
             d = self.digest[block]

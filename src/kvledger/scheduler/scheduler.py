@@ -459,18 +459,23 @@ class Scheduler:
         running = Status.RUNNING
         later: list[Branch] = []
         decodes = plan.decodes
+        make = tuple.__new__  # Work(...) without the keyword machinery: hundreds per step
         for branches in self.running.values():
             for br in branches:
-                if br.deferred or br.status is not running or br.in_ledger < len(br.tokens):
+                if br.deferred or br.status is not running:
+                    continue
+                tokens = br.tokens
+                n = len(tokens)
+                if br.in_ledger < n:
                     continue
                 req = br.request
                 if admitted and req.request_id in admitted and br.seq_id not in restored:
                     continue
                 c = br.computed
-                if len(br.tokens) - c == 1 and not req.lookahead:
+                if n - c == 1 and not req.lookahead:
                     if budget <= 0:
                         return budget
-                    decodes.append(Work(br.seq_id, c, c + 1, True, 0, req, br.index, br.blocks, br.tokens))
+                    decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens)))
                     budget -= 1
                 else:
                     later.append(br)

@@ -348,12 +348,16 @@ def test_recompute_preempts_and_readmits_a_family_together() -> None:
             assert "F" not in led and "F/1" not in led
             assert len(s.waiting[0]) == 2
         elif preempted_at is not None and "F" in plan.admitted:
-            # Both branches come back in the same step. F's 3 full blocks are still cached (a decode
-            # of position 12 is all it replays); F/1 shares only the first prompt block with it, and
-            # replays positions 4..12 -- in both cases up to exactly prompt + generated.
+            # Both branches come back in the same step. At the preemption (step 7) F's append of
+            # position 12 had marked its third block written; F/1 never got that far. So 4 blocks were
+            # cached, released tail first: F's block 2, F's block 1, F/1's block 1, the shared block 0.
+            # G's growth in step 13 evicted the least recently released, F's block 2 (the refused
+            # re-admission attempts in between touched nothing, so the order stayed). Each branch then
+            # hits 2 blocks and replays positions 8..12 -- up to exactly prompt + generated.
             works = {w.seq_id: w for w in plan.prefills + plan.decodes}
             assert set(works) == {"F", "F/1"}
-            assert [(w.start, w.end) for w in (works["F"], works["F/1"])] == [(12, 13), (4, 13)]
+            assert plan.step == 14
+            assert [(w.start, w.end) for w in (works["F"], works["F/1"])] == [(8, 13), (8, 13)]
             assert all(w.sample for w in works.values())
             assert all(lens[sid] == 6 + gen[sid] == works[sid].end for sid in works)
             break

@@ -19,6 +19,7 @@ from ..core.inventory import GPUS, build_inventory
 from ..core.models import list_models, load_model_config, model_source
 from ..errors import ConfigError, KVLedgerError
 from ..lab import LabSpec, run_lab
+from ..scheduler import ADMISSION_POLICIES
 from ..units import format_bytes, parse_bytes
 
 
@@ -162,7 +163,7 @@ def plan(model: str | None, layers: int | None, kv_heads: int | None, head_dim: 
 @click.option("--groups", type=int, default=1, show_default=True, help="Trust groups the requests are spread over.")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Share identical prefixes within a trust group.")
-@click.option("--policy", type=click.Choice(["full", "incremental", "predicted"]), default="full",
+@click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy: what is reserved at admission.")
 @click.option("--branches", type=int, default=1, show_default=True,
               help="Parallel samples per request (n-way sampling); each extra branch reserves its own output.")

@@ -7,7 +7,6 @@ commands, so `kvledger plan` never pays for them.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import time
@@ -15,9 +14,11 @@ from typing import Any
 
 import click
 
+from ..core.eviction import policy_names
 from ..errors import ConfigError
+from ..scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES
 
-_POLICIES = ("full", "incremental", "predicted")
+_POLICIES = ADMISSION_POLICIES.names()
 
 
 def _prepare_torch(threads: int | None) -> None:
@@ -179,14 +180,10 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 
 # ---- serve-trace -----------------------------------------------------------------------------------
 def _percentiles(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None, "mean": None}
-    ordered = sorted(values)
+    from ..scheduler.metrics import distribution  # the one percentile definition
 
-    def q(p: float) -> float:  # nearest rank
-        return ordered[max(0, min(len(ordered) - 1, math.ceil(p * len(ordered)) - 1))]
-
-    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": sum(ordered) / len(ordered)}
+    d = distribution(values)
+    return {"p50": d["p50"], "p90": d["p90"], "p99": d["p99"], "mean": d["mean"]}
 
 
 @click.command("serve-trace")
@@ -196,10 +193,12 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
               help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
 @click.option("--policy", type=click.Choice(_POLICIES), default="incremental", show_default=True,
               help="Admission policy of the scheduler.")
-@click.option("--on-growth-failure", type=click.Choice(["defer", "preempt", "reject", "headroom"]),
+@click.option("--on-growth-failure", type=click.Choice(GROWTH_ACTIONS.names()),
               default="preempt", show_default=True)
-@click.option("--recovery", type=click.Choice(["recompute", "swap", "auto"]), default="recompute",
+@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
               show_default=True, help="How preempted requests come back (swap needs --host-blocks).")
+@click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
+              help="Eviction policy for cached prefix blocks.")
 @click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [128].")
 @click.option("--pool", default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
 @click.option("--host-blocks", type=int, default=0, show_default=True, help="Host tier for swapping, in blocks.")
@@ -213,7 +212,8 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 @click.option("--threads", type=int, default=None, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, limit: int, model: str, policy: str, on_growth_failure: str, recovery: str,
-                    pool_blocks: int | None, pool: str | None, host_blocks: int, block_size: int, scale: float,
+                    eviction: str, pool_blocks: int | None, pool: str | None, host_blocks: int, block_size: int,
+                    scale: float,
                     max_new_cap: int | None, speedup: float, burst: bool, threads: int | None,
                     as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
@@ -242,7 +242,7 @@ def serve_trace_cmd(trace_path: str, limit: int, model: str, policy: str, on_gro
     from ..runtime.sampling import SamplingParams
 
     ckpt = resolve_model(model)
-    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks,
+    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
                                scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)

@@ -16,7 +16,9 @@ from typing import Any
 
 import click
 
+from ..core.eviction import policy_names
 from ..errors import ConfigError
+from ..scheduler import ADMISSION_POLICIES, RECOVERY_MODES, VICTIM_POLICIES
 
 DEFAULT_FRAG_CAPACITY = 131072  # token slots of KV memory in the fragmentation study
 
@@ -169,10 +171,12 @@ def _default_out(kind: str) -> Path:
 @click.option("--gpu", default="h100-80gb", show_default=True,
               help="Device profile: a catalogue GPU (a100-80gb, h100-80gb, h200-141gb, l4) or cpu-local.")
 @click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
-@click.option("--policy", type=click.Choice(["full", "incremental", "predicted"]), default="full",
+@click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy (what is reserved at admission).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
+@click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
+              help="Eviction policy for cached prefix blocks.")
 @click.option("--isolate-groups", is_flag=True, help="Every request its own trust group (no sharing across "
               "requests); without it the trace's groups are used.")
 @click.option("--trust-groups", default=None, help="trace | request | N (spread requests over N tenants).")
@@ -183,10 +187,8 @@ def _default_out(kind: str) -> Path:
 @click.option("--max-running", type=int, default=256, show_default=True)
 @click.option("--token-budget", type=int, default=8192, show_default=True, help="Tokens per step.")
 @click.option("--prefill-chunk", type=int, default=2048, show_default=True)
-@click.option("--victim", type=click.Choice(["latest", "priority", "least_computed", "min_waste"]),
-              default="latest", show_default=True)
-@click.option("--recovery", type=click.Choice(["recompute", "swap", "auto"]), default="recompute",
-              show_default=True)
+@click.option("--victim", type=click.Choice(VICTIM_POLICIES.names()), default="latest", show_default=True)
+@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute", show_default=True)
 @click.option("--kv-dtype", default=None, help="KV dtype [model's dtype].")
 @click.option("--weight-dtype", default=None, help="Weight dtype [model's dtype].")
 @click.option("--max-model-len", type=int, default=None, help="Clamp prompts/outputs [max_position_embeddings].")
@@ -216,7 +218,7 @@ def _default_out(kind: str) -> Path:
 @click.option("--frag-block-sizes", default="8,16,32,64,128", show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def simulate_cmd(trace: str | None, model: str, gpu: str, tp: int, policy: str, block_size: int,
-                 prefix_cache: str, isolate_groups: bool, trust_groups: str | None, host_pool: str,
+                 prefix_cache: str, eviction: str, isolate_groups: bool, trust_groups: str | None, host_pool: str,
                  utilization: float, pool_blocks: int | None, device_memory: str | None, max_running: int,
                  token_budget: int, prefill_chunk: int, victim: str, recovery: str, kv_dtype: str | None,
                  weight_dtype: str | None, max_model_len: int | None, declared_max_new: int | None,
@@ -240,7 +242,8 @@ def simulate_cmd(trace: str | None, model: str, gpu: str, tp: int, policy: str, 
     groups = "request" if isolate_groups else (trust_groups or "trace")
     host_bytes = 0 if host_pool.strip() in ("0", "0B") else parse_bytes(host_pool)
     base = SimConfig(model=model, gpu=gpu, tp=tp, policy=policy, block_size=block_size,
-                     prefix_cache=prefix_cache == "on", trust_groups=groups, host_pool_bytes=host_bytes,
+                     prefix_cache=prefix_cache == "on", eviction=eviction, trust_groups=groups,
+                     host_pool_bytes=host_bytes,
                      utilization=utilization, pool_blocks=pool_blocks,
                      device_memory=parse_bytes(device_memory) if device_memory else None,
                      max_running=max_running, token_budget=token_budget, prefill_chunk=prefill_chunk,

@@ -21,8 +21,10 @@ A failing step: if ``execute`` raises, the driver runs the plan again one reques
 its own copies and transfers) to find the culprit; a request whose part fails ends with
 ``"error: <exception>"``, every other request's part completes normally, and ``confirm`` releases
 everything the step took. Sampling keyed by (seed, branch, position) makes the others' tokens exactly
-those of an undisturbed run. Only a failure that belongs to no request (a transfer nobody owns)
-propagates.
+those of an undisturbed run. A failure that belongs to no request (a transfer nobody owns) fails every
+request of the step. Anything else raised between ``schedule`` and ``confirm`` (a hook, an interrupt)
+ends the step's requests with the error and confirms the step -- so no lease, swap copy or host block
+outlives it -- before it propagates.
 
 Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step` and
 :meth:`run` from one thread at a time.
@@ -242,7 +244,8 @@ class Driver:
     def has_work(self) -> bool:
         with self._lock:
             intake = bool(self._incoming or self._cancels)
-        return intake or bool(self._pending) or self._peek is not None or self.scheduler.has_work()
+        sched = self.scheduler
+        return intake or bool(self._pending) or self._peek is not None or sched.has_work() or sched.has_finished
 
     def next_arrival_s(self) -> float | None:
         """When the next request not yet handed to the scheduler arrives (None: none known)."""
@@ -311,20 +314,24 @@ class Driver:
         plan = sched.schedule()
         self.steps += 1
         start = clock.now()
-        self._admissions(plan, start)
-        self._collect(finished, start)  # ended while planning: never, rejected
-        if self.beams:
-            self.beams.hold_back(plan)
-        if self.on_planned is not None:
-            self.on_planned(plan, start)
-        output, failed = self._execute(plan)
-        clock.advance(output.elapsed_s)
-        self._apply_cancels(finished)  # arrived while the step was in flight
-        if self.beams and output.candidates:
-            self.beams.choose(plan, output.candidates, output.sampled)
-        if self.on_executed is not None:
-            self.on_executed(plan, output)
-        sched.confirm(plan, output.sampled)
+        try:
+            self._admissions(plan, start)
+            self._collect(finished, start)  # ended while planning: never, rejected
+            if self.beams:
+                self.beams.hold_back(plan)
+            if self.on_planned is not None:
+                self.on_planned(plan, start)
+            output, failed = self._execute(plan)
+            clock.advance(output.elapsed_s)
+            self._apply_cancels(finished)  # arrived while the step was in flight
+            if self.beams and output.candidates:
+                self.beams.choose(plan, output.candidates, output.sampled)
+            if self.on_executed is not None:
+                self.on_executed(plan, output)
+            sched.confirm(plan, output.sampled)
+        except BaseException as exc:
+            self._abandon(plan, exc)
+            raise
         if self.beams:
             self.beams.fork()
         end = clock.now()
@@ -493,12 +500,15 @@ class Driver:
         for w in plan.decodes:
             part(w.request_id).decodes.append(w)
         merged = StepOutput()
+        failed: list[tuple[str, Exception]] = []
         if not orphan.empty:
             try:
                 merged.elapsed_s += self.executor.execute(orphan).elapsed_s
-            except Exception:  # noqa: BLE001
-                raise error from None  # a failure that belongs to no request: the step cannot go on
-        failed: list[tuple[str, Exception]] = []
+            except Exception as exc:  # noqa: BLE001 -- belongs to no request: the whole step fails
+                for rid in parts:
+                    failed.append((rid, exc))
+                    sched.cancel(rid, f"error: {type(exc).__name__}: {exc}")
+                return merged, failed
         for rid, sub in parts.items():
             try:
                 out = self.executor.execute(sub)
@@ -510,6 +520,22 @@ class Driver:
             merged.candidates.update(out.candidates)
             merged.elapsed_s += out.elapsed_s
         return merged, failed
+
+    def _abandon(self, plan: StepPlan, error: BaseException) -> None:
+        """Something outside any one request's part failed after ``schedule``: end every request the
+        step touched with the error and confirm the step, so that everything it took (leases, swap
+        copies, host blocks) is released before the exception goes on. The others are untouched."""
+        sched = self.scheduler
+        if sched.in_flight is not plan:
+            return  # confirm already ran
+        reason = f"error: {type(error).__name__}: {error}"
+        copy_owner, out_owner, in_owner = sched.transfer_owners(plan)
+        touched = {w.request_id for w in (*plan.prefills, *plan.decodes)}
+        touched.update(r for r in (*copy_owner, *out_owner, *in_owner) if r is not None)
+        touched.update(plan.admitted)
+        for rid in sorted(touched):
+            sched.cancel(rid, reason)
+        sched.confirm(plan, {})
 
     def _watch(self, plan: StepPlan, finished: list[FinishedRequest]) -> None:
         """A guard against scheduler bugs: with the liveness rule every plan makes progress."""

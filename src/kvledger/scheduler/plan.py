@@ -21,7 +21,9 @@ class GenRequest:
     ``arrival_s`` is the time the request arrives on the driver's clock (a driver holds a request back
     until its clock reaches it). ``beam``: the ``n`` branches are the beams of a beam search (the
     executor returns candidates for them, :mod:`kvledger.scheduler.beam` chooses). ``priority``: larger is
-    more important, for admission order and for the ``priority`` victim policy."""
+    more important, for admission order and for the ``priority`` victim policy. ``read_prefix_cache=False``
+    computes the whole prompt even when it is cached (what prompt logprobs need) while still writing its
+    blocks to the prefix cache for others."""
 
     request_id: str
     prompt: tuple[int, ...] | list[int]
@@ -34,6 +36,7 @@ class GenRequest:
     lookahead: int = 0  # speculative draft slots per decode step
     payload: Any = None
     beam: bool = False
+    read_prefix_cache: bool = True  # False: write the prefix cache but never read it (prompt logprobs)
 
 
 class Status(str, Enum):
@@ -61,6 +64,7 @@ class Branch:
     host_blocks: list[int] = field(default_factory=list)  # while swapped: host copy of each block
     index: int = 0  # the branch index (sampling keys, result order)
     blocks: list[int] = field(default_factory=list)  # while running: the ledger's block table of the branch
+    ledger_prompt: tuple[int, ...] | None = None  # while queued: the prompt handed to admission, reused
 
     def __post_init__(self) -> None:
         self.limit = len(self.request.prompt) + self.request.max_new_tokens

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from ..core.ledger import KVLedger
+from ..core.lifetimes import CacheReset
 from ..core.types import Outcome, Request
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
 from .config import SchedulerConfig
@@ -82,6 +83,9 @@ class Scheduler:
         self._in_flight: StepPlan | None = None  # scheduled, not confirmed yet
         self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
         self._keep_free = self.config.keep_free(ledger.num_blocks)
+        # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
+        # its step from one somebody else holds.
+        self.lease_owner = f"scheduler-{id(self):x}"
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
@@ -157,6 +161,11 @@ class Scheduler:
             self._by_seq.pop(br.seq_id, None)
         return branches
 
+    @property
+    def has_finished(self) -> bool:
+        """Requests finished that take_finished() has not returned yet."""
+        return bool(self._finished_now)
+
     def take_finished(self) -> list[str]:
         """Requests that finished since the last call (in the order they finished)."""
         done, self._finished_now = self._finished_now, []
@@ -214,7 +223,8 @@ class Scheduler:
         seqs.update(br.seq_id for br in self._restored if br.status is Status.RUNNING)
         blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if seqs or blocks:
-            plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks)
+            plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks,
+                                           owner=f"{self.lease_owner} step {plan.step}")
         self._in_flight = plan
         return plan
 
@@ -286,18 +296,9 @@ class Scheduler:
         grow are handled in ``_grow``; a request that can never fit even an empty pool ends ``never``.)"""
         if self.running or plan.progressed or self.ledger.pool.deferred:
             return
-        queue = self.swapped if self.swapped else self.waiting
-        if not queue:
-            return
-        unit = queue[0]
-        queue.remove(unit)
-        self._free_host_blocks(unit)
-        rid = unit[0].request.request_id
-        for br in unit:
-            br.status = Status.FINISHED
-            br.finish_reason = REJECTED_NO_ROOM
-            plan.ended.append((br.seq_id, REJECTED_NO_ROOM))
-        self._finish_request(rid, REJECTED_NO_ROOM)
+        queue: WaitingQueue | deque[list[Branch]] = self.swapped if self.swapped else self.waiting
+        if queue:
+            self._end_unit(queue, queue[0], REJECTED_NO_ROOM, plan)
 
     # ---- preemption -----------------------------------------------------------------------------
     def pick_victim(self) -> str | None:
@@ -320,7 +321,8 @@ class Scheduler:
             assert self.host is not None
             host_of = dict(zip(blocks, self.host.allocate(len(blocks)), strict=True))
             plan.swap_out.extend(host_of.items())
-            lease = self.ledger.lease(blocks=blocks)  # device blocks stay until the copy is done
+            # The device blocks stay until the copy to the host is done.
+            lease = self.ledger.lease(blocks=blocks, owner=f"{self.lease_owner} swap-out step {plan.step}")
             plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(blocks), self.costs.block_bytes)
             self._swap_leases.append(lease)
             for br in branches:
@@ -347,14 +349,20 @@ class Scheduler:
         return mode
 
     # ---- restoring and admitting ----------------------------------------------------------------
-    def _ledger_request(self, br: Branch, fresh: bool) -> Request:
+    def _ledger_request(self, br: Branch, fresh: bool, readmission: bool) -> Request:
         req = br.request
         remaining = req.max_new_tokens - br.num_generated
         reserve = reserve_tokens(self.config, self.lengths, req.max_new_tokens, remaining)
-        prompt = br.tokens[: br.in_ledger] if br.status is Status.SWAPPED else br.tokens
-        return Request(br.seq_id, prompt, remaining + (len(br.tokens) - len(prompt)), req.context,
+        n = br.in_ledger if br.status is Status.SWAPPED else len(br.tokens)
+        # The same prompt object on every attempt while the unit waits: the ledger then remembers its
+        # digests instead of hashing the prompt again each step.
+        prompt = br.ledger_prompt
+        if prompt is None or len(prompt) != n:
+            prompt = br.ledger_prompt = tuple(br.tokens[:n])
+        return Request(br.seq_id, prompt, remaining + (len(br.tokens) - n), req.context,
                        reserve_new_tokens=min(reserve, remaining), branches=req.n if fresh else 1,
-                       lookahead=req.lookahead, family=req.request_id)
+                       lookahead=req.lookahead, family=req.request_id, read_prefix_cache=req.read_prefix_cache,
+                       readmission=readmission)
 
     def _admit_unit(self, unit: list[Branch], plan: StepPlan) -> Outcome:
         first = unit[0]
@@ -365,40 +373,38 @@ class Scheduler:
         # request that fits the pool from ever starting.
         keep_free = self._keep_free if self.running else 0
         if fresh:
-            decision = ledger.admit(self._ledger_request(first, True), keep_free)
-            if not decision.admitted:
-                return decision.outcome
-            hit_ready = ledger.ready_tokens(first.seq_id)
+            decision = ledger.admit(self._ledger_request(first, True, False), keep_free)
         else:
-            # A preempted family comes back whole or not at all (gang semantics).
-            admitted: list[str] = []
-            for br in unit:
-                decision = ledger.admit(self._ledger_request(br, False), keep_free)
-                if not decision.admitted:
-                    for seq_id in admitted:
-                        ledger.retract(seq_id)
-                    return decision.outcome
-                admitted.append(br.seq_id)
-            hit_ready = None
+            # A preempted family comes back whole or not at all (gang semantics), in one ledger decision
+            # that changes nothing when it refuses; its branches share their common full blocks as they
+            # did before (with or without prefix caching), so a family that fitted fits again.
+            decision = ledger.admit_family([self._ledger_request(br, False, readmission) for br in unit], keep_free)
+        if not decision.admitted:
+            return decision.outcome
         rid = first.request.request_id
+        bs = ledger.block_size
         cached = 0
+        restoring = first.status is Status.SWAPPED
+        restored_blocks: set[int] = set()
+        hit_ready = ledger.ready_tokens(first.seq_id) if fresh else None
         for i, br in enumerate(unit):
             br.admitted_order = self._order
             seq = ledger.sequence(br.seq_id)
-            br.blocks = seq.table.blocks
-            if br.status is Status.SWAPPED:
-                blocks, written = seq.table.blocks, ledger.pool.written
+            br.blocks = blocks = seq.table.blocks
+            br.ledger_prompt = None
+            if restoring:
+                written = ledger.pool.written
                 for j in range(seq.hit_blocks, len(blocks)):
-                    plan.swap_in.append((br.host_blocks[j], blocks[j]))
+                    if blocks[j] not in restored_blocks:  # a block the family shares comes back once
+                        restored_blocks.add(blocks[j])
+                        plan.swap_in.append((br.host_blocks[j], blocks[j]))
                 # Prefix hits need no transfer, but one that another request is still filling cannot
                 # be read yet: recompute from there. A prefill cut short by the swap resumes where it was.
                 ready = next((j for j in range(seq.hit_blocks) if not written[blocks[j]]), seq.hit_blocks)
-                br.computed = min(br.computed, br.in_ledger - 1, ready * ledger.block_size
+                br.computed = min(br.computed, br.in_ledger - 1, ready * bs
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:
-                    cached = min(ready * ledger.block_size, br.in_ledger - 1)
-                plan.transfer_wait_s += self.costs.transfer.blocking_time_s(
-                    len(seq.table.blocks) - seq.hit_blocks, self.costs.block_bytes)
+                    cached = min(ready * bs, br.in_ledger - 1)
                 self._restored.append(br)
             else:
                 br.in_ledger = len(br.tokens)
@@ -407,6 +413,8 @@ class Scheduler:
                 if i == 0:
                     cached = br.computed  # the tokens it really skips: written hits, not pending ones
             br.status = Status.RUNNING
+        if restored_blocks:
+            plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(restored_blocks), self.costs.block_bytes)
         self._order += 1
         self.running[rid] = list(unit)
         plan.admitted.append(rid)
@@ -415,11 +423,28 @@ class Scheduler:
 
     def _swap_in(self, plan: StepPlan) -> None:
         while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
-            if self.swapped[0][0].request.request_id in self._swapped_now:
+            unit = self.swapped[0]
+            if unit[0].request.request_id in self._swapped_now:
                 break  # its blocks come free only when this step's transfer is done
-            if self._admit_unit(self.swapped[0], plan) is not Outcome.ADMITTED:
+            outcome = self._admit_unit(unit, plan)
+            if outcome is Outcome.NEVER:
+                self._end_unit(self.swapped, unit, REJECTED_OUTGREW, plan)
+                continue
+            if outcome is not Outcome.ADMITTED:
                 break
             self.swapped.popleft()
+
+    def _end_unit(self, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
+                  plan: StepPlan) -> None:
+        """End a queued unit (waiting or swapped) that will never run, freeing its host copies."""
+        queue.remove(unit)
+        self._free_host_blocks(unit)
+        for br in unit:
+            br.status = Status.FINISHED
+            br.finish_reason = why
+            br.ledger_prompt = None
+            plan.ended.append((br.seq_id, why))
+        self._finish_request(unit[0].request.request_id, why)
 
     def _admit(self, plan: StepPlan, budget: int) -> None:
         waiting = self.waiting
@@ -433,14 +458,11 @@ class Scheduler:
             else:
                 outcome = self._admit_unit(unit, plan)
             if outcome is Outcome.NEVER:
-                waiting.popleft()
-                rid = unit[0].request.request_id
-                why = NEVER_BRANCHES if len(unit) > max_running else NEVER_POOL
-                for br in unit:
-                    br.status = Status.FINISHED
-                    br.finish_reason = why
-                    plan.ended.append((br.seq_id, why))
-                self._finish_request(rid, why)
+                if len(unit) > max_running:
+                    why = NEVER_BRANCHES
+                else:  # a preempted family that no longer fits even the empty pool outgrew it
+                    why = REJECTED_OUTGREW if unit[0].admitted_order >= 0 else NEVER_POOL
+                self._end_unit(waiting, unit, why, plan)
                 continue
             if outcome is not Outcome.ADMITTED:
                 break  # priority order, first come first served: nobody overtakes the head of the queue
@@ -585,16 +607,66 @@ class Scheduler:
             self.finished[rid] = self._all[rid]
             self._finished_now.append(rid)
 
+    # ---- the prefix cache -----------------------------------------------------------------------
+    def reset_prefix_cache(self, requeue_running: bool = False) -> CacheReset:
+        """Forget the whole prefix cache (after a weight update, say), as vLLM's ``reset_prefix_cache``.
+
+        The ledger can only forget blocks nobody holds. With ``requeue_running`` every running request
+        first goes back to the front of the waiting queue (its memory dropped, to be recomputed from its
+        tokens when it is re-admitted; not counted as a preemption); without it, running requests
+        make the reset refuse. Refused -- while a step is in flight, or with pins, leases or running
+        requests -- nothing changes and the result says why. Swapped requests keep their host copies."""
+        ledger = self.ledger
+        if self._in_flight is not None:
+            return CacheReset(False, 0, f"step {self._in_flight.step} is in flight: reset between steps")
+        if requeue_running:
+            held = []
+            if ledger.pins():
+                held.append(f"{len(ledger.pins())} pins")
+            if ledger.outstanding_leases():
+                held.append(f"{ledger.outstanding_leases()} outstanding leases")
+            if held:  # refuse before requeueing anything
+                return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
+            for rid in sorted(self.running, key=lambda r: -self.running[r][0].admitted_order):
+                self._requeue(rid)
+        return ledger.reset_prefix_cache()
+
+    def _requeue(self, rid: str) -> None:
+        """Send a running request back to the front of its priority in the waiting queue."""
+        branches = self.running.pop(rid)
+        for br in branches:
+            self.ledger.preempt(br.seq_id)  # its written blocks become plain cache, reset next
+            br.status = Status.WAITING
+            br.computed = 0
+            br.in_ledger = 0
+            br.deferred = False
+            br.blocks = []
+        self.waiting.appendleft(branches)
+
     # ---- audit ----------------------------------------------------------------------------------
     def check(self) -> None:
-        self.ledger.check()
+        """Every conservation law of the ledger and the host pool, plus the scheduler's own: running
+        branches are running in the ledger under their own block tables, nothing was preempted under
+        an exact policy, and no lease outlives what took it -- every outstanding lease has an owner,
+        and this scheduler's leases belong to the step in flight."""
+        ledger = self.ledger
+        ledger.check()
         if self.host is not None:
             self.host.check()
         for branches in self.running.values():
             for br in branches:
-                if br.status is not Status.RUNNING or br.seq_id not in self.ledger:
+                if br.status is not Status.RUNNING or br.seq_id not in ledger:
                     raise InvariantError(f"running branch {br.seq_id!r} is not running in the ledger")
-                if br.blocks is not self.ledger.sequence(br.seq_id).table.blocks:
+                if br.blocks is not ledger.sequence(br.seq_id).table.blocks:
                     raise InvariantError(f"running branch {br.seq_id!r} does not name its ledger block table")
         if self.config.exact and self.preemptions:
             raise InvariantError("a request was preempted under full reservation")
+        plan = self._in_flight
+        in_flight = set(self._swap_leases)
+        if plan is not None and plan.lease is not None:
+            in_flight.add(plan.lease)
+        for lease_id, owner in ledger.leases().items():
+            if not owner:
+                raise InvariantError(f"lease {lease_id} has no owner: nothing will ever end it")
+            if owner.startswith(self.lease_owner + " ") and lease_id not in in_flight:
+                raise InvariantError(f"lease {lease_id} ({owner}) outlived its step: its blocks are never released")

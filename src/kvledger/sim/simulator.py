@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..core.eviction import make_policy
+from ..core.eviction import make_policy, policy_names
 from ..core.geometry import KVSpec, config_int, text_config
 from ..core.identity import CacheContext
 from ..core.inventory import GPUS, build_inventory, count_parameters_per_rank
@@ -73,7 +73,6 @@ BREAKDOWN_KEYS = ("tokens", "slack", "promised", "deferred", "retained", "free")
 # ---- configuration ---------------------------------------------------------------------------------
 
 
-EVICTION_POLICIES = ("lru", "priority")  # kvledger.core.eviction.make_policy's names
 
 
 @dataclass(frozen=True, init=False)
@@ -155,8 +154,8 @@ class SimConfig:
         for name in ("pool_blocks", "device_memory", "max_model_len", "declared_max_new"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name)
-        if self.eviction not in EVICTION_POLICIES:
-            raise ConfigError(f"eviction must be one of {', '.join(EVICTION_POLICIES)}; got {self.eviction!r}")
+        if self.eviction not in policy_names():
+            raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
         if isinstance(self.utilization, bool) or not isinstance(self.utilization, int | float) \
                 or not 0 < self.utilization <= 1:
             raise ConfigError(f"utilization must be in (0, 1], got {self.utilization!r}")
@@ -693,7 +692,7 @@ def run_sweep(requests: Sequence[SimRequest], base: SimConfig, grid: Sequence[tu
 
 
 __all__ = [
-    "BREAKDOWN_KEYS", "CPU_LOCAL", "EVICTION_POLICIES", "SWEEP_KEYS", "CostModelExecutor", "Deployment",
+    "BREAKDOWN_KEYS", "CPU_LOCAL", "SWEEP_KEYS", "CostModelExecutor", "Deployment",
     "RequestRecord", "SimConfig", "SimResult", "Simulator", "Timeline", "build_deployment", "distribution",
     "parse_sweep", "parse_value", "percentile",
     "prefix_hit_bound", "prepare_workload", "run_sweep", "simulate", "summarize", "sweep_configs",

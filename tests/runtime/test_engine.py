@@ -347,3 +347,21 @@ def test_a_prompt_that_is_not_token_ids_is_a_config_error(tiny) -> None:
     for bad in ({"input_ids": [1, 2]}, [1.5, 2]):
         with pytest.raises(ConfigError, match="integer token ids"):
             engine.submit(bad, 4)
+
+
+def test_eviction_policy_write_only_requests_and_cache_reset(tiny, greedy_refs) -> None:
+    path, _ = tiny
+    prompts, refs = greedy_refs
+    engine = _engine(path, "roomy", eviction="priority")
+    assert engine.ledger.policy_name == "priority"
+    with pytest.raises(ConfigError, match="eviction policy"):
+        _engine(path, "roomy", eviction="fifo")
+    first = engine.generate([prompts[0]], NEW)[0]
+    again = engine.generate([prompts[0]], NEW, read_prefix_cache=False)[0]
+    hit = engine.generate([prompts[0]], NEW)[0]
+    assert first.output == again.output == hit.output == refs[0]
+    assert (first.cached_prompt_tokens, again.cached_prompt_tokens) == (0, 0)  # write-only: no hits
+    assert hit.cached_prompt_tokens == (len(prompts[0]) - 1) // BS * BS  # full blocks, last token runs
+    assert engine.reset_prefix_cache() and engine.ledger.usage().retained == 0
+    assert engine.generate([prompts[0]], NEW)[0].cached_prompt_tokens == 0
+    assert_clean(engine)

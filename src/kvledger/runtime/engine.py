@@ -395,11 +395,13 @@ class Engine:
         request_id: str | None = None,
         on_token: TokenCallback | None = None,
         arrival_s: float | None = None,
+        read_prefix_cache: bool = True,
     ) -> RequestHandle:
         """Queue a request; it joins the batch at the next step (or, with ``arrival_s`` -- a time on the
-        engine's clock -- in the future, once the clock passes it). Raises :class:`AdmissionError` for a
-        request that can never run here (longer than the context, larger than the whole pool) and
-        :class:`ConfigError` for malformed input."""
+        engine's clock -- in the future, once the clock passes it). ``read_prefix_cache=False`` computes
+        the whole prompt even if it is cached (prompt log-probabilities need that) while still writing
+        it to the cache. Raises :class:`AdmissionError` for a request that can never run here (longer
+        than the context, larger than the whole pool) and :class:`ConfigError` for malformed input."""
         params = sampling or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"sampling must be SamplingParams, got {type(params).__name__}")
@@ -414,11 +416,14 @@ class Engine:
             raise ConfigError(f"priority must be an integer, got {priority!r}")
         if on_token is not None and not callable(on_token):
             raise ConfigError("on_token must be callable")
+        if not isinstance(read_prefix_cache, bool):
+            raise ConfigError(f"read_prefix_cache must be True or False, got {read_prefix_cache!r}")
         branches = params.beam_width if params.beam else params.n
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         now = self.clock() if arrival_s is None else arrival_s
         request = GenRequest(rid, tuple(prompt), max_new_tokens, context, n=branches, priority=priority,
-                             arrival_s=now, stop_token_ids=stops, payload=Sampling(params, seed), beam=params.beam)
+                             arrival_s=now, stop_token_ids=stops, payload=Sampling(params, seed), beam=params.beam,
+                             read_prefix_cache=read_prefix_cache)
         handle = RequestHandle(self, rid)
         with self._lock:
             if rid in self._submitted:
@@ -638,6 +643,12 @@ class Engine:
         if "cancelled" in reasons:
             self.stats.cancelled += 1
         live.handle._finish(result)
+
+    def reset_prefix_cache(self, requeue_running: bool = False) -> Any:
+        """Forget the prefix cache between steps (after a weight update, say); see
+        :meth:`Scheduler.reset_prefix_cache`. Returns a ``CacheReset`` (true when done, with a reason)."""
+        with self._step_lock:
+            return self.scheduler.reset_prefix_cache(requeue_running)
 
     # ---- audit and reporting --------------------------------------------------------------------
     def check(self) -> None:

@@ -205,6 +205,9 @@ def test_bad_requests_are_refused_before_anything_changes() -> None:
     with pytest.raises(LedgerError, match="already submitted"):
         driver.submit(GenRequest("a", [2], 1))
     driver.run()
+    driver.submit(GenRequest("a", [3], 1))  # finished: the id may be used again
+    driver.run()
+    assert [r.request_id for r in driver.records] == ["a", "a"]
     assert_clean(driver)
 
 

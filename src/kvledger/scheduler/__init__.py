@@ -5,25 +5,16 @@ preemption by recompute or swap, a host tier, speculative slots, beam search, an
 from __future__ import annotations
 
 from .config import SCHEDULER_KEYS, SchedulerConfig
-from .driver import (
-    Clock,
-    ConstantExecutor,
-    Driver,
-    Executor,
-    FinishedRequest,
-    StepOutput,
-    StepResult,
-    VirtualClock,
-    WallClock,
-)
+from .driver import Driver, FinishedRequest, StepResult
+from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
 from .growth import GROWTH_ACTIONS
 from .host import HostPool, TransferModel
 from .metrics import RequestMetrics, distribution, percentile, summarize_requests
-from .plan import Admission, Branch, GenRequest, Preemption, Status, StepPlan, Work
+from .plan import Admission, Branch, GenRequest, Preemption, Status, StepPlan, Work, validate_request
 from .policies import ADMISSION_POLICIES
 from .recovery import RECOVERY_MODES, RecoveryCosts
 from .registry import Registry
-from .scheduler import Scheduler, validate_request
+from .scheduler import Scheduler
 from .victims import VICTIM_POLICIES
 
 __all__ = ["ADMISSION_POLICIES", "Admission", "Branch", "Clock", "ConstantExecutor", "Driver", "Executor",

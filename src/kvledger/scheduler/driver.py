@@ -35,113 +35,16 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from ..errors import InvariantError, LedgerError
 from .beam import BeamSearch
+from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
 from .metrics import RequestMetrics, join_reasons
-from .plan import GenRequest, StepPlan
-from .scheduler import Scheduler, validate_request
-
-# ---- clocks -----------------------------------------------------------------------------------------
-
-
-class Clock(Protocol):
-    def now(self) -> float: ...
-
-    def advance(self, seconds: float) -> None:
-        """A step took ``seconds`` (a virtual clock moves; a wall clock has moved by itself)."""
-
-    def wait_until(self, t: float, timeout: float | None = None) -> None:
-        """Nothing to do before ``t``: jump there (virtual) or sleep towards it, at most ``timeout``."""
-
-
-class VirtualClock:
-    """Simulated time: it moves only by the executor's elapsed seconds and by jumps to arrivals."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self.t = float(start)
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        if seconds < 0:
-            raise InvariantError(f"a step cannot take {seconds} s")
-        self.t += seconds
-
-    def wait_until(self, t: float, timeout: float | None = None) -> None:
-        if t > self.t:
-            self.t = t
-
-
-class WallClock:
-    """Real time (``time.perf_counter`` by default)."""
-
-    def __init__(self, source: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.source = source
-        self.sleep = sleep
-
-    def now(self) -> float:
-        return self.source()
-
-    def advance(self, seconds: float) -> None:
-        pass
-
-    def wait_until(self, t: float, timeout: float | None = None) -> None:
-        delay = t - self.source()
-        if timeout is not None:
-            delay = min(delay, timeout)
-        if delay > 0:
-            self.sleep(delay)
-
-
-# ---- executors --------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class StepOutput:
-    """What an executor returns: ``sampled`` maps each sequence that sampled to its new tokens (one, or
-    the accepted drafts plus one); ``candidates`` maps each beam of a beam request to its best
-    ``(logprob, token)`` pairs (``2 * width`` of them) instead; ``elapsed_s`` is the step's duration."""
-
-    sampled: dict[str, list[int]] = field(default_factory=dict)
-    elapsed_s: float = 0.0
-    candidates: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
-
-
-class Executor(Protocol):
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """Carry out ``plan`` in order: copies, swap_out, swap_in, then the prefills and decodes."""
-
-
-class ConstantExecutor:
-    """Every sampling work gets ``token`` (drafts are all rejected: one token per decode); beams get
-    ``2 * width`` candidates ``token, token + 1, ...`` with falling logprobs. Each step takes
-    ``step_s`` seconds. For the lab, benchmarks and tests of scheduling alone."""
-
-    def __init__(self, token: int = 7, step_s: float = 0.0) -> None:
-        self.token = token
-        self.step_s = step_s
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        out = StepOutput(elapsed_s=self.step_s)
-        one = [self.token]
-        for w in (*plan.prefills, *plan.decodes):
-            if not w.sample:
-                continue
-            req = w.request
-            if req is not None and req.beam:
-                out.candidates[w.seq_id] = [(-float(i), self.token + i) for i in range(2 * req.n)]
-            else:
-                out.sampled[w.seq_id] = one
-        return out
-
+from .plan import GenRequest, StepPlan, validate_request
+from .scheduler import Scheduler
 
 # ---- results ----------------------------------------------------------------------------------------
 
@@ -198,10 +101,9 @@ class Driver:
         self.idle_wait_s = idle_wait_s
         self.stall_steps = stall_steps
         self.steps = 0
-        self._lock = threading.Lock()  # guards the intake: _incoming, _cancels, _metrics, _seen
+        self._lock = threading.Lock()  # guards the intake: _incoming, _cancels, _metrics, _requests
         self._incoming: deque[GenRequest] = deque()
         self._cancels: dict[str, str] = {}
-        self._seen: set[str] = set()
         self._metrics: dict[str, RequestMetrics] = {}  # every request known and not finished
         self._requests: dict[str, GenRequest] = {}
         self._pending: list[tuple[float, int, GenRequest]] = []  # arrivals not yet due (a heap)
@@ -216,13 +118,10 @@ class Driver:
     # ---- intake (any thread) ----------------------------------------------------------------------
     def submit(self, request: GenRequest) -> RequestMetrics:
         """Queue ``request``; it reaches the scheduler at the next step once the clock passes its
-        ``arrival_s`` (a time on this driver's clock). Raises for a malformed request or a duplicate id."""
+        ``arrival_s`` (a time on this driver's clock). Raises for a malformed request, or for the id of
+        a request that has not finished yet (a finished request's id may be used again)."""
         validate_request(request)
         with self._lock:
-            rid = request.request_id
-            if rid in self._seen:
-                raise LedgerError(f"request id {rid!r} was already submitted")
-            self._seen.add(rid)
             metrics = self._new_metrics(request, request.arrival_s)
             self._incoming.append(request)
         return metrics
@@ -264,6 +163,8 @@ class Driver:
 
     def _new_metrics(self, request: GenRequest, arrival_s: float) -> RequestMetrics:
         rid = request.request_id
+        if rid in self._metrics:  # memory stays bounded by the requests in flight, not by all ever seen
+            raise LedgerError(f"request id {rid!r} was already submitted and has not finished")
         m = RequestMetrics(rid, request.context.trust_group, arrival_s, len(request.prompt),
                            request.max_new_tokens, request.n)
         self._metrics[rid] = m
@@ -367,9 +268,6 @@ class Driver:
                 self._peek = next(self._source, None)
                 validate_request(req)
                 with self._lock:
-                    if req.request_id in self._seen:
-                        raise LedgerError(f"request id {req.request_id!r} was already submitted")
-                    self._seen.add(req.request_id)
                     self._new_metrics(req, self._origin + req.arrival_s)
             else:
                 break

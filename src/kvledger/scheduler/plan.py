@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 
 from ..core.identity import CacheContext
 from ..core.types import CopyOp
+from ..errors import ConfigError
 
 _DEFAULT_CONTEXT = CacheContext()
 
@@ -37,6 +38,29 @@ class GenRequest:
     payload: Any = None
     beam: bool = False
     read_prefix_cache: bool = True  # False: write the prefix cache but never read it (prompt logprobs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_request(request: GenRequest) -> None:
+    """Raise one ConfigError for a request the scheduler cannot take (before anything changes)."""
+    if not isinstance(request, GenRequest):
+        raise ConfigError(f"expected a GenRequest, got {type(request).__name__}")
+    rid = request.request_id
+    if not isinstance(rid, str) or not rid or "/" in rid:
+        raise ConfigError(f"a request id must be a non-empty string without '/', got {rid!r}")
+    for name, low in (("n", 1), ("max_new_tokens", 1), ("lookahead", 0)):
+        value = getattr(request, name)
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"request {rid!r}: {name} must be an integer >= {low}, got {value!r}")
+    if not _is_int(request.priority):
+        raise ConfigError(f"request {rid!r}: priority must be an integer, got {request.priority!r}")
+    if not request.prompt:
+        raise ConfigError(f"request {rid!r} needs a non-empty prompt")
+    if not isinstance(request.arrival_s, int | float) or request.arrival_s != request.arrival_s:
+        raise ConfigError(f"request {rid!r}: arrival_s must be a number, got {request.arrival_s!r}")
 
 
 class Status(str, Enum):

@@ -225,11 +225,13 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             steps = list(steps)
         with self._lock:
             seqs = self._seqs
-            done: list[list[int]] = []  # token lists the common case appended to, for an undo
             slow: list[tuple[SequenceState, object]] | None = None
             waiting: set[str] | None = None  # sequences with a pair in `slow`: their later pairs follow it
+            deferred: list[object] = []  # the pairs in `slow`, in order (they were not appended)
+            pair: object = None
             try:
-                for request_id, token in steps:
+                for pair in steps:
+                    request_id, token = pair
                     seq = seqs.get(request_id)
                     if seq is None:
                         raise LedgerError(f"unknown sequence {show(request_id)}")
@@ -239,28 +241,25 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                             and type(token) is int and 0 <= token <= _MAX_TOKEN
                             and (waiting is None or request_id not in waiting)):
                         tokens.append(token)
-                        done.append(tokens)
                     else:
                         if slow is None or waiting is None:
                             slow, waiting = [], set()
                         slow.append((seq, token))
                         waiting.add(request_id)
+                        deferred.append(pair)
                 checked, fits = self._check_growth(slow) if slow is not None else ((), 0)
             except (LedgerError, ConfigError):
-                for tokens in reversed(done):
-                    tokens.pop()
+                self._undo_fast(steps, pair, deferred, failed=True)
                 raise
             except (TypeError, ValueError):
-                for tokens in reversed(done):
-                    tokens.pop()
+                self._undo_fast(steps, pair, deferred, failed=True)
                 raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
             if fits == len(checked):
                 for seq, token in checked:
                     self._grow(seq, token)
                 return
             # The pool runs out part-way: start again and apply the pairs in their order up to there.
-            for tokens in reversed(done):
-                tokens.pop()
+            self._undo_fast(steps, None, deferred, failed=False)
             for request_id, token in steps:
                 seq = seqs[request_id]
                 tokens = seq.tokens
@@ -269,6 +268,21 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                     tokens.append(token)
                 else:
                     self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
+
+    def _undo_fast(self, steps: list, failed_pair: object, deferred: list[object], failed: bool) -> None:
+        """Take back the tokens :meth:`decode_step` appended in its common case: every pair before
+        ``failed_pair`` (all of them when the loop finished) that was not deferred to the full path.
+        Deferred pairs are matched in order, so a pair object listed twice is undone as often as it
+        was appended."""
+        seqs = self._seqs
+        j = 0
+        for pair in steps:
+            if failed and pair is failed_pair:
+                return
+            if j < len(deferred) and pair is deferred[j]:
+                j += 1
+                continue
+            seqs[pair[0]].tokens.pop()
 
     def _no_room(self, seq: SequenceState) -> OutOfBlocksError:
         return OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
@@ -288,30 +302,34 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         one unpromised block, which lowers ``free + evictable - promised`` by one (promised blocks and
         copy-on-write copies, always promised, leave it as it is)."""
         bs = self.block_size
-        state: dict[str, list[int]] = {}  # id -> [tokens, blocks, promise] after the pairs so far
+        state: dict[str, tuple[int, int, int]] = {}  # id -> (tokens, blocks, promise) after the pairs so far
         room = None  # unpromised blocks left, read once a pair needs one
         fits = -1
         out: list[tuple[SequenceState, int]] = []
         for seq, token in items:
-            st = state.get(seq.request_id)
+            if type(token) is not int or not 0 <= token <= _MAX_TOKEN:
+                token = self._token(seq, token)
+            rid = seq.request_id
+            st = state.get(rid)
             if st is None:
-                st = state[seq.request_id] = [len(seq.tokens), len(seq.table.blocks), seq.promised]
-            n = st[0]
+                n, held, promise = len(seq.tokens), len(seq.table.blocks), seq.promised
+            else:
+                n, held, promise = st
             if n >= seq.limit:
-                raise LedgerError(f"{seq.request_id!r} already generated its max_new_tokens={seq.max_new_tokens}")
-            out.append((seq, self._token(seq, token)))
-            if n % bs == 0 and n >= st[1] * bs:
-                if st[2]:
-                    st[2] -= 1
+                raise LedgerError(f"{rid!r} already generated its max_new_tokens={seq.max_new_tokens}")
+            if n % bs == 0 and n >= held * bs:
+                held += 1
+                if promise:
+                    promise -= 1
                 elif fits < 0:
                     if room is None:
                         pool = self.pool
                         room = pool.num_free + pool.num_evictable - self.promised
                     if room <= 0:
-                        fits = len(out) - 1
+                        fits = len(out)
                     room -= 1
-                st[1] += 1
-            st[0] = n + 1
+            state[rid] = (n + 1, held, promise)
+            out.append((seq, token))  # type: ignore[arg-type]
         return out, (len(out) if fits < 0 else fits)
 
     def _grow(self, seq: SequenceState, token: int) -> None:

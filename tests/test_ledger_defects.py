@@ -184,6 +184,14 @@ def test_never_rule_is_checked_before_the_running_id_scan() -> None:
     assert ledger.admit(Request("r", [1, 2, 3], 1, branches=10**30)).outcome is Outcome.NEVER
 
 
+def test_never_counts_the_lookahead_slots() -> None:
+    """17 tokens (8 + 8 + 1 speculative slot) are 5 blocks of 4: more than a pool of 4 -- never. A
+    rule that forgot the lookahead would call it "not now", and the request would wait forever."""
+    ledger = KVLedger(4, 4)
+    assert ledger.admit(Request("r", list(range(8)), 8, lookahead=1)).outcome is Outcome.NEVER
+    assert ledger.admit(Request("r", list(range(8)), 8, lookahead=0)).outcome is Outcome.ADMITTED
+
+
 # ---- defect 8: retention validated before anything changes ----------------------------------------
 
 @pytest.mark.parametrize("bad", [
@@ -432,11 +440,11 @@ def test_decode_step_with_a_bad_pair_changes_nothing(bad: object) -> None:
     for rid in ("a", "b"):
         ledger.append_token(rid, 1)
     before = state(ledger)
-    steps = [("a", 2), ("b", 3), ("a", 4), bad, ("b", 5)]
-    with pytest.raises(KVLedgerError):
-        ledger.decode_step(steps)
-    assert state(ledger) == before
-    ledger.check()
+    for steps in ([("a", 2), ("b", 3), ("a", 4), bad, ("b", 5)], [bad, ("a", 2)], [("b", 3), bad]):
+        with pytest.raises(KVLedgerError):
+            ledger.decode_step(steps)
+        assert state(ledger) == before
+        ledger.check()
     shared = ("a", 9)  # one pair object twice: undone as often as it was appended
     with pytest.raises(LedgerError):
         ledger.decode_step([shared, ("b", 3), shared, ("ghost", 1)])

@@ -37,6 +37,7 @@ from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState,
 _MAX_TOKEN = 2**32 - 1  # token ids are hashed as uint32
 MAX_POOL_BLOCKS = 2**24  # per-block facts live in flat lists: ~50 bytes of bookkeeping per block
 MAX_BLOCK_SIZE = 2**16  # tokens per block
+_ALL_PAIRS = object()  # decode_step's marker: the error came after every pair was seen
 
 __all__ = ["CopyOp", "Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage"]
 
@@ -247,19 +248,20 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                         slow.append((seq, token))
                         waiting.add(request_id)
                         deferred.append(pair)
+                pair = _ALL_PAIRS  # every pair went through the loop: an error now comes from the check
                 checked, fits = self._check_growth(slow) if slow is not None else ((), 0)
             except (LedgerError, ConfigError):
-                self._undo_fast(steps, pair, deferred, failed=True)
+                self._undo_fast(steps, pair, deferred)
                 raise
             except (TypeError, ValueError):
-                self._undo_fast(steps, pair, deferred, failed=True)
+                self._undo_fast(steps, pair, deferred)
                 raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
             if fits == len(checked):
                 for seq, token in checked:
                     self._grow(seq, token)
                 return
             # The pool runs out part-way: start again and apply the pairs in their order up to there.
-            self._undo_fast(steps, None, deferred, failed=False)
+            self._undo_fast(steps, _ALL_PAIRS, deferred)
             for request_id, token in steps:
                 seq = seqs[request_id]
                 tokens = seq.tokens
@@ -269,15 +271,15 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                 else:
                     self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
 
-    def _undo_fast(self, steps: list, failed_pair: object, deferred: list[object], failed: bool) -> None:
+    def _undo_fast(self, steps: list, failed_pair: object, deferred: list[object]) -> None:
         """Take back the tokens :meth:`decode_step` appended in its common case: every pair before
-        ``failed_pair`` (all of them when the loop finished) that was not deferred to the full path.
+        ``failed_pair`` (all of them for ``_ALL_PAIRS``) that was not deferred to the full path.
         Deferred pairs are matched in order, so a pair object listed twice is undone as often as it
         was appended."""
         seqs = self._seqs
         j = 0
         for pair in steps:
-            if failed and pair is failed_pair:
+            if pair is failed_pair:
                 return
             if j < len(deferred) and pair is deferred[j]:
                 j += 1

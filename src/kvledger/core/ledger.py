@@ -387,7 +387,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
 
         Only blocks whose release really returns capacity are trimmed: while the sequence has an
         outstanding lease (an in-flight step may still write its draft slots) nothing is trimmed, and
-        a trailing block someone else still holds or leases stays the sequence's own slot. So a
+        a trailing block a transfer still leases stays the sequence's own slot. So a
         re-promise is always backed by a block that just became free (``promised <= free +
         evictable`` holds) and a full-reservation request never loses blocks it was promised."""
         with self._lock:
@@ -396,9 +396,11 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             keep = self.blocks_for(len(seq.tokens))
             if len(blocks) <= keep or request_id in self._seq_leases:
                 return 0
-            ref, leased = self.pool.ref, self.pool.leased
+            # Speculative blocks are never shared (check() enforces it), so only a block lease can
+            # keep one from being freed.
+            leased = self.pool.leased
             cut = len(blocks)
-            while cut > keep and ref[blocks[cut - 1]] == 1 and not leased[blocks[cut - 1]]:
+            while cut > keep and not leased[blocks[cut - 1]]:
                 cut -= 1
             extra = blocks[cut:]
             if not extra:

@@ -464,3 +464,22 @@ def test_decode_step_that_runs_out_applies_the_pairs_before_in_order() -> None:
         ledger.decode_step([("c", 2), ("a", 9), ("b", 9), ("c", 3)])
     assert [len(ledger.sequence(r).tokens) for r in ("a", "b", "c")] == [5, 4, 7]
     ledger.check()
+
+
+def test_decode_step_keeps_a_sequences_pairs_in_order_across_both_paths() -> None:
+    """A sequence named twice in one step whose first pair needs the full path (here an integer-like
+    token that is not an ``int``) still gets its tokens in the order given."""
+
+    class Index:
+        def __init__(self, v: int) -> None:
+            self.v = v
+
+        def __index__(self) -> int:
+            return self.v
+
+    ledger = KVLedger(16, 4)
+    ledger.admit(Request("a", [1, 2, 3, 4, 5], 8)).raise_for_outcome()
+    ledger.append_token("a", 9)
+    ledger.decode_step([("a", Index(5)), ("a", 6), ("a", 7)])
+    assert ledger.sequence("a").tokens[-4:] == [9, 5, 6, 7]
+    ledger.check()

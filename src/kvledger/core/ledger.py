@@ -37,7 +37,6 @@ from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState,
 _MAX_TOKEN = 2**32 - 1  # token ids are hashed as uint32
 MAX_POOL_BLOCKS = 2**24  # per-block facts live in flat lists: ~50 bytes of bookkeeping per block
 MAX_BLOCK_SIZE = 2**16  # tokens per block
-_ALL_PAIRS = object()  # decode_step's marker: the error came after every pair was seen
 
 __all__ = ["CopyOp", "Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage"]
 
@@ -226,42 +225,53 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             steps = list(steps)
         with self._lock:
             seqs = self._seqs
-            slow: list[tuple[SequenceState, object]] | None = None
-            waiting: set[str] | None = None  # sequences with a pair in `slow`: their later pairs follow it
-            deferred: list[object] = []  # the pairs in `slow`, in order (they were not appended)
-            pair: object = None
+            slow = at = raised = None  # made at the first pair for the full path (most steps have none)
+            # slow: pairs for the full path, in order; at: their positions in `steps` (not appended)
+            # A sequence with a deferred pair must take its later pairs in this step in order, so it is
+            # sent down the full path by the flag the common case already tests (cow_tail); the flags
+            # are put back before anything is applied (raised). The common case stays one list append.
+            pairs = iter(steps)  # on an error, its length hint says where the loop stopped
             try:
-                for pair in steps:
-                    request_id, token = pair
-                    seq = seqs.get(request_id)
-                    if seq is None:
-                        raise LedgerError(f"unknown sequence {show(request_id)}")
-                    tokens = seq.tokens
-                    n = len(tokens)
-                    if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
-                            and type(token) is int and 0 <= token <= _MAX_TOKEN
-                            and (waiting is None or request_id not in waiting)):
-                        tokens.append(token)
-                    else:
-                        if slow is None or waiting is None:
-                            slow, waiting = [], set()
-                        slow.append((seq, token))
-                        waiting.add(request_id)
-                        deferred.append(pair)
-                pair = _ALL_PAIRS  # every pair went through the loop: an error now comes from the check
-                checked, fits = self._check_growth(slow) if slow is not None else ((), 0)
-            except (LedgerError, ConfigError):
-                self._undo_fast(steps, pair, deferred)
-                raise
-            except (TypeError, ValueError):
-                self._undo_fast(steps, pair, deferred)
+                try:
+                    for request_id, token in pairs:
+                        seq = seqs.get(request_id)
+                        if seq is None:
+                            raise LedgerError(f"unknown sequence {show(request_id)}")
+                        tokens = seq.tokens
+                        n = len(tokens)
+                        if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
+                                and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                            tokens.append(token)
+                        else:
+                            if slow is None or at is None or raised is None:
+                                slow, at, raised = [], [], []
+                            slow.append((seq, token))
+                            at.append(len(steps) - operator.length_hint(pairs) - 1)
+                            if not seq.cow_tail:
+                                seq.cow_tail = True
+                                raised.append(seq)
+                finally:
+                    if raised:
+                        for seq in raised:
+                            seq.cow_tail = False
+            except (LedgerError, TypeError, ValueError) as exc:
+                self._undo_fast(steps, len(steps) - operator.length_hint(pairs) - 1, at)
+                if isinstance(exc, LedgerError):
+                    raise
                 raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
+            if slow is None:
+                return
+            try:
+                checked, fits = self._check_growth(slow)
+            except (LedgerError, ConfigError):
+                self._undo_fast(steps, len(steps), at)
+                raise
             if fits == len(checked):
                 for seq, token in checked:
                     self._grow(seq, token)
                 return
             # The pool runs out part-way: start again and apply the pairs in their order up to there.
-            self._undo_fast(steps, _ALL_PAIRS, deferred)
+            self._undo_fast(steps, len(steps), at)
             for request_id, token in steps:
                 seq = seqs[request_id]
                 tokens = seq.tokens
@@ -271,20 +281,13 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                 else:
                     self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
 
-    def _undo_fast(self, steps: list, failed_pair: object, deferred: list[object]) -> None:
+    def _undo_fast(self, steps: list, stop: int, deferred: list[int] | None) -> None:
         """Take back the tokens :meth:`decode_step` appended in its common case: every pair before
-        ``failed_pair`` (all of them for ``_ALL_PAIRS``) that was not deferred to the full path.
-        Deferred pairs are matched in order, so a pair object listed twice is undone as often as it
-        was appended."""
-        seqs = self._seqs
-        j = 0
-        for pair in steps:
-            if pair is failed_pair:
-                return
-            if j < len(deferred) and pair is deferred[j]:
-                j += 1
-                continue
-            seqs[pair[0]].tokens.pop()
+        position ``stop`` that was not deferred to the full path (their positions are ``deferred``)."""
+        seqs, skip = self._seqs, set(deferred or ())
+        for i in range(stop - 1, -1, -1):
+            if i not in skip:
+                seqs[steps[i][0]].tokens.pop()
 
     def _no_room(self, seq: SequenceState) -> OutOfBlocksError:
         return OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")

@@ -718,3 +718,14 @@ def test_refused_requests_do_not_keep_their_digests_forever() -> None:
     ledger.admit(wait).raise_for_outcome()
     assert ledger._digest_cache == {}
     ledger.check()
+
+
+def test_keep_free_is_left_available_after_an_admission() -> None:
+    """The watermark of non-full policies: an admission must leave ``keep_free`` blocks available."""
+    ledger = KVLedger(10, 4)
+    req = Request("r", tokens(8), 8)  # 2 prompt blocks + 2 promised
+    refused = ledger.admit(req, keep_free=7)
+    assert refused.outcome is Outcome.NOT_NOW and "7 kept free" in refused.detail
+    assert ledger.can_admit(req, keep_free=6).admitted
+    assert ledger.admit(req, keep_free=6).admitted and ledger.usage().available == 6
+    ledger.check()

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
 from kvledger.core.observe import EventLog
+from kvledger.core.types import Retention
 from kvledger.errors import ConfigError, LedgerError
 
 
@@ -256,3 +257,32 @@ def test_family_shares_every_common_full_block_and_equal_tails_only(case) -> Non
         ledger.append_tokens(sid, [3] * (len(prompt) + max_new - len(t)))
         ledger.check()
     assert all(ledger.sequence(sid).promised == 0 for sid in toks)
+
+
+def test_family_hits_are_a_leading_run_of_the_chain() -> None:
+    """A cached block whose predecessor was evicted cannot be hit: its KV depends on every earlier
+    token, and the family recomputes from the first miss (as admit() does)."""
+    ledger = KVLedger(8, 4, policy="priority")
+    prompt = list(range(12))
+    ledger.admit(Request("warm", prompt, 0, retention=(Retention(0, 4, 0), Retention(4, 12, 100)))).raise_for_outcome()
+    ledger.mark_computed("warm", 12)
+    ledger.release("warm")
+    ledger.admit(Request("filler", list(range(100, 124)), 0)).raise_for_outcome()  # 5 free + 1 eviction
+    assert ledger.usage().retained == 2  # blocks 1-2 of "warm" survive; block 0, priority 0, was evicted
+    ledger.release("filler")
+    reqs = [Request("F", prompt + [1], 2, family="F"), Request("F/1", prompt + [2], 2, family="F")]
+    decision = ledger.admit_family(reqs)
+    assert decision.admitted and decision.blocks_hit == 0
+    # The family wrote block 0 again, so the whole chain is reachable once more.
+    assert ledger.admit(Request("single", prompt, 0)).blocks_hit == 3
+    ledger.check()
+
+
+def test_keep_free_leaves_blocks_available_after_a_family() -> None:
+    ledger = KVLedger(12, 4, prefix_caching=False)
+    reqs = [Request(s, list(range(8)) + [t], 4, family="F") for s, t in (("F", 1), ("F/1", 2))]
+    # 2 shared + 2 tails + 2 x 1 promised = 6 of 12
+    assert ledger.admit_family(reqs, keep_free=7).outcome is Outcome.NOT_NOW
+    decision = ledger.admit_family(reqs, keep_free=6)
+    assert decision.admitted and ledger.usage().available == 6
+    ledger.check()

@@ -225,42 +225,53 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             steps = list(steps)
         with self._lock:
             seqs = self._seqs
-            done: list[list[int]] = []  # token lists the common case appended to, for an undo
-            slow: list[tuple[SequenceState, object]] | None = None
-            waiting: set[str] | None = None  # sequences with a pair in `slow`: their later pairs follow it
+            slow = at = raised = None  # made at the first pair for the full path (most steps have none)
+            # slow: pairs for the full path, in order; at: their positions in `steps` (not appended)
+            # A sequence with a deferred pair must take its later pairs in this step in order, so it is
+            # sent down the full path by the flag the common case already tests (cow_tail); the flags
+            # are put back before anything is applied (raised). The common case stays one list append.
+            pairs = iter(steps)  # on an error, its length hint says where the loop stopped
             try:
-                for request_id, token in steps:
-                    seq = seqs.get(request_id)
-                    if seq is None:
-                        raise LedgerError(f"unknown sequence {show(request_id)}")
-                    tokens = seq.tokens
-                    n = len(tokens)
-                    if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
-                            and type(token) is int and 0 <= token <= _MAX_TOKEN
-                            and (waiting is None or request_id not in waiting)):
-                        tokens.append(token)
-                        done.append(tokens)
-                    else:
-                        if slow is None or waiting is None:
-                            slow, waiting = [], set()
-                        slow.append((seq, token))
-                        waiting.add(request_id)
-                checked, fits = self._check_growth(slow) if slow is not None else ((), 0)
-            except (LedgerError, ConfigError):
-                for tokens in reversed(done):
-                    tokens.pop()
-                raise
-            except (TypeError, ValueError):
-                for tokens in reversed(done):
-                    tokens.pop()
+                try:
+                    for request_id, token in pairs:
+                        seq = seqs.get(request_id)
+                        if seq is None:
+                            raise LedgerError(f"unknown sequence {show(request_id)}")
+                        tokens = seq.tokens
+                        n = len(tokens)
+                        if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
+                                and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                            tokens.append(token)
+                        else:
+                            if slow is None or at is None or raised is None:
+                                slow, at, raised = [], [], []
+                            slow.append((seq, token))
+                            at.append(len(steps) - operator.length_hint(pairs) - 1)
+                            if not seq.cow_tail:
+                                seq.cow_tail = True
+                                raised.append(seq)
+                finally:
+                    if raised:
+                        for seq in raised:
+                            seq.cow_tail = False
+            except (LedgerError, TypeError, ValueError) as exc:
+                self._undo_fast(steps, len(steps) - operator.length_hint(pairs) - 1, at)
+                if isinstance(exc, LedgerError):
+                    raise
                 raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
+            if slow is None:
+                return
+            try:
+                checked, fits = self._check_growth(slow)
+            except (LedgerError, ConfigError):
+                self._undo_fast(steps, len(steps), at)
+                raise
             if fits == len(checked):
                 for seq, token in checked:
                     self._grow(seq, token)
                 return
             # The pool runs out part-way: start again and apply the pairs in their order up to there.
-            for tokens in reversed(done):
-                tokens.pop()
+            self._undo_fast(steps, len(steps), at)
             for request_id, token in steps:
                 seq = seqs[request_id]
                 tokens = seq.tokens
@@ -269,6 +280,14 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                     tokens.append(token)
                 else:
                     self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
+
+    def _undo_fast(self, steps: list, stop: int, deferred: list[int] | None) -> None:
+        """Take back the tokens :meth:`decode_step` appended in its common case: every pair before
+        position ``stop`` that was not deferred to the full path (their positions are ``deferred``)."""
+        seqs, skip = self._seqs, set(deferred or ())
+        for i in range(stop - 1, -1, -1):
+            if i not in skip:
+                seqs[steps[i][0]].tokens.pop()
 
     def _no_room(self, seq: SequenceState) -> OutOfBlocksError:
         return OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
@@ -288,30 +307,34 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         one unpromised block, which lowers ``free + evictable - promised`` by one (promised blocks and
         copy-on-write copies, always promised, leave it as it is)."""
         bs = self.block_size
-        state: dict[str, list[int]] = {}  # id -> [tokens, blocks, promise] after the pairs so far
+        state: dict[str, tuple[int, int, int]] = {}  # id -> (tokens, blocks, promise) after the pairs so far
         room = None  # unpromised blocks left, read once a pair needs one
         fits = -1
         out: list[tuple[SequenceState, int]] = []
         for seq, token in items:
-            st = state.get(seq.request_id)
+            if type(token) is not int or not 0 <= token <= _MAX_TOKEN:
+                token = self._token(seq, token)
+            rid = seq.request_id
+            st = state.get(rid)
             if st is None:
-                st = state[seq.request_id] = [len(seq.tokens), len(seq.table.blocks), seq.promised]
-            n = st[0]
+                n, held, promise = len(seq.tokens), len(seq.table.blocks), seq.promised
+            else:
+                n, held, promise = st
             if n >= seq.limit:
-                raise LedgerError(f"{seq.request_id!r} already generated its max_new_tokens={seq.max_new_tokens}")
-            out.append((seq, self._token(seq, token)))
-            if n % bs == 0 and n >= st[1] * bs:
-                if st[2]:
-                    st[2] -= 1
+                raise LedgerError(f"{rid!r} already generated its max_new_tokens={seq.max_new_tokens}")
+            if n % bs == 0 and n >= held * bs:
+                held += 1
+                if promise:
+                    promise -= 1
                 elif fits < 0:
                     if room is None:
                         pool = self.pool
                         room = pool.num_free + pool.num_evictable - self.promised
                     if room <= 0:
-                        fits = len(out) - 1
+                        fits = len(out)
                     room -= 1
-                st[1] += 1
-            st[0] = n + 1
+            state[rid] = (n + 1, held, promise)
+            out.append((seq, token))  # type: ignore[arg-type]
         return out, (len(out) if fits < 0 else fits)
 
     def _grow(self, seq: SequenceState, token: int) -> None:
@@ -367,7 +390,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
 
         Only blocks whose release really returns capacity are trimmed: while the sequence has an
         outstanding lease (an in-flight step may still write its draft slots) nothing is trimmed, and
-        a trailing block someone else still holds or leases stays the sequence's own slot. So a
+        a trailing block a transfer still leases stays the sequence's own slot. So a
         re-promise is always backed by a block that just became free (``promised <= free +
         evictable`` holds) and a full-reservation request never loses blocks it was promised."""
         with self._lock:
@@ -376,9 +399,11 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             keep = self.blocks_for(len(seq.tokens))
             if len(blocks) <= keep or request_id in self._seq_leases:
                 return 0
-            ref, leased = self.pool.ref, self.pool.leased
+            # Speculative blocks are never shared (check() enforces it), so only a block lease can
+            # keep one from being freed.
+            leased = self.pool.leased
             cut = len(blocks)
-            while cut > keep and ref[blocks[cut - 1]] == 1 and not leased[blocks[cut - 1]]:
+            while cut > keep and not leased[blocks[cut - 1]]:
                 cut -= 1
             extra = blocks[cut:]
             if not extra:

@@ -207,8 +207,9 @@ class LifetimeOps:
             held = []
             if self._seqs:
                 held.append(f"{len(self._seqs)} running sequences")
-            if self._pins:
-                held.append(f"{len(self._pins)} pins")
+            pinned = sum(len(blocks) for blocks in self._pins.values())
+            if pinned:
+                held.append(f"{pinned} pinned blocks")
             if self._leases:
                 held.append(f"{len(self._leases)} outstanding leases")
             if pool.deferred:

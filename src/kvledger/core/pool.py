@@ -192,8 +192,8 @@ class BlockPool:
                     self.on_event(event, block, digest, self.group[block])
             self.digest[block] = None
             self.group[block] = None
-            if self._policy_forget is not None:
-                self._policy_forget(block)
+        if self._policy_forget is not None:  # also for anonymous blocks that were given a priority
+            self._policy_forget(block)
         self.written[block] = False
 
     def drop_cache(self) -> int:

@@ -24,9 +24,17 @@ from kvledger.scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
 from kvledger.scheduler.queue import WaitingQueue
 
 try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks, victim_scenario
+    from tests.test_scheduler import (
+        BS,
+        SHARED,
+        FakeEngine,
+        assert_drained,
+        expected_output,
+        toks,
+        victim_scenario,
+    )
 except ImportError:  # pragma: no cover
-    from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks, victim_scenario
+    from test_scheduler import BS, SHARED, FakeEngine, assert_drained, expected_output, toks, victim_scenario
 
 
 def family_scenario(recovery: str = "recompute", prefix_caching: bool = True, events: EventLog | None = None,
@@ -302,6 +310,48 @@ def test_the_grower_waits_one_step_after_a_swap() -> None:
     for rid in "ABCD":
         br = s.branches(rid)[0]
         assert (br.finish_reason, br.output) == ("length", expected_output(rid, len(br.request.prompt), 20))
+    assert_drained(s)
+
+
+# Every growth action on the victim table's requests (victim latest, recompute). Step 5 is the first
+# growth failure: B (first in admission order) needs a fourth block, A a third and C a fourth, with no
+# block left.
+#   defer:    B, A, C defer; D still has room, so not everyone is deferred. Step 6: D needs its fifth
+#             block: now all are deferred and the latest (D) is recomputed to break the deadlock.
+#   reject:   B ends (5 tokens); its 3 blocks let A and C grow. A ends in step 9, D in step 14.
+#   headroom: 1 block kept free at admission: D waits in step 1 (1 new + 1 promised would leave 0).
+#             In step 5 B and A take the 2 free blocks and C, the latest, preempts itself.
+GROWTH = {
+    "defer": (dict(), (6, ["D"], []), 4, {}),
+    "reject": (dict(), (5, [], [("B", "rejected: no memory to grow")]), 0,
+               {"B": 5, "A": 8, "D": 13}),
+    "headroom": (dict(headroom_blocks=1), (5, ["C"], []), 4, {}),
+}
+
+
+@pytest.mark.parametrize("action", list(GROWTH))
+def test_every_growth_action_on_the_victim_table(action: str) -> None:
+    extra, first, total, rejected = GROWTH[action]
+    led = KVLedger(10, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", on_growth_failure=action, victim="latest",
+                                       watermark=0.0, **extra))
+    engine = FakeEngine(s)
+    s.add(GenRequest("B", toks(8, 200), 20, priority=-1))
+    engine.step()
+    for rid, prompt in (("A", toks(5, 100)), ("C", [*SHARED, 7]), ("D", [*SHARED, 1, 2, 3, 4])):
+        s.add(GenRequest(rid, prompt, 20))
+    plans = engine.drain()
+    assert plans[0].admitted == (["A", "C"] if action == "headroom" else ["A", "C", "D"])
+    events = [(p.step, [x.request_id for x in p.preempted], p.ended) for p in plans if p.preempted or p.ended]
+    assert events[0] == first
+    assert s.preemptions == total
+    for rid in "ABCD":
+        br = s.branches(rid)[0]
+        if rid in rejected:
+            assert (br.finish_reason, br.num_generated) == ("rejected: no memory to grow", rejected[rid])
+            assert br.output == expected_output(rid, len(br.request.prompt), 20)[: rejected[rid]]
+        else:
+            assert (br.finish_reason, br.output) == ("length", expected_output(rid, len(br.request.prompt), 20))
     assert_drained(s)
 
 

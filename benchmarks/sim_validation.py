@@ -17,6 +17,10 @@ through the same metrics (:func:`kvledger.scheduler.metrics.summarize_requests`:
 so the two columns measure the same thing. Prints throughput and p50 / p90 TTFT and TPOT for both and
 sim / real per load (the target is within 10%), the machine's load average before and after, then one
 JSON line. ``--sim-only`` skips the runtime (no torch needed).
+
+On a shared machine, run ``kvledger calibrate`` and this benchmark back to back with the same
+``OMP_NUM_THREADS`` (1 is the most robust when other processes compete for the cores: a two-thread
+step waits for both threads to get a time slice, and a busy neighbour makes steps 10x slower at random).
 Usage: python benchmarks/sim_validation.py [--requests 200] [--loads light:1,saturated:4] [--sim-only]
 """
 

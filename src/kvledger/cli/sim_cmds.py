@@ -313,6 +313,9 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Gamma arrivals' coefficient of variation (1 = Poisson).")
 @click.option("--block-tokens", type=Int(1, 2**16), default=512, show_default=True,
               help="Tokens per Mooncake hash id.")
+@click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1.0, show_default=True,
+              help="Multiply the trace's lengths as serve-trace --scale does (a trace block of shared prefix "
+                   "becomes a whole number of KV blocks), to simulate the same replay.")
 @click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice.")
 @click.option("--out", default=None, help="Report folder [reports/sim-<time>]; serve-trace writes the same layout.")
 @click.option("--no-report", is_flag=True, help="Print only; write no report folder.")
@@ -342,8 +345,8 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                  max_running: int, token_budget: int, prefill_chunk: int, victim: str, recovery: str,
                  kv_dtype: str | None, weight_dtype: str | None, max_model_len: int | None,
                  declared_max_new: int | None, start_s: float | None, duration_s: float | None, limit: int | None,
-                 speedup: float | None, rate: float, arrival_cv: float, block_tokens: int, seed: int,
-                 out: str | None, no_report: bool, sweep: tuple[str, ...], slo_ttft: float | None,
+                 speedup: float | None, rate: float, arrival_cv: float, block_tokens: int, scale: float,
+                 seed: int, out: str | None, no_report: bool, sweep: tuple[str, ...], slo_ttft: float | None,
                  slo_tpot: float | None, slo_percentile: str, prefix_bound: bool, fragmentation: bool,
                  capacity_tokens: int, frag_max_len: int, frag_block_sizes: str, as_json: bool) -> None:
     """Simulate a workload through the real scheduler and ledger, timed by the cost model; sweep load and
@@ -378,6 +381,11 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         reqs = _load_requests(trace, start_s=start_s, duration_s=duration_s, limit=limit, speedup=speedup, rate=rate,
                               arrival_cv=arrival_cv, seed=seed, block_tokens=block_tokens, trace_format=trace_format)
         label = Path(trace).name
+        if scale != 1:
+            from ..sim.workloads import scale_lengths
+
+            reqs = scale_lengths(reqs, scale, block_size=block_size, trace_block=block_tokens)
+            label += f" (lengths x {scale:g})"
     else:
         reqs = _synthetic(requests, input_len, output_len, prefix_len, prefixes, length_cv, rate, arrival_cv, seed)
         if speedup is not None and speedup != 1:
@@ -543,7 +551,7 @@ def compare_cmd(first: str, second: str, as_json: bool) -> None:
         if v is None:
             return "-"
         if isinstance(v, float):
-            return f"{v * 1e3:,.1f} ms" if metric.endswith("_s") else f"{v:,.3f}"
+            return f"{v * 1e3:,.1f} ms" if metric.startswith(("ttft", "tpot", "e2e")) else f"{v:,.3f}"
         return str(v)
 
     for metric, a, b in rows:

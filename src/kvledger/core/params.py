@@ -222,19 +222,22 @@ def _mlp(cfg: dict[str, Any], tp: int, hidden: int, layers: int, model_type: str
     out = []
     if n_dense:
         inter = _split(config_int(cfg, "intermediate_size"), tp)
-        out += [Tensor("gate_up_proj", "mlp", hidden, 2 * inter, n_dense, linear=True),
+        out += [Tensor("gate_proj", "mlp", hidden, inter, n_dense, linear=True),
+                Tensor("up_proj", "mlp", hidden, inter, n_dense, linear=True),
                 Tensor("down_proj", "mlp", inter, hidden, n_dense, linear=True)]
         if cfg.get("mlp_bias"):
             out.append(Tensor("mlp_bias", "mlp", 1, 2 * inter + hidden, n_dense))
     if moe:
         e, k = moe["experts"], moe["top_k"]
         inter = _split(moe["expert_inter"], tp)
-        out += [Tensor("experts.gate_up", "mlp", hidden, 2 * inter, n_moe * e, linear=True, active=n_moe * k),
+        out += [Tensor("experts.gate", "mlp", hidden, inter, n_moe * e, linear=True, active=n_moe * k),
+                Tensor("experts.up", "mlp", hidden, inter, n_moe * e, linear=True, active=n_moe * k),
                 Tensor("experts.down", "mlp", inter, hidden, n_moe * e, linear=True, active=n_moe * k),
                 Tensor("router", "mlp", hidden, e, n_moe)]  # replicated, kept at full precision
         if moe["shared_inter"]:
             shared = _split(moe["shared_inter"], tp)  # shared experts act as one wide MLP
-            out += [Tensor("shared_experts.gate_up", "mlp", hidden, 2 * shared, n_moe, linear=True),
+            out += [Tensor("shared_experts.gate", "mlp", hidden, shared, n_moe, linear=True),
+                    Tensor("shared_experts.up", "mlp", hidden, shared, n_moe, linear=True),
                     Tensor("shared_experts.down", "mlp", shared, hidden, n_moe, linear=True)]
         if moe["shared_gate"]:
             out.append(Tensor("shared_expert_gate", "mlp", hidden, 1, n_moe))

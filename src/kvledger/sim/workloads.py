@@ -1019,6 +1019,36 @@ def at_rate(requests: Sequence[SimRequest], rate: float) -> list[SimRequest]:
     return scale_time(reqs, rate / offered_rate(reqs))
 
 
+def scale_lengths(requests: Sequence[SimRequest], scale: float, *, block_size: int = 16,
+                  trace_block: int = MOONCAKE_BLOCK_TOKENS) -> list[SimRequest]:
+    """Prompts and outputs `scale` times as long, for replaying a trace on a small model or a CPU.
+
+    Every `trace_block` tokens of a prompt (Mooncake's 512-token hash blocks) become `chunk` tokens, a whole
+    number of `block_size`-token KV blocks (at least one): a prefix two requests share in the trace is a
+    shared run of whole KV blocks after scaling too, never a partial block. Block identities are kept
+    (equal trace blocks stay equal), so prefix sharing is exactly the trace's. Outputs of at least one
+    token stay at least one token. `kvledger serve-trace --scale` and `kvledger simulate --scale` both use
+    this, so a simulated and a real replay see the same lengths.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 1:
+        raise ConfigError(f"scale must be in (0, 1], got {scale!r}")
+    _check_int(block_size, "block_size", 1)
+    _check_int(trace_block, "trace_block", 1)
+    chunk = max(1, round(trace_block * scale / block_size)) * block_size
+    ids: dict[int, int] = {}
+    out = []
+    for r in requests:
+        n = r.prompt_len
+        length = max(1, round(n * chunk / trace_block))
+        keys = [r.prompt_tokens[i] for i in range(0, n, trace_block)][: -(-length // chunk)]
+        keys += [keys[-1]] * (-(-length // chunk) - len(keys))  # a prompt that grew past its trace blocks
+        dense = [ids.setdefault(k, len(ids)) for k in keys]
+        prompt = Prompt.from_blocks(dense, chunk, length)
+        output = max(1, round(r.output_len * scale)) if r.output_len else 0
+        out.append(replace(r, prompt_tokens=prompt, output_len=output))
+    return out
+
+
 WORKLOAD_TRANSFORMS = ("rate", "speedup")  # sweep keys that change the workload rather than the deployment
 
 
@@ -1066,5 +1096,5 @@ __all__ = [
     "WORKLOAD_TRANSFORMS", "ArrivalProcess", "Choice", "Fixed", "Gamma", "IntDist", "LogNormal", "Poisson", "Prompt",
     "SimRequest", "TraceFormat", "Uniform", "accepted_formats", "assign_trust_groups", "at_rate", "load_azure",
     "load_kvledger", "load_lengths", "load_mooncake", "load_trace", "offered_rate", "register_trace_format",
-    "scale_time", "slice_requests", "sniff_trace_format", "synthetic", "transform_workload",
+    "scale_lengths", "scale_time", "slice_requests", "sniff_trace_format", "synthetic", "transform_workload",
 ]

@@ -507,7 +507,8 @@ def test_an_unknown_csv_header_lists_the_accepted_ones(tmp_path):
         load_trace(path)
     msg = str(info.value)
     assert "unknown trace format (CSV header 'when,tokens_in,tokens_out')" in msg
-    for fragment in ("azure (TIMESTAMP,ContextTokens,GeneratedTokens)", "lengths (num_prefill_tokens,num_decode_tokens)",
+    for fragment in ("azure (TIMESTAMP,ContextTokens,GeneratedTokens)",
+                     "lengths (num_prefill_tokens,num_decode_tokens)",
                      "kvledger-csv (arrival_s,prompt_len,output_len)", "mooncake (timestamp,input_length"):
         assert fragment in msg
     jsonl = tmp_path / "t.jsonl"
@@ -563,11 +564,12 @@ def test_hostile_traces_are_one_config_error(tmp_path):
     (they used to raise UnicodeDecodeError, RecursionError or ValueError)."""
     cases = {
         "bin.csv": b"\x00\x01\x02binary\xff\xfe",
-        "latin1.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,5,1\n".encode() + b"\xe9t\xe9\n",
+        "latin1.csv": b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9,5,1\n" + b"\xe9t\xe9\n",
         "header-latin1.csv": b"TIMESTAMP,Context\xe9,GeneratedTokens\n",
         "deep.jsonl": b'{"timestamp": ' + b"[" * 50_000 + b"]" * 50_000 + b"}\n",
         "huge.jsonl": b'{"timestamp": 1, "input_length": ' + b"7" * 5000 + b', "output_length": 1, "hash_ids": [1]}\n',
-        "big-int.jsonl": b'{"timestamp": 1, "input_length": ' + b"7" * 400 + b', "output_length": 1, "hash_ids": [1]}\n',
+        "big-int.jsonl": b'{"timestamp": 1, "input_length": ' + b"7" * 400
+        + b', "output_length": 1, "hash_ids": [1]}\n',
     }
     for name, data in cases.items():
         path = tmp_path / name

@@ -26,6 +26,14 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
+def console(stderr: bool = False) -> Any:
+    """A rich console; piped or captured output gets a wide page so that tables keep one row per line."""
+    from rich.console import Console
+
+    con = Console(stderr=stderr)
+    return con if con.is_terminal else Console(stderr=stderr, width=200)
+
+
 def read_text(path: str | Path, what: str, limit: int = MAX_INPUT_BYTES) -> str:
     """A UTF-8 text file, or one ConfigError naming the file (missing, unreadable, too large, binary)."""
     from ..errors import ConfigError
@@ -48,4 +56,4 @@ def read_text(path: str | Path, what: str, limit: int = MAX_INPUT_BYTES) -> str:
         raise ConfigError(f"{p}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from None
 
 
-__all__ = ["MAX_INPUT_BYTES", "emit_json", "read_text"]
+__all__ = ["MAX_INPUT_BYTES", "console", "emit_json", "read_text"]

@@ -72,6 +72,15 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else format_gib(n)
 
 
+def _explain(con: Any, inv: Any) -> None:
+    """Each term's formula and source, as plain lines (long formulas wrap badly inside a table)."""
+    con.print("How each term is computed:")
+    for term in inv.terms:
+        where = "" if term.in_budget else " (outside the budget)"
+        con.print(f"  {term.label}{where}: {_gib(term.bytes)} = {term.formula}")
+        con.print(f"    [dim]source: {term.source}[/dim]")
+
+
 def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
     from rich.table import Table
 
@@ -90,25 +99,20 @@ def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
         for term in inv.terms:
             if term.in_budget:
                 t.add_row(f"  - {term.label}", _gib(term.bytes))
-                if explain:
-                    t.add_row("", f"[dim]{term.formula}; source: {term.source}[/dim]")
         t.add_row("  = KV cache", f"{_gib(inv.kv_budget_bytes)} ({inv.kv_budget_bytes:,} B)")
         outside = [term for term in inv.terms if not term.in_budget]
         if outside:
             t.add_row("outside the budget", "; ".join(f"{term.label.split(' (')[0]} {_gib(term.bytes)}"
                                                       for term in outside)
                       + f"; headroom {_gib(inv.headroom_bytes)}")
-            if explain:
-                for term in outside:
-                    t.add_row("", f"[dim]{term.label}: {term.formula}; source: {term.source}[/dim]")
     elif inv.weights_bytes_per_rank:
         t.add_row("weights on this rank", _gib(inv.weights_bytes_per_rank))
     if inv.parameters:
         t.add_row("parameters", f"{inv.parameters:,} ({inv.parameters / 1e9:.2f} B); weights {inv.weight_format}")
     if inv.max_batched_tokens is not None and inv.device_bytes is not None:
         t.add_row("step shape", f"{inv.max_batched_tokens:,} tokens, {inv.max_seqs:,} sequences per step")
-    if inv.workspace_source:
-        t.add_row("activation source", inv.workspace_source)
+    if inv.workspace_source and inv.engine == "kvledger":
+        t.add_row("workspace source", inv.workspace_source)
     t.add_row("KV pool", f"{inv.pool_blocks:,} blocks of {format_bytes(inv.block_bytes)} = {_gib(inv.pool_bytes)} "
               f"= {inv.capacity_tokens:,} tokens")
     return t
@@ -117,12 +121,11 @@ def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
 def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | None, concurrency: int | None,
             gpus: str | None, tps: str, prices: str | None, engine: str, utilization: float, kv_dtype: str | None,
             weight_dtype: str | None, block_size: int, as_json: bool) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from ..core.capacity import capacity_matrix, parse_prices
     from ..errors import ConfigError
-    from .common import emit_json
+    from .common import console, emit_json
 
     if prompt is None or max_new is None or concurrency is None:
         raise ConfigError("--matrix needs --prompt, --max-new and --concurrency")
@@ -153,7 +156,7 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
                   f"{r.blocks_per_request:,}" if r.blocks_per_request else "-",
                   f"{r.per_instance:,}" if r.fits else "-", f"{r.instances:,}" if r.fits else "-",
                   f"{r.gpus_total:,}" if r.fits else "-", "-" if r.cost is None else f"{r.cost:,.1f}", mark)
-    Console().print(t)
+    console().print(t)
     if not any(r.fits for r in rows):
         raise ConfigError("no GPU x TP combination in the matrix serves this request shape")
 
@@ -209,8 +212,6 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
              prompt: int | None, max_new: int | None, context: int | None, matrix: bool, concurrency: int | None,
              gpus: str | None, tps: str, prices: str | None, explain: bool, as_json: bool) -> None:
     """KV geometry, the memory an engine leaves for the KV cache on one rank, and the requests that fit."""
-    from rich.console import Console
-
     from ..core.capacity import fit_hints
     from ..core.engines import load_measured_peaks
     from ..core.geometry import config_int, text_config
@@ -218,7 +219,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     from ..core.models import list_models, model_source
     from ..core.params import parse_param_count
     from ..errors import ConfigError
-    from .common import emit_json
+    from .common import console, emit_json
 
     if (prompt is None) != (max_new is None):
         raise ConfigError("give both --prompt and --max-new for a request shape")
@@ -241,7 +242,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         if as_json:
             emit_json({**base, "pool_blocks": None})
             return
-        con = Console()
+        con = console()
         con.print(kv_table(spec))
         con.print("[dim]give --gpu NAME, --device-memory SIZE or --pool SIZE to size the KV pool[/dim]")
         return
@@ -279,9 +280,11 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     if as_json:
         emit_json(data)
         return
-    con = Console()
+    con = console()
     con.print(kv_table(spec))
     con.print(_memory_table(inv, gpu_obj, explain))
+    if explain and inv.terms:
+        _explain(con, inv)
     lines = [f"KV capacity: {inv.capacity_tokens:,} tokens; the largest context that fits is "
              f"{inv.largest_context:,} tokens"]
     if ctx_len is not None:

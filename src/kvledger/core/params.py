@@ -18,6 +18,7 @@ scales and zeros, compressed-tensors, ModelOpt FP8/NVFP4, MXFP4, bitsandbytes) o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from ..errors import ConfigError
@@ -495,8 +496,11 @@ def parse_param_count(text: str | int) -> int:
         scale = {"k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}.get(raw[-1].lower(), 1)
         number = raw[:-1] if scale != 1 else raw
         try:
-            value = int(float(number) * scale)
-        except (ValueError, OverflowError):
+            exact = Decimal(number) * scale
+            if not exact.is_finite():
+                raise InvalidOperation
+            value = int(exact)
+        except (InvalidOperation, ValueError, OverflowError):
             raise ConfigError(f"not a parameter count: {raw!r} (use e.g. 8.03B, 135M or 70e9)") from None
     if not 1 <= value <= 10**15:
         raise ConfigError(f"parameter count must be between 1 and 10^15, got {text!r}")

@@ -21,6 +21,7 @@ from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec
 
 MAX_LAB_REQUESTS = 100_000
 MAX_LAB_TOKENS = 50_000_000  # requests x (prompt + max_new) x branches the lab may materialise
+MAX_POOL_BLOCKS = 2**22  # the ledger keeps per-block state in Python lists
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -96,6 +97,9 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
         inv = build_inventory(spec, cfg, gpu=gpu, device_bytes=device_memory, utilization=utilization,
                               weight_dtype=weight_dtype, engine=engine, model_name=model)
         pool_blocks, pool_bytes, sized = inv.pool_blocks, inv.pool_bytes, f"kvledger plan ({engine} engine)"
+    if pool_blocks > MAX_POOL_BLOCKS:
+        raise ConfigError(f"the pool would have {pool_blocks:,} blocks; the lab allocates at most {MAX_POOL_BLOCKS:,} "
+                          "(use a larger --block-size or a smaller pool)")
     if requests_file is not None:
         _admit_file(spec, requests_file, pool_blocks, pool_bytes, sized, prefix_cache, model, as_json)
         return

@@ -370,6 +370,9 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
     grid = parse_sweep(rest)  # bad keys fail before any work
     if isolate_groups and trust_groups not in (None, "request"):
         raise ConfigError("--isolate-groups and --trust-groups disagree; give one")
+    if trust_groups not in (None, "trace", "request") and not (
+            trust_groups.isdigit() and len(trust_groups) <= 6 and 1 <= int(trust_groups) <= 100_000):
+        raise ConfigError(f"--trust-groups takes trace, request or a count in [1, 100,000]; got {trust_groups[:24]!r}")
     groups = "request" if isolate_groups else (trust_groups or "trace")
     base = SimConfig(model=model, gpu=gpu, tp=tp, policy=policy, block_size=block_size,
                      prefix_cache=prefix_cache == "on", trust_groups=groups, host_pool_bytes=host_pool,

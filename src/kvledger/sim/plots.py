@@ -156,6 +156,9 @@ def plot_sweep(rows: list[dict[str, Any]], keys: list[str], out: Path, *, slo: d
             for q, (name, style, marker) in PCT_STYLES.items():
                 ys = [1e3 * r[f"{col}_p{q}_s"] if r.get(f"{col}_p{q}_s") is not None else float("nan") for r in order]
                 ax_.plot(x, ys, linestyle=style, marker=marker, label=name)
+            values = [1e3 * r[f"{col}_p{q}_s"] for r in order for q in PCT_STYLES if r.get(f"{col}_p{q}_s")]
+            if values and min(values) > 0 and max(values) / min(values) >= 100:
+                ax_.set_yscale("log")  # a saturated run's queueing delay dwarfs the unloaded latencies
             target = (slo or {}).get(f"{col}_s")
             if target is not None:
                 ax_.axhline(1e3 * target, color="#d62728", linewidth=1, label=f"SLO {1e3 * target:,.0f} ms")
@@ -164,8 +167,11 @@ def plot_sweep(rows: list[dict[str, Any]], keys: list[str], out: Path, *, slo: d
         for ax_ in axes:
             ax_.set_xlabel(xlabel)
             if min(x) > 0 and max(x) / min(x) >= 8:
+                from matplotlib.ticker import NullFormatter
+
                 ax_.set_xscale("log")
                 ax_.set_xticks(x, [f"{v:g}" for v in x])
+                ax_.xaxis.set_minor_formatter(NullFormatter())
             xs_sat = [xv for xv, s in zip(x, sat, strict=True) if s]
             for xv in xs_sat:
                 ax_.axvline(xv, color="#d62728", alpha=0.3, linewidth=6)

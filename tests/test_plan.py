@@ -172,9 +172,11 @@ def test_a_request_that_can_never_fit_says_so_and_exits_2(capsys):
 def test_a_model_that_does_not_fit_gets_a_hint(capsys):
     err = one_line_error(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb")
     assert "model does not fit" in err and "weights (model loading) 131." in err
-    assert "try --tp 2" in err  # and the hint was checked: tp=2 really fits
+    assert "try --tp 4" in err  # and the hint was checked: tp=4 really fits
     tp2 = run_json(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2", "--json")
-    assert f"--tp 2 ({tp2['pool_blocks']:,} blocks per rank)" in err
+    assert tp2["capacity_tokens"] < 8192  # tp=2 "fits" with a few hundred tokens of cache: not worth a hint
+    tp4 = run_json(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "4", "--json")
+    assert f"--tp 4 ({tp4['pool_blocks']:,} blocks = {tp4['capacity_tokens']:,} tokens)" in err
     err = one_line_error(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "l4", "--tp", "4")
     assert "--tp 8" in err or "--gpu" in err
 

@@ -289,6 +289,10 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
              f"{inv.largest_context:,} tokens"]
     if ctx_len is not None:
         lines.append(f"maximum concurrency for {ctx_len:,} tokens per request: {inv.max_concurrency(ctx_len):.2f}x")
+        if inv.engine == "vllm" and inv.largest_context < ctx_len:
+            lines.append(f"[yellow]note:[/yellow] vLLM refuses to start when the KV cache cannot hold one request of "
+                         f"max_model_len ({ctx_len:,} tokens); give vLLM --max-model-len {inv.largest_context:,} or "
+                         "less")
     if "blocks_per_request" in data:
         lines.append(f"a request of {prompt:,} + {max_new:,} tokens takes {data['blocks_per_request']:,} blocks "
                      f"(the tail block is charged whole): {data['max_concurrent_requests']:,} fit at once "

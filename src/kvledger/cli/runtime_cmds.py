@@ -218,8 +218,9 @@ def _trace_formats() -> list[str]:
               help="Host tier for swapping, in blocks.")
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1 / 64, show_default=True,
-              help="Multiply the trace's lengths (fits a small model's context and a CPU); a trace block of "
-                   "shared prefix becomes a whole number of KV blocks.")
+              help="Multiply the trace's lengths (fits a small model's context and a CPU). Prompts scale by whole "
+                   "KV blocks per 512-token trace block, so the effective prompt scale is printed (1/64 with "
+                   "16-token blocks becomes 16/512 = 1/32).")
 @click.option("--max-new-cap", type=Int(1, 100_000), default=None, help="Cap each request's (scaled) output length.")
 @click.option("--speedup", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
               help="Replay arrivals this many times faster than the trace.")
@@ -329,8 +330,9 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     summary = engine.summary()
     data = run_summary(table, wall_s=wall, extra={
         "source": "runtime", "trace": trace_path, "model": model, "policy": policy, "recovery": recovery,
-        "scale": scale, "clipped_prompts": clipped, "refused_never": refused, "title": f"{model} replaying "
-        f"{Path(trace_path).name} ({len(table)} requests, lengths x {scale:g})", "memory": summary})
+        "scale": scale, "prompt_scale": chunk / MOONCAKE_BLOCK_TOKENS, "clipped_prompts": clipped,
+        "refused_never": refused, "title": f"{model} replaying {Path(trace_path).name} ({len(table)} requests, "
+        f"prompts x {chunk / MOONCAKE_BLOCK_TOKENS:g}, outputs x {scale:g})", "memory": summary})
     folder = Path(out) if out else None
     if folder is not None:
         write_run_report(data, table, folder)
@@ -341,7 +343,8 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:.1f}"
 
-    click.echo(f"{len(table)} requests from {trace_path} (lengths x {scale:g}"
+    click.echo(f"{len(table)} requests from {trace_path} (prompts x {chunk / MOONCAKE_BLOCK_TOKENS:g}: each 512-token "
+               f"trace block is {chunk} tokens, whole KV blocks; outputs x {scale:g}"
                + (f", {clipped} prompts clipped to the context" if clipped else "") + f") in {wall:.2f} s")
     if refused:
         click.echo(f"{refused} request(s) refused 'never' (larger than the whole pool); the replay went on")

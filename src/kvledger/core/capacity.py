@@ -17,6 +17,7 @@ from .gpus import GPUS
 from .inventory import Inventory, build_inventory
 
 TP_DEGREES = (1, 2, 4, 8)
+MIN_USEFUL_TOKENS = 8192  # a suggested option must leave at least this much KV cache
 MAX_CONCURRENCY = 10**7
 
 
@@ -46,7 +47,10 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
     need = (prompt or 0) + (max_new or 0)
 
     def ok(inv: Inventory | None) -> bool:
-        return inv is not None and (need == 0 or inv.fits(prompt or 0, max_new or 0))
+        # Without a request shape a hint must leave a usable pool, not a handful of blocks.
+        if inv is None:
+            return False
+        return inv.fits(prompt or 0, max_new or 0) if need else inv.capacity_tokens >= MIN_USEFUL_TOKENS
 
     hints: list[str] = []
     for tp in (2, 4, 8, 16):
@@ -55,7 +59,7 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
         s = _spec(cfg, spec, tp=tp)
         inv = _try(s, cfg, **kw) if s else None
         if ok(inv):
-            hints.append(f"--tp {tp} ({inv.pool_blocks:,} blocks per rank)")
+            hints.append(f"--tp {tp} ({inv.pool_blocks:,} blocks = {inv.capacity_tokens:,} tokens)")
             break
     current = kw.get("gpu")
     mem = GPUS[current].memory_bytes if current in GPUS else kw.get("device_bytes")
@@ -64,21 +68,21 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
             continue
         inv = _try(spec, cfg, **{**{k: v for k, v in kw.items() if k != "device_bytes"}, "gpu": gpu.name})
         if ok(inv):
-            hints.append(f"--gpu {gpu.name} ({inv.pool_blocks:,} blocks)")
+            hints.append(f"--gpu {gpu.name} ({inv.capacity_tokens:,} tokens)")
             break
     if spec.dtype_bytes > 1:
         s = _spec(cfg, spec, kv_dtype="fp8")
         inv = _try(s, cfg, **kw) if s else None
         if ok(inv):
-            hints.append(f"--kv-dtype fp8 ({inv.pool_blocks:,} blocks)")
+            hints.append(f"--kv-dtype fp8 ({inv.capacity_tokens:,} tokens)")
     if cfg is not None and kw.get("weight_dtype") not in ("fp8", "int4", "fp4"):
         inv = _try(spec, cfg, **{**kw, "weight_dtype": "fp8"})
         if ok(inv):
-            hints.append(f"--weight-dtype fp8 ({inv.pool_blocks:,} blocks)")
+            hints.append(f"--weight-dtype fp8 ({inv.capacity_tokens:,} tokens)")
     if kw.get("utilization", 0.9) < 0.95:
         inv = _try(spec, cfg, **{**kw, "utilization": 0.95})
         if ok(inv):
-            hints.append(f"--utilization 0.95 ({inv.pool_blocks:,} blocks)")
+            hints.append(f"--utilization 0.95 ({inv.capacity_tokens:,} tokens)")
     if need:
         inv = _try(spec, cfg, **kw)
         if inv is not None and not inv.fits(prompt or 0, max_new or 0):

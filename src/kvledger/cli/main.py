@@ -14,6 +14,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
+from ..core.engines import ENGINES
 from ..errors import ConfigError, KVLedgerError
 from ..lab import LabSpec, run_lab
 from .options import TOKENS, UTILIZATION, Int, Size, epilog
@@ -57,7 +58,7 @@ app.add_command(plan_cmd)
 @click.option("--pool", type=Size(), default=None, help="KV pool size, e.g. 512MiB (or size it with --gpu).")
 @click.option("--gpu", default=None, help="Catalogue GPU whose KV pool (as `kvledger plan` sizes it) is used.")
 @click.option("--device-memory", type=Size(), default=None, help="Device memory as the driver reports it.")
-@click.option("--engine", type=click.Choice(["vllm", "kvledger"]), default="vllm", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
               help="Whose memory accounting sizes the pool with --gpu/--device-memory.")
 @click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
               help="Fraction of device memory the engine may use.")

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from ..core.engines import ENGINES
 from .options import BLOCK_SIZE, MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
 
 
@@ -171,7 +172,7 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
 @click.option("--gpu", default=None, help="Catalogue GPU (see `kvledger gpus`); its driver-reported memory is used.")
 @click.option("--device-memory", type=Size(), default=None,
               help="Device memory as the driver reports it, e.g. 79.18GiB (instead of --gpu).")
-@click.option("--engine", type=click.Choice(["vllm", "kvledger"]), default="vllm", show_default=True,
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
               help="Whose memory accounting: vLLM's start-up profile or kvledger's runtime.")
 @click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
               help="Fraction of device memory the engine may use (vLLM's gpu_memory_utilization).")

@@ -498,6 +498,9 @@ def test_registry_names_every_format_and_sniffs_each_slice():
         load_trace(TRACES / SHAREGPT)
     with pytest.raises(ConfigError, match="unknown trace format 'parquet'"):
         load_trace(TRACES / CONV, format="parquet")
+    with pytest.raises(ConfigError, match="unknown argument"):
+        load_trace(TRACES / CONV, colour="red")
+    assert len(load_trace(TRACES / AZ_CODE, block_tokens=512)) == 500  # another format's option is ignored
 
 
 def test_an_unknown_csv_header_lists_the_accepted_ones(tmp_path):

@@ -904,6 +904,10 @@ def load_trace(path: str | Path, format: str | None = None, **kwargs: Any) -> li
             raise ConfigError(f"unknown trace format {format!r}; known: {', '.join(TRACE_FORMATS)}")
     import inspect
 
+    known = {name for f in TRACE_FORMATS.values() for name in inspect.signature(f.loader).parameters}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"load_trace got unknown argument(s) {', '.join(unknown)}")
     accepted = inspect.signature(fmt.loader).parameters
     args = {k: v for k, v in kwargs.items() if k in accepted}
     if fmt.needs_arrivals and "arrivals" not in args:

@@ -91,7 +91,7 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
     if sum(x is not None for x in (pool, gpu, device_memory)) != 1:
         raise ConfigError("give one of --pool, --gpu and --device-memory to size the pool")
     if pool is not None:
-        pool_blocks, pool_bytes, sized = spec.pool_blocks(pool), pool, "--pool"
+        pool_blocks, pool_bytes, sized = spec.pool_blocks(pool), pool, None
     else:
         from ..core.inventory import build_inventory
 
@@ -110,7 +110,7 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
     result = run_lab(LabSpec(pool_blocks, spec.block_size, requests, prompt, shared_prefix,
                              max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
-            "pool_bytes": pool_bytes, "pool_sized_by": sized, **result}
+            "pool_bytes": pool_bytes, **({"pool_sized_by": sized} if sized else {}), **result}
     if as_json:
         _emit_json(data)
         return
@@ -151,14 +151,14 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
-def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: str, prefix_cache: bool,
+def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: str | None, prefix_cache: bool,
                 model: str | None, as_json: bool) -> None:
     from .admit_file import admit_requests, load_requests_file
 
     rows = load_requests_file(path)
     result = admit_requests(rows, pool_blocks, spec.block_size, prefix_caching=prefix_cache, model=model or "file")
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes, "pool_bytes": pool_bytes,
-            "pool_sized_by": sized, "requests_file": path, **result}
+            "pool_sized_by": sized or "--pool", "requests_file": path, **result}
     if as_json:
         _emit_json(data)
         return

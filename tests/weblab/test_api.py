@@ -153,7 +153,8 @@ def test_prediction_is_scored_against_the_ledger(client, seed):
     assert steps["Pool pages"]["result"] == "256 pages"
     assert steps["Request pages"]["formula"] == "ceil((2,048 + 257) / 16)"
     assert steps["Request pages"]["result"].startswith("145 pages (the last page holds 1 of 16 tokens")
-    assert "128 + 8 x 17 = 264" in steps["Shared + private (one trust group)"]["result"]
+    assert steps["Shared + private (one trust group)"]["formula"] == "128 shared + 8 x 17 private"
+    assert steps["Shared + private (one trust group)"]["result"].startswith("264 pages for all 8")
     assert steps["Admitted (one trust group)"]["formula"] == "128 + 7 x 17"
 
 
@@ -356,3 +357,24 @@ def test_page_and_assets_are_served_from_the_package_only(client):
     for f in static.iterdir():
         text = f.read_text(encoding="utf-8")
         assert "http://" not in text and "https://" not in text and "//cdn" not in text, f.name
+
+
+def test_eviction_takes_idle_cache_and_preemption_takes_a_running_request(client):
+    got = client.post("/api/views/eviction", json={}).json()
+    steps = {s["title"]: s for s in got["steps"]}
+    assert all(sum(s["counts"].values()) == 12 for s in got["steps"])
+    first = steps["A finished; its prompt stays cached"]
+    assert first["counts"]["retained"] == 4 and first["usage"]["sequences"] == 0
+    evicting = steps["D arrives: eviction"]
+    assert evicting["counts"]["retained"] == 3  # one of A's cached blocks went straight to D
+    assert "evicted 1 of A's cached blocks (deepest first: [3])" in evicting["events"][1]
+    assert evicting["usage"]["sequences"] == 3  # B and C still run: eviction took nothing from them
+    stuck = steps["B needs one more block: none is left"]
+    assert (stuck["usage"]["free"], stuck["usage"]["evictable"], stuck["usage"]["promised"]) == (0, 0, 0)
+    preempted = steps["Preempt D (the newest request)"]
+    assert "returned its 13 tokens" in preempted["events"][0]
+    assert preempted["usage"]["sequences"] == 2 and preempted["counts"]["retained"] == 3
+    assert "recompute 13 tokens" in preempted["cost"] and "swap 4 blocks" in preempted["cost"]
+    last = steps["B grows; D waits to come back"]
+    assert "3 of its 4 blocks would be cache hits" in last["events"][1]
+    assert client.post("/api/views/eviction", json={"x": 1}).status_code == 422

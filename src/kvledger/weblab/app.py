@@ -19,7 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import KVLedgerError
-from . import lesson, quiz, views
+from . import evict, lesson, quiz, views
 from .inputs import LabInput, choices
 from .poolmap import STATES
 
@@ -142,9 +142,8 @@ def create_app() -> FastAPI:
 
     @app.post("/api/lab")
     def lab(inp: LabInput) -> dict[str, Any]:
-        """The admit payload plus block maps for one trust group and for one group per request."""
-        _spec, _pool_bytes, _lab, panels = lesson.panels(inp)
-        return {"admit": lesson.admit_payload(inp), "panels": panels}
+        """The admit payload, block maps (one trust group, one group per request) and the arithmetic."""
+        return lesson.lab_view(inp)
 
     @app.post("/api/score")
     def score(body: ScoreInput) -> dict[str, Any]:
@@ -169,5 +168,9 @@ def create_app() -> FastAPI:
     @app.post("/api/views/fragmentation")
     def fragmentation(inp: views.FragmentInput) -> dict[str, Any]:
         return views.fragment_view(inp)
+
+    @app.post("/api/views/eviction")
+    def eviction(inp: evict.EvictInput) -> dict[str, Any]:
+        return evict.evict_view(inp)
 
     return app

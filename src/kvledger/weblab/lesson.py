@@ -47,6 +47,14 @@ def _panel(inp: LabInput, spec: KVSpec, lab: LabSpec, title: str) -> dict[str, A
     return {"title": title, **{k: result[k] for k in keys}, "map": pool_map(replay(lab, result))}
 
 
+def lab_view(inp: LabInput) -> dict[str, Any]:
+    """What the page shows after a run: the admit payload, the block maps and the arithmetic."""
+    spec, pool_bytes, lab, shown = panels(inp)
+    one = lab_result(replace(lab, groups=1))
+    iso = lab_result(replace(lab, groups=inp.requests))
+    return {"admit": admit_payload(inp), "panels": shown, "arithmetic": arithmetic(lab, spec, pool_bytes, one, iso)}
+
+
 def panels(inp: LabInput) -> tuple[KVSpec, int, LabSpec, list[dict[str, Any]]]:
     """The block maps to show: one trust group, every request in its own group, and the controls'
     own group count when it is neither."""
@@ -96,19 +104,21 @@ def arithmetic(spec: LabSpec, kv: KVSpec, pool_bytes: int, shared: dict[str, Any
          "result": f"{_n(bpr)} pages" + (f" (the last page holds {tail} of {bs} tokens and is charged whole)"
                                           if tail and tail < bs else "")},
         {"name": "Shared + private (one trust group)",
-         "formula": f"{_n(s)} shared prefix pages + {_n(p)} private pages per request",
-         "result": f"{n} requests need {_n(s)} + {n} x {_n(p)} = {_n(shared['blocks_needed_all'])} pages; "
-                   f"without sharing {n} x {_n(bpr)} = {_n(shared['blocks_needed_unshared'])}"},
+         "formula": f"{_n(s)} shared + {n} x {_n(p)} private" if s + n * p == shared["blocks_needed_all"]
+         else f"all {n} requests' pages, shared ones once",
+         "result": f"{_n(shared['blocks_needed_all'])} pages for all {n} (without sharing {n} x {_n(bpr)} = "
+                   f"{_n(shared['blocks_needed_unshared'])})"},
         {"name": "Admitted (one trust group)",
-         "formula": f"{_n(s)} + {k} x {_n(p)}" if spec.policy == "full" and s + k * p == shared["admitted_blocks"]
+         "formula": f"{_n(s)} + {k} x {_n(p)}" if s + k * p == shared["admitted_blocks"]
          else f"{k} requests' live and promised pages",
-         "result": f"{k} of {n} admitted using {_n(shared['admitted_blocks'])} pages; "
+         "result": f"{_n(shared['admitted_blocks'])} pages: {k} of {n} admitted, "
                    f"{_n(shared['free_blocks_after'])} left to promise"
                    + (f", fewer than the next request's {_n(p)}" if k < n and spec.policy == "full" else "")},
         {"name": f"Admitted ({n} trust groups)",
-         "formula": f"each group stores its own copy: {_n(bpr)} pages per request",
-         "result": f"{k_iso} of {n} admitted using {_n(isolated['admitted_blocks'])} pages; "
-                   f"{_n(isolated['free_blocks_after'])} left to promise"},
+         "formula": f"{k_iso} x {_n(bpr)}" if k_iso * bpr == isolated["admitted_blocks"]
+         else f"{k_iso} requests' live and promised pages",
+         "result": f"{_n(isolated['admitted_blocks'])} pages: {k_iso} of {n} admitted (each group stores its own "
+                   f"copy of the prefix), {_n(isolated['free_blocks_after'])} left to promise"},
     ]
     return steps
 

@@ -160,7 +160,10 @@
         el("thead", {}, el("tr", {}, el("th", {text: "quantity"}), el("th", {class: "num", text: "you"}),
           el("th", {class: "num", text: "ledger"}), el("th", {text: "verdict"}))),
         el("tbody", {}, rows)));
-    $("#arithmetic").replaceChildren(...score.arithmetic.map((s) => el("li", {},
+  }
+
+  function renderArithmetic(steps) {
+    $("#arithmetic").replaceChildren(...steps.map((s) => el("li", {},
       el("strong", {text: `${s.name}: `}), el("span", {class: "formula", text: s.formula}), " = ",
       el("span", {text: s.result}))));
   }
@@ -274,6 +277,7 @@
   }
 
   function renderLab(lab) {
+    renderArithmetic(lab.arithmetic);
     $("#panels").replaceChildren(...lab.panels.map(renderPanel));
   }
 

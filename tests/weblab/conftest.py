@@ -67,6 +67,20 @@ def start_lab(*args: str) -> LabServer:
     return server
 
 
+@pytest.fixture()
+def start_lab_server():
+    """Start `kvledger lab` servers in a test; every one still running at the end is stopped."""
+    started: list[LabServer] = []
+
+    def start(*args: str) -> LabServer:
+        started.append(start_lab(*args))
+        return started[-1]
+
+    yield start
+    for server in started:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def lab_server() -> Iterator[LabServer]:
     server = start_lab()

@@ -49,16 +49,13 @@ def url_for(sock: socket.socket) -> str:
     return f"http://{shown}:{port}/"
 
 
-def serve(host: str, port: int, open_browser: bool = False) -> None:
-    """Run the lab until interrupted; prints one line with the URL first."""
+def make_server(host: str, port: int, open_browser: bool = False) -> tuple[uvicorn.Server, socket.socket, str]:
+    """A uvicorn server for the lab on a bound socket, and its URL. With ``open_browser`` the default web
+    browser is pointed at the URL once the server has started."""
     sock = bind(host, port)
     url = url_for(sock)
-    if not is_loopback(host):
-        print(f"kvledger lab: warning: listening on {host}, reachable from other machines; the lab has no "
-              f"authentication", file=sys.stderr)
     config = uvicorn.Config(create_app(), log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
-    print(f"kvledger lab: serving on {url} (Ctrl-C stops it)", flush=True)
     if open_browser:
         def _open() -> None:
             while not server.started and not server.should_exit:
@@ -66,6 +63,16 @@ def serve(host: str, port: int, open_browser: bool = False) -> None:
             if server.started:
                 webbrowser.open(url)
         threading.Thread(target=_open, name="kvledger-lab-open", daemon=True).start()
+    return server, sock, url
+
+
+def serve(host: str, port: int, open_browser: bool = False) -> None:
+    """Run the lab until interrupted; prints one line with the URL first."""
+    server, sock, url = make_server(host, port, open_browser)
+    if not is_loopback(host):
+        print(f"kvledger lab: warning: listening on {host}, reachable from other machines; the lab has no "
+              f"authentication", file=sys.stderr)
+    print(f"kvledger lab: serving on {url} (Ctrl-C stops it)", flush=True)
     try:
         server.run(sockets=[sock])
     finally:

@@ -24,9 +24,9 @@ def test_lab_serves_the_page_and_the_api_then_stops_on_ctrl_c(start_lab_server):
     assert status == 200 and "Prefix ownership lab" in page
     status, body = _get(server.url + "api/health")
     assert (status, json.loads(body)) == (200, {"status": "ok"})
-    request = urllib.request.Request(server.url + "api/admit", method="POST", headers={"Content-Type": "application/json"},
-                                     data=json.dumps({"layers": 32, "kv_heads": 8, "head_dim": 128, "pool": "512MiB",
-                                                      "shared_prefix": 2048}).encode())
+    body = {"layers": 32, "kv_heads": 8, "head_dim": 128, "pool": "512MiB", "shared_prefix": 2048}
+    request = urllib.request.Request(server.url + "api/admit", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as r:  # noqa: S310
         got = json.loads(r.read())
     assert (got["admitted"], got["admitted_blocks"], got["free_blocks_after"]) == (7, 247, 9)

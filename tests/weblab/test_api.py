@@ -378,3 +378,26 @@ def test_eviction_takes_idle_cache_and_preemption_takes_a_running_request(client
     last = steps["B grows; D waits to come back"]
     assert "3 of its 4 blocks would be cache hits" in last["events"][1]
     assert client.post("/api/views/eviction", json={"x": 1}).status_code == 422
+
+
+_ANY = st.one_of(st.none(), st.booleans(), st.integers(-10**12, 10**12), st.floats(allow_nan=True),
+                 st.text(max_size=12), st.lists(st.integers(-5, 5), max_size=3))
+_FIELDS = ["model", "layers", "kv_heads", "head_dim", "kv_dtype", "tp", "block_size", "pool", "requests", "prompt",
+           "shared_prefix", "max_new", "groups", "prefix_cache", "policy", "branches"]
+
+
+@settings(max_examples=120, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(changes=st.dictionaries(st.sampled_from(_FIELDS), _ANY, max_size=4),
+       path=st.sampled_from(["/api/admit", "/api/lab", "/api/quiz"]))
+def test_no_input_reaches_a_traceback(changes, path):
+    """Whatever a page (or anyone) posts, the answer is a result or one clear error, never a 500."""
+    body = {"layers": 32, "kv_heads": 8, "head_dim": 128, "pool": "512MiB", "shared_prefix": 2048, **changes}
+    raw = json.dumps(body).encode()  # NaN and Infinity too, as a careless client would send them
+    got = _FUZZ_CLIENT.post(path, content=raw, headers={"content-type": "application/json"})
+    assert got.status_code in (200, 400, 422), (body, got.text)
+    if got.status_code != 200:
+        error = got.json()["error"]
+        assert isinstance(error, str) and error and "\n" not in error and "Traceback" not in error
+
+
+_FUZZ_CLIENT = TestClient(create_app(), raise_server_exceptions=False)

@@ -25,6 +25,7 @@ from ..scheduler.recovery import RecoveryCosts
 from .poolmap import Admitted, pool_map
 
 BLOCKS, BLOCK_SIZE = 12, 4
+_TINT = {"A": 0, "B": 1, "C": 2, "D": 3}  # one colour per request, whoever holds its blocks
 _CTX = CacheContext(trust_group="group-0", model="lab")
 
 
@@ -66,12 +67,15 @@ class _Story:
         m = pool_map(Admitted(ledger, self.reserved))
         cells = []
         for c in m["cells"]:
-            label, owner = c["label"], c["owner"]
+            owner, who = c["owner"], c["owner"].split(" ")[0]
+            label = {"private": who, "promised": who.lower(), "shared": "S", "free": "\u00b7"}.get(c["state"], "")
             if c["state"] == "retained":
-                owner = f"cache of {self.cache_of.get(c['block'], 'an earlier request')}'s tokens"
+                who = self.cache_of.get(c["block"], "?")
+                owner = f"cache of {who}'s tokens"
+                label = f"R{who}"
             if marked and c["block"] in marked:
                 label += "!"
-            cells.append({"block": c["block"], "state": c["state"], "label": label, "hue": None,
+            cells.append({"block": c["block"], "state": c["state"], "label": label, "tint": _TINT.get(who),
                           "title": f"block {c['block']}: {c['state']}, {owner}"
                                    + (" (changed in this step)" if marked and c["block"] in marked else "")})
         counts = ", ".join(f"{v} {k}" for k, v in m["counts"].items() if v)
@@ -200,8 +204,9 @@ def evict_view(_inp: EvictInput | None = None) -> dict[str, Any]:
         "recoverable by recomputing it if it is ever needed again. Preemption takes blocks from a running "
         "request: it stops, and its state must be replayed (recompute) or restored from a host copy (swap).",
         f"The pool has {BLOCKS} blocks of {bs} tokens. Requests reserve their prompt and the next token "
-        "(incremental), so growth can run out. Cells: S shared, P private, p promised, R retained cache, "
-        "\u00b7 free; a ! marks blocks that changed in that step.",
+        "(incremental), so growth can run out. Each cell names its owner: B is a block B holds, b a block "
+        "promised to B, RA a retained block caching A's tokens, \u00b7 a free block; a ! marks blocks that "
+        "changed in that step.",
     ]
     return {"intro": intro, "steps": s.steps, "engine": "ledger operations (KVLedger.admit, append_token, "
             "release, preempt); the victim is chosen by hand, as the scheduler's default 'latest' policy would"}

@@ -497,7 +497,7 @@
   // ---- eviction vs preemption ----------------------------------------------------------------------------
   function renderEvictStep(step) {
     const cells = el("div", {class: "paged-row", role: "img", "aria-label": step.map_text},
-      step.cells.map((c) => el("div", {class: `cell s-${c.state}`, hue: c.hue || 210, title: c.title,
+      step.cells.map((c) => el("div", {class: `cell s-${c.state}`, hue: hue(c.tint), title: c.title,
         text: c.label})));
     return el("div", {},
       el("p", {class: "summary", text: step.what}),

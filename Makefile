@@ -19,6 +19,7 @@ demo: install
 	@bash scripts/demo.sh $(VENV)/bin/kvledger
 
 test: install
+	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest
 
 lint: install

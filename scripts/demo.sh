@@ -74,3 +74,8 @@ step "6. Real generation: the bundled SmolLM2-135M-Instruct through the ledger a
 say "Shared system prompt, n = 3 sampling, and a pool too small for everyone to grow at once, so the"
 say "scheduler preempts (recompute) and resumes; the first run converts the model once (a minute or two)."
 "$PY" "$(dirname "$0")/demo_runtime.py"
+
+step "7. Try it yourself in the browser: kvledger lab"
+say "The same lab as an interactive page on the real ledger: predict, reveal a block map of the pool,"
+say "change one control, write your admission decision and check yourself. Start it with"
+say "  $KV lab --open        (serves http://127.0.0.1:8765/ until Ctrl-C; --port 0 picks a free port)"

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import click
 
+from .options import epilog
 
-@click.command("lab")
+
+@click.command("lab", epilog=epilog(
+    "kvledger lab --open                  # http://127.0.0.1:8765/ in the default browser",
+    "kvledger lab --port 0                # any free port; the URL is printed",
+))
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on; anything but loopback makes the lab reachable from other machines.")
 @click.option("--port", type=click.IntRange(0, 65535), default=8765, show_default=True,

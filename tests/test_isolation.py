@@ -105,10 +105,13 @@ class Tenants:
                     assert owner == group, f"a digest is in the views of {group} and {owner}"
         assert set(seen) == all_digests  # every digest event belongs to exactly one tenant's view
         for group in GROUPS:
-            stats = self.ledger.stats(trust_group=group)
+            stats = self.ledger.tenant_stats(group)
             e = self.expected[group]
             rate = e["hit_tokens"] / e["query_tokens"] if e["query_tokens"] else 0.0
-            assert stats == {"trust_group": group, "prefix_cache": {**e, "hit_rate": rate}}
+            none = {"queries": 0, "query_blocks": 0, "hit_blocks": 0, "query_tokens": 0, "hit_tokens": 0,
+                    "hit_rate": 0.0}
+            assert stats == {"trust_group": group, "prefix_cache": {**e, "hit_rate": rate},
+                             "prefix_cache_readmissions": none}
             text = str(stats)
             assert not any(other in text for other in GROUPS if other != group)
             index_hex = {d.hex() for d in self.ledger.pool.index}

@@ -517,17 +517,22 @@ def test_can_admit_changes_nothing_and_predicts_admit() -> None:
 
 
 @pytest.mark.parametrize(
-    "request_",
+    ("rid", "prompt", "max_new", "kw"),
     [
-        Request("empty", [], 4),
-        Request("neg", [1, 2, 3], -1),
-        Request("reserve-neg", [1, 2, 3], 4, reserve_new_tokens=-1),
-        Request("reserve-big", [1, 2, 3], 4, reserve_new_tokens=5),
+        ("empty", [], 4, {}),
+        ("neg", [1, 2, 3], -1, {}),
+        ("reserve-neg", [1, 2, 3], 4, {"reserve_new_tokens": -1}),
+        ("reserve-big", [1, 2, 3], 4, {"reserve_new_tokens": 5}),
     ],
-    ids=lambda r: r.request_id,
+    ids=lambda v: v if isinstance(v, str) else "",
 )
-def test_invalid_requests_are_config_errors(request_: Request) -> None:
+def test_invalid_requests_are_config_errors(rid: str, prompt: list[int], max_new: int, kw: dict) -> None:
+    """A bad request is refused when it is built, or at the latest when it is admitted."""
     ledger = KVLedger(8, 4)
+    try:
+        request_ = Request(rid, prompt, max_new, **kw)
+    except ConfigError:
+        return
     with pytest.raises(ConfigError):
         ledger.admit(request_)
     with pytest.raises(ConfigError):
@@ -712,4 +717,15 @@ def test_refused_requests_do_not_keep_their_digests_forever() -> None:
     ledger.release("a")
     ledger.admit(wait).raise_for_outcome()
     assert ledger._digest_cache == {}
+    ledger.check()
+
+
+def test_keep_free_is_left_available_after_an_admission() -> None:
+    """The watermark of non-full policies: an admission must leave ``keep_free`` blocks available."""
+    ledger = KVLedger(10, 4)
+    req = Request("r", tokens(8), 8)  # 2 prompt blocks + 2 promised
+    refused = ledger.admit(req, keep_free=7)
+    assert refused.outcome is Outcome.NOT_NOW and "7 kept free" in refused.detail
+    assert ledger.can_admit(req, keep_free=6).admitted
+    assert ledger.admit(req, keep_free=6).admitted and ledger.usage().available == 6
     ledger.check()

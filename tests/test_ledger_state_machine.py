@@ -1,5 +1,11 @@
 """Random admit / compute / append / decode / release sequences against a small pool, checked after every
-step against the ledger's own audit and an independent model of what a user may rely on."""
+step against the ledger's own audit and an independent model of what a user may rely on.
+
+The hits a request should get are computed from the model alone, without the hashing under test: the
+model remembers which (trust group, token prefix) each block last held at a full-block position, and a
+request hits block i exactly when an indexed block holds its group's first (i + 1) * B prompt tokens.
+A digest that ignored the trust group, a token or a block boundary would hit a block the model says
+holds something else."""
 
 from __future__ import annotations
 
@@ -10,9 +16,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvledger.core.identity import CacheContext, chain_digests, token_bytes
+from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
-from kvledger.errors import LedgerError, OutOfBlocksError
+from kvledger.errors import ConfigError, LedgerError, OutOfBlocksError
 
 GROUPS = ("g0", "g1", "g2")
 CONTEXTS = {g: CacheContext(trust_group=g) for g in GROUPS}
@@ -48,6 +54,7 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger: KVLedger | None = None
         self.live: dict[str, Model] = {}
         self.counter = 0
+        self.content: dict[int, tuple[str, tuple[int, ...]]] = {}  # block -> (group, tokens up to its end)
 
     # ---- setup ------------------------------------------------------------------------------------
     @initialize(bs=st.sampled_from([1, 2, 4, 16]),
@@ -117,16 +124,22 @@ class LedgerMachine(RuleBasedStateMachine):
         prompt = prefix[:cut] + suffix or [0]
         self.counter += 1
         rid = f"r{self.counter}"
-        req = Request(rid, prompt, max_new, CONTEXTS[group], reserve)
         reserve_n = max_new if reserve is None else reserve
 
-        # the hits a user should get: the leading full blocks indexed under this context's chain
+        read = data.draw(st.sampled_from([True, True, True, False]), label="read_prefix_cache")
+        req = Request(rid, prompt, max_new, CONTEXTS[group], reserve, read_prefix_cache=read,
+                      readmission=data.draw(st.booleans(), label="readmission"))
+        # the hits a user should get, from the model: for each leading full block, the one indexed block
+        # that holds this group's tokens up to there (independent of the digests the ledger computes)
+        self.remember_content()
         expected_hits = []
-        for d in chain_digests(CONTEXTS[group].root_digest(), token_bytes(prompt), bs):
-            block = ledger.pool.index.get(d)
-            if block is None:
+        for i in range(len(prompt) // bs if read else 0):
+            key = (group, tuple(prompt[: (i + 1) * bs]))
+            holders = [b for b, c in self.content.items() if c == key and ledger.pool.digest[b] is not None]
+            assert len(holders) <= 1, f"two indexed blocks hold {key}"
+            if not holders:
                 break
-            expected_hits.append(block)
+            expected_hits.append(holders[0])
         retained_hits = sum(1 for b in expected_hits if ledger.pool.ref[b] == 0)
         available = ledger.usage().available
 
@@ -235,7 +248,16 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.mark_computed(rid, len(self.live[rid].tokens))
         self.release_rid(rid)
 
+    def remember_content(self) -> None:
+        """Record what every full block of every live sequence holds (the model's view of the cache)."""
+        bs = self.bs
+        for rid, m in self.live.items():
+            blocks = self.ledger.sequence(rid).table.blocks
+            for i in range(len(m.tokens) // bs):
+                self.content[blocks[i]] = (m.group, tuple(m.tokens[: (i + 1) * bs]))
+
     def release_rid(self, rid: str) -> None:
+        self.remember_content()
         ledger, pool = self.ledger, self.ledger.pool
         seq = ledger.sequence(rid)
         blocks = list(seq.table.blocks)
@@ -258,6 +280,20 @@ class LedgerMachine(RuleBasedStateMachine):
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
+    def decode_step_with_a_bad_pair(self, data: st.DataObject) -> None:
+        """A step naming an unknown sequence (or carrying a bad token) anywhere changes nothing."""
+        steps = [(rid, data.draw(TOKENS, label="token")) for rid in sorted(self.live)
+                 if len(self.live[rid].tokens) - self.live[rid].prompt_len < self.live[rid].max_new]
+        bad = data.draw(st.sampled_from([("ghost", 1), (sorted(self.live)[0], -1), (sorted(self.live)[0], 1.5)]),
+                        label="bad")
+        steps.insert(data.draw(st.integers(0, len(steps)), label="at"), bad)
+        before = _snapshot(self.ledger)
+        with pytest.raises((LedgerError, ConfigError)):
+            self.ledger.decode_step(steps)
+        assert _snapshot(self.ledger) == before
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
     def duplicate_id(self, data: st.DataObject) -> None:
         rid = self._live_rid(data)
         before = _snapshot(self.ledger)
@@ -266,6 +302,11 @@ class LedgerMachine(RuleBasedStateMachine):
         assert _snapshot(self.ledger) == before
 
     # ---- invariants -------------------------------------------------------------------------------
+    @invariant()
+    def model_content(self) -> None:
+        if self.ledger is not None:
+            self.remember_content()
+
     @invariant()
     def conservation(self) -> None:
         if self.ledger is None:
@@ -334,12 +375,10 @@ class LedgerMachine(RuleBasedStateMachine):
         assert all(ledger.pool.written[b] for b in ledger.pool.retained.blocks())
 
 
+# Examples, seeds and shrinking come from the profile (tests/conftest.py): derandomised in `make test`.
 LedgerMachine.TestCase.settings = settings(
-    max_examples=150,
+    max_examples=max(150, settings().max_examples),
     stateful_step_count=40,
-    deadline=None,
-    derandomize=True,  # the same examples on every run: a failure here is reproducible
-    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 TestLedgerMachine = LedgerMachine.TestCase

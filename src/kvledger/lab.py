@@ -178,7 +178,7 @@ def run_lab(spec: LabSpec) -> dict:
                 "blocks_new": d.blocks_new,
                 "blocks_promised": d.blocks_promised,
                 "blocks_branches": d.blocks_branches,
-                "reason": d.reason,
+                "reason": d.detail or d.reason,  # the lab is the operator's view of its own pool
             }
             for i, d in enumerate(decisions)
         ],

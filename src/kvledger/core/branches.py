@@ -9,15 +9,19 @@ equals ``ref[tail] - 1`` (checked by :meth:`KVLedger.check`).
 
 Under full reservation each branch is charged its own output allowance, because any branch may diverge
 at its next token and then needs its own blocks.
+
+Speculative (lookahead) blocks beyond a parent's tokens are never shared: each branch writes its own
+draft tokens there, so a child starts with the blocks covering the parent's tokens only and is
+promised the rest of its reservation.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..errors import AdmissionError, LedgerError, OutOfBlocksError
+from ..errors import AdmissionError, ConfigError, LedgerError, OutOfBlocksError
 from .table import BlockTable
-from .types import CopyOp, SequenceState
+from .types import CopyOp, SequenceState, show
 
 if TYPE_CHECKING:
     from .ledger import KVLedger
@@ -30,6 +34,8 @@ class BranchOps:
         """Fork ``parent_id`` into a new sequence ``child_id``. Returns the blocks newly promised (the
         child's output allowance plus one tail copy if the tail is partial). Raises AdmissionError when
         the pool cannot promise them now: a fork is an admission of one more branch."""
+        if type(child_id) is not str or not child_id:
+            raise ConfigError(f"a branch id is a non-empty string, got {show(child_id)}")
         with self._lock:
             parent = self.sequence(parent_id)
             if child_id in self._seqs:
@@ -43,10 +49,14 @@ class BranchOps:
             return need
 
     def _fork_need(self: KVLedger, parent: SequenceState) -> int:
-        return parent.promised + (1 if len(parent.tokens) % self.block_size else 0)
+        """A child's promise (its reservation beyond the blocks covering the parent's tokens; the
+        parent's speculative blocks are not shared) plus one copy of a partial tail."""
+        covered = self.blocks_for(len(parent.tokens))
+        return max(0, parent.reserved_blocks - covered) + (1 if len(parent.tokens) % self.block_size else 0)
 
     def _fork_unchecked(self: KVLedger, parent: SequenceState, child_id: str) -> None:
-        blocks = parent.table.blocks
+        covered = self.blocks_for(len(parent.tokens))
+        blocks = parent.table.blocks[:covered]  # never the parent's speculative (draft) blocks
         pool = self.pool
         for block in blocks:
             pool.share(block)
@@ -58,14 +68,16 @@ class BranchOps:
             cow = True
         else:
             cow = False
-        self.promised += parent.promised
+        promise = max(0, parent.reserved_blocks - covered)
+        self.promised += promise
         child = SequenceState(
             request_id=child_id, context=parent.context, root=parent.root, tokens=list(parent.tokens),
             num_prompt=parent.num_prompt, max_new_tokens=parent.max_new_tokens,
-            table=BlockTable(self.block_size, list(blocks)), promised=parent.promised,
+            table=BlockTable(self.block_size, blocks), promised=promise,
             digests=list(parent.digests), computed_mark=parent.computed_mark,
             written_blocks=parent.written_blocks, hit_blocks=parent.hit_blocks, cow_tail=cow,
             family=parent.family, retention=parent.retention, reserved_blocks=parent.reserved_blocks,
+            readmitted=parent.readmitted,
         )
         self._seqs[child_id] = child
         self.counters.forks += 1
@@ -113,6 +125,15 @@ class BranchOps:
         """One beam-search step: drop the pruned beams, then fork the survivors that spawn more than one
         continuation. Dropping releases only blocks no surviving beam holds (ref counts); a dropped
         beam's blocks that an in-flight step still reads stay until its lease ends."""
+        if isinstance(forks, str) or isinstance(drops, str):
+            raise ConfigError("beam_step takes (parent, child) pairs and a list of dropped ids, not a string")
+        try:
+            forks = [(p, c) for p, c in forks]
+            drops = list(drops)
+        except (TypeError, ValueError):
+            raise ConfigError("beam_step takes (parent, child) pairs and a list of dropped ids") from None
+        if any(type(x) is not str or not x for pair in forks for x in pair) or any(type(x) is not str for x in drops):
+            raise ConfigError("beam_step: every branch id is a non-empty string")
         with self._lock:
             parents = {p for p, _ in forks}
             if parents & set(drops):

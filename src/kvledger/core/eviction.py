@@ -11,8 +11,11 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Protocol
+
+from ..errors import ConfigError
 
 DEFAULT_PRIORITY = 35  # the level of a block nobody gave a priority (TensorRT-LLM uses 35 of 0..100)
 MAX_PRIORITY = 100
@@ -22,7 +25,8 @@ class EvictionPolicy(Protocol):
     """Orders retained blocks. ``add`` is called when a block becomes retained (its last reference went
     away), ``remove`` when it leaves the retained set for any reason other than eviction (a new request
     hit it), ``pop_victims`` when the pool needs blocks back. ``set_priority`` lets a request say how
-    valuable a block is when it becomes retained; policies that do not use it ignore it."""
+    valuable a block is when it becomes retained; policies that do not use it ignore it. ``clear``
+    forgets everything (the pool calls it when the prefix cache is reset, after evicting every block)."""
 
     name: str
 
@@ -34,6 +38,7 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
     def __contains__(self, block: int) -> bool: ...
     def blocks(self) -> list[int]: ...
+    def clear(self) -> None: ...
 
 
 class LRUPolicy:
@@ -76,6 +81,9 @@ class LRUPolicy:
         """Eviction order, first victim first (for reports and tests; O(n))."""
         return list(self._order)
 
+    def clear(self) -> None:
+        self._order.clear()
+
 
 class PriorityPolicy:
     """Retention priorities with expiry, LRU within a priority level.
@@ -99,8 +107,8 @@ class PriorityPolicy:
         self._count = 0
 
     def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
-        if not 0 <= priority <= MAX_PRIORITY:
-            raise ValueError(f"priority must be in 0..{MAX_PRIORITY}, got {priority}")
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+            raise ConfigError(f"priority must be an integer in 0..{MAX_PRIORITY}, got {priority!r}")
         self._want[block] = (priority, expires_at)
 
     def _level_for(self, block: int) -> int:
@@ -175,12 +183,58 @@ class PriorityPolicy:
         return [b for level in sorted(self._levels) for b in self._levels[level]]
 
 
-def make_policy(name: str, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
-    """A policy by name: ``lru`` or ``priority``."""
-    if name == "lru":
-        return LRUPolicy()
-    if name == "priority":
-        return PriorityPolicy(clock)
-    from ..errors import ConfigError
+    def clear(self) -> None:
+        self._levels.clear()
+        self._level_of.clear()
+        self._want.clear()
+        self._expiry.clear()
+        self._count = 0
 
-    raise ConfigError(f"unknown eviction policy {name!r}; choose lru or priority")
+    def is_empty(self) -> bool:
+        """Nothing retained and nothing remembered (no priority, no pending expiry)."""
+        return not (self._count or self._level_of or self._want or self._expiry
+                    or any(self._levels.values()))
+
+
+PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
+
+# The one list of eviction policies: name -> factory(clock). CLI choices, the engine, the simulator and
+# KVLedger(policy="name") all read it; adding a policy here makes it selectable everywhere.
+EVICTION_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
+    LRUPolicy.name: lambda clock: LRUPolicy(),
+    PriorityPolicy.name: PriorityPolicy,
+})
+DEFAULT_POLICY = LRUPolicy.name
+
+
+def policy_names() -> tuple[str, ...]:
+    """Names of the registered eviction policies, default first (for CLI choices and help text)."""
+    return (DEFAULT_POLICY, *sorted(n for n in EVICTION_POLICIES if n != DEFAULT_POLICY))
+
+
+def make_policy(name: str, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
+    """A fresh policy by registered name (see :data:`EVICTION_POLICIES`)."""
+    factory = EVICTION_POLICIES.get(name) if isinstance(name, str) else None
+    if factory is None:
+        raise ConfigError(f"unknown eviction policy {name!r}; choose one of {', '.join(policy_names())}")
+    return factory(clock)
+
+
+_POLICY_METHODS = ("add", "add_many", "remove", "pop_victims", "set_priority", "blocks", "__len__",
+                   "__contains__")
+
+
+def as_policy(policy: EvictionPolicy | str | None, clock: Callable[[], float] = time.monotonic) -> EvictionPolicy:
+    """What :class:`~kvledger.core.ledger.KVLedger` accepts as ``policy``: None (the default), a
+    registered name, or an empty object with the :class:`EvictionPolicy` methods."""
+    if policy is None:
+        return make_policy(DEFAULT_POLICY, clock)
+    if isinstance(policy, str):
+        return make_policy(policy, clock)
+    missing = [m for m in _POLICY_METHODS if not callable(getattr(policy, m, None))]
+    if missing:
+        raise ConfigError(f"policy must be an eviction policy or one of {', '.join(policy_names())}; "
+                          f"{type(policy).__name__} lacks {', '.join(missing)}")
+    if len(policy):
+        raise ConfigError("an eviction policy can serve one pool, from empty; this one already holds blocks")
+    return policy

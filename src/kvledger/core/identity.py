@@ -5,43 +5,94 @@ produced them (model, revision, adapter), on how they are stored (KV dtype), and
 than numerics -- on who may read them (the trust group). Two blocks may share physical memory only when
 all of that is identical, so the digest of block *i* covers:
 
-    root   = BLAKE2b[person="kvledger.ctx.v1"]( field_1 || field_2 || ... )   # the context, once
+    root   = BLAKE2b[person="kvledger.ctx.v2"]( field_1 || field_2 || ... )   # the context, once
     d_0    = BLAKE2b( root  || tokens[0 : B] )
     d_i    = BLAKE2b( d_i-1 || tokens[i*B : (i+1)*B] )
 
 Domain separation, so that different inputs can never encode to the same bytes:
-- each context field is written as ``name-length, name, present-flag, value-length, value`` -- a value
-  can never spill into the next field (the failure of naive ``a + b`` concatenation, cf. vLLM #44701);
-- the root uses a BLAKE2 personalisation string, which makes it a different hash function from the
+- each context field is written as ``name-length, name, type-tag, value-length, value`` -- a value can
+  never spill into the next field (the failure of naive ``a + b`` concatenation, cf. vLLM #44701), and
+  values of different types never meet (``None``, ``""``, ``"None"``, ``1``, ``True`` and ``1.0`` are
+  six different identities);
+- the root uses a BLAKE2b personalisation string, which makes it a different hash function from the
   block chain, so a root can never equal a block digest by construction of the input;
 - block inputs have a fixed length (64-byte parent + B tokens x 4 bytes, little-endian uint32), so the
   boundary between parent and tokens is never ambiguous.
 Only full blocks get a digest: a partial tail changes as the sequence grows and is never shared.
+
+A context's canonical encoding is computed once, when it is built (bad field types are a
+:class:`ConfigError` there), and *is* its identity: two contexts are equal exactly when their encodings
+are, so a memo keyed by context can never hand one context the root of another that merely compares
+equal in Python (``1 == True == 1.0``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from array import array
-from dataclasses import dataclass
-from functools import lru_cache
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError
 
 DIGEST_BYTES = 64  # BLAKE2b's native 512-bit output: no truncation step on the hot path
-_ROOT_PERSON = b"kvledger.ctx.v1"  # <= 16 bytes, BLAKE2b's personalisation limit
+# <= 16 bytes (BLAKE2b's personalisation limit). v2: extra values are encoded with their type.
+ROOT_PERSON = b"kvledger.ctx.v2"
 _blake2b = hashlib.blake2b
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_F64 = struct.Struct("<d")
+
+# Value types an ``extra`` entry may hold, with their one-byte tags (bool before int: it is one).
+ExtraValue = None | bool | int | float | str | bytes
 
 
-@dataclass(frozen=True, slots=True)
+def _show(value: object) -> str:
+    """A short description of a bad value for an error message (never a 4,000-digit repr)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else type(value).__name__
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _encode_value(value: ExtraValue, what: str) -> bytes:
+    """``type-tag, value-length (u64), value``: values of different types never share an encoding."""
+    if value is None:
+        return b"n" + _U64.pack(0)
+    if isinstance(value, bool):  # before int: True is an int, but not the identity 1
+        return b"b" + _U64.pack(1) + (b"\x01" if value else b"\x00")
+    if isinstance(value, int):
+        data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+        return b"i" + _U64.pack(len(data)) + data
+    if isinstance(value, float):
+        if math.isnan(value):  # one NaN: a NaN payload is not part of anyone's meaning
+            value = math.nan
+        return b"f" + _U64.pack(8) + _F64.pack(value)
+    if isinstance(value, str):
+        data = value.encode("utf-8", "surrogatepass")  # injective even for lone surrogates
+        return b"s" + _U64.pack(len(data)) + data
+    if isinstance(value, bytes):
+        return b"y" + _U64.pack(len(value)) + value
+    raise ConfigError(f"{what} must be None, bool, int, float, str or bytes, got {_show(value)}")
+
+
+def _encode_field(name: str, value: ExtraValue, what: str) -> bytes:
+    key = name.encode("utf-8", "surrogatepass")
+    return _U32.pack(len(key)) + key + _encode_value(value, what)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class CacheContext:
     """Everything besides the token ids that decides whether two KV blocks are interchangeable.
 
     ``trust_group`` is the tenant (or any isolation domain): blocks are never shared across groups, so
     one tenant can neither read another's cached prefix nor learn from hit timing that it exists.
     ``extra`` holds further (key, value) pairs that change the KV state, e.g. multimodal input hashes
-    or a RoPE scaling override; they are encoded with the same domain separation.
+    or a RoPE scaling override; keys are strings, values None, bool, int, float, str or bytes, each
+    encoded with its type (a mapping is accepted and kept in its order). Field types are checked here:
+    a wrong type is a :class:`ConfigError`, never a silent ``str()``.
     """
 
     trust_group: str = "default"
@@ -49,33 +100,62 @@ class CacheContext:
     revision: str = ""
     adapter: str | None = None
     kv_dtype: str = "bf16"
-    extra: tuple[tuple[str, str], ...] = ()
+    extra: tuple[tuple[str, ExtraValue], ...] = ()
+    _encoding: bytes = field(default=b"", init=False, repr=False)
+    _root: bytes = field(default=b"", init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("trust_group", "model", "revision", "kv_dtype"):
+            if type(getattr(self, name)) is not str:
+                raise ConfigError(f"CacheContext.{name} must be a string, got {_show(getattr(self, name))}")
+        if self.adapter is not None and type(self.adapter) is not str:
+            raise ConfigError(f"CacheContext.adapter must be a string or None, got {_show(self.adapter)}")
+        extra = self.extra
+        if isinstance(extra, Mapping):
+            extra = tuple(extra.items())
+        elif isinstance(extra, (str, bytes)) or not hasattr(extra, "__iter__"):
+            raise ConfigError(f"CacheContext.extra must be (key, value) pairs, got {_show(extra)}")
+        pairs: list[tuple[str, ExtraValue]] = []
+        for pair in extra:
+            if not isinstance(pair, tuple) or len(pair) != 2 or type(pair[0]) is not str:
+                raise ConfigError(f"CacheContext.extra entries must be (str key, value) pairs, got {_show(pair)}")
+            pairs.append(pair)
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise ConfigError("CacheContext.extra names a key twice")
+        object.__setattr__(self, "extra", tuple(pairs))
+        parts = [
+            _encode_field("trust_group", self.trust_group, "CacheContext.trust_group"),
+            _encode_field("model", self.model, "CacheContext.model"),
+            _encode_field("revision", self.revision, "CacheContext.revision"),
+            _encode_field("adapter", self.adapter, "CacheContext.adapter"),
+            _encode_field("kv_dtype", self.kv_dtype, "CacheContext.kv_dtype"),
+            _U32.pack(len(pairs)),
+        ]
+        for key, value in pairs:
+            parts.append(_encode_field(key, value, f"CacheContext.extra[{_show(key)}]"))
+        object.__setattr__(self, "_encoding", b"".join(parts))
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheContext):
+            return NotImplemented
+        return self._encoding == other._encoding
+
+    def __hash__(self) -> int:
+        return hash(self._encoding)
+
+    @property
+    def encoding(self) -> bytes:
+        """The canonical bytes the root digest is computed from (equal contexts, equal bytes)."""
+        return self._encoding
 
     def root_digest(self) -> bytes:
-        return _root_digest(self)
-
-
-def _field(name: str, value: str | None) -> bytes:
-    key = name.encode()
-    if value is None:
-        return struct.pack("<I", len(key)) + key + b"\x00"
-    data = value.encode("utf-8")
-    return struct.pack("<I", len(key)) + key + b"\x01" + struct.pack("<Q", len(data)) + data
-
-
-@lru_cache(maxsize=65536)
-def _root_digest(ctx: CacheContext) -> bytes:
-    parts = [
-        _field("trust_group", ctx.trust_group),
-        _field("model", ctx.model),
-        _field("revision", ctx.revision),
-        _field("adapter", ctx.adapter),
-        _field("kv_dtype", ctx.kv_dtype),
-        struct.pack("<I", len(ctx.extra)),
-    ]
-    for key, value in ctx.extra:
-        parts.append(_field(str(key), str(value)))
-    return _blake2b(b"".join(parts), digest_size=DIGEST_BYTES, person=_ROOT_PERSON).digest()
+        """The chain's root: BLAKE2b of the encoding under the root personalisation (memoised here,
+        per instance, so no other context can ever stand in for this one)."""
+        root = self._root
+        if not root:
+            root = _blake2b(self._encoding, digest_size=DIGEST_BYTES, person=ROOT_PERSON).digest()
+            object.__setattr__(self, "_root", root)
+        return root
 
 
 def token_bytes(tokens: list[int] | tuple[int, ...]) -> bytes:

@@ -17,6 +17,7 @@ Branches (forks, beam search), leases, pins and statistics live in :mod:`.branch
 
 from __future__ import annotations
 
+import math
 import operator
 import threading
 import time
@@ -24,22 +25,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
+from .admission import AdmissionOps
 from .branches import BranchOps
-from .eviction import EvictionPolicy
-from .identity import block_digest, chain_digests, token_bytes
-from .lifetimes import LifetimeOps
+from .eviction import EvictionPolicy, as_policy
+from .identity import block_digest
+from .lifetimes import Lease, LifetimeOps
 from .observe import Counters, EventLog
 from .pool import BlockPool
-from .table import BlockTable
-from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState, Usage
+from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState, Usage, as_count, show
 
 _MAX_TOKEN = 2**32 - 1  # token ids are hashed as uint32
+MAX_POOL_BLOCKS = 2**24  # per-block facts live in flat lists: ~50 bytes of bookkeeping per block
+MAX_BLOCK_SIZE = 2**16  # tokens per block
 
-__all__ = ["Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage", "CopyOp"]
+__all__ = ["CopyOp", "Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage"]
 
 
-class KVLedger(BranchOps, LifetimeOps):
-    """Owns one block pool and every sequence that holds blocks of it. Thread-safe."""
+class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
+    """Owns one block pool and every sequence that holds blocks of it. Thread-safe.
+
+    ``policy`` is an eviction policy object or a registered name (``core.eviction.EVICTION_POLICIES``:
+    ``"lru"``, ``"priority"``); a named priority policy uses the ledger's ``clock``. Every argument is
+    checked here: a wrong type or an out-of-range number is a :class:`ConfigError`.
+    """
 
     def __init__(
         self,
@@ -47,31 +55,42 @@ class KVLedger(BranchOps, LifetimeOps):
         block_size: int = 16,
         *,
         prefix_caching: bool = True,
-        policy: EvictionPolicy | None = None,
+        policy: EvictionPolicy | str | None = None,
         events: EventLog | None = None,
         max_pinned_fraction: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ConfigError(f"the pool needs at least one block, got {num_blocks!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError(f"block size must be a positive integer, got {block_size!r}")
-        if not 0 <= max_pinned_fraction <= 1:
-            raise ConfigError(f"max_pinned_fraction must be in [0, 1], got {max_pinned_fraction!r}")
+        num_blocks = as_count(num_blocks, "num_blocks", minimum=None)
+        if num_blocks <= 0:
+            raise ConfigError(f"the pool needs at least one block, got {show(num_blocks)}")
+        if num_blocks > MAX_POOL_BLOCKS:
+            raise ConfigError(f"a pool of {show(num_blocks)} blocks is beyond the supported {MAX_POOL_BLOCKS:,}")
+        block_size = as_count(block_size, "block size", minimum=None)
+        if not 0 < block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(f"block size must be an integer in 1..{MAX_BLOCK_SIZE}, got {show(block_size)}")
+        if type(prefix_caching) is not bool:
+            raise ConfigError(f"prefix_caching must be True or False, got {show(prefix_caching)}")
+        if (isinstance(max_pinned_fraction, bool) or not isinstance(max_pinned_fraction, (int, float))
+                or not (math.isfinite(max_pinned_fraction) and 0 <= max_pinned_fraction <= 1)):
+            raise ConfigError(f"max_pinned_fraction must be in [0, 1], got {show(max_pinned_fraction)}")
+        if not callable(clock):
+            raise ConfigError("clock must be a callable returning seconds")
+        if events is not None and not callable(getattr(events, "emit", None)):
+            raise ConfigError(f"events must be an EventLog (or have emit()), got {type(events).__name__}")
         self.block_size = block_size
         self.prefix_caching = prefix_caching
-        self.pool = BlockPool(num_blocks, policy)
+        self.pool = BlockPool(num_blocks, as_policy(policy, clock))
         self.promised = 0
         self.events = events
         if events is not None:
             self.pool.on_event = events.emit
         self.counters = Counters()
-        self.max_pinned_fraction = max_pinned_fraction
+        self.max_pinned_fraction = float(max_pinned_fraction)
         self.clock = clock
         self._seqs: dict[str, SequenceState] = {}
         self._cow_promises: dict[int, int] = {}  # shared partial tail -> copies still promised for it
         self._copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
-        self._leases: dict[int, tuple[list[str], list[int]]] = {}  # lease -> (sequences, leased blocks)
+        self._leases: dict[int, Lease] = {}  # outstanding accesses by lease id
         self._seq_leases: dict[str, set[int]] = {}  # sequence -> its outstanding leases
         self._next_lease = 1
         self._pins: dict[str, list[int]] = {}
@@ -101,15 +120,18 @@ class KVLedger(BranchOps, LifetimeOps):
     def sequence(self, request_id: str) -> SequenceState:
         try:
             return self._seqs[request_id]
-        except KeyError:
-            raise LedgerError(f"unknown sequence {request_id!r}") from None
+        except (KeyError, TypeError):  # TypeError: an unhashable id is no sequence's id either
+            raise LedgerError(f"unknown sequence {show(request_id)}") from None
 
     def sequences(self) -> list[str]:
         with self._lock:
             return list(self._seqs)
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._seqs
+    def __contains__(self, request_id: object) -> bool:
+        try:
+            return request_id in self._seqs
+        except TypeError:
+            return False
 
     def ready_tokens(self, request_id: str) -> int:
         """Leading tokens whose KV is written and readable now (shared blocks still being filled by
@@ -122,175 +144,11 @@ class KVLedger(BranchOps, LifetimeOps):
                 n += 1
             return max(seq.num_computed, min(n * self.block_size, len(seq.tokens)))
 
-    # ---- admission ------------------------------------------------------------------------------
-    def _validate(self, request: Request) -> tuple[int, int]:
-        rid = request.request_id
-        if not request.prompt:
-            raise ConfigError(f"request {rid!r} has an empty prompt")
-        if request.max_new_tokens < 0:
-            raise ConfigError(f"request {rid!r}: max_new_tokens must be >= 0")
-        reserve = request.max_new_tokens if request.reserve_new_tokens is None else request.reserve_new_tokens
-        if not 0 <= reserve <= request.max_new_tokens:
-            raise ConfigError(f"request {rid!r}: reserve_new_tokens must be in [0, max_new_tokens]")
-        if request.branches < 1:
-            raise ConfigError(f"request {rid!r}: branches must be >= 1")
-        if request.lookahead < 0:
-            raise ConfigError(f"request {rid!r}: lookahead must be >= 0")
-        # Speculative slots sit beyond the newest token; they are reserved on top of the allowance.
-        return len(request.prompt), reserve + request.lookahead
-
-    def _digests(self, request: Request) -> list[bytes]:
-        """Prompt block digests. A request that had to wait ("not now") is usually asked again every
-        step, so its digests are remembered (keyed by its id, checked against the same prompt object
-        and context) instead of hashing the whole prompt again."""
-        if not self.prefix_caching:
-            return []
-        cache = self._digest_cache
-        with self._lock:
-            hit = cache.get(request.request_id)
-        if hit is not None and hit[0] is request.prompt and hit[1] == request.context:
-            return list(hit[2])  # same immutable prompt object (Request keeps a tuple): same digests
-        digests = chain_digests(request.context.root_digest(), token_bytes(request.prompt), self.block_size)
-        with self._lock:
-            cache[request.request_id] = (request.prompt, request.context, tuple(digests))
-            if len(cache) > 1024:
-                cache.popitem(last=False)
-        return digests
-
-    def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
-        """The decision :meth:`admit` would take now, without changing anything."""
-        digests = self._digests(request)
-        with self._lock:
-            return self._decide(request, digests, keep_free)[0]
-
-    def admit(self, request: Request, keep_free: int = 0) -> Decision:
-        """Admit ``request`` atomically: share indexed prefix blocks, allocate the rest of the prompt,
-        and promise the reserved output allowance -- or change nothing and say why not.
-
-        ``keep_free`` blocks must stay available after the admission: the watermark or emergency
-        headroom of policies that do not reserve the whole output allowance."""
-        digests = self._digests(request)  # hashing is pure: keep it outside the lock
-        with self._lock:
-            rid = request.request_id
-            if rid in self._seqs or any(f"{rid}/{i}" in self._seqs for i in range(1, request.branches)):
-                raise LedgerError(f"request id {rid!r} is already running")
-            decision, hits = self._decide(request, digests, keep_free)
-            c = self.counters
-            if decision.admitted:
-                self._digest_cache.pop(rid, None)
-                self._commit(request, digests, hits, decision)
-                c.admitted += 1
-                if self.prefix_caching:
-                    c.record_query(request.context.trust_group, len(digests), len(hits), len(request.prompt),
-                                   len(hits) * self.block_size)
-            elif decision.outcome is Outcome.NEVER:
-                self._digest_cache.pop(rid, None)  # it will not be asked again: keep no copy of it
-                c.rejected_never += 1
-            else:
-                c.rejected_not_now += 1
-            return decision
-
-    def _decide(self, request: Request, digests: list[bytes], keep_free: int = 0) -> tuple[Decision, list[int]]:
-        prompt_len, reserve = self._validate(request)
-        pool, bs = self.pool, self.block_size
-        total = self.blocks_for(prompt_len + reserve)
-        prompt_blocks = self.blocks_for(prompt_len)
-        rid = request.request_id
-        k = request.branches
-        # Each extra branch: its own output allowance, plus a copy of the partial prompt tail.
-        per_branch = (total - prompt_blocks) + (1 if prompt_len % bs else 0)
-        longest = self.blocks_for(prompt_len + request.max_new_tokens + request.lookahead)
-        if longest + (k - 1) * (longest - prompt_len // bs) > pool.num_blocks:
-            need = longest + (k - 1) * (longest - prompt_len // bs)
-            branches = f" for {k} branches" if k > 1 else ""
-            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but the "
-                      f"whole pool has {pool.num_blocks}")
-            return Decision(rid, Outcome.NEVER, reason, need, 0, 0, 0, 0), []
-        hits: list[int] = []
-        index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
-        for d in digests:
-            block = index.get(d)
-            if block is None:
-                break
-            hits.append(block)
-        # Retained hits stop being evictable once taken, so they cannot also back a new block.
-        retained_hits = sum(1 for b in hits if ref[b] == 0 and not leased[b])
-        pending_hits = sum(1 for b in hits if not written[b])
-        new_now = prompt_blocks - len(hits)
-        branch_blocks = (k - 1) * per_branch
-        promise = total - prompt_blocks + branch_blocks
-        need = new_now + promise
-        available = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
-        if need > available:
-            reason = (f"needs {need} new blocks ({len(hits)} of {total} shared) but only {max(available, 0)} "
-                      f"can be promised now ({pool.num_free} free + {pool.num_evictable} evictable - "
-                      f"{self.promised} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
-                      + (f" - {keep_free} kept free" if keep_free else "") + ")")
-            return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
-                            branch_blocks), hits
-        reason = f"{len(hits)} shared + {new_now} new + {promise} promised = {total + branch_blocks} blocks"
-        return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
-                        branch_blocks), hits
-
-    def _commit(self, request: Request, digests: list[bytes], hits: list[int], decision: Decision) -> None:
-        pool = self.pool
-        # Take the hits first, so allocating the new blocks can never evict the request's own hits.
-        for block in hits:
-            pool.share(block)
-        blocks = hits + pool.allocate_many(decision.blocks_new)
-        group = request.context.trust_group
-        if pool.on_event is None:
-            # Index the new full prompt blocks (inlined BlockPool.register): pending until written.
-            index, block_digest_of, block_group = pool.index, pool.digest, pool.group
-            for i in range(len(hits), len(digests)):
-                d = digests[i]
-                if d not in index:
-                    index[d] = blocks[i]
-                    block_digest_of[blocks[i]] = d
-                    block_group[blocks[i]] = group
-        else:
-            for i in range(len(hits), len(digests)):
-                pool.register(blocks[i], digests[i], group)
-        if request.retention:
-            self._apply_retention(request.retention, blocks, 0, len(digests))
-        own_promise = decision.blocks_promised - decision.blocks_branches
-        self.promised += own_promise
-        written = pool.written
-        ready = 0
-        while ready < len(hits) and written[hits[ready]]:
-            ready += 1
-        prompt = list(request.prompt)
-        rid = request.request_id
-        seq = SequenceState(
-            request_id=rid, context=request.context,
-            root=request.context.root_digest() if self.prefix_caching else b"",
-            tokens=prompt, num_prompt=len(prompt), max_new_tokens=request.max_new_tokens,
-            table=BlockTable(self.block_size, blocks), promised=own_promise, digests=digests,
-            computed_mark=min(ready * self.block_size, len(prompt)), written_blocks=ready,
-            hit_blocks=len(hits), retention=request.retention, family=request.family or rid,
-            reserved_blocks=decision.blocks_total,
-        )
-        self._seqs[rid] = seq
-        # Each fork charges its parent's promise plus a tail copy: exactly what _decide counted per branch.
-        for i in range(1, request.branches):
-            self._fork_unchecked(seq, f"{rid}/{i}")
-
-    def _apply_retention(self, ranges: tuple[Retention, ...], blocks: list[int], start: int, end: int) -> None:
-        """Tell the eviction policy the priority of blocks ``[start, end)`` from the request's ranges."""
-        bs, now, policy = self.block_size, self.clock(), self.pool.retained
-        for i in range(start, end):
-            lo, hi = i * bs, (i + 1) * bs
-            best: Retention | None = None
-            for r in ranges:
-                if r.start < hi and r.end > lo and (best is None or r.priority > best.priority):
-                    best = r
-            if best is not None:
-                expires = None if best.duration_s is None else now + best.duration_s
-                policy.set_priority(blocks[i], best.priority, expires)
-
     # ---- progress -------------------------------------------------------------------------------
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
-        """The first ``num_tokens`` tokens now have their KV written (after a prefill chunk or step)."""
+        """The first ``num_tokens`` tokens now have their KV written (after a prefill chunk or step).
+        It never moves backwards: a smaller count than already recorded changes nothing."""
+        num_tokens = as_count(num_tokens, "mark_computed: num_tokens")
         with self._lock:
             seq = self.sequence(request_id)
             if num_tokens > len(seq.tokens):
@@ -325,50 +183,164 @@ class KVLedger(BranchOps, LifetimeOps):
     def append_token(self, request_id: str, token_id: int) -> list[CopyOp]:
         """Append one sampled token. Sampling it means the model has run over every earlier token, so
         their KV is confirmed written; the new token's KV is written by the next step. Returns the
-        copy-on-write copies the runtime must perform before writing (usually none)."""
+        copy-on-write copies the runtime must perform before writing (usually none). On any error
+        nothing changes."""
         with self._lock:
+            seq = self.sequence(request_id)
+            checked, fits = self._check_growth([(seq, token_id)])
+            if not fits:
+                raise self._no_room(seq)
             before = len(self._copies)
-            self._append(self.sequence(request_id), token_id)
+            self._grow(seq, checked[0][1])
             return self._copies[before:]
 
     def append_tokens(self, request_id: str, token_ids: Iterable[int]) -> None:
+        """Append several tokens to one sequence. A bad token id or a length past ``max_new_tokens``
+        changes nothing; growth past the reservation with no block left appends the tokens before it
+        and raises :class:`OutOfBlocksError`."""
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise ConfigError(f"{request_id!r}: token ids must be a sequence of integers, got {show(token_ids)}")
         with self._lock:
             seq = self.sequence(request_id)
-            for token in token_ids:
-                self._append(seq, token)
+            checked, fits = self._check_growth([(seq, t) for t in token_ids])
+            for _, token in checked[:fits]:
+                self._grow(seq, token)
+            if fits < len(checked):
+                raise self._no_room(seq)
 
     def decode_step(self, steps: Iterable[tuple[str, int]]) -> None:
         """One engine step: append one token to each named sequence, under one lock acquisition.
 
+        Every pair is checked before anything changes: an unknown sequence, a bad token id or a
+        sequence past ``max_new_tokens`` raises and leaves every sequence as it was. Growth past a
+        reservation with no block left is not a bad call but a full pool: the pairs before it are
+        applied, in order, and :class:`OutOfBlocksError` names the sequence that could not grow.
+
         This is the ledger's hottest path, so the common case (the token lands inside the tail block,
-        which the sequence owns alone) is inlined; every ``block_size`` tokens, or on the first write
-        into a forked tail, :meth:`_append` does the real work."""
+        which the sequence owns alone) is a list append, remembered so that a later bad pair can undo
+        it; the rest (every ``block_size`` tokens, the first write into a forked tail) is checked as a
+        whole by :meth:`_check_growth` before any of it is applied."""
         bs = self.block_size
+        if type(steps) is not list:
+            steps = list(steps)
         with self._lock:
             seqs = self._seqs
+            slow = at = raised = None  # made at the first pair for the full path (most steps have none)
+            # slow: pairs for the full path, in order; at: their positions in `steps` (not appended)
+            # A sequence with a deferred pair must take its later pairs in this step in order, so it is
+            # sent down the full path by the flag the common case already tests (cow_tail); the flags
+            # are put back before anything is applied (raised). The common case stays one list append.
+            pairs = iter(steps)  # on an error, its length hint says where the loop stopped
+            try:
+                try:
+                    for request_id, token in pairs:
+                        seq = seqs.get(request_id)
+                        if seq is None:
+                            raise LedgerError(f"unknown sequence {show(request_id)}")
+                        tokens = seq.tokens
+                        n = len(tokens)
+                        if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
+                                and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                            tokens.append(token)
+                        else:
+                            if slow is None or at is None or raised is None:
+                                slow, at, raised = [], [], []
+                            slow.append((seq, token))
+                            at.append(len(steps) - operator.length_hint(pairs) - 1)
+                            if not seq.cow_tail:
+                                seq.cow_tail = True
+                                raised.append(seq)
+                finally:
+                    if raised:
+                        for seq in raised:
+                            seq.cow_tail = False
+            except (LedgerError, TypeError, ValueError) as exc:
+                self._undo_fast(steps, len(steps) - operator.length_hint(pairs) - 1, at)
+                if isinstance(exc, LedgerError):
+                    raise
+                raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
+            if slow is None:
+                return
+            try:
+                checked, fits = self._check_growth(slow)
+            except (LedgerError, ConfigError):
+                self._undo_fast(steps, len(steps), at)
+                raise
+            if fits == len(checked):
+                for seq, token in checked:
+                    self._grow(seq, token)
+                return
+            # The pool runs out part-way: start again and apply the pairs in their order up to there.
+            self._undo_fast(steps, len(steps), at)
             for request_id, token in steps:
-                seq = seqs.get(request_id)
-                if seq is None:
-                    raise LedgerError(f"unknown sequence {request_id!r}")
+                seq = seqs[request_id]
                 tokens = seq.tokens
                 n = len(tokens)
-                if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
-                        and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                if n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail and type(token) is int:
                     tokens.append(token)
                 else:
-                    self._append(seq, token)
+                    self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
 
-    def _append(self, seq: SequenceState, token: int) -> None:
+    def _undo_fast(self, steps: list, stop: int, deferred: list[int] | None) -> None:
+        """Take back the tokens :meth:`decode_step` appended in its common case: every pair before
+        position ``stop`` that was not deferred to the full path (their positions are ``deferred``)."""
+        seqs, skip = self._seqs, set(deferred or ())
+        for i in range(stop - 1, -1, -1):
+            if i not in skip:
+                seqs[steps[i][0]].tokens.pop()
+
+    def _no_room(self, seq: SequenceState) -> OutOfBlocksError:
+        return OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
+
+    def _token(self, seq: SequenceState, token: object) -> int:
+        if isinstance(token, bool) or not hasattr(type(token), "__index__"):
+            raise ConfigError(f"{seq.request_id!r}: token id {show(token)} is not an integer")
+        token = operator.index(token)
+        if not 0 <= token <= _MAX_TOKEN:
+            raise ConfigError(f"{seq.request_id!r}: token id {show(token)} is outside [0, 2**32)")
+        return token
+
+    def _check_growth(self, items: list[tuple[SequenceState, object]]) -> tuple[list[tuple[SequenceState, int]], int]:
+        """Check appending ``items`` in order, changing nothing. Token ids and length limits are
+        checked for every pair (a bad one raises). Returns the pairs with their token ids as ``int``
+        and how many leading pairs fit: a pair that opens a block beyond its sequence's promise needs
+        one unpromised block, which lowers ``free + evictable - promised`` by one (promised blocks and
+        copy-on-write copies, always promised, leave it as it is)."""
+        bs = self.block_size
+        state: dict[str, tuple[int, int, int]] = {}  # id -> (tokens, blocks, promise) after the pairs so far
+        room = None  # unpromised blocks left, read once a pair needs one
+        fits = -1
+        out: list[tuple[SequenceState, int]] = []
+        for seq, token in items:
+            if type(token) is not int or not 0 <= token <= _MAX_TOKEN:
+                token = self._token(seq, token)
+            rid = seq.request_id
+            st = state.get(rid)
+            if st is None:
+                n, held, promise = len(seq.tokens), len(seq.table.blocks), seq.promised
+            else:
+                n, held, promise = st
+            if n >= seq.limit:
+                raise LedgerError(f"{rid!r} already generated its max_new_tokens={seq.max_new_tokens}")
+            if n % bs == 0 and n >= held * bs:
+                held += 1
+                if promise:
+                    promise -= 1
+                elif fits < 0:
+                    if room is None:
+                        pool = self.pool
+                        room = pool.num_free + pool.num_evictable - self.promised
+                    if room <= 0:
+                        fits = len(out)
+                    room -= 1
+            state[rid] = (n + 1, held, promise)
+            out.append((seq, token))  # type: ignore[arg-type]
+        return out, (len(out) if fits < 0 else fits)
+
+    def _grow(self, seq: SequenceState, token: int) -> None:
+        """Append one checked token (see :meth:`_check_growth`)."""
         tokens = seq.tokens
         n = len(tokens)
-        if n >= seq.limit:
-            raise LedgerError(f"{seq.request_id!r} already generated its max_new_tokens={seq.max_new_tokens}")
-        try:
-            token = operator.index(token)
-        except TypeError:
-            raise ConfigError(f"{seq.request_id!r}: token id {token!r} is not an integer") from None
-        if not 0 <= token <= _MAX_TOKEN:
-            raise ConfigError(f"{seq.request_id!r}: token id {token} is outside [0, 2**32)")
         if n % self.block_size == 0:
             self._boundary(seq, n)
         else:
@@ -384,21 +356,21 @@ class KVLedger(BranchOps, LifetimeOps):
         seq.cow_tail = False  # a full tail is immutable and shared as is; the new block is private
         blocks = seq.table.blocks
         if n < len(blocks) * self.block_size:
-            return  # the block already exists (the prompt's allocation covered it)
+            return  # the block already exists (the prompt's allocation, or a speculative slot)
         pool = self.pool
         if seq.promised:
             seq.promised -= 1
             self.promised -= 1
-        elif pool.num_free + pool.num_evictable - self.promised <= 0:
-            raise OutOfBlocksError(
-                f"{seq.request_id!r} grew past its reservation and no unpromised block is left "
-                f"({pool.num_free} free, {pool.num_evictable} evictable, {self.promised} promised)")
+        elif pool.num_free + pool.num_evictable - self.promised <= 0:  # _check_growth rules this out
+            raise OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
         blocks.append(pool.allocate())
 
     # ---- speculative slots ----------------------------------------------------------------------
     def reserve_lookahead(self, request_id: str, slots: int) -> int:
         """Make sure blocks exist for ``slots`` positions beyond the newest token (draft tokens the
-        verifier may accept). They come from the sequence's promise first. Returns blocks allocated."""
+        verifier may accept). They come from the sequence's promise first. Returns blocks allocated.
+        Speculative blocks are private to the sequence: a fork never shares them."""
+        slots = as_count(slots, "lookahead slots")
         with self._lock:
             seq = self.sequence(request_id)
             need = self.blocks_for(len(seq.tokens) + slots) - len(seq.table.blocks)
@@ -413,17 +385,32 @@ class KVLedger(BranchOps, LifetimeOps):
             return max(need, 0)
 
     def trim_lookahead(self, request_id: str) -> int:
-        """Free blocks beyond the sequence's tokens (rejected draft slots). Blocks that were promised
-        become promises again, up to the reservation. Returns blocks freed."""
+        """Free blocks beyond the sequence's tokens (rejected draft slots); those within the
+        reservation become promises again. Returns blocks freed.
+
+        Only blocks whose release really returns capacity are trimmed: while the sequence has an
+        outstanding lease (an in-flight step may still write its draft slots) nothing is trimmed, and
+        a trailing block a transfer still leases stays the sequence's own slot. So a
+        re-promise is always backed by a block that just became free (``promised <= free +
+        evictable`` holds) and a full-reservation request never loses blocks it was promised."""
         with self._lock:
             seq = self.sequence(request_id)
+            blocks = seq.table.blocks
             keep = self.blocks_for(len(seq.tokens))
-            extra = seq.table.blocks[keep:]
+            if len(blocks) <= keep or request_id in self._seq_leases:
+                return 0
+            # Speculative blocks are never shared (check() enforces it), so only a block lease can
+            # keep one from being freed.
+            leased = self.pool.leased
+            cut = len(blocks)
+            while cut > keep and not leased[blocks[cut - 1]]:
+                cut -= 1
+            extra = blocks[cut:]
             if not extra:
                 return 0
-            del seq.table.blocks[keep:]
+            del blocks[cut:]
             self.pool.release_many(extra[::-1])
-            repromise = max(0, min(len(extra), seq.reserved_blocks - len(seq.table.blocks) - seq.promised))
+            repromise = max(0, min(len(extra), seq.reserved_blocks - len(blocks) - seq.promised))
             seq.promised += repromise
             self.promised += repromise
             return len(extra)
@@ -436,10 +423,14 @@ class KVLedger(BranchOps, LifetimeOps):
             self.counters.finished += 1
 
     def retract(self, request_id: str) -> None:
-        """Undo an admission that a caller could not complete (a family admitted all-or-nothing)."""
+        """Undo one :meth:`admit` of a single sequence that the caller could not complete. (A family of
+        branches comes back whole or not at all through :meth:`admit_family`, which needs no undo.)"""
         with self._lock:
-            self._drop(request_id)
-            self.counters.admitted -= 1
+            seq = self._drop(request_id)
+            if seq.readmitted:
+                self.counters.readmitted -= 1
+            else:
+                self.counters.admitted -= 1
 
     def preempt(self, request_id: str) -> list[int]:
         """Take a running sequence's memory away (the scheduler recovers it by recompute or from a host
@@ -456,6 +447,8 @@ class KVLedger(BranchOps, LifetimeOps):
         blocks still leased by an in-flight step are released when that lease ends. Cancelling a
         request that was never admitted (or already finished) is a no-op and returns False."""
         with self._lock:
+            if not isinstance(request_id, str):
+                return False
             family = [rid for rid, s in self._seqs.items() if s.family == request_id or rid == request_id]
             for rid in family:
                 self._drop(rid)
@@ -463,12 +456,15 @@ class KVLedger(BranchOps, LifetimeOps):
                 self.counters.cancelled += 1
             return bool(family)
 
-    def _drop(self, request_id: str) -> None:
+    def _drop(self, request_id: str) -> SequenceState:
         """Drop a sequence's references, tail block first so that LRU eviction takes its deepest blocks
         before its shared head, and cancel its unmaterialised promises."""
-        seq = self._seqs.pop(request_id, None)
+        try:
+            seq = self._seqs.pop(request_id, None)
+        except TypeError:
+            seq = None
         if seq is None:
-            raise LedgerError(f"unknown sequence {request_id!r} (already released?)")
+            raise LedgerError(f"unknown sequence {show(request_id)} (already released?)")
         blocks = seq.table.blocks
         if seq.cow_tail:
             self._trim_cow_promise(blocks[len(seq.tokens) // self.block_size])
@@ -480,6 +476,7 @@ class KVLedger(BranchOps, LifetimeOps):
         self.pool.release_many(blocks[::-1])
         self.promised -= seq.promised
         seq.promised = 0
+        return seq
 
     def take_copies(self) -> list[CopyOp]:
         """Copy-on-write instructions recorded since the last call; the runtime executes them before
@@ -497,13 +494,23 @@ class KVLedger(BranchOps, LifetimeOps):
             refs = [0] * pool.num_blocks
             promised = sum(self._cow_promises.values())
             bs = self.block_size
+            ref, digest_of = pool.ref, pool.digest
             for seq in self._seqs.values():
                 blocks = seq.table.blocks
                 n = len(seq.tokens)
-                if len(blocks) < -(-n // bs):  # more is fine: speculative lookahead slots
+                covered = -(-n // bs)
+                if len(blocks) < covered:  # more is fine: speculative lookahead slots
                     raise InvariantError(f"{seq.request_id!r}: {len(blocks)} blocks for {n} tokens")
                 if seq.promised < 0:
                     raise InvariantError(f"{seq.request_id!r}: negative promise")
+                # Reservation law: a sequence is promised exactly what its reservation lacks in blocks.
+                if seq.promised != max(0, seq.reserved_blocks - len(blocks)):
+                    raise InvariantError(
+                        f"{seq.request_id!r}: promised {seq.promised} but its reservation of {seq.reserved_blocks} "
+                        f"blocks lacks {max(0, seq.reserved_blocks - len(blocks))} ({len(blocks)} held)")
+                for b in blocks[covered:]:  # speculative slots are written by this sequence alone
+                    if ref[b] != 1 or digest_of[b] is not None:
+                        raise InvariantError(f"{seq.request_id!r}: speculative block {b} is shared or indexed")
                 identified = max(seq.num_prompt, seq.computed_mark) // bs
                 if self.prefix_caching and len(seq.digests) != identified:
                     raise InvariantError(
@@ -518,8 +525,10 @@ class KVLedger(BranchOps, LifetimeOps):
                 bad = [b for b in range(pool.num_blocks) if refs[b] != pool.ref[b]][:8]
                 raise InvariantError(f"ref counts disagree with block tables and pins at blocks {bad}")
             leases = [0] * pool.num_blocks
-            for _, blocks in self._leases.values():
-                for b in blocks:
+            for lid, lease in self._leases.items():
+                if type(lease.owner) is not str:
+                    raise InvariantError(f"lease {lid} has no owner name")
+                for b in lease.blocks:
                     leases[b] += 1
             for rid, lids in self._seq_leases.items():
                 if rid not in self._seqs or any(lid not in self._leases for lid in lids):

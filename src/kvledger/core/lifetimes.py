@@ -1,53 +1,92 @@
-"""Lifetimes: leases (outstanding accesses), pins, cache clearing and statistics.
+"""Lifetimes: leases (outstanding accesses), pins, cache clearing and reset, and statistics.
 
 A *lease* marks blocks an in-flight step or transfer still reads or writes. Releasing a sequence
 (finish, cancel, beam pruning, preemption) while its blocks are leased defers their release: they stay
 active (ref 0, leased) until the lease ends, so nothing is reused early and nothing leaks. Promises
-hold no data, so cancelling frees them at once.
+hold no data, so cancelling frees them at once. Every lease names its *owner* (the step or transfer
+that took it), so a caller can audit that no lease outlives what took it (:meth:`LifetimeOps.leases`).
 
 A *pin* holds a reference on a cached prefix (a system prompt, say) so that it is never evicted; pins
 are bounded by ``max_pinned_fraction`` of the pool and are active blocks, which is how admission
 accounts for them.
+
+Statistics come in two views that are never mixed: :meth:`LifetimeOps.stats` is the operator's (the
+whole pool, every group's totals), :meth:`LifetimeOps.tenant_stats` a tenant's (its own group's prefix
+cache figures, nothing pool-wide).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import AdmissionError, LedgerError
+from ..errors import AdmissionError, ConfigError, LedgerError
 from .identity import CacheContext, chain_digests, token_bytes
+from .types import show
 
 if TYPE_CHECKING:
     from .ledger import KVLedger
+
+
+@dataclass(slots=True)
+class Lease:
+    """One outstanding access: the sequences it covers (O(1) each, turned into block leases only if
+    a sequence is dropped while leased), the blocks it leases directly, and who took it."""
+
+    sequences: list[str]
+    blocks: list[int]
+    owner: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class CacheReset:
+    """The result of :meth:`LifetimeOps.reset_prefix_cache`: ``done`` (also its truth value), the
+    retained blocks evicted, and why not when refused."""
+
+    done: bool
+    cleared_blocks: int
+    reason: str
+
+    def __bool__(self) -> bool:
+        return self.done
 
 
 class LifetimeOps:
     """Mixed into :class:`~kvledger.core.ledger.KVLedger`; runs under its lock."""
 
     # ---- leases ---------------------------------------------------------------------------------
-    def lease(self: KVLedger, request_ids: Iterable[str] = (), blocks: Iterable[int] = ()) -> int:
+    def lease(self: KVLedger, request_ids: Iterable[str] = (), blocks: Iterable[int] = (), owner: str = "") -> int:
         """Mark an outstanding access to the named sequences and to extra ``blocks``; returns a lease id.
+        ``owner`` names who took it (a step, a transfer): :meth:`leases` lists outstanding leases by
+        owner, so a caller can check that every one belongs to something still in flight.
 
         Leasing a sequence costs O(1) however many blocks it holds (an engine leases every scheduled
         sequence every step). Only if a leased sequence is dropped -- finished, cancelled, pruned,
         preempted -- are its blocks leased one by one, so that their release is deferred until the
-        lease ends. A block lease marks single blocks (a transfer reading blocks directly)."""
+        lease ends. A block lease marks single blocks (a transfer reading blocks directly); only a
+        block someone holds can be leased. Everything is checked before anything is leased."""
+        if type(owner) is not str:
+            raise ConfigError(f"a lease owner is a name (str), got {show(owner)}")
+        for name, value in (("request_ids", request_ids), ("blocks", blocks)):
+            if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+                raise ConfigError(f"lease {name} must be a collection, got {show(value)}")
+        ids = list(request_ids)
+        extra = list(blocks)
         with self._lock:
-            ids = list(request_ids)
             for rid in ids:
                 self.sequence(rid)
-            extra = list(blocks)
-            for i, block in enumerate(extra):
-                try:
-                    self.pool.lease(block)
-                except LedgerError:
-                    for b in extra[:i]:
-                        self.pool.unlease(b)
-                    raise
+            pool = self.pool
+            for block in extra:
+                if isinstance(block, bool) or type(block) is not int or not 0 <= block < pool.num_blocks:
+                    raise ConfigError(f"lease: {show(block)} is not a block of this pool (0..{pool.num_blocks - 1})")
+                if pool.ref[block] == 0 and not pool.leased[block]:
+                    raise LedgerError(f"block {block} is not held by anyone; it cannot be leased")
+            for block in extra:
+                pool.lease(block)
             lease_id = self._next_lease
             self._next_lease += 1
-            self._leases[lease_id] = (ids, extra)
+            self._leases[lease_id] = Lease(ids, extra, owner)
             seq_leases = self._seq_leases
             for rid in ids:
                 held = seq_leases.get(rid)
@@ -60,14 +99,16 @@ class LifetimeOps:
     def end_lease(self: KVLedger, lease_id: int) -> None:
         """The access finished: the releases it deferred complete now, tail block first."""
         with self._lock:
-            entry = self._leases.pop(lease_id, None)
-            if entry is None:
-                raise LedgerError(f"unknown lease {lease_id!r} (already ended?)")
-            ids, extra = entry
-            for block in reversed(extra):
+            try:
+                lease = self._leases.pop(lease_id, None)
+            except TypeError:
+                lease = None
+            if lease is None:
+                raise LedgerError(f"unknown lease {show(lease_id)} (already ended?)")
+            for block in reversed(lease.blocks):
                 self.pool.unlease(block)
             seq_leases = self._seq_leases
-            for rid in ids:
+            for rid in lease.sequences:
                 held = seq_leases.get(rid)
                 if held is not None:
                     held.discard(lease_id)
@@ -81,17 +122,22 @@ class LifetimeOps:
         if not leases:
             return
         for lid in leases:
-            extra = self._leases[lid][1]
+            extra = self._leases[lid].blocks
             for block in blocks:
                 self.pool.lease(block)
             extra.extend(blocks)
 
     def is_leased(self: KVLedger, request_id: str) -> bool:
         """Whether a sequence has an outstanding lease (its blocks cannot be released before it ends)."""
-        return request_id in self._seq_leases
+        return isinstance(request_id, str) and request_id in self._seq_leases
 
     def outstanding_leases(self: KVLedger) -> int:
         return len(self._leases)
+
+    def leases(self: KVLedger) -> dict[int, str]:
+        """Every outstanding lease: lease id -> owner (the name given to :meth:`lease`)."""
+        with self._lock:
+            return {lid: lease.owner for lid, lease in self._leases.items()}
 
     # ---- pins -----------------------------------------------------------------------------------
     def pin(self: KVLedger, name: str, prompt: Sequence[int], context: CacheContext) -> int:
@@ -99,6 +145,12 @@ class LifetimeOps:
         they are never evicted. Returns the number of blocks pinned (0 if nothing is cached yet)."""
         if not self.prefix_caching:
             raise LedgerError("pinning needs prefix caching")
+        if type(name) is not str or not name:
+            raise ConfigError(f"a pin is named by a non-empty string, got {show(name)}")
+        if not isinstance(context, CacheContext):
+            raise ConfigError(f"pin: context must be a CacheContext, got {show(context)}")
+        if prompt is None or isinstance(prompt, (str, bytes)):
+            raise ConfigError(f"pin: the prompt must be a sequence of token ids, got {show(prompt)}")
         digests = chain_digests(context.root_digest(), token_bytes(prompt), self.block_size)
         with self._lock:
             if name in self._pins:
@@ -125,7 +177,7 @@ class LifetimeOps:
 
     def unpin(self: KVLedger, name: str) -> None:
         with self._lock:
-            blocks = self._pins.pop(name, None)
+            blocks = self._pins.pop(name, None) if isinstance(name, str) else None
             if blocks is None:
                 raise LedgerError(f"no pin named {name!r}")
             self.pool.release_many(blocks[::-1])
@@ -143,6 +195,33 @@ class LifetimeOps:
                 self.pool.evict(block, kind="cleared")
             self.counters.cleared += len(victims)
             return len(victims)
+
+    def reset_prefix_cache(self: KVLedger) -> CacheReset:
+        """Forget the whole prefix cache, as vLLM's ``reset_prefix_cache`` does (after a weight update,
+        say): only when no block is held -- by a sequence, a pin, a lease or a deferred release --
+        since a held block's identity is still in use. Refused, it changes nothing and says why.
+        Done, the prefix index, the retained blocks, the eviction policy's memory (priorities, expiry)
+        and the remembered digests of waiting requests are all empty, and every block is free."""
+        with self._lock:
+            pool = self.pool
+            held = []
+            if self._seqs:
+                held.append(f"{len(self._seqs)} running sequences")
+            pinned = sum(len(blocks) for blocks in self._pins.values())
+            if pinned:
+                held.append(f"{pinned} pinned blocks")
+            if self._leases:
+                held.append(f"{len(self._leases)} outstanding leases")
+            if pool.deferred:
+                held.append(f"{pool.deferred} deferred releases")
+            if held:
+                return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
+            cleared = pool.drop_cache()
+            self._digest_cache.clear()
+            self._copies.clear()
+            self.counters.cleared += cleared
+            self.counters.cache_resets += 1
+            return CacheReset(True, cleared, f"{cleared} cached blocks cleared")
 
     # ---- statistics -----------------------------------------------------------------------------
     def token_usage(self: KVLedger) -> dict[str, int]:
@@ -168,32 +247,50 @@ class LifetimeOps:
                 "retained_token_slots": self.pool.num_retained * bs,  # cached, idle, full blocks
             }
 
-    def stats(self: KVLedger, trust_group: str | None = None) -> dict[str, Any]:
-        """Counters, hit rates and usage. With ``trust_group``, the prefix-cache figures are that
-        group's only (a tenant's view); without, the operator's totals. Never contains digests."""
+    @staticmethod
+    def _prefix_figures(q: Any) -> dict[str, Any]:
+        return {
+            "queries": q.queries if q else 0,
+            "query_blocks": q.query_blocks if q else 0,
+            "hit_blocks": q.hit_blocks if q else 0,
+            "query_tokens": q.query_tokens if q else 0,
+            "hit_tokens": q.hit_tokens if q else 0,
+            "hit_rate": (q.hit_tokens / q.query_tokens) if q and q.query_tokens else 0.0,
+        }
+
+    def stats(self: KVLedger) -> dict[str, Any]:
+        """The operator's view: counters, hit rates and usage of the whole pool, every group's totals.
+        ``prefix_cache`` counts first admissions only; ``prefix_cache_readmissions`` the requests brought
+        back after preemption (they mostly find their own blocks again). Never contains digests. A
+        tenant's view is :meth:`tenant_stats`."""
         with self._lock:
             c = self.counters
-            q = c.groups.get(trust_group) if trust_group is not None else c.totals()
-            prefix = {
-                "queries": q.queries if q else 0,
-                "query_blocks": q.query_blocks if q else 0,
-                "hit_blocks": q.hit_blocks if q else 0,
-                "query_tokens": q.query_tokens if q else 0,
-                "hit_tokens": q.hit_tokens if q else 0,
-                "hit_rate": (q.hit_tokens / q.query_tokens) if q and q.query_tokens else 0.0,
-            }
-            if trust_group is not None:
-                return {"trust_group": trust_group, "prefix_cache": prefix}
             materialised = sum(len(s.table.blocks) for s in self._seqs.values())
             return {
-                "prefix_cache": {**prefix, "window_hit_rate": c.window_hit_rate()},
-                "admissions": {"admitted": c.admitted, "not_now": c.rejected_not_now, "never": c.rejected_never},
+                "prefix_cache": {**self._prefix_figures(c.totals()), "window_hit_rate": c.window_hit_rate(),
+                                 "read_skipped": c.read_skipped},
+                "prefix_cache_readmissions": self._prefix_figures(c.totals(readmission=True)),
+                "admissions": {"admitted": c.admitted, "readmitted": c.readmitted, "not_now": c.rejected_not_now,
+                               "never": c.rejected_never},
                 "lifetimes": {"finished": c.finished, "cancelled": c.cancelled, "forks": c.forks,
                               "copies": c.copies, "preemptions": c.preemptions,
-                              "evictions": self.pool.evictions, "cleared": c.cleared,
+                              "evictions": self.pool.evictions, "cleared": c.cleared, "cache_resets": c.cache_resets,
                               "pending_releases": self.pool.deferred, "leases": len(self._leases)},
                 "promises": {"promised": self.promised, "materialised_block_refs": materialised},
                 "usage": self.usage().as_dict(),
                 "tokens": self.token_usage(),
                 "eviction_policy": self.policy_name,
+            }
+
+    def tenant_stats(self: KVLedger, trust_group: str) -> dict[str, Any]:
+        """A tenant's view: its own group's prefix-cache figures (first admissions and re-admissions),
+        nothing about the pool or any other group. ``trust_group`` must be a group name (a string)."""
+        if type(trust_group) is not str:
+            raise ConfigError(f"tenant_stats needs a trust group name (str), got {show(trust_group)}")
+        with self._lock:
+            c = self.counters
+            return {
+                "trust_group": trust_group,
+                "prefix_cache": self._prefix_figures(c.groups.get(trust_group)),
+                "prefix_cache_readmissions": self._prefix_figures(c.readmission_groups.get(trust_group)),
             }

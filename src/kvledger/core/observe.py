@@ -5,7 +5,10 @@ pending fill was abandoned), evicted, cleared, or copied (copy-on-write). Each e
 group that owns the block; :meth:`EventLog.view` gives one tenant only its own events, so no tenant
 ever sees another group's digests. The operator's view (:meth:`EventLog.all`) sees everything.
 
-Statistics never carry digests at all; per-group counters are likewise only shown per group.
+Statistics never carry digests at all; per-group counters are likewise only shown per group
+(``KVLedger.tenant_stats``), and pool-wide figures only to the operator (``KVLedger.stats``).
+Prefix-cache queries of re-admissions after preemption are counted apart from first admissions, so a
+preempted request that finds its own blocks again does not inflate the hit rate users see.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ class GroupCounters:
 class Counters:
     """Monotonic counters kept by the ledger (O(1) updates)."""
 
-    admitted: int = 0
+    admitted: int = 0  # first admissions (a request with n branches counts once)
+    readmitted: int = 0  # admissions of requests brought back after preemption
     rejected_not_now: int = 0
     rejected_never: int = 0
     finished: int = 0
@@ -78,23 +82,29 @@ class Counters:
     copies: int = 0
     preemptions: int = 0
     cleared: int = 0
-    groups: dict[str, GroupCounters] = field(default_factory=dict)
+    cache_resets: int = 0
+    read_skipped: int = 0  # admissions that wrote the cache without reading it (read_prefix_cache=False)
+    groups: dict[str, GroupCounters] = field(default_factory=dict)  # first admissions
+    readmission_groups: dict[str, GroupCounters] = field(default_factory=dict)  # re-admissions
     window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=1000))
 
-    def record_query(self, group: str, blocks: int, hits: int, tokens: int, hit_tokens: int) -> None:
-        g = self.groups.get(group)
+    def record_query(self, group: str, blocks: int, hits: int, tokens: int, hit_tokens: int,
+                     readmission: bool = False) -> None:
+        table = self.readmission_groups if readmission else self.groups
+        g = table.get(group)
         if g is None:
-            g = self.groups[group] = GroupCounters()
+            g = table[group] = GroupCounters()
         g.queries += 1
         g.query_blocks += blocks
         g.hit_blocks += hits
         g.query_tokens += tokens
         g.hit_tokens += hit_tokens
-        self.window.append((tokens, hit_tokens))
+        if not readmission:
+            self.window.append((tokens, hit_tokens))
 
-    def totals(self) -> GroupCounters:
+    def totals(self, readmission: bool = False) -> GroupCounters:
         t = GroupCounters()
-        for g in self.groups.values():
+        for g in (self.readmission_groups if readmission else self.groups).values():
             t.queries += g.queries
             t.query_blocks += g.query_blocks
             t.hit_blocks += g.hit_blocks

@@ -192,9 +192,20 @@ class BlockPool:
                     self.on_event(event, block, digest, self.group[block])
             self.digest[block] = None
             self.group[block] = None
-            if self._policy_forget is not None:
-                self._policy_forget(block)
+        if self._policy_forget is not None:  # also for anonymous blocks that were given a priority
+            self._policy_forget(block)
         self.written[block] = False
+
+    def drop_cache(self) -> int:
+        """Evict every retained block ("cleared" events) and let the policy forget everything it
+        remembers (priorities, expiry heaps). Returns the number of blocks evicted."""
+        victims = self.retained.blocks()
+        for block in victims:
+            self.evict(block, kind="cleared")
+        clear = getattr(self.retained, "clear", None)
+        if clear is not None:
+            clear()
+        return len(victims)
 
     # ---- audit --------------------------------------------------------------------------------
     def free_blocks(self) -> list[int]:
@@ -222,7 +233,7 @@ class BlockPool:
         if deferred != self.deferred:
             raise InvariantError(f"deferred count {self.deferred} != {deferred} blocks awaiting a lease")
         for block in free:
-            if self.digest[block] is not None or self.written[block]:
+            if self.digest[block] is not None or self.group[block] is not None or self.written[block]:
                 raise InvariantError(f"free block {block} still carries an identity")
         for block in retained:
             d = self.digest[block]

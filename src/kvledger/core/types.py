@@ -1,16 +1,42 @@
-"""Value types shared by the ledger's modules: requests, decisions, sequence state, usage."""
+"""Value types shared by the ledger's modules: requests, decisions, sequence state, usage.
+
+Every public value type checks its fields when it is built, so a wrong-typed call fails with one
+:class:`~kvledger.errors.ConfigError` before the ledger changes anything. Counts are integers: ``bool``
+and ``float`` are refused (``True`` is not one token, ``2.0`` is not two branches), integer-likes such
+as numpy integers are accepted and stored as ``int``.
+"""
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..errors import AdmissionError
+from ..errors import AdmissionError, ConfigError
 from .identity import CacheContext
+from .identity import _show as show
 from .table import BlockTable
 
 _DEFAULT_CONTEXT = CacheContext()
+
+
+def as_count(value: object, what: str, minimum: int | None = 0) -> int:
+    """``value`` as a plain ``int`` >= ``minimum`` (None: any); a bool, float, str or None is a
+    ConfigError."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ConfigError(f"{what} must be an integer, got {show(value)}")
+    number = operator.index(value)
+    if minimum is not None and number < minimum:
+        raise ConfigError(f"{what} must be >= {minimum}, got {show(number)}")
+    return number
+
+
+def as_flag(value: object, what: str) -> bool:
+    if type(value) is not bool:
+        raise ConfigError(f"{what} must be True or False, got {show(value)}")
+    return value
 
 
 class Outcome(str, Enum):
@@ -29,6 +55,25 @@ class Retention:
     priority: int
     duration_s: float | None = None
 
+    def __post_init__(self) -> None:
+        start = as_count(self.start, "Retention.start")
+        end = as_count(self.end, "Retention.end")
+        if end < start:
+            raise ConfigError(f"Retention range [{show(start)}, {show(end)}) ends before it starts")
+        priority = as_count(self.priority, "Retention.priority")
+        if priority > 100:
+            raise ConfigError(f"Retention.priority must be in 0..100, got {show(priority)}")
+        duration = self.duration_s
+        if duration is not None:
+            if isinstance(duration, bool) or not isinstance(duration, (int, float)):
+                raise ConfigError(f"Retention.duration_s must be seconds or None, got {show(duration)}")
+            duration = float(duration)
+            if not (math.isfinite(duration) and duration >= 0):
+                raise ConfigError(f"Retention.duration_s must be finite and >= 0, got {show(duration)}")
+        for name, value in (("start", start), ("end", end), ("priority", priority), ("duration_s", duration)):
+            if getattr(self, name) is not value:
+                object.__setattr__(self, name, value)
+
 
 @dataclass(frozen=True, slots=True)
 class Request:
@@ -38,6 +83,12 @@ class Request:
     ``max_new_tokens`` (full reservation, the default policy). ``branches`` > 1 admits n-way sampling:
     the prompt is stored once and each extra branch is charged its own output allowance plus one
     copy-on-write copy of the prompt's partial tail block.
+
+    ``read_prefix_cache=False`` writes the cache but does not read it: the prompt gets no prefix hits
+    (every prompt block is computed, as vLLM does for requests that want prompt logprobs), while its
+    full blocks still enter the prefix index for later requests when no block holds that identity yet.
+    ``readmission=True`` marks a request the scheduler brings back after preemption; its admission
+    and prefix-cache figures are counted apart from first admissions (``KVLedger.stats()``).
     """
 
     request_id: str
@@ -49,12 +100,52 @@ class Request:
     retention: tuple[Retention, ...] = ()
     lookahead: int = 0  # speculative slots per step, charged in the reservation, never indexed
     family: str | None = None  # the request a re-admitted branch belongs to (defaults to request_id)
+    read_prefix_cache: bool = True
+    readmission: bool = False
 
     def __post_init__(self) -> None:
+        if type(self.request_id) is not str or not self.request_id:
+            raise ConfigError(f"request_id must be a non-empty string, got {show(self.request_id)}")
+        rid = self.request_id
+        prompt = self.prompt
         # An immutable copy: the ledger may remember the prompt's digests between admission attempts,
-        # which is only sound if nobody can change the tokens behind its back.
-        if type(self.prompt) is not tuple:
-            object.__setattr__(self, "prompt", tuple(self.prompt))
+        # which is only sound if nobody can change the tokens behind its back. Token ids themselves are
+        # checked by the ledger (once per prompt object), with or without prefix caching.
+        if type(prompt) is not tuple:
+            if prompt is None or isinstance(prompt, (str, bytes, bytearray)) or not hasattr(prompt, "__iter__"):
+                raise ConfigError(f"request {rid!r}: the prompt must be a sequence of token ids, got {show(prompt)}")
+            object.__setattr__(self, "prompt", tuple(prompt))
+        max_new = as_count(self.max_new_tokens, f"request {rid!r}: max_new_tokens")
+        reserve = self.reserve_new_tokens
+        if reserve is not None:
+            reserve = as_count(reserve, f"request {rid!r}: reserve_new_tokens")
+            if reserve > max_new:
+                raise ConfigError(f"request {rid!r}: reserve_new_tokens must be in [0, max_new_tokens]")
+        branches = as_count(self.branches, f"request {rid!r}: branches", 1)
+        lookahead = as_count(self.lookahead, f"request {rid!r}: lookahead")
+        if not isinstance(self.context, CacheContext):
+            raise ConfigError(f"request {rid!r}: context must be a CacheContext, got {show(self.context)}")
+        retention = self.retention
+        if type(retention) is not tuple:
+            if isinstance(retention, (str, bytes)) or not hasattr(retention, "__iter__"):
+                raise ConfigError(f"request {rid!r}: retention must be Retention ranges, got {show(retention)}")
+            retention = tuple(retention)
+        for r in retention:
+            if not isinstance(r, Retention):
+                raise ConfigError(f"request {rid!r}: retention entries must be Retention, got {show(r)}")
+        if self.family is not None and (type(self.family) is not str or not self.family):
+            raise ConfigError(f"request {rid!r}: family must be a non-empty string or None")
+        as_flag(self.read_prefix_cache, f"request {rid!r}: read_prefix_cache")
+        as_flag(self.readmission, f"request {rid!r}: readmission")
+        for name, value in (("max_new_tokens", max_new), ("reserve_new_tokens", reserve), ("branches", branches),
+                            ("lookahead", lookahead), ("retention", retention)):
+            if getattr(self, name) is not value:
+                object.__setattr__(self, name, value)
+
+    @property
+    def reserved_new_tokens(self) -> int:
+        """The output allowance admission reserves: ``reserve_new_tokens``, or all of ``max_new_tokens``."""
+        return self.max_new_tokens if self.reserve_new_tokens is None else self.reserve_new_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +159,9 @@ class Decision:
     blocks_new: int  # blocks allocated now for the rest of the prompt
     blocks_promised: int  # blocks promised for the reserved output allowance (all branches)
     blocks_branches: int = 0  # of the promises, what the extra branches need (allowance + tail copy)
+    # The operator's explanation: the pool-wide free / evictable / promised figures behind the outcome.
+    # ``reason`` is what a tenant may see and never quotes them (they reveal other tenants' volume).
+    detail: str = ""
 
     @property
     def admitted(self) -> bool:
@@ -114,6 +208,7 @@ class SequenceState:
     family: str = ""  # the request this branch belongs to
     retention: tuple[Retention, ...] = ()
     reserved_blocks: int = 0  # blocks this branch may hold at its reserved length (incl. lookahead)
+    readmitted: bool = False  # admitted again after a preemption (counted apart in statistics)
 
     def __post_init__(self) -> None:
         self.limit = self.num_prompt + self.max_new_tokens

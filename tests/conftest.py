@@ -1,0 +1,47 @@
+"""Test-wide settings: the Hypothesis profiles.
+
+* ``deterministic`` (the default, what ``make test`` runs): derandomised -- the same examples on every
+  run and every machine, so a failure is reproducible and never intermittent -- with a bounded number
+  of examples, no example database, and bounded shrinking, so a failing property reports in seconds.
+* ``fuzz`` (``HYPOTHESIS_PROFILE=fuzz``, for ``make fuzz``): new random examples every run, many more
+  of them, and full shrinking. A failure prints a ``@reproduce_failure`` blob to replay it.
+
+Tests that pin ``max_examples`` themselves keep their count in both profiles; the ledger's property
+tests take theirs from the profile, so ``fuzz`` searches them far harder.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+_COMMON = {
+    "deadline": None,  # no timed assertions: a loaded 2-core CI machine must not fail a property
+    "database": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+
+settings.register_profile("deterministic", derandomize=True, max_examples=100, **_COMMON)
+settings.register_profile("fuzz", derandomize=False, max_examples=2000, **_COMMON)
+
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "deterministic")
+settings.load_profile(PROFILE)  # an unknown name fails here, loudly, before any test runs
+
+
+def _bound_shrinking(max_shrinks: int, max_seconds: int) -> None:
+    """Hypothesis has no public setting for the length of shrinking; its engine reads these two
+    module constants (500 shrinks, 300 s by default). Bounded, a failing derandomised property still
+    shrinks to a readable example, in seconds rather than minutes. If a future Hypothesis renames them,
+    shrinking is simply unbounded again."""
+    from hypothesis.internal.conjecture import engine
+
+    if hasattr(engine, "MAX_SHRINKS"):
+        engine.MAX_SHRINKS = max_shrinks
+    if hasattr(engine, "MAX_SHRINKING_SECONDS"):
+        engine.MAX_SHRINKING_SECONDS = max_seconds
+
+
+if PROFILE == "deterministic":
+    _bound_shrinking(max_shrinks=100, max_seconds=10)

@@ -253,9 +253,10 @@ def gpus_cmd(as_json: bool) -> None:
 # Commands whose heavy imports (torch, matplotlib) happen only when they run; each module keeps its
 # top level light so that `kvledger plan` stays fast.
 from .runtime_cmds import generate_cmd, serve_trace_cmd  # noqa: E402
+from .serve_cmds import bench_group, serve_cmd  # noqa: E402
 from .sim_cmds import calibrate_cmd, simulate_cmd  # noqa: E402
 
-for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd):
+for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd, serve_cmd, bench_group):
     app.add_command(_cmd)
 
 

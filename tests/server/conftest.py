@@ -28,7 +28,7 @@ import pytest  # noqa: E402
 
 OPERATOR_KEY = "sk-test-operator"
 KEYS = {"acme": "sk-test-acme", "globex": "sk-test-globex", "capped": "sk-test-capped"}
-CAPPED_BLOCKS = 12
+CAPPED_BLOCKS = 6
 TENANTS_TOML = f"""
 [operator]
 api_keys = ["{OPERATOR_KEY}"]

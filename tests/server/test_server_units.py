@@ -226,6 +226,7 @@ def test_vocab_mapping_keeps_prefixes() -> None:
     a, b = to_vocab([1, 2, 3, 4], 32000), to_vocab([1, 2, 3, 9], 32000)
     assert a[:3] == b[:3] and a[3] != b[3]
     assert all(1000 <= t < 32000 for t in a + b)
+    assert to_vocab([1, 2, 3, 4], 32000, salt=1) != a  # another run: other tokens, no cross-run cache hits
 
 
 def test_synthetic_workload_is_open_loop_and_bounded() -> None:

@@ -60,19 +60,23 @@ def test_tenant_block_cap(server) -> None:
 
 
 def test_tenant_over_its_cap_waits_and_then_runs(server) -> None:
-    """Two requests that each fit the cap but not together: the second waits at the gate (not a 429, not
-    another tenant's problem) and runs once the first is done."""
+    """Requests that each fit the cap but not together: the later ones wait at the gate (not a 429, not
+    another tenant's problem) and run once the earlier ones are done."""
     cap, bs = server.capped_blocks, server.block_size
-    max_tokens = (cap // 2 + 1) * bs - 8  # > half the cap each
+    prompt = "Count the blocks: " + "one two three four five six seven eight nine ten " * 5  # 4 blocks
+    client = server.client(server.keys["capped"])
+    plen = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    need = -(-(plen + 2) // bs)
+    assert 2 * need > cap >= need  # one fits the cap, two do not
 
     async def go() -> list[int]:
-        client = server.client(server.keys["capped"], async_=True)
-        outs = await asyncio.gather(*[client.completions.create(
-            model="smollm2-135m", prompt=f"Story {i}:", max_tokens=max_tokens, temperature=0,
-            extra_body={"ignore_eos": True}) for i in range(2)])
+        aclient = server.client(server.keys["capped"], async_=True)
+        outs = await asyncio.gather(*[aclient.completions.create(
+            model="smollm2-135m", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+            for _ in range(3)])
         return [o.usage.completion_tokens for o in outs]
 
-    assert asyncio.run(go()) == [max_tokens, max_tokens]
+    assert asyncio.run(go()) == [2, 2, 2]
     report = server.wait_idle()
     assert report["clean"], report
 

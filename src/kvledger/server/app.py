@@ -27,7 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..errors import AdmissionError, ConfigError
+from ..errors import AdmissionError, ConfigError, KVLedgerError
 from .backend import Backend
 from .gate import AdmissionGate, NeverFits, QueueFull
 from .metrics import ServerMetrics
@@ -335,6 +335,8 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             task.result()
         except EngineFailed as exc:
             return _json(500, error_body(str(exc), "server_error", "engine_failed"))
+        except KVLedgerError as exc:  # the engine refused at submission (state changed since the checks)
+            return _json(400, error_body(str(exc)))
         finally:
             gone.cancel()
             if not task.done():
@@ -360,8 +362,11 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
                 yield _sse(shape.usage_chunk(usage_body(run.prompt_tokens, run.completion_tokens,
                                                         run.cached_tokens)))
             yield _sse("[DONE]")
-        except EngineFailed as exc:
+        except EngineFailed as exc:  # headers are out: the error travels as an event, like vLLM's
             yield _sse(error_body(str(exc), "server_error", "engine_failed"))
+            yield _sse("[DONE]")
+        except KVLedgerError as exc:
+            yield _sse(error_body(str(exc)))
             yield _sse("[DONE]")
         finally:  # also on disconnect: Starlette cancels this generator's task
             run.close()

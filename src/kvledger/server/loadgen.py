@@ -95,11 +95,13 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def to_vocab(ids: list[int], vocab: int) -> list[int]:
+def to_vocab(ids: list[int], vocab: int, salt: int = 0) -> list[int]:
     """Map synthetic token identifiers into ``[_FIRST_ID, vocab)``, one id at a time: equal prefixes stay
-    equal (so a trace's prefix sharing survives), distinct ids rarely collide."""
+    equal (so a trace's prefix sharing survives), distinct ids rarely collide. A different ``salt`` (the
+    run's seed) gives different tokens, so two runs never hit each other's cached prompts."""
     span = vocab - _FIRST_ID
-    return [_FIRST_ID + _mix(t) % span for t in ids]
+    key = _mix(salt & _MASK64)
+    return [_FIRST_ID + _mix(t ^ key) % span for t in ids]
 
 
 def _check_vocab(vocab: int) -> None:
@@ -152,7 +154,7 @@ def trace_workload(path: str, spec: LoadSpec, *, scale: float = 1.0, max_prompt:
     for r, t in zip(requests, times, strict=True):
         plen = min(max_prompt, max(1, round(r.prompt_len * scale)))
         out = min(max_tokens, max(1, round(r.output_len * scale)))
-        items.append(Item(t, to_vocab(list(r.prompt_tokens[:plen]), vocab), out))
+        items.append(Item(t, to_vocab(list(r.prompt_tokens[:plen]), vocab, spec.seed), out))
     return [i for i in items if i.arrival_s < spec.duration_s] or items[:1]
 
 
@@ -173,8 +175,9 @@ def synthetic_workload(spec: LoadSpec, *, prompt_len: int = 128, output_len: int
             break
         own = list(range(next_id, next_id + prompt_len))
         next_id += prompt_len
-        items.append(Item(t, to_vocab(system + own, vocab), output_len))
-    return items or [Item(0.0, to_vocab(system + list(range(next_id, next_id + prompt_len)), vocab), output_len)]
+        items.append(Item(t, to_vocab(system + own, vocab, spec.seed), output_len))
+    return items or [Item(0.0, to_vocab(system + list(range(next_id, next_id + prompt_len)), vocab, spec.seed),
+                            output_len)]
 
 
 def _csv_has_times(path: str) -> bool:

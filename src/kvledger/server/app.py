@@ -74,6 +74,15 @@ class ServerContext:
         self.draining = False
         self.runs: set[Run] = set()
 
+    def cancel_all(self) -> None:
+        """Shutdown: cancel every request in flight (running ones end with finish_reason abort; ones
+        still held at the gate end at once)."""
+        for run in list(self.runs):
+            if run.waiter is not None:
+                run.waiter.cancel()
+            else:
+                run.cancel()
+
     # ---- checks -----------------------------------------------------------------------------------
     def principal(self, request: Request) -> Principal:
         principal = self.tenants.authenticate(request.headers.get("authorization"))
@@ -130,6 +139,9 @@ class ServerContext:
     def sampling(self, body: CompletionRequest | ChatCompletionRequest) -> Any:
         from ..runtime.sampling import SamplingParams
 
+        if body.n > self.backend.max_num_seqs:
+            raise self.invalid(f"n={body.n} samples can never run at once here (at most "
+                               f"{self.backend.max_num_seqs} sequences run at a time)", "never_fits", "n")
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         temperature = 1.0 if body.temperature is None else body.temperature
         try:
@@ -315,9 +327,11 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         return await _complete(request, run, shape)
 
     async def _start(run: Run) -> None:
-        await ctx.gate.admitted(run.ticket)  # a tenant at its cap waits here
-        run.start()
+        run.waiter = asyncio.current_task()  # what shutdown cancels while the run is still held
         ctx.runs.add(run)
+        await ctx.gate.admitted(run.ticket)  # a tenant at its cap waits here
+        run.waiter = None
+        run.start()
 
     async def _complete(request: Request, run: Run, shape: ResponseShape) -> Response:
         async def work() -> None:
@@ -332,6 +346,8 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             if not task.done():  # the client went away: stop its work
                 task.cancel()
                 return Response(status_code=499)
+            if task.cancelled():  # shutdown: it never left the gate
+                return _json(503, error_body("the server is shutting down", "server_error", "draining"))
             task.result()
         except EngineFailed as exc:
             return _json(500, error_body(str(exc), "server_error", "engine_failed"))

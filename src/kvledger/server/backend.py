@@ -32,6 +32,7 @@ class Backend(Protocol):
     pool_blocks: int
     max_context: int | None
     vocab_size: int
+    max_num_seqs: int  # most sequences (branches) running at once: a larger n can never run
     error: BaseException | None
 
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
@@ -79,6 +80,7 @@ class EngineBackend:
         self.pool_blocks = engine.ledger.num_blocks
         self.max_context = engine.max_context
         self.vocab_size = engine.runner.config.vocab_size
+        self.max_num_seqs = engine.scheduler.config.max_running
 
     @property
     def error(self) -> BaseException | None:

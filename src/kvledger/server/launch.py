@@ -44,13 +44,23 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn, plus: the app refuses new generation requests from the first signal on."""
+    """uvicorn, plus: from the first signal on the app refuses new generation requests, and after
+    ``drain_timeout`` seconds it cancels what still runs -- in the engine, so every response then ends
+    normally (finish_reason abort) and uvicorn never has to kill a task."""
 
-    def __init__(self, config: uvicorn.Config, ctx: ServerContext) -> None:
+    def __init__(self, config: uvicorn.Config, ctx: ServerContext, drain_timeout: float) -> None:
         super().__init__(config)
         self.ctx = ctx
+        self.drain_timeout = drain_timeout
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if not self.ctx.draining and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.call_later, self.drain_timeout, self.ctx.cancel_all)
         self.ctx.draining = True
         super().handle_exit(sig, frame)
 
@@ -60,29 +70,32 @@ def serve(app: FastAPI, sock: socket.socket, *, drain_timeout: float = 30.0, log
     """Serve until a signal; then drain, audit and return the shutdown report."""
     ctx: ServerContext = app.state.kvledger
     say = echo or (lambda line: print(line, file=sys.stderr, flush=True))
-    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=max(0.1, drain_timeout),
+    # uvicorn's own limit is only a backstop: the server cancels in the engine at drain_timeout first.
+    config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=drain_timeout + 30,
                             access_log=log_level in ("info", "debug", "trace"), lifespan="off")
-    server = _Server(config, ctx)
-    # uvicorn re-raises the signal it caught once it is done; these handlers receive it, so the drain
-    # below still runs and the process exits normally.
+    server = _Server(config, ctx, drain_timeout)
+    # uvicorn re-raises the signal it caught once it is done; these handlers receive it (and any further
+    # SIGTERM during the drain, which is bounded anyway), so the drain and the audit always run.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        asyncio.run(server.serve(sockets=[sock]))
+        try:
+            asyncio.run(server.serve(sockets=[sock]))
+        finally:
+            sock.close()
+        say("kvledger serve: stopped accepting; cancelling what did not finish and draining the engine")
+        for run in list(ctx.runs):
+            run.cancel()
+        backend = ctx.backend
+        drained = backend.drain(timeout=max(5.0, drain_timeout))
+        report: dict[str, Any] = {"drained": drained}
+        try:
+            report.update(backend.audit())
+        except Exception as exc:  # noqa: BLE001 -- reported, and the exit code says it
+            report.update(clean=False, error=str(exc))
+        backend.stop()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        sock.close()
-    say("kvledger serve: stopped accepting; cancelling what did not finish and draining the engine")
-    for run in list(ctx.runs):
-        run.cancel()
-    backend = ctx.backend
-    drained = backend.drain(timeout=max(5.0, drain_timeout))
-    report: dict[str, Any] = {"drained": drained}
-    try:
-        report.update(backend.audit())
-    except Exception as exc:  # noqa: BLE001 -- reported, and the exit code says it
-        report.update(clean=False, error=str(exc))
-    backend.stop()
     state = "clean" if report.get("clean") else "NOT clean"
     say(f"kvledger serve: ledger {state} at exit: " + json.dumps(report, sort_keys=True))
     return report

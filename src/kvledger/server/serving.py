@@ -76,6 +76,7 @@ class Run:
         self.metrics = metrics
         self.jobs = jobs
         self.ticket: Ticket | None = None  # the gate's share; set before start()
+        self.waiter: asyncio.Task[Any] | None = None  # the task waiting at the gate, until start()
         self.n = n
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()

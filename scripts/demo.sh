@@ -64,11 +64,18 @@ say "whole request fits in 128 blocks, i.e. with no output allowance at all."
 
 step "5. A real model on a real GPU: kvledger plan --model llama-3.1-8b --gpu h100-80gb ..."
 "$KV" plan --model llama-3.1-8b --gpu h100-80gb --prompt 2048 --max-new 257
-say "The pool is what is left of 0.9 x 80 GiB after weights, the workspace estimate and a 1 GiB"
-say "runtime reserve, rounded down to whole 2 MiB blocks (Llama 3.1 8B has the seed's KV geometry)."
-say "'max concurrent requests' assumes no sharing and the full 257-token reservation for each."
+say "The pool is what vLLM would leave on an H100: 0.9 x the 79.18 GiB the driver reports, less the weights,"
+say "the profile run's peak activation (its sampler warm-up over 1,024 sequences dominates) and non-torch"
+say "memory, rounded down to whole 2 MiB blocks (Llama 3.1 8B has the seed's KV geometry). vLLM logs"
+say "51.38 GiB for this model and GPU; --explain shows each term's formula and source."
+say "'fit at once' assumes no sharing and the full 257-token reservation for each request."
 
 step "6. Real generation: the bundled SmolLM2-135M-Instruct through the ledger and the scheduler"
 say "Shared system prompt, n = 3 sampling, and a pool too small for everyone to grow at once, so the"
 say "scheduler preempts (recompute) and resumes; the first run converts the model once (a minute or two)."
 "$PY" "$(dirname "$0")/demo_runtime.py"
+
+step "7. Try it yourself in the browser: kvledger lab"
+say "The same lab as an interactive page on the real ledger: predict, reveal a block map of the pool,"
+say "change one control, write your admission decision and check yourself. Start it with"
+say "  $KV lab --open        (serves http://127.0.0.1:8765/ until Ctrl-C; --port 0 picks a free port)"

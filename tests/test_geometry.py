@@ -12,8 +12,8 @@ from kvledger.errors import ConfigError
 
 MiB = 2**20
 
-BUNDLED = ["deepseek-v3", "gemma-2-9b", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b", "qwen2.5-7b",
-           "smollm2-135m"]
+BUNDLED = ["deepseek-v3", "gemma-2-27b", "gemma-2-9b", "llama-3.1-70b", "llama-3.1-8b", "mistral-7b",
+           "mixtral-8x7b", "qwen2.5-32b", "qwen2.5-7b", "smollm2-135m"]
 
 
 def seed(**overrides) -> KVSpec:

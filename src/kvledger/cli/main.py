@@ -14,171 +14,104 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..core.geometry import KVSpec
-from ..core.inventory import GPUS, build_inventory
-from ..core.models import list_models, load_model_config, model_source
+from ..core.engines import ENGINES
 from ..errors import ConfigError, KVLedgerError
 from ..lab import LabSpec, run_lab
 from ..scheduler import ADMISSION_POLICIES
-from ..units import format_bytes, parse_bytes
+from .options import TOKENS, UTILIZATION, Int, Size, epilog
+from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec
+
+MAX_LAB_REQUESTS = 100_000
+MAX_LAB_TOKENS = 50_000_000  # requests x (prompt + max_new) x branches the lab may materialise
+MAX_POOL_BLOCKS = 2**22  # the ledger keeps per-block state in Python lists
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+             epilog=epilog("kvledger plan --model llama-3.1-8b --device-memory 79.18GiB",
+                           "kvledger admit --model llama-3.1-8b --pool 512MiB --requests 8 --prompt 2048 "
+                           "--shared-prefix 2048",
+                           "kvledger simulate --workload synthetic --rate 4 --sweep rate=1,2,4,8"))
 @click.version_option(package_name="kvledger")
 def app() -> None:
     """Plan, admit and account for KV-cache memory across concurrent LLM requests."""
 
 
-def geometry_options(fn: Any) -> Any:
-    """The KV geometry flags shared by every command that needs a model."""
-    opts = [
-        click.option("--model", default=None, help="Bundled model name or path to a config.json (or its folder)."),
-        click.option("--layers", type=int, default=None, help="Decoder layers (instead of --model)."),
-        click.option("--kv-heads", type=int, default=None, help="Total KV heads (instead of --model)."),
-        click.option("--head-dim", type=int, default=None, help="Head dimension (instead of --model)."),
-        click.option("--kv-dtype", default=None, help="KV dtype: bf16, fp16, fp32, fp8, int8 [model's dtype]."),
-        click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree."),
-        click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block."),
-    ]
-    for opt in reversed(opts):
-        fn = opt(fn)
-    return fn
-
-
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-
-
-def resolve_spec(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
-                 kv_dtype: str | None, tp: int, block_size: int) -> tuple[KVSpec, dict[str, Any] | None]:
-    explicit = (layers, kv_heads, head_dim)
-    if model is not None:
-        if any(v is not None for v in explicit):
-            raise ConfigError("give either --model or --layers/--kv-heads/--head-dim, not both")
-        cfg = load_model_config(model)
-        return KVSpec.from_hf_config(cfg, kv_dtype=kv_dtype, tp=tp, block_size=block_size, name=model), cfg
-    if any(v is None for v in explicit):
-        raise ConfigError("give --model NAME, or all of --layers, --kv-heads and --head-dim")
-    spec = KVSpec(layers, kv_heads, head_dim, kv_dtype=kv_dtype or "bf16", block_size=block_size, tp=tp)  # type: ignore[arg-type]
-    return spec, None
-
-
-def _reserve_bytes(text: str) -> int:
-    """A reserve may be zero, in any spelling (0, 0B, 0GiB)."""
-    stripped = text.strip().rstrip("bBiIkKmMgGtT").strip()
-    try:
-        if float(stripped) == 0:
-            return 0
-    except ValueError:
-        pass
-    return parse_bytes(text)
 
 
 def _emit_json(data: dict[str, Any]) -> None:
     sys.stdout.write(json.dumps(data, indent=2) + "\n")
 
 
-def _kv_table(spec: KVSpec) -> Table:
-    t = Table(title="KV geometry (per rank)", show_header=False)
-    t.add_row("layers / KV heads / head dim", f"{spec.layers} / {spec.kv_heads} / {spec.head_dim}")
-    t.add_row("attention", spec.attention + (f" (window {spec.sliding_window} on {spec.sliding_layers} layers)"
-                                             if spec.sliding_window else ""))
-    t.add_row("KV dtype", spec.kv_dtype)
-    t.add_row("tensor parallel", f"tp={spec.tp}: {spec.kv_heads_per_rank} KV head(s) per rank, "
-              f"replication x{spec.kv_replication}")
-    t.add_row("KV bytes per token", f"{spec.bytes_per_token:,} ({format_bytes(spec.bytes_per_token)})")
-    t.add_row("block", f"{spec.block_size} tokens = {format_bytes(spec.block_bytes)}")
-    return t
+_kv_table = kv_table  # the name other modules used before plan moved to plan_cmds
 
-
-# ---- plan ------------------------------------------------------------------------------------------
-@app.command()
-@geometry_options
-@click.option("--pool", default=None, help="KV pool size directly, e.g. 512MiB.")
-@click.option("--gpu", default=None, help=f"Named GPU: {', '.join(GPUS)}.")
-@click.option("--device-memory", default=None, help="Device memory, e.g. 80GiB (instead of --gpu).")
-@click.option("--utilization", type=float, default=0.9, show_default=True,
-              help="Fraction of device memory to plan with.")
-@click.option("--reserve", default="1GiB", show_default=True, help="Runtime reserve (CUDA context, libraries).")
-@click.option("--weight-dtype", default=None, help="Weight dtype [model's dtype].")
-@click.option("--prompt", type=int, default=None, help="Prompt tokens of one request.")
-@click.option("--max-new", type=int, default=None, help="Declared output allowance of one request.")
-@json_option
-def plan(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
-         kv_dtype: str | None, tp: int, block_size: int, pool: str | None, gpu: str | None,
-         device_memory: str | None, utilization: float, reserve: str, weight_dtype: str | None,
-         prompt: int | None, max_new: int | None, as_json: bool) -> None:
-    """KV geometry and the memory inventory of one rank; with --prompt/--max-new, requests that fit."""
-    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
-    if pool is None and gpu is None and device_memory is None:
-        raise ConfigError("give --pool BYTES, or --gpu NAME / --device-memory BYTES to size the KV pool")
-    inv = build_inventory(
-        spec, cfg, pool_bytes=parse_bytes(pool) if pool is not None else None, gpu=gpu,
-        device_bytes=parse_bytes(device_memory) if device_memory is not None else None,
-        utilization=utilization, runtime_reserve_bytes=_reserve_bytes(reserve),
-        weight_dtype=weight_dtype,
-    )
-    data: dict[str, Any] = {"model": model, **inv.to_dict(), "block_size": spec.block_size,
-                            "kv_dtype": spec.kv_dtype, "tp": spec.tp, "attention": spec.attention}
-    if (prompt is None) != (max_new is None):
-        raise ConfigError("give both --prompt and --max-new for a request shape")
-    if prompt is not None and max_new is not None:
-        data["prompt"], data["max_new"] = prompt, max_new
-        data["blocks_per_request"] = inv.blocks_per_request(prompt, max_new)
-        data["max_concurrent_requests"] = inv.max_concurrent_requests(prompt, max_new)
-        if spec.sliding_window:
-            data["kv_bytes_per_request_windowed"] = spec.kv_bytes_for_sequence(prompt + max_new)
-    if as_json:
-        _emit_json(data)
-        return
-    con = Console()
-    con.print(_kv_table(spec))
-    t = Table(title="Memory inventory (per rank)", show_header=False)
-    if inv.device_bytes:
-        t.add_row("device", format_bytes(inv.device_bytes))
-        t.add_row("budget", f"{format_bytes(inv.budget_bytes)} (utilization {utilization:g})")
-    if cfg is not None:
-        t.add_row("parameters", f"{inv.parameters:,} ({inv.parameters / 1e9:.2f} B)")
-        t.add_row("weights on this rank", format_bytes(inv.weights_bytes_per_rank))
-        t.add_row("activation/workspace peak", format_bytes(inv.workspace_bytes))
-        t.add_row("runtime reserve", format_bytes(inv.reserve_bytes))
-    t.add_row("KV pool", f"{format_bytes(inv.pool_bytes)} = {inv.pool_blocks:,} blocks")
-    if "blocks_per_request" in data:
-        t.add_row("blocks per request", f"{data['blocks_per_request']} (ceil(({prompt} + {max_new}) / "
-                  f"{spec.block_size}); the tail block is charged whole)")
-        t.add_row("max concurrent requests", f"{data['max_concurrent_requests']} (no prefix sharing)")
-    con.print(t)
-    if model in list_models():
-        con.print(f"[dim]config source: {model_source(model)}[/dim]")
+app.add_command(plan_cmd)
 
 
 # ---- admit -----------------------------------------------------------------------------------------
-@app.command()
+@app.command(epilog=epilog(
+    "kvledger admit --layers 32 --kv-heads 8 --head-dim 128 --pool 512MiB --requests 8 --prompt 2048 "
+    "--shared-prefix 2048 --max-new 257",
+    "kvledger admit --model llama-3.1-8b --gpu l4 --requests 64 --prompt 1024 --max-new 256 --groups 4",
+    "kvledger admit --model qwen2.5-7b --gpu h100-80gb --requests-file requests.jsonl",
+))
 @geometry_options
-@click.option("--pool", required=True, help="KV pool size, e.g. 512MiB.")
-@click.option("--requests", type=int, default=8, show_default=True, help="Requests arriving together.")
-@click.option("--prompt", type=int, default=2048, show_default=True, help="Prompt tokens per request.")
-@click.option("--shared-prefix", type=int, default=0, show_default=True,
+@click.option("--pool", type=Size(), default=None, help="KV pool size, e.g. 512MiB (or size it with --gpu).")
+@click.option("--gpu", default=None, help="Catalogue GPU whose KV pool (as `kvledger plan` sizes it) is used.")
+@click.option("--device-memory", type=Size(), default=None, help="Device memory as the driver reports it.")
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
+              help="Whose memory accounting sizes the pool with --gpu/--device-memory.")
+@click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
+              help="Fraction of device memory the engine may use.")
+@click.option("--weight-dtype", default=None, help="Weight format for the pool's sizing [the checkpoint's].")
+@click.option("--requests", type=Int(1, MAX_LAB_REQUESTS), default=8, show_default=True,
+              help="Requests arriving together.")
+@click.option("--prompt", type=Int(1, 10**7), default=2048, show_default=True, help="Prompt tokens per request.")
+@click.option("--shared-prefix", type=TOKENS, default=0, show_default=True,
               help="Leading prompt tokens common to the requests of one trust group.")
-@click.option("--max-new", type=int, default=257, show_default=True, help="Declared output allowance.")
-@click.option("--groups", type=int, default=1, show_default=True, help="Trust groups the requests are spread over.")
+@click.option("--max-new", type=Int(0, 10**7), default=257, show_default=True, help="Declared output allowance.")
+@click.option("--groups", type=Int(1, MAX_LAB_REQUESTS), default=1, show_default=True,
+              help="Trust groups the requests are spread over.")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Share identical prefixes within a trust group.")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy: what is reserved at admission.")
-@click.option("--branches", type=int, default=1, show_default=True,
+@click.option("--branches", type=Int(1, 1024), default=1, show_default=True,
               help="Parallel samples per request (n-way sampling); each extra branch reserves its own output.")
+@click.option("--requests-file", default=None,
+              help="JSONL or CSV of requests with mixed lengths and groups (fields: prompt, max_new, group, prefix, "
+                   "prefix_len, id, branches), admitted in order instead of --requests.")
 @json_option
 def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
-          kv_dtype: str | None, tp: int, block_size: int, pool: str, requests: int, prompt: int,
-          shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, policy: str, branches: int,
-          as_json: bool) -> None:
-    """Admit N requests into one pool with full output reservation, through the real ledger."""
-    spec, _ = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
-    pool_bytes = parse_bytes(pool)
-    result = run_lab(LabSpec(spec.pool_blocks(pool_bytes), spec.block_size, requests, prompt, shared_prefix,
+          kv_dtype: str | None, tp: int, block_size: int, pool: int | None, gpu: str | None,
+          device_memory: int | None, engine: str, utilization: float, weight_dtype: str | None, requests: int,
+          prompt: int, shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, policy: str, branches: int,
+          requests_file: str | None, as_json: bool) -> None:
+    """Admit requests into one pool through the real ledger: the seed's lab, or a requests file."""
+    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
+    if sum(x is not None for x in (pool, gpu, device_memory)) != 1:
+        raise ConfigError("give one of --pool, --gpu and --device-memory to size the pool")
+    if pool is not None:
+        pool_blocks, pool_bytes, sized = spec.pool_blocks(pool), pool, None
+    else:
+        from ..core.inventory import build_inventory
+
+        inv = build_inventory(spec, cfg, gpu=gpu, device_bytes=device_memory, utilization=utilization,
+                              weight_dtype=weight_dtype, engine=engine, model_name=model)
+        pool_blocks, pool_bytes, sized = inv.pool_blocks, inv.pool_bytes, f"kvledger plan ({engine} engine)"
+    if pool_blocks > MAX_POOL_BLOCKS:
+        raise ConfigError(f"the pool would have {pool_blocks:,} blocks; the lab allocates at most {MAX_POOL_BLOCKS:,} "
+                          "(use a larger --block-size or a smaller pool)")
+    if requests_file is not None:
+        _admit_file(spec, requests_file, pool_blocks, pool_bytes, sized, prefix_cache, model, as_json)
+        return
+    if requests * (prompt + max_new) * branches > MAX_LAB_TOKENS:
+        raise ConfigError(f"{requests:,} requests of {prompt + max_new:,} tokens x {branches} branches is more than "
+                          f"the lab materialises ({MAX_LAB_TOKENS:,} tokens); use fewer or shorter requests")
+    result = run_lab(LabSpec(pool_blocks, spec.block_size, requests, prompt, shared_prefix,
                              max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
-            "pool_bytes": pool_bytes, **result}
+            "pool_bytes": pool_bytes, **({"pool_sized_by": sized} if sized else {}), **result}
     if as_json:
         _emit_json(data)
         return
@@ -219,45 +152,93 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
+def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: str | None, prefix_cache: bool,
+                model: str | None, as_json: bool) -> None:
+    from .admit_file import admit_requests, load_requests_file
+
+    rows = load_requests_file(path)
+    result = admit_requests(rows, pool_blocks, spec.block_size, prefix_caching=prefix_cache, model=model or "file")
+    data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes, "pool_bytes": pool_bytes,
+            "pool_sized_by": sized or "--pool", "requests_file": path, **result}
+    if as_json:
+        _emit_json(data)
+        return
+    con = Console()
+    con.print(_kv_table(spec))
+    t = Table(title=f"Admission (full reservation) of {path}: {data['requests']} requests, {data['groups']} "
+                    f"trust group(s), pool {pool_blocks:,} blocks")
+    for col in ("request", "group", "prompt", "max new", "outcome", "shared", "new", "promised"):
+        t.add_column(col, justify="left" if col in ("request", "group", "outcome") else "right")
+    for d in data["decisions"][:200]:
+        style = {"admitted": "green", "not_now": "yellow", "never": "red"}[d["outcome"]]
+        t.add_row(d["request"], d["group"], f"{d['prompt']:,}", f"{d['max_new']:,}",
+                  f"[{style}]{d['outcome']}[/{style}]", str(d["blocks_shared"]), str(d["blocks_new"]),
+                  str(d["blocks_promised"]))
+    con.print(t)
+    if len(data["decisions"]) > 200:
+        con.print(f"[dim]... {len(data['decisions']) - 200} more (use --json for all)[/dim]")
+    u = data["usage"]
+    con.print(f"outcomes: {', '.join(f'{k} {v}' for k, v in data['outcomes'].items())}; admitted blocks "
+              f"{data['admitted_blocks']:,} ({u['active']:,} live + {u['promised']:,} promised); "
+              f"{data['free_blocks_after']:,} left to promise.")
+    for d in data["decisions"]:
+        if d["outcome"] != "admitted":
+            con.print(f"[bold]{d['outcome']}[/bold] e.g. {d['request']}: {d['reason']}")
+            break
+
+
 # ---- catalogues ------------------------------------------------------------------------------------
-@app.command("models")
+@app.command("models", epilog=epilog("kvledger models", "kvledger models --json"))
 @json_option
 def models_cmd(as_json: bool) -> None:
-    """Bundled model configs and where they come from."""
-    rows = {name: model_source(name) for name in list_models()}
+    """Bundled model configs, their parameter counts and where they come from."""
+    from ..core.models import list_models, load_model_config, model_source
+    from ..core.params import count_parameters
+
+    rows = {}
+    for name in list_models():
+        count = count_parameters(load_model_config(name))
+        rows[name] = {"source": model_source(name), "parameters": count.total, "active_parameters": count.active}
     if as_json:
         _emit_json(rows)
         return
-    t = Table("model", "source")
-    for name, src in rows.items():
-        t.add_row(name, src)
+    t = Table("model", "parameters", "active", "source")
+    for name, row in rows.items():
+        t.add_row(name, f"{row['parameters'] / 1e9:.2f} B", f"{row['active_parameters'] / 1e9:.2f} B", row["source"])
     Console().print(t)
 
 
-@app.command("gpus")
+@app.command("gpus", epilog=epilog("kvledger gpus", "kvledger gpus --json"))
 @json_option
 def gpus_cmd(as_json: bool) -> None:
-    """Named GPUs and their datasheet figures."""
-    rows = {g.name: {"memory_bytes": g.memory_bytes, "hbm_bandwidth_Bps": g.hbm_bandwidth_Bps,
-                     "bf16_dense_flops": g.bf16_dense_flops, "host_link_Bps": g.host_link_Bps,
-                     "source": g.source} for g in GPUS.values()}
+    """Catalogue GPUs: memory as the driver reports it beside the datasheet, bandwidth and FLOP/s, sources."""
+    from ..core.gpus import GPUS
+    from ..units import format_gib
+
+    rows = {g.name: g.to_dict() for g in GPUS.values()}
     if as_json:
         _emit_json(rows)
         return
-    t = Table("gpu", "memory", "HBM B/s", "bf16 FLOP/s", "host link B/s")
+    t = Table("gpu", "driver reports", "datasheet", "nvidia-smi", "HBM B/s", "bf16 FLOP/s", "host link B/s")
     for name, g in rows.items():
-        t.add_row(name, format_bytes(g["memory_bytes"]), f"{g['hbm_bandwidth_Bps']:.3g}",
-                  f"{g['bf16_dense_flops']:.3g}", f"{g['host_link_Bps']:.3g}")
-    Console().print(t)
+        t.add_row(name, format_gib(g["memory_bytes"]), g["datasheet_memory"], f"{g['nvidia_smi_total_mib']:,} MiB",
+                  f"{g['hbm_bandwidth_Bps']:.3g}", f"{g['bf16_dense_flops']:.3g}", f"{g['host_link_Bps']:.3g}")
+    con = Console()
+    con.print(t)
+    for name, g in rows.items():
+        con.print(f"[dim]{name}: driver figure from {g['driver_source']}; datasheet: {g['source']}[/dim]")
 
 
 # Commands whose heavy imports (torch, matplotlib) happen only when they run; each module keeps its
 # top level light so that `kvledger plan` stays fast.
+from .lab_cmds import lab_cmd  # noqa: E402
 from .runtime_cmds import generate_cmd, serve_trace_cmd  # noqa: E402
-from .sim_cmds import calibrate_cmd, simulate_cmd  # noqa: E402
+from .serve_cmds import bench_group, serve_cmd  # noqa: E402
+from .sim_cmds import calibrate_cmd, compare_cmd, simulate_cmd  # noqa: E402
 
-for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd):
+for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd, compare_cmd, serve_cmd, bench_group):
     app.add_command(_cmd)
+app.add_command(lab_cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -265,19 +246,32 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = app.main(args=argv, prog_name="kvledger", standalone_mode=False)
     except KVLedgerError as exc:
-        print(f"kvledger: error: {exc}", file=sys.stderr)
-        return 2
+        return _fail(str(exc))
     except click.exceptions.Abort:
         print("kvledger: aborted", file=sys.stderr)
         return 130
     except click.exceptions.ClickException as exc:  # bad flags, missing values, wrong types
-        print(f"kvledger: error: {exc.format_message()}", file=sys.stderr)
+        _fail(exc.format_message())
         return exc.exit_code if exc.exit_code else 2
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except BrokenPipeError:  # `kvledger ... | head`
         return 0
+    except RecursionError:  # a structure nested past Python's limit in some input
+        return _fail("input nested too deeply")
+    except MemoryError:
+        return _fail("out of memory; use a smaller input or fewer requests")
+    except OSError as exc:  # a file or folder the command was told to use
+        where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
+        return _fail(f"{exc.strerror or exc}{where}")
     return rc if isinstance(rc, int) else 0
+
+
+def _fail(message: str) -> int:
+    """Print `kvledger: error: <message>` as exactly one line on stderr; exit code 2."""
+    line = " ".join(str(message).split())  # one line, whatever the message held
+    print(f"kvledger: error: {line[:2000]}", file=sys.stderr)
+    return 2
 
 
 def run() -> None:

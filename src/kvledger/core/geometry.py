@@ -279,10 +279,16 @@ def text_config(cfg: Any) -> dict[str, Any]:
     return cfg
 
 
-def config_int(cfg: dict[str, Any], key: str, *, default: Any = _MISSING, minimum: int = 1) -> int:
+CONFIG_INT_MAX = 2**40  # no real config value (widths, vocabulary, context) comes near it
+_KEY_MAX = {"num_hidden_layers": 10_000}  # loops run over layers: keep them short
+
+
+def config_int(cfg: dict[str, Any], key: str, *, default: Any = _MISSING, minimum: int = 1,
+               maximum: int = CONFIG_INT_MAX) -> int:
     """Read an integer key; a missing key falls back to `default` or is an error naming the key.
 
-    A key present with value null counts as missing (HF writes nulls for unset options).
+    A key present with value null counts as missing (HF writes nulls for unset options). Values are
+    bounded to [minimum, maximum], so a hostile config cannot make later arithmetic or loops explode.
     """
     value = cfg.get(key)
     if value is None:
@@ -290,9 +296,12 @@ def config_int(cfg: dict[str, Any], key: str, *, default: Any = _MISSING, minimu
             raise ConfigError(f"model config is missing required key {key!r}")
         return default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"model config key {key!r} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ConfigError(f"model config key {key!r} must be at least {minimum}, got {value}")
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        raise ConfigError(f"model config key {key!r} must be an integer, got {shown}")
+    maximum = min(maximum, _KEY_MAX.get(key, maximum))
+    if not minimum <= value <= maximum:
+        shown = str(value) if value.bit_length() < 64 else f"a {value.bit_length()}-bit integer"
+        raise ConfigError(f"model config key {key!r} must be in [{minimum}, {maximum}], got {shown}")
     return value
 
 

@@ -1,287 +1,65 @@
-"""Per-rank memory inventory: weights, workspace, reserve and the KV block pool left over.
+"""Per-rank memory inventory: what an engine spends before the KV cache, and the block pool that is left.
 
-The question answered here is lesson 01's: on one rank of a tensor-parallel group, how many
-bytes do the weights take, how much transient workspace does a forward step need, and how many
-whole KV blocks fit in what remains?
+On one rank of a tensor-parallel group: how many bytes do the weights take, how much does the
+engine's profile step or workspace peak at, what else does it hold, and how many whole KV blocks fit
+in what remains? `build_inventory` answers for a named engine (`core.engines`): `vllm` reproduces
+vLLM's start-up accounting, `kvledger` our own runtime's (a measured workspace peak where we have one).
+
+Parameter counting and weight formats live in `core.params`, the GPU catalogue in `core.gpus`; both are
+re-exported here for callers of the old names.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..units import format_bytes, parse_bytes
-from .geometry import KVSpec, config_int, default_dtype, dtype_bytes, text_config
+from ..units import format_gib, parse_bytes
+from .engines import (
+    ENGINES,
+    MeasuredPeak,
+    Term,
+    budget_bytes,
+    check_engine,
+    kvledger_terms,
+    vllm_batch_defaults,
+    vllm_terms,
+    workspace_peak_bytes,
+)
+from .geometry import KVSpec, dtype_bytes
+from .gpus import GPU, GPUS, get_gpu
+from .params import (
+    ParamCount,
+    count_parameters,
+    count_parameters_per_rank,
+    default_weight_dtype,
+    get_weight_format,
+    weight_plan,
+    weights_bytes_per_rank,
+)
 
 GiB = 2**30
-
-# ---- parameter counting ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ParamCount:
-    """Parameters by component, for the whole model (`tp == 1`) or for one rank of `tp`."""
-
-    embedding: int
-    lm_head: int  # 0 when tied to the embedding: the same tensor serves both
-    attention: int  # projections and their biases
-    mlp: int  # dense MLPs, experts, shared experts and routers
-    norms: int  # every RMSNorm weight, including the final one
-    tp: int = 1
-
-    @property
-    def total(self) -> int:
-        return self.embedding + self.lm_head + self.attention + self.mlp + self.norms
+DEFAULT_VOCAB = 128256  # Llama 3's vocabulary: the sampler estimate for hand-given geometry without --vocab
+MAX_STEP = 2**24  # bound on max_batched_tokens / max_seqs
 
 
-def _split(n: int, tp: int) -> int:
-    # Column/row-parallel shards; an uneven dimension costs the largest shard (rounded up).
-    return -(-n // tp)
+class DoesNotFit(ConfigError):
+    """The engine's own memory leaves no room for a single KV block; `terms` say where it went."""
 
-
-def _heads_per_rank(heads: int, tp: int) -> int:
-    if heads % tp:
-        raise ConfigError(f"tp={tp} must divide num_attention_heads ({heads})")
-    return heads // tp
-
-
-def _is_mla(cfg: dict[str, Any]) -> bool:
-    return cfg.get("kv_lora_rank") is not None
-
-
-def count_parameters(cfg: dict[str, Any]) -> ParamCount:
-    """Count the parameters of a Llama-family, Qwen2, Mistral, Gemma 2/3 or DeepSeek-V2/V3 config.
-
-    DeepSeek's multi-token-prediction layers (`num_nextn_predict_layers`) are excluded: they only
-    serve speculative decoding and are not loaded for plain serving, which is how the published
-    671B figure for DeepSeek-V3 is counted too.
-    """
-    return count_parameters_per_rank(cfg, 1)
-
-
-def count_parameters_per_rank(cfg: dict[str, Any], tp: int) -> ParamCount:
-    """Parameters one rank holds under tensor parallelism `tp` (tp=1 gives the whole model).
-
-    Split rules, as Megatron-style tensor parallelism lays weights out:
-    - embedding and lm_head are vocab-parallel: each rank holds ceil(vocab / tp) rows;
-    - q/o (and MLA's q_b/kv_b/o) are split by attention heads (column- then row-parallel);
-    - k/v are split by KV heads; when tp > kv_heads every rank holds its one KV head's
-      projection (hidden x head_dim each), i.e. the K/V weights are replicated;
-    - MLP gate/up are column-parallel and down is row-parallel: intermediate / tp each; MoE
-      experts are split the same way inside every expert (no expert parallelism);
-    - low-rank MLA down-projections (q_a, kv_a), routers, norms and row-parallel output biases
-      are small and replicated on every rank.
-    """
-    cfg = text_config(cfg)
-    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
-        raise ConfigError(f"tp must be a positive integer, got {tp!r}")
-    hidden = config_int(cfg, "hidden_size")
-    layers = config_int(cfg, "num_hidden_layers")
-    vocab = config_int(cfg, "vocab_size")
-    model_type = str(cfg.get("model_type") or "")
-    # HF's base default is tied, but most causal-LM configs override it; Gemma keeps it tied.
-    tied = cfg.get("tie_word_embeddings")
-    if tied is None:
-        tied = model_type.startswith("gemma")
-    embedding = _split(vocab, tp) * hidden
-    lm_head = 0 if tied else embedding
-    if _is_mla(cfg):
-        attention, norms, mlp = _deepseek_layers(cfg, tp, hidden, layers)
-    else:
-        attention, norms = _dense_attention(cfg, tp, hidden, model_type)
-        attention, norms = attention * layers, norms * layers
-        mlp = _dense_mlp(cfg, tp, hidden, model_type) * layers
-    return ParamCount(embedding, lm_head, attention, mlp, norms + hidden, tp)  # + final norm
-
-
-def _dense_attention(cfg: dict[str, Any], tp: int, hidden: int, model_type: str) -> tuple[int, int]:
-    """(attention params, norm params) of one Llama-style layer on one rank."""
-    heads = config_int(cfg, "num_attention_heads")
-    kv_heads = config_int(cfg, "num_key_value_heads", default=heads)
-    head_dim = config_int(cfg, "head_dim", default=None) or hidden // heads
-    q_heads = _heads_per_rank(heads, tp)
-    # KVSpec owns the "split, or replicate one head per rank" rule; reuse it.
-    kv_per_rank = KVSpec(layers=1, kv_heads=kv_heads, head_dim=head_dim, tp=tp).kv_heads_per_rank
-    params = 2 * hidden * q_heads * head_dim  # q and o
-    params += 2 * hidden * kv_per_rank * head_dim  # k and v
-    bias = bool(cfg.get("attention_bias"))
-    if bias or model_type.startswith("qwen2"):  # Qwen2 has q/k/v biases without the flag
-        params += (q_heads + 2 * kv_per_rank) * head_dim
-    if bias:
-        params += hidden  # o bias: added after the all-reduce, so replicated
-    norms = (4 if model_type.startswith("gemma") and model_type != "gemma" else 2) * hidden
-    if model_type.startswith(("qwen3", "gemma3")):
-        norms += 2 * head_dim  # per-head q_norm and k_norm
-    return params, norms
-
-
-def _dense_mlp(cfg: dict[str, Any], tp: int, hidden: int, model_type: str) -> int:
-    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
-        if cfg.get(key):
-            raise ConfigError(f"parameter counting for mixture-of-experts model_type {model_type!r} "
-                              f"(key {key!r}) is not supported")
-    inter = _split(config_int(cfg, "intermediate_size"), tp)
-    params = 3 * hidden * inter  # gate, up, down
-    if cfg.get("mlp_bias"):
-        params += 2 * inter + hidden
-    return params
-
-
-def _deepseek_layers(cfg: dict[str, Any], tp: int, hidden: int, layers: int) -> tuple[int, int, int]:
-    """(attention, norms, mlp) over all DeepSeek-V2/V3 decoder layers on one rank."""
-    heads = _heads_per_rank(config_int(cfg, "num_attention_heads"), tp)
-    kv_rank = config_int(cfg, "kv_lora_rank")
-    nope = config_int(cfg, "qk_nope_head_dim")
-    rope = config_int(cfg, "qk_rope_head_dim", minimum=0)
-    v_dim = config_int(cfg, "v_head_dim")
-    q_rank = config_int(cfg, "q_lora_rank", default=0, minimum=0)
-    norms = 2 * hidden + kv_rank  # input/post-attention norms, kv_a_layernorm
-    if q_rank:
-        attn = hidden * q_rank + q_rank * heads * (nope + rope)  # q_a (replicated), q_b
-        norms += q_rank  # q_a_layernorm
-    else:  # DeepSeek-V2-Lite: a plain q projection
-        attn = hidden * heads * (nope + rope)
-    attn += hidden * (kv_rank + rope)  # kv_a: the latent and the shared RoPE key (replicated)
-    attn += kv_rank * heads * (nope + v_dim)  # kv_b: decompresses K(nope) and V per head
-    attn += heads * v_dim * hidden  # o
-    dense = 3 * hidden * _split(config_int(cfg, "intermediate_size"), tp)
-    experts = config_int(cfg, "n_routed_experts", default=0, minimum=0)
-    moe_inter = config_int(cfg, "moe_intermediate_size", default=0, minimum=0)
-    shared = config_int(cfg, "n_shared_experts", default=0, minimum=0)
-    moe = experts * 3 * hidden * _split(moe_inter, tp)
-    moe += 3 * hidden * _split(shared * moe_inter, tp)  # shared experts act as one wide MLP
-    moe += experts * hidden  # router (replicated)
-    if cfg.get("topk_method") == "noaux_tc":
-        moe += experts  # V3's per-expert routing bias
-    first_dense = config_int(cfg, "first_k_dense_replace", default=0, minimum=0)
-    freq = config_int(cfg, "moe_layer_freq", default=1)
-    n_moe = sum(1 for i in range(layers) if experts and i >= first_dense and i % freq == 0)
-    mlp = n_moe * moe + (layers - n_moe) * dense
-    return attn * layers, norms * layers, mlp
-
-
-def default_weight_dtype(cfg: dict[str, Any]) -> str:
-    """The dtype weights are served in: fp8 for fp8-quantised checkpoints (DeepSeek-V3), else
-    the config's dtype (fp32 checkpoints served in bf16, as for the KV cache)."""
-    quant = text_config(cfg).get("quantization_config")
-    if isinstance(quant, dict) and quant.get("quant_method") == "fp8":
-        return "fp8"
-    return default_dtype(text_config(cfg))
-
-
-def weights_bytes_per_rank(cfg: dict[str, Any], tp: int = 1, weight_dtype: str | None = None) -> int:
-    """Bytes of weights on one rank (see `count_parameters_per_rank` for how each part splits).
-
-    One dtype for every tensor: fp8 checkpoints really keep embeddings, norms and block scales
-    in higher precision, which this undercounts by well under 1% for DeepSeek-V3.
-    """
-    size = dtype_bytes(weight_dtype or default_weight_dtype(cfg))
-    return count_parameters_per_rank(cfg, tp).total * size
-
-
-# ---- workspace -------------------------------------------------------------------------------
-
-
-def workspace_peak_bytes(
-    cfg: dict[str, Any], tp: int = 1, max_batched_tokens: int = 8192, max_seqs: int = 256,
-    act_dtype_bytes: int = 2,
-) -> int:
-    """Estimate the largest transient memory of one forward step on one rank.
-
-    With T = max_batched_tokens, H = hidden_size and per-rank widths:
-
-        attention = T * (q + k + v + H)          q/k/v projection outputs plus o_proj's output
-        mlp       = T * (2 * I + H)              gate and up outputs plus down's output
-        peak      = max(attention, mlp) * act_dtype_bytes + max_seqs * ceil(vocab / tp) * 4
-
-    I is intermediate_size / tp (for MoE the routed-plus-shared width a token activates, if
-    larger). Logits are counted in fp32 because samplers upcast them. Logits and layer
-    activations do not coexist, so adding them over-estimates on purpose: an estimate should
-    never over-promise the KV pool. It ignores the allocator's fragmentation and CUDA graphs,
-    which the runtime reserve covers.
-    """
-    for value, what in ((tp, "tp"), (max_batched_tokens, "max_batched_tokens"), (max_seqs, "max_seqs"),
-                        (act_dtype_bytes, "act_dtype_bytes")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-    cfg = text_config(cfg)
-    hidden = config_int(cfg, "hidden_size")
-    heads = _heads_per_rank(config_int(cfg, "num_attention_heads"), tp)
-    if _is_mla(cfg):
-        qk = config_int(cfg, "qk_nope_head_dim") + config_int(cfg, "qk_rope_head_dim", minimum=0)
-        q = k = heads * qk
-        v = heads * config_int(cfg, "v_head_dim")
-    else:
-        spec = KVSpec.from_hf_config(cfg, tp=tp)
-        head_dim = spec.head_dim
-        q = heads * head_dim
-        k = v = spec.kv_heads_per_rank * head_dim
-    inter = config_int(cfg, "intermediate_size")
-    active = config_int(cfg, "num_experts_per_tok", default=0, minimum=0)
-    active += config_int(cfg, "n_shared_experts", default=0, minimum=0)
-    inter = max(inter, active * config_int(cfg, "moe_intermediate_size", default=0, minimum=0))
-    tokens = max_batched_tokens
-    attention = tokens * (q + k + v + hidden)
-    mlp = tokens * (2 * _split(inter, tp) + hidden)
-    logits = max_seqs * _split(config_int(cfg, "vocab_size"), tp) * 4
-    return max(attention, mlp) * act_dtype_bytes + logits
-
-
-# ---- GPU catalogue ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class GPU:
-    """One accelerator's datasheet numbers.
-
-    memory_bytes convention: the datasheet's capacity. NVIDIA's "80GB" A100/H100 and "24GB" L4
-    are power-of-two parts (80 GiB = five 16 GiB HBM stacks), so they are read as GiB; the
-    H200's "141GB" is a decimal figure and is taken literally (141e9). The driver reports a
-    little less than either; pass device_bytes from `nvidia-smi` when that matters.
-    """
-
-    name: str
-    memory_bytes: int
-    hbm_bandwidth_Bps: float  # noqa: N815 -- unit suffix kept readable
-    bf16_dense_flops: float  # dense (no sparsity) bf16 tensor-core peak
-    host_link_Bps: float  # noqa: N815 -- PCIe, one direction
-    source: str
-
-
-GPUS: dict[str, GPU] = {
-    gpu.name: gpu
-    for gpu in (
-        GPU("a100-80gb", 80 * GiB, 2.039e12, 312e12, 32e9,
-            "NVIDIA A100 Tensor Core GPU datasheet (A100 80GB SXM; PCIe Gen4 x16)"),
-        GPU("h100-80gb", 80 * GiB, 3.35e12, 989e12, 64e9,
-            "NVIDIA H100 Tensor Core GPU datasheet (H100 SXM; PCIe Gen5 x16)"),
-        GPU("h200-141gb", 141 * 10**9, 4.8e12, 989e12, 64e9,
-            "NVIDIA H200 Tensor Core GPU datasheet (H200 SXM; PCIe Gen5 x16)"),
-        GPU("l4", 24 * GiB, 300e9, 121e12, 32e9,
-            "NVIDIA L4 Tensor Core GPU datasheet (PCIe Gen4 x16)"),
-    )
-}
-
-
-def get_gpu(name: str) -> GPU:
-    """Look a GPU up by catalogue name (case-insensitive)."""
-    gpu = GPUS.get(str(name).strip().lower())
-    if gpu is None:
-        raise ConfigError(f"unknown GPU {name!r}; known GPUs are: {', '.join(GPUS)}")
-    return gpu
-
-
-# ---- the inventory ---------------------------------------------------------------------------
+    def __init__(self, message: str, terms: Sequence[Term] = ()) -> None:
+        super().__init__(message)
+        self.terms = tuple(terms)
 
 
 @dataclass(frozen=True, slots=True)
 class Inventory:
     """Where one rank's memory goes. All sizes are bytes on one rank.
 
-    budget_bytes is what kvledger may plan with: device_bytes x utilization, or the pool given
-    directly. slack_bytes is the part of the budget left for KV that block rounding wastes.
+    budget_bytes is what the engine plans with: device_bytes x utilization, or the pool given directly.
+    `terms` lists every use of memory the engine subtracts (and the ones that come out of the headroom);
+    slack_bytes is the part of the budget left for KV that block rounding wastes.
     """
 
     spec: KVSpec
@@ -298,12 +76,38 @@ class Inventory:
     kv_heads_per_rank: int
     kv_replication: int
     slack_bytes: int
+    engine: str = "kvledger"
+    utilization: float | None = None
+    non_torch_bytes: int = 0
+    kv_budget_bytes: int = 0  # budget minus every in-budget term: what the engine gives the KV cache
+    workspace_source: str = ""
+    weight_format: str = ""
+    max_batched_tokens: int | None = None
+    max_seqs: int | None = None
+    terms: tuple[Term, ...] = field(default=())
+
+    # -- capacity answers ----------------------------------------------------------------------------
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the pool holds when every block is full (vLLM's 'GPU KV cache size: N tokens')."""
+        return self.pool_blocks * self.spec.block_size
+
+    @property
+    def largest_context(self) -> int:
+        """The longest single sequence (prompt + output) the pool can ever hold."""
+        return self.capacity_tokens
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        """Device memory outside the utilization budget (CUDA graphs and the context come from it)."""
+        return None if self.device_bytes is None else self.device_bytes - self.budget_bytes
 
     def blocks_per_request(self, prompt: int, max_new: int) -> int:
         """Blocks one request needs at its longest (prompt plus every new token), unshared."""
         for value, what in ((prompt, "prompt"), (max_new, "max_new")):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{what} must be a non-negative integer, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 2**40:
+                raise ConfigError(f"{what} must be an integer in [0, 2**40], got {value!r}")
         if prompt + max_new == 0:
             raise ConfigError("a request needs at least one token (prompt + max_new > 0)")
         return self.spec.blocks_for_tokens(prompt + max_new)
@@ -312,20 +116,68 @@ class Inventory:
         """How many such requests fit at once when none shares blocks with another."""
         return self.pool_blocks // self.blocks_per_request(prompt, max_new)
 
-    def to_dict(self) -> dict[str, int | None]:
+    def max_concurrency(self, tokens_per_request: int) -> float:
+        """vLLM's 'Maximum concurrency for N tokens per request': pool blocks / ceil(N / block size)."""
+        return self.pool_blocks / self.blocks_per_request(tokens_per_request, 0)
+
+    def fits(self, prompt: int, max_new: int) -> bool:
+        return self.blocks_per_request(prompt, max_new) <= self.pool_blocks
+
+    def to_dict(self) -> dict[str, Any]:
         keys = ("kv_bytes_per_token", "kv_heads_per_rank", "kv_replication", "block_bytes", "pool_blocks",
                 "pool_bytes", "parameters", "weights_bytes_per_rank", "workspace_bytes", "reserve_bytes",
-                "device_bytes")
-        return {key: getattr(self, key) for key in keys}
+                "device_bytes", "engine", "utilization", "budget_bytes", "non_torch_bytes", "kv_budget_bytes",
+                "workspace_source", "weight_format", "max_batched_tokens", "max_seqs", "capacity_tokens",
+                "largest_context", "headroom_bytes")
+        out: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        out["terms"] = [t.to_dict() for t in self.terms]
+        return out
 
 
-def _size(value: int | str, what: str) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value == 0:
-        return 0  # parse_bytes insists on positive sizes; a zero reserve is legitimate
+def _size(value: int | str, what: str, *, allow_zero: bool = False) -> int:
     try:
-        return parse_bytes(value)
+        return parse_bytes(value, allow_zero=allow_zero)
     except ConfigError as exc:
         raise ConfigError(f"{what}: {exc}") from None
+
+
+def _step(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEP:
+        raise ConfigError(f"{what} must be an integer in [1, {MAX_STEP:,}], got {value!r}")
+    return value
+
+
+def _hand_terms(spec: KVSpec, engine: str, *, params: int | None, weights: int | None, weight_dtype: str | None,
+                workspace: int | None, vocab: int | None, tokens: int, seqs: int, reserve: int) -> list[Term]:
+    """Terms for geometry given by hand (no model config): weights from --params/--weights."""
+    if weights is None:
+        if params is None:
+            raise ConfigError("geometry given by hand needs --params or --weights to plan a GPU's memory "
+                              "(or give --model, or --pool for a pool you already have)")
+        fmt = get_weight_format(weight_dtype or "bf16")
+        weights = -(-params * fmt.bits // 8)
+        how = f"{params:,} parameters x {fmt.bits} bits ({fmt.name})"
+    else:
+        how = "given (--weights)"
+    out = [Term("weights", "weights", weights, how, "given by hand")]
+    if workspace is not None:
+        out.append(Term("workspace", "activation workspace", workspace, "given (--workspace)", "given by hand"))
+    else:
+        v = vocab or DEFAULT_VOCAB
+        n = min(seqs, tokens)
+        per = 38 if engine == "vllm" else 4
+        out.append(Term("workspace", "activation workspace (sampler estimate)", n * v * per,
+                        f"{n:,} sequences x vocab {v:,} x {per} B" + ("" if vocab else " (no --vocab: Llama 3's)"),
+                        "estimate without a model config: the sampler's logits, the largest term for every "
+                        "model measured; give --workspace for the real figure"))
+    if engine == "vllm":
+        from .engines import non_torch_bytes
+
+        out.append(Term("non_torch", "non-torch memory", non_torch_bytes(spec.tp), "by TP degree",
+                        "vLLM measured (see core.engines)"))
+    if reserve:
+        out.append(Term("reserve", "runtime reserve", reserve, "CUDA context, libraries", "--reserve"))
+    return out
 
 
 def build_inventory(
@@ -337,59 +189,118 @@ def build_inventory(
     utilization: float = 0.9,
     pool_bytes: int | str | None = None,
     weight_dtype: str | None = None,
-    runtime_reserve_bytes: int | str = GiB,
-    max_batched_tokens: int = 8192,
-    max_seqs: int = 256,
+    runtime_reserve_bytes: int | str | None = None,
+    max_batched_tokens: int | None = None,
+    max_seqs: int | None = None,
+    engine: str = "kvledger",
+    model_name: str | None = None,
+    params: int | None = None,
+    weights_bytes: int | None = None,
+    workspace_bytes: int | None = None,
+    vocab: int | None = None,
+    peaks: Sequence[MeasuredPeak] | None = None,
 ) -> Inventory:
     """Account for one rank's memory and size the KV block pool.
 
-    With `pool_bytes` the pool is that size rounded down to whole blocks (weights and workspace
-    are still reported when `cfg` is given). Otherwise the pool is
-    `device x utilization - weights - workspace - reserve`, rounded down to whole blocks, with
-    the device given as `device_bytes` or a catalogue `gpu` name.
+    With `pool_bytes` the pool is that size rounded down to whole blocks (weights are still reported
+    when `cfg` is given). Otherwise the pool is `device x utilization - (every in-budget term of the
+    engine)`, rounded down to whole blocks, with the device given as `device_bytes` or a catalogue `gpu`
+    (its driver-reported total). `engine` is `vllm` or `kvledger` (see `core.engines`); the step shape
+    defaults to the engine's (vLLM's per GPU class; 8192 tokens / 256 sequences for kvledger) and the
+    reserve to 1 GiB for kvledger, 0 for vLLM (whose non-torch term stands in for it).
     """
-    if isinstance(utilization, bool) or not isinstance(utilization, int | float) \
-            or not 0 < utilization <= 1:
+    check_engine(engine)
+    if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
         raise ConfigError(f"utilization must be in (0, 1], got {utilization!r}")
     if device_bytes is not None and gpu is not None:
         raise ConfigError("give either device_bytes or gpu, not both")
-    device = get_gpu(gpu).memory_bytes if gpu is not None else (
+    gpu_obj: GPU | None = get_gpu(gpu) if gpu is not None else None
+    device = gpu_obj.memory_bytes if gpu_obj else (
         _size(device_bytes, "device_bytes") if device_bytes is not None else None)
-    reserve = _size(runtime_reserve_bytes, "runtime_reserve_bytes")
-    weights = params = workspace = 0
+    if runtime_reserve_bytes is None:
+        reserve = GiB if engine == "kvledger" else 0
+    else:
+        reserve = _size(runtime_reserve_bytes, "runtime_reserve_bytes", allow_zero=True)
+    if engine == "vllm":
+        defaults = vllm_batch_defaults(device, gpu_obj.name if gpu_obj else "")
+        reason = defaults.reason if (max_batched_tokens is None and max_seqs is None) else "given"
+        tokens = _step(defaults.max_num_batched_tokens if max_batched_tokens is None else max_batched_tokens,
+                       "max_batched_tokens")
+        seqs = _step(defaults.max_num_seqs if max_seqs is None else max_seqs, "max_seqs")
+    else:
+        reason = ""
+        tokens = _step(8192 if max_batched_tokens is None else max_batched_tokens, "max_batched_tokens")
+        seqs = _step(256 if max_seqs is None else max_seqs, "max_seqs")
+
+    n_params = 0
+    fmt_name = ""
     if cfg is not None:
-        params = count_parameters(cfg).total
-        weights = weights_bytes_per_rank(cfg, spec.tp, weight_dtype)
-        workspace = workspace_peak_bytes(cfg, spec.tp, max_batched_tokens, max_seqs)
+        n_params = count_parameters(cfg).total
+        fmt_name = weight_plan(cfg, weight_dtype).name
+        if engine == "vllm":
+            terms = vllm_terms(cfg, spec, tp=spec.tp, weight_dtype=weight_dtype, max_num_batched_tokens=tokens,
+                               max_num_seqs=seqs, batch_reason=reason)
+            if reserve:
+                terms.append(Term("reserve", "extra reserve", reserve, "given (--reserve)", "--reserve"))
+        else:
+            terms = kvledger_terms(cfg, tp=spec.tp, model=model_name, weight_dtype=weight_dtype,
+                                   max_batched_tokens=tokens, max_seqs=seqs, reserve_bytes=reserve, peaks=peaks)
+        if workspace_bytes is not None:
+            terms = [t for t in terms if t.key not in ("workspace", "activation")]
+            terms.insert(1, Term("workspace", "activation workspace", workspace_bytes, "given (--workspace)",
+                                 "given by hand"))
+    elif device is not None and pool_bytes is None:
+        terms = _hand_terms(spec, engine, params=params, weights=weights_bytes, weight_dtype=weight_dtype,
+                            workspace=workspace_bytes, vocab=vocab, tokens=tokens, seqs=seqs, reserve=reserve)
+        n_params = params or 0
+        fmt_name = (weight_dtype or "bf16") if weights_bytes is None else "given"
+    else:
+        terms = []
+        if weights_bytes is not None or params is not None:
+            w = weights_bytes if weights_bytes is not None else params * dtype_bytes(weight_dtype or "bf16")
+            terms = [Term("weights", "weights", w, "given by hand", "given by hand")]
+            n_params = params or 0
+    by_key = {t.key: t.bytes for t in terms}
+    weights = by_key.get("weights", 0)
+    workspace = by_key.get("activation", by_key.get("workspace", 0))
+    non_torch = by_key.get("non_torch", 0)
+    source = next((t.source for t in terms if t.key in ("activation", "workspace")), "")
 
     if pool_bytes is not None:
         budget = _size(pool_bytes, "pool_bytes")
         available = budget
         reserve = 0  # the pool was given directly: nothing is subtracted from it
+        kv_budget = budget
     elif device is None:
         raise ConfigError("give device_bytes, gpu or pool_bytes to size the KV pool")
     else:
-        budget = math.floor(device * utilization)
-        available = budget - weights - workspace - reserve
-        if available <= 0:
-            raise ConfigError(
-                f"model does not fit: budget {format_bytes(budget)} ({utilization:g} of "
-                f"{format_bytes(device)}) - weights {format_bytes(weights)} - workspace "
-                f"{format_bytes(workspace)} - reserve {format_bytes(reserve)} = {format_bytes(available)}"
-            )
+        budget = budget_bytes(device, utilization)
+        spent = sum(t.bytes for t in terms if t.in_budget)
+        available = kv_budget = budget - spent
+        if available < spec.block_bytes:
+            parts = " - ".join(f"{t.label} {format_gib(t.bytes)}" for t in terms if t.in_budget)
+            raise DoesNotFit(
+                f"model does not fit: {utilization:g} x {format_gib(device)} = {format_gib(budget)} - {parts} "
+                f"= {format_gib(available)} for the KV cache" + ("" if available <= 0 else
+                                                               f", less than one {format_gib(spec.block_bytes)} "
+                                                               "block"), terms)
     blocks = spec.pool_blocks(available)
     pool = blocks * spec.block_bytes
     return Inventory(
         spec=spec, device_bytes=device, budget_bytes=budget, weights_bytes_per_rank=weights,
-        parameters=params, workspace_bytes=workspace, reserve_bytes=reserve, pool_bytes=pool,
-        pool_blocks=blocks, block_bytes=spec.block_bytes, kv_bytes_per_token=spec.bytes_per_token,
-        kv_heads_per_rank=spec.kv_heads_per_rank, kv_replication=spec.kv_replication,
-        slack_bytes=available - pool,
+        parameters=n_params, workspace_bytes=workspace, reserve_bytes=by_key.get("reserve", 0) if pool_bytes is None
+        else 0, pool_bytes=pool, pool_blocks=blocks, block_bytes=spec.block_bytes,
+        kv_bytes_per_token=spec.bytes_per_token, kv_heads_per_rank=spec.kv_heads_per_rank,
+        kv_replication=spec.kv_replication, slack_bytes=available - pool, engine=engine,
+        utilization=None if pool_bytes is not None else float(utilization), non_torch_bytes=non_torch,
+        kv_budget_bytes=kv_budget, workspace_source=source, weight_format=fmt_name,
+        max_batched_tokens=tokens if device is not None or cfg is not None else None,
+        max_seqs=seqs if device is not None or cfg is not None else None, terms=tuple(terms),
     )
 
 
 __all__ = [
-    "GPU", "GPUS", "Inventory", "ParamCount", "build_inventory", "count_parameters",
-    "count_parameters_per_rank", "default_weight_dtype", "get_gpu", "weights_bytes_per_rank",
+    "DEFAULT_VOCAB", "ENGINES", "GPU", "GPUS", "DoesNotFit", "Inventory", "ParamCount", "build_inventory",
+    "count_parameters", "count_parameters_per_rank", "default_weight_dtype", "get_gpu", "weights_bytes_per_rank",
     "workspace_peak_bytes",
 ]

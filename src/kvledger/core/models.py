@@ -16,6 +16,7 @@ from typing import Any
 from ..errors import ConfigError
 
 _SUFFIX = ".json"
+MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is a few KiB; anything this large is not one
 
 
 def _models_dir() -> Traversable:
@@ -37,6 +38,10 @@ def _parse(text: str, origin: str) -> dict[str, Any]:
         raise ConfigError(
             f"{origin} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"
         ) from None
+    except RecursionError:
+        raise ConfigError(f"{origin} is nested too deeply to be a model config") from None
+    except ValueError as exc:  # e.g. an integer past Python's 4,300-digit conversion limit
+        raise ConfigError(f"{origin} is not usable JSON: {str(exc)[:100]}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(f"{origin} must hold a JSON object, got a {type(cfg).__name__}")
     return cfg
@@ -58,9 +63,13 @@ def load_model_config(name_or_path: str | Path) -> dict[str, Any]:
         path = path / "config.json"
     if path.is_file():
         try:
+            if path.stat().st_size > MAX_CONFIG_BYTES:
+                raise ConfigError(f"model config {path} is larger than {MAX_CONFIG_BYTES // 2**20} MiB")
             raw = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read model config {path}: {exc}") from None
+        except OSError as exc:
+            raise ConfigError(f"cannot read model config {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"model config {path} is not UTF-8 text") from None
         return _parse(raw, str(path))
     # Something shaped like a path gets a path error; a bare word gets the list of names.
     if path.suffix == _SUFFIX or "/" in text or path.exists():

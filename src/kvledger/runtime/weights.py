@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -52,8 +53,52 @@ class Checkpoint:
 
         out: dict[str, torch.Tensor] = {}
         for f in self.files:
-            out.update(load_file(str(f), device=str(device)))
+            check_safetensors(f)
+            try:
+                out.update(load_file(str(f), device=str(device)))
+            except Exception as e:  # noqa: BLE001 -- safetensors raises its own (Rust) error types
+                raise ConfigError(f"{f} is not a readable safetensors file: {_first_line(e)}") from None
         return out
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__)[:200]
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a file that cannot be a safetensors file before handing it to the loader: an 8-byte header
+    length, then a JSON header of that length inside the file."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= min(size - 8, 100 * 2**20):
+                raise ConfigError(f"{path} is not a safetensors file (truncated or corrupt header)")
+            if fh.read(1) != b"{":
+                raise ConfigError(f"{path} is not a safetensors file (its header is not JSON)")
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+
+
+def check_gguf(path: Path) -> None:
+    """Refuse a file that cannot be a GGUF file: the magic bytes, a known version (1-3) and counts that fit."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as fh:
+            head = fh.read(24)
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    if head[:4] != b"GGUF":
+        raise ConfigError(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+    version = int.from_bytes(head[4:8], "little") if len(head) >= 8 else 0
+    if version not in (1, 2, 3) or len(head) < 24:
+        raise ConfigError(f"{path} is not a usable GGUF file (version {version}, {size} bytes: truncated or corrupt)")
+    tensors, keys = int.from_bytes(head[8:16], "little"), int.from_bytes(head[16:24], "little")
+    if tensors > size or keys > size:
+        raise ConfigError(f"{path} is a corrupt GGUF file (its header counts {tensors} tensors and {keys} keys in "
+                          f"{size} bytes)")
 
 
 def _read_config(folder: Path) -> dict[str, Any]:
@@ -127,20 +172,22 @@ def convert_gguf(gguf: Path, root: Path | None = None) -> Checkpoint:
     target = root / f"{gguf.stem}-{_cache_key(gguf)}"
     if (target / _SOURCE_FILE).is_file():
         return Checkpoint(target, _read_config(target))
+    check_gguf(gguf)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise ConfigError("loading a GGUF file needs the transformers and gguf packages") from None
-    print(f"kvledger: converting {gguf.resolve()} to safetensors in {target} (first load only; "
-          "this can take a minute)", file=sys.stderr)
+    if sys.stderr.isatty():  # progress for a person; a failed conversion is then one error line in logs
+        print(f"kvledger: converting {gguf.resolve()} to safetensors in {target} (first load only; "
+              "this can take a minute)", file=sys.stderr)
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        except (ValueError, KeyError, OSError, ImportError) as e:
-            raise ConfigError(f"transformers cannot load {gguf.name}: {e}") from None
+        except (ValueError, KeyError, OSError, ImportError, EOFError, IndexError, TypeError, struct.error) as e:
+            raise ConfigError(f"transformers cannot load {gguf.name}: {_first_line(e)}") from None
         _save_plain(model, tmp)
         del model
         try:  # the tokenizer is a convenience for callers; the weights do not depend on it

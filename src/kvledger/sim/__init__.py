@@ -16,6 +16,7 @@ from .cost_model import (
     profile_from_gpu,
 )
 from .workloads import (
+    TRACE_FORMATS,
     Choice,
     Fixed,
     Gamma,
@@ -25,18 +26,23 @@ from .workloads import (
     SimRequest,
     Uniform,
     assign_trust_groups,
+    at_rate,
     load_azure,
+    load_kvledger,
     load_lengths,
     load_mooncake,
     load_trace,
+    scale_lengths,
     scale_time,
     slice_requests,
+    sniff_trace_format,
     synthetic,
 )
 
 __all__ = [
-    "Choice", "CostModel", "DeviceProfile", "Fixed", "Gamma", "LogNormal", "Poisson", "Prompt", "SimRequest",
-    "StepBreakdown", "Uniform", "assign_trust_groups", "cpu_profile_path", "get_profile", "list_profiles",
-    "load_azure", "load_cpu_profile", "load_lengths", "load_mooncake", "load_trace", "profile_from_gpu",
-    "scale_time", "slice_requests", "synthetic",
+    "TRACE_FORMATS", "Choice", "CostModel", "DeviceProfile", "Fixed", "Gamma", "LogNormal", "Poisson", "Prompt",
+    "SimRequest",
+    "StepBreakdown", "Uniform", "assign_trust_groups", "at_rate", "cpu_profile_path", "get_profile",
+    "list_profiles", "load_azure", "load_cpu_profile", "load_kvledger", "load_lengths", "load_mooncake", "load_trace",
+    "profile_from_gpu", "scale_lengths", "scale_time", "slice_requests", "sniff_trace_format", "synthetic",
 ]

@@ -119,7 +119,32 @@ def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_li
         rows.append({"shape": m.shape.name, "measured_s": m.seconds, "predicted_s": pred,
                      "error": pred / m.seconds - 1, "flops": f, "bytes": b})
     report = {"rms_log_error": math.sqrt(loss / len(times)), "points": rows}
+    report.update(fit_quality(report))
     return profile, report
 
 
-__all__ = ["CALIBRATION_SHAPES", "Measurement", "Shape", "fit_profile"]
+# A fit is poor when its typical error passes ~22% (rms of log ratios 0.2) or any one shape is off by half.
+POOR_FIT_RMS_LOG = 0.2
+POOR_FIT_MAX_ERROR = 0.5
+
+
+def fit_quality(report: dict[str, Any]) -> dict[str, Any]:
+    """How well a fit explains its measurements: rms error (as a percentage), the worst shape and its error,
+    and `poor` with advice when the error passes POOR_FIT_RMS_LOG or POOR_FIT_MAX_ERROR."""
+    points = report.get("points") or []
+    if not points:
+        raise ConfigError("a fit report needs at least one point")
+    worst = max(points, key=lambda p: abs(p["error"]))
+    rms = float(report["rms_log_error"])
+    poor = rms > POOR_FIT_RMS_LOG or abs(worst["error"]) > POOR_FIT_MAX_ERROR
+    advice = ""
+    if poor:
+        advice = (f"the fit is poor: rms error {100 * (math.exp(rms) - 1):.0f}%, worst {worst['shape']} off by "
+                  f"{100 * worst['error']:+.0f}%; step times on this machine were probably disturbed by other load "
+                  "-- rerun on a quieter machine or with more --repeats before trusting cpu-local timings")
+    return {"rms_error_pct": 100 * (math.exp(rms) - 1), "worst_shape": worst["shape"],
+            "worst_error_pct": 100 * worst["error"], "poor": poor, "advice": advice}
+
+
+__all__ = ["CALIBRATION_SHAPES", "POOR_FIT_MAX_ERROR", "POOR_FIT_RMS_LOG", "Measurement", "Shape", "fit_profile",
+           "fit_quality"]

@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from ..core.geometry import KVSpec, config_int, dtype_bytes, text_config
-from ..core.inventory import GPU, GPUS, count_parameters_per_rank, default_weight_dtype
+from ..core.gpus import GPU, GPUS
 from ..core.models import load_model_config
+from ..core.params import count_parameters_per_rank, default_weight_dtype, weight_plan, weights_bytes_per_rank
 from ..errors import ConfigError
 
 # Defaults for the GPU profiles. These are assumptions, not datasheet numbers: large bf16 GEMMs
@@ -263,15 +264,17 @@ class CostModel:
 
         params = count_parameters_per_rank(cfg, tp)
         self.params = params
-        self.active_mlp_params = params.mlp - _inactive_expert_params(cfg, tp, hidden, layers)
+        # Routed experts a token does not use do no FLOPs (Mixtral, Qwen-MoE, DeepSeek alike).
+        self.active_mlp_params = params.mlp if params.mlp_active is None else params.mlp_active
         # Per-token matmul weights (embedding lookup is not a matmul); lm_head counted per logit row.
         self.linear_params_per_token = params.attention + self.active_mlp_params
         self.lm_head_params = params.embedding  # ceil(vocab / tp) x hidden, tied or not
         self.weight_dtype = weight_dtype or default_weight_dtype(cfg)
-        # Read per step: every layer weight (all experts), norms and the lm_head matrix. The input
-        # embedding is only gathered row by row (negligible), so an untied table is not counted.
-        read_params = params.attention + params.mlp + params.norms + self.lm_head_params
-        self.weight_bytes_per_step = read_params * dtype_bytes(self.weight_dtype)
+        # Read per step: every layer weight (all experts, in their stored format with scales), norms and
+        # the lm_head matrix. The input embedding is only gathered row by row (negligible), so an untied
+        # table is not counted.
+        unread = params.embedding * dtype_bytes(weight_plan(cfg, weight_dtype).base) if params.lm_head else 0
+        self.weight_bytes_per_step = weights_bytes_per_rank(cfg, tp, weight_dtype) - unread
 
         # Attention widths per head: FLOPs per (query token, context token) pair = 2*(qk + v).
         if mla:
@@ -404,25 +407,6 @@ class CostModel:
         """KV bytes of `n_tokens` on one rank as the block pool stores them (every layer, whole blocks);
         what a swap of that sequence moves."""
         return self.spec.pool_bytes_for_sequence(n_tokens)
-
-
-def _inactive_expert_params(cfg: dict[str, Any], tp: int, hidden: int, layers: int) -> int:
-    """Routed-expert parameters on one rank that a token does NOT use (DeepSeek-style MoE).
-
-    Per MoE layer (E - k) experts of 3 x hidden x ceil(moe_intermediate / tp) each are idle; the
-    layers that are MoE follow `first_k_dense_replace` and `moe_layer_freq`, as in the inventory.
-    """
-    experts = config_int(cfg, "n_routed_experts", default=0, minimum=0)
-    if not experts:
-        return 0
-    top_k = config_int(cfg, "num_experts_per_tok")
-    if top_k > experts:
-        raise ConfigError(f"num_experts_per_tok ({top_k}) exceeds n_routed_experts ({experts})")
-    moe_inter = -(-config_int(cfg, "moe_intermediate_size") // tp)
-    first_dense = config_int(cfg, "first_k_dense_replace", default=0, minimum=0)
-    freq = config_int(cfg, "moe_layer_freq", default=1)
-    n_moe = sum(1 for i in range(layers) if i >= first_dense and i % freq == 0)
-    return n_moe * (experts - top_k) * 3 * hidden * moe_inter
 
 
 __all__ = [

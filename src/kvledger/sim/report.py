@@ -1,11 +1,14 @@
-"""Report folders for simulations: JSON metrics, per-request CSV, per-step CSV and PNG plots.
+"""Report folders: the same layout for a simulated run (`simulate`) and a real one (`serve-trace`).
 
-    write_report(result, folder)            one run: metrics.json, requests.csv, steps.csv, *.png
-    write_sweep(runs, folder)               a grid: comparison.csv, comparison.json, sweep_*.png and one
-                                            sub-folder per run
-    write_fragmentation(results, folder)    the lesson-06 study: fragmentation.csv/json and a stacked bar
+    write_report(result, folder)            one simulated run: metrics.json, requests.csv, steps.csv, *.png
+    write_run_report(summary, rows, folder) one real run: metrics.json, requests.csv, latency_cdf.png
+    write_sweep(runs, folder)               a grid: comparison.csv/json, sweep plots and one folder per run
+    write_fragmentation(results, folder)    the fragmentation study: fragmentation.csv/json and a stacked bar
+    compare_reports(a, b)                   headline metrics of two report folders side by side
 
-matplotlib is imported inside the plotting functions (Agg backend, no display needed).
+Latency-throughput answers live here too: `saturation` (is a run overloaded), `curve_row` (one point of
+a throughput-latency curve) and `best_under_slo` (the highest load that meets a TTFT/TPOT target).
+Plots are drawn by `kvledger.sim.plots` (matplotlib, imported only when drawing).
 """
 
 from __future__ import annotations
@@ -19,16 +22,30 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .fragmentation import FIG2_KEYS, PAPER_TOKEN_STATES, FragResult
-from .simulator import BREAKDOWN_KEYS, SimResult, Timeline
+from .fragmentation import FragResult
+from .simulator import SimResult, Timeline, percentile
 
-BREAKDOWN_LABELS = {"tokens": "token states", "slack": "tail slack", "promised": "promised (unmaterialised)",
-                    "deferred": "leased / in transit", "retained": "retained cache", "free": "free"}
-BREAKDOWN_COLORS = {"tokens": "#2b8cbe", "slack": "#a6bddb", "promised": "#fdae6b", "deferred": "#e6550d",
-                    "retained": "#74c476", "free": "#eeeeee"}
+# Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention",
+# SOSP 2023, Figure 2 (arXiv:2309.06180, page 2): average share of KV cache memory, in %, for Orca with
+# three reservation policies and vLLM during the experiment of section 6.2. Read from the figure's bar
+# labels in the paper's text layer; vLLM's bar labels token states only.
+PAPER_FIG2 = {
+    "max": {"token_states": 0.204, "reservation": 0.133, "internal": 0.573, "external": 0.089},
+    "pow2": {"token_states": 0.268, "reservation": 0.179, "internal": 0.136, "external": 0.416},
+    "oracle": {"token_states": 0.382, "reservation": 0.252, "internal": 0.366, "external": 0.0},
+    "paged": {"token_states": 0.963},
+}
+PAPER_FIG2_SOURCE = ("Kwon et al., SOSP 2023 (PagedAttention), Figure 2, arXiv:2309.06180 p. 2: Orca (Max), "
+                     "Orca (Pow2), Orca (Oracle) and vLLM bar labels")
+
 COMPARISON_COLUMNS = ("throughput_tok_s", "throughput_req_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
                       "tpot_p99_s", "e2e_p99_s", "preemptions", "prefix_hit_rate", "token_states", "peak_running",
                       "completed", "requests", "pool_blocks", "wall_s")
+SATURATION_SERVED_RATIO = 0.95  # served below 95% of offered ...
+SATURATION_TTFT_GROWTH = 2.0  # ... while late requests wait over twice as long for a first token as early ones
+REQUEST_COLUMNS = ("request_id", "trust_group", "arrival_s", "prompt_len", "output_len", "n", "admitted_s",
+                   "first_token_s", "finish_s", "generated", "preemptions", "hit_tokens", "finish_reason",
+                   "ttft_s", "tpot_s", "e2e_s")
 
 
 def _folder(path: str | Path) -> Path:
@@ -36,7 +53,7 @@ def _folder(path: str | Path) -> Path:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"cannot create report folder {folder}: {exc}") from None
+        raise ConfigError(f"cannot create report folder {folder}: {exc.strerror or exc}") from None
     return folder
 
 
@@ -46,143 +63,214 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
 def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n", encoding="utf-8")
+    try:
+        path.write_text(json.dumps(_clean(data), indent=2, default=_json_default) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> None:
+    try:
+        with path.open("w", newline="", encoding="utf-8") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(columns), extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
+
+
+# ---- load answers ----------------------------------------------------------------------------------
+
+
+def _stats(values: list[float]) -> dict[str, float | None]:
+    return {"mean": (sum(values) / len(values)) if values else None, "p50": percentile(values, 50),
+            "p90": percentile(values, 90), "p99": percentile(values, 99), "max": max(values) if values else None}
+
+
+def saturation(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Is a run overloaded? From its per-request rows (arrival_s, first_token_s, finish_s, finish_reason).
+
+    offered = (N - 1) / (last arrival - first arrival); served = completed / (last finish - first arrival).
+    Saturated when served < 95% of offered AND the median TTFT of the last quarter of arrivals is more than
+    twice that of the first quarter (a queue that keeps growing), or when requests were left unfinished.
+    """
+    reqs = sorted((r for r in rows if not str(r.get("finish_reason") or "").startswith("never")),
+                  key=lambda r: r["arrival_s"])
+    out: dict[str, Any] = {"offered_req_s": None, "served_req_s": None, "ttft_early_s": None, "ttft_late_s": None,
+                           "saturated": False, "reason": ""}
+    if len(reqs) < 2:
+        return out
+    first, last = reqs[0]["arrival_s"], reqs[-1]["arrival_s"]
+    done = [r for r in reqs if str(r.get("finish_reason")) in ("length", "stop")]
+    finishes = [r["finish_s"] for r in reqs if r.get("finish_s") is not None]
+    offered = (len(reqs) - 1) / (last - first) if last > first else None
+    makespan = (max(finishes) - first) if finishes else None
+    served = len(done) / makespan if makespan else None
+    q = max(1, len(reqs) // 4)
+    early = [r["first_token_s"] - r["arrival_s"] for r in reqs[:q] if r.get("first_token_s") is not None]
+    late = [r["first_token_s"] - r["arrival_s"] for r in reqs[-q:] if r.get("first_token_s") is not None]
+    e50, l50 = percentile(early, 50), percentile(late, 50)
+    out.update(offered_req_s=offered, served_req_s=served, ttft_early_s=e50, ttft_late_s=l50)
+    unfinished = len(reqs) - len(done)
+    if offered and served is not None and served < SATURATION_SERVED_RATIO * offered and e50 is not None \
+            and l50 is not None and l50 > SATURATION_TTFT_GROWTH * e50:
+        out.update(saturated=True, reason=f"served {served:.2f} of {offered:.2f} req/s offered; median TTFT grew "
+                                          f"from {e50 * 1e3:.0f} ms to {l50 * 1e3:.0f} ms")
+    elif unfinished:
+        out.update(saturated=True, reason=f"{unfinished} request(s) did not complete")
+    return out
+
+
+def _rows_of(result: SimResult) -> list[dict[str, Any]]:
+    return [r.to_row() for r in result.requests]
 
 
 def comparison_row(values: dict[str, Any], result: SimResult) -> dict[str, Any]:
-    """The flat row of a sweep table: the swept values, then the headline metrics."""
+    """The flat row of a sweep table: the swept values, the headline metrics and the load answers."""
     s = result.summary()
+    sat = saturation(_rows_of(result))
     return {**{k: values[k] for k in values},
             "throughput_tok_s": s["throughput_tok_s"], "throughput_req_s": s["throughput_req_s"],
-            "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
-            "tpot_p50_s": s["tpot_s"]["p50"], "tpot_p99_s": s["tpot_s"]["p99"], "e2e_p99_s": s["e2e_s"]["p99"],
+            "offered_req_s": sat["offered_req_s"], "served_req_s": sat["served_req_s"],
+            "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"], "ttft_p99_s": s["ttft_s"]["p99"],
+            "tpot_p50_s": s["tpot_s"]["p50"], "tpot_p90_s": s["tpot_s"]["p90"], "tpot_p99_s": s["tpot_s"]["p99"],
+            "e2e_p99_s": s["e2e_s"]["p99"], "saturated": sat["saturated"], "saturation": sat["reason"],
             "preemptions": sum(s["preemptions"].values()), "prefix_hit_rate": s["prefix_hit_rate"],
             "token_states": s["memory_time_avg"]["tokens"], "peak_running": s["peak_running"],
             "completed": s["completed"], "requests": s["requests"], "pool_blocks": s["pool_blocks"],
             "wall_s": s["wall_s"]}
 
 
-# ---- one run ---------------------------------------------------------------------------------------
+def best_under_slo(rows: Sequence[dict[str, Any]], key: str, *, ttft_s: float | None = None,
+                   tpot_s: float | None = None, pct: int = 90) -> dict[str, Any] | None:
+    """The row with the highest `key` value that is not saturated and whose p`pct` TTFT and TPOT meet the
+    targets (seconds); None when no row does."""
+    if pct not in (50, 90, 99):
+        raise ConfigError(f"SLO percentile must be 50, 90 or 99, got {pct!r}")
+
+    def ok(row: dict[str, Any]) -> bool:
+        if row.get("saturated"):
+            return False
+        for target, col in ((ttft_s, f"ttft_p{pct}_s"), (tpot_s, f"tpot_p{pct}_s")):
+            if target is not None and (row.get(col) is None or row[col] > target):
+                return False
+        return True
+
+    good = [r for r in rows if ok(r) and isinstance(r.get(key), int | float)]
+    return max(good, key=lambda r: r[key]) if good else None
 
 
-def write_report(result: SimResult, folder: str | Path, *, plots: bool = True) -> dict[str, Path]:
-    """Write one run's report; returns the files written by name."""
+# ---- one simulated run -----------------------------------------------------------------------------
+
+
+def write_report(result: SimResult, folder: str | Path, *, plots: bool = True,
+                 prefix_bound: dict[str, Any] | None = None) -> dict[str, Path]:
+    """Write one simulated run's report; returns the files written by name."""
     out = _folder(folder)
     files = {"metrics": out / "metrics.json", "requests": out / "requests.csv", "steps": out / "steps.csv"}
     summary = result.summary()
+    rows = _rows_of(result)
+    summary["source"] = "simulator"
+    summary["saturation"] = saturation(rows)
+    summary["prefix_bound"] = prefix_bound
     summary["config"] = result.config.to_dict()
     summary["profile"] = result.deployment.profile.to_dict()
     summary["inventory"] = result.deployment.inventory
     _write_json(files["metrics"], summary)
-    with files["requests"].open("w", newline="", encoding="utf-8") as fh:
-        rows = [r.to_row() for r in result.requests]
-        cols = list(rows[0]) if rows else ["request_id"]
-        w = csv.DictWriter(fh, fieldnames=cols)
-        w.writeheader()
-        w.writerows(rows)
-    with files["steps"].open("w", newline="", encoding="utf-8") as fh:
-        w = csv.writer(fh)
-        w.writerow(Timeline.COLUMNS)
-        w.writerows(result.timeline.rows())
+    _write_csv(files["requests"], rows, list(rows[0]) if rows else list(REQUEST_COLUMNS))
+    try:
+        with files["steps"].open("w", newline="", encoding="utf-8") as fh:
+            w = csv.writer(fh)
+            w.writerow(Timeline.COLUMNS)
+            w.writerows(result.timeline.rows())
+    except OSError as exc:
+        raise ConfigError(f"cannot write {files['steps']}: {exc.strerror or exc}") from None
     if plots:
-        files.update(plot_run(result, out))
+        from .plots import plot_run
+
+        files.update(plot_run(result, out, prefix_bound=prefix_bound))
     return files
 
 
-def _downsample(n: int, limit: int = 4000) -> range:
-    return range(0, n, max(1, n // limit))
+# ---- one real run (serve-trace) ---------------------------------------------------------------------
 
 
-def plot_run(result: SimResult, out: Path) -> dict[str, Path]:
-    import matplotlib
+def run_summary(rows: Sequence[dict[str, Any]], *, wall_s: float, extra: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """The headline metrics of a run from its per-request rows, with the simulator's keys and definitions
+    (TTFT from arrival, TPOT per branch after the first token, linear-interpolated percentiles)."""
+    done = [r for r in rows if r.get("finish_reason") in ("length", "stop")]
+    first = min((r["arrival_s"] for r in rows), default=0.0)
+    last = max((r["finish_s"] for r in rows if r.get("finish_s") is not None), default=first)
+    span = max(last - first, 1e-12)
+    out_tokens = sum(r.get("generated") or 0 for r in rows)
+    reasons: dict[str, int] = {}
+    for r in rows:
+        key = str(r.get("finish_reason") or "unfinished").split(":", 1)[0]
+        reasons[key] = reasons.get(key, 0) + 1
+    prompt = sum(r["prompt_len"] for r in rows)
+    hit = sum(r.get("hit_tokens") or 0 for r in rows)
+    return {
+        "requests": len(rows), "completed": len(done), "finish_reasons": reasons, "duration_s": span,
+        "throughput_tok_s": out_tokens / span, "throughput_req_s": len(done) / span, "output_tokens": out_tokens,
+        "ttft_s": _stats([r["ttft_s"] for r in rows if r.get("ttft_s") is not None]),
+        "tpot_s": _stats([r["tpot_s"] for r in rows if r.get("tpot_s") is not None]),
+        "e2e_s": _stats([r["e2e_s"] for r in done if r.get("e2e_s") is not None]),
+        "prompt_tokens": prompt, "prefix_hit_tokens": hit, "prefix_hit_rate": hit / prompt if prompt else 0.0,
+        "saturation": saturation(rows), "wall_s": wall_s, **(extra or {}),
+    }
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    files: dict[str, Path] = {}
-    tl = result.timeline
-    idx = _downsample(len(tl))
-    t = [tl.t_s[i] for i in idx]
-    title = f"{result.config.model} on {result.deployment.profile.name}, tp={result.config.tp}, " \
-            f"{result.config.policy}, block {result.config.block_size}"
+def write_run_report(summary: dict[str, Any], rows: Sequence[dict[str, Any]], folder: str | Path, *,
+                     plots: bool = True) -> dict[str, Path]:
+    """Write a real run's report in the simulator's layout (metrics.json, requests.csv, latency_cdf.png)."""
+    out = _folder(folder)
+    files = {"metrics": out / "metrics.json", "requests": out / "requests.csv"}
+    _write_json(files["metrics"], summary)
+    _write_csv(files["requests"], rows, REQUEST_COLUMNS)
+    if plots:
+        from .plots import plot_latency_cdf
 
-    # Pool occupancy breakdown (stacked), as fractions of the pool.
-    pool = result.pool_slots
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    if t:
-        stacks = [[getattr(tl, k)[i] / pool for i in idx] for k in BREAKDOWN_KEYS]
-        ax.stackplot(t, *stacks, labels=[BREAKDOWN_LABELS[k] for k in BREAKDOWN_KEYS],
-                     colors=[BREAKDOWN_COLORS[k] for k in BREAKDOWN_KEYS], step="post")
-    ax.set(xlabel="simulated time (s)", ylabel="share of the KV pool", ylim=(0, 1), title=f"Pool occupancy: {title}")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    fig.tight_layout()
-    files["occupancy_png"] = out / "occupancy.png"
-    fig.savefig(files["occupancy_png"], dpi=110)
-    plt.close(fig)
-
-    # Latency CDFs.
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, key, label in ((axes[0], "ttft_s", "TTFT (s)"), (axes[1], "tpot_s", "TPOT (s)")):
-        xs = sorted(v for v in (getattr(r, key) for r in result.requests) if v is not None)
-        if xs:
-            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))])
-            if key == "ttft_s" and xs[-1] > 100 * max(xs[0], 1e-9):
-                ax.set_xscale("log")
-        ax.set(xlabel=label, ylabel="fraction of requests", ylim=(0, 1.01), title=f"{label.split()[0]} CDF")
-        ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    files["latency_png"] = out / "latency_cdf.png"
-    fig.savefig(files["latency_png"], dpi=110)
-    plt.close(fig)
-
-    # Admitted concurrency and the queue over time.
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    if t:
-        ax.step(t, [tl.running[i] for i in idx], where="post", label="running sequences")
-        ax.step(t, [tl.waiting[i] for i in idx], where="post", label="waiting (handed to the scheduler)",
-                alpha=0.6)
-    ax.set(xlabel="simulated time (s)", ylabel="sequences", title=f"Admitted concurrency: {title}")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    files["concurrency_png"] = out / "concurrency.png"
-    fig.savefig(files["concurrency_png"], dpi=110)
-    plt.close(fig)
-
-    # Prefix hit rate over time (per admission-time bucket).
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    admitted = [r for r in result.requests if r.admitted_s is not None]
-    if admitted:
-        end = max(r.admitted_s for r in admitted) or 1.0
-        buckets = 60
-        width = end / buckets if end > 0 else 1.0
-        hit = [0] * (buckets + 1)
-        total = [0] * (buckets + 1)
-        for r in admitted:
-            b = min(int(r.admitted_s / width), buckets)
-            hit[b] += r.hit_tokens
-            total[b] += r.prompt_len
-        xs = [(b + 0.5) * width for b in range(buckets + 1) if total[b]]
-        ys = [hit[b] / total[b] for b in range(buckets + 1) if total[b]]
-        ax.plot(xs, ys, marker=".")
-        cum_h = cum_t = 0
-        cum = []
-        for b in range(buckets + 1):
-            cum_h += hit[b]
-            cum_t += total[b]
-            if total[b]:
-                cum.append(cum_h / cum_t)
-        ax.plot(xs, cum, linestyle="--", label="cumulative")
-        ax.legend(fontsize=8)
-    ax.set(xlabel="simulated time (s)", ylabel="prompt tokens hit", ylim=(0, 1), title=f"Prefix hit rate: {title}")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    files["hit_rate_png"] = out / "hit_rate.png"
-    fig.savefig(files["hit_rate_png"], dpi=110)
-    plt.close(fig)
+        files["latency_png"] = plot_latency_cdf(rows, out, title=str(summary.get("title", "real run")))
     return files
+
+
+def compare_reports(a: str | Path, b: str | Path) -> list[tuple[str, Any, Any]]:
+    """(metric, value in a, value in b) for the headline metrics of two report folders."""
+    data = []
+    for folder in (a, b):
+        path = Path(folder) / "metrics.json"
+        try:
+            raw = path.read_text(encoding="utf-8")
+            if len(raw) > 64 * 2**20:
+                raise ConfigError(f"{path} is larger than 64 MiB")
+            data.append(json.loads(raw))
+        except OSError:
+            raise ConfigError(f"no report at {folder} (metrics.json is missing)") from None
+        except (ValueError, RecursionError):
+            raise ConfigError(f"{path} is not a kvledger report (not valid JSON)") from None
+        if not isinstance(data[-1], dict):
+            raise ConfigError(f"{path} is not a kvledger report")
+    rows: list[tuple[str, Any, Any]] = [("source", data[0].get("source"), data[1].get("source"))]
+    for key in ("requests", "completed", "throughput_tok_s", "throughput_req_s", "prefix_hit_rate"):
+        rows.append((key, data[0].get(key), data[1].get(key)))
+    for key in ("ttft_s", "tpot_s", "e2e_s"):
+        for pct in ("p50", "p90", "p99"):
+            rows.append((f"{key[:-2]}_{pct}_s", (data[0].get(key) or {}).get(pct), (data[1].get(key) or {}).get(pct)))
+    rows.append(("saturated", (data[0].get("saturation") or {}).get("saturated"),
+                 (data[1].get("saturation") or {}).get("saturated")))
+    return rows
 
 
 # ---- sweeps ----------------------------------------------------------------------------------------
@@ -194,44 +282,23 @@ def _slug(values: dict[str, Any]) -> str:
 
 
 def write_sweep(runs: Sequence[tuple[dict[str, Any], SimResult]], folder: str | Path, *,
-                per_run_plots: bool = False) -> dict[str, Path]:
+                per_run_plots: bool = False, slo: dict[str, Any] | None = None,
+                rows: Sequence[dict[str, Any]] | None = None) -> dict[str, Path]:
+    """comparison.csv/json, one sub-folder per run and the sweep plots: line charts of the
+    throughput-latency curve for a numeric sweep key, bars otherwise."""
     out = _folder(folder)
-    rows = [comparison_row(v, r) for v, r in runs]
+    rows = list(rows) if rows is not None else [comparison_row(v, r) for v, r in runs]
     files = {"comparison_csv": out / "comparison.csv", "comparison_json": out / "comparison.json"}
-    with files["comparison_csv"].open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]) if rows else ["empty"])
-        w.writeheader()
-        w.writerows(rows)
-    _write_json(files["comparison_json"], rows)
+    _write_csv(files["comparison_csv"], rows, list(rows[0]) if rows else ["empty"])
+    _write_json(files["comparison_json"], {"rows": rows, "slo": slo})
     for values, result in runs:
         write_report(result, out / _slug(values), plots=per_run_plots)
     if rows:
-        files.update(plot_sweep(rows, [list(v) for v, _ in runs][0], out))
+        from .plots import plot_sweep
+
+        keys = [k for k in runs[0][0]] if runs else []
+        files.update(plot_sweep(rows, keys, out, slo=slo))
     return files
-
-
-def plot_sweep(rows: list[dict[str, Any]], keys: list[str], out: Path) -> dict[str, Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [", ".join(f"{k}={row[k]}" for k in keys) for row in rows]
-    metrics = (("throughput_tok_s", "output tokens / s"), ("ttft_p99_s", "p99 TTFT (s)"),
-               ("tpot_p50_s", "p50 TPOT (s)"), ("preemptions", "preemptions"))
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4 * len(metrics), 0.35 * len(rows) + 2.5))
-    for ax, (key, label) in zip(axes, metrics, strict=True):
-        vals = [row[key] if row[key] is not None else 0 for row in rows]
-        ax.barh(range(len(rows)), vals, color="#2b8cbe")
-        ax.set_yticks(range(len(rows)), labels if ax is axes[0] else [""] * len(rows), fontsize=8)
-        ax.invert_yaxis()
-        ax.set_title(label, fontsize=9)
-        ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    path = out / "sweep.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return {"sweep_png": path}
 
 
 # ---- fragmentation ---------------------------------------------------------------------------------
@@ -241,43 +308,19 @@ def write_fragmentation(results: Sequence[FragResult], folder: str | Path, *, pl
                         ) -> dict[str, Path]:
     out = _folder(folder)
     rows = [r.to_dict() for r in results]
+    for row in rows:  # only the paper's verified figures, for the rows the paper measured
+        paper = PAPER_FIG2.get(row["mode"]) if row["mode"] != "paged" or row["block_size"] == 16 else None
+        row["paper_token_states"] = None if paper is None else paper["token_states"]
     files = {"fragmentation_csv": out / "fragmentation.csv", "fragmentation_json": out / "fragmentation.json"}
-    with files["fragmentation_csv"].open("w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
-    _write_json(files["fragmentation_json"], rows)
+    _write_csv(files["fragmentation_csv"], rows, list(rows[0]) if rows else ["empty"])
+    _write_json(files["fragmentation_json"], {"rows": rows, "paper_source": PAPER_FIG2_SOURCE})
     if plots and rows:
-        import matplotlib
+        from .plots import plot_fragmentation
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        colors = {"token_states": "#2b8cbe", "reservation": "#fdae6b", "internal": "#e6550d",
-                  "external": "#bdbdbd"}
-        names = {"token_states": "token states", "reservation": "reservation",
-                 "internal": "internal fragmentation", "external": "external fragmentation & free"}
-        fig, ax = plt.subplots(figsize=(10, 0.45 * len(rows) + 2))
-        left = [0.0] * len(rows)
-        for key in FIG2_KEYS:
-            vals = [row[key] for row in rows]
-            ax.barh(range(len(rows)), vals, left=left, color=colors[key], label=names[key])
-            left = [a + b for a, b in zip(left, vals, strict=True)]
-        for i, row in enumerate(rows):
-            paper = PAPER_TOKEN_STATES.get(row["mode"])
-            if paper is not None and (row["mode"] != "paged" or row["block_size"] == 16):
-                ax.plot([paper], [i], marker="|", markersize=18, color="black")
-        ax.set_yticks(range(len(rows)), [row["label"] for row in rows], fontsize=8)
-        ax.invert_yaxis()
-        ax.set(xlim=(0, 1), xlabel="share of KV memory (black tick: the paper's token states)",
-               title="Where KV memory goes (cf. PagedAttention, Fig. 2)")
-        ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-        fig.tight_layout()
-        files["fragmentation_png"] = out / "fragmentation.png"
-        fig.savefig(files["fragmentation_png"], dpi=110)
-        plt.close(fig)
+        files["fragmentation_png"] = plot_fragmentation(rows, out)
     return files
 
 
-__all__ = ["BREAKDOWN_LABELS", "COMPARISON_COLUMNS", "comparison_row", "plot_run", "plot_sweep",
-           "write_fragmentation", "write_report", "write_sweep"]
+__all__ = ["COMPARISON_COLUMNS", "PAPER_FIG2", "PAPER_FIG2_SOURCE", "REQUEST_COLUMNS", "best_under_slo",
+           "compare_reports", "comparison_row", "run_summary", "saturation", "write_fragmentation", "write_report",
+           "write_run_report", "write_sweep"]

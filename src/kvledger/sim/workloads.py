@@ -36,6 +36,9 @@ from ..errors import ConfigError
 TOKEN_ID_LIMIT = 2**32  # token ids are hashed as little-endian uint32 by the ledger
 DEFAULT_TRUST_GROUP = "default"  # CacheContext's default trust group
 MOONCAKE_BLOCK_TOKENS = 512
+MAX_LENGTH = 10**8  # the longest prompt or output a trace line may declare
+MAX_TIMESTAMP_MS = 10**13  # ~300 years: any real trace's timestamps in milliseconds
+MAX_TRACE_BYTES = 2**30  # traces larger than 1 GiB are refused before reading
 
 
 def _is_int(value: Any) -> bool:
@@ -462,12 +465,51 @@ def _rng(seed: int, stream: str) -> random.Random:
 
 
 def _open_text(path: Path, binary: bool = False):
-    if not path.is_file():
-        raise ConfigError(f"no trace file at {path}")
     try:
+        if not path.is_file():
+            raise ConfigError(f"no trace file at {path}")
+        if path.stat().st_size > MAX_TRACE_BYTES:
+            raise ConfigError(f"trace {path} is larger than {MAX_TRACE_BYTES // 2**20} MiB")
         return path.open("rb") if binary else path.open(encoding="utf-8", newline="")
     except OSError as exc:
-        raise ConfigError(f"cannot read trace {path}: {exc}") from None
+        raise ConfigError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut to 40 characters (a 5,000-digit number is not a message)."""
+    text = repr(value) if not isinstance(value, int) or isinstance(value, bool) else (
+        str(value) if value.bit_length() < 128 else f"a {value.bit_length()}-bit integer")
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _json_line(loads: Any, line: bytes | str, where: str) -> Any:
+    """One JSON value of a JSONL line; every way it can be malformed is one ConfigError naming the line."""
+    try:
+        return loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); truncated line?") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at column "
+                          f"{exc.start + 1})") from None
+    except RecursionError:
+        raise ConfigError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer longer than Python's 4,300-digit conversion limit
+        raise ConfigError(f"{where}: not usable JSON ({str(exc)[:80]})") from None
+
+
+def _head(path: Path, size: int = 65536) -> str:
+    """The first bytes of a trace as text, for sniffing its format: binary or non-UTF-8 files are refused."""
+    with _open_text(path, binary=True) as fh:
+        raw = fh.read(size)
+    if b"\x00" in raw:
+        raise ConfigError(f"{path} is a binary file, not a trace")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        if exc.start >= len(raw) - 4:  # a multi-byte character cut by the read
+            return raw[: exc.start].decode("utf-8")
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x})") from None
 
 
 def _prefix(path: Path, id_prefix: str | None) -> str:
@@ -500,13 +542,7 @@ def load_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS, *
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            try:
-                rec = loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno}); "
-                                  "truncated line?") from None
-            except UnicodeDecodeError as exc:
-                raise ConfigError(f"{where}: not UTF-8 text ({exc})") from None
+            rec = _json_line(loads, line, where)
             if not isinstance(rec, dict):
                 raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
             try:
@@ -514,12 +550,15 @@ def load_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS, *
                 n_out, ids = rec["output_length"], rec["hash_ids"]
             except KeyError as exc:
                 raise ConfigError(f"{where}: missing key {exc.args[0]!r}") from None
-            if not _is_int(ts) or ts < 0:
-                raise ConfigError(f"{where}: timestamp must be a non-negative integer (ms), got {ts!r}")
-            if not _is_int(n_in) or n_in < 1:
-                raise ConfigError(f"{where}: input_length must be a positive integer, got {n_in!r}")
-            if not _is_int(n_out) or n_out < 0:
-                raise ConfigError(f"{where}: output_length must be a non-negative integer, got {n_out!r}")
+            if not _is_int(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+                raise ConfigError(f"{where}: timestamp must be an integer in [0, {MAX_TIMESTAMP_MS}] (ms), "
+                                  f"got {_short(ts)}")
+            if not _is_int(n_in) or not 1 <= n_in <= MAX_LENGTH:
+                raise ConfigError(f"{where}: input_length must be an integer in [1, {MAX_LENGTH:,}], "
+                                  f"got {_short(n_in)}")
+            if not _is_int(n_out) or not 0 <= n_out <= MAX_LENGTH:
+                raise ConfigError(f"{where}: output_length must be an integer in [0, {MAX_LENGTH:,}], "
+                                  f"got {_short(n_out)}")
             if not isinstance(ids, list):
                 raise ConfigError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
             try:
@@ -563,14 +602,13 @@ def _csv_rows(path: Path, required: Sequence[str]) -> Iterator[tuple[int, tuple[
             yield reader.line_num, pick(row)
 
 
-def _int_field(text: str, column: str, where: tuple[Path, int], minimum: int) -> int:
-    try:
-        value = int(text)  # int() ignores surrounding whitespace
-    except ValueError:
-        raise ConfigError(f"{where[0]}:{where[1]}: column {column} must be an integer, "
-                          f"got {text!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{where[0]}:{where[1]}: column {column} must be >= {minimum}, got {value}")
+def _int_field(text: str, column: str, where: tuple[Path, int], minimum: int, maximum: int = 10**8) -> int:
+    stripped = text.strip()
+    if len(stripped) > 20 or not stripped.lstrip("+-").isdigit():
+        raise ConfigError(f"{where[0]}:{where[1]}: column {column} must be an integer, got {_short(text)}")
+    value = int(stripped)
+    if not minimum <= value <= maximum:
+        raise ConfigError(f"{where[0]}:{where[1]}: column {column} must be in [{minimum}, {maximum:,}], got {value}")
     return value
 
 
@@ -659,22 +697,222 @@ def load_lengths(path: str | Path, *, arrivals: ArrivalProcess | Sequence[float]
     return _by_arrival(out)
 
 
-def load_trace(path: str | Path, **kwargs: Any) -> list[SimRequest]:
-    """Load any of the supported trace formats, chosen by suffix and CSV header.
+# ---- kvledger's own trace schema ----------------------------------------------------------------
 
-    `.jsonl` -> `load_mooncake`; a CSV with a TIMESTAMP column -> `load_azure`; a CSV with
-    num_prefill_tokens -> `load_lengths` (which needs `arrivals=`).
+KVLEDGER_FIELDS = ("arrival_s", "prompt_len", "output_len", "group", "prefix", "prefix_len", "n", "priority")
+KVLEDGER_REQUIRED = KVLEDGER_FIELDS[:3]
+_PREFIX_SPAN = 2**22  # token ids reserved per named prefix (the longest shared prefix)
+
+
+def _kvledger_request(rec: dict[str, Any], where: str, index: int, prefix_ids: dict[str, int], next_id: int,
+                      id_prefix: str) -> tuple[SimRequest, int]:
+    unknown = sorted(set(rec) - set(KVLEDGER_FIELDS) - {"id"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)[:80]} (accepted: "
+                          f"{', '.join(KVLEDGER_FIELDS)}, id)")
+    missing = [k for k in KVLEDGER_REQUIRED if rec.get(k) in (None, "")]
+    if missing:
+        raise ConfigError(f"{where}: missing {', '.join(missing)} (required: {', '.join(KVLEDGER_REQUIRED)})")
+
+    def num(key: str, lo: int, hi: int, default: int | None = None) -> int:
+        value = rec.get(key, default)
+        if value in (None, ""):
+            value = default
+        if isinstance(value, str):
+            text = value.strip()
+            if len(text) > 20 or not text.lstrip("+-").isdigit():
+                raise ConfigError(f"{where}: {key} must be an integer in [{lo}, {hi:,}], got {_short(value)}")
+            value = int(text)
+        if not _is_int(value) or not lo <= value <= hi:
+            raise ConfigError(f"{where}: {key} must be an integer in [{lo}, {hi:,}], got {_short(value)}")
+        return value
+
+    raw = rec["arrival_s"]
+    try:
+        arrival = float(raw) if isinstance(raw, int | float | str) and not isinstance(raw, bool) \
+            and len(str(raw)) <= 32 else math.nan
+    except ValueError:
+        arrival = math.nan
+    if not (math.isfinite(arrival) and 0 <= arrival <= 1e10):
+        raise ConfigError(f"{where}: arrival_s must be a number of seconds in [0, 1e10], got {_short(raw)}")
+    prompt_len = num("prompt_len", 1, MAX_LENGTH)
+    output_len = num("output_len", 0, MAX_LENGTH)
+    prefix_len = num("prefix_len", 0, _PREFIX_SPAN, 0)
+    prefix = rec.get("prefix")
+    group = rec.get("group") or DEFAULT_TRUST_GROUP
+    for key, value in (("prefix", prefix), ("group", group), ("id", rec.get("id"))):
+        if value is not None and (not isinstance(value, str) or len(value) > 128):
+            raise ConfigError(f"{where}: {key} must be a string of at most 128 characters")
+    if prefix_len and not prefix:
+        raise ConfigError(f"{where}: prefix_len without a prefix name")
+    if prefix_len > prompt_len:
+        raise ConfigError(f"{where}: prefix_len ({prefix_len}) exceeds prompt_len ({prompt_len})")
+    runs: list[tuple[int, int]] = []
+    if prefix and prefix_len:
+        if prefix not in prefix_ids and len(prefix_ids) >= 512:
+            raise ConfigError(f"{where}: more than 512 named prefixes")
+        runs.append((prefix_ids.setdefault(prefix, len(prefix_ids)) * _PREFIX_SPAN, prefix_len))
+    own = prompt_len - prefix_len
+    if own:
+        _check_token_space(next_id + own, Path(where.split(":")[0]))
+        runs.append((next_id, own))
+        next_id += own
+    rid = rec.get("id") or f"{id_prefix}{index}"
+    req = SimRequest(str(rid), arrival, Prompt(runs), output_len, str(group), num("n", 1, 1024, 1),
+                     num("priority", -10**6, 10**6, 0))
+    return req, next_id
+
+
+def load_kvledger(path: str | Path, *, id_prefix: str | None = None) -> list[SimRequest]:
+    """Load a trace in kvledger's own schema, JSON Lines (`.jsonl`) or CSV with a header.
+
+    Fields (one request per line): `arrival_s` (seconds from the trace start), `prompt_len`, `output_len`
+    (required); `group` (trust group), `prefix` and `prefix_len` (the first `prefix_len` prompt tokens are
+    shared with every request naming the same prefix), `n` (parallel samples), `priority`, `id`.
     """
     path = Path(path)
+    prefix = _prefix(path, id_prefix)
+    prefix_ids: dict[str, int] = {}
+    next_id = 512 * _PREFIX_SPAN  # private tokens above every named prefix's range
+    out: list[SimRequest] = []
     if path.suffix == ".jsonl":
-        return load_mooncake(path, **kwargs)
-    with _open_text(path) as fh:
-        header = fh.readline()
-    if header.startswith("TIMESTAMP"):
-        return load_azure(path, **kwargs)
-    if header.startswith("num_prefill_tokens"):
-        return load_lengths(path, **kwargs)
-    raise ConfigError(f"{path}: unknown trace format (header {header.strip()[:80]!r})")
+        loads = json.loads
+        with _open_text(path, binary=True) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{lineno}"
+                rec = _json_line(loads, line, where)
+                if not isinstance(rec, dict):
+                    raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+                req, next_id = _kvledger_request(rec, where, len(out), prefix_ids, next_id, prefix)
+                out.append(req)
+    else:
+        with _open_text(path) as fh:
+            reader = csv.DictReader(fh)
+            try:
+                header = [h.strip() for h in (reader.fieldnames or [])]
+                bad = [h for h in header if h not in KVLEDGER_FIELDS and h != "id"]
+                if bad or not set(KVLEDGER_REQUIRED) <= set(header):
+                    raise ConfigError(f"{path}:1: header {','.join(header)[:80]} is not kvledger's schema "
+                                      f"(columns: {', '.join(KVLEDGER_FIELDS)}, id; required: "
+                                      f"{', '.join(KVLEDGER_REQUIRED)})")
+                for rec in reader:
+                    where = f"{path}:{reader.line_num}"
+                    if None in rec:
+                        raise ConfigError(f"{where}: more fields than the header has")
+                    clean = {k.strip(): v for k, v in rec.items() if v not in (None, "")}
+                    req, next_id = _kvledger_request(clean, where, len(out), prefix_ids, next_id, prefix)
+                    out.append(req)
+            except (csv.Error, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{path}:{reader.line_num}: cannot parse CSV ({str(exc)[:80]})") from None
+    return _by_arrival(out)
+
+
+# ---- the trace-format registry -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TraceFormat:
+    """A trace format: how to recognise it from its first line and how to load it.
+
+    `columns` are the CSV header columns (or JSON keys) that identify it; `needs_arrivals` formats carry no
+    arrival times, so `load_trace` asks for an arrival process (`arrivals=`).
+    """
+
+    name: str
+    description: str
+    suffix: str  # ".jsonl" or ".csv"
+    columns: tuple[str, ...]
+    loader: Any
+    needs_arrivals: bool = False
+
+    def matches(self, suffix: str, first: str) -> bool:
+        if self.suffix == ".jsonl":
+            if suffix != ".jsonl":
+                return False
+            try:
+                rec = json.loads(first)
+            except (ValueError, RecursionError):
+                return False
+            return isinstance(rec, dict) and set(self.columns) <= set(rec)
+        if suffix == ".jsonl":
+            return False
+        header = [h.strip() for h in first.split(",")]
+        return set(self.columns) <= set(header)
+
+
+TRACE_FORMATS: dict[str, TraceFormat] = {}
+
+
+def register_trace_format(fmt: TraceFormat) -> TraceFormat:
+    """Add a format to the registry (the CLI's --trace-format choices come from it)."""
+    if fmt.name in TRACE_FORMATS:
+        raise ConfigError(f"trace format {fmt.name!r} is already registered")
+    TRACE_FORMATS[fmt.name] = fmt
+    return fmt
+
+
+for _fmt in (
+    TraceFormat("mooncake", "Mooncake FAST'25 JSONL: timestamp (ms), input_length, output_length, hash_ids",
+                ".jsonl", ("timestamp", "input_length", "output_length", "hash_ids"), load_mooncake),
+    TraceFormat("azure", "Azure LLM inference 2023 CSV: TIMESTAMP,ContextTokens,GeneratedTokens", ".csv",
+                AZURE_COLUMNS, load_azure),
+    TraceFormat("lengths", "length table CSV (ShareGPT, arXiv): num_prefill_tokens,num_decode_tokens; "
+                "arrivals from --rate", ".csv", LENGTH_COLUMNS, load_lengths, needs_arrivals=True),
+    TraceFormat("kvledger-jsonl", "kvledger JSONL: arrival_s, prompt_len, output_len [, group, prefix, prefix_len, "
+                "n, priority, id]", ".jsonl", KVLEDGER_REQUIRED, load_kvledger),
+    TraceFormat("kvledger-csv", "kvledger CSV: arrival_s,prompt_len,output_len[,group,prefix,prefix_len,n,priority,"
+                "id]", ".csv", KVLEDGER_REQUIRED, load_kvledger),
+):
+    register_trace_format(_fmt)
+
+
+def accepted_formats() -> str:
+    """One line naming every registered format and its identifying columns."""
+    return "; ".join(f"{f.name} ({','.join(f.columns)})" for f in TRACE_FORMATS.values())
+
+
+def sniff_trace_format(path: str | Path) -> TraceFormat:
+    """The registered format of a trace file, from its suffix and first non-blank line."""
+    path = Path(path)
+    head = _head(path)
+    first = next((line for line in head.splitlines() if line.strip()), "")
+    if not first:
+        raise ConfigError(f"{path}: empty trace (accepted formats: {accepted_formats()})")
+    suffix = ".jsonl" if path.suffix == ".jsonl" else ".csv"
+    for fmt in TRACE_FORMATS.values():
+        if fmt.matches(suffix, first.lstrip("\ufeff")):
+            return fmt
+    shown = first.strip()[:80]
+    kind = "JSON keys of the first line" if suffix == ".jsonl" else "CSV header"
+    raise ConfigError(f"{path}: unknown trace format ({kind} {shown!r}); accepted: {accepted_formats()}")
+
+
+def load_trace(path: str | Path, format: str | None = None, **kwargs: Any) -> list[SimRequest]:  # noqa: A002
+    """Load a trace of any registered format (`TRACE_FORMATS`), named or sniffed from the file.
+
+    Formats that carry no arrival times (`lengths`) need `arrivals=` (a Poisson/Gamma process or times).
+    Keyword arguments a format's loader does not take are dropped, so one call fits every format.
+    """
+    path = Path(path)
+    if format is None:
+        fmt = sniff_trace_format(path)
+    else:
+        fmt = TRACE_FORMATS.get(format)
+        if fmt is None:
+            raise ConfigError(f"unknown trace format {format!r}; known: {', '.join(TRACE_FORMATS)}")
+    import inspect
+
+    known = {name for f in TRACE_FORMATS.values() for name in inspect.signature(f.loader).parameters}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ConfigError(f"load_trace got unknown argument(s) {', '.join(unknown)}")
+    accepted = inspect.signature(fmt.loader).parameters
+    args = {k: v for k, v in kwargs.items() if k in accepted}
+    if fmt.needs_arrivals and "arrivals" not in args:
+        raise ConfigError(f"{path}: a {fmt.name} trace has no arrival times; give an arrival rate")
+    return fmt.loader(path, **args)
 
 
 # ---- synthetic workloads -----------------------------------------------------------------------
@@ -765,6 +1003,68 @@ def scale_time(requests: Iterable[SimRequest], speedup: float) -> list[SimReques
     return _by_arrival(replace(r, arrival_s=r.arrival_s / speedup) for r in requests)
 
 
+def offered_rate(requests: Sequence[SimRequest]) -> float:
+    """Arrivals per second of a workload: (N - 1) / (last arrival - first arrival)."""
+    if len(requests) < 2:
+        raise ConfigError("an arrival rate needs at least two requests")
+    times = [r.arrival_s for r in requests]
+    span = max(times) - min(times)
+    if span <= 0:
+        raise ConfigError("every request arrives at the same instant: the workload has no arrival rate")
+    return (len(requests) - 1) / span
+
+
+def at_rate(requests: Sequence[SimRequest], rate: float) -> list[SimRequest]:
+    """The same requests replayed at `rate` arrivals per second: arrival times scaled so the offered rate is
+    `rate`, keeping the workload's burstiness (for Poisson arrivals this equals drawing them at `rate`)."""
+    if isinstance(rate, bool) or not isinstance(rate, int | float) or not (0 < rate <= 1e6 and math.isfinite(rate)):
+        raise ConfigError(f"rate must be a number of requests per second in (0, 1e6], got {rate!r}")
+    reqs = list(requests)
+    return scale_time(reqs, rate / offered_rate(reqs))
+
+
+def scale_lengths(requests: Sequence[SimRequest], scale: float, *, block_size: int = 16,
+                  trace_block: int = MOONCAKE_BLOCK_TOKENS) -> list[SimRequest]:
+    """Prompts and outputs `scale` times as long, for replaying a trace on a small model or a CPU.
+
+    Every `trace_block` tokens of a prompt (Mooncake's 512-token hash blocks) become `chunk` tokens, a whole
+    number of `block_size`-token KV blocks (at least one): a prefix two requests share in the trace is a
+    shared run of whole KV blocks after scaling too, never a partial block. Block identities are kept
+    (equal trace blocks stay equal), so prefix sharing is exactly the trace's. Outputs of at least one
+    token stay at least one token. `kvledger serve-trace --scale` and `kvledger simulate --scale` both use
+    this, so a simulated and a real replay see the same lengths.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or not 0 < scale <= 1:
+        raise ConfigError(f"scale must be in (0, 1], got {scale!r}")
+    _check_int(block_size, "block_size", 1)
+    _check_int(trace_block, "trace_block", 1)
+    chunk = max(1, round(trace_block * scale / block_size)) * block_size
+    ids: dict[int, int] = {}
+    out = []
+    for r in requests:
+        n = r.prompt_len
+        length = max(1, round(n * chunk / trace_block))
+        keys = [r.prompt_tokens[i] for i in range(0, n, trace_block)][: -(-length // chunk)]
+        keys += [keys[-1]] * (-(-length // chunk) - len(keys))  # a prompt that grew past its trace blocks
+        dense = [ids.setdefault(k, len(ids)) for k in keys]
+        prompt = Prompt.from_blocks(dense, chunk, length)
+        output = max(1, round(r.output_len * scale)) if r.output_len else 0
+        out.append(replace(r, prompt_tokens=prompt, output_len=output))
+    return out
+
+
+WORKLOAD_TRANSFORMS = ("rate", "speedup")  # sweep keys that change the workload rather than the deployment
+
+
+def transform_workload(requests: Sequence[SimRequest], key: str, value: float) -> list[SimRequest]:
+    """Apply a workload-level sweep value: `rate` (arrivals per second) or `speedup` (times faster)."""
+    if key == "rate":
+        return at_rate(requests, value)
+    if key == "speedup":
+        return scale_time(requests, value)
+    raise ConfigError(f"unknown workload transform {key!r}; known: {', '.join(WORKLOAD_TRANSFORMS)}")
+
+
 def slice_requests(requests: Iterable[SimRequest], *, start_s: float | None = None,
                    end_s: float | None = None, first_n: int | None = None,
                    rebase: bool = True) -> list[SimRequest]:
@@ -796,8 +1096,9 @@ def assign_trust_groups(requests: Iterable[SimRequest], trust_groups: int | Sequ
 
 
 __all__ = [
-    "AZURE_COLUMNS", "LENGTH_COLUMNS", "MOONCAKE_BLOCK_TOKENS", "TOKEN_ID_LIMIT", "ArrivalProcess", "Choice",
-    "Fixed", "Gamma", "IntDist", "LogNormal", "Poisson", "Prompt", "SimRequest", "Uniform",
-    "assign_trust_groups", "load_azure", "load_lengths", "load_mooncake", "load_trace", "scale_time",
-    "slice_requests", "synthetic",
+    "AZURE_COLUMNS", "KVLEDGER_FIELDS", "LENGTH_COLUMNS", "MOONCAKE_BLOCK_TOKENS", "TOKEN_ID_LIMIT", "TRACE_FORMATS",
+    "WORKLOAD_TRANSFORMS", "ArrivalProcess", "Choice", "Fixed", "Gamma", "IntDist", "LogNormal", "Poisson", "Prompt",
+    "SimRequest", "TraceFormat", "Uniform", "accepted_formats", "assign_trust_groups", "at_rate", "load_azure",
+    "load_kvledger", "load_lengths", "load_mooncake", "load_trace", "offered_rate", "register_trace_format",
+    "scale_lengths", "scale_time", "slice_requests", "sniff_trace_format", "synthetic", "transform_workload",
 ]

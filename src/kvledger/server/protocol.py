@@ -1,0 +1,221 @@
+"""The OpenAI wire format: request bodies (validated, bounded) and response/chunk builders.
+
+Fields we do not implement are refused with a clear 400 when set to anything but their default, so a
+client never silently gets something other than what it asked for. Unknown fields are ignored, as the
+OpenAI API and vLLM do.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_N = 16  # samples per prompt
+MAX_PROMPTS = 32  # prompts in one /v1/completions batch
+MAX_STOP = 16  # stop strings
+MAX_STOP_CHARS = 256
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: int | None = None  # vLLM's extension; 0 or -1 = off
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's extension
+    # Accepted only at their defaults (anything else is a 400 naming the field).
+    logprobs: Any = None
+    top_logprobs: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    best_of: int | None = None
+    user: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, value: str | list[str] | None) -> list[str]:
+        stops = [] if value is None else [value] if isinstance(value, str) else list(value)
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings")
+        if any(not s or len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings must have 1 to {MAX_STOP_CHARS} characters")
+        return stops
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int | None) -> int | None:
+        if value is not None and value < -1:
+            raise ValueError("top_k must be -1 or 0 (off) or a positive integer")
+        return value
+
+    def unsupported(self) -> str | None:
+        """The first field set to something this server does not implement, as a message."""
+        if self.logprobs not in (None, False, 0):
+            return "logprobs are not supported"
+        if self.top_logprobs not in (None, 0):
+            return "top_logprobs are not supported"
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                return f"{name} is not supported"
+        if self.logit_bias:
+            return "logit_bias is not supported"
+        if self.best_of not in (None, 1) and self.best_of != self.n:
+            return "best_of is not supported"
+        return None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    echo: bool = False
+    suffix: str | None = None
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt batch: text or token ids, one entry per prompt."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if not p:
+            return []
+        if all(isinstance(x, int) for x in p):
+            return [list(p)]  # type: ignore[arg-type]
+        return list(p)  # type: ignore[arg-type]
+
+    def unsupported(self) -> str | None:
+        if self.echo:
+            return "echo is not supported"
+        if self.suffix:
+            return "suffix is not supported"
+        return super().unsupported()
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the model's length
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # vLLM's extension
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools are not supported"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice is not supported"
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            return "response_format other than text is not supported"
+        return super().unsupported()
+
+
+def validation_message(exc: ValidationError) -> str:
+    """One line naming the first offending field."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    return f"{where}: {msg}" if where else msg
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+class ResponseShape:
+    """Builds the bodies and chunks of one response (completions or chat)."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = int(time.time())
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def body(self, texts: list[str], reasons: list[str | None], usage: dict[str, Any]) -> dict[str, Any]:
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
+                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+            return {**self._head("chat.completion"), "choices": choices, "usage": usage}
+        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                   for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+        return {**self._head("text_completion"), "choices": choices, "usage": usage}
+
+    def chunk(self, index: int, text: str | None, reason: str | None, *, role: bool = False,
+              with_usage: bool = False) -> dict[str, Any]:
+        """One choice's delta. ``text`` None with ``reason`` set is the choice's closing chunk."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            out = {**self._head("text_completion"), "choices": [choice]}
+        if with_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._head(obj), "choices": [], "usage": usage}
+
+
+__all__ = ["MAX_N", "MAX_PROMPTS", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ResponseShape",
+           "error_body", "new_id", "usage_body", "validation_message"]

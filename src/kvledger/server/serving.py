@@ -1,0 +1,246 @@
+"""One HTTP request in flight: its engine requests, the bridge from the engine's thread to the event
+loop, incremental text with stop strings, and the per-request metrics.
+
+The engine calls ``on_token`` from its own thread after each step's ``confirm``; the bridge hands each
+event to the event loop with ``call_soon_threadsafe`` (never blocking the engine, never raising into
+it). When a request's engine work is over (the engine's ``finished`` event, which for a cancelled
+request comes only once the step that still read its blocks has confirmed), its share goes back to the
+gate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .backend import Backend
+from .gate import AdmissionGate, Ticket
+from .metrics import ServerMetrics, tenant_of
+from .text import Detokenizer, StopMatcher, TextCodec
+
+_ENGINE_POLL_S = 1.0  # how often a waiting request checks that the engine thread is still alive
+_FINISH_POLLS = 10_000  # ~10 s of 1 ms polls for the result after the engine's last event
+
+
+class EngineFailed(RuntimeError):
+    """The engine thread stopped with an error."""
+
+
+@dataclass(slots=True)
+class Job:
+    """One engine request: a prompt with its budget."""
+
+    request_id: str
+    prompt: list[int]
+    max_tokens: int
+    sampling: Any  # SamplingParams
+    stop_token_ids: list[int]
+    trust_group: str
+    priority: int = 0
+
+
+@dataclass(slots=True)
+class Delta:
+    choice: int
+    text: str
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    detok: Detokenizer
+    stops: StopMatcher
+    tokens: int = 0
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    last_token_s: float | None = None
+
+
+def _reason(engine_reason: str | None) -> str:
+    if engine_reason in ("stop", "length"):
+        return engine_reason
+    return "abort"  # cancelled, rejected by the scheduler, ...
+
+
+class Run:
+    """The engine requests of one HTTP request (``n`` choices per prompt, choice = prompt * n + branch)."""
+
+    def __init__(self, backend: Backend, codec: TextCodec, gate: AdmissionGate, metrics: ServerMetrics,
+                 jobs: list[Job], n: int, stops: list[str]) -> None:
+        self.backend = backend
+        self.codec = codec
+        self.gate = gate
+        self.metrics = metrics
+        self.jobs = jobs
+        self.ticket: Ticket | None = None  # the gate's share; set before start()
+        self.waiter: asyncio.Task[Any] | None = None  # the task waiting at the gate, until start()
+        self.n = n
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+        self.arrival_s = time.perf_counter()
+        self.handles: list[Any] = []
+        self.choices = [_Choice(codec.detokenizer(), StopMatcher(stops)) for _ in range(len(jobs) * n)]
+        self.first_token_s: list[float | None] = [None] * len(jobs)
+        self.finished = [False] * len(jobs)  # the engine's finished event arrived
+        self.cancelled = [False] * len(jobs)  # we asked the engine to cancel it (once)
+        self.cached_tokens = 0
+        self.prompt_tokens = sum(len(j.prompt) for j in jobs)
+
+    # ---- engine side ------------------------------------------------------------------------------
+    def _bridge(self, index: int) -> Any:
+        loop, queue, gate, ticket = self.loop, self.queue, self.gate, self.ticket
+        assert ticket is not None
+
+        def deliver(event: Any) -> None:
+            queue.put_nowait((index, event))
+            if event.finished:
+                gate.release(ticket, index)
+
+        def on_token(event: Any) -> None:  # engine thread: must never raise
+            try:
+                loop.call_soon_threadsafe(deliver, event)
+            except RuntimeError:
+                pass  # the event loop is closed: the server is shutting down
+
+        return on_token
+
+    def start(self) -> None:
+        """Submit every engine request. On failure, the ones already submitted are cancelled and every
+        share is given back before the error propagates."""
+        try:
+            for i, job in enumerate(self.jobs):
+                self.handles.append(self.backend.submit(
+                    job.prompt, job.max_tokens, job.sampling, stop_token_ids=job.stop_token_ids,
+                    trust_group=job.trust_group, priority=job.priority, request_id=job.request_id,
+                    on_token=self._bridge(i)))
+                self.metrics.tenant_requests.labels(tenant_of(job.trust_group)).inc()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Whatever happened (done, error, client gone, never started): cancel what still runs and give
+        back the gate's share of everything that never reached the engine. Idempotent."""
+        self.cancel()
+        for c in self.choices:
+            if c.finish_reason is None:  # the client went away (or an error): vLLM counts these as abort
+                c.finish_reason = "abort"
+                self.metrics.success.labels(self.metrics.model_name, "abort").inc()
+        if self.ticket is not None:
+            self.gate.abandon(self.ticket)
+            for i in range(len(self.handles), len(self.jobs)):
+                self.gate.release(self.ticket, i)
+
+    def cancel(self) -> None:
+        """Cancel whatever is still running (a client that went away, an error). The blocks come back at
+        the engine's next safe point; the gate share when the engine confirms."""
+        for i, handle in enumerate(self.handles):
+            if not self.finished[i] and not self.cancelled[i]:
+                self.cancelled[i] = True
+                self.backend.cancel(handle.request_id)
+
+    # ---- event loop side --------------------------------------------------------------------------
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """Text deltas as they are produced; each choice ends with a delta carrying its finish reason."""
+        while not all(self.finished):
+            try:
+                index, event = await asyncio.wait_for(self.queue.get(), _ENGINE_POLL_S)
+            except TimeoutError:
+                if self.backend.error is not None:
+                    raise EngineFailed(f"the engine stopped: {self.backend.error}") from None
+                continue
+            if event.finished:
+                for delta in await self._finish(index):
+                    yield delta
+                continue
+            delta = self._token(index, event)
+            if delta is not None:
+                yield delta
+
+    def _token(self, index: int, event: Any) -> Delta | None:
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first_token_s[index] is None:
+            self.first_token_s[index] = now
+            m.ttft.observe(now - self.arrival_s)
+        c = self.choices[index * self.n + event.branch]
+        if c.finish_reason is not None:
+            return None  # this choice already hit a stop string; the engine is being told
+        c.tokens += 1
+        m.generation_tokens.inc()
+        m.tenant_generated.labels(tenant_of(self.jobs[index].trust_group)).inc()
+        if c.last_token_s is not None:
+            m.itl.observe(now - c.last_token_s)
+        c.last_token_s = now
+        text = c.stops.feed(c.detok.push(event.token))
+        if text:
+            c.text.append(text)
+        if c.stops.stopped:
+            c.finish_reason = "stop"
+            self._maybe_cancel(index)
+            return Delta(index * self.n + event.branch, text, "stop")
+        return Delta(index * self.n + event.branch, text) if text else None
+
+    def _maybe_cancel(self, index: int) -> None:
+        """Every choice of this engine request has met a stop string: stop generating now."""
+        choices = self.choices[index * self.n:(index + 1) * self.n]
+        if all(c.finish_reason is not None for c in choices) and not self.cancelled[index]:
+            self.cancelled[index] = True
+            self.backend.cancel(self.jobs[index].request_id)
+
+    async def _finish(self, index: int) -> list[Delta]:
+        handle = self.handles[index]
+        # The engine completes the handle right after it emits the last event; wait for that here
+        # (never in RequestHandle.result, which would block this loop).
+        for _ in range(_FINISH_POLLS):
+            if handle.done():
+                break
+            await asyncio.sleep(0.001)
+        else:
+            raise EngineFailed(f"request {handle.request_id} ended without a result")
+        result = handle.result()
+        self.finished[index] = True
+        job = self.jobs[index]
+        tenant = tenant_of(job.trust_group)
+        m = self.metrics
+        # Served from the cache: the last prompt token is always computed (its logits start the output).
+        cached = min(result.cached_prompt_tokens, max(0, len(job.prompt) - 1))
+        self.cached_tokens += cached
+        m.prompt_tokens.inc(len(job.prompt))
+        m.tenant_prompt.labels(tenant).inc(len(job.prompt))
+        m.tenant_cached.labels(tenant).inc(cached)
+        m.e2e.observe(time.perf_counter() - self.arrival_s)
+        out: list[Delta] = []
+        for branch in range(self.n):
+            choice = index * self.n + branch
+            c = self.choices[choice]
+            if c.finish_reason is not None:
+                m.success.labels(m.model_name, c.finish_reason).inc()
+                continue
+            text = c.stops.feed(c.detok.flush())
+            reason = "stop" if c.stops.stopped else _reason(
+                result.finish_reasons[branch] if branch < len(result.finish_reasons) else None)
+            text += c.stops.flush()
+            c.finish_reason = reason
+            if text:
+                c.text.append(text)
+            m.success.labels(m.model_name, reason).inc()
+            out.append(Delta(choice, text, reason))
+        return out
+
+    # ---- summaries --------------------------------------------------------------------------------
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.tokens for c in self.choices)
+
+    def texts(self) -> list[str]:
+        return ["".join(c.text) for c in self.choices]
+
+    def reasons(self) -> list[str | None]:
+        return [c.finish_reason for c in self.choices]
+
+
+__all__ = ["Delta", "EngineFailed", "Job", "Run"]

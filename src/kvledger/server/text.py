@@ -1,0 +1,135 @@
+"""Text at the boundary: prompts to token ids (the chat template included), token ids back to text as
+they stream, and stop strings.
+
+The engine only knows token ids. Stop strings are found here, in the detokenised text: the text is cut
+before the stop string, and the request is cancelled so its blocks go back at the next safe point.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import ConfigError
+
+
+class TextCodec:
+    """A Hugging Face tokenizer behind the few calls the server makes."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tok = tokenizer
+        self.eos_ids = frozenset(t for t in (tokenizer.eos_token_id,) if isinstance(t, int))
+        end = None
+        if getattr(tokenizer, "chat_template", None):
+            # Chat models close a turn with their own token (ChatML's <|im_end|>); stop there too.
+            for name in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>"):
+                tid = tokenizer.convert_tokens_to_ids(name)
+                if isinstance(tid, int) and tid != tokenizer.unk_token_id and tid >= 0:
+                    end = tid
+                    break
+        self.turn_end_ids = frozenset(() if end is None else (end,)) | self.eos_ids
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> TextCodec:
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ConfigError("the server needs the transformers package (for the model's tokenizer)") from None
+        try:
+            return cls(AutoTokenizer.from_pretrained(path))
+        except Exception as exc:  # noqa: BLE001 -- any tokenizer failure is one clear line
+            raise ConfigError(f"no usable tokenizer in {path}: {str(exc).splitlines()[0][:200]}") from None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text).input_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise ConfigError("this model has no chat template: use /v1/completions")
+        try:
+            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=False)
+        except Exception as exc:  # noqa: BLE001 -- a template error (e.g. role order) is the client's input
+            raise ConfigError(f"the chat template refused these messages: {str(exc).splitlines()[0][:200]}") \
+                from None
+        # The template already wrote every special token it wants.
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def detokenizer(self) -> Detokenizer:
+        return Detokenizer(self.decode)
+
+
+class Detokenizer:
+    """Incremental decoding: text is released once it is stable. A byte-level BPE token can end in the
+    middle of a UTF-8 character ("\\ufffd" until the next token completes it), and SentencePiece drops
+    a word's leading space when a token is decoded alone, so each step decodes a short window of
+    already-emitted tokens plus the new ones and emits only the difference."""
+
+    def __init__(self, decode: Any) -> None:
+        self._decode = decode
+        self.ids: list[int] = []
+        self._prefix = 0  # window start
+        self._read = 0  # tokens whose text was emitted
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self._prefix, self._read = self._read, len(self.ids)
+            return after[len(before):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end (an incomplete character stays as the replacement mark)."""
+        if self._read == len(self.ids):
+            return ""
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        self._prefix = self._read = len(self.ids)
+        return after[len(before):]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. Text that could still become the start of a stop string is
+    held back until it cannot (or the stream ends), so no stop string is ever partly emitted."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._pending = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """New text in; the part that is safe to emit out. Sets ``stopped`` on a match (the returned
+        text then ends right before the stop string)."""
+        if self.stopped or not text:
+            return ""
+        if not self.stops:
+            return text
+        buf = self._pending + text
+        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped = True
+            self._pending = ""
+            return buf[:cut]
+        keep = min(self._hold, len(buf))
+        # Hold back only a suffix that is a proper prefix of some stop string.
+        while keep and not any(s.startswith(buf[len(buf) - keep:]) for s in self.stops):
+            keep -= 1
+        self._pending = buf[len(buf) - keep:] if keep else ""
+        return buf[:len(buf) - keep] if keep else buf
+
+    def flush(self) -> str:
+        out, self._pending = ("" if self.stopped else self._pending), ""
+        return out
+
+
+__all__ = ["Detokenizer", "StopMatcher", "TextCodec"]

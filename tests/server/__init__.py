@@ -1,0 +1,1 @@
+"""Tests of the OpenAI-compatible server (a package, so its live server stops when they are done)."""

@@ -1,0 +1,249 @@
+"""The server's pieces without a model or a socket: tenants config, the admission gate (its conservation
+laws under bounded random fuzzing), incremental text with stop strings, and the load client's maths."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvledger.errors import ConfigError
+from kvledger.server.gate import AdmissionGate, NeverFits, QueueFull
+from kvledger.server.loadgen import LoadSpec, check_loopback, percentile, synthetic_workload, to_vocab
+from kvledger.server.tenants import DEFAULT_TENANT, Tenant, Tenants
+from kvledger.server.text import Detokenizer, StopMatcher
+
+
+# ---- tenants ---------------------------------------------------------------------------------------
+def test_tenants_map_keys_to_trust_groups() -> None:
+    t = Tenants.from_dict({"operator": {"api_keys": ["op"]},
+                           "tenants": {"acme": {"api_keys": ["k1", "k2"], "max_blocks": 8, "priority": 1},
+                                       "globex": {"api_keys": ["k3"]}}})
+    assert t.authenticate("Bearer k2").tenant == Tenant("acme", max_blocks=8, priority=1)
+    assert t.authenticate("bearer k3").tenant.name == "globex"
+    assert not t.authenticate("Bearer k3").operator
+    assert t.authenticate("Bearer op").operator and t.authenticate("Bearer op").tenant is None
+    for bad in (None, "", "Bearer", "Bearer nope", "Basic k1", "k1"):
+        assert t.authenticate(bad) is None
+    assert "k1" not in t.describe() and "acme" in t.describe()
+
+
+def test_single_tenant_mode() -> None:
+    open_ = Tenants.single_tenant()
+    assert open_.authenticate(None).tenant.name == DEFAULT_TENANT
+    assert "single-tenant" in open_.describe()
+    keyed = Tenants.single_tenant("s3cret")
+    assert keyed.authenticate(None) is None
+    assert keyed.authenticate("Bearer s3cret").tenant.name == DEFAULT_TENANT
+
+
+@pytest.mark.parametrize("data, message", [
+    ({}, "no tenants"),
+    ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}}, "also a key of"),
+    ({"tenants": {"a#b": {"api_keys": ["k"]}}}, "tenant name"),
+    ({"tenants": {"a": {"api_keys": []}}}, "empty"),
+    ({"tenants": {"a": {"api_keys": ["k"], "max_blocks": 0}}}, "max_blocks"),
+    ({"tenants": {"a": {"api_keys": ["k"], "max_blocs": 3}}}, "unknown key"),
+    ({"tenants": {"a": {"api_keys": ["k"]}}, "operators": {}}, "unknown section"),
+    ({"tenants": {"a": {"api_keys": ["k"]}}, "operator": {"api_keys": ["k"]}}, "operator key"),
+])
+def test_bad_tenant_configs_are_one_clear_error(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Tenants.from_dict(data)
+
+
+def test_tenants_file_errors(tmp_path) -> None:  # noqa: ANN001
+    with pytest.raises(ConfigError, match="no tenants file"):
+        Tenants.from_file(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[tenants\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        Tenants.from_file(bad)
+
+
+# ---- the gate ----------------------------------------------------------------------------------------
+def test_gate_queue_full_and_never() -> None:
+    async def go() -> None:
+        running = [0]
+        gate = AdmissionGate(2, lambda: running[0])
+        t = Tenant("a")
+        first = gate.enter(t, [4])
+        running[0] = 1  # the engine took it
+        gate.enter(t, [4])
+        gate.enter(t, [4])  # two wait now
+        with pytest.raises(QueueFull):
+            gate.enter(t, [4])
+        with pytest.raises(NeverFits, match="cap is 3"):
+            gate.enter(Tenant("b", max_blocks=3), [4])
+        with pytest.raises(QueueFull, match="1 requests"):
+            AdmissionGate(10, lambda: 0).enter(Tenant("c", max_requests=1), [1, 1])
+        gate.release(first, 0)
+        gate.release(first, 0)  # idempotent
+        gate.check()
+        assert gate.in_flight == 2
+
+    asyncio.run(go())
+
+
+def test_gate_holds_a_tenant_at_its_cap_in_order() -> None:
+    async def go() -> None:
+        gate = AdmissionGate(100, lambda: 0)
+        t = Tenant("a", max_blocks=10)
+        a = gate.enter(t, [6])
+        b = gate.enter(t, [6])  # would exceed 10: held
+        c = gate.enter(t, [1])  # fits, but b is first in line
+        assert a.admitted and not b.admitted and not c.admitted
+        assert gate.waiting_at_gate == 2
+        waiter_b = asyncio.ensure_future(gate.admitted(b))
+        waiter_c = asyncio.ensure_future(gate.admitted(c))
+        await asyncio.sleep(0.01)
+        assert not waiter_b.done() and not waiter_c.done()
+        gate.release(a, 0)
+        await asyncio.wait_for(asyncio.gather(waiter_b, waiter_c), 5)
+        assert gate.reserved("a") == 7 and gate.waiting_at_gate == 0
+        gate.check()
+        # A caller that goes away while held leaves nothing behind.
+        d = gate.enter(t, [9])
+        waiter_d = asyncio.ensure_future(gate.admitted(d))
+        await asyncio.sleep(0.01)
+        waiter_d.cancel()
+        await asyncio.gather(waiter_d, return_exceptions=True)
+        assert gate.waiting_at_gate == 0 and gate.reserved("a") == 7
+        gate.check()
+
+    asyncio.run(go())
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(st.integers(0, 2**32 - 1))
+def test_gate_conservation_under_random_operations(seed: int) -> None:
+    """reserved == the blocks of live engine requests <= cap, in_flight and waiting add up, after every
+    operation, whatever the order of enters, releases and cancelled waits."""
+
+    async def go() -> None:
+        rng = random.Random(seed)
+        gate = AdmissionGate(rng.randint(1, 12), lambda: 0)
+        tenants = [Tenant("a", max_blocks=rng.randint(4, 20)), Tenant("b"), Tenant("c", max_blocks=8)]
+        live, waiters = [], []
+        for _ in range(80):
+            op = rng.random()
+            if op < 0.45:
+                t = rng.choice(tenants)
+                try:
+                    ticket = gate.enter(t, [rng.randint(1, 6) for _ in range(rng.randint(1, 2))])
+                except (QueueFull, NeverFits):
+                    continue
+                if ticket.admitted:
+                    live.append(ticket)
+                else:
+                    waiters.append((ticket, asyncio.ensure_future(gate.admitted(ticket))))
+            elif op < 0.8 and live:
+                ticket = rng.choice(live)
+                for i in range(len(ticket.blocks)):
+                    gate.release(ticket, i)
+                live.remove(ticket)
+            elif waiters:
+                ticket, fut = waiters.pop(rng.randrange(len(waiters)))
+                fut.cancel()
+                await asyncio.gather(fut, return_exceptions=True)
+                if ticket.admitted:
+                    live.append(ticket)
+            await asyncio.sleep(0)
+            for ticket, fut in list(waiters):
+                if fut.done():
+                    waiters.remove((ticket, fut))
+                    live.append(ticket)
+            gate.check()
+        for ticket in live:
+            for i in range(len(ticket.blocks)):
+                gate.release(ticket, i)
+        for _, fut in waiters:
+            fut.cancel()
+        await asyncio.gather(*(f for _, f in waiters), return_exceptions=True)
+        await asyncio.sleep(0)
+        for ticket, _ in waiters:
+            if ticket.admitted:
+                for i in range(len(ticket.blocks)):
+                    gate.release(ticket, i)
+        gate.check()
+        assert gate.in_flight == 0 and gate.waiting_at_gate == 0
+        assert all(gate.reserved(t.name) == 0 for t in tenants)
+
+    asyncio.run(go())
+
+
+# ---- text ------------------------------------------------------------------------------------------
+# A byte-level toy vocabulary: token i is one byte of UTF-8 text, so characters split across tokens.
+_TEXT = "naïve café — 東京 ok 🙂 stop here. done"
+_BYTES = list(_TEXT.encode())
+
+
+def _decode(ids: list[int]) -> str:
+    return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_detokenizer_streams_exactly_the_full_text() -> None:
+    d = Detokenizer(_decode)
+    pieces = [d.push(b) for b in _BYTES] + [d.flush()]
+    assert "".join(pieces) == _TEXT
+    assert all("\ufffd" not in p for p in pieces)  # a split character is never emitted half-made
+
+
+@settings(derandomize=True)
+@given(st.lists(st.integers(1, 8), min_size=1, max_size=12))
+def test_stop_matcher_never_leaks_a_stop_string(cuts: list[int]) -> None:
+    m = StopMatcher(["stop here", "🙂 x"])
+    out, i, k = [], 0, 0
+    while i < len(_TEXT) and not m.stopped:
+        c = cuts[k % len(cuts)]
+        out.append(m.feed(_TEXT[i:i + c]))
+        i, k = i + c, k + 1
+    out.append(m.flush())
+    assert m.stopped
+    assert "".join(out) == _TEXT[:_TEXT.index("stop here")]
+
+
+def test_stop_matcher_releases_held_text_at_the_end() -> None:
+    m = StopMatcher(["abcd"])
+    assert m.feed("xxab") == "xx"  # "ab" may start "abcd": held
+    assert m.feed("c") == ""
+    assert m.flush() == "abc"  # the stream ended: it was never a stop string
+    assert not m.stopped
+
+
+# ---- load client -------------------------------------------------------------------------------------
+def test_percentile_interpolates_like_numpy() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([1.0, 2.0, 3.0, 4.0], 90) == pytest.approx(3.7)
+
+
+def test_vocab_mapping_keeps_prefixes() -> None:
+    a, b = to_vocab([1, 2, 3, 4], 32000), to_vocab([1, 2, 3, 9], 32000)
+    assert a[:3] == b[:3] and a[3] != b[3]
+    assert all(1000 <= t < 32000 for t in a + b)
+    assert to_vocab([1, 2, 3, 4], 32000, salt=1) != a  # another run: other tokens, no cross-run cache hits
+
+
+def test_synthetic_workload_is_open_loop_and_bounded() -> None:
+    spec = LoadSpec("http://127.0.0.1:1", rate=10.0, duration_s=2.0, seed=3)
+    items = synthetic_workload(spec, prompt_len=8, output_len=4, shared_prefix=16)
+    assert items == synthetic_workload(spec, prompt_len=8, output_len=4, shared_prefix=16)  # seeded
+    assert all(0 < i.arrival_s < 2.0 for i in items) and 5 < len(items) < 60
+    assert all(i.prompt[:16] == items[0].prompt[:16] and len(i.prompt) == 24 for i in items)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8000", "http://192.168.1.2", "http://8.8.8.8:80", "ftp://127.0.0.1"])
+def test_load_client_refuses_non_loopback(url: str) -> None:
+    with pytest.raises(ConfigError):
+        check_loopback(url)
+
+
+def test_load_client_accepts_loopback() -> None:
+    assert check_loopback("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
+    assert check_loopback("http://localhost:9") == "http://localhost:9"
+    assert check_loopback("http://[::1]:9") == "http://[::1]:9"

@@ -74,7 +74,7 @@ class FakeEngine:
         return self.dev.setdefault(b, [None] * BS)
 
     def run(self, plan: StepPlan) -> dict[str, list[int]]:
-        s, led = self.s, self.s.ledger
+        led = self.s.ledger
         pool = led.pool
         for c in plan.copies:
             self.block(c.dst)[: c.slots] = self.block(c.src)[: c.slots]
@@ -85,24 +85,28 @@ class FakeEngine:
             assert h in self.host, f"step {plan.step}: host block {h} read back but never written"
             self.dev[d] = list(self.host[h])
         works = [*plan.prefills, *plan.decodes]
+        # The plan carries what an executor needs; it must agree with the ledger behind it.
+        for w in works:
+            assert w.request is not None and w.request_id == w.seq_id.split("/")[0], w
+            assert w.seq_id == (w.request_id if w.branch == 0 else f"{w.request_id}/{w.branch}"), w
+            assert list(w.blocks) == led.sequence(w.seq_id).table.blocks, (plan.step, w.seq_id)
+            assert list(w.tokens[: w.end]) == led.sequence(w.seq_id).tokens[: w.end], (plan.step, w.seq_id)
         # Every read happens before any write of this step: a block another sequence fills in this
         # very step is not yet readable (the ledger's "pending" rule).
         for w in works:
-            br, table = s.branches(w.seq_id.split("/")[0]), led.sequence(w.seq_id).table.blocks
-            tokens = next(b for b in br if b.seq_id == w.seq_id).tokens
+            table, tokens = w.blocks, w.tokens
             assert w.end <= len(tokens) and w.end + w.lookahead <= len(table) * BS, (plan.step, w)
-            chain = kv_chain(tokens[: w.start])
+            chain = kv_chain(list(tokens[: w.start]))
             for p in range(w.start):
                 got = self.block(table[p // BS])[p % BS]
                 assert got == chain[p], (f"step {plan.step}: {w.seq_id} reads position {p} (block "
                                          f"{table[p // BS]}) but its KV was never written there")
         sampled: dict[str, list[int]] = {}
         for w in works:
-            br = next(b for b in s.branches(w.seq_id.split("/")[0]) if b.seq_id == w.seq_id)
-            table = led.sequence(w.seq_id).table.blocks
+            table = w.blocks
             # A scheduled sequence is leased as a whole (its blocks are leased only if it is dropped).
             assert led.is_leased(w.seq_id), f"step {plan.step}: {w.seq_id} runs unleased"
-            chain = kv_chain(br.tokens[: w.end])
+            chain = kv_chain(list(w.tokens[: w.end]))
             for p in range(w.start, w.end):
                 self.block(table[p // BS])[p % BS] = chain[p]
             if not w.sample:
@@ -111,7 +115,7 @@ class FakeEngine:
             assert 1 <= n <= w.lookahead + 1
             drafts = [sample_token(w.seq_id, w.end + i) if i < n - 1 else draft_token(w.seq_id, w.end + i)
                       for i in range(w.lookahead)]
-            dchain = kv_chain(br.tokens[: w.end] + drafts)
+            dchain = kv_chain(list(w.tokens[: w.end]) + drafts)
             for i in range(w.lookahead):
                 p = w.end + i
                 self.block(table[p // BS])[p % BS] = dchain[p]
@@ -229,44 +233,65 @@ def victim_scenario(victim: str, recovery: str = "recompute", host: HostPool | N
                     costs: RecoveryCosts | None = None) -> tuple[Scheduler, FakeEngine]:
     """Pool of 10 four-token blocks, incremental (one token reserved), no watermark.
 
-    admitted in this order      prompt                 blocks at admission
-      A  priority 0             5 tokens               2 (no promise: 6 tokens fit 2 blocks)
-      B  priority -1            8 tokens               2 + 1 promised
-      C  priority 0             SHARED + 1 = 9 tokens  3 (no promise)
-      D  priority 0             SHARED + 4 = 12 tokens 2 shared with C + 1 new + 1 promised
-    = exactly 10 blocks. Step 1 spends B's and D's promises; in step 4 A appends its 9th token
-    (position 8), needs a third block, and none is left: the first growth failure.
+    B (priority -1, a batch job) arrives first and is admitted alone in step 0; A, C and D (priority 0)
+    arrive next and are admitted in step 1, in this order (admission is by priority, then first come
+    first served, so a low-priority request admitted early is not the latest admitted):
+
+      request                   prompt                 blocks at admission
+      B  priority -1 (step 0)   8 tokens               2 + 1 promised (spent in step 1)
+      A  priority 0  (step 1)   5 tokens               2 (no promise: 6 tokens fit 2 blocks)
+      C  priority 0  (step 1)   SHARED + 1 = 9 tokens  3 (no promise)
+      D  priority 0  (step 1)   SHARED + 4 = 12 tokens 2 shared with C + 1 new + 1 promised
+    = exactly 10 blocks. In step 5, B (first in admission order) appends its 13th token (position 12),
+    needs a fourth block, and none is left: the first growth failure. The helper runs step 0.
     """
     led = KVLedger(10, BS)
     cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", victim=victim,
                           recovery=recovery, watermark=0.0)
     s = Scheduler(led, cfg, host=host, costs=costs)
-    s.add(GenRequest("A", toks(5, 100), 20))
+    engine = FakeEngine(s)
     s.add(GenRequest("B", toks(8, 200), 20, priority=-1))
+    assert engine.step().admitted == ["B"]
+    s.add(GenRequest("A", toks(5, 100), 20))
     s.add(GenRequest("C", [*SHARED, 7], 20))
     s.add(GenRequest("D", [*SHARED, 1, 2, 3, 4], 20))
-    return s, FakeEngine(s)
+    return s, engine
 
 
-# At the failure (step 4, A grows first): tokens = scheduler's tokens, computed = KV written,
+# At the failure (step 5, B grows first): tokens = scheduler's tokens, computed = KV written,
 # held = distinct blocks, replay = tokens - blocks still held by another request x 4.
-#        tokens computed held replay            waste = held x replay
-#   A     9      8       2    9                  18
-#   B    12     11       3   12                  36
-#   C    13     12       3   13 - 2*4 = 5        15   (its SHARED blocks are held by D too)
-#   D    16     15       4   16 - 2*4 = 8        32   (... and by C)
+#        order tokens computed held replay            waste = held x replay
+#   B     0    13     12       3   13                  39
+#   A     1     9      8       2    9                  18
+#   C     2    13     12       3   13 - 2*4 = 5        15   (its SHARED blocks are held by D too)
+#   D     3    16     15       4   16 - 2*4 = 8        32   (... and by C)
 # latest: D (admitted last); priority: B (-1); least_computed: A (8); min_waste: C (15).
-@pytest.mark.parametrize("victim,expected", [("latest", "D"), ("priority", "B"), ("least_computed", "A"),
-                                             ("min_waste", "C")])
-def test_each_victim_policy_picks_its_hand_computed_victim(victim: str, expected: str) -> None:
+# After the first victim is recomputed, B's append is retried at once and A and C (later in admission
+# order) append in the same step: A's 9th token needs a third block, C's 13th a fourth. So:
+#   latest:         D freed 2 blocks (its SHARED blocks stay with C): B takes one, A the other; C finds
+#                   none and is now the latest: it preempts itself.                    [D, C]
+#   priority:       B (-1) preempts itself: 3 blocks free, A and C take one each.      [B]
+#   least_computed: A (8 computed) preempts itself: 2 blocks free for B and C.          [A]
+#   min_waste:      C (15) frees 1 block (SHARED stays with D): B takes it; A then finds none. Now
+#                   B 4 x 13 = 52, A 2 x 9 = 18, D 4 x 16 = 64 (C left, so D's SHARED blocks are its
+#                   own and all 16 tokens replay): A preempts itself.                   [C, A]
+# Each victim goes back to the front of the waiting queue, so the last one is first.
+# Totals over the whole run (counted, then kept as a regression figure): 5, 4, 6, 5.
+@pytest.mark.parametrize("victim,expected,total", [("latest", ["D", "C"], 5), ("priority", ["B"], 4),
+                                                   ("least_computed", ["A"], 6), ("min_waste", ["C", "A"], 5)])
+def test_each_victim_policy_picks_its_hand_computed_victim(victim: str, expected: list[str], total: int) -> None:
     s, engine = victim_scenario(victim)
     plans = [engine.step() for _ in range(5)]
     assert [p.preempted for p in plans[:4]] == [[], [], [], []]
-    first = plans[4].preempted[0]
-    assert (first.request_id, first.mode, first.reason) == (expected, "recompute", "A needed a block")
-    assert s.branches(expected)[0].status is Status.WAITING and expected not in s.running
-    assert s.waiting[0][0].request.request_id == expected  # re-queued at the front
+    got = plans[4].preempted
+    assert [p.request_id for p in got] == expected
+    assert all(p.mode == "recompute" for p in got)
+    assert got[0].reason == "B needed a block"
+    for rid in expected:
+        assert s.branches(rid)[0].status is Status.WAITING and rid not in s.running
+    assert [u[0].request.request_id for u in s.waiting] == expected[::-1]  # re-queued at the front
     engine.drain()
+    assert s.preemptions == total
     for rid in "ABCD":
         br = s.branches(rid)[0]
         assert (br.finish_reason, br.output) == ("length", expected_output(rid, len(br.request.prompt), 20))
@@ -323,12 +348,16 @@ def test_recompute_preempts_and_readmits_a_family_together() -> None:
             assert "F" not in led and "F/1" not in led
             assert len(s.waiting[0]) == 2
         elif preempted_at is not None and "F" in plan.admitted:
-            # Both branches come back in the same step. F's 3 full blocks are still cached (a decode
-            # of position 12 is all it replays); F/1 shares only the first prompt block with it, and
-            # replays positions 4..12 -- in both cases up to exactly prompt + generated.
+            # Both branches come back in the same step. At the preemption (step 7) F's append of
+            # position 12 had marked its third block written; F/1 never got that far. So 4 blocks were
+            # cached, released tail first: F's block 2, F's block 1, F/1's block 1, the shared block 0.
+            # G's growth in step 13 evicted the least recently released, F's block 2 (the refused
+            # re-admission attempts in between touched nothing, so the order stayed). Each branch then
+            # hits 2 blocks and replays positions 8..12 -- up to exactly prompt + generated.
             works = {w.seq_id: w for w in plan.prefills + plan.decodes}
             assert set(works) == {"F", "F/1"}
-            assert [(w.start, w.end) for w in (works["F"], works["F/1"])] == [(12, 13), (4, 13)]
+            assert plan.step == 14
+            assert [(w.start, w.end) for w in (works["F"], works["F/1"])] == [(8, 13), (8, 13)]
             assert all(w.sample for w in works.values())
             assert all(lens[sid] == 6 + gen[sid] == works[sid].end for sid in works)
             break
@@ -455,12 +484,18 @@ def test_auto_chooses_by_the_cost_formulas() -> None:
 
 @pytest.mark.parametrize("host", [None, HostPool(3)])
 def test_swap_without_host_room_falls_back_to_recompute(host: HostPool | None) -> None:
-    s, engine = victim_scenario("latest", recovery="swap", host=host)  # D holds 4 blocks
+    """D holds 4 blocks: no host tier, or one of 3 blocks, cannot take it. C, preempted next in the
+    same step (see the victim table), holds 3: the 3-block host takes it, no host does not."""
+    s, engine = victim_scenario("latest", recovery="swap", host=host)
     plans = [engine.step() for _ in range(5)]
-    p = plans[4].preempted[0]
-    assert (p.request_id, p.mode) == ("D", "recompute")
-    assert "host pool cannot hold the blocks" in p.reason
-    assert not plans[4].swap_out and (host is None or host.num_free == 3)
+    d, c = plans[4].preempted
+    assert (d.request_id, d.mode) == ("D", "recompute")
+    assert "host pool cannot hold the blocks" in d.reason
+    if host is None:
+        assert (c.request_id, c.mode) == ("C", "recompute") and not plans[4].swap_out
+    else:
+        assert (c.request_id, c.mode, c.reason) == ("C", "swap", "C needed a block")
+        assert len(plans[4].swap_out) == 3 and host.num_free == 0
     engine.drain()
     assert all(b.finish_reason == "length" for brs in s._all.values() for b in brs)
     assert_drained(s)

@@ -17,6 +17,10 @@ from hypothesis import strategies as st
 
 from kvledger.core.ledger import KVLedger
 from kvledger.scheduler import (
+    ADMISSION_POLICIES,
+    GROWTH_ACTIONS,
+    RECOVERY_MODES,
+    VICTIM_POLICIES,
     GenRequest,
     HostPool,
     RecoveryCosts,
@@ -25,7 +29,6 @@ from kvledger.scheduler import (
     Status,
     TransferModel,
 )
-from kvledger.scheduler.config import GROWTH_ACTIONS, POLICIES, RECOVERY, VICTIMS
 
 try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
     from tests.test_scheduler import BS, FakeEngine, sample_token
@@ -45,10 +48,10 @@ def never_blocks(prompt_len: int, max_new: int, lookahead: int, n: int) -> int:
 @st.composite
 def scenarios(draw: st.DrawFn) -> dict:
     cfg = SchedulerConfig(
-        policy=draw(st.sampled_from(POLICIES)),
-        on_growth_failure=draw(st.sampled_from(GROWTH_ACTIONS)),
-        victim=draw(st.sampled_from(VICTIMS)),
-        recovery=draw(st.sampled_from(RECOVERY)),
+        policy=draw(st.sampled_from(ADMISSION_POLICIES.names())),
+        on_growth_failure=draw(st.sampled_from(GROWTH_ACTIONS.names())),
+        victim=draw(st.sampled_from(VICTIM_POLICIES.names())),
+        recovery=draw(st.sampled_from(RECOVERY_MODES.names())),
         max_running=draw(st.integers(1, 8)),
         token_budget=draw(st.integers(3, 24)),
         prefill_chunk=draw(st.integers(2, 8)),

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from .core.identity import CacheContext
 from .core.ledger import Decision, KVLedger, Request
 from .errors import ConfigError
-from .scheduler import GenRequest, Scheduler, SchedulerConfig
+from .scheduler import ConstantExecutor, Driver, GenRequest, Scheduler, SchedulerConfig, StepPlan
 from .scheduler.policies import OutputLengthTracker, reserve_tokens
 
 _SHARED_TOKEN_BASE = 1_000  # the common prefix: the same token ids in every group (only trust separates)
@@ -70,7 +70,7 @@ def _admit_all(spec: LabSpec, pool_blocks: int, prefix_caching: bool) -> tuple[K
     uses), and keeping the policy's watermark free."""
     ledger = KVLedger(pool_blocks, spec.block_size, prefix_caching=prefix_caching)
     config = _config(spec)
-    keep_free = int(config.watermark * pool_blocks) if config.policy != "full" else 0
+    keep_free = config.keep_free(pool_blocks)
     reserve = reserve_tokens(config, OutputLengthTracker(), spec.max_new, spec.max_new)
     decisions = []
     for r in lab_requests(spec):
@@ -89,33 +89,32 @@ def _growth_is_cheap(spec: LabSpec) -> bool:
 
 def run_growth(spec: LabSpec) -> dict:
     """Run the requests to completion through the real scheduler (each generates its whole allowance)
-    and report what growth does under the policy: how many start at once, preemptions, steps."""
+    and report what growth does under the policy: how many start at once, preemptions, steps. It is
+    the scheduler's one step loop (a :class:`Driver`) with a constant-token executor."""
     ledger = KVLedger(spec.pool_blocks, spec.block_size, prefix_caching=spec.prefix_caching)
     sched = Scheduler(ledger, _config(spec))
-    for r in lab_requests(spec):
-        sched.add(GenRequest(r.request_id, list(r.prompt), spec.max_new, r.context, n=spec.branches))
     started: list[int] = []
-    running_peak = steps = 0
-    ended: dict[str, str] = {}
-    while sched.has_work():
-        plan = sched.schedule()
-        if steps == 0:
-            started = [len(plan.admitted)]
+    running_peak = 0
+
+    def planned(plan: StepPlan, t: float) -> None:
+        nonlocal running_peak
+        if not started:
+            started.append(len(plan.admitted))
         running_peak = max(running_peak, len(sched.running))
-        sampled = {w.seq_id: [7] for w in (*plan.prefills, *plan.decodes) if w.sample}
-        sched.confirm(plan, sampled)
-        sched.check()
-        steps += 1
-        if steps > 100 * (spec.prompt + spec.max_new) * spec.requests:
-            raise ConfigError("the growth run made no progress")  # a guard, never expected
-    for rid, branches in sched.finished.items():
-        ended[rid] = branches[0].finish_reason or "?"
+
+    driver = Driver(sched, ConstantExecutor(), check_every=1, on_planned=planned, keep_records=True)
+    for r in lab_requests(spec):
+        driver.submit(GenRequest(r.request_id, list(r.prompt), spec.max_new, r.context, n=spec.branches))
+    driver.run(max_steps=100 * (spec.prompt + spec.max_new) * spec.requests)
+    if driver.has_work():
+        raise ConfigError("the growth run made no progress")  # a guard, never expected
+    ended = {m.request_id: m.finish_reason.split(",")[0] or "?" for m in driver.records}
     return {
         "policy": spec.policy,
         "started_at_once": started[0] if started else 0,
         "peak_running_requests": running_peak,
         "preemptions": sched.preemptions,
-        "steps": steps,
+        "steps": driver.steps,
         "finish_reasons": sorted(set(ended.values())),
     }
 

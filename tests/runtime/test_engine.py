@@ -129,7 +129,30 @@ def test_greedy_16_concurrent_equals_generate(tiny, greedy_refs, mode: str) -> N
     _assert_pressure(engine, mode)
     if mode == "roomy":
         assert engine.stats.steps == NEW  # all 16 prefill together, then decode together
-        assert sum(r.cached_prompt_tokens for r in results) > 0  # the shared 9-token head: 2 blocks
+        # They share a 9-token head (2 full blocks), but all 16 were admitted in one step: the head was
+        # still being written by the first, so every other one computed it again and skipped nothing.
+        assert sum(r.cached_prompt_tokens for r in results) == 0
+        computed = engine.stats.prefill_tokens + engine.stats.decode_tokens
+        assert computed == sum(len(p) for p in prompts) + len(prompts) * (NEW - 1)
+    assert_clean(engine)
+
+
+def test_cached_prompt_tokens_count_only_tokens_really_skipped(tiny, greedy_refs) -> None:
+    """Regression: cached_prompt_tokens counted prefix blocks another request was still filling (then
+    computed again) as cached. Only written blocks the request really skipped count."""
+    path, _ = tiny
+    prompts, refs = greedy_refs
+    engine = _engine(path, "roomy")
+    same_step = [engine.submit(p, NEW) for p in (prompts[0], prompts[3])]  # the 9-token head, pending
+    engine.step()
+    later = engine.submit(prompts[6], NEW)  # the head is written now: 2 blocks of 4 tokens are skipped
+    engine.run_until_idle()
+    assert [h.result().cached_prompt_tokens for h in same_step] == [0, 0]
+    assert later.result().cached_prompt_tokens == 8
+    assert later.result().metrics.hit_tokens == 8
+    assert [h.result().output for h in (*same_step, later)] == [refs[0], refs[3], refs[6]]
+    prefilled = engine.stats.prefill_tokens + engine.stats.decode_tokens - 3 * (NEW - 1)
+    assert prefilled == len(prompts[0]) + len(prompts[3]) + len(prompts[6]) - 8  # what was skipped, was
     assert_clean(engine)
 
 
@@ -324,3 +347,21 @@ def test_a_prompt_that_is_not_token_ids_is_a_config_error(tiny) -> None:
     for bad in ({"input_ids": [1, 2]}, [1.5, 2]):
         with pytest.raises(ConfigError, match="integer token ids"):
             engine.submit(bad, 4)
+
+
+def test_eviction_policy_write_only_requests_and_cache_reset(tiny, greedy_refs) -> None:
+    path, _ = tiny
+    prompts, refs = greedy_refs
+    engine = _engine(path, "roomy", eviction="priority")
+    assert engine.ledger.policy_name == "priority"
+    with pytest.raises(ConfigError, match="eviction policy"):
+        _engine(path, "roomy", eviction="fifo")
+    first = engine.generate([prompts[0]], NEW)[0]
+    again = engine.generate([prompts[0]], NEW, read_prefix_cache=False)[0]
+    hit = engine.generate([prompts[0]], NEW)[0]
+    assert first.output == again.output == hit.output == refs[0]
+    assert (first.cached_prompt_tokens, again.cached_prompt_tokens) == (0, 0)  # write-only: no hits
+    assert hit.cached_prompt_tokens == (len(prompts[0]) - 1) // BS * BS  # full blocks, last token runs
+    assert engine.reset_prefix_cache() and engine.ledger.usage().retained == 0
+    assert engine.generate([prompts[0]], NEW)[0].cached_prompt_tokens == 0
+    assert_clean(engine)

@@ -120,7 +120,9 @@ def test_trust_isolation_removes_sharing_and_bound():
     reqs = [req(f"r{i}", 0.01 * i, 64, 2) for i in range(4)]  # identical prompts
     shared = simulate(reqs, SMALL)
     isolated = simulate(reqs, SMALL, trust_groups="request")
-    assert shared.summary()["prefix_hit_tokens"] == 3 * 64 - 3 * 0  # all 4 full blocks of 3 later requests
+    # All 4 full blocks of the 3 later requests are hits, but the last prompt token is always run again
+    # (its logits give the first output token): 63 tokens skipped each.
+    assert shared.summary()["prefix_hit_tokens"] == 3 * (64 - 1)
     assert isolated.summary()["prefix_hit_tokens"] == 0
     assert prefix_hit_bound(reqs, 16) == {"hit_tokens": 192, "prompt_tokens": 256, "bound": 0.75,
                                           "bound_with_partial_blocks": 0.75, "requests_with_hits": 3,
@@ -248,3 +250,30 @@ def test_report_folder(tmp_path: Path):
     frag = write_fragmentation(fragmentation_study([(10, 5)] * 6, 48, max_len=32, block_sizes=(8,)),
                                tmp_path / "frag")
     assert frag["fragmentation_png"].is_file() and frag["fragmentation_csv"].is_file()
+
+
+def test_sim_config_embeds_the_scheduler_config_and_sweeps_every_key():
+    """Regression: SimConfig mirrored eight scheduler settings and dropped the rest (headroom ran with
+    zero headroom blocks)."""
+    cfg = SimConfig(policy="incremental", on_growth_failure="headroom", headroom_blocks=4, predicted_quantile=0.5)
+    assert cfg.scheduler == SchedulerConfig(policy="incremental", on_growth_failure="headroom", headroom_blocks=4,
+                                            predicted_quantile=0.5)
+    assert cfg.policy == "incremental" and cfg.to_dict()["headroom_blocks"] == 4
+    assert SimConfig(scheduler=cfg.scheduler, watermark=0.2).scheduler.headroom_blocks == 4
+    with pytest.raises(ConfigError, match="unknown simulation setting"):
+        SimConfig(colour="red")
+    with pytest.raises(ConfigError, match="eviction"):
+        SimConfig(eviction="fifo")
+    grid = parse_sweep(["headroom_blocks=0,8", "on_growth_failure=preempt,headroom", "eviction=lru,priority"])
+    assert grid == [("headroom_blocks", [0, 8]), ("on_growth_failure", ["preempt", "headroom"]),
+                    ("eviction", ["lru", "priority"])]
+    reqs = [req(f"r{i}", 0.001 * i, 40, 30, base=100 * i) for i in range(8)]
+    runs = run_sweep(reqs, SMALL.with_values(policy="incremental", pool_blocks=24, watermark=0.0), grid)
+    by = {(v["headroom_blocks"], v["on_growth_failure"], v["eviction"]): r for v, r in runs}
+    assert by[(8, "headroom", "lru")].config.scheduler.headroom_blocks == 8
+    assert by[(8, "headroom", "priority")].config.eviction == "priority"
+    # Headroom is real now: 8 of 24 blocks kept free at admission changes the run; without the
+    # headroom action the setting is inert.
+    peak = {k: r.summary()["peak_running"] for k, r in by.items()}
+    assert peak[(8, "headroom", "lru")] < peak[(0, "headroom", "lru")] == peak[(8, "preempt", "lru")]
+    assert all(r.summary()["completed"] == 8 for r in by.values())

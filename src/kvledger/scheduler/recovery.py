@@ -3,14 +3,16 @@
 recompute_s = replay_tokens x flops_per_token / flops_per_s     (replay_tokens excludes prefix hits)
 swap_s      = 2 x (blocks x block_bytes / link_Bps + rounds x overhead_s)   (out now, back later)
 Both in seconds. ``auto`` picks the smaller; a swap that the host pool cannot hold falls back to
-recompute with that reason.
+recompute with that reason. The modes are registered in :data:`RECOVERY_MODES`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .host import TransferModel
+from .registry import Registry
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,3 +32,20 @@ class RecoveryCosts:
         """("recompute" | "swap", recompute_s, swap_s)."""
         r, s = self.recompute_s(replay_tokens), self.swap_s(blocks)
         return ("swap" if s < r else "recompute"), r, s
+
+
+# (costs, tokens a recompute replays, distinct blocks a swap moves) -> (mode, note for the reason)
+Resolve = Callable[[RecoveryCosts, int, int], tuple[str, str]]
+
+
+def _auto(costs: RecoveryCosts, replay_tokens: int, blocks: int) -> tuple[str, str]:
+    mode, r_s, s_s = costs.choose(replay_tokens, blocks)
+    return mode, f"; auto chose {mode} (recompute {r_s * 1e3:.3f} ms vs swap {s_s * 1e3:.3f} ms)"
+
+
+RECOVERY_MODES: Registry[Resolve] = Registry("recovery mode")
+RECOVERY_MODES.register("recompute", lambda costs, replay, blocks: ("recompute", ""),
+                        "drop the victim's blocks; it is replayed from its tokens (prefix hits soften it)")
+RECOVERY_MODES.register("swap", lambda costs, replay, blocks: ("swap", ""),
+                        "copy the victim's blocks to the host tier and back (recompute if the host is full)")
+RECOVERY_MODES.register("auto", _auto, "whichever of recompute and swap the cost model says is cheaper")

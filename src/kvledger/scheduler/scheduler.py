@@ -1,13 +1,14 @@
 """The step scheduler: which requests advance, which are admitted, and which memory actions come first.
 
 It plans one engine step at a time on top of the ledger and knows nothing of tensors, so the simulator
-and the real runtime drive this very code. A step is ``plan = schedule()``, the executor carries out
-``plan`` (copies, swaps, then the forward pass) and then calls ``confirm(plan, sampled)``. Every block
-the plan touches is leased until ``confirm``, so nothing it names is released early.
+and the real runtime drive this very code -- through :class:`~kvledger.scheduler.driver.Driver`, the one
+step loop (``plan = schedule()``, the executor carries out ``plan``, ``confirm(plan, sampled)``). Every
+block the plan touches is leased until ``confirm``, so nothing it names is released early.
 
 Order inside ``schedule``: (1) hand tokens sampled last step to the ledger -- this is where running
 requests grow, and where growth failures are handled by the policy; (2) restore swapped requests;
-(3) decode and prefill chunks for running requests under the token budget; (4) admit waiting requests.
+(3) decode and prefill chunks for running requests under the token budget; (4) admit waiting requests
+in priority order; (5) the liveness rule: a request that can no longer make progress ends with a reason.
 """
 
 from __future__ import annotations
@@ -16,16 +17,22 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 
 from ..core.ledger import KVLedger
-from ..core.types import Outcome, Request
+from ..core.lifetimes import CacheReset
 from ..errors import InvariantError, LedgerError, OutOfBlocksError
+from .admission import AdmissionOps
 from .config import SchedulerConfig
+from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
 from .host import HostPool
-from .plan import Branch, GenRequest, Preemption, Status, StepPlan, Work
-from .policies import OutputLengthTracker, reserve_tokens
-from .recovery import RecoveryCosts
+from .plan import Branch, GenRequest, Preemption, Status, StepPlan, Work, validate_request
+from .policies import OutputLengthTracker
+from .queue import WaitingQueue
+from .recovery import RECOVERY_MODES, RecoveryCosts
+from .victims import pick_victim, replay_tokens
 
 
-class Scheduler:
+class Scheduler(AdmissionOps):
+    """Plans engine steps on one ledger; see the module docstring and docs/scheduler.md."""
+
     def __init__(self, ledger: KVLedger, config: SchedulerConfig | None = None, *,
                  host: HostPool | None = None, costs: RecoveryCosts | None = None) -> None:
         self.ledger = ledger
@@ -33,7 +40,7 @@ class Scheduler:
         self.host = host
         self.costs = costs or RecoveryCosts()
         self.lengths = OutputLengthTracker()
-        self.waiting: deque[list[Branch]] = deque()  # admission units: a fresh request or a preempted family
+        self.waiting = WaitingQueue()  # admission units: a fresh request or a preempted family
         self.swapped: deque[list[Branch]] = deque()
         self.running: dict[str, list[Branch]] = {}  # request id -> live branches, in admission order
         self.finished: dict[str, list[Branch]] = {}
@@ -45,25 +52,31 @@ class Scheduler:
         self._swap_leases: list[int] = []  # device blocks being copied out this step
         self._swapped_now: set[str] = set()  # requests swapped out by the plan being built
         self._by_seq: dict[str, Branch] = {}
-        wm = self.config.watermark if self.config.policy != "full" else 0.0
-        self._keep_free = int(wm * ledger.num_blocks) + (
-            self.config.headroom_blocks if self.config.on_growth_failure == "headroom" else 0)
+        self._finished_now: list[str] = []  # finished since the last take_finished()
+        self._in_flight: StepPlan | None = None  # scheduled, not confirmed yet
+        self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
+        self._keep_free = self.config.keep_free(ledger.num_blocks)
+        # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
+        # its step from one somebody else holds.
+        self.lease_owner = f"scheduler-{id(self):x}"
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
+        validate_request(request)
         rid = request.request_id
         if rid in self._all:
             raise LedgerError(f"request id {rid!r} already submitted")
-        if request.n < 1 or request.max_new_tokens < 1 or not request.prompt:
-            raise LedgerError(f"request {rid!r} needs a prompt, max_new_tokens >= 1 and n >= 1")
-        branches = [Branch(rid if i == 0 else f"{rid}/{i}", request, list(request.prompt)) for i in range(request.n)]
+        branches = [Branch(rid if i == 0 else f"{rid}/{i}", request, list(request.prompt), index=i)
+                    for i in range(request.n)]
         self._all[rid] = branches
         for br in branches:
             self._by_seq[br.seq_id] = br
         self.waiting.append(list(branches))  # queues hold their own lists; _all keeps every branch
 
-    def cancel(self, request_id: str) -> bool:
-        """Cancel at any point; blocks an in-flight step still uses are released when its lease ends."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
+        """End a request at any point with ``reason`` (``cancelled``, or ``error: ...`` for a request a
+        step failed on). Blocks an in-flight step still uses are released when its lease ends. Returns
+        False for an unknown or finished request."""
         branches = self._all.get(request_id)
         if branches is None or request_id in self.finished:
             return False
@@ -71,31 +84,48 @@ class Scheduler:
             for unit in list(unit_queue):
                 if unit and unit[0].request.request_id == request_id:
                     unit_queue.remove(unit)
-                    for br in unit:
-                        if br.host_blocks and self.host is not None:
-                            self.host.free(br.host_blocks)
-                            br.host_blocks = []
+                    self._free_host_blocks(unit)
         self.ledger.cancel(request_id)
         self.running.pop(request_id, None)
-        self._finish_request(request_id, "cancelled")
+        self._finish_request(request_id, reason)
         return True
+
+    def _free_host_blocks(self, unit: Sequence[Branch]) -> None:
+        """Free a family's host copies. Branches share the host copy of a block they shared on the
+        device, so each host block is freed once, however many branches name it."""
+        freed: set[int] = set()
+        for br in unit:
+            freed.update(br.host_blocks)
+            br.host_blocks = []
+        if freed and self.host is not None:
+            self.host.free(sorted(freed))
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.swapped or self.running)
 
+    def __contains__(self, request_id: object) -> bool:
+        """The request was added and not forgotten."""
+        return request_id in self._all
+
     def branches(self, request_id: str) -> list[Branch]:
-        return self._all[request_id]
+        try:
+            return self._all[request_id]
+        except KeyError:
+            raise LedgerError(f"unknown request {request_id!r}") from None
 
     def adopt_branch(self, br: Branch) -> None:
         """Register a branch created outside ``add`` (a beam fork) as running."""
         rid = br.request.request_id
+        if br.seq_id in self._by_seq:
+            raise LedgerError(f"branch {br.seq_id!r} already exists")
+        br.blocks = self.ledger.sequence(br.seq_id).table.blocks
         self._all.setdefault(rid, []).append(br)
         self.running.setdefault(rid, []).append(br)
         self._by_seq[br.seq_id] = br
 
     def forget(self, request_id: str) -> list[Branch]:
-        """Drop a finished request's state (its token lists) and return its branches: long runs (the
-        simulator) keep memory bounded by forgetting what they have already recorded."""
+        """Drop a finished request's state (its token lists) and return its branches: long runs keep
+        memory bounded by forgetting what they have already recorded."""
         if request_id not in self.finished:
             raise LedgerError(f"request {request_id!r} is not finished")
         branches = self.finished.pop(request_id)
@@ -104,8 +134,51 @@ class Scheduler:
             self._by_seq.pop(br.seq_id, None)
         return branches
 
+    @property
+    def has_finished(self) -> bool:
+        """Requests finished that take_finished() has not returned yet."""
+        return bool(self._finished_now)
+
+    def take_finished(self) -> list[str]:
+        """Requests that finished since the last call (in the order they finished)."""
+        done, self._finished_now = self._finished_now, []
+        return done
+
+    @property
+    def swap_in_flight(self) -> bool:
+        """A swap-out of this plan has not completed yet (its blocks come free at ``confirm``)."""
+        return bool(self._swap_leases)
+
+    @property
+    def in_flight(self) -> StepPlan | None:
+        """The plan scheduled and not confirmed yet."""
+        return self._in_flight
+
+    def transfer_owners(self, plan: StepPlan) -> tuple[list[str | None], list[str | None], list[str | None]]:
+        """The request each of the in-flight plan's ``copies``, ``swap_out`` and ``swap_in`` belongs to
+        (None if none does). For isolating a failing step; O(running blocks)."""
+        dst_owner: dict[int, str] = {}
+        for rid, branches in self.running.items():
+            for br in branches:
+                for b in br.blocks:
+                    dst_owner[b] = rid
+        host_owner: dict[int, str] = {}
+        swapped_now = self._swapped_now
+        for unit in self.swapped:
+            rid = unit[0].request.request_id
+            if rid in swapped_now:
+                for br in unit:
+                    host_owner.update(dict.fromkeys(br.host_blocks, rid))
+        restored_owner: dict[int, str] = {}
+        for br in self._restored:
+            restored_owner.update(dict.fromkeys(br.host_blocks, br.request.request_id))
+        return ([dst_owner.get(op.dst) for op in plan.copies], [host_owner.get(h) for _, h in plan.swap_out],
+                [restored_owner.get(h) for h, _ in plan.swap_in])
+
     # ---- planning -------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        if self._in_flight is not None:
+            raise LedgerError(f"step {self._in_flight.step} is still in flight: confirm it first")
         plan = StepPlan(self._step)
         self._step += 1
         self._swapped_now.clear()
@@ -114,6 +187,7 @@ class Scheduler:
         budget = self.config.token_budget
         budget = self._schedule_running(plan, budget)
         self._admit(plan, budget)
+        self._liveness(plan)
         plan.copies.extend(self.ledger.take_copies())
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
@@ -122,7 +196,9 @@ class Scheduler:
         seqs.update(br.seq_id for br in self._restored if br.status is Status.RUNNING)
         blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if seqs or blocks:
-            plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks)
+            plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks,
+                                           owner=f"{self.lease_owner} step {plan.step}")
+        self._in_flight = plan
         return plan
 
     def _branch(self, seq_id: str) -> Branch:
@@ -138,10 +214,16 @@ class Scheduler:
         if live and all(br.deferred for br in live) and not plan.swap_out:
             # Deferring only helps while someone else can finish and free memory; when every running
             # request is stuck, waiting would be a deadlock, so one victim is recomputed instead.
-            victim = self._pick_victim(exclude=set())
-            if victim is not None and len(self.running) > 1:
-                self._preempt(victim, plan, "every running request was deferred", force="recompute")
+            if len(self.running) > 1:
+                victim = self.pick_victim()
+                assert victim is not None
+                self.preempt(victim, plan, "every running request was deferred", force="recompute")
                 self._grow_once(plan)
+            elif not self.ledger.pool.deferred:
+                # The liveness rule: alone, with no memory in transit, and it cannot grow -- it holds
+                # everything it could ever get.
+                for br in list(live):
+                    self.end_branch(br, REJECTED_OUTGREW, plan)
 
     def _grow_once(self, plan: StepPlan) -> None:
         ledger = self.ledger
@@ -175,80 +257,24 @@ class Scheduler:
 
     def _growth_failed(self, br: Branch, plan: StepPlan, why: str) -> bool:
         """Returns True when the append should be retried now."""
-        cfg = self.config
-        if cfg.policy == "full":
+        if self.config.exact:
             raise InvariantError(f"growth failed under full reservation: {why}")
-        action = cfg.on_growth_failure
-        if action == "defer":
-            br.deferred = True
-            return False
-        if action == "reject":
-            self.end_branch(br, "rejected: no memory to grow", plan)
-            return False
-        # preempt (headroom falls back to preemption once the reserve is gone)
-        rid = br.request.request_id
-        victim = self._pick_victim(exclude=set())
-        if victim is None or (victim == rid and len(self.running) == 1):
-            if self._swap_leases:
-                br.deferred = True  # blocks being swapped out this step come free at confirm
-                return False
-            self.end_branch(br, "rejected: the request outgrew the whole pool", plan)
-            return False
-        mode = self._preempt(victim, plan, f"{rid} needed a block")
-        if victim == rid:
-            return False
-        if mode == "swap":
-            br.deferred = True  # the swapped blocks are reusable only once the transfer completes
-            return False
-        return True
+        return self._grow_action(self, br, plan, why)
 
     # ---- preemption -----------------------------------------------------------------------------
-    def _pick_victim(self, exclude: set[str]) -> str | None:
-        candidates = [rid for rid in self.running if rid not in exclude]
-        if not candidates:
-            return None
-        v = self.config.victim
-        order = {rid: self.running[rid][0].admitted_order for rid in candidates}
-        if v == "latest":
-            return max(candidates, key=lambda r: order[r])
-        if v == "priority":
-            return min(candidates, key=lambda r: (self.running[r][0].request.priority, -order[r]))
-        if v == "least_computed":
-            return min(candidates, key=lambda r: (sum(b.computed for b in self.running[r]), -order[r]))
-        # min_waste: memory held x time lost recovering it (InferCept's waste), time ~ tokens to replay
-        return min(candidates, key=lambda r: (self._held_blocks(self.running[r])
-                                              * self._replay_tokens(self.running[r]), -order[r]))
+    def pick_victim(self) -> str | None:
+        """The running request the victim policy preempts next."""
+        return pick_victim(self.config.victim, self.ledger, self.running)
 
-    def _held_blocks(self, branches: list[Branch]) -> int:
-        return len({b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks})
-
-    def _replay_tokens(self, branches: list[Branch]) -> int:
-        """Tokens a recompute must run again: all of them, minus full blocks other requests still hold
-        (they stay in the prefix index whatever happens to this request)."""
-        ledger = self.ledger
-        mine = len(branches)  # references this family itself holds on a shared block
-        total = 0
-        for br in branches:
-            seq = ledger.sequence(br.seq_id)
-            kept = 0
-            for b in seq.table.blocks[: seq.written_blocks]:
-                if ledger.pool.ref[b] <= mine:
-                    break
-                kept += 1
-            total += len(br.tokens) - kept * ledger.block_size
-        return total
-
-    def _preempt(self, rid: str, plan: StepPlan, why: str, force: str | None = None) -> str:
+    def preempt(self, rid: str, plan: StepPlan, why: str, force: str | None = None) -> str:
         """Preempt every branch of ``rid`` together (gang semantics); returns the recovery mode."""
         branches = self.running.pop(rid)
-        mode = force or self.config.recovery
-        reason = why
         # Distinct blocks of the family in table order (head first), so that ending the swap lease
         # releases them tail first, as any release does.
         blocks = list(dict.fromkeys(b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks))
-        if mode == "auto":
-            mode, r_s, s_s = self.costs.choose(self._replay_tokens(branches), len(blocks))
-            reason += f"; auto chose {mode} (recompute {r_s * 1e3:.3f} ms vs swap {s_s * 1e3:.3f} ms)"
+        mode, note = RECOVERY_MODES[force or self.config.recovery](
+            self.costs, replay_tokens(self.ledger, branches), len(blocks))
+        reason = why + note
         if mode == "swap" and (self.host is None or self.host.num_free < len(blocks)):
             mode = "recompute"
             reason += "; host pool cannot hold the blocks, recomputing instead"
@@ -256,15 +282,17 @@ class Scheduler:
             assert self.host is not None
             host_of = dict(zip(blocks, self.host.allocate(len(blocks)), strict=True))
             plan.swap_out.extend(host_of.items())
-            lease = self.ledger.lease(blocks=blocks)  # device blocks stay until the copy is done
+            # The device blocks stay until the copy to the host is done.
+            lease = self.ledger.lease(blocks=blocks, owner=f"{self.lease_owner} swap-out step {plan.step}")
             plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(blocks), self.costs.block_bytes)
             self._swap_leases.append(lease)
             for br in branches:
-                br.host_blocks = [host_of[b] for b in self.ledger.sequence(br.seq_id).table.blocks]
+                br.host_blocks = [host_of[b] for b in br.blocks]
                 self.ledger.preempt(br.seq_id)
                 br.status = Status.SWAPPED
                 br.deferred = False
                 br.preemptions += 1
+                br.blocks = []
             self.swapped.append(branches)
             self._swapped_now.add(rid)
         else:
@@ -275,103 +303,11 @@ class Scheduler:
                 br.in_ledger = 0
                 br.deferred = False
                 br.preemptions += 1
-            self.waiting.appendleft(branches)  # recovered first, before new arrivals
+                br.blocks = []
+            self.waiting.appendleft(branches)  # recovered first among its priority
         self.preemptions += 1
         plan.preempted.append(Preemption(rid, mode, reason))
         return mode
-
-    # ---- restoring and admitting ----------------------------------------------------------------
-    def _ledger_request(self, br: Branch, fresh: bool) -> Request:
-        req = br.request
-        remaining = req.max_new_tokens - br.num_generated
-        reserve = reserve_tokens(self.config, self.lengths, req.max_new_tokens, remaining)
-        prompt = br.tokens[: br.in_ledger] if br.status is Status.SWAPPED else br.tokens
-        return Request(br.seq_id, prompt, remaining + (len(br.tokens) - len(prompt)), req.context,
-                       reserve_new_tokens=min(reserve, remaining), branches=req.n if fresh else 1,
-                       lookahead=req.lookahead, family=req.request_id)
-
-    def _admit_unit(self, unit: list[Branch], plan: StepPlan) -> Outcome:
-        fresh = unit[0].status is Status.WAITING and unit[0].admitted_order < 0 and len(unit) == unit[0].request.n \
-            and all(br.num_generated == 0 for br in unit)
-        ledger = self.ledger
-        # The watermark protects running requests' growth; with nothing running it would only stop a
-        # request that fits the pool from ever starting.
-        keep_free = self._keep_free if self.running else 0
-        if fresh:
-            decision = ledger.admit(self._ledger_request(unit[0], True), keep_free)
-            if not decision.admitted:
-                return decision.outcome
-            hit_ready = ledger.ready_tokens(unit[0].seq_id)
-        else:
-            # A preempted family comes back whole or not at all (gang semantics).
-            admitted: list[str] = []
-            for br in unit:
-                decision = ledger.admit(self._ledger_request(br, False), keep_free)
-                if not decision.admitted:
-                    for seq_id in admitted:
-                        ledger.retract(seq_id)
-                    return decision.outcome
-                admitted.append(br.seq_id)
-            hit_ready = None
-        rid = unit[0].request.request_id
-        for br in unit:
-            br.admitted_order = self._order
-            if br.status is Status.SWAPPED:
-                seq = ledger.sequence(br.seq_id)
-                blocks, written = seq.table.blocks, ledger.pool.written
-                for i in range(seq.hit_blocks, len(blocks)):
-                    plan.swap_in.append((br.host_blocks[i], blocks[i]))
-                # Prefix hits need no transfer, but one that another request is still filling cannot
-                # be read yet: recompute from there. A prefill cut short by the swap resumes where it was.
-                ready = next((i for i in range(seq.hit_blocks) if not written[blocks[i]]), seq.hit_blocks)
-                br.computed = min(br.computed, br.in_ledger - 1, ready * ledger.block_size
-                                  if ready < seq.hit_blocks else br.in_ledger - 1)
-                plan.transfer_wait_s += self.costs.transfer.blocking_time_s(
-                    len(seq.table.blocks) - seq.hit_blocks, self.costs.block_bytes)
-                self._restored.append(br)
-            else:
-                br.in_ledger = len(br.tokens)
-                br.computed = hit_ready if hit_ready is not None else ledger.ready_tokens(br.seq_id)
-                br.computed = min(br.computed, len(br.tokens) - 1)
-            br.status = Status.RUNNING
-        self._order += 1
-        self.running[rid] = list(unit)
-        plan.admitted.append(rid)
-        return Outcome.ADMITTED
-
-    def _swap_in(self, plan: StepPlan) -> None:
-        while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
-            if self.swapped[0][0].request.request_id in self._swapped_now:
-                break  # its blocks come free only when this step's transfer is done
-            if self._admit_unit(self.swapped[0], plan) is not Outcome.ADMITTED:
-                break
-            self.swapped.popleft()
-
-    def _admit(self, plan: StepPlan, budget: int) -> None:
-        while self.waiting and budget > 0:
-            unit = self.waiting[0]
-            if len(unit) > self.config.max_running:
-                outcome = Outcome.NEVER  # more branches than may ever run at once
-            elif len(self._live()) + len(unit) > self.config.max_running:
-                break
-            else:
-                outcome = self._admit_unit(unit, plan)
-            if outcome is Outcome.NEVER:
-                self.waiting.popleft()
-                rid = unit[0].request.request_id
-                why = ("never: more branches than max_running" if len(unit) > self.config.max_running
-                       else "never: larger than the whole pool")
-                for br in unit:
-                    br.status = Status.FINISHED
-                    br.finish_reason = why
-                    plan.ended.append((br.seq_id, why))
-                self.finished[rid] = self._all[rid]
-                continue
-            if outcome is not Outcome.ADMITTED:
-                break  # first come, first served: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            for br in unit:
-                budget = self._schedule_branch(br, plan, budget)
 
     def _live(self) -> list[Branch]:
         return [br for branches in self.running.values() for br in branches]
@@ -384,17 +320,23 @@ class Scheduler:
         running = Status.RUNNING
         later: list[Branch] = []
         decodes = plan.decodes
+        make = tuple.__new__  # Work(...) without the keyword machinery: hundreds per step
         for branches in self.running.values():
             for br in branches:
-                if br.deferred or br.status is not running or br.in_ledger < len(br.tokens):
+                if br.deferred or br.status is not running:
                     continue
-                if br.request.request_id in admitted and br.seq_id not in restored:
+                tokens = br.tokens
+                n = len(tokens)
+                if br.in_ledger < n:
                     continue
-                todo = len(br.tokens) - br.computed
-                if todo == 1 and not br.request.lookahead:
+                req = br.request
+                if admitted and req.request_id in admitted and br.seq_id not in restored:
+                    continue
+                c = br.computed
+                if n - c == 1 and not req.lookahead:
                     if budget <= 0:
                         return budget
-                    decodes.append(Work(br.seq_id, br.computed, br.computed + 1, True, 0))
+                    decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens)))
                     budget -= 1
                 else:
                     later.append(br)
@@ -407,29 +349,34 @@ class Scheduler:
         if br.deferred or br.status is not Status.RUNNING or budget <= 0 or br.in_ledger < len(br.tokens):
             return budget
         todo = len(br.tokens) - br.computed
+        req = br.request
         if todo == 1:
-            k = br.request.lookahead
+            k = req.lookahead
             if k:
                 try:
                     self.ledger.reserve_lookahead(br.seq_id, k)
                 except OutOfBlocksError:
                     k = 0
-            plan.decodes.append(Work(br.seq_id, br.computed, br.computed + 1, True, k))
+            c = br.computed
+            plan.decodes.append(Work(br.seq_id, c, c + 1, True, k, req, br.index, br.blocks, br.tokens))
             return budget - 1 - k
         chunk = min(todo, self.config.prefill_chunk, budget)
         end = br.computed + chunk
-        plan.prefills.append(Work(br.seq_id, br.computed, end, end == len(br.tokens)))
+        plan.prefills.append(Work(br.seq_id, br.computed, end, end == len(br.tokens), 0, req, br.index, br.blocks,
+                                  br.tokens))
         return budget - chunk
 
     # ---- confirmation ---------------------------------------------------------------------------
     def confirm(self, plan: StepPlan, sampled: Mapping[str, Sequence[int]]) -> list[Branch]:
         """The executor ran ``plan``; ``sampled`` maps each sequence that sampled to its new tokens
         (one, or the accepted draft tokens plus one). Returns the branches that finished this step."""
+        if plan is not self._in_flight:
+            raise LedgerError(f"step {plan.step} is not the step in flight")
         ledger = self.ledger
         done: list[Branch] = []
         for w in plan.prefills:
-            br = self._branch(w.seq_id)
-            if br.status is not Status.RUNNING:
+            br = self._by_seq.get(w.seq_id)
+            if br is None or br.status is not Status.RUNNING:
                 continue
             br.computed = w.end
             ledger.mark_computed(br.seq_id, w.end)
@@ -437,26 +384,22 @@ class Scheduler:
                 self.accept(br, sampled.get(w.seq_id, ()), done)
         by_seq, running, accept = self._by_seq, Status.RUNNING, self.accept
         for w in plan.decodes:
-            br = by_seq[w.seq_id]
-            if br.status is not running:
+            br = by_seq.get(w.seq_id)
+            if br is None or br.status is not running:
                 continue
             br.computed = w.end
             accept(br, sampled.get(w.seq_id, ()), done)
         for br in self._restored:
             if br.status is Status.RUNNING:
                 ledger.mark_computed(br.seq_id, min(br.computed, br.in_ledger))
-        freed: set[int] = set()
-        for br in self._restored:
-            freed.update(br.host_blocks)
-            br.host_blocks = []
-        if freed and self.host is not None:
-            self.host.free(sorted(freed))
+        self._free_host_blocks(self._restored)
         self._restored.clear()
         for lease in self._swap_leases:
             ledger.end_lease(lease)
         self._swap_leases.clear()
         if plan.lease is not None:
             ledger.end_lease(plan.lease)
+        self._in_flight = None
         return done
 
     def accept(self, br: Branch, tokens: Sequence[int], done: list[Branch]) -> None:
@@ -499,16 +442,70 @@ class Scheduler:
             if br.status is not Status.FINISHED:
                 br.status = Status.FINISHED
                 br.finish_reason = reason or br.finish_reason
-        self.finished[rid] = self._all[rid]
+        if rid not in self.finished:
+            self.finished[rid] = self._all[rid]
+            self._finished_now.append(rid)
+
+    # ---- the prefix cache -----------------------------------------------------------------------
+    def reset_prefix_cache(self, requeue_running: bool = False) -> CacheReset:
+        """Forget the whole prefix cache (after a weight update, say), as vLLM's ``reset_prefix_cache``.
+
+        The ledger can only forget blocks nobody holds. With ``requeue_running`` every running request
+        first goes back to the front of the waiting queue (its memory dropped, to be recomputed from its
+        tokens when it is re-admitted; not counted as a preemption); without it, running requests
+        make the reset refuse. Refused -- while a step is in flight, or with pins, leases or running
+        requests -- nothing changes and the result says why. Swapped requests keep their host copies."""
+        ledger = self.ledger
+        if self._in_flight is not None:
+            return CacheReset(False, 0, f"step {self._in_flight.step} is in flight: reset between steps")
+        if requeue_running:
+            held = []
+            if ledger.pins():
+                held.append(f"{len(ledger.pins())} pins")
+            if ledger.outstanding_leases():
+                held.append(f"{ledger.outstanding_leases()} outstanding leases")
+            if held:  # refuse before requeueing anything
+                return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
+            for rid in sorted(self.running, key=lambda r: -self.running[r][0].admitted_order):
+                self._requeue(rid)
+        return ledger.reset_prefix_cache()
+
+    def _requeue(self, rid: str) -> None:
+        """Send a running request back to the front of its priority in the waiting queue."""
+        branches = self.running.pop(rid)
+        for br in branches:
+            self.ledger.preempt(br.seq_id)  # its written blocks become plain cache, reset next
+            br.status = Status.WAITING
+            br.computed = 0
+            br.in_ledger = 0
+            br.deferred = False
+            br.blocks = []
+        self.waiting.appendleft(branches)
 
     # ---- audit ----------------------------------------------------------------------------------
     def check(self) -> None:
-        self.ledger.check()
+        """Every conservation law of the ledger and the host pool, plus the scheduler's own: running
+        branches are running in the ledger under their own block tables, nothing was preempted under
+        an exact policy, and no lease outlives what took it -- every outstanding lease has an owner,
+        and this scheduler's leases belong to the step in flight."""
+        ledger = self.ledger
+        ledger.check()
         if self.host is not None:
             self.host.check()
         for branches in self.running.values():
             for br in branches:
-                if br.status is not Status.RUNNING or br.seq_id not in self.ledger:
+                if br.status is not Status.RUNNING or br.seq_id not in ledger:
                     raise InvariantError(f"running branch {br.seq_id!r} is not running in the ledger")
-        if self.config.policy == "full" and self.preemptions:
+                if br.blocks is not ledger.sequence(br.seq_id).table.blocks:
+                    raise InvariantError(f"running branch {br.seq_id!r} does not name its ledger block table")
+        if self.config.exact and self.preemptions:
             raise InvariantError("a request was preempted under full reservation")
+        plan = self._in_flight
+        in_flight = set(self._swap_leases)
+        if plan is not None and plan.lease is not None:
+            in_flight.add(plan.lease)
+        for lease_id, owner in ledger.leases().items():
+            if not owner:
+                raise InvariantError(f"lease {lease_id} has no owner: nothing will ever end it")
+            if owner.startswith(self.lease_owner + " ") and lease_id not in in_flight:
+                raise InvariantError(f"lease {lease_id} ({owner}) outlived its step: its blocks are never released")

@@ -1,18 +1,20 @@
 """The discrete-event simulator: a workload through the real scheduler and ledger, timed by the cost model.
 
-Events are arrivals, scheduler steps and completions. One step is exactly what an engine does:
+Events are arrivals, scheduler steps and completions. The step loop is the engine's own -- the
+scheduler's :class:`~kvledger.scheduler.driver.Driver` on a virtual clock -- with the forward pass
+replaced by :class:`CostModelExecutor`:
 
     plan = scheduler.schedule()                     # the same Scheduler + KVLedger the runtime drives
     dt   = cost_model.step_time(prefills, decodes) + plan.transfer_wait_s
     now += dt
     scheduler.confirm(plan, sampled)                # one synthetic token per sampling sequence
 
-so admission, growth, eviction, preemption and the host tier are the production code, not a copy of it.
-Only the forward pass is replaced: by the roofline of :mod:`kvledger.sim.cost_model`, and by a synthetic
-sampled token (no stop tokens: every request generates exactly its trace ``output_len`` tokens, its
-``max_new_tokens``).
+so admission, growth, eviction, preemption, the liveness rule and the host tier are the production code,
+not a copy of it, and so are the request metrics (:mod:`kvledger.scheduler.metrics`: TTFT, TPOT,
+end-to-end, preemptions, prefix-hit tokens; the runtime reports the very same definitions). Sampled
+tokens are synthetic (no stop tokens: every request generates exactly its trace ``output_len`` tokens,
+its ``max_new_tokens``).
 
-Per request the simulator records TTFT, TPOT, end-to-end latency, preemptions and prefix-hit tokens.
 Per step it records the pool broken down into token slots that always sum to the pool:
 
     tokens    slots of held blocks that hold a token (ledger token states)
@@ -29,20 +31,36 @@ record is taken and the scheduler's copy dropped.
 
 from __future__ import annotations
 
-import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..core.eviction import make_policy, policy_names
 from ..core.geometry import KVSpec, config_int, text_config
 from ..core.identity import CacheContext
 from ..core.inventory import GPUS, build_inventory, count_parameters_per_rank
 from ..core.ledger import KVLedger
 from ..core.models import load_model_config
-from ..errors import ConfigError, InvariantError
-from ..scheduler import GenRequest, HostPool, RecoveryCosts, Scheduler, SchedulerConfig, TransferModel
-from ..scheduler.config import GROWTH_ACTIONS, POLICIES, RECOVERY, VICTIMS
+from ..errors import ConfigError
+from ..scheduler import (
+    SCHEDULER_KEYS,
+    Driver,
+    GenRequest,
+    HostPool,
+    RecoveryCosts,
+    RequestMetrics,
+    Scheduler,
+    SchedulerConfig,
+    StepOutput,
+    StepPlan,
+    TransferModel,
+    VirtualClock,
+    distribution,
+    percentile,
+    summarize_requests,
+)
+from ..scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
 from ..units import parse_bytes
 from .cost_model import CPU_LOCAL, CostModel, DeviceProfile, get_profile
 from .workloads import SimRequest, assign_trust_groups
@@ -55,45 +73,47 @@ BREAKDOWN_KEYS = ("tokens", "slack", "promised", "deferred", "retained", "free")
 # ---- configuration ---------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+
+
+@dataclass(frozen=True, init=False)
 class SimConfig:
-    """One simulated deployment. Every field can be swept (``--sweep key=v1,v2``) except ``profile``.
+    """One simulated deployment. Every field can be swept (``--sweep key=v1,v2``) except ``profile``,
+    and so can every :class:`SchedulerConfig` field.
+
+    ``scheduler`` is the scheduler's own configuration, embedded whole (no setting is mirrored or
+    dropped). For convenience the constructor also takes scheduler keys directly --
+    ``SimConfig(policy="incremental", headroom_blocks=4)`` -- and routes them into ``scheduler``; read
+    them back as ``config.scheduler.policy`` (``config.policy`` works too).
 
     model: bundled model name or a config.json path. gpu: device profile name (a catalogue GPU or
     ``cpu-local``); a catalogue GPU also sizes the pool. tp: tensor-parallel degree (per-rank memory and
     time). pool_blocks: the pool size directly (overrides the inventory). device_memory: bytes per rank
-    when ``gpu`` is not a catalogue GPU (e.g. cpu-local). trust_groups: ``trace`` (the trace's groups),
-    ``request`` (every request its own trust group: no sharing across requests) or a count N (requests
-    spread over N tenants at random, seeded). host_pool_bytes: host tier for swapped requests (0 = none).
+    when ``gpu`` is not a catalogue GPU (e.g. cpu-local). eviction: the ledger's eviction policy for
+    retained blocks (lru, priority). trust_groups: ``trace`` (the trace's groups), ``request`` (every
+    request its own trust group: no sharing across requests) or a count N (requests spread over N
+    tenants at random, seeded). host_pool_bytes: host tier for swapped requests (0 = none).
     max_model_len: prompts and outputs are clamped to it (default: the model's max_position_embeddings).
     declared_max_new: None (the default) gives every request its trace output length as max_new_tokens and
     no stop token, so ``full`` reservation knows each true length (an oracle). A number N declares
     max_new_tokens = max(N, output) -- what a client asks for -- and the request ends with a stop token
     after its trace output, so ``full`` reserves N, ``predicted`` learns the real lengths.
-    feed_window: arrivals handed to the scheduler ahead of admission (FCFS admission only ever looks at
-    the head of the queue, so this only bounds memory). check_every: run the ledger's full invariant
-    check every N steps (0 = never; tests use 1). sample_every: record the per-step pool breakdown every
-    N steps (1 = every step).
+    feed_window: arrivals handed to the scheduler ahead of admission (admission only ever looks at the
+    head of the queue, so this only bounds memory). check_every: run the ledger's full invariant check
+    every N steps (0 = never; tests use 1). sample_every: record the per-step pool breakdown every N
+    steps (1 = every step).
     """
 
     model: str = "llama-3.1-8b"
     gpu: str = "h100-80gb"
     tp: int = 1
-    policy: str = "full"
     block_size: int = 16
     prefix_cache: bool = True
+    eviction: str = "lru"
     trust_groups: str = "trace"
     host_pool_bytes: int = 0
     utilization: float = 0.9
     pool_blocks: int | None = None
     device_memory: int | None = None
-    max_running: int = 256
-    token_budget: int = 8192
-    prefill_chunk: int = 2048
-    victim: str = "latest"
-    recovery: str = "recompute"
-    on_growth_failure: str = "preempt"
-    watermark: float = 0.01
     kv_dtype: str | None = None
     weight_dtype: str | None = None
     max_model_len: int | None = None
@@ -103,10 +123,29 @@ class SimConfig:
     sample_every: int = 1
     seed: int = 0
     profile: DeviceProfile | None = None
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __init__(self, *, scheduler: SchedulerConfig | None = None, **values: Any) -> None:
+        if scheduler is not None and not isinstance(scheduler, SchedulerConfig):
+            raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(scheduler).__name__}")
+        sched_values = {k: values.pop(k) for k in SCHEDULER_KEYS if k in values}
+        object.__setattr__(self, "scheduler", replace(scheduler or SchedulerConfig(), **sched_values))
+        for f in fields(self):
+            if f.name == "scheduler":
+                continue
+            object.__setattr__(self, f.name, values.pop(f.name, f.default))
+        if values:
+            raise ConfigError(f"unknown simulation setting {next(iter(values))!r}; known: {', '.join(SWEEP_KEYS)}")
+        self.__post_init__()
+
+    def __getattr__(self, name: str) -> Any:
+        # Read-only access to the embedded scheduler settings (config.policy == config.scheduler.policy).
+        if name in SCHEDULER_KEYS:
+            return getattr(object.__getattribute__(self, "scheduler"), name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __post_init__(self) -> None:
-        for name in ("tp", "block_size", "max_running", "token_budget", "prefill_chunk", "feed_window",
-                     "sample_every"):
+        for name in ("tp", "block_size", "feed_window", "sample_every"):
             _positive_int(getattr(self, name), name)
         for name in ("host_pool_bytes", "check_every", "seed"):
             value = getattr(self, name)
@@ -115,16 +154,11 @@ class SimConfig:
         for name in ("pool_blocks", "device_memory", "max_model_len", "declared_max_new"):
             if getattr(self, name) is not None:
                 _positive_int(getattr(self, name), name)
-        for name, allowed in (("policy", POLICIES), ("victim", VICTIMS), ("recovery", RECOVERY),
-                              ("on_growth_failure", GROWTH_ACTIONS)):
-            if getattr(self, name) not in allowed:
-                raise ConfigError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.eviction not in policy_names():
+            raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
         if isinstance(self.utilization, bool) or not isinstance(self.utilization, int | float) \
                 or not 0 < self.utilization <= 1:
             raise ConfigError(f"utilization must be in (0, 1], got {self.utilization!r}")
-        if isinstance(self.watermark, bool) or not isinstance(self.watermark, int | float) \
-                or not 0 <= self.watermark < 1:
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark!r}")
         tg = str(self.trust_groups)
         if tg not in ("trace", "request") and not (tg.isdigit() and int(tg) >= 1):
             raise ConfigError(f"trust_groups must be 'trace', 'request' or a positive count, got {tg!r}")
@@ -134,8 +168,14 @@ class SimConfig:
         if self.profile is not None and not isinstance(self.profile, DeviceProfile):
             raise ConfigError("profile must be a DeviceProfile")
 
+    def with_values(self, **values: Any) -> SimConfig:
+        """A copy with ``values`` changed (simulation or scheduler keys)."""
+        return replace(self, **values)
+
     def to_dict(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "profile"}
+        """Every setting, flat (scheduler keys beside the simulation's), as reports and sweeps name them."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("profile", "scheduler")}
+        out.update(self.scheduler.to_dict())
         if self.profile is not None:
             out["profile"] = self.profile.name
         return out
@@ -147,7 +187,7 @@ def _positive_int(value: Any, what: str) -> int:
     return value
 
 
-SWEEP_KEYS = tuple(f.name for f in fields(SimConfig) if f.name != "profile")
+SWEEP_KEYS = tuple(f.name for f in fields(SimConfig) if f.name not in ("profile", "scheduler")) + SCHEDULER_KEYS
 _BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False,
                "1": True, "0": False}
 _BYTE_KEYS = ("host_pool_bytes", "device_memory")
@@ -163,7 +203,8 @@ def parse_value(key: str, text: str) -> Any:
     if name not in SWEEP_KEYS:
         raise ConfigError(f"unknown sweep key {key!r}; known: {', '.join(SWEEP_KEYS)}")
     raw = text.strip()
-    default = next(f.default for f in fields(SimConfig) if f.name == name)
+    all_fields = {f.name: f for f in (*fields(SimConfig), *fields(SchedulerConfig))}
+    default = all_fields[name].default
     if key.strip().replace("-", "_") == "isolate_groups":
         flag = _BOOL_WORDS.get(raw.lower())
         if flag is None:
@@ -214,7 +255,7 @@ def sweep_configs(base: SimConfig, grid: Sequence[tuple[str, Sequence[Any]]]) ->
     combos: list[dict[str, Any]] = [{}]
     for key, values in grid:
         combos = [{**c, key: v} for c in combos for v in values]
-    return [(c, replace(base, **c)) for c in combos]
+    return [(c, base.with_values(**c)) for c in combos]
 
 
 # ---- the deployment: model, geometry, pool, cost model --------------------------------------------
@@ -285,49 +326,8 @@ def _recovery_costs(dep: Deployment) -> RecoveryCosts:
 # ---- results ---------------------------------------------------------------------------------------
 
 
-@dataclass(slots=True)
-class RequestRecord:
-    """One request's fate. Times are seconds of simulated time; None where it never happened."""
-
-    request_id: str
-    trust_group: str
-    arrival_s: float
-    prompt_len: int
-    output_len: int  # max_new_tokens given to the scheduler (after clamping)
-    n: int = 1
-    admitted_s: float | None = None
-    first_token_s: float | None = None
-    finish_s: float | None = None
-    generated: int = 0  # tokens generated over all branches
-    preemptions: int = 0
-    hit_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    readmit_hit_tokens: int = 0  # found again when re-admitted after a preemption
-    finish_reason: str = ""
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def e2e_s(self) -> float | None:
-        return None if self.finish_s is None else self.finish_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first: (finish - first token) / (tokens per branch - 1)."""
-        per_branch = self.generated // max(self.n, 1)
-        if self.first_token_s is None or self.finish_s is None or per_branch < 2:
-            return None
-        return (self.finish_s - self.first_token_s) / (per_branch - 1)
-
-    @property
-    def completed(self) -> bool:
-        return self.finish_reason in ("length", "stop")
-
-    def to_row(self) -> dict[str, Any]:
-        row = {f: getattr(self, f) for f in self.__slots__}
-        row.update(ttft_s=self.ttft_s, tpot_s=self.tpot_s, e2e_s=self.e2e_s)
-        return row
+# One request's fate: the shared metrics definition (times in seconds of simulated time).
+RequestRecord = RequestMetrics
 
 
 @dataclass
@@ -378,33 +378,10 @@ class SimResult:
         return summarize(self)
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (q in [0, 100]) of ``values``; None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def _stats(values: list[float]) -> dict[str, float | None]:
-    return {"mean": (sum(values) / len(values)) if values else None, "p50": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99), "max": max(values) if values else None}
-
-
 def summarize(result: SimResult) -> dict[str, Any]:
     dep, cfg = result.deployment, result.config
     reqs = result.requests
-    done = [r for r in reqs if r.completed]
-    first = min((r.arrival_s for r in reqs), default=0.0)
-    last = max((r.finish_s for r in reqs if r.finish_s is not None), default=first)
-    span = max(last - first, 1e-12)
-    out_tokens = sum(r.generated for r in reqs)
-    prompt_tokens_done = sum(r.prompt_len for r in done)
-    prompt_tokens = sum(r.prompt_len for r in reqs)
-    hit = sum(r.hit_tokens for r in reqs)
+    run = summarize_requests(reqs)
     tl = result.timeline
     weights = tl.dt_s
     total_w = sum(weights)
@@ -413,29 +390,24 @@ def summarize(result: SimResult) -> dict[str, Any]:
     for key in BREAKDOWN_KEYS:
         col = getattr(tl, key)
         memory[key] = (sum(v * w for v, w in zip(col, weights, strict=True)) / (total_w * pool)) if total_w else 0.0
-    reasons: dict[str, int] = {}
-    for r in reqs:
-        key = r.finish_reason.split(":", 1)[0] or "unfinished"
-        reasons[key] = reasons.get(key, 0) + 1
     return {
-        "model": cfg.model, "gpu": dep.profile.name, "tp": cfg.tp, "policy": cfg.policy,
-        "block_size": cfg.block_size, "prefix_cache": cfg.prefix_cache, "trust_groups": cfg.trust_groups,
+        "model": cfg.model, "gpu": dep.profile.name, "tp": cfg.tp, "policy": cfg.scheduler.policy,
+        "block_size": cfg.block_size, "prefix_cache": cfg.prefix_cache, "eviction": cfg.eviction,
+        "trust_groups": cfg.trust_groups,
         "pool_blocks": dep.pool_blocks, "pool_bytes": dep.pool_blocks * dep.block_bytes,
         "block_bytes": dep.block_bytes, "pool_source": dep.pool_source,
         "host_blocks": dep.host_blocks,
-        "requests": len(reqs), "completed": len(done), "finish_reasons": reasons,
-        "steps": result.steps, "sim_duration_s": span,
-        "throughput_tok_s": out_tokens / span,
-        "throughput_req_s": len(done) / span,
-        "total_tok_s": (out_tokens + prompt_tokens_done) / span,
-        "output_tokens": out_tokens,
-        "ttft_s": _stats([r.ttft_s for r in reqs if r.ttft_s is not None]),
-        "tpot_s": _stats([r.tpot_s for r in reqs if r.tpot_s is not None]),
-        "e2e_s": _stats([r.e2e_s for r in done]),
+        "requests": run["requests"], "completed": run["completed"], "finish_reasons": run["finish_reasons"],
+        "steps": result.steps, "sim_duration_s": run["duration_s"],
+        "throughput_tok_s": run["throughput_tok_s"],
+        "throughput_req_s": run["throughput_req_s"],
+        "total_tok_s": run["total_tok_s"],
+        "output_tokens": run["output_tokens"],
+        "ttft_s": run["ttft_s"], "tpot_s": run["tpot_s"], "e2e_s": run["e2e_s"],
         "preemptions": result.preemptions,
-        "preempted_requests": sum(1 for r in reqs if r.preemptions),
-        "prefix_hit_tokens": hit, "prompt_tokens": prompt_tokens,
-        "prefix_hit_rate": hit / prompt_tokens if prompt_tokens else 0.0,
+        "preempted_requests": run["preempted_requests"],
+        "prefix_hit_tokens": run["prefix_hit_tokens"], "readmit_hit_tokens": run["readmit_hit_tokens"],
+        "prompt_tokens": run["prompt_tokens"], "prefix_hit_rate": run["prefix_hit_rate"],
         "memory_time_avg": memory,
         "peak_running": max(tl.running, default=0),
         "mean_running": (sum(r * w for r, w in zip(tl.running, weights, strict=True)) / total_w) if total_w else 0.0,
@@ -494,9 +466,33 @@ def prepare_workload(requests: Sequence[SimRequest], config: SimConfig, max_mode
 # ---- the simulation loop ---------------------------------------------------------------------------
 
 
-def _forget(sched: Scheduler, rid: str) -> None:
-    """Drop a finished request's branches (and their token lists) from the scheduler."""
-    sched.forget(rid)
+class CostModelExecutor:
+    """The simulator's executor: a step takes the cost model's time for its prefill chunks and decodes
+    plus the transfer wait the plan names; every sampling sequence gets ``SAMPLED_TOKEN``, or
+    ``STOP_TOKEN`` for the last token of its trace output when the request carries that length as its
+    payload (``declared_max_new``)."""
+
+    def __init__(self, step_time: Callable[[list[tuple[int, int]], list[int]], float]) -> None:
+        self.step_time = step_time
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        prefills, decodes = plan.prefills, plan.decodes
+        dt = self.step_time([(w.end - w.start, w.start) for w in prefills], [w.end for w in decodes]) \
+            if prefills or decodes else 0.0
+        out = StepOutput(elapsed_s=dt + plan.transfer_wait_s)
+        sampled = out.sampled
+        token, stop = [SAMPLED_TOKEN], [STOP_TOKEN]
+        for w in (*prefills, *decodes):
+            if not w.sample:
+                continue
+            req = w.request
+            trace_len = req.payload if req is not None else None
+            # The token sampled now sits at position w.end: output number w.end - prompt + 1.
+            if trace_len is not None and w.end - len(req.prompt) + 1 >= trace_len:
+                sampled[w.seq_id] = stop
+            else:
+                sampled[w.seq_id] = token
+        return out
 
 
 Progress = Callable[[float, int, int], None]  # (sim time, requests finished, requests total)
@@ -509,185 +505,68 @@ class Simulator:
         self.config = config
         self.dep = deployment or build_deployment(config)
 
+    def _arrivals(self, workload: Sequence[SimRequest]) -> Iterator[GenRequest]:
+        """The trace as scheduler requests, built only when the driver pulls them (prompts are
+        materialised lazily, at most ``feed_window`` requests ahead of admission)."""
+        cfg, dep = self.config, self.dep
+        contexts: dict[str, CacheContext] = {}
+        declared, max_len = cfg.declared_max_new, dep.max_model_len
+        stop_ids = frozenset({STOP_TOKEN})
+        for r in workload:
+            ctx = contexts.get(r.trust_group)
+            if ctx is None:
+                ctx = contexts[r.trust_group] = CacheContext(trust_group=r.trust_group, model=str(cfg.model),
+                                                             kv_dtype=dep.spec.kv_dtype)
+            if declared is None:
+                yield GenRequest(r.request_id, r.prompt_tokens.tolist(), r.output_len, ctx, n=r.n,
+                                 priority=r.priority, arrival_s=r.arrival_s)
+            else:
+                allowance = max(declared, r.output_len)
+                if max_len is not None:
+                    allowance = max(min(allowance, max_len - r.prompt_len), r.output_len)
+                yield GenRequest(r.request_id, r.prompt_tokens.tolist(), allowance, ctx, n=r.n, priority=r.priority,
+                                 arrival_s=r.arrival_s, stop_token_ids=stop_ids, payload=r.output_len)
+
     def run(self, requests: Sequence[SimRequest], *, progress: Progress | None = None,
             progress_every: int = 2000) -> SimResult:
         cfg, dep = self.config, self.dep
         wall0 = time.perf_counter()
         workload, notes = prepare_workload(requests, cfg, dep.max_model_len)
         bs = dep.spec.block_size
-        ledger = KVLedger(dep.pool_blocks, bs, prefix_caching=cfg.prefix_cache)
-        sched_cfg = SchedulerConfig(policy=cfg.policy, on_growth_failure=cfg.on_growth_failure,
-                                    victim=cfg.victim, recovery=cfg.recovery, max_running=cfg.max_running,
-                                    token_budget=cfg.token_budget, prefill_chunk=cfg.prefill_chunk,
-                                    watermark=cfg.watermark)
+        ledger = KVLedger(dep.pool_blocks, bs, prefix_caching=cfg.prefix_cache, policy=make_policy(cfg.eviction))
         host = HostPool(dep.host_blocks, dep.block_bytes) if dep.host_blocks else None
-        sched = Scheduler(ledger, sched_cfg, host=host, costs=_recovery_costs(dep))
+        sched = Scheduler(ledger, cfg.scheduler, host=host, costs=_recovery_costs(dep))
         self.scheduler = sched  # kept for inspection after the run
-        step_time = dep.cost.step_time
-        pool = ledger.pool
-        seq_of = ledger.sequence
-        contexts: dict[str, CacheContext] = {}
-        model_name = str(cfg.model)
-
-        records: dict[str, RequestRecord] = {}
-        out_records: list[RequestRecord] = []
-        awaiting_first: dict[str, RequestRecord] = {}  # admitted, no token yet
         tl = Timeline()
         preempt = {"recompute": 0, "swap": 0}
-        total = len(workload)
-        i_next = 0
-        now = 0.0
-        steps = 0
         sample_every = cfg.sample_every
-        check_every = cfg.check_every
-        feed_window = cfg.feed_window
-        token = (SAMPLED_TOKEN,)
-        declared = cfg.declared_max_new
-        max_len = dep.max_model_len
-        stop_ids = frozenset({STOP_TOKEN})
-        stop = (STOP_TOKEN,)
-        remaining: dict[str, int] = {}  # seq id -> tokens still to generate (declared_max_new only)
-        stuck_cancelled = 0
-        idle_steps = 0
+        seq_of, pool = ledger.sequence, ledger.pool
 
-        def finish(rid: str, at: float) -> None:
-            rec = records.pop(rid)
-            branches = sched.branches(rid)
-            rec.finish_s = at
-            rec.generated = sum(br.num_generated for br in branches)
-            rec.preemptions = max(br.preemptions for br in branches)
-            reasons = [br.finish_reason or "" for br in branches]
-            rec.finish_reason = reasons[0] if len(set(reasons)) == 1 else ",".join(sorted(set(reasons)))
-            if rec.first_token_s is None and rec.generated:
-                rec.first_token_s = at
-            awaiting_first.pop(rid, None)
-            out_records.append(rec)
-            _forget(sched, rid)
-
-        while True:
-            # -- arrivals --
-            if i_next < total and not sched.has_work() and workload[i_next].arrival_s > now:
-                now = workload[i_next].arrival_s  # idle until the next arrival
-            while i_next < total and workload[i_next].arrival_s <= now and len(sched.waiting) < feed_window:
-                r = workload[i_next]
-                i_next += 1
-                ctx = contexts.get(r.trust_group)
-                if ctx is None:
-                    ctx = contexts[r.trust_group] = CacheContext(trust_group=r.trust_group, model=model_name,
-                                                                 kv_dtype=dep.spec.kv_dtype)
-                if declared is None:
-                    sched.add(GenRequest(r.request_id, r.prompt_tokens.tolist(), r.output_len, ctx, n=r.n,
-                                         priority=r.priority, arrival_s=r.arrival_s))
-                else:
-                    allowance = max(declared, r.output_len)
-                    if max_len is not None:
-                        allowance = max(min(allowance, max_len - r.prompt_len), r.output_len)
-                    sched.add(GenRequest(r.request_id, r.prompt_tokens.tolist(), allowance, ctx, n=r.n,
-                                         priority=r.priority, arrival_s=r.arrival_s, stop_token_ids=stop_ids))
-                    rid0 = r.request_id
-                    for b in range(r.n):
-                        remaining[rid0 if b == 0 else f"{rid0}/{b}"] = r.output_len
-                records[r.request_id] = RequestRecord(r.request_id, r.trust_group, r.arrival_s, r.prompt_len,
-                                                      r.output_len, r.n)
-            if not sched.has_work():
-                if i_next >= total:
-                    break
-                continue
-
-            # -- one step --
-            plan = sched.schedule()
-            steps += 1
-            t0 = now
-            for rid in plan.admitted:
-                rec = records.get(rid)
-                if rec is None:
-                    continue
-                sid = rid if rid in ledger else next(
-                    (br.seq_id for br in sched.branches(rid) if br.seq_id in ledger), None)
-                if sid is None:
-                    continue
-                hits = seq_of(sid).hit_blocks * bs
-                if rec.admitted_s is None:
-                    rec.admitted_s = t0
-                    rec.hit_tokens = hits
-                    awaiting_first[rid] = rec
-                else:
-                    rec.readmit_hit_tokens += hits
+        def planned(plan: StepPlan, t0: float) -> None:
             for p in plan.preempted:
                 preempt[p.mode] = preempt.get(p.mode, 0) + 1
-            prefills, decodes = plan.prefills, plan.decodes
-            if steps % sample_every == 0 or not (prefills or decodes):
+            if driver.steps % sample_every == 0 or not (plan.prefills or plan.decodes):
                 self._sample(tl, sched, seq_of, pool, ledger, bs, t0)
-            if prefills or decodes:
-                dt = step_time([(w.end - w.start, w.start) for w in prefills], [w.end for w in decodes])
-            else:
-                dt = 0.0
-            dt += plan.transfer_wait_s
-            if steps % sample_every == 0 or not (prefills or decodes):
-                tl.dt_s.append(dt)
-                tl.prefill_tokens.append(sum(w.end - w.start for w in prefills))
-                tl.decodes.append(len(decodes))
-            now = t0 + dt
-            sampled = {w.seq_id: token for w in decodes}
-            for w in prefills:
-                if w.sample:
-                    sampled[w.seq_id] = token
-            if declared is not None:
-                for sid in sampled:
-                    left = remaining[sid] - 1
-                    if left <= 0:
-                        sampled[sid] = stop
-                        del remaining[sid]
-                    else:
-                        remaining[sid] = left
-            done = sched.confirm(plan, sampled)
-            if check_every and steps % check_every == 0:
-                sched.check()
 
-            # -- completions --
-            if awaiting_first:
-                for rid in [rid for rid, rec in awaiting_first.items()
-                            if any(br.num_generated for br in sched.branches(rid))]:
-                    awaiting_first.pop(rid).first_token_s = now
-            for rid, _reason in plan.ended:
-                rid = rid.split("/", 1)[0]
-                if rid in records and rid in sched.finished:
-                    finish(rid, t0)
-            for br in done:
-                rid = br.request.request_id
-                if rid in records and rid in sched.finished:
-                    finish(rid, now)
+        def executed(plan: StepPlan, output: StepOutput) -> None:
+            if driver.steps % sample_every == 0 or not (plan.prefills or plan.decodes):
+                tl.dt_s.append(output.elapsed_s)
+                tl.prefill_tokens.append(sum(w.end - w.start for w in plan.prefills))
+                tl.decodes.append(len(plan.decodes))
 
-            if prefills or decodes or plan.swap_in or plan.swap_out or plan.copies:
-                idle_steps = 0
-            elif not (plan.admitted or plan.preempted or plan.ended):
-                # Nothing could run and nothing changed: no lease is outstanding between steps, so the
-                # pool will look the same next step. The stuck request is rejected (see _stuck_victim).
-                victim = self._stuck_victim(sched)
-                if victim is not None:
-                    stuck_cancelled += 1
-                    rec = records.get(victim)
-                    alone = not sched.running
-                    sched.cancel(victim)
-                    if rec is not None:
-                        finish(victim, now)
-                        rec.finish_reason = ("rejected: cannot run even with the pool to itself" if alone
-                                             else "rejected: stuck (no running request could grow)")
-            else:
-                idle_steps += 1
-                if idle_steps > 10_000:
-                    raise InvariantError("the scheduler made no progress for 10,000 steps (livelock)")
-            if progress is not None and steps % progress_every == 0:
-                progress(now, len(out_records), total)
-
-        if progress is not None:
-            progress(now, len(out_records), total)
-        for rid in list(records):  # never finished (cannot happen unless a run is cut short)
-            out_records.append(records.pop(rid))
-        if stuck_cancelled:
-            notes.append(f"{stuck_cancelled} request(s) could not run even with nothing else running "
-                         "(watermark, max_running or a deadlock) and were rejected")
-        never = sum(1 for r in out_records if r.finish_reason.startswith("never"))
+        driver = Driver(sched, CostModelExecutor(dep.cost.step_time), clock=VirtualClock(),
+                        feed_window=cfg.feed_window, check_every=cfg.check_every, on_planned=planned,
+                        on_executed=executed, keep_records=True)
+        total = len(workload)
+        report = None if progress is None else (
+            lambda d: progress(d.clock.now(), len(d.records), total))  # noqa: E731
+        driver.run(self._arrivals(workload), origin=0.0, progress=report, progress_every=progress_every)
+        records = driver.records
+        stuck = sum(1 for r in records if r.finish_reason in (REJECTED_NO_ROOM, REJECTED_OUTGREW))
+        if stuck:
+            notes.append(f"{stuck} request(s) could not run even with nothing else running (they outgrew the "
+                         "pool, or the pool could not take them back) and were rejected")
+        never = sum(1 for r in records if r.finish_reason.startswith("never"))
         if never:
             notes.append(f"{never} request(s) are larger than the whole pool and were rejected")
         stats = ledger.stats()
@@ -695,21 +574,11 @@ class Simulator:
                     "ledger_prefix_cache": stats["prefix_cache"]}
         if host is not None:
             counters["host_blocks_used_at_end"] = host.num_used
-        out_records.sort(key=lambda r: (r.arrival_s, r.request_id))
-        return SimResult(cfg, dep, out_records, tl, steps, preempt, counters, notes,
+        records.sort(key=lambda r: (r.arrival_s, r.request_id))
+        return SimResult(cfg, dep, records, tl, driver.steps, preempt, counters, notes,
                          time.perf_counter() - wall0)
 
     # -- helpers --
-
-    @staticmethod
-    def _stuck_victim(sched: Scheduler) -> str | None:
-        if sched.running:  # every running request is stuck (e.g. defer with a single request)
-            return max(sched.running, key=lambda rid: sched.running[rid][0].admitted_order)
-        if sched.swapped:
-            return sched.swapped[0][0].request.request_id
-        if sched.waiting:
-            return sched.waiting[0][0].request.request_id
-        return None
 
     @staticmethod
     def _sample(tl: Timeline, sched: Scheduler, seq_of: Callable[[str], Any], pool: Any, ledger: KVLedger,
@@ -803,8 +672,9 @@ def prefix_hit_bound(requests: Sequence[SimRequest], block_size: int, *, isolate
 
 def simulate(requests: Sequence[SimRequest], config: SimConfig | None = None, *,
              progress: Progress | None = None, **overrides: Any) -> SimResult:
-    """Convenience: ``simulate(requests, policy="incremental", pool_blocks=4096)``."""
-    config = replace(config or SimConfig(), **overrides)
+    """Convenience: ``simulate(requests, policy="incremental", pool_blocks=4096)`` (simulation or
+    scheduler keys)."""
+    config = (config or SimConfig()).with_values(**overrides)
     return Simulator(config).run(requests, progress=progress)
 
 
@@ -822,7 +692,8 @@ def run_sweep(requests: Sequence[SimRequest], base: SimConfig, grid: Sequence[tu
 
 
 __all__ = [
-    "BREAKDOWN_KEYS", "CPU_LOCAL", "SWEEP_KEYS", "Deployment", "RequestRecord", "SimConfig", "SimResult",
-    "Simulator", "Timeline", "build_deployment", "parse_sweep", "parse_value", "percentile",
+    "BREAKDOWN_KEYS", "CPU_LOCAL", "SWEEP_KEYS", "CostModelExecutor", "Deployment",
+    "RequestRecord", "SimConfig", "SimResult", "Simulator", "Timeline", "build_deployment", "distribution",
+    "parse_sweep", "parse_value", "percentile",
     "prefix_hit_bound", "prepare_workload", "run_sweep", "simulate", "summarize", "sweep_configs",
 ]

@@ -1,0 +1,156 @@
+"""Restoring swapped requests, admitting waiting ones, and the liveness rule for queued requests.
+
+Mixed into :class:`~kvledger.scheduler.scheduler.Scheduler` (its state, its ledger). A fresh request is
+one ledger admission with ``branches=n``; a preempted family -- recomputed or swapped -- comes back in one
+``KVLedger.admit_family`` decision, all-or-nothing, changing nothing when refused.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from ..core.types import Outcome, Request
+from .growth import NEVER_BRANCHES, NEVER_POOL, REJECTED_NO_ROOM, REJECTED_OUTGREW
+from .plan import Admission, Branch, Status, StepPlan
+from .policies import reserve_tokens
+from .queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+class AdmissionOps:
+    # ---- restoring and admitting ----------------------------------------------------------------
+    def _ledger_request(self: Scheduler, br: Branch, fresh: bool, readmission: bool) -> Request:
+        req = br.request
+        remaining = req.max_new_tokens - br.num_generated
+        reserve = reserve_tokens(self.config, self.lengths, req.max_new_tokens, remaining)
+        n = br.in_ledger if br.status is Status.SWAPPED else len(br.tokens)
+        # The same prompt object on every attempt while the unit waits: the ledger then remembers its
+        # digests instead of hashing the prompt again each step.
+        prompt = br.ledger_prompt
+        if prompt is None or len(prompt) != n:
+            prompt = br.ledger_prompt = tuple(br.tokens[:n])
+        return Request(br.seq_id, prompt, remaining + (len(br.tokens) - n), req.context,
+                       reserve_new_tokens=min(reserve, remaining), branches=req.n if fresh else 1,
+                       lookahead=req.lookahead, family=req.request_id, read_prefix_cache=req.read_prefix_cache,
+                       readmission=readmission)
+
+    def _admit_unit(self: Scheduler, unit: list[Branch], plan: StepPlan) -> Outcome:
+        first = unit[0]
+        readmission = first.admitted_order >= 0
+        fresh = not readmission and len(unit) == first.request.n and all(br.num_generated == 0 for br in unit)
+        ledger = self.ledger
+        # The watermark protects running requests' growth; with nothing running it would only stop a
+        # request that fits the pool from ever starting.
+        keep_free = self._keep_free if self.running else 0
+        if fresh:
+            decision = ledger.admit(self._ledger_request(first, True, False), keep_free)
+        else:
+            # A preempted family comes back whole or not at all (gang semantics), in one ledger decision
+            # that changes nothing when it refuses; its branches share their common full blocks as they
+            # did before (with or without prefix caching), so a family that fitted fits again.
+            decision = ledger.admit_family([self._ledger_request(br, False, readmission) for br in unit], keep_free)
+        if not decision.admitted:
+            return decision.outcome
+        rid = first.request.request_id
+        bs = ledger.block_size
+        cached = 0
+        restoring = first.status is Status.SWAPPED
+        restored_blocks: set[int] = set()
+        hit_ready = ledger.ready_tokens(first.seq_id) if fresh else None
+        for i, br in enumerate(unit):
+            br.admitted_order = self._order
+            seq = ledger.sequence(br.seq_id)
+            br.blocks = blocks = seq.table.blocks
+            br.ledger_prompt = None
+            if restoring:
+                written = ledger.pool.written
+                for j in range(seq.hit_blocks, len(blocks)):
+                    if blocks[j] not in restored_blocks:  # a block the family shares comes back once
+                        restored_blocks.add(blocks[j])
+                        plan.swap_in.append((br.host_blocks[j], blocks[j]))
+                # Prefix hits need no transfer, but one that another request is still filling cannot
+                # be read yet: recompute from there. A prefill cut short by the swap resumes where it was.
+                ready = next((j for j in range(seq.hit_blocks) if not written[blocks[j]]), seq.hit_blocks)
+                br.computed = min(br.computed, br.in_ledger - 1, ready * bs
+                                  if ready < seq.hit_blocks else br.in_ledger - 1)
+                if i == 0:
+                    cached = min(ready * bs, br.in_ledger - 1)
+                self._restored.append(br)
+            else:
+                br.in_ledger = len(br.tokens)
+                br.computed = hit_ready if hit_ready is not None else ledger.ready_tokens(br.seq_id)
+                br.computed = min(br.computed, len(br.tokens) - 1)
+                if i == 0:
+                    cached = br.computed  # the tokens it really skips: written hits, not pending ones
+            br.status = Status.RUNNING
+        if restored_blocks:
+            plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(restored_blocks), self.costs.block_bytes)
+        self._order += 1
+        self.running[rid] = list(unit)
+        plan.admitted.append(rid)
+        plan.admissions.append(Admission(rid, cached, readmission))
+        return Outcome.ADMITTED
+
+    def _swap_in(self: Scheduler, plan: StepPlan) -> None:
+        while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
+            unit = self.swapped[0]
+            if unit[0].request.request_id in self._swapped_now:
+                break  # its blocks come free only when this step's transfer is done
+            outcome = self._admit_unit(unit, plan)
+            if outcome is Outcome.NEVER:
+                self._end_unit(self.swapped, unit, REJECTED_OUTGREW, plan)
+                continue
+            if outcome is not Outcome.ADMITTED:
+                break
+            self.swapped.popleft()
+
+    def _end_unit(self: Scheduler, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
+                  plan: StepPlan) -> None:
+        """End a queued unit (waiting or swapped) that will never run, freeing its host copies."""
+        queue.remove(unit)
+        self._free_host_blocks(unit)
+        for br in unit:
+            br.status = Status.FINISHED
+            br.finish_reason = why
+            br.ledger_prompt = None
+            plan.ended.append((br.seq_id, why))
+        self._finish_request(unit[0].request.request_id, why)
+
+    def _admit(self: Scheduler, plan: StepPlan, budget: int) -> None:
+        waiting = self.waiting
+        max_running = self.config.max_running
+        while waiting and budget > 0:
+            unit = waiting.head()
+            if len(unit) > max_running:
+                outcome = Outcome.NEVER  # more branches than may ever run at once
+            elif len(self._live()) + len(unit) > max_running:
+                break
+            else:
+                outcome = self._admit_unit(unit, plan)
+            if outcome is Outcome.NEVER:
+                if len(unit) > max_running:
+                    why = NEVER_BRANCHES
+                else:  # a preempted family that no longer fits even the empty pool outgrew it
+                    why = REJECTED_OUTGREW if unit[0].admitted_order >= 0 else NEVER_POOL
+                self._end_unit(waiting, unit, why, plan)
+                continue
+            if outcome is not Outcome.ADMITTED:
+                break  # priority order, first come first served: nobody overtakes the head of the queue
+            waiting.popleft()
+            for br in unit:
+                budget = self._schedule_branch(br, plan, budget)
+
+    def _liveness(self: Scheduler, plan: StepPlan) -> None:
+        """The liveness rule for queued requests. When a step does nothing at all while nothing runs and
+        no memory is in transit, the pool is as empty as this scheduler can make it: a swapped or
+        waiting unit at the head of its queue that still does not fit never will. It ends with
+        ``REJECTED_NO_ROOM`` instead of blocking every later request. (Running requests that cannot
+        grow are handled in ``_grow``; a request that can never fit even an empty pool ends ``never``.)"""
+        if self.running or plan.progressed or self.ledger.pool.deferred:
+            return
+        queue: WaitingQueue | deque[list[Branch]] = self.swapped if self.swapped else self.waiting
+        if queue:
+            self._end_unit(queue, queue[0], REJECTED_NO_ROOM, plan)

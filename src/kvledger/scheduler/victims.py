@@ -1,0 +1,70 @@
+"""Victim policies: which running request gives its memory back when another one cannot grow.
+
+A policy is a key function over one candidate (all branches of a request count as one); the victim is
+the candidate with the smallest ``(key, -admission order)``, so every tie goes to the request admitted
+last (it has had the least service). Policies are registered in :data:`VICTIM_POLICIES`.
+
+``min_waste`` is InferCept's "memory x time wasted": ``held x replay`` where *held* is the distinct
+blocks the request's branches hold and *replay* the tokens a recompute would run again -- per branch,
+all of its tokens minus its leading full written blocks that other requests also hold (they stay cached
+whatever happens to this request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .plan import Branch
+from .registry import Registry
+
+if TYPE_CHECKING:
+    from ..core.ledger import KVLedger
+
+# (ledger, the candidate's live branches) -> key; the smallest key is the victim
+VictimKey = Callable[["KVLedger", Sequence[Branch]], float]
+
+
+def held_blocks(ledger: KVLedger, branches: Sequence[Branch]) -> int:
+    """Distinct device blocks the branches hold."""
+    return len({b for br in branches for b in ledger.sequence(br.seq_id).table.blocks})
+
+
+def replay_tokens(ledger: KVLedger, branches: Sequence[Branch]) -> int:
+    """Tokens a recompute must run again: all of them, minus leading full written blocks other
+    requests still hold (they stay in the prefix index whatever happens to this request)."""
+    mine = len(branches)  # references this family itself holds on a shared block
+    ref = ledger.pool.ref
+    total = 0
+    for br in branches:
+        seq = ledger.sequence(br.seq_id)
+        kept = 0
+        for b in seq.table.blocks[: seq.written_blocks]:
+            if ref[b] <= mine:
+                break
+            kept += 1
+        total += len(br.tokens) - kept * ledger.block_size
+    return total
+
+
+VICTIM_POLICIES: Registry[VictimKey] = Registry("victim policy")
+VICTIM_POLICIES.register("latest", lambda ledger, branches: 0,
+                         "the request admitted last")
+VICTIM_POLICIES.register("priority", lambda ledger, branches: branches[0].request.priority,
+                         "the lowest GenRequest.priority; the latest admitted among equals")
+VICTIM_POLICIES.register("least_computed", lambda ledger, branches: sum(br.computed for br in branches),
+                         "the fewest computed tokens over its branches")
+VICTIM_POLICIES.register("min_waste",
+                         lambda ledger, branches: held_blocks(ledger, branches) * replay_tokens(ledger, branches),
+                         "the smallest held blocks x tokens a recompute replays (InferCept's waste)")
+
+
+def pick_victim(policy: str, ledger: KVLedger, running: dict[str, list[Branch]]) -> str | None:
+    """The request ``policy`` preempts among ``running`` (request id -> live branches)."""
+    if not running:
+        return None
+    key = VICTIM_POLICIES[policy]
+    return min(running, key=lambda rid: (key(ledger, running[rid]), -running[rid][0].admitted_order))
+
+
+__all__ = ["VICTIM_POLICIES", "VictimKey", "held_blocks", "pick_victim", "replay_tokens"]

@@ -1,0 +1,163 @@
+"""Beam search in the scheduler layer, without torch: ``BeamSearch`` driven by the one step loop with
+an executor that returns scripted candidates. The result must equal a plain beam search over the same
+candidate function (no cache, no scheduler), also when beams are held back (a prefill cut by the token
+budget); every step is checked by ``FakeEngine``'s KV model."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from kvledger.core.ledger import KVLedger
+from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
+from kvledger.scheduler.beam import BeamSearch, select_beams
+
+try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
+    from tests.test_scheduler import BS, FakeEngine, toks
+except ImportError:  # pragma: no cover
+    from test_scheduler import BS, FakeEngine, toks
+
+STOP = 3
+
+
+def candidates(tokens: list[int], k: int, stop_every: int = 0) -> list[tuple[float, int]]:
+    """The model: ``k`` best (logprob, token) of the sequence ``tokens``, best first, distinct scores.
+    With ``stop_every``, the stop token is among them for some prefixes."""
+    h = zlib.crc32(bytes(str(tokens), "ascii"))
+    out = []
+    for i in range(k):
+        token = 10 + (h >> (i % 16)) % 50 + 60 * i
+        if stop_every and (h + i) % stop_every == 0:
+            token = STOP
+        out.append((-0.1 * (i + 1) - (h % 97) / 1000 - i * 0.013, token))
+    return out
+
+
+def reference(prompt: list[int], width: int, steps: int, stop: frozenset[int] = frozenset(),
+              stop_every: int = 0) -> list[tuple[float, list[int], str]]:
+    """Plain beam search with the same selection rule (kvledger.scheduler.beam.select_beams)."""
+    beams: list[tuple[str, float, list[int]]] = [("b0", 0.0, [])]
+    hyps: list[tuple[float, list[int], str]] = []
+    for n in range(steps):
+        cands = {sid: candidates(prompt + out, 2 * width, stop_every) for sid, _, out in beams}
+        running, finished = select_beams([(sid, score) for sid, score, _ in beams], cands, width, stop,
+                                         first_step=n == 0)
+        outs = {sid: out for sid, _, out in beams}
+        hyps += [(c.score, outs[c.parent] + [c.token], "stop") for c in finished]
+        hyps = sorted(hyps, key=lambda h: -h[0])[:width]
+        done = not running or n + 1 >= steps or (len(hyps) >= width and running[0].score <= hyps[-1][0])
+        if done:
+            final = hyps + [(c.score, outs[c.parent] + [c.token], "length") for c in running]
+            return sorted(final, key=lambda h: -h[0])[:width]
+        beams = [(f"b{i}", c.score, outs[c.parent] + [c.token]) for i, c in enumerate(running)]
+    raise AssertionError("unreachable")
+
+
+class BeamModel(FakeEngine):
+    """FakeEngine's KV checks, plus candidates for beam works from ``candidates``."""
+
+    def __init__(self, s: Scheduler, stop_every: int = 0) -> None:
+        super().__init__(s)
+        self.stop_every = stop_every
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        self.s.check()
+        sampled = self.run(plan)  # writes KV and checks every read
+        out = StepOutput()
+        for w in (*plan.prefills, *plan.decodes):
+            if w.sample:
+                assert w.request is not None and w.request.beam
+                out.candidates[w.seq_id] = candidates(list(w.tokens[: w.end]), 2 * w.request.n, self.stop_every)
+                sampled.pop(w.seq_id, None)
+        return out
+
+
+def run_beam(prompt: list[int], width: int, steps: int, num_blocks: int = 64, token_budget: int = 8192,
+             stop_every: int = 0) -> tuple[Driver, object]:
+    s = Scheduler(KVLedger(num_blocks, BS), SchedulerConfig(policy="full", token_budget=token_budget))
+    driver = Driver(s, BeamModel(s, stop_every), check_every=1, keep_records=True)
+    stop = frozenset({STOP}) if stop_every else frozenset()
+    driver.submit(GenRequest("r", prompt, steps, n=width, beam=True, stop_token_ids=stop))
+    finished = []
+    while driver.has_work():
+        finished += driver.step().finished
+    (f,) = finished
+    return driver, f
+
+
+@pytest.mark.parametrize("width", [1, 2, 3])
+def test_beam_search_equals_a_plain_beam_search(width: int) -> None:
+    prompt = toks(6, 100)
+    driver, f = run_beam(prompt, width, 7)
+    ref = reference(prompt, width, 7)
+    assert f.outputs == [h[1] for h in ref]
+    assert f.scores == pytest.approx([h[0] for h in ref])
+    assert f.finish_reasons == [h[2] for h in ref]
+    assert f.metrics.generated == sum(len(h[1]) for h in ref) and f.metrics.longest == 7
+    assert driver.beams.states == {}  # forgotten when finished
+    assert_clean(driver)
+
+
+def test_stop_tokens_finish_hypotheses() -> None:
+    prompt = toks(5, 40)
+    driver, f = run_beam(prompt, 2, 9, stop_every=4)
+    ref = reference(prompt, 2, 9, frozenset({STOP}), stop_every=4)
+    assert "stop" in [h[2] for h in ref]  # the scenario does end a hypothesis with a stop token
+    assert (f.outputs, f.finish_reasons) == ([h[1] for h in ref], [h[2] for h in ref])
+    assert_clean(driver)
+
+
+def test_beams_are_held_back_until_they_sample_at_one_position() -> None:
+    """A 7-token budget cuts the second beam's prefill of the 6-token prompt: the first beam would sample
+    alone, so its prefill stops one token short (no sample) until both can sample together."""
+    prompt = toks(6, 100)
+    driver, f = run_beam(prompt, 2, 5, token_budget=7)
+    assert driver.beams.held_back > 0
+    assert f.outputs == [h[1] for h in reference(prompt, 2, 5)]
+    assert_clean(driver)
+
+
+def test_cancelling_a_beam_request_ends_every_beam() -> None:
+    s = Scheduler(KVLedger(64, BS), SchedulerConfig(policy="full"))
+    driver = Driver(s, BeamModel(s), check_every=1, keep_records=True)
+    driver.submit(GenRequest("r", toks(6, 1), 8, n=2, beam=True))
+    driver.step()
+    driver.step()
+    driver.cancel("r")
+    finished = []
+    while driver.has_work():
+        finished += driver.step().finished
+    (f,) = finished
+    assert (f.outputs, f.finish_reasons, f.scores) == ([[]], ["cancelled"], None)
+    assert_clean(driver)
+
+
+def test_the_beam_state_follows_forks_and_prunes() -> None:
+    s = Scheduler(KVLedger(64, BS), SchedulerConfig(policy="full"))
+    beams = BeamSearch(s)
+    req = GenRequest("r", toks(5, 1), 4, n=2, beam=True)
+    s.add(req)
+    beams.add(req)
+    assert "r" in beams and beams.states["r"].order == ["r", "r/1"]
+    engine = BeamModel(s)
+    for _ in range(3):
+        plan = s.schedule()
+        out = engine.execute(plan)
+        beams.choose(plan, out.candidates, out.sampled)
+        s.confirm(plan, out.sampled)
+        beams.fork()
+        state = beams.states["r"]
+        live = [br.seq_id for br in s.running["r"]]
+        assert sorted(state.order) == sorted(live) and set(state.scores) == set(live)
+        assert state.pending == [] and state.forks == []
+    assert beams.outcome("r")[2] is None  # not over yet: no scores
+
+
+def assert_clean(driver: Driver) -> None:
+    s = driver.scheduler
+    s.check()
+    u = s.ledger.usage()
+    assert (u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), u
+    assert s.ledger.outstanding_leases() == 0
+    assert not driver.has_work()

@@ -253,10 +253,11 @@ def gpus_cmd(as_json: bool) -> None:
 
 # Commands whose heavy imports (torch, matplotlib) happen only when they run; each module keeps its
 # top level light so that `kvledger plan` stays fast.
+from .diagnose_cmds import diagnose_cmd  # noqa: E402
 from .runtime_cmds import generate_cmd, serve_trace_cmd  # noqa: E402
 from .sim_cmds import calibrate_cmd, simulate_cmd  # noqa: E402
 
-for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd):
+for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd, diagnose_cmd):
     app.add_command(_cmd)
 
 

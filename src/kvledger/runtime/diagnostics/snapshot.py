@@ -52,8 +52,9 @@ class MemorySnapshot:
     # ---- the headline attribution -------------------------------------------------------------------
     def attribution(self) -> dict[str, int]:
         """Where the device's (or process's) bytes are, in one partition that sums to ``device_used``:
-        weights, the KV pool split by block state, other tensors, the allocator's cache, the allocator's
-        non-tensor bytes, and the rest (runtime, libraries, CUDA context, external allocations)."""
+        weights, the KV pool split by block state (live, orphaned -- held for no live owner --, retained,
+        free and promised, free), other tensors, the allocator's cache, the allocator's non-tensor bytes,
+        and the rest (runtime, libraries, CUDA context, external allocations)."""
         dev = self.device
         t = self.tensors
         weights = t.owner_bytes("weights", dev)
@@ -62,14 +63,15 @@ class MemorySnapshot:
         if self.pool is not None and kv:
             p = self.pool
             promised_free = min(p.promised, p.free)
-            parts = {"kv_live": p.active, "kv_retained": p.retained, "kv_promised": promised_free,
-                     "kv_free": p.free - promised_free}
+            orphaned = p.orphan_blocks
+            parts = {"kv_live": p.active - orphaned, "kv_orphaned": orphaned, "kv_retained": p.retained,
+                     "kv_promised": promised_free, "kv_free": p.free - promised_free}
             scale = kv / max(1, p.total)
             for name, blocks in parts.items():
                 out[name] = int(blocks * scale)
             out["kv_live"] += kv - sum(out[n] for n in parts)  # rounding goes to live
         else:
-            out["kv_live"], out["kv_retained"], out["kv_promised"], out["kv_free"] = kv, 0, 0, 0
+            out.update({"kv_live": kv, "kv_orphaned": 0, "kv_retained": 0, "kv_promised": 0, "kv_free": 0})
         tensors_here = t.total(dev)
         out["other_tensors"] = tensors_here - weights - kv
         out["allocator_cache"] = self.allocator.cached

@@ -13,6 +13,7 @@ Call everything from the thread that steps the engine (``engine.step`` / ``run_u
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,9 +80,11 @@ class MemorySampler:
 
     # ---- attaching ------------------------------------------------------------------------------------
     def attach(self) -> MemorySampler:
-        """Take the baseline snapshot and start sampling."""
+        """Take the baseline snapshot and start sampling. Garbage awaiting collection is collected first:
+        freed later, in the middle of the run, it would move the allocator for reasons the run never had."""
         if self._attached:
             return self
+        gc.collect()
         driver = self.engine.driver
         self._previous_planned = driver.on_planned
         driver.on_planned = self._planned

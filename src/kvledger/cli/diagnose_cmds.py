@@ -62,6 +62,10 @@ def _has_timestamps(path: str) -> bool:
               help="Weights and KV dtype of the engine.")
 @click.option("--requests", type=int, default=12, show_default=True,
               help="Requests of the built-in workload (waves of 4 every 12 steps, varied lengths, two tenants).")
+@click.option("--max-prompt", type=int, default=320, show_default=True,
+              help="Longest prompt of the built-in workload (prompts are 16..N tokens).")
+@click.option("--max-new", type=int, default=40, show_default=True,
+              help="Longest output of the built-in workload (outputs are 8..N tokens).")
 @click.option("--trace", "trace_path", default=None, help="Replay a trace slice instead (Mooncake JSONL, Azure CSV).")
 @click.option("--limit", type=int, default=12, show_default=True, help="With --trace: the first N requests.")
 @click.option("--scale", type=float, default=1 / 64, show_default=True, help="With --trace: multiply lengths.")
@@ -83,8 +87,8 @@ def _has_timestamps(path: str) -> bool:
 @click.option("--threads", type=int, default=None, help="torch CPU threads.")
 @click.option("--fail-on-findings", is_flag=True, help="Exit with code 1 when anything is found.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document (findings, ledgers, series).")
-def diagnose_cmd(model: str, dtype: str, requests: int, trace_path: str | None, limit: int, scale: float,
-                 max_new_cap: int, step_seconds: float, pool_blocks: int, block_size: int, every: int,
+def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new: int, trace_path: str | None,
+                 limit: int, scale: float, max_new_cap: int, step_seconds: float, pool_blocks: int, block_size: int, every: int,
                  no_peaks: bool, sites: bool, inject: str, inject_bytes: str, inject_at: int, out_dir: str,
                  threads: int | None, fail_on_findings: bool, as_json: bool) -> None:
     """Where did the memory go: run a workload on the engine, sample the tensor, allocator, pool and
@@ -94,6 +98,9 @@ def diagnose_cmd(model: str, dtype: str, requests: int, trace_path: str | None, 
 
     if not 1 <= requests <= 10_000:
         raise ConfigError(f"--requests must be in 1..10000, got {requests}")
+    if not 16 <= max_prompt <= 100_000 or not 1 <= max_new <= 100_000:
+        raise ConfigError(f"--max-prompt must be in 16..100000 and --max-new in 1..100000, got {max_prompt}, "
+                          f"{max_new}")
     if not 1 <= limit <= 10_000:
         raise ConfigError(f"--limit must be in 1..10000, got {limit}")
     if not 0 < scale <= 1:
@@ -134,7 +141,10 @@ def diagnose_cmd(model: str, dtype: str, requests: int, trace_path: str | None, 
         workload = _trace_workload(trace_path, limit, scale, max_new_cap, step_seconds, vocab,
                                    model_context(ckpt) or 2048)
     else:
-        workload = default_workload(requests, vocab=vocab)
+        if max_prompt + max_new + 64 > (model_context(ckpt) or 2048):
+            raise ConfigError(f"--max-prompt + --max-new must leave the model's context room for a 64-token "
+                              f"shared prefix ({model_context(ckpt) or 2048} tokens)")
+        workload = default_workload(requests, vocab=vocab, max_prompt=max_prompt, max_new=max_new)
     err = Console(stderr=True)
     total = len(workload.items)
 

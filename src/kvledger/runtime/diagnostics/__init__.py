@@ -47,7 +47,7 @@ from .run import DiagnosisRun, run_diagnosis
 from .sampler import MemorySampler, StepRecord
 from .snapshot import MemorySnapshot, SnapshotDiff, diff, engine_registry, take_snapshot
 from .tensors import CreationSites, TensorRegistry, TensorSample, scan
-from .workload import Workload, WorkItem, default_workload, run_workload
+from .workload import WorkItem, Workload, default_workload, run_workload
 
 __all__ = [
     "FINDING_KINDS", "INJECTIONS", "AllocatorStats", "CpuProfilerPeak", "CreationSites", "CudaAllocator",

@@ -171,33 +171,33 @@ class ForwardPeak:
                 "formula_bytes": self.formula_bytes, "measured_over_formula": round(self.ratio, 3)}
 
 
-def synthetic_steps(kind: str, tokens: int, seqs: int, context: int, block_size: int) -> tuple[list[Any], int]:
+def synthetic_steps(kind: str, tokens: int, seqs: int, context: int, block_size: int,
+                    vocab: int = 1000) -> tuple[list[Any], int]:
     """Step inputs for one shape and the blocks they need: ``prefill`` -- ``seqs`` sequences sharing
     ``tokens`` new tokens from position 0 (``context`` ignored); ``decode`` -- ``seqs`` sequences of one
-    new token each at position ``context - 1``. Each sequence gets its own blocks; token ids are arbitrary
-    (the peak does not depend on them)."""
+    new token each at position ``context - 1``. Every sequence uses the same block table: what a step
+    allocates (activations, gathered contexts, logits) does not depend on which blocks it reads, and a
+    long-context decode shape then fits a small store. Token ids are arbitrary."""
     from ..model import SeqStep
 
     if kind not in ("prefill", "decode"):
         raise ConfigError(f"step kind must be prefill or decode, got {kind!r}")
     if seqs < 1 or tokens < seqs:
         raise ConfigError(f"a step needs 1 <= seqs <= tokens, got {seqs} sequences and {tokens} tokens")
+    if kind == "decode" and (context < 1 or tokens != seqs):
+        raise ConfigError("a decode step has one new token per sequence and a context of at least one token")
+    longest = -(-tokens // seqs) if kind == "prefill" else context
+    need = -(-longest // block_size)
+    table = list(range(need))
     steps: list[Any] = []
-    next_block = 0
     for i in range(seqs):
         if kind == "prefill":
-            n = tokens // seqs + (1 if i < tokens % seqs else 0)
-            start, end = 0, n
+            start, end = 0, tokens // seqs + (1 if i < tokens % seqs else 0)
         else:
-            if context < 1:
-                raise ConfigError("a decode step needs a context of at least one token")
             start, end = context - 1, context
-        need = -(-end // block_size)
-        table = list(range(next_block, next_block + need))
-        next_block += need
         slots = [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
-        steps.append(SeqStep([(7 + p) % 1000 for p in range(start, end)], start, table, slots))
-    return steps, next_block
+        steps.append(SeqStep([(7 + p + i) % vocab for p in range(start, end)], start, table, slots))
+    return steps, need
 
 
 def measure_forward_peaks(
@@ -219,7 +219,7 @@ def measure_forward_peaks(
         act = torch.empty((), dtype=dtype).element_size()
         meter = meter_for(device)
         for kind, tokens, seqs, context in shapes:
-            steps, _ = synthetic_steps(kind, tokens, seqs, context, block_size)
+            steps, _ = synthetic_steps(kind, tokens, seqs, context, block_size, runner.config.vocab_size)
             runner.forward(steps)  # warm-up: lazily built kernels and caches are not the step's workspace
             peaks = []
             for _ in range(max(1, repeats)):
@@ -245,10 +245,13 @@ def _device_name(device: Any) -> str:
     return f"cpu-{platform.machine()}"
 
 
-def peak_rows(peaks: Sequence[ForwardPeak], source: str) -> list[dict[str, Any]]:
+def peak_rows(peaks: Sequence[ForwardPeak], source: str, max_context: int | None = None) -> list[dict[str, Any]]:
     """The planner's measured-peaks rows (``kvledger/data/measured_peaks.json``: model, dtype, tp,
     max_batched_tokens, max_seqs, peak_bytes, device, source): for every measured (tokens, seqs) the worst
-    step of that shape or smaller -- a plan with this budget may run any such step."""
+    step of that shape or smaller -- a plan with this budget may run any such step. ``max_context`` keeps
+    decode shapes up to that context (the rows' context assumption, named in each row's source)."""
+    if max_context is not None:
+        peaks = [p for p in peaks if p.kind != "decode" or p.context <= max_context]
     rows: list[dict[str, Any]] = []
     keys = sorted({(p.model, p.dtype, p.device, p.tokens, p.seqs) for p in peaks})
     for model, dtype, device, tokens, seqs in keys:

@@ -234,7 +234,8 @@ def _retained(snaps: Sequence[MemorySnapshot], steps: Sequence[Any], th: Thresho
         if not owners or any(rid not in finish_step for rid in owners):
             continue  # no request owned it, or one of them is still running: not ended
         ended = max(finish_step[rid] for rid in owners)
-        alive_after = sum(1 for s in snaps[i:] if s.step is not None and s.step >= ended and key in s.tensors.unregistered)
+        alive_after = sum(1 for s in snaps[i:]
+                          if s.step is not None and s.step >= ended and key in s.tensors.unregistered)
         if alive_after < th.retained_min_samples:
             continue
         groups.setdefault(i, []).append(info)
@@ -331,10 +332,11 @@ def _jumps(snaps: Sequence[MemorySnapshot], steps: Sequence[Any], th: Thresholds
             trend = "growing" if len(tail) >= 2 and all(y > x for x, y in zip(tail, tail[1:], strict=False)) \
                 else "stable"
             reqs = _requests_between(steps, lo + 1, hi)
+            what = "reserved - allocated" if b.allocator.backend == "cuda" else "free bytes in the arenas"
             out.append(Finding(
                 "cached_reservation", held, (lo + 1, hi),
                 f"the allocator's cache grew by {format_bytes(grew)} between step {lo} and step {hi} "
-                f"({b.allocator.backend}: {'reserved - allocated' if b.allocator.backend == 'cuda' else 'free bytes in the arenas'}),"
+                f"({b.allocator.backend}: {what}),"
                 f" {format_bytes(unexplained)} more than the largest step peak in between ({format_bytes(peak)}); "
                 f"{format_bytes(held)} of it is still held at the end ({trend}), while {_span(reqs)} ran",
                 {"cache_before": cache[i - 1], "cache_after": cache[i], "cache_end": cache[final],
@@ -344,13 +346,15 @@ def _jumps(snaps: Sequence[MemorySnapshot], steps: Sequence[Any], th: Thresholds
         held = min(grew, ext[final] - ext[i - 1])
         if grew >= need and held >= need:
             reqs = _requests_between(steps, lo + 1, hi)
-            evidence: dict[str, Any] = {"outside_before": ext[i - 1], "outside_after": ext[i], "outside_end": ext[final],
-                                        "device_used_before": a.device_stats.used, "device_used_after": b.device_stats.used,
+            evidence: dict[str, Any] = {"outside_before": ext[i - 1], "outside_after": ext[i],
+                                        "outside_end": ext[final], "device_used_before": a.device_stats.used,
+                                        "device_used_after": b.device_stats.used,
                                         "tensor_bytes_delta": b.tensors.total(b.device) - a.tensors.total(a.device),
                                         "backend": b.device_stats.backend}
             where = ""
             if b.allocator.backend == "glibc":
-                inside = (b.allocator.allocated - b.tensors.total("cpu")) - (a.allocator.allocated - a.tensors.total("cpu"))
+                inside = ((b.allocator.allocated - b.tensors.total("cpu"))
+                          - (a.allocator.allocated - a.tensors.total("cpu")))
                 inside = max(0, min(grew, inside))
                 evidence.update({"inside_malloc_not_tensors": inside, "outside_malloc": grew - inside})
                 where = (f" ({format_bytes(inside)} allocated through malloc but in no tensor, "

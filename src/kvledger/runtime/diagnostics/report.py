@@ -77,7 +77,7 @@ def document(diagnosis: Diagnosis, *, model: dict[str, Any], device: dict[str, A
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "versions": {"kvledger": _version("kvledger"), "torch": torch.__version__,
                      "python": platform.python_version()},
         "device": device,

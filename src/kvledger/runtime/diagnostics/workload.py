@@ -58,8 +58,8 @@ class Workload:
 def default_workload(requests: int = 12, *, vocab: int = 49152, seed: int = 0, max_prompt: int = 320,
                      max_new: int = 40, wave: int = 4, wave_gap: int = 12) -> Workload:
     """``requests`` requests in waves of ``wave`` every ``wave_gap`` steps; prompts of 16..``max_prompt``
-    tokens (a third start with a shared 64-token prefix), outputs of 8..``max_new`` tokens, alternating
-    between trust groups ``tenant-a`` and ``tenant-b``. Token ids are pseudo-random in ``[16, vocab)``."""
+    tokens (every third one longer than 64 tokens starts with a shared 64-token prefix), outputs of
+    8..``max_new`` tokens, alternating between trust groups ``tenant-a`` and ``tenant-b``. Token ids are pseudo-random in ``[16, vocab)``."""
     if requests < 1 or wave < 1 or wave_gap < 0 or max_prompt < 16 or max_new < 1:
         raise ConfigError("the default workload needs requests >= 1, wave >= 1, max_prompt >= 16, max_new >= 1")
     rng = random.Random(seed)
@@ -68,7 +68,7 @@ def default_workload(requests: int = 12, *, vocab: int = 49152, seed: int = 0, m
     for i in range(requests):
         length = rng.randint(16, max_prompt)
         body = tuple(rng.randrange(16, vocab) for _ in range(length))
-        prompt = (shared + body)[:max(length, 80)] if i % 3 == 0 else body
+        prompt = shared + body[:length - 64] if i % 3 == 0 and length > 64 else body
         items.append(WorkItem((i // wave) * wave_gap, f"r{i}", prompt, rng.randint(min(8, max_new), max_new),
                               "tenant-a" if i % 2 == 0 else "tenant-b"))
     return Workload(f"default-{requests}", tuple(items))

@@ -1,0 +1,66 @@
+"""Snapshots, diffs and the sampler attached to an engine: step ids and request events line up, sampling
+every N steps, hooks restored on detach, the attribution is a partition of the process's bytes, and the
+seed's warning observed on SmolLM2 -- blocks go back to the free list, the allocator does not move."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.errors import ConfigError
+from kvledger.runtime.diagnostics import MemorySampler, default_workload, diff, run_workload, take_snapshot
+from kvledger.runtime.engine import Engine
+
+
+def partition_holds(snapshot) -> None:
+    a = snapshot.attribution()
+    assert sum(v for k, v in a.items() if k != "device_used") == a["device_used"]
+    kv = sum(a[k] for k in ("kv_live", "kv_orphaned", "kv_retained", "kv_promised", "kv_free"))
+    assert kv == snapshot.tensors.owner_bytes("kv/device", snapshot.device)
+
+
+def test_sampling_every_n_steps_in_step_with_the_engine(tiny_checkpoint):
+    engine = Engine.from_model(tiny_checkpoint, num_blocks=64)
+    previous = engine.driver.on_planned
+    sampler = MemorySampler(engine, every=3).attach()
+    assert engine.driver.on_planned != previous and sampler._observed in engine.step_observers
+    results = run_workload(engine, default_workload(5, vocab=256, max_prompt=40, max_new=10, wave=2, wave_gap=3))
+    sampler.finish()
+    assert engine.driver.on_planned is previous and sampler._observed not in engine.step_observers
+    steps = [r.step for r in sampler.steps]
+    assert steps == list(range(len(steps)))  # the scheduler's step ids, every step recorded
+    sampled = [r.step for r in sampler.steps if r.sampled]
+    assert sampled == [s for s in steps if (s + 1) % 3 == 0]
+    assert [s.step for s in sampler.snapshots] == [-1, *sampled, steps[-1]]  # baseline, samples, the end
+    assert all(r.peak_bytes is not None for r in sampler.steps if r.sampled)
+    assert all(r.peak_bytes is None for r in sampler.steps if not r.sampled)
+    # Request events: each request admitted once and finished once, at steps the records name.
+    admitted = [rid for r in sampler.steps for rid in r.admitted]
+    finished = [rid for r in sampler.steps for rid in r.finished]
+    assert sorted(admitted) == sorted(finished) == sorted(r.request_id for r in results)
+    for snap in sampler.snapshots:
+        partition_holds(snap)
+    with pytest.raises(ConfigError):
+        MemorySampler(engine, every=0)
+
+
+@pytest.mark.model
+def test_blocks_return_to_the_free_list_while_the_allocator_stays(smollm2_engine):
+    engine = smollm2_engine(num_blocks=96)
+    prompts = [[100 + (i * 37 + j) % 40000 for j in range(150 + 40 * i)] for i in range(4)]
+    handles = [engine.submit(p, 12) for p in prompts]
+    engine.step()  # the prefill: every request holds its blocks
+    during = take_snapshot(engine)
+    while engine.has_work():
+        engine.step()
+    assert all(h.done() for h in handles)
+    after = take_snapshot(engine)
+    d = diff(during, after)
+    freed = -d.pool["active_bytes"]
+    assert freed >= 20 * engine.spec.block_bytes  # ownership moved: blocks are free or cached again ...
+    assert d.owners["kv/device"] == 0  # ... the KV store tensor did not change
+    assert abs(d.allocator["reserved"]) < freed / 4  # ... and the allocator did not give anything back
+    assert abs(d.device) < freed / 2
+    assert any("changes who owns it, not what is allocated" in n for n in d.notes())
+    partition_holds(during)
+    partition_holds(after)
+    assert d.as_dict()["from_step"] == during.step and d.as_dict()["to_step"] == after.step

@@ -88,7 +88,8 @@ def _has_timestamps(path: str) -> bool:
 @click.option("--fail-on-findings", is_flag=True, help="Exit with code 1 when anything is found.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document (findings, ledgers, series).")
 def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new: int, trace_path: str | None,
-                 limit: int, scale: float, max_new_cap: int, step_seconds: float, pool_blocks: int, block_size: int, every: int,
+                 limit: int, scale: float, max_new_cap: int, step_seconds: float, pool_blocks: int, block_size: int,
+                 every: int,
                  no_peaks: bool, sites: bool, inject: str, inject_bytes: str, inject_at: int, out_dir: str,
                  threads: int | None, fail_on_findings: bool, as_json: bool) -> None:
     """Where did the memory go: run a workload on the engine, sample the tensor, allocator, pool and

@@ -13,11 +13,11 @@ step (glibc ``mallinfo2`` / CUDA ``memory_stats``, the resident set).
 * ``max`` -- per request one contiguous tensor sized for its declared maximum (prompt + output allowance),
   placed first-fit in a fixed arena of the pool's size (a device has no virtual memory to grow into).
 
-A request's admission step writes its prompt and its first sampled token (a prefill samples one); every
-later step adds one token; it finishes with ``output`` tokens. The same admission rule holds everywhere: a
-request is admitted, in arrival order, when its declared maximum fits the capacity (``paged``: whole blocks; ``grow``: the byte budget; ``max``: a contiguous hole). Requests
-stop before their allowance (``output < max_new``), as real ones do. The seed's three forms of unusable
-capacity come out as separate rows: **tail slack** (the charged, unwritten slots of each sequence's last
+A request's admission step writes its prompt and its first sampled token (a prefill samples one); every later step
+adds one token; it finishes with ``output`` tokens. The same admission rule holds everywhere: a request is
+admitted, in arrival order, when its declared maximum fits the capacity (``paged``: whole blocks; ``grow``: the
+byte budget; ``max``: a contiguous hole). Requests stop before their allowance (``output < max_new``), as real
+ones do. The seed's three forms of unusable capacity come out as separate rows: **tail slack** (the charged, unwritten slots of each sequence's last
 block), **contiguous-hole failures** (a request refused although the arena's total free bytes would hold it)
 and **allocator fragmentation** (bytes the framework's allocator holds but has not handed out).
 """

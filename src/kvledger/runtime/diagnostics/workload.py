@@ -57,9 +57,9 @@ class Workload:
 
 def default_workload(requests: int = 12, *, vocab: int = 49152, seed: int = 0, max_prompt: int = 320,
                      max_new: int = 40, wave: int = 4, wave_gap: int = 12) -> Workload:
-    """``requests`` requests in waves of ``wave`` every ``wave_gap`` steps; prompts of 16..``max_prompt``
-    tokens (every third one longer than 64 tokens starts with a shared 64-token prefix), outputs of
-    8..``max_new`` tokens, alternating between trust groups ``tenant-a`` and ``tenant-b``. Token ids are pseudo-random in ``[16, vocab)``."""
+    """``requests`` requests in waves of ``wave`` every ``wave_gap`` steps; prompts of 16..``max_prompt`` tokens
+    (every third one longer than 64 tokens starts with a shared 64-token prefix), outputs of 8..``max_new`` tokens,
+    alternating between trust groups ``tenant-a`` and ``tenant-b``. Token ids are pseudo-random in ``[16, vocab)``."""
     if requests < 1 or wave < 1 or wave_gap < 0 or max_prompt < 16 or max_new < 1:
         raise ConfigError("the default workload needs requests >= 1, wave >= 1, max_prompt >= 16, max_new >= 1")
     rng = random.Random(seed)

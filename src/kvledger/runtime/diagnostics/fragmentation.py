@@ -18,8 +18,9 @@ adds one token; it finishes with ``output`` tokens. The same admission rule hold
 admitted, in arrival order, when its declared maximum fits the capacity (``paged``: whole blocks; ``grow``: the
 byte budget; ``max``: a contiguous hole). Requests stop before their allowance (``output < max_new``), as real
 ones do. The seed's three forms of unusable capacity come out as separate rows: **tail slack** (the charged,
-unwritten slots of each sequence's last block), **contiguous-hole failures** (a request refused although the arena's total free bytes would hold it)
-and **allocator fragmentation** (bytes the framework's allocator holds but has not handed out).
+unwritten slots of each sequence's last block), **contiguous-hole failures** (a request refused although the
+arena's total free bytes would hold it) and **allocator fragmentation** (bytes the framework's allocator holds
+but has not handed out).
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ def test_blocks_return_to_the_free_list_while_the_allocator_stays(smollm2_engine
     freed = -d.pool["active_bytes"]
     assert freed >= 20 * engine.spec.block_bytes  # ownership moved: blocks are free or cached again ...
     assert d.owners["kv/device"] == 0  # ... the KV store tensor did not change
-    assert abs(d.allocator["reserved"]) < freed / 4  # ... and the allocator did not give anything back
-    assert abs(d.device) < freed / 2
+    # ... and neither the allocator nor the process gave the freed bytes back (they may grow a little on
+    # their own: decode steps allocate and free their temporaries meanwhile).
+    assert d.allocator["reserved"] > -freed / 4 and d.device > -freed / 4
     assert any("changes who owns it, not what is allocated" in n for n in d.notes())
     partition_holds(during)
     partition_holds(after)

@@ -28,8 +28,6 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
     from ..runtime.diagnostics.workload import workload_from_lengths
     from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace
 
-    if not Path(path).exists():
-        raise ConfigError(f"no trace file at {path}")
     timed = not path.endswith(".csv") or _has_timestamps(path)
     requests = (load_trace(path) if timed else load_trace(path, arrivals=Poisson(1.0)))[:limit]
     if not requests:
@@ -82,6 +80,8 @@ def _has_timestamps(path: str) -> bool:
 @click.option("--inject-bytes", default="64MiB", show_default=True, help="Size of each injected pathology.")
 @click.option("--inject-at", type=int, default=2, show_default=True,
               help="First step an injection may act at (each acts at a decode step; the next one 2 steps later).")
+@click.option("--min-bytes", default="16MiB", show_default=True,
+              help="Smallest jump between two samples (cache, external) or step excess (peak) to report.")
 @click.option("--out", "out_dir", default="kvledger-diagnosis", show_default=True,
               help="Folder for diagnosis.json and timeline.png.")
 @click.option("--threads", type=int, default=None, help="torch CPU threads.")
@@ -90,7 +90,8 @@ def _has_timestamps(path: str) -> bool:
 def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new: int, trace_path: str | None,
                  limit: int, scale: float, max_new_cap: int, step_seconds: float, pool_blocks: int, block_size: int,
                  every: int,
-                 no_peaks: bool, sites: bool, inject: str, inject_bytes: str, inject_at: int, out_dir: str,
+                 no_peaks: bool, sites: bool, inject: str, inject_bytes: str, inject_at: int, min_bytes: str,
+                 out_dir: str,
                  threads: int | None, fail_on_findings: bool, as_json: bool) -> None:
     """Where did the memory go: run a workload on the engine, sample the tensor, allocator, pool and
     device ledgers at step boundaries, and name what differs -- retained tensors, cached reservation,
@@ -111,10 +112,13 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
     if pool_blocks < 1 or every < 1 or inject_at < 0:
         raise ConfigError("--pool-blocks and --every must be >= 1, --inject-at >= 0")
     nbytes = parse_bytes(inject_bytes)
+    threshold = parse_bytes(min_bytes)
     names = [n.strip() for n in inject.split(",") if n.strip()]
     unknown = [n for n in names if n not in INJECTION_NAMES]
     if unknown:
         raise ConfigError(f"unknown injection {', '.join(unknown)} (known: {', '.join(INJECTION_NAMES)})")
+    if trace_path is not None and not Path(trace_path).is_file():
+        raise ConfigError(f"no trace file at {trace_path}")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out_dir} exists and is not a folder")
@@ -129,6 +133,7 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
         torch.set_num_threads(threads)
     from rich.console import Console
 
+    from ..runtime.diagnostics.reconcile import Thresholds
     from ..runtime.diagnostics.report import attribution_table, findings_table, timeline_png
     from ..runtime.diagnostics.run import DTYPES, run_diagnosis
     from ..runtime.diagnostics.workload import default_workload
@@ -142,9 +147,9 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
         workload = _trace_workload(trace_path, limit, scale, max_new_cap, step_seconds, vocab,
                                    model_context(ckpt) or 2048)
     else:
-        if max_prompt + max_new + 64 > (model_context(ckpt) or 2048):
-            raise ConfigError(f"--max-prompt + --max-new must leave the model's context room for a 64-token "
-                              f"shared prefix ({model_context(ckpt) or 2048} tokens)")
+        if max_prompt + max_new > (model_context(ckpt) or 2048):
+            raise ConfigError(f"--max-prompt + --max-new must fit the model's context "
+                              f"({model_context(ckpt) or 2048} tokens)")
         workload = default_workload(requests, vocab=vocab, max_prompt=max_prompt, max_new=max_new)
     err = Console(stderr=True)
     total = len(workload.items)
@@ -154,7 +159,8 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
             status.update(f"step {steps}: {engine.stats.completed}/{total} requests finished")
 
         result = run_diagnosis(workload, engine=engine, model=model, dtype=dtype, every=every, peaks=not no_peaks,
-                               sites=sites, inject=names, inject_bytes=nbytes, inject_at=inject_at, on_step=on_step)
+                               sites=sites, inject=names, inject_bytes=nbytes, inject_at=inject_at, on_step=on_step,
+                               thresholds=Thresholds(min_bytes=threshold, peak_min_bytes=threshold))
     out.mkdir(parents=True, exist_ok=True)
     doc = result.document
     (out / "diagnosis.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")

@@ -22,11 +22,12 @@ from .tensors import CreationSites, StorageKey, TensorRegistry, TensorSample, sc
 
 def engine_registry(engine: Any) -> TensorRegistry:
     """The owners of an :class:`~kvledger.runtime.engine.Engine`'s tensors: its weights (and the other
-    decoders the process keeps loaded), the device KV store, the host tier, the attention backend's
-    per-step workspace (index tensors and masks it keeps between steps)."""
+    decoders the process keeps loaded) and their packed oneDNN copies on CPU, the device KV store, the host
+    tier, the attention backend's per-step workspace (index tensors and masks it keeps between steps)."""
     from .. import engine as engine_module
 
     reg = TensorRegistry()
+    reg.register("weights/packed", lambda: _packed(engine.runner.model), call=True)
     reg.register("weights", engine.runner.model)
     reg.register("weights", lambda: list(engine_module._DECODERS.values()), call=True)
     reg.register("kv/device", engine.runner.store)
@@ -34,6 +35,11 @@ def engine_registry(engine: Any) -> TensorRegistry:
         reg.register("kv/host", engine.host_store)
     reg.register("workspace", engine.runner.backend)
     return reg
+
+
+def _packed(model: Any) -> list[Any]:
+    """The oneDNN weight copies a CPU runner packs next to its weights (``model.Linear._packed``)."""
+    return [t for m in model.modules() for t in (getattr(m, "_packed", None) or ())]
 
 
 @dataclass(slots=True)
@@ -52,12 +58,12 @@ class MemorySnapshot:
     # ---- the headline attribution -------------------------------------------------------------------
     def attribution(self) -> dict[str, int]:
         """Where the device's (or process's) bytes are, in one partition that sums to ``device_used``:
-        weights, the KV pool split by block state (live, orphaned -- held for no live owner --, retained,
-        free and promised, free), other tensors, the allocator's cache, the allocator's non-tensor bytes,
-        and the rest (runtime, libraries, CUDA context, external allocations)."""
+        weights (packed copies included), the KV pool split by block state (live, orphaned -- held for no
+        live owner --, retained, free and promised, free), other tensors, the allocator's cache, the
+        allocator's non-tensor bytes, and the rest (runtime, libraries, CUDA context, external allocations)."""
         dev = self.device
         t = self.tensors
-        weights = t.owner_bytes("weights", dev)
+        weights = sum(t.owner_bytes(o, dev) for o in t.owners if o == "weights" or o.startswith("weights/"))
         kv = t.owner_bytes("kv/device", dev)
         out: dict[str, int] = {"weights": weights}
         if self.pool is not None and kv:

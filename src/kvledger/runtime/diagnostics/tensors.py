@@ -1,7 +1,8 @@
 """The tensor ledger: live torch tensors by owner, deduplicated by storage.
 
-Owners come from a :class:`TensorRegistry`: each owner (``weights``, ``kv/device``, ``kv/host``,
-``workspace``, ``sampling``, ``staging`` or any name a user picks) names *roots* -- a module, a store, a
+Owners come from a :class:`TensorRegistry`: each owner (``weights``, ``weights/packed`` -- the oneDNN copies
+CPU runners keep --, ``kv/device``, ``kv/host``, ``workspace``, ``sampling``, ``staging`` or any name a user
+picks) names *roots* -- a module, a store, a
 backend, a tensor, or a callable returning tensors -- and every tensor reachable from a root through
 attributes, dicts, lists and tuples belongs to that owner. A scan of every live tensor object (the
 garbage collector's list) finds the rest: tensors nobody registered. Views share their base's storage, so
@@ -35,7 +36,7 @@ from ...errors import ConfigError
 StorageKey = tuple[str, int, int]  # (device type, device index or -1, data pointer) or ("opaque", id, 0)
 
 # Well-known owners, in the order a scan attributes shared storages to them.
-OWNERS = ("weights", "kv/device", "kv/host", "staging", "workspace", "sampling")
+OWNERS = ("weights/packed", "weights", "kv/device", "kv/host", "staging", "workspace", "sampling")
 
 
 def storage_of(t: torch.Tensor) -> tuple[StorageKey, int] | None:

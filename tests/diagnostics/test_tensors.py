@@ -111,7 +111,14 @@ def test_creation_sites_name_the_line_that_made_a_large_tensor():
     assert storage_of(small)[0] not in sites.sites
 
 
-def test_holders_are_described():
-    cache = {"req-7": torch.zeros(10)}
-    holders = describe_holders(cache["req-7"])
-    assert any("req-7" in h for h in holders)
+class _Callback:
+    def __init__(self) -> None:
+        self.seen: dict[str, torch.Tensor] = {}
+        self.last = torch.zeros(3)
+
+
+def test_holders_are_described_with_their_attribute_path():
+    cb = _Callback()
+    cb.seen["req-7"] = torch.zeros(10)
+    assert describe_holders(cb.seen["req-7"]) == ["key 'req-7' of _Callback.seen"]
+    assert describe_holders(cb.last) == ["attribute 'last' of _Callback"]

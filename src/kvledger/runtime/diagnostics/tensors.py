@@ -24,7 +24,7 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from types import FunctionType, ModuleType
+from types import CellType, FrameType, FunctionType, ModuleType
 from typing import Any
 
 import torch
@@ -305,21 +305,23 @@ def scan(registry: TensorRegistry | None = None, sites: CreationSites | None = N
 
 
 def describe_holders(t: torch.Tensor, limit: int = 3) -> list[str]:
-    """What keeps a tensor alive, one hop up: the containers and objects that refer to it."""
+    """What keeps a tensor alive, one hop up, with the attribute path of the holder where one is found:
+    ``key 'r2' of RetainedTensor.cache``, ``attribute 'buf' of MyCallback``, ``a list of 3 at Foo.items``."""
     out: list[str] = []
-    frame = sys._getframe()
     for ref in gc.get_referrers(t):
-        if ref is frame or isinstance(ref, type(frame)):
-            continue
+        if isinstance(ref, (FrameType, CellType)):
+            continue  # the caller's own variables
         if isinstance(ref, dict):
-            keys = [k for k, v in ref.items() if v is t][:1]
+            key = next((k for k, v in ref.items() if v is t), None)
             owner = _dict_owner(ref)
-            out.append(f"dict key {keys[0]!r}" + (f" of {owner}" if owner else "") if keys else "a dict")
-        elif isinstance(ref, list):
-            owner = _container_owner(ref)
-            out.append(f"a list of {len(ref)}" + (f" held by {owner}" if owner else ""))
-        elif isinstance(ref, tuple):
-            out.append(f"a tuple of {len(ref)}")
+            if owner is not None:
+                out.append(f"attribute {key!r} of {owner}")
+            else:
+                where = _attr_path(ref)
+                out.append(f"key {key!r} of {where}" if where else f"key {key!r} of a dict")
+        elif isinstance(ref, (list, tuple)):
+            where = _attr_path(ref)
+            out.append(f"a {type(ref).__name__} of {len(ref)}" + (f" at {where}" if where else ""))
         else:
             out.append(type(ref).__qualname__)
         if len(out) >= limit:
@@ -328,23 +330,23 @@ def describe_holders(t: torch.Tensor, limit: int = 3) -> list[str]:
 
 
 def _dict_owner(d: dict[Any, Any]) -> str | None:
+    """The object (or module) whose attribute dictionary ``d`` is."""
     for ref in gc.get_referrers(d):
-        if getattr(ref, "__dict__", None) is d:
-            return type(ref).__qualname__
-        if isinstance(ref, ModuleType):
+        if isinstance(ref, ModuleType) and vars(ref) is d:
             return f"module {ref.__name__}"
+        if not isinstance(ref, (dict, list, tuple, FrameType)) and getattr(ref, "__dict__", None) is d:
+            return type(ref).__qualname__
     return None
 
 
-def _container_owner(c: Any) -> str | None:
-    for ref in gc.get_referrers(c):
+def _attr_path(container: Any) -> str | None:
+    """``Owner.attribute`` for a container kept as an attribute of an object or a module."""
+    for ref in gc.get_referrers(container):
         if isinstance(ref, dict):
-            keys = [k for k, v in ref.items() if v is c][:1]
             owner = _dict_owner(ref)
-            if keys:
-                return f"{owner + '.' if owner else ''}{keys[0]}"
-        elif hasattr(ref, "__slots__") and not isinstance(ref, type):
-            return type(ref).__qualname__
+            if owner is not None:
+                key = next((k for k, v in ref.items() if v is container), None)
+                return f"{owner}.{key}"
     return None
 
 

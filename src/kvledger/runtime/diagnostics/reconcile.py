@@ -8,15 +8,16 @@ Five causes (``FINDING_KINDS``):
 * ``cached_reservation`` -- the allocator's cache (reserved - allocated; on glibc, free bytes in the
   arenas) grew by more than the steps in between needed. An allocator keeps what a step's temporaries
   took -- that much is the transient peak's, and explained -- so between two samples the unexplained
-  growth is ``growth - the largest step peak in between``. Bytes: the unexplained growth still held at
-  the end. ``trend`` says whether the cache was still growing over the last samples or stable.
+  growth is ``growth - the largest step peak in between``. Bytes: that unexplained growth; it is named
+  only if at least ``min_bytes`` of it is still held at the end (``held_at_end``: later allocations may
+  reuse part of a cache). ``trend`` says whether the cache was still growing over the last samples.
 * ``logical_pool_leak`` -- KV blocks held for no live owner: a ledger sequence the scheduler does not run,
   or a lease no step in flight owns, present in at least ``leak_min_samples`` samples. Bytes: the blocks
   only orphans hold x block bytes (promised blocks are listed apart: they hold capacity, not memory).
 * ``external_allocation`` -- device (or process) bytes outside every tensor and outside the allocator's
   cache grew between two samples: another library, a stray numpy array, NCCL/cuBLAS workspaces. Bytes: the
-  jump still held at the end. On CPU the evidence splits it into bytes inside malloc (not a tensor) and
-  outside malloc (mmap, another allocator).
+  jump, named only if at least ``min_bytes`` of it is still held at the end. On CPU the evidence splits it
+  into bytes inside malloc (not a tensor) and outside malloc (mmap, another allocator).
 * ``transient_peak`` -- a step whose peak is above what its shape explains: the steady state is a
   robust linear fit of the measured peaks on the step shapes (new tokens, sequences, context tokens), and
   a step whose peak exceeds the fit by ``peak_min_bytes`` and ``peak_factor`` x the fit is named, with
@@ -334,13 +335,13 @@ def _jumps(snaps: Sequence[MemorySnapshot], steps: Sequence[Any], th: Thresholds
             reqs = _requests_between(steps, lo + 1, hi)
             what = "reserved - allocated" if b.allocator.backend == "cuda" else "free bytes in the arenas"
             out.append(Finding(
-                "cached_reservation", held, (lo + 1, hi),
+                "cached_reservation", unexplained, (lo + 1, hi),
                 f"the allocator's cache grew by {format_bytes(grew)} between step {lo} and step {hi} "
                 f"({b.allocator.backend}: {what}),"
                 f" {format_bytes(unexplained)} more than the largest step peak in between ({format_bytes(peak)}); "
                 f"{format_bytes(held)} of it is still held at the end ({trend}), while {_span(reqs)} ran",
                 {"cache_before": cache[i - 1], "cache_after": cache[i], "cache_end": cache[final],
-                 "largest_step_peak": peak, "trend": trend, "backend": b.allocator.backend,
+                 "held_at_end": held, "largest_step_peak": peak, "trend": trend, "backend": b.allocator.backend,
                  "allocator_before": a.allocator.as_dict(), "allocator_after": b.allocator.as_dict()}, reqs))
         grew = ext[i] - ext[i - 1]
         held = min(grew, ext[final] - ext[i - 1])
@@ -359,8 +360,9 @@ def _jumps(snaps: Sequence[MemorySnapshot], steps: Sequence[Any], th: Thresholds
                 evidence.update({"inside_malloc_not_tensors": inside, "outside_malloc": grew - inside})
                 where = (f" ({format_bytes(inside)} allocated through malloc but in no tensor, "
                          f"{format_bytes(grew - inside)} outside malloc)")
+            evidence["held_at_end"] = held
             out.append(Finding(
-                "external_allocation", held, (lo + 1, hi),
+                "external_allocation", grew, (lo + 1, hi),
                 f"{format_bytes(grew)} of {'device' if b.device == 'cuda' else 'process'} memory appeared outside "
                 f"every tensor and outside the allocator's cache between step {lo} and step {hi}{where}; "
                 f"{format_bytes(held)} is still held at the end, while {_span(reqs)} ran",

@@ -29,7 +29,9 @@ def test_a_clean_run_names_nothing(smollm2_engine):
 @pytest.mark.parametrize("name", sorted(INJECTIONS))
 def test_an_injected_pathology_is_named_with_its_bytes(smollm2_engine, name):
     engine = smollm2_engine()
-    run = run_diagnosis(workload(), engine=engine, inject=name, inject_bytes=48 * MiB)
+    # Creation sites on for the retained tensor: the finding then names the line that made it.
+    run = run_diagnosis(workload(), engine=engine, inject=name, inject_bytes=48 * MiB,
+                        sites=name == "retained-tensor")
     [inj] = run.injections
     assert inj.step is not None and inj.injected_bytes >= MiB, f"{name} was not injected"
     kinds = [f.kind for f in run.diagnosis.findings]
@@ -45,6 +47,7 @@ def test_an_injected_pathology_is_named_with_its_bytes(smollm2_engine, name):
         row = finding.evidence["largest"][0]
         assert row["bytes"] == inj.injected_bytes
         assert f"key '{inj.detail['request']}' of RetainedTensor.cache" in row["held_by"]
+        assert "diagnostics/inject.py" in row["site"] and row["site"].endswith(" in act")
         assert inj.detail["request"] in finding.requests
     if name == "peak":
         assert finding.evidence["step_shape"]["kind"] == "decode"

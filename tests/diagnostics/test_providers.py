@@ -146,3 +146,19 @@ def test_providers_for_cpu_and_unsupported_devices():
     assert p.device_type == "cpu" and isinstance(p.allocator, GlibcMalloc)
     with pytest.raises(ConfigError, match="cpu and cuda"):
         Providers.for_device("meta")
+
+
+def test_no_layer_below_the_runtime_imports_the_diagnostics():
+    import ast
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[2] / "src" / "kvledger"
+    offenders = []
+    for layer in ("core", "scheduler", "sim"):
+        for path in sorted((src / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if any("runtime" in n for n in names):
+                    offenders.append(str(path.relative_to(src)))
+    assert offenders == []

@@ -65,3 +65,25 @@ def test_blocks_return_to_the_free_list_while_the_allocator_stays(smollm2_engine
     partition_holds(during)
     partition_holds(after)
     assert d.as_dict()["from_step"] == during.step and d.as_dict()["to_step"] == after.step
+
+
+def test_a_failing_sampler_never_stops_the_engine(tiny_checkpoint):
+    engine = Engine.from_model(tiny_checkpoint, num_blocks=64)
+
+    class Broken:
+        def start(self):
+            raise RuntimeError("another profiler is running")
+
+        def stop(self):
+            raise AssertionError("never started")
+
+    sampler = MemorySampler(engine, meter=Broken()).attach()
+    sampler.after_step.append(lambda s, r: 1 / 0 if r.plan is not None and r.plan.step == 2 else None)
+    results = run_workload(engine, default_workload(3, vocab=256, max_prompt=30, max_new=8, wave=3, wave_gap=0))
+    sampler.finish()
+    assert all(r.finish_reasons for r in results)  # every request finished
+    assert sampler.errors[0][1].startswith("peak meter: RuntimeError: another profiler is running")
+    assert any("ZeroDivisionError" in e for _, e in sampler.errors)
+    assert all(r.peak_bytes is None for r in sampler.steps)
+    notes = sampler.diagnose().notes
+    assert any("the sampler failed at step 2" in n for n in notes)

@@ -73,6 +73,9 @@ class MemorySampler:
         self.steps: list[StepRecord] = []
         self.during_step: list[StepHook] = []  # after the peak meter starts, before the step executes
         self.after_step: list[StepHook] = []  # at the step boundary, before the snapshot
+        # A failure inside the sampler never stops the engine: it is recorded here (step, error) and the
+        # peak meter is turned off if it was the meter that failed (another profiler running, say).
+        self.errors: list[tuple[int, str]] = []
         self.t0 = time.perf_counter()
         self._attached = False
         self._metering = False
@@ -135,7 +138,10 @@ class MemorySampler:
         """Reconcile the series: a :class:`~.reconcile.Diagnosis` (options: :class:`~.reconcile.Thresholds`)."""
         from .reconcile import Thresholds, reconcile
 
-        return reconcile(self.snapshots, self.steps, Thresholds(**options))
+        diagnosis = reconcile(self.snapshots, self.steps, Thresholds(**options))
+        diagnosis.notes.extend(f"the sampler failed at step {step} ({error}); that sample is missing"
+                               for step, error in self.errors)
+        return diagnosis
 
     def _last_step(self) -> int:
         return self.steps[-1].step if self.steps else -1
@@ -148,17 +154,34 @@ class MemorySampler:
         if self._previous_planned is not None:
             self._previous_planned(plan, t)
         if self.meter is not None and self._sampled(plan.step):
-            self.meter.start()
-            self._metering = True
+            try:
+                self.meter.start()
+                self._metering = True
+            except Exception as exc:  # noqa: BLE001 -- recorded; the engine goes on without peaks
+                self._failed(plan.step, "peak meter", exc)
+                self.meter = None
         for hook in self.during_step:
             hook(self, plan)
 
+    def _failed(self, step: int, what: str, exc: BaseException) -> None:
+        self.errors.append((step, f"{what}: {type(exc).__name__}: {exc}"))
+
     def _observed(self, result: Any) -> None:
+        try:
+            self._record(result)
+        except Exception as exc:  # noqa: BLE001 -- diagnostics must never stop the engine
+            self._failed(result.plan.step if result.plan is not None else -1, "sample", exc)
+
+    def _record(self, result: Any) -> None:
         plan = result.plan
         peak = None
         if self._metering and self.meter is not None:
-            peak = self.meter.stop().peak_bytes
             self._metering = False
+            try:
+                peak = self.meter.stop().peak_bytes
+            except Exception as exc:  # noqa: BLE001 -- recorded; no more peaks
+                self._failed(plan.step if plan is not None else -1, "peak meter", exc)
+                self.meter = None
         if plan is None:
             return
         sched = self.engine.scheduler

@@ -30,7 +30,7 @@ SCHEMA_VERSION = 1
 
 # Stacked bands of the timeline, bottom to top, with their colours.
 BANDS = (
-    ("weights", "weights", "#4c72b0"),
+    ("weights", "weights (and packed copies)", "#4c72b0"),
     ("kv_live", "KV live", "#dd8452"),
     ("kv_orphaned", "KV held for no live owner", "#8b0000"),
     ("kv_retained", "KV retained (prefix cache)", "#f2b880"),

@@ -364,6 +364,9 @@ class Engine:
         self._stop = threading.Event()
         self._wake = threading.Condition(self._lock)
         self.error: BaseException | None = None  # what stopped the background thread, if anything
+        # Called with the driver's StepResult after every step, in the stepping thread, once the step's
+        # tokens are streamed: the step boundary (memory diagnostics sample here).
+        self.step_observers: list[Callable[[StepResult], None]] = []
 
     @classmethod
     def from_model(
@@ -491,6 +494,8 @@ class Engine:
                 self.stats.steps += 1
             events: list[TokenEvent] = []
             self._stream(result, events)
+            for observe in self.step_observers:
+                observe(result)
             return events
 
     def run_until_idle(self, max_steps: int | None = None) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
+from .options import BLOCK_SIZE, Float, Int, epilog
 
 # The names the runtime's injection registry (kvledger.runtime.diagnostics.INJECTIONS) knows; listed here
 # so that help stays torch-free. tests/diagnostics checks the two agree.
@@ -53,38 +54,45 @@ def _has_timestamps(path: str) -> bool:
         return True
 
 
-@click.command("diagnose")
+@click.command("diagnose", epilog=epilog(
+    "kvledger diagnose                                   # a clean run: nothing should be named",
+    "kvledger diagnose --inject pool-leak,peak --json    # inject two pathologies; findings as JSON",
+    "kvledger diagnose --trace azure_conv.csv --limit 24 --out diag/",
+))
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="Weights and KV dtype of the engine.")
-@click.option("--requests", type=int, default=12, show_default=True,
+@click.option("--requests", type=Int(1, 10_000), default=12, show_default=True,
               help="Requests of the built-in workload (waves of 4 every 12 steps, varied lengths, two tenants).")
-@click.option("--max-prompt", type=int, default=320, show_default=True,
+@click.option("--max-prompt", type=Int(1, 32_768), default=320, show_default=True,
               help="Longest prompt of the built-in workload (prompts are 16..N tokens).")
-@click.option("--max-new", type=int, default=40, show_default=True,
+@click.option("--max-new", type=Int(1, 32_768), default=40, show_default=True,
               help="Longest output of the built-in workload (outputs are 8..N tokens).")
 @click.option("--trace", "trace_path", default=None, help="Replay a trace slice instead (Mooncake JSONL, Azure CSV).")
-@click.option("--limit", type=int, default=12, show_default=True, help="With --trace: the first N requests.")
-@click.option("--scale", type=float, default=1 / 64, show_default=True, help="With --trace: multiply lengths.")
-@click.option("--max-new-cap", type=int, default=64, show_default=True, help="With --trace: cap output lengths.")
-@click.option("--step-seconds", type=float, default=0.05, show_default=True,
+@click.option("--limit", type=Int(1, 10_000), default=12, show_default=True, help="With --trace: the first N requests.")
+@click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1 / 64, show_default=True,
+              help="With --trace: multiply lengths.")
+@click.option("--max-new-cap", type=Int(1, 32_768), default=64, show_default=True,
+              help="With --trace: cap output lengths.")
+@click.option("--step-seconds", type=Float(0.0, 3600.0, lo_open=True), default=0.05, show_default=True,
               help="With --trace: trace seconds per engine step (arrivals are counted in steps).")
-@click.option("--pool-blocks", type=int, default=160, show_default=True, help="KV pool size in blocks.")
-@click.option("--block-size", type=int, default=16, show_default=True)
-@click.option("--every", type=int, default=1, show_default=True, help="Sample the four ledgers every N steps.")
+@click.option("--pool-blocks", type=Int(1, 1 << 22), default=160, show_default=True, help="KV pool size in blocks.")
+@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--every", type=Int(1, 1_000_000), default=1, show_default=True,
+              help="Sample the four ledgers every N steps.")
 @click.option("--no-peaks", is_flag=True, help="Do not measure per-step transient peaks.")
 @click.option("--sites", is_flag=True, help="Record where large tensors are created (slower).")
 @click.option("--inject", default="", metavar="LIST",
               help=f"Inject pathologies on purpose, comma-separated: {', '.join(INJECTION_NAMES)}.")
 @click.option("--inject-bytes", default="64MiB", show_default=True, help="Size of each injected pathology.")
-@click.option("--inject-at", type=int, default=2, show_default=True,
+@click.option("--inject-at", type=Int(0, 1_000_000), default=2, show_default=True,
               help="First step an injection may act at (each acts at a decode step; the next one 2 steps later).")
 @click.option("--min-bytes", default="16MiB", show_default=True,
               help="Smallest jump between two samples (cache, external) or step excess (peak) to report.")
 @click.option("--out", "out_dir", default="kvledger-diagnosis", show_default=True,
               help="Folder for diagnosis.json and timeline.png.")
-@click.option("--threads", type=int, default=None, help="torch CPU threads.")
+@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
 @click.option("--fail-on-findings", is_flag=True, help="Exit with code 1 when anything is found.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document (findings, ledgers, series).")
 def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new: int, trace_path: str | None,

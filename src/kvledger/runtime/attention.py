@@ -232,15 +232,27 @@ class _Prefill:
 
 
 @dataclass(slots=True)
+class _PrefillArgs:
+    """Every multi-token chunk of the step, for one ``paged_prefill`` call per layer."""
+
+    tables: torch.Tensor  # int32 [P, blocks], padded with block 0
+    starts: torch.Tensor  # int64 [P]
+    query_lens: torch.Tensor  # int64 [P]
+    offsets: torch.Tensor  # int64 [P]: first packed row of each chunk
+
+
+@dataclass(slots=True)
 class _NativePlan:
     batch: AttentionBatch
     prefills: list[_Prefill]
+    prefill_args: _PrefillArgs | None
     decode_rows: torch.Tensor | None  # int64 [B]: the packed row of each single-token sequence
     decode_tables: torch.Tensor | None  # int32 [B, blocks]: their block tables, padded with block 0
     decode_lens: torch.Tensor | None  # int32 [B]: their context lengths (new token included)
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
+_NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
 # KV dtypes the native kernels read and write directly.
 _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -248,12 +260,13 @@ _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_
 class NativePagedAttention:
     """CPU backend on the compiled kernels: K/V are written to their slots and read in place.
 
-    Single-token sequences (decodes) go to one ``paged_decode`` call per layer that walks each block
-    table block by block (no gather, no padding, no mask tensor; contexts split across threads when the
-    batch is small). Prefill chunks use ``scaled_dot_product_attention``: a chunk with no cached context
-    attends over its own new K/V (nothing is read back); one that continues a cached context (a prefix
-    hit, a later chunk) reads that context once per layer through :meth:`KVStore.read`, where the
-    prefill's own compute dwarfs the copy."""
+    Per layer: one ``kv_write`` of the step's new K/V into their slots, one ``paged_prefill`` for every
+    chunk of several tokens (causal, over cached context and the chunk itself, tiles of 32 queries, K/V
+    read block by block through the table), one ``paged_decode`` for every single-token sequence (each
+    block table walked block by block; contexts split across threads when the batch is small). No
+    gather, no padding, no mask tensor. Head dims other than 64 and 128 take prefills through
+    ``scaled_dot_product_attention`` instead (a chunk with no cached context over its own new K/V, one
+    that continues a cached context over that context read back through :meth:`KVStore.read`)."""
 
     partition = -1  # context tokens per decode work item; -1: automatic (see paged_decode)
 
@@ -281,6 +294,15 @@ class NativePagedAttention:
             fresh = start == 0
             slots = None if fresh else _context_slots(table, start + qlen, bs).to(dev)
             prefills.append(_Prefill(i, batch.offsets[i], batch.offsets[i + 1], start, fresh, slots))
+        prefill_args = None
+        if prefills:
+            width = max(-(-(p.start + p.hi - p.lo) // bs) for p in prefills)
+            padded = [list(batch.block_tables[p.index][:width]) for p in prefills]
+            for t in padded:
+                t.extend([0] * (width - len(t)))
+            prefill_args = _PrefillArgs(
+                torch.tensor(padded, dtype=torch.int32), torch.tensor([p.start for p in prefills]),
+                torch.tensor([p.hi - p.lo for p in prefills]), torch.tensor([p.lo for p in prefills]))
         rows = tables = lens = None
         if decode:
             rows = torch.tensor([batch.offsets[i] for i in decode], dtype=torch.long)
@@ -291,7 +313,7 @@ class NativePagedAttention:
             for t in padded:
                 t.extend([0] * (width - len(t)))
             tables = torch.tensor(padded, dtype=torch.int32)
-        self._plan = _NativePlan(batch, prefills, rows, tables, lens)
+        self._plan = _NativePlan(batch, prefills, prefill_args, rows, tables, lens)
 
     def _mask(self, plan: _NativePlan, p: _Prefill, window: int | None) -> torch.Tensor | None:
         """Mask for a prefill chunk; ``None`` when SDPA's own causal flag is exact."""
@@ -319,6 +341,20 @@ class NativePagedAttention:
         else:
             store.write(layer, plan.batch.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        pa = plan.prefill_args
+        if pa is not None and q.shape[-1] in _NATIVE_PREFILL_DIMS:
+            self.ops.paged_prefill(out, q, kc, vc, pa.tables, pa.starts, pa.query_lens, pa.offsets, scale, window or 0)
+        else:
+            self._sdpa_prefills(plan, layer, q, k, v, out, scale, window)
+        if plan.decode_rows is not None:
+            self.ops.paged_decode(out, q, kc, vc, plan.decode_tables, plan.decode_lens, plan.decode_rows,
+                                  scale, window or 0, self.partition)
+        return out
+
+    def _sdpa_prefills(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, scale: float, window: int | None) -> None:
+        """Prefill chunks through ``scaled_dot_product_attention`` (head dims the kernel lacks)."""
+        store = self.store
         exact = store.dtype == q.dtype  # the cache holds this step's k/v bit for bit
         for p in plan.prefills:
             mask = self._mask(plan, p, window)
@@ -333,10 +369,6 @@ class NativePagedAttention:
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
             out[p.lo:p.hi] = o[0].transpose(0, 1)
-        if plan.decode_rows is not None:
-            self.ops.paged_decode(out, q, kc, vc, plan.decode_tables, plan.decode_lens, plan.decode_rows,
-                                  scale, window or 0, self.partition)
-        return out
 
 
 # ---- the registry -------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -41,7 +42,7 @@ inline vf loadu(const float* p) {
   return v;
 }
 inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-inline vf splat(float x) { return vf{} + x; }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // one broadcast
 inline float hsum(vf v) {
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
   typedef float v8 __attribute__((vector_size(32)));
@@ -485,6 +486,279 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
   }
 }
 
+// ---- paged prefill -------------------------------------------------------------------------------
+// Causal attention for chunks of several new tokens per sequence, K/V read through the block table
+// (the chunk's own K/V already written). One work item = (sequence, KV head, tile of kQTile queries);
+// its G * kQTile query rows are kept transposed (row index fastest), so scores for 16 rows come out of
+// one vector FMA per head-dim element and key, with no horizontal sums. Online softmax over key
+// blocks; items are handed out longest first from a shared counter, as causal tiles differ in cost.
+constexpr int64_t kQTile = 32;
+constexpr int64_t kRowsAlign = 2 * kW;  // score loops take row chunks in pairs
+
+struct PrefillSeq {
+  int64_t start, qlen, offset, seq;
+};
+
+template <int NC, typename Q, typename C>
+void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, int64_t q_s0, int64_t q_s1, Q* op,
+                  int64_t o_s0, int64_t o_s1, const C* kp, const C* vp, const CacheView& vk, const CacheView& vv,
+                  const int32_t* table, int64_t bs, int64_t G, float scale, int64_t window, std::vector<float>& buf) {
+  constexpr int64_t D = NC * kW;
+  const int64_t i0 = tile * kQTile, i1 = std::min(ps.qlen, i0 + kQTile), nq = i1 - i0;
+  const int64_t R = nq * G, RP = (R + kRowsAlign - 1) / kRowsAlign * kRowsAlign, NCH = RP / kW;
+  // buf: Qt [D][RP] | St [16][RP] | O [RP][D] | m [RP] | l [RP] | qpos [RP] | tiles [2][16][D]
+  buf.resize(D * RP + kW * RP + RP * D + 3 * RP + 2 * bs * D);
+  float* qt = buf.data();
+  float* st = qt + D * RP;
+  float* o = st + kW * RP;
+  float* m = o + RP * D;
+  float* l = m + RP;
+  float* qpos = l + RP;
+  float* ktile = qpos + RP;
+  float* vtile = ktile + bs * D;
+  // Query rows (scaled, fp32) into o's space first, then transposed into qt one head-dim row at a time.
+  for (int64_t r = 0; r < RP; ++r) {
+    const int64_t i = r / G, g = r % G;
+    qpos[r] = r < R ? static_cast<float>(ps.start + i0 + i) : -1.f;  // padded rows: see no key
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    float* dst = o + r * D;
+    if (r >= R) {
+      std::fill(dst, dst + D, 0.f);
+      continue;
+    }
+    const Q* qrow = qp + (ps.offset + i0 + i) * q_s0 + (h * G + g) * q_s1;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(qrow[d]) * scale;
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = 0; r < RP; ++r) qt[d * RP + r] = o[r * D + d];
+  std::fill(o, o + RP * D, 0.f);
+  const int64_t last = ps.start + i1 - 1;  // last query position of the tile: keys up to it
+  int64_t first = 0;
+  if (window > 0) first = std::max<int64_t>(0, ps.start + i0 - window + 1);
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = first; t0 <= last;) {
+    const int64_t blk = t0 / bs, t1 = std::min(last + 1, (blk + 1) * bs), nk = t1 - t0;
+    for (int64_t c = 0; c < nk; c += kW) {
+      const int64_t kc = std::min<int64_t>(kW, nk - c);  // keys of this sub-block (<= 16)
+      const int64_t tb = t0 + c;
+      int64_t ks = 0, vs = 0;
+      const float* kr = load_rows<C>(kp + table[blk] * vk.s_block + (tb % bs) * vk.s_slot + h * vk.s_head, vk.s_slot,
+                                     kc, D, ktile, &ks);
+      const float* vr = load_rows<C>(vp + table[blk] * vv.s_block + (tb % bs) * vv.s_slot + h * vv.s_head, vv.s_slot,
+                                     kc, D, vtile, &vs);
+      // Scores St[key][row] for 16-row chunks, two chunks by four keys in registers.
+      for (int64_t ch = 0; ch < NCH; ch += 2) {
+        const float* q0p = qt + ch * kW;
+        const float* q1p = q0p + kW;
+        int64_t k0 = 0;
+        for (; k0 + 4 <= kc; k0 += 4) {
+          const float* k0p = kr + k0 * ks;
+          vf a00{}, a01{}, a02{}, a03{}, a10{}, a11{}, a12{}, a13{};
+          for (int64_t d = 0; d < D; ++d) {
+            const vf q0 = loadu(q0p + d * RP), q1 = loadu(q1p + d * RP);
+            const vf x0 = splat(k0p[d]), x1 = splat(k0p[ks + d]), x2 = splat(k0p[2 * ks + d]),
+                     x3 = splat(k0p[3 * ks + d]);
+            a00 += q0 * x0; a01 += q0 * x1; a02 += q0 * x2; a03 += q0 * x3;
+            a10 += q1 * x0; a11 += q1 * x1; a12 += q1 * x2; a13 += q1 * x3;
+          }
+          float* sp = st + k0 * RP + ch * kW;
+          storeu(sp, a00); storeu(sp + RP, a01); storeu(sp + 2 * RP, a02); storeu(sp + 3 * RP, a03);
+          storeu(sp + kW, a10); storeu(sp + RP + kW, a11); storeu(sp + 2 * RP + kW, a12);
+          storeu(sp + 3 * RP + kW, a13);
+        }
+        for (; k0 < kc; ++k0) {
+          const float* kp0 = kr + k0 * ks;
+          vf a0{}, a1{};
+          for (int64_t d = 0; d < D; ++d) {
+            const vf x = splat(kp0[d]);
+            a0 += loadu(q0p + d * RP) * x;
+            a1 += loadu(q1p + d * RP) * x;
+          }
+          storeu(st + k0 * RP + ch * kW, a0);
+          storeu(st + k0 * RP + ch * kW + kW, a1);
+        }
+      }
+      // Mask (causal, window), online softmax, rescale and accumulate, 16 rows at a time.
+      for (int64_t ch = 0; ch < NCH; ++ch) {
+        const vf qv = loadu(qpos + ch * kW);
+        vf mx = loadu(m + ch * kW);
+        const vf m_old = mx;
+        for (int64_t kk = 0; kk < kc; ++kk) {
+          const vf kpos = splat(static_cast<float>(tb + kk));
+          vf sv = loadu(st + kk * RP + ch * kW);
+          sv = kpos > qv ? neg_inf : sv;
+          if (window > 0) sv = kpos <= qv - splat(static_cast<float>(window)) ? neg_inf : sv;
+          storeu(st + kk * RP + ch * kW, sv);
+          mx = sv > mx ? sv : mx;
+        }
+        storeu(m + ch * kW, mx);
+        // Rows with no visible key yet keep m = -inf: their weights and scale factors are 0 and 1.
+        const vf live = mx > neg_inf ? splat(1.f) : vf{};
+        const vf safe_m = mx > neg_inf ? mx : vf{};
+        const vf alpha = m_old > neg_inf ? exp_neg(m_old - safe_m) : splat(1.f);
+        vf lsum = loadu(l + ch * kW) * alpha;
+        for (int64_t kk = 0; kk < kc; ++kk) {
+          const vf sv = loadu(st + kk * RP + ch * kW);
+          const vf p = sv > neg_inf ? exp_neg(sv - safe_m) * live : vf{};
+          storeu(st + kk * RP + ch * kW, p);
+          lsum += p;
+        }
+        storeu(l + ch * kW, lsum);
+        float al[kW];
+        storeu(al, alpha);
+        for (int64_t rr = 0; rr < kW; rr += 2) {
+          const int64_t r = ch * kW + rr;
+          vf acc0[NC], acc1[NC];
+          for (int c2 = 0; c2 < NC; ++c2) {
+            acc0[c2] = loadu(o + r * D + c2 * kW) * splat(al[rr]);
+            acc1[c2] = loadu(o + (r + 1) * D + c2 * kW) * splat(al[rr + 1]);
+          }
+          for (int64_t kk = 0; kk < kc; ++kk) {
+            const vf p0 = splat(st[kk * RP + r]), p1 = splat(st[kk * RP + r + 1]);
+            const float* vrow = vr + kk * vs;
+            for (int c2 = 0; c2 < NC; ++c2) {
+              const vf x = loadu(vrow + c2 * kW);
+              acc0[c2] += p0 * x;
+              acc1[c2] += p1 * x;
+            }
+          }
+          for (int c2 = 0; c2 < NC; ++c2) {
+            storeu(o + r * D + c2 * kW, acc0[c2]);
+            storeu(o + (r + 1) * D + c2 * kW, acc1[c2]);
+          }
+        }
+      }
+    }
+    t0 = t1;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    Q* orow = op + (ps.offset + i0 + i) * o_s0 + (h * G + g) * o_s1;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<Q>(o[r * D + d] * inv);
+  }
+}
+
+template <int NC, typename Q, typename C>
+void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables, const std::vector<PrefillSeq>& seqs,
+                        double scale, int64_t window) {
+  const int64_t KVH = k_cache.size(2), G = q.size(1) / KVH, bs = k_cache.size(1), max_blocks = block_tables.size(1);
+  const CacheView vk{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const CacheView vv{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  struct Item {
+    int64_t seq, h, tile, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
+    const int64_t tiles = (seqs[s].qlen + kQTile - 1) / kQTile;
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t keys = seqs[s].start + std::min(seqs[s].qlen, (t + 1) * kQTile);
+        items.push_back({s, h, t, window > 0 ? std::min(keys, window + kQTile) : keys});
+      }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const PrefillSeq& ps = seqs[it.seq];
+      prefill_item<NC, Q, C>(ps, it.h, it.tile, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp, vp,
+                             vk, vv, tables + ps.seq * max_blocks, bs, G, static_cast<float>(scale), window, buf);
+    }
+  });
+}
+
+template <typename Q, typename C>
+void prefill_dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                        const std::vector<PrefillSeq>& seqs, double scale, int64_t window) {
+  switch (q.size(2)) {
+    case 64: paged_prefill_impl<4, Q, C>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case 128: paged_prefill_impl<8, Q, C>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    default: TORCH_CHECK(false, "paged_prefill: head dim ", q.size(2), " is not supported (64 or 128)");
+  }
+}
+
+template <typename Q>
+void prefill_dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                            const std::vector<PrefillSeq>& seqs, double scale, int64_t window) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: prefill_dispatch_d<Q, float>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case at::kBFloat16:
+      prefill_dispatch_d<Q, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    case at::kHalf: prefill_dispatch_d<Q, c10::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case at::kFloat8_e4m3fn:
+      prefill_dispatch_d<Q, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    case at::kFloat8_e5m2:
+      prefill_dispatch_d<Q, c10::Float8_e5m2>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    default: TORCH_CHECK(false, "paged_prefill: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+// For each sequence b: rows [offsets[b], offsets[b] + query_lens[b]) of q are its new tokens at
+// positions starts[b]...; they attend causally (within `window` when > 0) to positions
+// [0, starts[b] + query_lens[b]) read through block_tables[b]. Results go to the same rows of out.
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor block_tables, torch::Tensor starts, torch::Tensor query_lens, torch::Tensor offsets,
+                   double scale, int64_t window) {
+  check_rows(q, "q");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(0) == q.size(0), "out and q must match");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be two [blocks, block_size, kv_heads, dim] tensors of one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "q and caches disagree on heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [seqs, blocks] tensor");
+  const int64_t B = block_tables.size(0), bs = k_cache.size(1), nb = k_cache.size(0);
+  for (auto* t : {&starts, &query_lens, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
+                "starts, query_lens and offsets must be int64, one per sequence");
+  std::vector<PrefillSeq> seqs;
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ql = query_lens.data_ptr<int64_t>();
+  const int64_t* of = offsets.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(st[b] >= 0 && ql[b] >= 1 && of[b] >= 0 && of[b] + ql[b] <= q.size(0), "sequence ", b, ": bad rows");
+    const int64_t used = (st[b] + ql[b] + bs - 1) / bs;
+    TORCH_CHECK(used <= block_tables.size(1), "sequence ", b, ": context does not fit its block table");
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t blk = tables[b * block_tables.size(1) + i];
+      TORCH_CHECK(blk >= 0 && blk < nb, "sequence ", b, ": block ", blk, " outside the ", nb, "-block cache");
+    }
+    seqs.push_back({st[b], ql[b], of[b], b});
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat: prefill_dispatch_cache<float>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case at::kBFloat16:
+      prefill_dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    case at::kHalf: prefill_dispatch_cache<c10::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    default: TORCH_CHECK(false, "paged_prefill: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+// Rows per parallel chunk for a row-wise elementwise kernel: a decode step's few rows run inline in the
+// calling thread, since waking the pool costs more than the work (and, on a shared machine, waits for a
+// time slice).
+inline int64_t serial_rows(int64_t row_elems) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elems)); }
+
 // ---- KV cache write ------------------------------------------------------------------------------
 template <typename S, typename C>
 void write_impl(torch::Tensor& cache, const torch::Tensor& src, const int64_t* slots, int64_t n) {
@@ -550,7 +824,7 @@ void rms_norm_impl(torch::Tensor& out, torch::Tensor& x, const torch::Tensor* ad
   const T* wp = w.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t xs = x.stride(0), os = out.stride(0);
-  at::parallel_for(0, n, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, serial_rows(c), [&](int64_t begin, int64_t end) {
     std::vector<float> row(c);
     for (int64_t i = begin; i < end; ++i) {
       T* xr = xp + i * xs;
@@ -605,7 +879,7 @@ void rope_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& 
   const T* cp = cos.data_ptr<T>();
   const T* sp = sin.data_ptr<T>();
   const int64_t s0 = x.stride(0), s1 = x.stride(1);
-  at::parallel_for(0, n, 32, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, serial_rows(H * D), [&](int64_t begin, int64_t end) {
     std::vector<float> a(half), b(half);
     for (int64_t i = begin; i < end; ++i) {
       const T* c = cp + i * D;
@@ -664,7 +938,7 @@ void silu_mul_impl(torch::Tensor& out, const torch::Tensor& gate_up, int64_t int
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t gs = gate_up.stride(0), os = out.stride(0);
-  at::parallel_for(0, n, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, serial_rows(2 * inter), [&](int64_t begin, int64_t end) {
     std::vector<float> g(kW), u(kW), r(kW);
     for (int64_t i = begin; i < end; ++i) {
       const T* gr = gp + i * gs;
@@ -712,6 +986,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention reading K/V through block tables",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("rows"), py::arg("scale"), py::arg("window"), py::arg("partition"));
+  m.def("paged_prefill", &paged_prefill, "causal paged attention for multi-token chunks", py::arg("out"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("starts"),
+        py::arg("query_lens"), py::arg("offsets"), py::arg("scale"), py::arg("window"));
   m.def("kv_write", &kv_write, "write K/V rows into their cache slots", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slots"), py::arg("k"), py::arg("v"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after an in-place residual add", py::arg("out"), py::arg("x"),

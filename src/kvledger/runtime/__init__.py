@@ -6,6 +6,7 @@ allocates blocks itself. Needs torch and safetensors; GGUF loading also needs tr
 
 from __future__ import annotations
 
+from . import native
 from .attention import (
     AttentionBackend,
     AttentionBatch,
@@ -25,7 +26,7 @@ from .sampling import SamplingParams
 from .weights import CACHE_ENV, Checkpoint, cache_root, convert_gguf, resolve_checkpoint
 
 __all__ = [
-    "Engine", "HostKVStore", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
+    "native", "Engine", "HostKVStore", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
     "CACHE_ENV", "SUPPORTED_MODEL_TYPES", "AttentionBackend", "AttentionBatch", "BackendFactory",
     "Checkpoint", "Decoder", "DecoderConfig", "KVStore", "LoopStats", "ModelRunner", "SeqStep",
     "NativePagedAttention", "TorchPagedAttention", "attention_backends", "make_attention_backend",

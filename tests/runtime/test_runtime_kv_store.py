@@ -56,6 +56,24 @@ def test_write_then_gather_through_a_block_table() -> None:
     assert torch.equal(store.kv[1, 0, 3, 1], k[5])
 
 
+@pytest.mark.parametrize("kv_dtype", ["fp32", "bf16", "fp8"])
+def test_block_views_and_dequantising_reads(kv_dtype: str) -> None:
+    """``blocks`` is the paged kernels' view of the same memory; ``read`` returns stored rows as the
+    compute dtype (the cast a dequantising read replaces for a compressed format)."""
+    store = KVStore(KVSpec(2, 2, 8, kv_dtype=kv_dtype, block_size=4), 6)
+    table = BlockTable(4, [5, 0, 2])
+    k, v = torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    slots = torch.tensor(table.slot_mapping(0, 10))
+    store.write(1, slots, k, v)
+    kb, vb = store.blocks(1)
+    assert kb.shape == (6, 4, 2, 8) and kb.data_ptr() == store.kv[1, 0].data_ptr()
+    assert torch.equal(vb[0, 1].float(), v[5].to(store.dtype).float())  # position 5: block 0, offset 1
+    rk, rv = store.read(1, slots.view(2, 5), torch.float32)
+    assert rk.shape == (2, 5, 2, 8) and rk.dtype == torch.float32
+    assert torch.equal(rk.reshape(10, 2, 8), k.to(store.dtype).float())
+    assert torch.equal(rv.reshape(10, 2, 8), v.to(store.dtype).float())
+
+
 def test_fp8_write_rounds_like_a_cast() -> None:
     store = KVStore(KVSpec(1, 1, 8, kv_dtype="fp8", block_size=2), 4)
     k = torch.randn(3, 1, 8)

@@ -1,8 +1,13 @@
-"""The model runner on tiny random Llama-family models equals transformers, step by step."""
+"""The model runner on tiny random Llama-family models equals transformers, step by step.
+
+Each exactness test runs both CPU paths: ``torch`` (reference attention + torch layer kernels) and
+``native`` (the compiled kernels ``make install`` builds; skipped only with ``KVLEDGER_NATIVE=0``).
+"""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,9 +15,25 @@ import torch
 
 from kvledger.core import Request
 from kvledger.errors import ConfigError
-from kvledger.runtime import DecoderConfig, LoopStats, ModelRunner, SeqStep, cache_root, generate_greedy
+from kvledger.runtime import DecoderConfig, LoopStats, ModelRunner, SeqStep, cache_root, generate_greedy, native
+from kvledger.runtime.kernels import NativeKernels, TorchKernels
 
 ATOL = 1e-4
+
+
+@pytest.fixture(params=["torch", "native"])
+def path_kind(request: pytest.FixtureRequest) -> str:
+    if request.param == "native" and os.environ.get(native.NATIVE_ENV) == "0":
+        pytest.skip("KVLEDGER_NATIVE=0: only the pure-torch paths")
+    return request.param
+
+
+def _runner(path: Path, kind: str, **kw: object) -> ModelRunner:
+    """A runner on one CPU path: attention backend and layer kernels both torch, or both native."""
+    kernels = NativeKernels() if kind == "native" else TorchKernels()
+    runner = ModelRunner.from_pretrained(path, backend=kind, kernels=kernels, **kw)
+    assert type(runner.backend).__name__ == ("NativePagedAttention" if kind == "native" else "TorchPagedAttention")
+    return runner
 
 
 def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -32,9 +53,9 @@ def _hf_generate(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def test_prefill_batch_logits_equal_transformers(tiny_llama) -> None:
+def test_prefill_batch_logits_equal_transformers(tiny_llama, path_kind: str) -> None:
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=64, block_size=4)
+    runner = _runner(path, path_kind, num_blocks=64, block_size=4)
     ledger = runner.new_ledger()
     prompts = _prompts([1, 6, 13, 30])
     for i, p in enumerate(prompts):
@@ -45,10 +66,10 @@ def test_prefill_batch_logits_equal_transformers(tiny_llama) -> None:
         torch.testing.assert_close(logits[i], _hf_last_logits(hf, p), atol=ATOL, rtol=0)
 
 
-def test_decode_driven_by_the_ledger_equals_generate(tiny_llama) -> None:
+def test_decode_driven_by_the_ledger_equals_generate(tiny_llama, path_kind: str) -> None:
     """admit -> slots from the table -> forward -> append_token, 4 sequences of different lengths."""
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=48, block_size=4)
+    runner = _runner(path, path_kind, num_blocks=48, block_size=4)
     ledger = runner.new_ledger()
     prompts, new = _prompts([3, 8, 11, 21], seed=1), 10
     rids = [f"r{i}" for i in range(len(prompts))]
@@ -71,10 +92,10 @@ def test_decode_driven_by_the_ledger_equals_generate(tiny_llama) -> None:
     assert ledger.usage().active == 0
 
 
-def test_staggered_admission_and_chunked_prefill(tiny_llama) -> None:
+def test_staggered_admission_and_chunked_prefill(tiny_llama, path_kind: str) -> None:
     """A pool too small for all four: later requests prefill (in chunks) beside running decodes."""
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=12, block_size=4)
+    runner = _runner(path, path_kind, num_blocks=12, block_size=4)
     prompts, new = _prompts([5, 9, 14, 20], seed=2), 6
     stats = LoopStats()
     out = generate_greedy(runner, runner.new_ledger(), prompts, new, chunk_size=5, stats=stats)
@@ -82,9 +103,9 @@ def test_staggered_admission_and_chunked_prefill(tiny_llama) -> None:
     assert out == [_hf_generate(hf, p, new) for p in prompts]
 
 
-def test_prefix_cache_hits_skip_compute_and_match(tiny_llama) -> None:
+def test_prefix_cache_hits_skip_compute_and_match(tiny_llama, path_kind: str) -> None:
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=32, block_size=4)
+    runner = _runner(path, path_kind, num_blocks=32, block_size=4)
     ledger = runner.new_ledger()
     shared = _prompts([12], seed=3)[0]
     first, second = shared + [7, 8], shared + [9]
@@ -95,11 +116,11 @@ def test_prefix_cache_hits_skip_compute_and_match(tiny_llama) -> None:
     assert stats.cached_prompt_tokens == 12
 
 
-def test_fork_with_copy_on_write_tail(tiny_llama) -> None:
+def test_fork_with_copy_on_write_tail(tiny_llama, path_kind: str) -> None:
     """Parallel sampling: fork after prefill, branches take different first tokens. The shared
     partial tail is copied (the ledger's CopyOp, executed by the store) before either branch writes."""
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=32, block_size=4)
+    runner = _runner(path, path_kind, num_blocks=32, block_size=4)
     ledger = runner.new_ledger()
     prompt, new = _prompts([10], seed=8)[0], 6  # 10 tokens: block 2 is a partial tail
     ledger.admit(Request("a", prompt, new)).raise_for_outcome()
@@ -133,14 +154,19 @@ VARIANTS = {
     "linear-rope": ("llama", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 4.0}}),
     "biases-tied-mha": ("llama", {"attention_bias": True, "mlp_bias": True, "tie_word_embeddings": True,
                                   "num_key_value_heads": 4, "head_dim": 8}),
+    # Head dim 64 (SmolLM2's): the native prefill kernel instead of its SDPA fallback.
+    "head-dim-64-gqa": ("llama", {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                  "head_dim": 64}),
+    "head-dim-64-window": ("mistral", {"sliding_window": 5, "hidden_size": 128, "num_attention_heads": 2,
+                                       "num_key_value_heads": 1, "head_dim": 64}),
 }
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_llama_family_variants(variant: str, make_tiny) -> None:
+def test_llama_family_variants(variant: str, make_tiny, path_kind: str) -> None:
     kind, overrides = VARIANTS[variant]
     path, hf = make_tiny(kind, seed=4, **overrides)
-    runner = ModelRunner.from_pretrained(path, num_blocks=32, block_size=4)
+    runner = _runner(path, path_kind, num_blocks=32, block_size=4)
     if variant == "qwen2-qkv-bias":
         assert runner.config.qkv_bias and not runner.config.o_bias
     if variant == "mistral-window":
@@ -155,9 +181,23 @@ def test_llama_family_variants(variant: str, make_tiny) -> None:
         torch.testing.assert_close(logits[0], _hf_last_logits(hf, p + o), atol=ATOL, rtol=0)
 
 
-def test_bf16_runs_and_mostly_agrees(tiny_llama) -> None:
+@pytest.mark.parametrize("window", [None, 24])
+def test_long_prompts_at_head_dim_64_equal_transformers(window: int | None, make_tiny, path_kind: str) -> None:
+    """Prompts spanning several 32-query tiles and many blocks, one continued from a prefix hit."""
+    kind, extra = ("mistral", {"sliding_window": window}) if window else ("llama", {})
+    path, hf = make_tiny(kind, seed=9, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         **extra)
+    runner = _runner(path, path_kind, num_blocks=128, block_size=4)
+    ledger = runner.new_ledger()
+    base = _prompts([70], seed=10)[0]
+    prompts, new = [base, _prompts([45], seed=11)[0], base[:48] + [5, 6, 7]], 6
+    out = generate_greedy(runner, ledger, prompts, new)
+    assert out == [_hf_generate(hf, p, new) for p in prompts]
+
+
+def test_bf16_runs_and_mostly_agrees(tiny_llama, path_kind: str) -> None:
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=16, block_size=4, dtype=torch.bfloat16)
+    runner = _runner(path, path_kind, num_blocks=16, block_size=4, dtype=torch.bfloat16)
     assert runner.store.dtype == torch.bfloat16 and runner.spec.kv_dtype == "bf16"
     prompt = _prompts([9], seed=6)[0]
     ledger = runner.new_ledger()
@@ -245,10 +285,10 @@ def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
     assert cache_root() == tmp_path / ".cache" / "kvledger"
 
 
-def test_fp8_kv_cache_with_fp32_compute(tiny_llama) -> None:
+def test_fp8_kv_cache_with_fp32_compute(tiny_llama, path_kind: str) -> None:
     """K/V stored in one byte, read back as fp32: the spec, the pool size and rough logits follow."""
     path, hf = tiny_llama
-    runner = ModelRunner.from_pretrained(path, num_blocks=16, block_size=4, kv_dtype="fp8")
+    runner = _runner(path, path_kind, num_blocks=16, block_size=4, kv_dtype="fp8")
     assert runner.store.dtype == torch.float8_e4m3fn
     assert runner.store.nbytes == runner.spec.block_bytes * 16 == 2 * 2 * 2 * 16 * 4 * 16
     prompt = _prompts([9], seed=7)[0]

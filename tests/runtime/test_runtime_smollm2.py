@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ from kvledger.runtime import (
     cache_root,
     convert_gguf,
     generate_greedy,
+    native,
 )
+from kvledger.runtime.kernels import NativeKernels, TorchKernels
 
 pytestmark = pytest.mark.model
 
@@ -81,8 +84,18 @@ def test_geometry_matches_the_inventory(smol) -> None:
     assert runner.store.nbytes == ref.block_bytes * 64
 
 
-def test_prefill_logits_match(smol) -> None:
-    _, _, hf, tokenizer, runner = smol
+@pytest.fixture(scope="module", params=["torch", "native"])
+def path_runner(request: pytest.FixtureRequest, smol) -> ModelRunner:
+    """The model on one CPU path: reference attention + torch kernels, or the compiled kernels."""
+    if request.param == "native" and os.environ.get(native.NATIVE_ENV) == "0":
+        pytest.skip("KVLEDGER_NATIVE=0: only the pure-torch paths")
+    kernels = NativeKernels() if request.param == "native" else TorchKernels()
+    return ModelRunner.from_pretrained(smol[1], num_blocks=64, block_size=16, backend=request.param, kernels=kernels)
+
+
+def test_prefill_logits_match(smol, path_runner: ModelRunner) -> None:
+    _, _, hf, tokenizer, _ = smol
+    runner = path_runner
     ledger = runner.new_ledger()
     ids = [tokenizer(p).input_ids for p in PROMPTS]
     for i, p in enumerate(ids):
@@ -94,8 +107,9 @@ def test_prefill_logits_match(smol) -> None:
             torch.testing.assert_close(logits[i], ref, atol=2e-3, rtol=1e-4)
 
 
-def test_greedy_generation_equals_transformers(smol) -> None:
-    _, _, hf, tokenizer, runner = smol
+def test_greedy_generation_equals_transformers(smol, path_runner: ModelRunner) -> None:
+    _, _, hf, tokenizer, _ = smol
+    runner = path_runner
     ids = [tokenizer(p).input_ids for p in PROMPTS]
     stats = LoopStats()
     ours = generate_greedy(runner, runner.new_ledger(), ids, NEW_TOKENS,

@@ -25,6 +25,29 @@ MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mist
 MAX_RUNTIME_POOL = 64 * 2**30
 
 
+class _AttentionBackendChoice(click.Choice):
+    """The attention-backend registry's names, read when the option is parsed or shown (the registry
+    lives in the runtime, which imports torch; other commands never load it)."""
+
+    def __init__(self) -> None:
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        from ..runtime.attention import attention_backends
+
+        return tuple(attention_backends())
+
+    @choices.setter
+    def choices(self, value: object) -> None:  # click never sets it after __init__
+        pass
+
+
+_attention_backend_option = click.option(
+    "--attention-backend", type=_AttentionBackendChoice(), default="auto", show_default=True,
+    help="Attention implementation (auto: the native CPU kernels when built, else torch).")
+
+
 def _prepare_torch(threads: int | None) -> None:
     # Before torch starts OpenMP: on shared cores, spinning worker threads wait for each other's time
     # slices and a small matmul can take 100x longer. No effect if torch is already running.
@@ -106,10 +129,11 @@ def _memory_lines(summary: dict[str, Any]) -> list[str]:
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@_attention_backend_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_p: float, top_k: int,
                  seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: int | None,
-                 block_size: int, threads: int | None, as_json: bool) -> None:
+                 block_size: int, threads: int | None, attention_backend: str, as_json: bool) -> None:
     """Generate text for PROMPT with the real runtime and print a memory summary."""
     _prepare_torch(threads)
     from ..runtime.engine import Engine, resolve_model
@@ -136,7 +160,8 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
         raise ConfigError("the prompt is empty after tokenisation")
     branches = beam_width if beam_width > 1 else n
     need = branches * (-(-(len(ids) + max_new) // block_size) + 1)
-    engine = Engine.from_model(ckpt, block_size=block_size, **_pool_args(pool_blocks, pool, max(need, 16)))
+    engine = Engine.from_model(ckpt, block_size=block_size, backend=attention_backend,
+                               **_pool_args(pool_blocks, pool, max(need, 16)))
     stop = {t for t in (tok.eos_token_id,) if t is not None}
     if chat:
         im_end = tok.convert_tokens_to_ids("<|im_end|>")
@@ -231,11 +256,13 @@ def _trace_formats() -> list[str]:
 @click.option("--burst", is_flag=True, help="Submit every request at once (ignore arrival times).")
 @click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
 @click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
+@_attention_backend_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
                     on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,
                     host_blocks: int, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
-                    burst: bool, threads: int | None, out: str | None, as_json: bool) -> None:
+                    burst: bool, threads: int | None, out: str | None, attention_backend: str,
+                    as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
     prompt tokens from the bundled corpus. A request that can never fit the pool is refused ("never") and
     the replay goes on."""
@@ -268,6 +295,7 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
 
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
+                               backend=attention_backend,
                                scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)

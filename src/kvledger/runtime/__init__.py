@@ -6,7 +6,16 @@ allocates blocks itself. Needs torch and safetensors; GGUF loading also needs tr
 
 from __future__ import annotations
 
-from .attention import AttentionBackend, AttentionBatch, TorchPagedAttention
+from . import native
+from .attention import (
+    AttentionBackend,
+    AttentionBatch,
+    NativePagedAttention,
+    TorchPagedAttention,
+    attention_backends,
+    make_attention_backend,
+    register_attention_backend,
+)
 from .config import SUPPORTED_MODEL_TYPES, DecoderConfig
 from .engine import Engine, RequestHandle, RequestResult, TokenEvent
 from .host_store import HostKVStore
@@ -17,9 +26,10 @@ from .sampling import SamplingParams
 from .weights import CACHE_ENV, Checkpoint, cache_root, convert_gguf, resolve_checkpoint
 
 __all__ = [
-    "Engine", "HostKVStore", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
+    "native", "Engine", "HostKVStore", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
     "CACHE_ENV", "SUPPORTED_MODEL_TYPES", "AttentionBackend", "AttentionBatch", "BackendFactory",
     "Checkpoint", "Decoder", "DecoderConfig", "KVStore", "LoopStats", "ModelRunner", "SeqStep",
-    "TorchPagedAttention", "cache_root", "convert_gguf", "generate_greedy", "resolve_checkpoint",
+    "NativePagedAttention", "TorchPagedAttention", "attention_backends", "make_attention_backend",
+    "register_attention_backend", "cache_root", "convert_gguf", "generate_greedy", "resolve_checkpoint",
     "torch_dtype",
 ]

@@ -8,10 +8,18 @@ methods; nothing in the ledger or the model changes.
 
 Token layout is "varlen": the new tokens of all sequences are packed along dim 0, sequence after
 sequence, so a batch mixing a 300-token prefill chunk with 1-token decodes wastes nothing.
+
+Backends are chosen by name from a registry (:func:`attention_backends`, :func:`make_attention_backend`;
+the CLI's ``--attention-backend`` choices come from it): ``torch`` is the reference that gathers each
+context, ``native`` reads K/V in place with the compiled CPU kernels (:mod:`kvledger.runtime.native`),
+``auto`` takes ``native`` where it is built and the store is on the CPU, else ``torch``. A CUDA backend
+registers itself with :func:`register_attention_backend` and needs no other change.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from . import native
 from .kv_store import KVStore
 
 
@@ -43,17 +52,22 @@ class AttentionBatch:
         n = len(self.starts)
         if not (len(self.query_lens) == len(self.block_tables) == n):
             raise ConfigError("starts, query_lens and block_tables must have one entry per sequence")
-        self.offsets = [0] * (n + 1)
         for i, (start, qlen) in enumerate(zip(self.starts, self.query_lens, strict=True)):
             if start < 0 or qlen <= 0:
                 raise ConfigError(f"sequence {i}: start {start} / {qlen} new tokens are not a valid step")
-            self.offsets[i + 1] = self.offsets[i] + qlen
+        self.offsets = [0, *itertools.accumulate(self.query_lens)]
         if self.slot_mapping.numel() != self.offsets[-1]:
             raise ConfigError(
                 f"slot mapping has {self.slot_mapping.numel()} slots for {self.offsets[-1]} new tokens")
         device = self.slot_mapping.device
-        ranges = [torch.arange(s, s + q) for s, q in zip(self.starts, self.query_lens, strict=True)]
-        self.positions = (torch.cat(ranges) if n else torch.empty(0, dtype=torch.long)).to(device)
+        starts = torch.tensor(self.starts, dtype=torch.long)
+        if self.offsets[-1] == n:  # decode-only step: one token per sequence, at its start
+            positions = starts
+        else:  # position of packed token j = starts[seq] + (j - offsets[seq])
+            lens = torch.tensor(self.query_lens, dtype=torch.long)
+            shift = starts - torch.tensor(self.offsets[:-1], dtype=torch.long)
+            positions = torch.repeat_interleave(shift, lens) + torch.arange(self.offsets[-1])
+        self.positions = positions.to(device)
 
     @property
     def num_seqs(self) -> int:
@@ -116,7 +130,8 @@ class _Plan:
 class TorchPagedAttention:
     """Reference backend for any device: gathers each context through its block table into a
     contiguous tensor and calls ``scaled_dot_product_attention``. Exact, simple, memory-hungry for long
-    contexts (the gather copies them); the CUDA backends exist to avoid that copy."""
+    contexts (the gather copies every context, every layer, every step); :class:`NativePagedAttention`
+    and the CUDA backends exist to avoid that copy."""
 
     def __init__(self, store: KVStore) -> None:
         self.store = store
@@ -177,16 +192,15 @@ class TorchPagedAttention:
             raise RuntimeError("TorchPagedAttention.forward called before plan()")
         batch = plan.batch
         self.store.write(layer, batch.slot_mapping, k, v)
-        kc, vc = self.store.layer(layer)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for i in plan.prefill:
             lo, hi = batch.offsets[i], batch.offsets[i + 1]
             slots = plan.ctx_slots[i]
             mask = self._mask(plan, i, window)
             # [1, heads, tokens, dim]: SDPA broadcasts the KV heads over query groups (GQA).
             qs = q[lo:hi].transpose(0, 1)[None]
-            ks = kc[slots].to(q.dtype).transpose(0, 1)[None]
-            vs = vc[slots].to(q.dtype).transpose(0, 1)[None]
+            kr, vr = self.store.read(layer, slots, q.dtype)
+            ks, vs = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
             out[lo:hi] = o[0].transpose(0, 1)
@@ -195,12 +209,217 @@ class TorchPagedAttention:
             rows, slots = plan.decode_rows, plan.decode_slots
             assert slots is not None
             qs = q[rows][:, :, None]  # [B, heads, 1, dim]
-            ks = kc[slots].to(q.dtype).transpose(1, 2)  # [B, kv_heads, ctx, dim]
-            vs = vc[slots].to(q.dtype).transpose(1, 2)
+            kr, vr = self.store.read(layer, slots, q.dtype)
+            ks, vs = kr.transpose(1, 2), vr.transpose(1, 2)  # [B, kv_heads, ctx, dim]
             o = F.scaled_dot_product_attention(
                 qs, ks, vs, attn_mask=self._decode_mask(plan, window), scale=scale, enable_gqa=True)
             out[rows] = o[:, :, 0]
         return out
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "TorchPagedAttention"]
+
+
+@dataclass(slots=True)
+class _Prefill:
+    """One sequence with several new tokens: rows ``[lo, hi)`` of the packed batch."""
+
+    index: int
+    lo: int
+    hi: int
+    start: int
+    fresh: bool  # no cached context and K/V stored exactly: attend over this step's own k/v
+    ctx_slots: torch.Tensor | None  # otherwise: slots of its whole context, read back from the store
+
+
+@dataclass(slots=True)
+class _PrefillArgs:
+    """Every multi-token chunk of the step, for one ``paged_prefill`` call per layer."""
+
+    tables: torch.Tensor  # int32 [P, blocks], padded with block 0
+    starts: torch.Tensor  # int64 [P]
+    query_lens: torch.Tensor  # int64 [P]
+    offsets: torch.Tensor  # int64 [P]: first packed row of each chunk
+
+
+@dataclass(slots=True)
+class _NativePlan:
+    batch: AttentionBatch
+    prefills: list[_Prefill]
+    prefill_args: _PrefillArgs | None
+    decode_rows: torch.Tensor | None  # int64 [B]: the packed row of each single-token sequence
+    decode_tables: torch.Tensor | None  # int32 [B, blocks]: their block tables, padded with block 0
+    decode_lens: torch.Tensor | None  # int32 [B]: their context lengths (new token included)
+    masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
+
+
+def _table_tensor(tables: list[list[int]], context_lens: list[int], block_size: int) -> torch.Tensor:
+    """int32 ``[seqs, blocks]``: the blocks each context uses, padded with block 0 (never read)."""
+    width = max(-(-c // block_size) for c in context_lens)
+    rows = [list(t[:width]) + [0] * (width - min(width, len(t))) for t in tables]
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+_NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
+# KV dtypes the native kernels read and write directly.
+_NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class NativePagedAttention:
+    """CPU backend on the compiled kernels: K/V are written to their slots and read in place.
+
+    Per layer: one ``kv_write`` of the step's new K/V into their slots, one ``paged_prefill`` for every
+    chunk of several tokens (causal, over cached context and the chunk itself, tiles of 32 queries, K/V
+    read block by block through the table), one ``paged_decode`` for every single-token sequence (each
+    block table walked block by block; contexts split across threads when the batch is small). No
+    gather, no padding, no mask tensor. Head dims other than 64 and 128 take prefills through
+    ``scaled_dot_product_attention`` instead (a chunk with no cached context over its own new K/V, one
+    that continues a cached context over that context read back through :meth:`KVStore.read`)."""
+
+    partition = -1  # context tokens per decode work item; -1: automatic (see paged_decode)
+
+    def __init__(self, store: KVStore) -> None:
+        if store.device.type != "cpu":
+            raise ConfigError(f"the native attention backend runs on the CPU; the KV store is on {store.device}")
+        if store.dtype not in _NATIVE_KV_DTYPES:
+            raise ConfigError(f"the native attention backend cannot read a {store.dtype} KV store")
+        self.ops = native.require()
+        self.store = store
+        self._plan: _NativePlan | None = None
+
+    def plan(self, batch: AttentionBatch) -> None:
+        bs, dev = self.store.block_size, self.store.device
+        prefills: list[_Prefill] = []
+        decode: list[int] = []
+        for i, (start, qlen) in enumerate(zip(batch.starts, batch.query_lens, strict=True)):
+            need = -(-(start + qlen) // bs)
+            table = batch.block_tables[i]
+            if need > len(table):
+                raise ConfigError(f"block table of {len(table)} blocks cannot hold {start + qlen} tokens")
+            if qlen == 1:
+                decode.append(i)
+                continue
+            fresh = start == 0
+            slots = None if fresh else _context_slots(table, start + qlen, bs).to(dev)
+            prefills.append(_Prefill(i, batch.offsets[i], batch.offsets[i + 1], start, fresh, slots))
+        prefill_args = None
+        if prefills:
+            ends = [p.start + p.hi - p.lo for p in prefills]
+            prefill_args = _PrefillArgs(
+                _table_tensor([batch.block_tables[p.index] for p in prefills], ends, bs),
+                torch.tensor([p.start for p in prefills]), torch.tensor([p.hi - p.lo for p in prefills]),
+                torch.tensor([p.lo for p in prefills]))
+        rows = tables = lens = None
+        if decode:
+            rows = torch.tensor([batch.offsets[i] for i in decode], dtype=torch.long)
+            ctx = [batch.starts[i] + 1 for i in decode]
+            lens = torch.tensor(ctx, dtype=torch.int32)
+            tables = _table_tensor([batch.block_tables[i] for i in decode], ctx, bs)
+        self._plan = _NativePlan(batch, prefills, prefill_args, rows, tables, lens)
+
+    def _mask(self, plan: _NativePlan, p: _Prefill, window: int | None) -> torch.Tensor | None:
+        """Mask for a prefill chunk; ``None`` when SDPA's own causal flag is exact."""
+        key = (p.index, window)
+        if key not in plan.masks:
+            qlen = p.hi - p.lo
+            if p.start == 0 and (window is None or window >= qlen):
+                plan.masks[key] = None
+            else:
+                q_pos = torch.arange(p.start, p.start + qlen)
+                plan.masks[key] = _allowed(q_pos, torch.arange(p.start + qlen), window)
+        return plan.masks[key]
+
+    def forward(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("NativePagedAttention.forward called before plan()")
+        store = self.store
+        kc, vc = store.blocks(layer)
+        if k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            self.ops.kv_write(kc, vc, plan.batch.slot_mapping, k, v)
+        else:
+            store.write(layer, plan.batch.slot_mapping, k, v)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        pa = plan.prefill_args
+        if pa is not None and q.shape[-1] in _NATIVE_PREFILL_DIMS:
+            self.ops.paged_prefill(out, q, kc, vc, pa.tables, pa.starts, pa.query_lens, pa.offsets, scale, window or 0)
+        else:
+            self._sdpa_prefills(plan, layer, q, k, v, out, scale, window)
+        if plan.decode_rows is not None:
+            self.ops.paged_decode(out, q, kc, vc, plan.decode_tables, plan.decode_lens, plan.decode_rows,
+                                  scale, window or 0, self.partition)
+        return out
+
+    def _sdpa_prefills(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       out: torch.Tensor, scale: float, window: int | None) -> None:
+        """Prefill chunks through ``scaled_dot_product_attention`` (head dims the kernel lacks)."""
+        store = self.store
+        exact = store.dtype == q.dtype  # the cache holds this step's k/v bit for bit
+        for p in plan.prefills:
+            mask = self._mask(plan, p, window)
+            qs = q[p.lo:p.hi].transpose(0, 1)[None]  # [1, heads, tokens, dim]
+            if p.fresh and exact:
+                ks, vs = k[p.lo:p.hi].transpose(0, 1)[None], v[p.lo:p.hi].transpose(0, 1)[None]
+            else:
+                # A fresh chunk's context is its own new tokens; otherwise the planned context slots.
+                slots = plan.batch.slot_mapping[p.lo:p.hi] if p.ctx_slots is None else p.ctx_slots
+                kr, vr = store.read(layer, slots, q.dtype)
+                ks, vs = kr.transpose(0, 1)[None], vr.transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True)
+            out[p.lo:p.hi] = o[0].transpose(0, 1)
+
+
+# ---- the registry -------------------------------------------------------------------------------------
+BackendFactory = Callable[[KVStore], AttentionBackend]
+
+
+@dataclass(frozen=True, slots=True)
+class BackendInfo:
+    name: str
+    factory: BackendFactory
+    description: str
+
+
+_BACKENDS: dict[str, BackendInfo] = {}
+
+
+def register_attention_backend(name: str, factory: BackendFactory, description: str) -> None:
+    """Make ``factory`` selectable as ``name`` (engine, runner and CLI). Re-registering replaces it."""
+    if not name or not isinstance(name, str):
+        raise ConfigError(f"an attention backend needs a non-empty name, got {name!r}")
+    _BACKENDS[name] = BackendInfo(name, factory, description)
+
+
+def attention_backends() -> dict[str, BackendInfo]:
+    """Every registered backend by name (the CLI's choices)."""
+    return dict(_BACKENDS)
+
+
+def attention_backend_factory(name: str) -> BackendFactory:
+    try:
+        return _BACKENDS[name].factory
+    except KeyError:
+        known = ", ".join(_BACKENDS)
+        raise ConfigError(f"unknown attention backend {name!r} (known: {known})") from None
+
+
+def make_attention_backend(name: str, store: KVStore) -> AttentionBackend:
+    return attention_backend_factory(name)(store)
+
+
+def _auto(store: KVStore) -> AttentionBackend:
+    if store.device.type == "cpu" and store.dtype in _NATIVE_KV_DTYPES and native.available():
+        return NativePagedAttention(store)
+    return TorchPagedAttention(store)
+
+
+register_attention_backend("auto", _auto, "native on the CPU when its kernels are built, else torch")
+register_attention_backend("torch", TorchPagedAttention, "reference: gathers each context, any device")
+register_attention_backend("native", NativePagedAttention, "compiled CPU kernels reading K/V in place")
+
+__all__ = ["AttentionBackend", "AttentionBatch", "BackendFactory", "BackendInfo", "NativePagedAttention",
+           "TorchPagedAttention", "attention_backend_factory", "attention_backends", "make_attention_backend",
+           "register_attention_backend"]

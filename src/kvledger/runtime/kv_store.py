@@ -96,6 +96,22 @@ class KVStore:
         shape = (self.num_slots, self.kv_heads, self.head_dim)
         return kv[0].view(shape), kv[1].view(shape)
 
+    def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` views (no copy): the
+        shape paged kernels walk block by block."""
+        kv = self.kv[layer]
+        return kv[0], kv[1]
+
+    def read(
+        self, layer: int, slots: torch.Tensor, dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V at flat ``slots`` (any index shape ``S``) as ``dtype``: ``[*S, kv_heads, head_dim]``.
+
+        Every read that leaves the store in another dtype goes through here (and through the native
+        kernels' row loader): a compressed format (per-block scales) dequantises in these two places."""
+        kc, vc = self.layer(layer)
+        return kc[slots].to(dtype), vc[slots].to(dtype)
+
     def write(
         self, layer: int, slots: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ) -> None:

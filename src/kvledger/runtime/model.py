@@ -8,7 +8,7 @@ from a ledger :class:`SequenceState` with :meth:`SeqStep.from_sequence`). It nev
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +18,13 @@ from torch import nn
 from ..core import KVLedger, KVSpec, SequenceState
 from ..core.geometry import canonical_dtype
 from ..errors import ConfigError
-from .attention import AttentionBackend, AttentionBatch, TorchPagedAttention
+from .attention import AttentionBackend, AttentionBatch, BackendFactory, attention_backend_factory
 from .config import DecoderConfig
+from .kernels import LayerKernels, TorchKernels, default_kernels
 from .kv_store import KVStore
 from .weights import Checkpoint, resolve_checkpoint
 
-# Builds the attention backend for a store, e.g. ``TorchPagedAttention`` or a CUDA kernel wrapper.
-BackendFactory = Callable[[KVStore], AttentionBackend]
+_TORCH_KERNELS = TorchKernels()
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,37 +44,47 @@ class SeqStep:
         return cls(seq.tokens[start:end], start, list(table.blocks), table.slot_mapping(start, end))
 
 
-# Batched products (at least this many rows) go through oneDNN with weights packed once; fewer rows
-# (single-sequence decode) stay on the default GEMV path, which is faster there.
-PACKED_MIN_ROWS = 4
+# Products of at least this many rows (or against a weight at least WIDE_OUT wide) go through oneDNN
+# with the weight packed once; a single row against a narrow weight stays on the default GEMV path.
+PACKED_MIN_ROWS = 2
+WIDE_OUT = 8192
 PACK_ENV = "KVLEDGER_PACK_WEIGHTS"  # "0" turns weight packing off
+MLP_ROWS = 256  # row tile of the MLP on long steps (see MLP.forward)
+_PACKABLE = (torch.float32, torch.bfloat16)
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose CPU fp32 batched products can use a oneDNN copy of the weight.
+    """``nn.Linear`` whose CPU products can use a oneDNN copy of the weight, packed once.
 
-    On CPU, the default fp32 GEMM picks a slow kernel for a few rows against a wide weight: with 8
-    rows, SmolLM2's tied 49152 x 576 output projection took ~95 ms against ~35 ms through oneDNN's
-    ``mkldnn_linear`` with the weight converted once (measured on the 2-core test machine). ``pack``
-    makes that copy (stale if the weights change afterwards: pack after loading). Results agree
-    with ``F.linear`` to float32 rounding (different summation order)."""
+    On CPU the default fp32 GEMM picks a slow kernel for a few rows against a wide weight (8 rows
+    against SmolLM2's tied 49152 x 576 output projection: ~95 ms, against ~35 ms through oneDNN) and
+    reaches about half of oneDNN's rate on batched rows. ``pack`` reorders the weight into oneDNN's
+    blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, as torch's own CPU inductor does);
+    ``forward`` then calls ``_linear_pointwise`` on plain dense inputs and outputs, with no per-call
+    conversion. fp32 and bf16 weights on CPU; stale if the weights change afterwards (pack after
+    loading). Results agree with ``F.linear`` to float rounding (a different summation order)."""
 
-    _packed: tuple[torch.Tensor, torch.Tensor] | None = None
+    _packed: torch.Tensor | None = None
 
     def pack(self) -> bool:
         w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        if w.device.type != "cpu" or w.dtype not in _PACKABLE or not torch.backends.mkldnn.is_available():
             return False
-        with torch.no_grad():
-            bias = self.bias.detach() if self.bias is not None else torch.zeros(self.out_features)
-            self._packed = (w.detach().to_mkldnn(), bias.float().to_mkldnn())
+        try:
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), 32)
+                probe = torch.zeros(PACKED_MIN_ROWS, self.in_features, dtype=w.dtype)
+                torch.ops.mkldnn._linear_pointwise(probe, packed, None, "none", [], "")
+        except (RuntimeError, AttributeError):  # an op this torch build lacks: keep F.linear
+            return False
+        self._packed = packed
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
-        if (packed is not None and x.dim() == 2 and x.shape[0] >= PACKED_MIN_ROWS and x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and x.requires_grad)):
-            return torch._C._nn.mkldnn_linear(x.contiguous().to_mkldnn(), packed[0], packed[1]).to_dense()
+        if (packed is not None and x.dim() == 2 and (x.shape[0] >= PACKED_MIN_ROWS or self.out_features >= WIDE_OUT)
+                and x.dtype == packed.dtype and not (torch.is_grad_enabled() and x.requires_grad)):
+            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 
@@ -84,18 +94,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the compute dtype: the mean of squares overflows/underflows in fp16.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE in the Hugging Face layout: the head's two halves are the (real, imaginary) pairs."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    def forward(self, x: torch.Tensor, kernels: LayerKernels = _TORCH_KERNELS,
+                add: torch.Tensor | None = None) -> torch.Tensor:
+        """``rmsnorm(x)``; with ``add``, ``x += add`` first (in place: the residual stream)."""
+        return kernels.rms_norm(x, self.weight, self.eps, add)
 
 
 class Attention(nn.Module):
@@ -111,12 +113,12 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.split = (q, kv, kv)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                kernels: LayerKernels = _TORCH_KERNELS) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = _rotate(q.view(t, self.heads, self.head_dim), cos, sin)
-        k = _rotate(k.view(t, self.kv_heads, self.head_dim), cos, sin)
+        q = kernels.rope_(q.view(t, self.heads, self.head_dim), cos, sin)
+        k = kernels.rope_(k.view(t, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(t, self.kv_heads, self.head_dim)
         out = backend.forward(self.layer, q, k, v, scale=self.scale, window=self.window)
         return self.o_proj(out.reshape(t, self.heads * self.head_dim))
@@ -129,9 +131,17 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)
         self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, kernels: LayerKernels = _TORCH_KERNELS) -> torch.Tensor:
+        t = x.shape[0]
+        if t <= 2 * MLP_ROWS:
+            return self.down_proj(kernels.silu_mul(self.gate_up_proj(x), self.inter))
+        # Long prefills in row tiles: the [rows, 2 * intermediate] activation of a tile stays in cache
+        # instead of a 4096-token step writing and re-reading ~50 MB of it.
+        out = torch.empty(t, self.down_proj.out_features, dtype=x.dtype, device=x.device)
+        for lo in range(0, t, MLP_ROWS):
+            hi = min(t, lo + MLP_ROWS)
+            out[lo:hi] = self.down_proj(kernels.silu_mul(self.gate_up_proj(x[lo:hi]), self.inter))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -142,10 +152,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                kernels: LayerKernels = _TORCH_KERNELS, add: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on the residual stream ``x``, updated in place. ``add`` is the previous layer's
+        MLP output, still to be added (fused with this layer's first norm). Returns ``(x, mlp_out)``:
+        the stream after attention and this layer's MLP output, for the next layer to add."""
+        h = self.self_attn(self.input_layernorm(x, kernels, add), cos, sin, backend, kernels)
+        return x, self.mlp(self.post_attention_layernorm(x, kernels, h), kernels)
 
 
 class Decoder(nn.Module):
@@ -166,16 +180,26 @@ class Decoder(nn.Module):
         self, input_ids: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend,
     ) -> torch.Tensor:
         """Logits ``[num_seqs, vocab]`` (fp32) at the last new token of each sequence."""
+        return self.forward_with(input_ids, batch, backend, _TORCH_KERNELS)
+
+    def forward_with(
+        self, input_ids: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend, kernels: LayerKernels,
+    ) -> torch.Tensor:
+        """:meth:`forward` with the given elementwise kernels (torch or native)."""
         # Angles in fp32 even for 16-bit models: positions in the thousands lose whole radians in bf16.
         angles = batch.positions.float()[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # [T, 1 (heads), head_dim]
+        angles = torch.cat((angles, angles), dim=-1)  # [T, head_dim]
         x = self.embed_tokens(input_ids)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         backend.plan(batch)
+        # The residual stream x is updated in place; each layer's MLP output is added by the next
+        # layer's first norm (one pass), the last one only on the rows that produce logits.
+        pending: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, cos, sin, backend)
+            x, pending = layer(x, cos, sin, backend, kernels, pending)
         last = torch.tensor(batch.offsets[1:], device=x.device) - 1
-        return self.lm_head(self.norm(x[last])).float()
+        h = x[last] if pending is None else x[last] + pending[last]
+        return self.lm_head(self.norm(h, kernels)).float()
 
     def pack_weights(self) -> int:
         """Give every projection a oneDNN copy of its weight (CPU fp32 only; see :class:`Linear`).
@@ -233,7 +257,11 @@ class ModelRunner:
     """A decoder bound to one KV store: ``forward(steps)`` runs one batched step of the engine."""
 
     def __init__(self, model: Decoder, spec: KVSpec, num_blocks: int, *,
-                 backend: BackendFactory | None = None, pack_weights: bool | None = None) -> None:
+                 backend: BackendFactory | str | None = None, pack_weights: bool | None = None,
+                 kernels: LayerKernels | None = None) -> None:
+        """``backend``: an attention backend factory or a registered name (default ``"auto"``: the
+        native CPU kernels when built, else the torch reference). ``kernels``: the elementwise layer
+        kernels (default: native on CPU when built, else torch)."""
         if pack_weights is None:
             pack_weights = os.environ.get(PACK_ENV, "1") != "0"
         if pack_weights and not getattr(model, "_kvledger_packed", False):
@@ -244,7 +272,10 @@ class ModelRunner:
         self.spec = spec
         device = model.embed_tokens.weight.device
         self.store = KVStore(spec, num_blocks, device)
-        self.backend: AttentionBackend = (backend or TorchPagedAttention)(self.store)
+        factory = attention_backend_factory(backend or "auto") if backend is None or isinstance(backend, str) \
+            else backend
+        self.backend: AttentionBackend = factory(self.store)
+        self.kernels: LayerKernels = kernels if kernels is not None else default_kernels(device)
 
     @classmethod
     def from_pretrained(
@@ -257,7 +288,8 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         kv_dtype: str | None = None,
         device: str | torch.device = "cpu",
-        backend: BackendFactory | None = None,
+        backend: BackendFactory | str | None = None,
+        kernels: LayerKernels | None = None,
     ) -> ModelRunner:
         """Load a HF folder or GGUF file. Give the pool as ``num_blocks`` or ``pool_bytes`` (whole
         blocks that fit); the KV dtype defaults to the compute ``dtype``."""
@@ -272,7 +304,7 @@ class ModelRunner:
             model = Decoder(cfg)
         model.load_hf_state(ckpt.tensors(), dtype, device)
         model.eval()
-        return cls(model, spec, blocks, backend=backend)
+        return cls(model, spec, blocks, backend=backend, kernels=kernels)
 
     def new_ledger(self, *, prefix_caching: bool = True) -> KVLedger:
         """A ledger whose block ids address exactly this runner's KV store."""
@@ -310,7 +342,7 @@ class ModelRunner:
             block_tables=[list(s.block_table) for s in steps],
             slot_mapping=slots,
         )
-        return self.model(ids, batch, self.backend)
+        return self.model.forward_with(ids, batch, self.backend, self.kernels)
 
 
 __all__ = ["BackendFactory", "Decoder", "ModelRunner", "SeqStep"]

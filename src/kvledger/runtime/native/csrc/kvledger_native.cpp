@@ -1,0 +1,999 @@
+// CPU kernels of the kvledger runtime: paged attention that reads K/V in place through block tables,
+// and the fused elementwise steps of a Llama-family layer (RMSNorm, residual add + RMSNorm, RoPE,
+// the KV-cache write).
+//
+// Built once by `make install` (python -m kvledger.runtime.native build) with torch's C++ extension
+// tooling; kvledger.runtime falls back to pure torch when it is absent. Every kernel accumulates in
+// fp32 whatever the storage dtype, parallelises with at::parallel_for (torch's OpenMP pool, so
+// torch.set_num_threads governs it) and accepts strided row views (the q/k/v slices of one fused
+// projection output), requiring only a unit stride on the last dimension.
+//
+// KV reads go through load_row(): the single place where a compressed KV format (fp8/int8/4-bit
+// with per-block scales) would dequantise a cached row into fp32.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+// Portable SIMD through GCC/Clang vector extensions: 16 floats, one AVX-512 register (two AVX2 ones).
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+constexpr int64_t kW = 16;
+
+inline vf loadu(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline void storeu(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }  // one broadcast
+inline float hsum(vf v) {
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  typedef float v8 __attribute__((vector_size(32)));
+  typedef float v4 __attribute__((vector_size(16)));
+  const v8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+               __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+#else
+  float t[kW];
+  std::memcpy(t, &v, sizeof(t));
+  float s = 0.f;
+  for (int i = 0; i < kW; ++i) s += t[i];
+  return s;
+#endif
+}
+inline float hmax(vf v) {
+  float t[kW];
+  std::memcpy(t, &v, sizeof(t));
+  float m = t[0];
+  for (int i = 1; i < kW; ++i) m = std::max(m, t[i]);
+  return m;
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  vf acc{};
+  int64_t d = 0;
+  for (; d + kW <= n; d += kW) acc += loadu(a + d) * loadu(b + d);
+  float s = hsum(acc);
+  for (; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+  int64_t d = 0;
+  const vf av = splat(a);
+  for (; d + kW <= n; d += kW) storeu(y + d, loadu(y + d) + av * loadu(x + d));
+  for (; d < n; ++d) y[d] += a * x[d];
+}
+
+// exp(x) for x <= 0 (softmax after the max is subtracted), 16 lanes: Cody-Waite range reduction and a
+// degree-6 polynomial, ~1 ulp over the range; no libm call, so it stays in vector registers.
+inline vf exp_neg(vf x) {
+  const vf lo = splat(-87.0f);
+  x = x < lo ? lo : x;
+  const vf shifter = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  vf n = (x * splat(1.44269504088896341f) + shifter) - shifter;
+  vf r = x - n * splat(0.693145751953125f);
+  r = r - n * splat(1.428606765330187045e-06f);
+  vf p = splat(1.0f / 720.0f);
+  p = p * r + splat(1.0f / 120.0f);
+  p = p * r + splat(1.0f / 24.0f);
+  p = p * r + splat(1.0f / 6.0f);
+  p = p * r + splat(0.5f);
+  p = p * r + splat(1.0f);
+  p = p * r + splat(1.0f);
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+inline float exp_neg(float x) {
+  float t[kW] = {x};
+  vf v;
+  std::memcpy(&v, t, sizeof(v));
+  v = exp_neg(v);
+  std::memcpy(t, &v, sizeof(t));
+  return t[0];
+}
+
+// s[i] = exp(s[i] - mx) for i < n; returns their sum.
+inline float exp_shift_sum(float* s, int64_t n, float mx) {
+  vf sum{};
+  const vf m = splat(mx);
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) {
+    vf e = exp_neg(loadu(s + i) - m);
+    storeu(s + i, e);
+    sum += e;
+  }
+  float total = hsum(sum);
+  for (; i < n; ++i) {
+    s[i] = exp_neg(s[i] - mx);
+    total += s[i];
+  }
+  return total;
+}
+
+inline float max_of(const float* s, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  if (n >= kW) {
+    vf m = loadu(s);
+    for (i = kW; i + kW <= n; i += kW) {
+      vf x = loadu(s + i);
+      m = x > m ? x : m;
+    }
+    mx = hmax(m);
+  }
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  return mx;
+}
+
+
+// out[g * stride] = q[g] . k for every query head g of a KV head's group; k is read once.
+inline void dots(const float* q, int64_t G, const float* k, int64_t D, float* out, int64_t stride) {
+  if (D % kW == 0 && G <= 8) {
+    vf acc[8] = {};
+    for (int64_t d = 0; d < D; d += kW) {
+      const vf kv = loadu(k + d);
+      for (int64_t g = 0; g < G; ++g) acc[g] += loadu(q + g * D + d) * kv;
+    }
+    for (int64_t g = 0; g < G; ++g) out[g * stride] = hsum(acc[g]);
+  } else {
+    for (int64_t g = 0; g < G; ++g) out[g * stride] = dot(q + g * D, k, D);
+  }
+}
+
+// Ask for the cache lines of one head's rows in a block (the blocks of a table are scattered).
+template <typename C>
+inline void prefetch_rows(const C* base, int64_t rows, int64_t row_stride, int64_t D) {
+  const int64_t bytes = D * static_cast<int64_t>(sizeof(C));
+  for (int64_t r = 0; r < rows; ++r) {
+    const char* p = reinterpret_cast<const char*>(base + r * row_stride);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+  }
+}
+
+// ---- fixed-shape inner loops -----------------------------------------------------------------------
+// With the group size G (query heads per KV head) and head dim D known at compile time, the G x D/16
+// accumulators live in vector registers. Instantiated for D in {64, 128} and G in 1..8; other shapes
+// take the generic loops.
+
+// s[g * ld + i] = q[g] . k_i for the `rows` cached rows k_i = k + i * ks (fp32).
+template <int G, int D>
+void block_scores(const float* q, const float* k, int64_t ks, int64_t rows, float* s, int64_t ld) {
+  constexpr int NC = D / kW;
+  vf qv[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) qv[g][c] = loadu(q + g * D + c * kW);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* kr = k + i * ks;
+    vf acc[G];
+    for (int g = 0; g < G; ++g) acc[g] = vf{};
+    for (int c = 0; c < NC; ++c) {
+      const vf kv = loadu(kr + c * kW);
+      for (int g = 0; g < G; ++g) acc[g] += qv[g][c] * kv;
+    }
+    for (int g = 0; g < G; ++g) s[g * ld + i] = hsum(acc[g]);
+  }
+}
+
+// acc[g] += sum_i p[g * ld + i] * v_i for the `rows` cached rows v_i = v + i * vs (fp32).
+template <int G, int D>
+void block_accumulate(float* acc, const float* p, int64_t ld, const float* v, int64_t vs, int64_t rows) {
+  constexpr int NC = D / kW;
+  vf a[G][NC];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) a[g][c] = loadu(acc + g * D + c * kW);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* vr = v + i * vs;
+    for (int c = 0; c < NC; ++c) {
+      const vf x = loadu(vr + c * kW);
+      for (int g = 0; g < G; ++g) a[g][c] += splat(p[g * ld + i]) * x;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NC; ++c) storeu(acc + g * D + c * kW, a[g][c]);
+}
+
+void block_scores_any(int64_t G, int64_t D, const float* q, const float* k, int64_t ks, int64_t rows, float* s,
+                      int64_t ld) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < G; ++g) s[g * ld + i] = dot(q + g * D, k + i * ks, D);
+}
+
+void block_accumulate_any(int64_t G, int64_t D, float* acc, const float* p, int64_t ld, const float* v, int64_t vs,
+                          int64_t rows) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t g = 0; g < G; ++g) axpy(acc + g * D, p[g * ld + i], v + i * vs, D);
+}
+
+struct BlockKernels {
+  void (*scores)(const float*, const float*, int64_t, int64_t, float*, int64_t) = nullptr;
+  void (*accumulate)(float*, const float*, int64_t, const float*, int64_t, int64_t) = nullptr;
+};
+
+template <int D, int... Gs>
+BlockKernels pick_for_d(int64_t G, std::integer_sequence<int, Gs...>) {
+  BlockKernels k;
+  ((G == Gs + 1 ? (k.scores = &block_scores<Gs + 1, D>, k.accumulate = &block_accumulate<Gs + 1, D>, 0) : 0), ...);
+  return k;
+}
+
+BlockKernels pick_kernels(int64_t G, int64_t D) {
+  if (D == 64) return pick_for_d<64>(G, std::make_integer_sequence<int, 8>{});
+  if (D == 128) return pick_for_d<128>(G, std::make_integer_sequence<int, 8>{});
+  return {};
+}
+
+// `rows` cached rows of one KV head as fp32: the cache itself for fp32 (row stride src_stride), else
+// converted into `tmp` (row stride D). Compressed KV formats would dequantise here.
+template <typename C>
+inline const float* load_rows(const C* src, int64_t src_stride, int64_t rows, int64_t D, float* tmp,
+                              int64_t* stride) {
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t d = 0; d < D; ++d) tmp[i * D + d] = static_cast<float>(src[i * src_stride + d]);
+  *stride = D;
+  return tmp;
+}
+template <>
+inline const float* load_rows<float>(const float* src, int64_t src_stride, int64_t, int64_t, float*,
+                                     int64_t* stride) {
+  *stride = src_stride;
+  return src;
+}
+
+struct CacheView {  // one layer's K (or V) cache: [num_blocks, block_size, kv_heads, head_dim]
+  int64_t s_block, s_slot, s_head;
+};
+
+// ---- paged decode ------------------------------------------------------------------------------
+// One work item = (sequence, kv head, context partition). With few sequences the context is split
+// into partitions whose partial softmax states are merged afterwards (flash-decoding), so both cores
+// have work at batch 1; at batch 32 there is one partition per sequence and results go straight out.
+template <typename Q, typename C>
+void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& context_lens, const torch::Tensor& rows, double scale,
+                       int64_t window, int64_t partition) {
+  const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1);
+  const int64_t H = q.size(1), D = q.size(2);
+  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t G = H / KVH;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t* row_idx = rows.data_ptr<int64_t>();
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const CacheView kv_k{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const CacheView kv_v{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
+  const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
+
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
+  int64_t part_len = max_len;
+  if (partition > 0) {
+    part_len = partition;
+  } else if (partition < 0) {
+    // Automatic: split contexts only when there are too few (sequence, KV head) items to keep every
+    // thread busy; partitions stay long enough (>= 64 tokens) to amortise their merge.
+    const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads()), items = B * KVH;
+    if (items < want) {
+      const int64_t parts = (want + items - 1) / items;
+      part_len = std::max<int64_t>(64, (max_len + parts - 1) / parts);
+    }
+  }
+  part_len = std::max<int64_t>(1, part_len);
+  const int64_t P = std::max<int64_t>(1, (max_len + part_len - 1) / part_len);
+  // Partial states when P > 1: running max, sum of exponentials, unnormalised output.
+  std::vector<float> part_m, part_l, part_acc;
+  if (P > 1) {
+    part_m.assign(B * KVH * P * G, -std::numeric_limits<float>::infinity());
+    part_l.assign(B * KVH * P * G, 0.f);
+    part_acc.assign(B * KVH * P * G * D, 0.f);
+  }
+  const float fscale = static_cast<float>(scale);
+  const BlockKernels kern = pick_kernels(G, D);
+
+  at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores, tile(bs * D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
+      const int64_t len = lens[b];
+      int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      int64_t hi = len;
+      lo = std::max(lo, p * part_len);
+      hi = std::min(hi, (p + 1) * part_len);
+      if (lo >= hi) continue;
+      const int64_t n = hi - lo;
+      const int32_t* table = tables + b * max_blocks;
+      const Q* qrow = qp + row_idx[b] * q_s0 + h * G * q_s1;
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[g * q_s1 + d]) * fscale;
+      scores.resize(G * n);
+      for (int64_t t = lo; t < hi;) {
+        // Block by block: one head's rows of a block sit at a fixed stride; fetch the next block early.
+        const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
+        if (stop < hi) prefetch_rows(kp + table[blk + 1] * kv_k.s_block + h * kv_k.s_head, bs, kv_k.s_slot, D);
+        int64_t ks = 0;
+        const float* kr = load_rows<C>(kp + table[blk] * kv_k.s_block + off * kv_k.s_slot + h * kv_k.s_head,
+                                       kv_k.s_slot, stop - t, D, tile.data(), &ks);
+        if (kern.scores)
+          kern.scores(qf.data(), kr, ks, stop - t, scores.data() + (t - lo), n);
+        else
+          block_scores_any(G, D, qf.data(), kr, ks, stop - t, scores.data() + (t - lo), n);
+        t = stop;
+      }
+      std::vector<float> m(G), l(G);
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * n;
+        const float mx = max_of(s, n);
+        m[g] = mx;
+        l[g] = exp_shift_sum(s, n, mx);
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t t = lo; t < hi;) {
+        const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
+        if (stop < hi) prefetch_rows(vp + table[blk + 1] * kv_v.s_block + h * kv_v.s_head, bs, kv_v.s_slot, D);
+        int64_t vs = 0;
+        const float* vr = load_rows<C>(vp + table[blk] * kv_v.s_block + off * kv_v.s_slot + h * kv_v.s_head,
+                                       kv_v.s_slot, stop - t, D, tile.data(), &vs);
+        if (kern.accumulate)
+          kern.accumulate(acc.data(), scores.data() + (t - lo), n, vr, vs, stop - t);
+        else
+          block_accumulate_any(G, D, acc.data(), scores.data() + (t - lo), n, vr, vs, stop - t);
+        t = stop;
+      }
+      if (P == 1) {
+        Q* orow = op + row_idx[b] * o_s0 + h * G * o_s1;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.f / l[g];
+          for (int64_t d = 0; d < D; ++d) orow[g * o_s1 + d] = static_cast<Q>(acc[g * D + d] * inv);
+        }
+      } else {
+        const int64_t base = ((b * KVH + h) * P + p) * G;
+        for (int64_t g = 0; g < G; ++g) {
+          part_m[base + g] = m[g];
+          part_l[base + g] = l[g];
+          std::memcpy(&part_acc[(base + g) * D], acc.data() + g * D, D * sizeof(float));
+        }
+      }
+    }
+  });
+  if (P == 1) return;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> acc(D);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % KVH, b = item / KVH;
+      Q* orow = op + row_idx[b] * o_s0 + h * G * o_s1;
+      for (int64_t g = 0; g < G; ++g) {
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < P; ++p) mx = std::max(mx, part_m[(item * P + p) * G + g]);
+        float sum = 0.f;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t p = 0; p < P; ++p) {
+          const int64_t idx = (item * P + p) * G + g;
+          if (part_l[idx] == 0.f) continue;
+          const float w = exp_neg(part_m[idx] - mx);
+          sum += part_l[idx] * w;
+          axpy(acc.data(), w, &part_acc[idx * D], D);
+        }
+        const float inv = 1.f / sum;
+        for (int64_t d = 0; d < D; ++d) orow[g * o_s1 + d] = static_cast<Q>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be [rows, heads, dim] with unit stride on dim");
+}
+
+template <typename Q>
+void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                    const torch::Tensor& context_lens, const torch::Tensor& rows, double scale,
+                    int64_t window, int64_t partition) {
+  switch (k_cache.scalar_type()) {
+#define KVL_CASE(ST, CT)                                                                                    \
+  case ST:                                                                                                  \
+    paged_decode_impl<Q, CT>(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window,    \
+                             partition);                                                                    \
+    break;
+    KVL_CASE(at::kFloat, float)
+    KVL_CASE(at::kBFloat16, c10::BFloat16)
+    KVL_CASE(at::kHalf, c10::Half)
+    KVL_CASE(at::kFloat8_e4m3fn, c10::Float8_e4m3fn)
+    KVL_CASE(at::kFloat8_e5m2, c10::Float8_e5m2)
+#undef KVL_CASE
+    default:
+      TORCH_CHECK(false, "paged_decode: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+// out[rows[b]] = softmax(q[rows[b]] . K_b^T * scale) V_b for every sequence b, where K_b / V_b are
+// the first context_lens[b] positions of sequence b read through block_tables[b] (int32, padded),
+// restricted to the last `window` of them when window > 0. `partition`: context tokens per work item
+// (0: whole contexts; < 0: automatic, split only when sequences are too few for the threads).
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor rows, double scale,
+                  int64_t window, int64_t partition) {
+  check_rows(q, "q");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q must have one dtype");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "caches must be [blocks, block_size, kv_heads, dim] with unit stride on dim");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches must have one dtype");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "K and V caches must have one shape");
+  TORCH_CHECK(q.size(2) == k_cache.size(3), "head dim of q and cache differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [seqs, blocks] tensor");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() &&
+                  context_lens.numel() == block_tables.size(0),
+              "context_lens must be a contiguous int32 tensor, one entry per sequence");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == block_tables.size(0),
+              "rows must be a contiguous int64 tensor, one entry per sequence");
+  const int64_t B = block_tables.size(0), bs = k_cache.size(1), nb = k_cache.size(0);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {  // bounds: a bad table must be an error, never a wild read
+    TORCH_CHECK(lens[b] >= 1 && (lens[b] + bs - 1) / bs <= block_tables.size(1),
+                "sequence ", b, ": context of ", lens[b], " tokens does not fit its block table");
+    TORCH_CHECK(r[b] >= 0 && r[b] < q.size(0) && r[b] < out.size(0), "sequence ", b, ": row out of range");
+    for (int64_t i = 0, used = (lens[b] + bs - 1) / bs; i < used; ++i) {
+      const int32_t blk = tables[b * block_tables.size(1) + i];
+      TORCH_CHECK(blk >= 0 && blk < nb, "sequence ", b, ": block ", blk, " outside the ", nb, "-block cache");
+    }
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      dispatch_cache<float>(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window, partition);
+      break;
+    case at::kBFloat16:
+      dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window,
+                                    partition);
+      break;
+    case at::kHalf:
+      dispatch_cache<c10::Half>(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window,
+                                partition);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+// ---- paged prefill -------------------------------------------------------------------------------
+// Causal attention for chunks of several new tokens per sequence, K/V read through the block table
+// (the chunk's own K/V already written). One work item = (sequence, KV head, tile of kQTile queries);
+// its G * kQTile query rows are kept transposed (row index fastest), so scores for 16 rows come out of
+// one vector FMA per head-dim element and key, with no horizontal sums. Online softmax over key
+// blocks; items are handed out longest first from a shared counter, as causal tiles differ in cost.
+constexpr int64_t kQTile = 32;
+constexpr int64_t kRowsAlign = 2 * kW;  // score loops take row chunks in pairs
+
+struct PrefillSeq {
+  int64_t start, qlen, offset, seq;
+};
+
+template <int NC, typename Q, typename C>
+void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, int64_t q_s0, int64_t q_s1, Q* op,
+                  int64_t o_s0, int64_t o_s1, const C* kp, const C* vp, const CacheView& vk, const CacheView& vv,
+                  const int32_t* table, int64_t bs, int64_t G, float scale, int64_t window, std::vector<float>& buf) {
+  constexpr int64_t D = NC * kW;
+  const int64_t i0 = tile * kQTile, i1 = std::min(ps.qlen, i0 + kQTile), nq = i1 - i0;
+  const int64_t R = nq * G, RP = (R + kRowsAlign - 1) / kRowsAlign * kRowsAlign, NCH = RP / kW;
+  // buf: Qt [D][RP] | St [16][RP] | O [RP][D] | m [RP] | l [RP] | qpos [RP] | tiles [2][16][D]
+  buf.resize(D * RP + kW * RP + RP * D + 3 * RP + 2 * bs * D);
+  float* qt = buf.data();
+  float* st = qt + D * RP;
+  float* o = st + kW * RP;
+  float* m = o + RP * D;
+  float* l = m + RP;
+  float* qpos = l + RP;
+  float* ktile = qpos + RP;
+  float* vtile = ktile + bs * D;
+  // Query rows (scaled, fp32) into o's space first, then transposed into qt one head-dim row at a time.
+  for (int64_t r = 0; r < RP; ++r) {
+    const int64_t i = r / G, g = r % G;
+    qpos[r] = r < R ? static_cast<float>(ps.start + i0 + i) : -1.f;  // padded rows: see no key
+    m[r] = -std::numeric_limits<float>::infinity();
+    l[r] = 0.f;
+    float* dst = o + r * D;
+    if (r >= R) {
+      std::fill(dst, dst + D, 0.f);
+      continue;
+    }
+    const Q* qrow = qp + (ps.offset + i0 + i) * q_s0 + (h * G + g) * q_s1;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(qrow[d]) * scale;
+  }
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t r = 0; r < RP; ++r) qt[d * RP + r] = o[r * D + d];
+  std::fill(o, o + RP * D, 0.f);
+  const int64_t last = ps.start + i1 - 1;  // last query position of the tile: keys up to it
+  int64_t first = 0;
+  if (window > 0) first = std::max<int64_t>(0, ps.start + i0 - window + 1);
+  const vf neg_inf = splat(-std::numeric_limits<float>::infinity());
+  for (int64_t t0 = first; t0 <= last;) {
+    const int64_t blk = t0 / bs, t1 = std::min(last + 1, (blk + 1) * bs), nk = t1 - t0;
+    for (int64_t c = 0; c < nk; c += kW) {
+      const int64_t kc = std::min<int64_t>(kW, nk - c);  // keys of this sub-block (<= 16)
+      const int64_t tb = t0 + c;
+      int64_t ks = 0, vs = 0;
+      const float* kr = load_rows<C>(kp + table[blk] * vk.s_block + (tb % bs) * vk.s_slot + h * vk.s_head, vk.s_slot,
+                                     kc, D, ktile, &ks);
+      const float* vr = load_rows<C>(vp + table[blk] * vv.s_block + (tb % bs) * vv.s_slot + h * vv.s_head, vv.s_slot,
+                                     kc, D, vtile, &vs);
+      // Scores St[key][row] for 16-row chunks, two chunks by four keys in registers.
+      for (int64_t ch = 0; ch < NCH; ch += 2) {
+        const float* q0p = qt + ch * kW;
+        const float* q1p = q0p + kW;
+        int64_t k0 = 0;
+        for (; k0 + 4 <= kc; k0 += 4) {
+          const float* k0p = kr + k0 * ks;
+          vf a00{}, a01{}, a02{}, a03{}, a10{}, a11{}, a12{}, a13{};
+          for (int64_t d = 0; d < D; ++d) {
+            const vf q0 = loadu(q0p + d * RP), q1 = loadu(q1p + d * RP);
+            const vf x0 = splat(k0p[d]), x1 = splat(k0p[ks + d]), x2 = splat(k0p[2 * ks + d]),
+                     x3 = splat(k0p[3 * ks + d]);
+            a00 += q0 * x0; a01 += q0 * x1; a02 += q0 * x2; a03 += q0 * x3;
+            a10 += q1 * x0; a11 += q1 * x1; a12 += q1 * x2; a13 += q1 * x3;
+          }
+          float* sp = st + k0 * RP + ch * kW;
+          storeu(sp, a00); storeu(sp + RP, a01); storeu(sp + 2 * RP, a02); storeu(sp + 3 * RP, a03);
+          storeu(sp + kW, a10); storeu(sp + RP + kW, a11); storeu(sp + 2 * RP + kW, a12);
+          storeu(sp + 3 * RP + kW, a13);
+        }
+        for (; k0 < kc; ++k0) {
+          const float* kp0 = kr + k0 * ks;
+          vf a0{}, a1{};
+          for (int64_t d = 0; d < D; ++d) {
+            const vf x = splat(kp0[d]);
+            a0 += loadu(q0p + d * RP) * x;
+            a1 += loadu(q1p + d * RP) * x;
+          }
+          storeu(st + k0 * RP + ch * kW, a0);
+          storeu(st + k0 * RP + ch * kW + kW, a1);
+        }
+      }
+      // Mask (causal, window), online softmax, rescale and accumulate, 16 rows at a time.
+      for (int64_t ch = 0; ch < NCH; ++ch) {
+        const vf qv = loadu(qpos + ch * kW);
+        vf mx = loadu(m + ch * kW);
+        const vf m_old = mx;
+        for (int64_t kk = 0; kk < kc; ++kk) {
+          const vf kpos = splat(static_cast<float>(tb + kk));
+          vf sv = loadu(st + kk * RP + ch * kW);
+          sv = kpos > qv ? neg_inf : sv;
+          if (window > 0) sv = kpos <= qv - splat(static_cast<float>(window)) ? neg_inf : sv;
+          storeu(st + kk * RP + ch * kW, sv);
+          mx = sv > mx ? sv : mx;
+        }
+        storeu(m + ch * kW, mx);
+        // Rows with no visible key yet keep m = -inf: their weights and scale factors are 0 and 1.
+        const vf live = mx > neg_inf ? splat(1.f) : vf{};
+        const vf safe_m = mx > neg_inf ? mx : vf{};
+        const vf alpha = m_old > neg_inf ? exp_neg(m_old - safe_m) : splat(1.f);
+        vf lsum = loadu(l + ch * kW) * alpha;
+        for (int64_t kk = 0; kk < kc; ++kk) {
+          const vf sv = loadu(st + kk * RP + ch * kW);
+          const vf p = sv > neg_inf ? exp_neg(sv - safe_m) * live : vf{};
+          storeu(st + kk * RP + ch * kW, p);
+          lsum += p;
+        }
+        storeu(l + ch * kW, lsum);
+        float al[kW];
+        storeu(al, alpha);
+        for (int64_t rr = 0; rr < kW; rr += 2) {
+          const int64_t r = ch * kW + rr;
+          vf acc0[NC], acc1[NC];
+          for (int c2 = 0; c2 < NC; ++c2) {
+            acc0[c2] = loadu(o + r * D + c2 * kW) * splat(al[rr]);
+            acc1[c2] = loadu(o + (r + 1) * D + c2 * kW) * splat(al[rr + 1]);
+          }
+          for (int64_t kk = 0; kk < kc; ++kk) {
+            const vf p0 = splat(st[kk * RP + r]), p1 = splat(st[kk * RP + r + 1]);
+            const float* vrow = vr + kk * vs;
+            for (int c2 = 0; c2 < NC; ++c2) {
+              const vf x = loadu(vrow + c2 * kW);
+              acc0[c2] += p0 * x;
+              acc1[c2] += p1 * x;
+            }
+          }
+          for (int c2 = 0; c2 < NC; ++c2) {
+            storeu(o + r * D + c2 * kW, acc0[c2]);
+            storeu(o + (r + 1) * D + c2 * kW, acc1[c2]);
+          }
+        }
+      }
+    }
+    t0 = t1;
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / G, g = r % G;
+    Q* orow = op + (ps.offset + i0 + i) * o_s0 + (h * G + g) * o_s1;
+    const float inv = 1.f / l[r];
+    for (int64_t d = 0; d < D; ++d) orow[d] = static_cast<Q>(o[r * D + d] * inv);
+  }
+}
+
+template <int NC, typename Q, typename C>
+void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables, const std::vector<PrefillSeq>& seqs,
+                        double scale, int64_t window) {
+  const int64_t KVH = k_cache.size(2), G = q.size(1) / KVH, bs = k_cache.size(1), max_blocks = block_tables.size(1);
+  const CacheView vk{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const CacheView vv{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  struct Item {
+    int64_t seq, h, tile, cost;
+  };
+  std::vector<Item> items;
+  for (int64_t s = 0; s < static_cast<int64_t>(seqs.size()); ++s) {
+    const int64_t tiles = (seqs[s].qlen + kQTile - 1) / kQTile;
+    for (int64_t t = 0; t < tiles; ++t)
+      for (int64_t h = 0; h < KVH; ++h) {
+        const int64_t keys = seqs[s].start + std::min(seqs[s].qlen, (t + 1) * kQTile);
+        items.push_back({s, h, t, window > 0 ? std::min(keys, window + kQTile) : keys});
+      }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(items.size());
+  const Q* qp = q.data_ptr<Q>();
+  Q* op = out.data_ptr<Q>();
+  const C* kp = k_cache.data_ptr<C>();
+  const C* vp = v_cache.data_ptr<C>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    std::vector<float> buf;
+    for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
+      const Item& it = items[i];
+      const PrefillSeq& ps = seqs[it.seq];
+      prefill_item<NC, Q, C>(ps, it.h, it.tile, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp, vp,
+                             vk, vv, tables + ps.seq * max_blocks, bs, G, static_cast<float>(scale), window, buf);
+    }
+  });
+}
+
+template <typename Q, typename C>
+void prefill_dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                        const std::vector<PrefillSeq>& seqs, double scale, int64_t window) {
+  switch (q.size(2)) {
+    case 64: paged_prefill_impl<4, Q, C>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case 128: paged_prefill_impl<8, Q, C>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    default: TORCH_CHECK(false, "paged_prefill: head dim ", q.size(2), " is not supported (64 or 128)");
+  }
+}
+
+template <typename Q>
+void prefill_dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                            const std::vector<PrefillSeq>& seqs, double scale, int64_t window) {
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: prefill_dispatch_d<Q, float>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case at::kBFloat16:
+      prefill_dispatch_d<Q, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    case at::kHalf: prefill_dispatch_d<Q, c10::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case at::kFloat8_e4m3fn:
+      prefill_dispatch_d<Q, c10::Float8_e4m3fn>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    case at::kFloat8_e5m2:
+      prefill_dispatch_d<Q, c10::Float8_e5m2>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    default: TORCH_CHECK(false, "paged_prefill: unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+}
+
+// For each sequence b: rows [offsets[b], offsets[b] + query_lens[b]) of q are its new tokens at
+// positions starts[b]...; they attend causally (within `window` when > 0) to positions
+// [0, starts[b] + query_lens[b]) read through block_tables[b]. Results go to the same rows of out.
+void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor block_tables, torch::Tensor starts, torch::Tensor query_lens, torch::Tensor offsets,
+                   double scale, int64_t window) {
+  check_rows(q, "q");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(0) == q.size(0), "out and q must match");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "caches must be two [blocks, block_size, kv_heads, dim] tensors of one dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0, "q and caches disagree on heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [seqs, blocks] tensor");
+  const int64_t B = block_tables.size(0), bs = k_cache.size(1), nb = k_cache.size(0);
+  for (auto* t : {&starts, &query_lens, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
+                "starts, query_lens and offsets must be int64, one per sequence");
+  std::vector<PrefillSeq> seqs;
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ql = query_lens.data_ptr<int64_t>();
+  const int64_t* of = offsets.data_ptr<int64_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(st[b] >= 0 && ql[b] >= 1 && of[b] >= 0 && of[b] + ql[b] <= q.size(0), "sequence ", b, ": bad rows");
+    const int64_t used = (st[b] + ql[b] + bs - 1) / bs;
+    TORCH_CHECK(used <= block_tables.size(1), "sequence ", b, ": context does not fit its block table");
+    for (int64_t i = 0; i < used; ++i) {
+      const int32_t blk = tables[b * block_tables.size(1) + i];
+      TORCH_CHECK(blk >= 0 && blk < nb, "sequence ", b, ": block ", blk, " outside the ", nb, "-block cache");
+    }
+    seqs.push_back({st[b], ql[b], of[b], b});
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat: prefill_dispatch_cache<float>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    case at::kBFloat16:
+      prefill_dispatch_cache<c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seqs, scale, window);
+      break;
+    case at::kHalf: prefill_dispatch_cache<c10::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
+    default: TORCH_CHECK(false, "paged_prefill: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+// Rows per parallel chunk for a row-wise elementwise kernel: a decode step's few rows run inline in the
+// calling thread, since waking the pool costs more than the work (and, on a shared machine, waits for a
+// time slice).
+inline int64_t serial_rows(int64_t row_elems) { return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, row_elems)); }
+
+// ---- KV cache write ------------------------------------------------------------------------------
+template <typename S, typename C>
+void write_impl(torch::Tensor& cache, const torch::Tensor& src, const int64_t* slots, int64_t n) {
+  const int64_t bs = cache.size(1), H = cache.size(2), D = cache.size(3);
+  C* cp = cache.data_ptr<C>();
+  const S* sp = src.data_ptr<S>();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t slot = slots[i];
+    C* dst = cp + (slot / bs) * cache.stride(0) + (slot % bs) * cache.stride(1);
+    const S* row = sp + i * src.stride(0);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) dst[h * cache.stride(2) + d] = static_cast<C>(static_cast<float>(row[h * src.stride(1) + d]));
+  }
+}
+
+template <typename S>
+void write_dispatch(torch::Tensor& cache, const torch::Tensor& src, const int64_t* slots, int64_t n) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: write_impl<S, float>(cache, src, slots, n); break;
+    case at::kBFloat16: write_impl<S, c10::BFloat16>(cache, src, slots, n); break;
+    case at::kHalf: write_impl<S, c10::Half>(cache, src, slots, n); break;
+    case at::kFloat8_e4m3fn: write_impl<S, c10::Float8_e4m3fn>(cache, src, slots, n); break;
+    case at::kFloat8_e5m2: write_impl<S, c10::Float8_e5m2>(cache, src, slots, n); break;
+    default: TORCH_CHECK(false, "kv_write: unsupported cache dtype ", cache.scalar_type());
+  }
+}
+
+// cache[slot of token i] = src[i] for K and V: [n, kv_heads, dim] rows into [blocks, bs, kv_heads, dim].
+void kv_write(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.numel() == k.size(0) &&
+                  k.size(0) == v.size(0),
+              "kv_write: one int64 slot per row");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type(), "kv_write: K and V rows must have one dtype");
+  for (auto* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->dim() == 4 && c->stride(3) == 1 && c->size(2) == k.size(1) && c->size(3) == k.size(2),
+                "kv_write: cache and rows disagree on [kv_heads, dim]");
+  }
+  const int64_t n = slots.numel(), limit = k_cache.size(0) * k_cache.size(1);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < limit, "kv_write: slot ", s[i], " out of range");
+  switch (k.scalar_type()) {
+    case at::kFloat: write_dispatch<float>(k_cache, k, s, n); write_dispatch<float>(v_cache, v, s, n); break;
+    case at::kBFloat16:
+      write_dispatch<c10::BFloat16>(k_cache, k, s, n);
+      write_dispatch<c10::BFloat16>(v_cache, v, s, n);
+      break;
+    case at::kHalf: write_dispatch<c10::Half>(k_cache, k, s, n); write_dispatch<c10::Half>(v_cache, v, s, n); break;
+    default: TORCH_CHECK(false, "kv_write: unsupported row dtype ", k.scalar_type());
+  }
+}
+
+// ---- RMSNorm (optionally after a residual add) -----------------------------------------------------
+// Hugging Face's Llama RMSNorm: x * rsqrt(mean(x^2) + eps) in fp32, cast back, times the weight.
+template <typename T>
+void rms_norm_impl(torch::Tensor& out, torch::Tensor& x, const torch::Tensor* add, const torch::Tensor& w,
+                   double eps) {
+  const int64_t n = x.size(0), c = x.size(1);
+  T* xp = x.data_ptr<T>();
+  const T* ap = add ? add->data_ptr<T>() : nullptr;
+  const int64_t as = add ? add->stride(0) : 0;
+  const T* wp = w.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t xs = x.stride(0), os = out.stride(0);
+  at::parallel_for(0, n, serial_rows(c), [&](int64_t begin, int64_t end) {
+    std::vector<float> row(c);
+    for (int64_t i = begin; i < end; ++i) {
+      T* xr = xp + i * xs;
+      if (ap) {
+        const T* ar = ap + i * as;
+        for (int64_t j = 0; j < c; ++j) xr[j] = static_cast<T>(static_cast<float>(xr[j]) + static_cast<float>(ar[j]));
+      }
+      for (int64_t j = 0; j < c; ++j) row[j] = static_cast<float>(xr[j]);
+      const float ms = dot(row.data(), row.data(), c) / static_cast<float>(c);
+      const float inv = 1.f / std::sqrt(ms + static_cast<float>(eps));
+      T* orow = op + i * os;
+      for (int64_t j = 0; j < c; ++j)
+        orow[j] = static_cast<T>(static_cast<float>(wp[j]) * static_cast<float>(static_cast<T>(row[j] * inv)));
+    }
+  });
+}
+
+void check_2d(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name, " must be a CPU [rows, features] tensor");
+}
+
+// out = rmsnorm(x) * w. With `residual_add` given, first x += residual_add (in place): x then holds the
+// new residual stream and out its normalisation, one pass over the row.
+void rms_norm(torch::Tensor out, torch::Tensor x, c10::optional<torch::Tensor> residual_add, torch::Tensor w,
+              double eps) {
+  check_2d(out, "out");
+  check_2d(x, "x");
+  TORCH_CHECK(w.is_contiguous() && w.dim() == 1 && w.size(0) == x.size(1), "weight must match the features");
+  TORCH_CHECK(out.sizes() == x.sizes() && out.scalar_type() == x.scalar_type() && w.scalar_type() == x.scalar_type(),
+              "out, x and weight must agree in shape and dtype");
+  const torch::Tensor* add = nullptr;
+  if (residual_add.has_value()) {
+    check_2d(*residual_add, "residual_add");
+    TORCH_CHECK(residual_add->sizes() == x.sizes() && residual_add->scalar_type() == x.scalar_type(),
+                "residual_add must match x");
+    add = &residual_add.value();
+  }
+  switch (x.scalar_type()) {
+    case at::kFloat: rms_norm_impl<float>(out, x, add, w, eps); break;
+    case at::kBFloat16: rms_norm_impl<c10::BFloat16>(out, x, add, w, eps); break;
+    case at::kHalf: rms_norm_impl<c10::Half>(out, x, add, w, eps); break;
+    default: TORCH_CHECK(false, "rms_norm: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// ---- RoPE, in place -------------------------------------------------------------------------------
+// Hugging Face layout: x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x[half:], x[:half]).
+template <typename T>
+void rope_impl(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  const int64_t n = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  T* xp = x.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  const int64_t s0 = x.stride(0), s1 = x.stride(1);
+  at::parallel_for(0, n, serial_rows(H * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> a(half), b(half);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* c = cp + i * D;
+      const T* s = sp + i * D;
+      for (int64_t h = 0; h < H; ++h) {
+        T* r = xp + i * s0 + h * s1;
+        for (int64_t d = 0; d < half; ++d) {
+          a[d] = static_cast<float>(r[d]);
+          b[d] = static_cast<float>(r[d + half]);
+        }
+        for (int64_t d = 0; d < half; ++d) {
+          // Rounded like torch's three separate ops: (x*cos), (rot*sin), then their sum.
+          const float lo = static_cast<float>(static_cast<T>(a[d] * static_cast<float>(c[d]))) +
+                           static_cast<float>(static_cast<T>(-b[d] * static_cast<float>(s[d])));
+          const float hi = static_cast<float>(static_cast<T>(b[d] * static_cast<float>(c[d + half]))) +
+                           static_cast<float>(static_cast<T>(a[d] * static_cast<float>(s[d + half])));
+          r[d] = static_cast<T>(lo);
+          r[d + half] = static_cast<T>(hi);
+        }
+      }
+    }
+  });
+}
+
+// Rotate q-like rows [n, heads, dim] in place by per-row cos/sin tables [n, dim] (contiguous).
+void rope_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(2) % 2 == 0, "rope: head dim must be even");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+                  cos.size(0) == x.size(0) && cos.size(1) == x.size(2),
+              "rope: cos/sin must be contiguous [rows, head_dim]");
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope: cos/sin must have the rows' dtype");
+  switch (x.scalar_type()) {
+    case at::kFloat: rope_impl<float>(x, cos, sin); break;
+    case at::kBFloat16: rope_impl<c10::BFloat16>(x, cos, sin); break;
+    case at::kHalf: rope_impl<c10::Half>(x, cos, sin); break;
+    default: TORCH_CHECK(false, "rope: unsupported dtype ", x.scalar_type());
+  }
+}
+
+// ---- SwiGLU ---------------------------------------------------------------------------------------
+// silu(g) = g * sigmoid(g), sigmoid via e = exp(-|g|) (never overflows): g >= 0 ? 1 / (1 + e) : e / (1 + e).
+inline vf silu(vf g) {
+  const vf zero{};
+  const vf neg_abs = g < zero ? g : -g;
+  const vf e = exp_neg(neg_abs);
+  const vf one = splat(1.0f);
+  const vf sig = g < zero ? e / (one + e) : one / (one + e);
+  return g * sig;
+}
+
+template <typename T>
+void silu_mul_impl(torch::Tensor& out, const torch::Tensor& gate_up, int64_t inter) {
+  const int64_t n = gate_up.size(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t gs = gate_up.stride(0), os = out.stride(0);
+  at::parallel_for(0, n, serial_rows(2 * inter), [&](int64_t begin, int64_t end) {
+    std::vector<float> g(kW), u(kW), r(kW);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* gr = gp + i * gs;
+      const T* ur = gr + inter;
+      T* orow = op + i * os;
+      int64_t j0 = 0;
+      if constexpr (std::is_same_v<T, float>) {
+        for (; j0 + kW <= inter; j0 += kW) storeu(orow + j0, silu(loadu(gr + j0)) * loadu(ur + j0));
+      }
+      for (int64_t j = j0; j < inter; j += kW) {
+        const int64_t w = std::min<int64_t>(kW, inter - j);
+        for (int64_t l = 0; l < kW; ++l) {
+          g[l] = l < w ? static_cast<float>(gr[j + l]) : 0.f;
+          u[l] = l < w ? static_cast<float>(ur[j + l]) : 0.f;
+        }
+        // Rounded like torch's two ops: silu(gate) in the compute dtype, then the product.
+        vf sg = silu(loadu(g.data()));
+        storeu(r.data(), sg);
+        for (int64_t l = 0; l < w; ++l)
+          orow[j + l] = static_cast<T>(static_cast<float>(static_cast<T>(r[l])) * u[l]);
+      }
+    }
+  });
+}
+
+// out = silu(gate) * up for gate_up = [gate | up] rows ([n, 2 * inter], unit stride on features).
+void silu_mul(torch::Tensor out, torch::Tensor gate_up, int64_t inter) {
+  check_2d(gate_up, "gate_up");
+  check_2d(out, "out");
+  TORCH_CHECK(gate_up.size(1) == 2 * inter && out.size(0) == gate_up.size(0) && out.size(1) == inter &&
+                  out.scalar_type() == gate_up.scalar_type(),
+              "silu_mul: out must be [rows, inter] for gate_up [rows, 2 * inter] of one dtype");
+  switch (gate_up.scalar_type()) {
+    case at::kFloat: silu_mul_impl<float>(out, gate_up, inter); break;
+    case at::kBFloat16: silu_mul_impl<c10::BFloat16>(out, gate_up, inter); break;
+    case at::kHalf: silu_mul_impl<c10::Half>(out, gate_up, inter); break;
+    default: TORCH_CHECK(false, "silu_mul: unsupported dtype ", gate_up.scalar_type());
+  }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvledger CPU kernels: paged decode attention, KV write, RMSNorm, RoPE";
+  m.def("paged_decode", &paged_decode, "paged decode attention reading K/V through block tables",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("rows"), py::arg("scale"), py::arg("window"), py::arg("partition"));
+  m.def("paged_prefill", &paged_prefill, "causal paged attention for multi-token chunks", py::arg("out"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("starts"),
+        py::arg("query_lens"), py::arg("offsets"), py::arg("scale"), py::arg("window"));
+  m.def("kv_write", &kv_write, "write K/V rows into their cache slots", py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("slots"), py::arg("k"), py::arg("v"));
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally after an in-place residual add", py::arg("out"), py::arg("x"),
+        py::arg("residual_add"), py::arg("weight"), py::arg("eps"));
+  m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
+  m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up", py::arg("out"), py::arg("gate_up"), py::arg("inter"));
+  m.attr("ABI_VERSION") = 1;
+}

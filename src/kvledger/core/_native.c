@@ -92,7 +92,7 @@ static void b2b_compress(uint64_t h[8], const uint8_t block[128], uint64_t t, in
     for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
 }
 
-/* BLAKE2b-512, unkeyed, of msg[0:len] (len > 0). */
+/* BLAKE2b-512, unkeyed, of msg[0:len]. */
 static void b2b_512(const uint8_t *msg, size_t len, uint8_t out[DIGEST]) {
     uint64_t h[8];
     uint8_t last[128];
@@ -194,6 +194,19 @@ static PyObject *native_chain_bytes(PyObject *Py_UNUSED(self), PyObject *args) {
         }
     }
     PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* blake2b(data: bytes) -> bytes: BLAKE2b-512 of data (what hashlib.blake2b(data).digest() gives; for
+ * the RFC 7693 test vectors). */
+static PyObject *native_blake2b(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*:blake2b", &data)) return NULL;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, DIGEST);
+    static const uint8_t empty[1] = {0};
+    if (result != NULL) /* an empty message is one final block of zeros with counter 0 */
+        b2b_512(data.len ? data.buf : empty, (size_t)data.len, (uint8_t *)PyBytes_AS_STRING(result));
     PyBuffer_Release(&data);
     return result;
 }
@@ -458,6 +471,38 @@ static PyObject *native_set_items(PyObject *Py_UNUSED(self), PyObject *args) {
         if (block_id(items[i], n) < 0) Py_RETURN_NONE;
     for (Py_ssize_t i = start; i < stop; i++)
         if (set_list_item(target, block_id(items[i], n), value) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* add_refs(ref, blocks) -> bool: ref[b] += 1 for each block when every one is already held (ref >= 1:
+ * a fork sharing its parent's blocks); False, changing nothing, otherwise (BlockPool.share's other
+ * cases -- a retained or deferred block -- stay in Python). */
+static PyObject *native_add_refs(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ref, *blocks;
+    if (!PyArg_ParseTuple(args, "OO:add_refs", &ref, &blocks)) return NULL;
+    if (!PyList_CheckExact(ref)) Py_RETURN_FALSE;
+    Py_ssize_t count = 0;
+    Py_ssize_t *ids = block_ids(blocks, PyList_GET_SIZE(ref), &count);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_FALSE;
+    }
+    long value;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (small_int(PyList_GET_ITEM(ref, ids[i]), &value) < 0 || value < 1 || value > LONG_MAX / 2) {
+            PyMem_Free(ids);
+            Py_RETURN_FALSE;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        small_int(PyList_GET_ITEM(ref, ids[i]), &value);
+        PyObject *num = PyLong_FromLong(value + 1);
+        if (num == NULL || PyList_SetItem(ref, ids[i], num) < 0) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    PyMem_Free(ids);
     Py_RETURN_TRUE;
 }
 
@@ -836,12 +881,14 @@ out:
 }
 
 static PyMethodDef native_methods[] = {
+    {"blake2b", native_blake2b, METH_VARARGS, "BLAKE2b-512 of a bytes object (RFC 7693)."},
     {"chain_bytes", native_chain_bytes, METH_VARARGS, "Chained BLAKE2b digests of every full block of uint32 token bytes."},
     {"prompt_digests", native_prompt_digests, METH_VARARGS, "Check a prompt's token ids and chain-hash its full blocks (None: use the Python path)."},
     {"block_digest", native_block_digest, METH_VARARGS, "Digest of one block of a token list chained to its parent (None: use the Python path)."},
     {"check_tokens", native_check_tokens, METH_O, "Whether every item is a plain int in [0, 2**32)."},
     {"release_scan", native_release_scan, METH_VARARGS, "BlockPool.release_many's per-block decisions in one pass."},
     {"clear_identity", native_clear_identity, METH_VARARGS, "Evicted blocks lose their identity."},
+    {"add_refs", native_add_refs, METH_VARARGS, "One more reference on blocks that are all held already."},
     {"set_items", native_set_items, METH_VARARGS, "target[ids[i]] = value for i in range(start, stop)."},
     {"register_many", native_register_many, METH_VARARGS, "Index new full blocks under their digests."},
     {"decode_fast", native_decode_fast, METH_VARARGS, "KVLedger.decode_step's common case: tokens inside a private tail block."},

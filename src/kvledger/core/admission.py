@@ -100,9 +100,9 @@ class AdmissionOps:
             if hit is not None and hit[0] is request.prompt and hit[1] == root:
                 return list(hit[2])
         if caching:
-            digests = prompt_digests(root, request.prompt, self.block_size)  # checks every token id too
+            digests = prompt_digests(root, request.prompt, self.block_size, self._native)  # checks the ids too
         else:
-            check_tokens(request.prompt)  # token ids in [0, 2**32), checked with or without caching
+            check_tokens(request.prompt, self._native)  # token ids in [0, 2**32), with or without caching
             digests = []
         if remember:
             self._remember(request, digests)

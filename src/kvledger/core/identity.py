@@ -34,6 +34,7 @@ import struct
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from ..errors import ConfigError
 from . import native
@@ -174,6 +175,10 @@ def chain_digests(parent: bytes, data: bytes, block_size: int) -> list[bytes]:
     if (fast is not None and type(parent) is bytes and type(data) is bytes and type(block_size) is int
             and 0 < block_size <= _NATIVE_MAX_BLOCK):
         return fast.chain_bytes(parent, data, block_size)  # the same chain, in one C call
+    return _chain(parent, data, block_size)
+
+
+def _chain(parent: bytes, data: bytes, block_size: int) -> list[bytes]:
     step = block_size * 4
     out: list[bytes] = []
     append = out.append
@@ -184,20 +189,22 @@ def chain_digests(parent: bytes, data: bytes, block_size: int) -> list[bytes]:
     return out
 
 
-def prompt_digests(root: bytes, tokens: Sequence[int], block_size: int) -> list[bytes]:
+def prompt_digests(root: bytes, tokens: Sequence[int], block_size: int, fast: ModuleType | None = None) -> list[bytes]:
     """Check every token id of a prompt (``token_bytes``' rule and error) and return the digests of its
-    full blocks chained from ``root``: ``chain_digests(root, token_bytes(tokens), block_size)``."""
-    fast = native.MODULE
+    full blocks chained from ``root``: ``chain_digests(root, token_bytes(tokens), block_size)``, in one
+    C call when ``fast`` (the native core a ledger was built with) is given."""
     if fast is not None and type(root) is bytes and 0 < block_size <= _NATIVE_MAX_BLOCK:
         digests = fast.prompt_digests(root, tokens, block_size)
         if digests is not None:
             return digests
-    return chain_digests(root, token_bytes(tokens), block_size)  # None: an integer-like or a bad id
+    data = token_bytes(tokens)  # also what the C call declines: an integer-like or a bad id
+    if fast is not None and type(root) is bytes and 0 < block_size <= _NATIVE_MAX_BLOCK:
+        return fast.chain_bytes(root, data, block_size)
+    return _chain(root, data, block_size)
 
 
-def check_tokens(tokens: Sequence[int]) -> None:
+def check_tokens(tokens: Sequence[int], fast: ModuleType | None = None) -> None:
     """Check every token id as :func:`token_bytes` does (its error), without keeping the bytes."""
-    fast = native.MODULE
     if fast is None or not fast.check_tokens(tokens):
         token_bytes(tokens)
 
@@ -207,10 +214,10 @@ def block_digest(parent: bytes, tokens: list[int]) -> bytes:
     return _blake2b(parent + token_bytes(tokens)).digest()
 
 
-def block_digest_at(parent: bytes, tokens: list[int], start: int, block_size: int) -> bytes:
+def block_digest_at(parent: bytes, tokens: list[int], start: int, block_size: int,
+                    fast: ModuleType | None = None) -> bytes:
     """``block_digest(parent, tokens[start : start + block_size])`` without the slice (a growing
     sequence's newest full block)."""
-    fast = native.MODULE
     if fast is not None and type(parent) is bytes and 0 < block_size <= _NATIVE_MAX_BLOCK:
         digest = fast.block_digest(parent, tokens, start, block_size)
         if digest is not None:

@@ -180,7 +180,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             first = len(digests)
             while len(digests) < full:
                 i = len(digests)
-                digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs)
+                digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
                 digests.append(digest)
                 register(blocks[i], digest, seq.context.trust_group)
             if seq.retention:

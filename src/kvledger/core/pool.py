@@ -142,7 +142,10 @@ class BlockPool:
         self.ref[block] += 1
 
     def share_many(self, blocks: list[int]) -> None:
-        """:meth:`share` each block, in order (a request's prefix hits)."""
+        """:meth:`share` each block, in order (a request's prefix hits, a fork's blocks)."""
+        fast = self._native
+        if fast is not None and fast.add_refs(self.ref, blocks):
+            return  # every block was held already: one more reference each, in C
         ref, leased, retained = self.ref, self.leased, self.retained
         for block in blocks:
             r = ref[block]

@@ -880,6 +880,112 @@ out:
     return result;
 }
 
+/* prefix_hits(index, digests, ref, leased, written) -> (hits, retained, pending, ready) | None: admission's
+ * prefix lookup. hits: the blocks indexed under the leading digests, up to the first miss; retained: how
+ * many of them are idle cache (ref 0, not leased); pending: how many are not written yet; ready: how
+ * many leading hits are written. */
+static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *index, *digests, *ref, *leased, *written;
+    if (!PyArg_ParseTuple(args, "OOOOO:prefix_hits", &index, &digests, &ref, &leased, &written)) return NULL;
+    if (!PyDict_CheckExact(index) || !PyList_CheckExact(digests) || !PyList_CheckExact(ref) ||
+        !PyList_CheckExact(leased) || !PyList_CheckExact(written))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(ref);
+    if (PyList_GET_SIZE(leased) != n || PyList_GET_SIZE(written) != n) Py_RETURN_NONE;
+    PyObject *hits = PyList_New(0);
+    if (hits == NULL) return NULL;
+    Py_ssize_t retained = 0, pending = 0, ready = 0;
+    int ready_run = 1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(digests); i++) {
+        PyObject *block = PyDict_GetItemWithError(index, PyList_GET_ITEM(digests, i));
+        if (block == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(hits);
+                return NULL;
+            }
+            break;
+        }
+        Py_ssize_t b = block_id(block, n);
+        long r = 0, l = 0;
+        PyObject *w = b >= 0 ? PyList_GET_ITEM(written, b) : NULL;
+        if (b < 0 || small_int(PyList_GET_ITEM(ref, b), &r) < 0 || small_int(PyList_GET_ITEM(leased, b), &l) < 0 ||
+            (w != Py_True && w != Py_False)) {
+            Py_DECREF(hits);
+            Py_RETURN_NONE;
+        }
+        if (PyList_Append(hits, block) < 0) {
+            Py_DECREF(hits);
+            return NULL;
+        }
+        if (r == 0 && l == 0) retained++;
+        if (w == Py_False) {
+            pending++;
+            ready_run = 0;
+        } else if (ready_run) {
+            ready++;
+        }
+    }
+    PyObject *result = Py_BuildValue("(Nnnn)", hits, retained, pending, ready);
+    return result;
+}
+
+/* share_blocks(ref, leased, order, blocks) -> int | None: BlockPool.share for each block in order,
+ * with the LRU order held by a BlockOrder: ref += 1; a block at ref 0 leaves the order (idle cache
+ * taken again) unless it is leased (a deferred release picked up again: the returned count of those
+ * is subtracted from the pool's deferred count). None, changing nothing, for any other input --
+ * including a block at ref 0 that the order does not hold, so that Python raises as it would. */
+static PyObject *native_share_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ref, *leased, *order_obj, *blocks;
+    if (!PyArg_ParseTuple(args, "OOOO:share_blocks", &ref, &leased, &order_obj, &blocks)) return NULL;
+    if (!PyList_CheckExact(ref) || !PyList_CheckExact(leased) || !Py_IS_TYPE(order_obj, &BlockOrderType) ||
+        PyList_GET_SIZE(leased) != PyList_GET_SIZE(ref))
+        Py_RETURN_NONE;
+    BlockOrder *order = (BlockOrder *)order_obj;
+    Py_ssize_t n = PyList_GET_SIZE(ref), count = 0;
+    Py_ssize_t *ids = block_ids(blocks, n, &count);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    uint8_t *seen = PyMem_Calloc((size_t)(n > 0 ? n : 1), 1);
+    if (seen == NULL) {
+        PyMem_Free(ids);
+        return PyErr_NoMemory();
+    }
+    long r, l;
+    for (Py_ssize_t i = 0; i < count; i++) { /* check first: the pool's types, every idle block in the order */
+        Py_ssize_t b = ids[i];
+        if (small_int(PyList_GET_ITEM(ref, b), &r) < 0 || small_int(PyList_GET_ITEM(leased, b), &l) < 0 ||
+            r < 0 || r > LONG_MAX / 2 ||
+            (!seen[b] && r == 0 && l == 0 && (b >= order->cap || !order->member[b]))) {
+            PyMem_Free(seen);
+            PyMem_Free(ids);
+            Py_RETURN_NONE;
+        }
+        seen[b] = 1;
+    }
+    PyMem_Free(seen);
+    Py_ssize_t picked_up = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t b = ids[i];
+        small_int(PyList_GET_ITEM(ref, b), &r);
+        if (r == 0) {
+            small_int(PyList_GET_ITEM(leased, b), &l);
+            if (l == 0)
+                order_unlink(order, b);
+            else
+                picked_up++;
+        }
+        PyObject *num = PyLong_FromLong(r + 1);
+        if (num == NULL || PyList_SetItem(ref, b, num) < 0) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    PyMem_Free(ids);
+    return PyLong_FromSsize_t(picked_up);
+}
+
 static PyMethodDef native_methods[] = {
     {"blake2b", native_blake2b, METH_VARARGS, "BLAKE2b-512 of a bytes object (RFC 7693)."},
     {"chain_bytes", native_chain_bytes, METH_VARARGS, "Chained BLAKE2b digests of every full block of uint32 token bytes."},
@@ -891,6 +997,8 @@ static PyMethodDef native_methods[] = {
     {"add_refs", native_add_refs, METH_VARARGS, "One more reference on blocks that are all held already."},
     {"set_items", native_set_items, METH_VARARGS, "target[ids[i]] = value for i in range(start, stop)."},
     {"register_many", native_register_many, METH_VARARGS, "Index new full blocks under their digests."},
+    {"prefix_hits", native_prefix_hits, METH_VARARGS, "Admission's prefix lookup: hits, idle, pending, ready."},
+    {"share_blocks", native_share_blocks, METH_VARARGS, "BlockPool.share for each block, the LRU order in a BlockOrder."},
     {"decode_fast", native_decode_fast, METH_VARARGS, "KVLedger.decode_step's common case: tokens inside a private tail block."},
     {NULL, NULL, 0, NULL},
 };

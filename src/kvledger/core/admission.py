@@ -149,11 +149,11 @@ class AdmissionOps:
             # Bounded: the never rule admits at most num_blocks branches.
             if rid in self._seqs or any(f"{rid}/{i}" in self._seqs for i in range(1, request.branches)):
                 raise LedgerError(f"request id {rid!r} is already running")
-            decision, hits = self._decide(request, digests, keep_free)
+            decision, hits, ready = self._decide(request, digests, keep_free)
             if decision.admitted:
                 if self._digest_cache:
                     self._digest_cache.pop(rid, None)
-                self._commit(request, digests, hits, decision)
+                self._commit(request, digests, hits, ready, decision)
                 self._count_admission(request.readmission)
                 self._count_query(request, len(digests), len(hits))
             else:
@@ -161,8 +161,10 @@ class AdmissionOps:
                 self._remember(request, digests)  # it will be asked again: hash it once
             return decision
 
-    def _decide(self: KVLedger, request: Request, digests: list[bytes], keep_free: int) -> tuple[Decision, list[int]]:
-        """Under the lock, for a request the never rule let through."""
+    def _decide(self: KVLedger, request: Request, digests: list[bytes],
+                keep_free: int) -> tuple[Decision, list[int], int]:
+        """Under the lock, for a request the never rule let through. Returns the decision, the prefix hits
+        and how many leading hits are written (readable at once)."""
         pool, bs = self.pool, self.block_size
         prompt_len = len(request.prompt)
         total = self.blocks_for(prompt_len + request.reserved_new_tokens + request.lookahead)
@@ -171,19 +173,26 @@ class AdmissionOps:
         # Each extra branch: its own output allowance, plus a copy of the partial prompt tail.
         per_branch = (total - prompt_blocks) + (1 if prompt_len % bs else 0)
         hits: list[int] = []
-        retained_hits = pending_hits = 0
+        retained_hits = pending_hits = ready = 0
         if request.read_prefix_cache:
             index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
-            for d in digests:
-                block = index.get(d)
-                if block is None:
-                    break
-                hits.append(block)
-                # Retained hits stop being evictable once taken, so they cannot also back a new block.
-                if ref[block] == 0 and not leased[block]:
-                    retained_hits += 1
-                if not written[block]:
-                    pending_hits += 1
+            fast = self._native
+            found = fast.prefix_hits(index, digests, ref, leased, written) if fast is not None else None
+            if found is not None:
+                hits, retained_hits, pending_hits, ready = found
+            else:
+                for d in digests:
+                    block = index.get(d)
+                    if block is None:
+                        break
+                    hits.append(block)
+                    # Retained hits stop being evictable once taken, so they cannot also back a new block.
+                    if ref[block] == 0 and not leased[block]:
+                        retained_hits += 1
+                    if not written[block]:
+                        pending_hits += 1
+                    elif ready == len(hits) - 1:
+                        ready += 1  # leading hits already written: readable at once
         new_now = prompt_blocks - len(hits)
         branch_blocks = (request.branches - 1) * per_branch
         promise = total - prompt_blocks + branch_blocks
@@ -195,12 +204,13 @@ class AdmissionOps:
         if need > available:
             reason = f"needs {need} new blocks ({len(hits)} of {total} shared); the pool cannot promise them now"
             return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
-                            branch_blocks, f"needs {need} new blocks but only {detail}"), hits
+                            branch_blocks, f"needs {need} new blocks but only {detail}"), hits, ready
         reason = f"{len(hits)} shared + {new_now} new + {promise} promised = {total + branch_blocks} blocks"
         return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
-                        branch_blocks, f"{reason}; {detail}"), hits
+                        branch_blocks, f"{reason}; {detail}"), hits, ready
 
-    def _commit(self: KVLedger, request: Request, digests: list[bytes], hits: list[int], decision: Decision) -> None:
+    def _commit(self: KVLedger, request: Request, digests: list[bytes], hits: list[int], ready: int,
+                decision: Decision) -> None:
         pool = self.pool
         # Take the hits first, so allocating the new blocks can never evict the request's own hits.
         if hits:
@@ -212,10 +222,6 @@ class AdmissionOps:
             self._apply_retention(request.retention, blocks, 0, len(digests))
         own_promise = decision.blocks_promised - decision.blocks_branches
         self.promised += own_promise
-        written = pool.written
-        ready = 0
-        while ready < len(hits) and written[hits[ready]]:
-            ready += 1
         prompt = list(request.prompt)
         rid = request.request_id
         seq = SequenceState(

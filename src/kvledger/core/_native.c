@@ -252,36 +252,37 @@ done:
 
 /* block_digest(parent: bytes, tokens: list, start, block_size) -> bytes | None: the digest of
  * tokens[start:start+block_size] chained to parent; None when a token there is not a plain int in
- * range or the slice is short (the Python path decides). */
-static PyObject *native_block_digest(PyObject *Py_UNUSED(self), PyObject *args) {
-    Py_buffer parent;
-    PyObject *tokens;
-    Py_ssize_t start, bs;
-    if (!PyArg_ParseTuple(args, "y*Onn:block_digest", &parent, &tokens, &start, &bs)) return NULL;
-    PyObject *result = NULL;
+ * range, the slice is short or an argument is of another type (the Python path decides). Called once
+ * per block a sequence fills, so it takes its arguments without parsing (METH_FASTCALL). */
+static PyObject *native_block_digest(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "block_digest takes (parent, tokens, start, block_size)");
+        return NULL;
+    }
+    PyObject *parent = args[0], *tokens = args[1];
+    if (!PyBytes_CheckExact(parent) || (!PyTuple_CheckExact(tokens) && !PyList_CheckExact(tokens)) ||
+        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]))
+        Py_RETURN_NONE;
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), bs = PyLong_AsSsize_t(args[3]);
+    if ((start == -1 || bs == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (bs <= 0 || bs > (1 << 16) || start < 0 || start > PySequence_Fast_GET_SIZE(tokens) - bs) Py_RETURN_NONE;
+    Py_ssize_t plen = PyBytes_GET_SIZE(parent);
+    size_t len = (size_t)plen + 4 * (size_t)bs;
     uint8_t stack[DIGEST + 4 * 64];
     uint8_t *msg = stack;
-    if (check_block_size(bs) < 0) goto done;
-    if ((!PyTuple_CheckExact(tokens) && !PyList_CheckExact(tokens)) || start < 0 ||
-        start > PySequence_Fast_GET_SIZE(tokens) - bs) {
+    if (len > sizeof stack && (msg = PyMem_RawMalloc(len)) == NULL) return PyErr_NoMemory();
+    memcpy(msg, PyBytes_AS_STRING(parent), (size_t)plen);
+    PyObject *result;
+    if (encode_tokens(PySequence_Fast_ITEMS(tokens) + start, bs, msg + plen) < 0) {
         result = Py_NewRef(Py_None);
-        goto done;
+    } else {
+        result = PyBytes_FromStringAndSize(NULL, DIGEST);
+        if (result != NULL) b2b_512(msg, len, (uint8_t *)PyBytes_AS_STRING(result));
     }
-    size_t len = (size_t)parent.len + 4 * (size_t)bs;
-    if (len > sizeof stack && (msg = PyMem_RawMalloc(len)) == NULL) {
-        PyErr_NoMemory();
-        goto done;
-    }
-    memcpy(msg, parent.buf, (size_t)parent.len);
-    if (encode_tokens(PySequence_Fast_ITEMS(tokens) + start, bs, msg + parent.len) < 0) {
-        result = Py_NewRef(Py_None);
-        goto done;
-    }
-    result = PyBytes_FromStringAndSize(NULL, DIGEST);
-    if (result != NULL) b2b_512(msg, len, (uint8_t *)PyBytes_AS_STRING(result));
-done:
     if (msg != stack) PyMem_RawFree(msg);
-    PyBuffer_Release(&parent);
     return result;
 }
 
@@ -752,21 +753,28 @@ static PyTypeObject BlockOrderType = {
 };
 
 /* ---- decode_step's common case ---------------------------------------------------------------------
- * decode_fast(seqs, steps, block_size, seq_type) -> (deferred, raised) | None: KVLedger.decode_step's
+ * decode_fast(seqs, steps, block_size, seq_type) -> (deferred, pairs, opens) | None: KVLedger.decode_step's
  * first loop. For each (request_id, token) pair in order: when the token lands inside the tail block
  * of a sequence that owns it alone (n % bs != 0, num_prompt < n < limit, not cow_tail, token a plain
- * int in [0, 2**32)), append it; otherwise defer the pair (its position goes to `deferred`) and raise
- * the sequence's cow_tail flag for the rest of the loop, so that its later pairs are deferred too.
- * The flags are put back before returning; `raised` counts the sequences whose flag was raised. Any
- * input the Python loop would reject or treat specially (an unknown id, a pair that is not a 2-tuple,
- * a sequence of another type) undoes every append and returns None: the Python loop then runs. */
+ * int in [0, 2**32)), append it; otherwise defer the pair -- its position goes to `deferred`, and
+ * (sequence, token) to `pairs` -- and raise the sequence's cow_tail flag for the rest of the loop, so
+ * that its later pairs are deferred too. The flags are put back before returning. `opens` is True when
+ * every deferred pair simply opens the next block of its own sequence from its promise (one pair per
+ * sequence, none with a forked tail, n % bs == 0, promised > 0, n < limit, no block there yet, a plain
+ * token id): then nothing can fail and decode_step applies them without its general check. Any input
+ * the Python loop would reject or treat specially (an unknown id, a pair that is not a 2-tuple, a
+ * sequence of another type) undoes every append and returns None: the Python loop then runs. */
 
 typedef struct {
-    Py_ssize_t tokens, num_prompt, limit, cow_tail;
+    Py_ssize_t tokens, num_prompt, limit, cow_tail, promised, table;
 } SeqLayout;
 
-static int slot_offset(PyObject *type, const char *name, Py_ssize_t *offset) {
-    PyObject *descr = PyObject_GetAttrString(type, name);
+/* Slot names, interned once (module init): looked up on the type at every call, never cached. */
+static PyObject *name_tokens, *name_num_prompt, *name_limit, *name_cow_tail, *name_promised, *name_table,
+    *name_blocks;
+
+static int slot_offset(PyObject *type, PyObject *name, Py_ssize_t *offset) {
+    PyObject *descr = PyObject_GetAttr(type, name);
     if (descr == NULL) {
         PyErr_Clear();
         return -1;
@@ -795,16 +803,19 @@ static PyObject *native_decode_fast(PyObject *Py_UNUSED(self), PyObject *args) {
     if (!PyArg_ParseTuple(args, "OOnO:decode_fast", &seqs, &steps, &bs, &seq_type)) return NULL;
     SeqLayout L;
     if (!PyDict_CheckExact(seqs) || !PyList_CheckExact(steps) || bs <= 0 || !PyType_Check(seq_type) ||
-        slot_offset(seq_type, "tokens", &L.tokens) < 0 || slot_offset(seq_type, "num_prompt", &L.num_prompt) < 0 ||
-        slot_offset(seq_type, "limit", &L.limit) < 0 || slot_offset(seq_type, "cow_tail", &L.cow_tail) < 0)
+        slot_offset(seq_type, name_tokens, &L.tokens) < 0 || slot_offset(seq_type, name_num_prompt, &L.num_prompt) < 0 ||
+        slot_offset(seq_type, name_limit, &L.limit) < 0 || slot_offset(seq_type, name_cow_tail, &L.cow_tail) < 0 ||
+        slot_offset(seq_type, name_promised, &L.promised) < 0 || slot_offset(seq_type, name_table, &L.table) < 0)
         Py_RETURN_NONE;
     Py_ssize_t n_steps = PyList_GET_SIZE(steps), n_appended = 0, n_raised = 0;
     PyObject **appended = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_steps > 0 ? n_steps : 1));
     PyObject **raised = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_steps > 0 ? n_steps : 1));
-    PyObject *deferred = PyList_New(0), *result = NULL;
-    int declined = 0;
-    if (appended == NULL || raised == NULL || deferred == NULL) {
-        if (deferred != NULL) PyErr_NoMemory();
+    PyObject *deferred = PyList_New(0), *pairs = PyList_New(0), *result = NULL;
+    PyTypeObject *table_type = NULL; /* the block table's type and its `blocks` slot, read at the first opening */
+    Py_ssize_t blocks_offset = 0;
+    int declined = 0, opens = 1;
+    if (appended == NULL || raised == NULL || deferred == NULL || pairs == NULL) {
+        if (deferred != NULL && pairs != NULL) PyErr_NoMemory();
         goto out;
     }
     for (Py_ssize_t i = 0; i < n_steps; i++) {
@@ -852,14 +863,39 @@ static PyObject *native_decode_fast(PyObject *Py_UNUSED(self), PyObject *args) {
                 goto out;
             }
             Py_DECREF(pos);
+            PyObject *deferred_pair = PyTuple_Pack(2, seq, token);
+            if (deferred_pair == NULL || PyList_Append(pairs, deferred_pair) < 0) {
+                Py_XDECREF(deferred_pair);
+                goto out;
+            }
+            Py_DECREF(deferred_pair);
             if (cow_tail == Py_False) {
                 slot_set(seq, L.cow_tail, Py_True);
                 Py_INCREF(seq);
                 raised[n_raised++] = seq;
+            } else {
+                opens = 0; /* a forked tail, or the sequence's second pair in this step */
+            }
+            if (opens) { /* does this pair just open the next block from the sequence's promise? */
+                PyObject *promised = slot_get(seq, L.promised), *table = slot_get(seq, L.table), *blocks = NULL;
+                if (table != NULL && table_type == NULL) {
+                    table_type = Py_TYPE(table);
+                    if (slot_offset((PyObject *)table_type, name_blocks, &blocks_offset) < 0) table_type = NULL;
+                }
+                if (table != NULL && table_type != NULL && Py_TYPE(table) == table_type)
+                    blocks = slot_get(table, blocks_offset);
+                int overflow = 0;
+                long long lim = PyLong_AsLongLongAndOverflow(limit, &overflow);
+                long long pr = promised != NULL && PyLong_CheckExact(promised) && !overflow
+                                   ? PyLong_AsLongLongAndOverflow(promised, &overflow) : 0;
+                long long t = PyLong_CheckExact(token) && !overflow ? PyLong_AsLongLongAndOverflow(token, &overflow) : -1;
+                if (PyErr_Occurred()) PyErr_Clear();
+                opens = !overflow && blocks != NULL && PyList_CheckExact(blocks) && n % bs == 0 && pr > 0 &&
+                        n < lim && n >= PyList_GET_SIZE(blocks) * bs && t >= 0 && (unsigned long long)t <= MAX_TOKEN;
             }
         }
     }
-    if (!declined) result = Py_BuildValue("(On)", deferred, n_raised);
+    if (!declined) result = Py_BuildValue("(OOO)", deferred, pairs, opens && PyList_GET_SIZE(deferred) ? Py_True : Py_False);
 out:
     if (result == NULL && appended != NULL) { /* declined or failed: take every append back, newest first */
         for (Py_ssize_t j = n_appended - 1; j >= 0; j--)
@@ -876,6 +912,7 @@ out:
     PyMem_Free(appended);
     PyMem_Free(raised);
     Py_XDECREF(deferred);
+    Py_XDECREF(pairs);
     if (result == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
     return result;
 }
@@ -990,7 +1027,7 @@ static PyMethodDef native_methods[] = {
     {"blake2b", native_blake2b, METH_VARARGS, "BLAKE2b-512 of a bytes object (RFC 7693)."},
     {"chain_bytes", native_chain_bytes, METH_VARARGS, "Chained BLAKE2b digests of every full block of uint32 token bytes."},
     {"prompt_digests", native_prompt_digests, METH_VARARGS, "Check a prompt's token ids and chain-hash its full blocks (None: use the Python path)."},
-    {"block_digest", native_block_digest, METH_VARARGS, "Digest of one block of a token list chained to its parent (None: use the Python path)."},
+    {"block_digest", (PyCFunction)(void (*)(void))native_block_digest, METH_FASTCALL, "Digest of one block of a token list chained to its parent (None: use the Python path)."},
     {"check_tokens", native_check_tokens, METH_O, "Whether every item is a plain int in [0, 2**32)."},
     {"release_scan", native_release_scan, METH_VARARGS, "BlockPool.release_many's per-block decisions in one pass."},
     {"clear_identity", native_clear_identity, METH_VARARGS, "Evicted blocks lose their identity."},
@@ -1011,6 +1048,14 @@ static struct PyModuleDef native_module = {
 
 PyMODINIT_FUNC PyInit__native(void) {
     if (PyType_Ready(&BlockOrderType) < 0) return NULL;
+    if ((name_tokens = PyUnicode_InternFromString("tokens")) == NULL ||
+        (name_num_prompt = PyUnicode_InternFromString("num_prompt")) == NULL ||
+        (name_limit = PyUnicode_InternFromString("limit")) == NULL ||
+        (name_cow_tail = PyUnicode_InternFromString("cow_tail")) == NULL ||
+        (name_promised = PyUnicode_InternFromString("promised")) == NULL ||
+        (name_table = PyUnicode_InternFromString("table")) == NULL ||
+        (name_blocks = PyUnicode_InternFromString("blocks")) == NULL)
+        return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL) return NULL;
     Py_INCREF(&BlockOrderType);

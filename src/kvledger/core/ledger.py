@@ -176,13 +176,19 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                 written[blocks[i]] = True
         seq.written_blocks = full
         if self.prefix_caching and len(seq.digests) < full:
-            digests, tokens, register = seq.digests, seq.tokens, self.pool.register
+            digests, tokens, pool = seq.digests, seq.tokens, self.pool
+            group = seq.context.trust_group
             first = len(digests)
             while len(digests) < full:
                 i = len(digests)
                 digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
                 digests.append(digest)
-                register(blocks[i], digest, seq.context.trust_group)
+                if pool.on_event is None and digest not in pool.index:  # BlockPool.register, inlined
+                    pool.index[digest] = blocks[i]
+                    pool.digest[blocks[i]] = digest
+                    pool.group[blocks[i]] = group
+                else:
+                    pool.register(blocks[i], digest, group)
             if seq.retention:
                 self._apply_retention(seq.retention, blocks, first, full)
 
@@ -234,26 +240,20 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             fast = self._native
             scan = fast.decode_fast(seqs, steps, bs, SequenceState) if fast is not None else None
             if scan is not None:  # the loop below, in C (None: an input the loop must see for itself)
-                at, raised_count = scan
+                at, slow, opens = scan
                 if not at:
                     return
-                slow = [(seqs[steps[i][0]], steps[i][1]) for i in at]
             else:
                 slow, at, raised_count = self._decode_common(steps)
                 if slow is None:
                     return
-            if raised_count == len(slow):  # one pair per sequence, no forked tail
+                opens = raised_count == len(slow) and self._all_open_blocks(slow)
+            if opens:
                 # Usually each deferred pair opens the next block of its sequence from its promise, which
                 # cannot fail: applied as it stands, without the general check below.
                 for seq, token in slow:
-                    n = len(seq.tokens)
-                    if not (n % bs == 0 and seq.promised and n < seq.limit and n >= len(seq.table.blocks) * bs
-                            and type(token) is int and 0 <= token <= _MAX_TOKEN):
-                        break
-                else:
-                    for seq, token in slow:
-                        self._open_block(seq, len(seq.tokens), token)
-                    return
+                    self._open_block(seq, len(seq.tokens), token)
+                return
             try:
                 checked, fits = self._check_growth(slow)
             except (LedgerError, ConfigError):
@@ -273,6 +273,17 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                     tokens.append(token)
                 else:
                     self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
+
+    def _all_open_blocks(self, slow: list[tuple[SequenceState, object]]) -> bool:
+        """Whether every deferred pair (one per sequence, none with a forked tail) just opens the next
+        block of its sequence from its promise, with a valid token id: nothing there can fail."""
+        bs = self.block_size
+        for seq, token in slow:
+            n = len(seq.tokens)
+            if not (n % bs == 0 and seq.promised and n < seq.limit and n >= len(seq.table.blocks) * bs
+                    and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                return False
+        return True
 
     def _decode_common(self, steps: list) -> tuple[list | None, list[int] | None, int]:
         """:meth:`decode_step`'s first loop: append each token that lands inside a tail block its sequence

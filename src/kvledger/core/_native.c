@@ -924,8 +924,8 @@ out:
 static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *index, *digests, *ref, *leased, *written;
     if (!PyArg_ParseTuple(args, "OOOOO:prefix_hits", &index, &digests, &ref, &leased, &written)) return NULL;
-    if (!PyDict_CheckExact(index) || !PyList_CheckExact(digests) || !PyList_CheckExact(ref) ||
-        !PyList_CheckExact(leased) || !PyList_CheckExact(written))
+    if (!PyDict_CheckExact(index) || (!PyList_CheckExact(digests) && !PyTuple_CheckExact(digests)) ||
+        !PyList_CheckExact(ref) || !PyList_CheckExact(leased) || !PyList_CheckExact(written))
         Py_RETURN_NONE;
     Py_ssize_t n = PyList_GET_SIZE(ref);
     if (PyList_GET_SIZE(leased) != n || PyList_GET_SIZE(written) != n) Py_RETURN_NONE;
@@ -933,8 +933,8 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
     if (hits == NULL) return NULL;
     Py_ssize_t retained = 0, pending = 0, ready = 0;
     int ready_run = 1;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(digests); i++) {
-        PyObject *block = PyDict_GetItemWithError(index, PyList_GET_ITEM(digests, i));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(digests); i++) {
+        PyObject *block = PyDict_GetItemWithError(index, PySequence_Fast_GET_ITEM(digests, i));
         if (block == NULL) {
             if (PyErr_Occurred()) {
                 Py_DECREF(hits);

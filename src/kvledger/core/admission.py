@@ -86,7 +86,7 @@ class AdmissionOps:
             reason = f"asks for {k} branches but the whole pool has {pool_blocks} blocks"
         return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason)
 
-    def _prepare(self: KVLedger, request: Request, remember: bool = False) -> list[bytes]:
+    def _prepare(self: KVLedger, request: Request, remember: bool = False) -> Sequence[bytes]:
         """Check the prompt's token ids and return its full-block digests ([] without prefix caching).
         A request told "not now" is usually asked again every step, so its digests are remembered under
         its id (:meth:`_remember`), checked against the same (immutable) prompt object and the same
@@ -98,7 +98,7 @@ class AdmissionOps:
             with self._lock:
                 hit = memo.get(request.request_id)
             if hit is not None and hit[0] is request.prompt and hit[1] == root:
-                return list(hit[2])
+                return hit[2]  # a tuple: never changed; _commit takes a list of it
         if caching:
             digests = prompt_digests(root, request.prompt, self.block_size, self._native)  # checks the ids too
         else:
@@ -108,11 +108,14 @@ class AdmissionOps:
             self._remember(request, digests)
         return digests
 
-    def _remember(self: KVLedger, request: Request, digests: list[bytes]) -> None:
+    def _remember(self: KVLedger, request: Request, digests: Sequence[bytes]) -> None:
         """Keep a waiting request's digests for its next attempt (bounded; oldest forgotten first)."""
         root = request.context.root_digest() if self.prefix_caching else b""
         with self._lock:
             memo = self._digest_cache
+            held = memo.get(request.request_id)
+            if held is not None and held[0] is request.prompt and held[1] == root and held[2] is digests:
+                return  # asked again with what it remembers already
             memo[request.request_id] = (request.prompt, root, tuple(digests))
             if len(memo) > _MEMO_LIMIT:
                 memo.popitem(last=False)
@@ -161,7 +164,7 @@ class AdmissionOps:
                 self._remember(request, digests)  # it will be asked again: hash it once
             return decision
 
-    def _decide(self: KVLedger, request: Request, digests: list[bytes],
+    def _decide(self: KVLedger, request: Request, digests: Sequence[bytes],
                 keep_free: int) -> tuple[Decision, list[int], int]:
         """Under the lock, for a request the never rule let through. Returns the decision, the prefix hits
         and how many leading hits are written (readable at once)."""
@@ -209,9 +212,11 @@ class AdmissionOps:
         return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
                         branch_blocks, f"{reason}; {detail}"), hits, ready
 
-    def _commit(self: KVLedger, request: Request, digests: list[bytes], hits: list[int], ready: int,
+    def _commit(self: KVLedger, request: Request, digests: Sequence[bytes], hits: list[int], ready: int,
                 decision: Decision) -> None:
         pool = self.pool
+        if type(digests) is not list:
+            digests = list(digests)  # remembered as a tuple; the sequence's own list grows as it does
         # Take the hits first, so allocating the new blocks can never evict the request's own hits.
         if hits:
             pool.share_many(hits)

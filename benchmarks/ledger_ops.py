@@ -72,8 +72,12 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
     ctx = CacheContext(model="bench", trust_group="tenant-0")
     ledger = KVLedger(pool_blocks, args.block_size, prefix_caching=True)
     pending = deque(Request(f"r{i}", p, args.max_new, ctx, branches=branches) for i, p in enumerate(prompts))
-    seq_ids = {f"r{i}": [f"r{i}"] + [f"r{i}/{b}" for b in range(1, branches)] for i in range(len(prompts))}
-    running: dict[str, int] = {}  # request id -> tokens still to generate
+    # Each branch's (sequence id, token) pair; the token is fixed per branch (distinct between branches).
+    pairs_of = {f"r{i}": [(f"r{i}", 7)] + [(f"r{i}/{b}", 7 + b) for b in range(1, branches)]
+                for i in range(len(prompts))}
+    running: dict[str, list[tuple[str, int]]] = {}  # request id -> its pairs, in admission order
+    finish_at: dict[int, list[str]] = {}  # step -> requests whose last token that step appends
+    step: list[tuple[str, int]] = []  # one step's pairs, rebuilt only when the running set changes
     t_admit = t_step = t_release = 0.0
     n_admit = n_steps = n_tokens = n_release = 0
     hit_blocks = 0
@@ -81,6 +85,7 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
     clock = time.perf_counter
     start = clock()
     while pending or running:
+        changed = False
         while pending and len(running) < args.running:
             req = pending[0]
             t0 = clock()
@@ -94,25 +99,27 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
             admit_at.append(n_steps)
             n_admit += 1
             hit_blocks += decision.blocks_hit
-            running[req.request_id] = args.max_new
-        step = [(sid, 7 + b) for rid in running for b, sid in enumerate(seq_ids[rid])]
+            running[req.request_id] = pairs_of[req.request_id]
+            finish_at.setdefault(n_steps + args.max_new - 1, []).append(req.request_id)
+            changed = True
+        if changed:
+            step = [pair for pairs in running.values() for pair in pairs]
         t0 = clock()
         ledger.decode_step(step)
         t_step += clock() - t0
-        n_steps += 1
         n_tokens += len(step)
-        done = []
-        for rid in running:
-            running[rid] -= 1
-            if running[rid] == 0:
-                done.append(rid)
-        t0 = clock()
-        for rid in done:
-            for sid in seq_ids[rid]:
-                ledger.release(sid)
-            del running[rid]
-        t_release += clock() - t0
-        n_release += len(done)
+        done = finish_at.pop(n_steps, ())
+        n_steps += 1
+        if done:
+            t0 = clock()
+            for rid in done:
+                for sid, _ in running[rid]:
+                    ledger.release(sid)
+            t_release += clock() - t0
+            for rid in done:
+                del running[rid]
+            n_release += len(done)
+            step = [pair for pairs in running.values() for pair in pairs]
     wall = clock() - start
     ledger.check()
     ledger_time = t_admit + t_step + t_release
@@ -199,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in cases:
         if c not in ("base", "n4", "evict"):
             ap.error(f"unknown case {c!r}")
-    if args.requests < 1 or args.running < 1 or args.rounds < 1:
-        ap.error("--requests, --running and --rounds must be >= 1")
+    if min(args.requests, args.running, args.rounds, args.max_new, args.block_size, args.pool_blocks) < 1:
+        ap.error("--requests, --running, --rounds, --max-new, --block-size and --pool-blocks must be >= 1")
+    if not 0 <= args.shared <= args.prompt or args.prefixes < 1:
+        ap.error("--shared must be in 0..--prompt and --prefixes >= 1")
     peers = find_peers(args.peers_dir) if args.vllm_python else None
     if args.vllm_python and not Path(args.vllm_python).exists():
         ap.error(f"--vllm-python {args.vllm_python}: no such file")

@@ -8,7 +8,9 @@ call, and the per-block bookkeeping of allocation and release.
 
 ``KVLEDGER_NATIVE=0`` switches it off (as it does the runtime's kernels); a build for another
 interface version (a stale binary left by an older checkout) is ignored. :data:`MODULE` is read when a
-ledger is built and when a digest is computed, so a test can swap it for ``None``.
+ledger (its pool, its LRU policy) is built -- the ledger keeps what it found, so two ledgers built
+either side of a swap run on different cores, which is how the tests compare them -- and by
+``identity.chain_digests`` at each call.
 
 :func:`main` prints which core is in use (``make install`` runs it, so a failed build is reported once,
 in one line).

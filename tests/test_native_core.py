@@ -563,3 +563,34 @@ def test_the_core_test_modules_pass_on_the_pure_python_core() -> None:
                           env={**os.environ, "KVLEDGER_NATIVE": "0"}, cwd=REPO, capture_output=True, text=True,
                           timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("steps", [
+    [("a", 1), (5, 1)], [("a", 1), ([], 1)], [("a", 1), ("b", 1, 2)], [["a", 1], ("b", 1)], [("a", 1), ("b", -1)],
+    [("a", 1), ("b", 2**32)], [("a", True), ("b", 1)], [("a", 1), ("a", 2), ("b", 3)], [("b", 1), ("ghost", 1)],
+], ids=["int-id", "unhashable-id", "triple", "list-pair", "negative", "too-big", "bool", "twice", "unknown"])
+def test_odd_decode_steps_end_alike_on_both_cores(fast: object, steps: list) -> None:
+    """What the C loop declines, the Python loop decides: same error, same tokens afterwards."""
+    with core(fast):
+        ledger = KVLedger(32, 4)
+    for rid in ("a", "b"):
+        ledger.admit(Request(rid, [1, 2, 3, 4, 5, 6], 8)).raise_for_outcome()
+        ledger.append_token(rid, 9)  # past the prompt: the next tokens take the common case
+    try:
+        ledger.decode_step(list(steps))
+        outcome = "ok"
+    except Exception as exc:  # noqa: BLE001 -- compared below
+        outcome = f"{type(exc).__name__}: {exc}"
+    state = (outcome, ledger.sequence("a").tokens, ledger.sequence("b").tokens)
+    with core(None):
+        reference = KVLedger(32, 4)
+    for rid in ("a", "b"):
+        reference.admit(Request(rid, [1, 2, 3, 4, 5, 6], 8)).raise_for_outcome()
+        reference.append_token(rid, 9)
+    try:
+        reference.decode_step(list(steps))
+        expected = "ok"
+    except Exception as exc:  # noqa: BLE001
+        expected = f"{type(exc).__name__}: {exc}"
+    assert state == (expected, reference.sequence("a").tokens, reference.sequence("b").tokens)
+    ledger.check()

@@ -436,6 +436,18 @@ static PyObject *native_clear_identity(PyObject *Py_UNUSED(self), PyObject *args
         if (PyErr_Occurred()) return NULL;
         Py_RETURN_NONE;
     }
+    for (Py_ssize_t i = 0; i < count; i++) { /* digests are bytes: deleting them runs no Python code */
+        PyObject *d = PyList_GET_ITEM(digest, ids[i]);
+        if (!PyBytes_CheckExact(d)) {
+            /* a second occurrence of a victim finds None only after the first cleared it */
+            int earlier = 0;
+            for (Py_ssize_t j = 0; j < i && !earlier; j++) earlier = ids[j] == ids[i];
+            if (!(earlier && d == Py_None)) {
+                PyMem_Free(ids);
+                Py_RETURN_NONE;
+            }
+        }
+    }
     PyObject *result = NULL;
     for (Py_ssize_t i = 0; i < count; i++) {
         Py_ssize_t b = ids[i];
@@ -820,7 +832,8 @@ static PyObject *native_decode_fast(PyObject *Py_UNUSED(self), PyObject *args) {
     }
     for (Py_ssize_t i = 0; i < n_steps; i++) {
         PyObject *pair = PyList_GET_ITEM(steps, i);
-        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2) {
+        /* str ids only: hashing and comparing them runs no Python code that could change the lists */
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(pair, 0))) {
             declined = 1;
             break;
         }
@@ -934,7 +947,12 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_ssize_t retained = 0, pending = 0, ready = 0;
     int ready_run = 1;
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(digests); i++) {
-        PyObject *block = PyDict_GetItemWithError(index, PySequence_Fast_GET_ITEM(digests, i));
+        PyObject *d = PySequence_Fast_GET_ITEM(digests, i);
+        if (!PyBytes_CheckExact(d)) { /* a lookup of anything else could run Python code */
+            Py_DECREF(hits);
+            Py_RETURN_NONE;
+        }
+        PyObject *block = PyDict_GetItemWithError(index, d);
         if (block == NULL) {
             if (PyErr_Occurred()) {
                 Py_DECREF(hits);

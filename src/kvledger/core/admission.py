@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, LedgerError
-from .identity import chain_digests, token_bytes
+from .identity import check_tokens, prompt_digests
 from .table import BlockTable
 from .types import Decision, Outcome, Request, Retention, SequenceState, as_count
 
@@ -86,25 +86,39 @@ class AdmissionOps:
             reason = f"asks for {k} branches but the whole pool has {pool_blocks} blocks"
         return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason)
 
-    def _prepare(self: KVLedger, request: Request) -> list[bytes]:
+    def _prepare(self: KVLedger, request: Request, remember: bool = False) -> Sequence[bytes]:
         """Check the prompt's token ids and return its full-block digests ([] without prefix caching).
-        A request told "not now" is usually asked again every step, so the result is remembered under
-        its id, checked against the same (immutable) prompt object and the same context root."""
+        A request told "not now" is usually asked again every step, so its digests are remembered under
+        its id (:meth:`_remember`), checked against the same (immutable) prompt object and the same
+        context root."""
         caching = self.prefix_caching
         root = request.context.root_digest() if caching else b""
-        rid = request.request_id
         memo = self._digest_cache
+        if memo:  # usually empty: most requests are admitted at their first attempt
+            with self._lock:
+                hit = memo.get(request.request_id)
+            if hit is not None and hit[0] is request.prompt and hit[1] == root:
+                return hit[2]  # a tuple: never changed; _commit takes a list of it
+        if caching:
+            digests = prompt_digests(root, request.prompt, self.block_size, self._native)  # checks the ids too
+        else:
+            check_tokens(request.prompt, self._native)  # token ids in [0, 2**32), with or without caching
+            digests = []
+        if remember:
+            self._remember(request, digests)
+        return digests
+
+    def _remember(self: KVLedger, request: Request, digests: Sequence[bytes]) -> None:
+        """Keep a waiting request's digests for its next attempt (bounded; oldest forgotten first)."""
+        root = request.context.root_digest() if self.prefix_caching else b""
         with self._lock:
-            hit = memo.get(rid)
-        if hit is not None and hit[0] is request.prompt and hit[1] == root:
-            return list(hit[2])
-        data = token_bytes(request.prompt)  # token ids in [0, 2**32), checked with or without caching
-        digests = chain_digests(root, data, self.block_size) if caching else []
-        with self._lock:
-            memo[rid] = (request.prompt, root, tuple(digests))
+            memo = self._digest_cache
+            held = memo.get(request.request_id)
+            if held is not None and held[0] is request.prompt and held[1] == root and held[2] is digests:
+                return  # asked again with what it remembers already
+            memo[request.request_id] = (request.prompt, root, tuple(digests))
             if len(memo) > _MEMO_LIMIT:
                 memo.popitem(last=False)
-        return digests
 
     # ---- one request ----------------------------------------------------------------------------
     def can_admit(self: KVLedger, request: Request, keep_free: int = 0) -> Decision:
@@ -114,7 +128,7 @@ class AdmissionOps:
         never = self._never(request)
         if never is not None:
             return never
-        digests = self._prepare(request)
+        digests = self._prepare(request, remember=True)  # the admit that usually follows reuses them
         with self._lock:
             return self._decide(request, digests, keep_free)[0]
 
@@ -138,18 +152,22 @@ class AdmissionOps:
             # Bounded: the never rule admits at most num_blocks branches.
             if rid in self._seqs or any(f"{rid}/{i}" in self._seqs for i in range(1, request.branches)):
                 raise LedgerError(f"request id {rid!r} is already running")
-            decision, hits = self._decide(request, digests, keep_free)
+            decision, hits, ready = self._decide(request, digests, keep_free)
             if decision.admitted:
-                self._digest_cache.pop(rid, None)
-                self._commit(request, digests, hits, decision)
+                if self._digest_cache:
+                    self._digest_cache.pop(rid, None)
+                self._commit(request, digests, hits, ready, decision)
                 self._count_admission(request.readmission)
                 self._count_query(request, len(digests), len(hits))
             else:
                 self.counters.rejected_not_now += 1
+                self._remember(request, digests)  # it will be asked again: hash it once
             return decision
 
-    def _decide(self: KVLedger, request: Request, digests: list[bytes], keep_free: int) -> tuple[Decision, list[int]]:
-        """Under the lock, for a request the never rule let through."""
+    def _decide(self: KVLedger, request: Request, digests: Sequence[bytes],
+                keep_free: int) -> tuple[Decision, list[int], int]:
+        """Under the lock, for a request the never rule let through. Returns the decision, the prefix hits
+        and how many leading hits are written (readable at once)."""
         pool, bs = self.pool, self.block_size
         prompt_len = len(request.prompt)
         total = self.blocks_for(prompt_len + request.reserved_new_tokens + request.lookahead)
@@ -158,17 +176,26 @@ class AdmissionOps:
         # Each extra branch: its own output allowance, plus a copy of the partial prompt tail.
         per_branch = (total - prompt_blocks) + (1 if prompt_len % bs else 0)
         hits: list[int] = []
+        retained_hits = pending_hits = ready = 0
         if request.read_prefix_cache:
-            index = pool.index
-            for d in digests:
-                block = index.get(d)
-                if block is None:
-                    break
-                hits.append(block)
-        ref, leased, written = pool.ref, pool.leased, pool.written
-        # Retained hits stop being evictable once taken, so they cannot also back a new block.
-        retained_hits = sum(1 for b in hits if ref[b] == 0 and not leased[b])
-        pending_hits = sum(1 for b in hits if not written[b])
+            index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
+            fast = self._native
+            found = fast.prefix_hits(index, digests, ref, leased, written) if fast is not None else None
+            if found is not None:
+                hits, retained_hits, pending_hits, ready = found
+            else:
+                for d in digests:
+                    block = index.get(d)
+                    if block is None:
+                        break
+                    hits.append(block)
+                    # Retained hits stop being evictable once taken, so they cannot also back a new block.
+                    if ref[block] == 0 and not leased[block]:
+                        retained_hits += 1
+                    if not written[block]:
+                        pending_hits += 1
+                    elif ready == len(hits) - 1:
+                        ready += 1  # leading hits already written: readable at once
         new_now = prompt_blocks - len(hits)
         branch_blocks = (request.branches - 1) * per_branch
         promise = total - prompt_blocks + branch_blocks
@@ -180,38 +207,26 @@ class AdmissionOps:
         if need > available:
             reason = f"needs {need} new blocks ({len(hits)} of {total} shared); the pool cannot promise them now"
             return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
-                            branch_blocks, f"needs {need} new blocks but only {detail}"), hits
+                            branch_blocks, f"needs {need} new blocks but only {detail}"), hits, ready
         reason = f"{len(hits)} shared + {new_now} new + {promise} promised = {total + branch_blocks} blocks"
         return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
-                        branch_blocks, f"{reason}; {detail}"), hits
+                        branch_blocks, f"{reason}; {detail}"), hits, ready
 
-    def _commit(self: KVLedger, request: Request, digests: list[bytes], hits: list[int], decision: Decision) -> None:
+    def _commit(self: KVLedger, request: Request, digests: Sequence[bytes], hits: list[int], ready: int,
+                decision: Decision) -> None:
         pool = self.pool
+        if type(digests) is not list:
+            digests = list(digests)  # remembered as a tuple; the sequence's own list grows as it does
         # Take the hits first, so allocating the new blocks can never evict the request's own hits.
-        for block in hits:
-            pool.share(block)
+        if hits:
+            pool.share_many(hits)
         blocks = hits + pool.allocate_many(decision.blocks_new)
         group = request.context.trust_group
-        if pool.on_event is None:
-            # Index the new full prompt blocks (inlined BlockPool.register): pending until written.
-            index, block_digest_of, block_group = pool.index, pool.digest, pool.group
-            for i in range(len(hits), len(digests)):
-                d = digests[i]
-                if d not in index:
-                    index[d] = blocks[i]
-                    block_digest_of[blocks[i]] = d
-                    block_group[blocks[i]] = group
-        else:
-            for i in range(len(hits), len(digests)):
-                pool.register(blocks[i], digests[i], group)
+        pool.register_many(blocks, digests, len(hits), group)  # the new full prompt blocks: pending until written
         if request.retention:
             self._apply_retention(request.retention, blocks, 0, len(digests))
         own_promise = decision.blocks_promised - decision.blocks_branches
         self.promised += own_promise
-        written = pool.written
-        ready = 0
-        while ready < len(hits) and written[hits[ready]]:
-            ready += 1
         prompt = list(request.prompt)
         rid = request.request_id
         seq = SequenceState(
@@ -304,6 +319,8 @@ class AdmissionOps:
             decision, hit_of = self._decide_family(reqs, family, layout, keep_free)
             if not decision.admitted:
                 self.counters.rejected_not_now += 1
+                for r, d in zip(reqs, digests, strict=True):
+                    self._remember(r, d)  # the family will be asked again: hash it once
                 return decision
             for r in reqs:
                 self._digest_cache.pop(r.request_id, None)

@@ -57,9 +57,7 @@ class BranchOps:
     def _fork_unchecked(self: KVLedger, parent: SequenceState, child_id: str) -> None:
         covered = self.blocks_for(len(parent.tokens))
         blocks = parent.table.blocks[:covered]  # never the parent's speculative (draft) blocks
-        pool = self.pool
-        for block in blocks:
-            pool.share(block)
+        self.pool.share_many(blocks)
         if len(parent.tokens) % self.block_size:
             tail = blocks[len(parent.tokens) // self.block_size]
             self._cow_promises[tail] = self._cow_promises.get(tail, 0) + 1

@@ -12,10 +12,12 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from itertools import islice
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import ConfigError
+from . import native
 
 DEFAULT_PRIORITY = 35  # the level of a block nobody gave a priority (TensorRT-LLM uses 35 of 0..100)
 MAX_PRIORITY = 100
@@ -47,26 +49,60 @@ class LRUPolicy:
     The ledger releases a finished sequence's blocks tail first, so within one request the deepest
     (least shareable) blocks become eligible before its shared head -- a prefix's head is needed by
     every deeper block, so losing it first would strand the rest of the chain.
+
+    The order lives in the native core's ``BlockOrder`` (flat arrays, no object per block) when it is
+    available, else in an ``OrderedDict``; a key that is not a block id moves it to the ``OrderedDict``
+    for good, so the two never differ in what they do.
     """
 
     name = "lru"
     __slots__ = ("_order",)
 
     def __init__(self) -> None:
-        self._order: OrderedDict[int, None] = OrderedDict()
+        fast = native.MODULE
+        self._order: OrderedDict[int, None] | Any = fast.BlockOrder() if fast is not None else OrderedDict()
+
+    def _dict(self) -> OrderedDict[int, None]:
+        """The order as an ``OrderedDict`` (moved there from the native order, which holds block ids only)."""
+        order = self._order
+        if type(order) is not OrderedDict:
+            order = self._order = OrderedDict.fromkeys(order.to_list())
+        return order
+
+    @property
+    def native_order(self) -> Any:
+        """The native ``BlockOrder`` holding the order, or None (an ``OrderedDict`` holds it)."""
+        order = self._order
+        return None if type(order) is OrderedDict else order
 
     def add(self, block: int) -> None:
-        self._order[block] = None
+        order = self._order
+        if type(order) is OrderedDict or not order.add(block):
+            self._dict()[block] = None
 
     def add_many(self, blocks: list[int]) -> None:
-        self._order.update(dict.fromkeys(blocks))
+        order = self._order
+        if type(order) is OrderedDict or not order.add_many(blocks):
+            self._dict().update(dict.fromkeys(blocks))
 
     def remove(self, block: int) -> None:
-        del self._order[block]
+        order = self._order
+        if type(order) is OrderedDict:
+            del order[block]
+        else:
+            order.remove(block)
 
     def pop_victims(self, n: int) -> list[int]:
-        pop = self._order.popitem
-        return [pop(last=False)[0] for _ in range(n)]
+        order = self._order
+        if n > len(order):  # more than there is: pop them all, then fail as popitem does
+            pop = self._dict().popitem
+            return [pop(last=False)[0] for _ in range(n)]
+        if type(order) is not OrderedDict:
+            return order.pop_front(n)
+        victims = list(islice(order, n))  # the n oldest, read in one C call, then deleted one by one
+        for block in victims:
+            del order[block]
+        return victims
 
     def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
         return None
@@ -79,7 +115,8 @@ class LRUPolicy:
 
     def blocks(self) -> list[int]:
         """Eviction order, first victim first (for reports and tests; O(n))."""
-        return list(self._order)
+        order = self._order
+        return list(order) if type(order) is OrderedDict else order.to_list()
 
     def clear(self) -> None:
         self._order.clear()

@@ -32,10 +32,12 @@ import hashlib
 import math
 import struct
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 
 from ..errors import ConfigError
+from . import native
 
 DIGEST_BYTES = 64  # BLAKE2b's native 512-bit output: no truncation step on the hot path
 # <= 16 bytes (BLAKE2b's personalisation limit). v2: extra values are encoded with their type.
@@ -44,6 +46,7 @@ _blake2b = hashlib.blake2b
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
+_NATIVE_MAX_BLOCK = 2**16  # the C chain's block-size bound (the ledger's MAX_BLOCK_SIZE)
 
 # Value types an ``extra`` entry may hold, with their one-byte tags (bool before int: it is one).
 ExtraValue = None | bool | int | float | str | bytes
@@ -168,6 +171,14 @@ def token_bytes(tokens: list[int] | tuple[int, ...]) -> bytes:
 
 def chain_digests(parent: bytes, data: bytes, block_size: int) -> list[bytes]:
     """Digests of every *full* block in ``data`` (uint32 token bytes), chained from ``parent``."""
+    fast = native.MODULE
+    if (fast is not None and type(parent) is bytes and type(data) is bytes and type(block_size) is int
+            and 0 < block_size <= _NATIVE_MAX_BLOCK):
+        return fast.chain_bytes(parent, data, block_size)  # the same chain, in one C call
+    return _chain(parent, data, block_size)
+
+
+def _chain(parent: bytes, data: bytes, block_size: int) -> list[bytes]:
     step = block_size * 4
     out: list[bytes] = []
     append = out.append
@@ -178,6 +189,37 @@ def chain_digests(parent: bytes, data: bytes, block_size: int) -> list[bytes]:
     return out
 
 
+def prompt_digests(root: bytes, tokens: Sequence[int], block_size: int, fast: ModuleType | None = None) -> list[bytes]:
+    """Check every token id of a prompt (``token_bytes``' rule and error) and return the digests of its
+    full blocks chained from ``root``: ``chain_digests(root, token_bytes(tokens), block_size)``, in one
+    C call when ``fast`` (the native core a ledger was built with) is given."""
+    if fast is not None and type(root) is bytes and 0 < block_size <= _NATIVE_MAX_BLOCK:
+        digests = fast.prompt_digests(root, tokens, block_size)
+        if digests is not None:
+            return digests
+    data = token_bytes(tokens)  # also what the C call declines: an integer-like or a bad id
+    if fast is not None and type(root) is bytes and 0 < block_size <= _NATIVE_MAX_BLOCK:
+        return fast.chain_bytes(root, data, block_size)
+    return _chain(root, data, block_size)
+
+
+def check_tokens(tokens: Sequence[int], fast: ModuleType | None = None) -> None:
+    """Check every token id as :func:`token_bytes` does (its error), without keeping the bytes."""
+    if fast is None or not fast.check_tokens(tokens):
+        token_bytes(tokens)
+
+
 def block_digest(parent: bytes, tokens: list[int]) -> bytes:
     """Digest of one full block of ``tokens`` whose predecessor's digest is ``parent``."""
     return _blake2b(parent + token_bytes(tokens)).digest()
+
+
+def block_digest_at(parent: bytes, tokens: list[int], start: int, block_size: int,
+                    fast: ModuleType | None = None) -> bytes:
+    """``block_digest(parent, tokens[start : start + block_size])`` without the slice (a growing
+    sequence's newest full block)."""
+    if fast is not None and type(parent) is bytes and 0 < block_size <= _NATIVE_MAX_BLOCK:
+        digest = fast.block_digest(parent, tokens, start, block_size)
+        if digest is not None:
+            return digest
+    return _blake2b(parent + token_bytes(tokens[start : start + block_size])).digest()

@@ -25,10 +25,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
+from . import native
 from .admission import AdmissionOps
 from .branches import BranchOps
 from .eviction import EvictionPolicy, as_policy
-from .identity import block_digest
+from .identity import block_digest_at
 from .lifetimes import Lease, LifetimeOps
 from .observe import Counters, EventLog
 from .pool import BlockPool
@@ -96,6 +97,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         self._pins: dict[str, list[int]] = {}
         self._digest_cache: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now"
         self._lock = threading.RLock()
+        self._native = native.MODULE  # the optional C part (kvledger.core.native), None: pure Python
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -166,17 +168,27 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         if full <= seq.written_blocks:
             return
         blocks, written = seq.table.blocks, self.pool.written
-        for i in range(seq.written_blocks, full):
-            written[blocks[i]] = True
+        start = seq.written_blocks
+        if full - start == 1:  # decode: one block at a time
+            written[blocks[start]] = True
+        elif self._native is None or self._native.set_items(written, blocks, start, full, True) is None:
+            for i in range(start, full):
+                written[blocks[i]] = True
         seq.written_blocks = full
         if self.prefix_caching and len(seq.digests) < full:
-            digests, tokens, register = seq.digests, seq.tokens, self.pool.register
+            digests, tokens, pool = seq.digests, seq.tokens, self.pool
+            group = seq.context.trust_group
             first = len(digests)
             while len(digests) < full:
                 i = len(digests)
-                digest = block_digest(digests[-1] if digests else seq.root, tokens[i * bs : (i + 1) * bs])
+                digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
                 digests.append(digest)
-                register(blocks[i], digest, seq.context.trust_group)
+                if pool.on_event is None and digest not in pool.index:  # BlockPool.register, inlined
+                    pool.index[digest] = blocks[i]
+                    pool.digest[blocks[i]] = digest
+                    pool.group[blocks[i]] = group
+                else:
+                    pool.register(blocks[i], digest, group)
             if seq.retention:
                 self._apply_retention(seq.retention, blocks, first, full)
 
@@ -225,41 +237,22 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
             steps = list(steps)
         with self._lock:
             seqs = self._seqs
-            slow = at = raised = None  # made at the first pair for the full path (most steps have none)
-            # slow: pairs for the full path, in order; at: their positions in `steps` (not appended)
-            # A sequence with a deferred pair must take its later pairs in this step in order, so it is
-            # sent down the full path by the flag the common case already tests (cow_tail); the flags
-            # are put back before anything is applied (raised). The common case stays one list append.
-            pairs = iter(steps)  # on an error, its length hint says where the loop stopped
-            try:
-                try:
-                    for request_id, token in pairs:
-                        seq = seqs.get(request_id)
-                        if seq is None:
-                            raise LedgerError(f"unknown sequence {show(request_id)}")
-                        tokens = seq.tokens
-                        n = len(tokens)
-                        if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
-                                and type(token) is int and 0 <= token <= _MAX_TOKEN):
-                            tokens.append(token)
-                        else:
-                            if slow is None or at is None or raised is None:
-                                slow, at, raised = [], [], []
-                            slow.append((seq, token))
-                            at.append(len(steps) - operator.length_hint(pairs) - 1)
-                            if not seq.cow_tail:
-                                seq.cow_tail = True
-                                raised.append(seq)
-                finally:
-                    if raised:
-                        for seq in raised:
-                            seq.cow_tail = False
-            except (LedgerError, TypeError, ValueError) as exc:
-                self._undo_fast(steps, len(steps) - operator.length_hint(pairs) - 1, at)
-                if isinstance(exc, LedgerError):
-                    raise
-                raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
-            if slow is None:
+            fast = self._native
+            scan = fast.decode_fast(seqs, steps, bs, SequenceState) if fast is not None else None
+            if scan is not None:  # the loop below, in C (None: an input the loop must see for itself)
+                at, slow, opens = scan
+                if not at:
+                    return
+            else:
+                slow, at, raised_count = self._decode_common(steps)
+                if slow is None:
+                    return
+                opens = raised_count == len(slow) and self._all_open_blocks(slow)
+            if opens:
+                # Usually each deferred pair opens the next block of its sequence from its promise, which
+                # cannot fail: applied as it stands, without the general check below.
+                for seq, token in slow:
+                    self._open_block(seq, len(seq.tokens), token)
                 return
             try:
                 checked, fits = self._check_growth(slow)
@@ -280,6 +273,58 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                     tokens.append(token)
                 else:
                     self._grow(seq, operator.index(token))  # raises OutOfBlocksError where it runs out
+
+    def _all_open_blocks(self, slow: list[tuple[SequenceState, object]]) -> bool:
+        """Whether every deferred pair (one per sequence, none with a forked tail) just opens the next
+        block of its sequence from its promise, with a valid token id: nothing there can fail."""
+        bs = self.block_size
+        for seq, token in slow:
+            n = len(seq.tokens)
+            if not (n % bs == 0 and seq.promised and n < seq.limit and n >= len(seq.table.blocks) * bs
+                    and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                return False
+        return True
+
+    def _decode_common(self, steps: list) -> tuple[list | None, list[int] | None, int]:
+        """:meth:`decode_step`'s first loop: append each token that lands inside a tail block its sequence
+        owns alone; defer the rest. Returns the deferred pairs, their positions in ``steps`` and how many
+        sequences had their flag raised -- ``(None, None, 0)`` when nothing was deferred."""
+        bs, seqs = self.block_size, self._seqs
+        slow = at = raised = None  # made at the first pair for the full path (most steps have none)
+        # slow: pairs for the full path, in order; at: their positions in `steps` (not appended)
+        # A sequence with a deferred pair must take its later pairs in this step in order, so it is
+        # sent down the full path by the flag the common case already tests (cow_tail); the flags
+        # are put back before anything is applied (raised). The common case stays one list append.
+        pairs = iter(steps)  # on an error, its length hint says where the loop stopped
+        try:
+            try:
+                for request_id, token in pairs:
+                    seq = seqs.get(request_id)
+                    if seq is None:
+                        raise LedgerError(f"unknown sequence {show(request_id)}")
+                    tokens = seq.tokens
+                    n = len(tokens)
+                    if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
+                            and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                        tokens.append(token)
+                    else:
+                        if slow is None or at is None or raised is None:
+                            slow, at, raised = [], [], []
+                        slow.append((seq, token))
+                        at.append(len(steps) - operator.length_hint(pairs) - 1)
+                        if not seq.cow_tail:
+                            seq.cow_tail = True
+                            raised.append(seq)
+            finally:
+                if raised:
+                    for seq in raised:
+                        seq.cow_tail = False
+        except (LedgerError, TypeError, ValueError) as exc:
+            self._undo_fast(steps, len(steps) - operator.length_hint(pairs) - 1, at)
+            if isinstance(exc, LedgerError):
+                raise
+            raise ConfigError("decode_step takes (request_id, token_id) pairs") from None
+        return slow, at, len(raised) if raised else 0
 
     def _undo_fast(self, steps: list, stop: int, deferred: list[int] | None) -> None:
         """Take back the tokens :meth:`decode_step` appended in its common case: every pair before
@@ -364,6 +409,15 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         elif pool.num_free + pool.num_evictable - self.promised <= 0:  # _check_growth rules this out
             raise OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
         blocks.append(pool.allocate())
+
+    def _open_block(self, seq: SequenceState, n: int, token: int) -> None:
+        """:meth:`_grow` for a checked token ``n`` that opens a new block the sequence was promised."""
+        self._computed(seq, n)
+        seq.cow_tail = False
+        seq.promised -= 1
+        self.promised -= 1
+        seq.table.blocks.append(self.pool.allocate())
+        seq.tokens.append(token)
 
     # ---- speculative slots ----------------------------------------------------------------------
     def reserve_lookahead(self, request_id: str, slots: int) -> int:

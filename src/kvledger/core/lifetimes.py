@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import AdmissionError, ConfigError, LedgerError
-from .identity import CacheContext, chain_digests, token_bytes
+from .identity import CacheContext, prompt_digests
 from .types import show
 
 if TYPE_CHECKING:
@@ -151,7 +151,7 @@ class LifetimeOps:
             raise ConfigError(f"pin: context must be a CacheContext, got {show(context)}")
         if prompt is None or isinstance(prompt, (str, bytes)):
             raise ConfigError(f"pin: the prompt must be a sequence of token ids, got {show(prompt)}")
-        digests = chain_digests(context.root_digest(), token_bytes(prompt), self.block_size)
+        digests = prompt_digests(context.root_digest(), prompt, self.block_size, self._native)
         with self._lock:
             if name in self._pins:
                 raise LedgerError(f"a pin named {name!r} already exists")

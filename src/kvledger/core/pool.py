@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..errors import InvariantError, LedgerError, OutOfBlocksError
+from . import native
 from .eviction import EvictionPolicy, LRUPolicy
 
 # (kind, block, digest, trust_group): "stored", "removed", "evicted"
@@ -26,7 +27,7 @@ EventHook = Callable[[str, int, bytes, "str | None"], None]
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref", "leased", "digest", "group", "written", "_free", "retained", "index",
-                 "on_event", "deferred", "evictions", "_policy_forget")
+                 "on_event", "deferred", "evictions", "_policy_forget", "_native")
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0:
@@ -48,6 +49,8 @@ class BlockPool:
         self.on_event: EventHook | None = None
         self.deferred = 0  # blocks whose last reference is gone but whose lease is not
         self.evictions = 0
+        # The optional C part (kvledger.core.native): same transitions, per-block loops in C.
+        self._native = native.MODULE
 
     # ---- counts -------------------------------------------------------------------------------
     @property
@@ -73,40 +76,62 @@ class BlockPool:
             block = self._free.pop()
             self.ref[block] = 1
             return block
+        if self.retained and self.on_event is None and self._policy_forget is None:
+            # The pool is full of cache (an engine's steady state): evict one block, inlined.
+            block = self.retained.pop_victims(1)[0]
+            self.evictions += 1
+            del self.index[self.digest[block]]  # type: ignore[arg-type]
+            self.digest[block] = None
+            self.group[block] = None
+            self.written[block] = False
+            self.ref[block] = 1
+            return block
         return self.allocate_many(1)[0]
 
     def allocate_many(self, n: int) -> list[int]:
         """``n`` blocks: from the free list first, then by evicting retained blocks in policy order."""
-        free = self._free
+        free, fast = self._free, self._native
         take = min(n, len(free))
-        blocks = free[len(free) - take :]
-        del free[len(free) - take :]
-        blocks.reverse()
+        if take:
+            blocks = free[len(free) - take :]
+            del free[len(free) - take :]
+            blocks.reverse()
+        else:
+            blocks = []
         if take < n:
             if n - take > len(self.retained):
                 free.extend(reversed(blocks))
                 raise OutOfBlocksError("no free or evictable block left in the pool")
-            # Inlined _forget: this loop runs once per block whenever the pool is full of cache.
-            index, digest, written, group = self.index, self.digest, self.written, self.group
-            hook = self.on_event
             victims = self.retained.pop_victims(n - take)
             self.evictions += len(victims)
-            forget = self._policy_forget
-            for block in victims:
-                if forget is not None:
-                    forget(block)
-                d = digest[block]
-                del index[d]  # type: ignore[arg-type]  # a retained block is its digest's canonical entry
-                if hook is not None:
-                    hook("evicted", block, d, group[block])  # type: ignore[arg-type]
-                digest[block] = None
-                group[block] = None
-                written[block] = False
-                blocks.append(block)
-        ref = self.ref
-        for block in blocks:
-            ref[block] = 1
+            if (fast is not None and self.on_event is None and self._policy_forget is None
+                    and fast.clear_identity(victims, self.index, self.digest, self.group, self.written) is not None):
+                blocks += victims  # each lost its identity (index entry, digest, group, written) in one C call
+            else:
+                self._clear_victims(victims, blocks)
+        if fast is None or fast.set_items(self.ref, blocks, 0, len(blocks), 1) is None:
+            ref = self.ref
+            for block in blocks:
+                ref[block] = 1
         return blocks
+
+    def _clear_victims(self, victims: list[int], blocks: list[int]) -> None:
+        """Evicted blocks lose their identity (inlined _forget: this loop runs once per block whenever
+        the pool is full of cache) and join ``blocks``."""
+        index, digest, written, group = self.index, self.digest, self.written, self.group
+        hook = self.on_event
+        forget = self._policy_forget
+        for block in victims:
+            if forget is not None:
+                forget(block)
+            d = digest[block]
+            del index[d]  # type: ignore[arg-type]  # a retained block is its digest's canonical entry
+            if hook is not None:
+                hook("evicted", block, d, group[block])  # type: ignore[arg-type]
+            digest[block] = None
+            group[block] = None
+            written[block] = False
+            blocks.append(block)
 
     def share(self, block: int) -> None:
         """Take one more reference on an indexed block: retained -> active, or active ref += 1."""
@@ -115,6 +140,47 @@ class BlockPool:
         elif self.ref[block] == 0:
             self.deferred -= 1  # a deferred block picked up again before its lease ended
         self.ref[block] += 1
+
+    def share_many(self, blocks: list[int]) -> None:
+        """:meth:`share` each block, in order (a request's prefix hits, a fork's blocks)."""
+        fast = self._native
+        if fast is not None:
+            if fast.add_refs(self.ref, blocks):
+                return  # every block was held already: one more reference each, in C
+            order = getattr(self.retained, "native_order", None)
+            if order is not None:
+                picked_up = fast.share_blocks(self.ref, self.leased, order, blocks)
+                if picked_up is not None:
+                    self.deferred -= picked_up
+                    return
+        ref, leased, retained = self.ref, self.leased, self.retained
+        for block in blocks:
+            r = ref[block]
+            if r == 0:
+                if not leased[block]:
+                    retained.remove(block)
+                else:
+                    self.deferred -= 1
+            ref[block] = r + 1
+
+    def register_many(self, blocks: list[int], digests: list[bytes], start: int, group: str | None) -> None:
+        """:meth:`register` ``blocks[i]`` under ``digests[i]`` for every ``i >= start`` (a prompt's new
+        full blocks)."""
+        if self.on_event is not None:
+            for i in range(start, len(digests)):
+                self.register(blocks[i], digests[i], group)
+            return
+        fast = self._native
+        if fast is not None and fast.register_many(self.index, self.digest, self.group, blocks, digests, start,
+                                                   group) is not None:
+            return
+        index, block_digest_of, block_group = self.index, self.digest, self.group
+        for i in range(start, len(digests)):
+            d = digests[i]
+            if d not in index:
+                index[d] = blocks[i]
+                block_digest_of[blocks[i]] = d
+                block_group[blocks[i]] = group
 
     def register(self, block: int, digest: bytes, group: str | None = None) -> bool:
         """Index ``block`` under ``digest``. If another block already holds that identity the first one
@@ -135,8 +201,23 @@ class BlockPool:
     def release_many(self, blocks: list[int] | tuple[int, ...]) -> None:
         """Drop one reference on each block, in order. At zero references a leased block is deferred
         until its lease ends; otherwise a written, indexed block is retained and anything else freed."""
+        fast = self._native
+        if fast is not None:
+            # One C pass decides every block (None: an odd input, which the Python loop handles).
+            scan = fast.release_scan(blocks, self.ref, self.leased, self.digest, self.written)
+            if scan is not None:
+                keep, freed, deferred, bad = scan
+                self.deferred += deferred
+                for block in freed:
+                    self._forget(block)
+                    self._free.append(block)
+                if bad >= 0:
+                    raise InvariantError(f"block {blocks[bad]} released more often than it was taken")
+                if keep:
+                    self.retained.add_many(keep)  # in release order: the first released is evicted first
+                return
         ref, digest, written, leased = self.ref, self.digest, self.written, self.leased
-        keep: list[int] = []
+        keep = []
         for block in blocks:
             r = ref[block] - 1
             if r > 0:

@@ -1,0 +1,1090 @@
+/* kvledger.core._native: the ledger core's optional C part (plain CPython C API, no other library).
+ *
+ * What it computes is defined by the pure-Python code it stands in for (kvledger.core.identity and
+ * kvledger.core.pool); the tests run both on the same inputs and require identical results. Every
+ * function either produces exactly the pure-Python result or returns None / declines, and the caller
+ * then takes the pure-Python path -- so error messages and odd inputs (bools, integer-likes) are always
+ * handled by the Python code.
+ *
+ * BLAKE2b is written here from RFC 7693 (unkeyed, 64-byte digests: the only form the block chain uses;
+ * the personalised root digest is computed once per context by hashlib).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h> /* T_OBJECT_EX, READONLY: the slot layout decode_fast reads */
+#include <stdint.h>
+#include <string.h>
+
+#define NATIVE_ABI 2 /* bumped whenever a function's contract changes; kvledger.core.native checks it */
+#define DIGEST 64
+#define MAX_TOKEN 0xFFFFFFFFULL
+
+/* ---- BLAKE2b (RFC 7693, section 3) --------------------------------------------------------------- */
+
+static const uint64_t b2b_iv[8] = {
+    0x6A09E667F3BCC908ULL, 0xBB67AE8584CAA73BULL, 0x3C6EF372FE94F82BULL, 0xA54FF53A5F1D36F1ULL,
+    0x510E527FADE682D1ULL, 0x9B05688C2B3E6C1FULL, 0x1F83D9ABFB41BD6BULL, 0x5BE0CD19137E2179ULL,
+};
+
+/* Message word schedule; rounds 10 and 11 reuse rows 0 and 1. */
+static const uint8_t b2b_sigma[10][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+};
+
+static inline uint64_t rotr64(uint64_t x, unsigned n) { return (x >> n) | (x << (64 - n)); }
+
+static inline uint64_t load_le64(const uint8_t *p) {
+    return (uint64_t)p[0] | ((uint64_t)p[1] << 8) | ((uint64_t)p[2] << 16) | ((uint64_t)p[3] << 24) |
+           ((uint64_t)p[4] << 32) | ((uint64_t)p[5] << 40) | ((uint64_t)p[6] << 48) | ((uint64_t)p[7] << 56);
+}
+
+static inline void store_le64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* The mixing function G: rotations 32, 24, 16, 63. */
+#define B2B_G(a, b, c, d, x, y)              \
+    do {                                     \
+        v[a] = v[a] + v[b] + (x);            \
+        v[d] = rotr64(v[d] ^ v[a], 32);      \
+        v[c] = v[c] + v[d];                  \
+        v[b] = rotr64(v[b] ^ v[c], 24);      \
+        v[a] = v[a] + v[b] + (y);            \
+        v[d] = rotr64(v[d] ^ v[a], 16);      \
+        v[c] = v[c] + v[d];                  \
+        v[b] = rotr64(v[b] ^ v[c], 63);      \
+    } while (0)
+
+/* The compression function F over one 128-byte block; t is the byte offset after it (< 2**64 here). */
+static void b2b_compress(uint64_t h[8], const uint8_t block[128], uint64_t t, int last) {
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++) m[i] = load_le64(block + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = b2b_iv[i];
+    }
+    v[12] ^= t; /* the high word of the counter stays 0: messages here are far below 2**64 bytes */
+    if (last) v[14] = ~v[14];
+    /* Rounds unrolled with constant schedule indices, so the message words stay in registers. */
+#define B2B_ROUND(r)                                                          \
+    do {                                                                      \
+        B2B_G(0, 4, 8, 12, m[b2b_sigma[r][0]], m[b2b_sigma[r][1]]);           \
+        B2B_G(1, 5, 9, 13, m[b2b_sigma[r][2]], m[b2b_sigma[r][3]]);           \
+        B2B_G(2, 6, 10, 14, m[b2b_sigma[r][4]], m[b2b_sigma[r][5]]);          \
+        B2B_G(3, 7, 11, 15, m[b2b_sigma[r][6]], m[b2b_sigma[r][7]]);          \
+        B2B_G(0, 5, 10, 15, m[b2b_sigma[r][8]], m[b2b_sigma[r][9]]);          \
+        B2B_G(1, 6, 11, 12, m[b2b_sigma[r][10]], m[b2b_sigma[r][11]]);        \
+        B2B_G(2, 7, 8, 13, m[b2b_sigma[r][12]], m[b2b_sigma[r][13]]);         \
+        B2B_G(3, 4, 9, 14, m[b2b_sigma[r][14]], m[b2b_sigma[r][15]]);         \
+    } while (0)
+    B2B_ROUND(0); B2B_ROUND(1); B2B_ROUND(2); B2B_ROUND(3); B2B_ROUND(4); B2B_ROUND(5);
+    B2B_ROUND(6); B2B_ROUND(7); B2B_ROUND(8); B2B_ROUND(9); B2B_ROUND(0); B2B_ROUND(1);
+#undef B2B_ROUND
+    for (int i = 0; i < 8; i++) h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* BLAKE2b-512, unkeyed, of msg[0:len]. */
+static void b2b_512(const uint8_t *msg, size_t len, uint8_t out[DIGEST]) {
+    uint64_t h[8];
+    uint8_t last[128];
+    memcpy(h, b2b_iv, sizeof h);
+    h[0] ^= 0x01010000ULL ^ DIGEST; /* parameter block: fanout 1, depth 1, no key, 64-byte digest */
+    size_t done = 0;
+    while (len - done > 128) {
+        done += 128;
+        b2b_compress(h, msg + done - 128, (uint64_t)done, 0);
+    }
+    memset(last, 0, sizeof last);
+    memcpy(last, msg + done, len - done);
+    b2b_compress(h, last, (uint64_t)len, 1);
+    for (int i = 0; i < 8; i++) store_le64(out + 8 * i, h[i]);
+}
+
+/* ---- token ids ------------------------------------------------------------------------------------ */
+
+/* Encode items[0:n] as little-endian uint32 into out. Returns 0, or -1 when an item is not a plain int
+ * in [0, 2**32) (no exception set: the caller declines and the Python path decides). */
+static int encode_tokens(PyObject *const *items, Py_ssize_t n, uint8_t *out) {
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = items[i];
+        if (!PyLong_CheckExact(o)) return -1;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow || v < 0 || (unsigned long long)v > MAX_TOKEN) {
+            PyErr_Clear();
+            return -1;
+        }
+        uint32_t u = (uint32_t)v;
+        out[4 * i] = (uint8_t)u;
+        out[4 * i + 1] = (uint8_t)(u >> 8);
+        out[4 * i + 2] = (uint8_t)(u >> 16);
+        out[4 * i + 3] = (uint8_t)(u >> 24);
+    }
+    return 0;
+}
+
+/* Digests of nblocks chained blocks: parent || data[i*step : (i+1)*step], into out[i*64]. */
+static int chain_into(const uint8_t *root, Py_ssize_t root_len, const uint8_t *data, Py_ssize_t step,
+                      Py_ssize_t nblocks, uint8_t *out) {
+    Py_ssize_t cap = (root_len > DIGEST ? root_len : DIGEST) + step;
+    uint8_t *scratch = PyMem_RawMalloc((size_t)cap);
+    if (scratch == NULL) return -1;
+    const uint8_t *parent = root;
+    Py_ssize_t plen = root_len;
+    for (Py_ssize_t i = 0; i < nblocks; i++) {
+        memcpy(scratch, parent, (size_t)plen);
+        memcpy(scratch + plen, data + i * step, (size_t)step);
+        b2b_512(scratch, (size_t)(plen + step), out + i * DIGEST);
+        parent = out + i * DIGEST;
+        plen = DIGEST;
+    }
+    PyMem_RawFree(scratch);
+    return 0;
+}
+
+static PyObject *digest_list(const uint8_t *digests, Py_ssize_t n) {
+    PyObject *list = PyList_New(n);
+    if (list == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *b = PyBytes_FromStringAndSize((const char *)digests + i * DIGEST, DIGEST);
+        if (b == NULL) {
+            Py_DECREF(list);
+            return NULL;
+        }
+        PyList_SET_ITEM(list, i, b);
+    }
+    return list;
+}
+
+static int check_block_size(Py_ssize_t bs) {
+    if (bs <= 0 || bs > (1 << 16)) {
+        PyErr_SetString(PyExc_ValueError, "block_size must be in 1..65536");
+        return -1;
+    }
+    return 0;
+}
+
+/* chain_bytes(parent: bytes, data: bytes, block_size) -> list[bytes]: identity.chain_digests. */
+static PyObject *native_chain_bytes(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer parent, data;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "y*y*n:chain_bytes", &parent, &data, &bs)) return NULL;
+    PyObject *result = NULL;
+    if (check_block_size(bs) == 0) {
+        Py_ssize_t step = 4 * bs, n = data.len / step;
+        uint8_t *out = PyMem_RawMalloc((size_t)(n > 0 ? n : 1) * DIGEST);
+        if (out == NULL) {
+            PyErr_NoMemory();
+        } else {
+            int rc;
+            Py_BEGIN_ALLOW_THREADS
+            rc = chain_into(parent.buf, parent.len, data.buf, step, n, out);
+            Py_END_ALLOW_THREADS
+            result = rc == 0 ? digest_list(out, n) : PyErr_NoMemory();
+            PyMem_RawFree(out);
+        }
+    }
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* blake2b(data: bytes) -> bytes: BLAKE2b-512 of data (what hashlib.blake2b(data).digest() gives; for
+ * the RFC 7693 test vectors). */
+static PyObject *native_blake2b(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y*:blake2b", &data)) return NULL;
+    PyObject *result = PyBytes_FromStringAndSize(NULL, DIGEST);
+    static const uint8_t empty[1] = {0};
+    if (result != NULL) /* an empty message is one final block of zeros with counter 0 */
+        b2b_512(data.len ? data.buf : empty, (size_t)data.len, (uint8_t *)PyBytes_AS_STRING(result));
+    PyBuffer_Release(&data);
+    return result;
+}
+
+/* prompt_digests(root: bytes, tokens: tuple | list, block_size) -> list[bytes] | None.
+ * Checks every token (the partial tail too) and returns the full blocks' chained digests; None when a
+ * token is not a plain int in [0, 2**32) -- the Python path then accepts integer-likes or raises. */
+static PyObject *native_prompt_digests(PyObject *Py_UNUSED(self), PyObject *args) {
+    Py_buffer root;
+    PyObject *tokens;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "y*On:prompt_digests", &root, &tokens, &bs)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *data = NULL, *out = NULL;
+    if (check_block_size(bs) < 0) goto done;
+    if (!PyTuple_CheckExact(tokens) && !PyList_CheckExact(tokens)) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    Py_ssize_t nblocks = n / bs;
+    data = PyMem_RawMalloc((size_t)(n > 0 ? n : 1) * 4);
+    out = PyMem_RawMalloc((size_t)(nblocks > 0 ? nblocks : 1) * DIGEST);
+    if (data == NULL || out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (encode_tokens(PySequence_Fast_ITEMS(tokens), n, data) < 0) {
+        result = Py_NewRef(Py_None);
+        goto done;
+    }
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = chain_into(root.buf, root.len, data, 4 * bs, nblocks, out);
+    Py_END_ALLOW_THREADS
+    result = rc == 0 ? digest_list(out, nblocks) : PyErr_NoMemory();
+done:
+    PyMem_RawFree(data);
+    PyMem_RawFree(out);
+    PyBuffer_Release(&root);
+    return result;
+}
+
+/* block_digest(parent: bytes, tokens: list, start, block_size) -> bytes | None: the digest of
+ * tokens[start:start+block_size] chained to parent; None when a token there is not a plain int in
+ * range, the slice is short or an argument is of another type (the Python path decides). Called once
+ * per block a sequence fills, so it takes its arguments without parsing (METH_FASTCALL). */
+static PyObject *native_block_digest(PyObject *Py_UNUSED(self), PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "block_digest takes (parent, tokens, start, block_size)");
+        return NULL;
+    }
+    PyObject *parent = args[0], *tokens = args[1];
+    if (!PyBytes_CheckExact(parent) || (!PyTuple_CheckExact(tokens) && !PyList_CheckExact(tokens)) ||
+        !PyLong_CheckExact(args[2]) || !PyLong_CheckExact(args[3]))
+        Py_RETURN_NONE;
+    Py_ssize_t start = PyLong_AsSsize_t(args[2]), bs = PyLong_AsSsize_t(args[3]);
+    if ((start == -1 || bs == -1) && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    if (bs <= 0 || bs > (1 << 16) || start < 0 || start > PySequence_Fast_GET_SIZE(tokens) - bs) Py_RETURN_NONE;
+    Py_ssize_t plen = PyBytes_GET_SIZE(parent);
+    size_t len = (size_t)plen + 4 * (size_t)bs;
+    uint8_t stack[DIGEST + 4 * 64];
+    uint8_t *msg = stack;
+    if (len > sizeof stack && (msg = PyMem_RawMalloc(len)) == NULL) return PyErr_NoMemory();
+    memcpy(msg, PyBytes_AS_STRING(parent), (size_t)plen);
+    PyObject *result;
+    if (encode_tokens(PySequence_Fast_ITEMS(tokens) + start, bs, msg + plen) < 0) {
+        result = Py_NewRef(Py_None);
+    } else {
+        result = PyBytes_FromStringAndSize(NULL, DIGEST);
+        if (result != NULL) b2b_512(msg, len, (uint8_t *)PyBytes_AS_STRING(result));
+    }
+    if (msg != stack) PyMem_RawFree(msg);
+    return result;
+}
+
+/* check_tokens(tokens: tuple | list) -> bool: every item a plain int in [0, 2**32). False also for
+ * anything else (the Python path then decides: integer-likes pass, the rest raise). */
+static PyObject *native_check_tokens(PyObject *Py_UNUSED(self), PyObject *tokens) {
+    if (!PyTuple_CheckExact(tokens) && !PyList_CheckExact(tokens)) Py_RETURN_FALSE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    PyObject *const *items = PySequence_Fast_ITEMS(tokens);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *o = items[i];
+        if (!PyLong_CheckExact(o)) Py_RETURN_FALSE;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+        if (overflow || v < 0 || (unsigned long long)v > MAX_TOKEN) {
+            PyErr_Clear();
+            Py_RETURN_FALSE;
+        }
+    }
+    Py_RETURN_TRUE;
+}
+
+/* ---- block pool bookkeeping ------------------------------------------------------------------------
+ * These stand in for per-block loops of kvledger.core.pool over its flat lists (ref, leased, digest,
+ * group, written: one entry per block id). Each first checks that every input is what the pool keeps
+ * (exact lists, plain ints in range, bools); if not, it changes nothing and returns None, and the
+ * Python loop runs instead (raising whatever it raises). */
+
+/* items[i] as a block id in [0, n), or -1. */
+static inline Py_ssize_t block_id(PyObject *o, Py_ssize_t n) {
+    if (!PyLong_CheckExact(o)) return -1;
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || v < 0 || v >= n) {
+        PyErr_Clear();
+        return -1;
+    }
+    return (Py_ssize_t)v;
+}
+
+static inline int small_int(PyObject *o, long *out) {
+    if (!PyLong_CheckExact(o)) return -1;
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static int set_list_item(PyObject *list, Py_ssize_t i, PyObject *value) {
+    Py_INCREF(value);
+    return PyList_SetItem(list, i, value); /* steals value, releases the old item */
+}
+
+/* The block ids in seq, checked (PyMem_Malloc'd); NULL when one is not a plain int in [0, n) (an
+ * exception is set only when memory ran out). */
+static Py_ssize_t *block_ids(PyObject *seq, Py_ssize_t n, Py_ssize_t *count) {
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t *ids = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)(len > 0 ? len : 1));
+    if (ids == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < len; i++) {
+        if ((ids[i] = block_id(items[i], n)) < 0) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    *count = len;
+    return ids;
+}
+
+/* release_scan(blocks, ref, leased, digest, written) -> (keep, freed, deferred, bad) | None.
+ * BlockPool.release_many's loop: drop one reference per block in order; at zero a leased block is
+ * deferred, a written indexed one kept (to be retained), anything else freed (the caller forgets and
+ * frees it). bad is the position of a block released more often than taken (the scan stops there,
+ * before touching it), else -1. */
+static PyObject *native_release_scan(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *blocks, *ref, *leased, *digest, *written;
+    if (!PyArg_ParseTuple(args, "OOOOO:release_scan", &blocks, &ref, &leased, &digest, &written)) return NULL;
+    if (!PyList_CheckExact(ref) || !PyList_CheckExact(leased) || !PyList_CheckExact(digest) ||
+        !PyList_CheckExact(written))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(ref), count = 0;
+    if (PyList_GET_SIZE(leased) != n || PyList_GET_SIZE(digest) != n || PyList_GET_SIZE(written) != n)
+        Py_RETURN_NONE;
+    Py_ssize_t *ids = block_ids(blocks, n, &count);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    long value;
+    for (Py_ssize_t i = 0; i < count; i++) { /* everything the scan reads has the pool's types */
+        Py_ssize_t b = ids[i];
+        PyObject *w = PyList_GET_ITEM(written, b);
+        if (small_int(PyList_GET_ITEM(ref, b), &value) < 0 || small_int(PyList_GET_ITEM(leased, b), &value) < 0 ||
+            (w != Py_True && w != Py_False)) {
+            PyMem_Free(ids);
+            Py_RETURN_NONE;
+        }
+    }
+    PyObject *keep = PyList_New(0), *freed = PyList_New(0), *result = NULL;
+    Py_ssize_t deferred = 0, bad = -1;
+    if (keep == NULL || freed == NULL) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t b = ids[i];
+        long r = 0;
+        small_int(PyList_GET_ITEM(ref, b), &r);
+        r -= 1;
+        if (r < 0) {
+            bad = i;
+            break;
+        }
+        PyObject *num = PyLong_FromLong(r);
+        if (num == NULL || PyList_SetItem(ref, b, num) < 0) goto done;
+        if (r > 0) continue;
+        long lease = 0;
+        small_int(PyList_GET_ITEM(leased, b), &lease);
+        if (lease) {
+            deferred++;
+        } else if (PyList_GET_ITEM(digest, b) != Py_None && PyList_GET_ITEM(written, b) == Py_True) {
+            if (PyList_Append(keep, PySequence_Fast_GET_ITEM(blocks, i)) < 0) goto done;
+        } else {
+            if (PyList_Append(freed, PySequence_Fast_GET_ITEM(blocks, i)) < 0) goto done;
+        }
+    }
+    result = Py_BuildValue("(OOnn)", keep, freed, deferred, bad);
+done:
+    Py_XDECREF(keep);
+    Py_XDECREF(freed);
+    PyMem_Free(ids);
+    return result;
+}
+
+/* clear_identity(victims, index, digest, group, written) -> True | None: evicted blocks lose their
+ * identity, in order: del index[digest[b]]; digest[b] = group[b] = None; written[b] = False. A digest
+ * missing from the index raises KeyError there, as the Python loop does. */
+static PyObject *native_clear_identity(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *victims, *index, *digest, *group, *written;
+    if (!PyArg_ParseTuple(args, "OOOOO:clear_identity", &victims, &index, &digest, &group, &written)) return NULL;
+    if (!PyDict_CheckExact(index) || !PyList_CheckExact(digest) || !PyList_CheckExact(group) ||
+        !PyList_CheckExact(written) || PyList_GET_SIZE(group) != PyList_GET_SIZE(digest) ||
+        PyList_GET_SIZE(written) != PyList_GET_SIZE(digest))
+        Py_RETURN_NONE;
+    Py_ssize_t count = 0;
+    Py_ssize_t *ids = block_ids(victims, PyList_GET_SIZE(digest), &count);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) { /* digests are bytes: deleting them runs no Python code */
+        PyObject *d = PyList_GET_ITEM(digest, ids[i]);
+        if (!PyBytes_CheckExact(d)) {
+            /* a second occurrence of a victim finds None only after the first cleared it */
+            int earlier = 0;
+            for (Py_ssize_t j = 0; j < i && !earlier; j++) earlier = ids[j] == ids[i];
+            if (!(earlier && d == Py_None)) {
+                PyMem_Free(ids);
+                Py_RETURN_NONE;
+            }
+        }
+    }
+    PyObject *result = NULL;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t b = ids[i];
+        PyObject *d = PyList_GET_ITEM(digest, b);
+        Py_INCREF(d);
+        int rc = PyDict_DelItem(index, d);
+        if (rc < 0 && PyErr_ExceptionMatches(PyExc_KeyError)) {
+            PyErr_Clear();
+            PyErr_SetObject(PyExc_KeyError, d); /* as `del index[d]` words it */
+        }
+        Py_DECREF(d);
+        if (rc < 0 || set_list_item(digest, b, Py_None) < 0 || set_list_item(group, b, Py_None) < 0 ||
+            set_list_item(written, b, Py_False) < 0)
+            goto done;
+    }
+    result = Py_NewRef(Py_True);
+done:
+    PyMem_Free(ids);
+    return result;
+}
+
+/* set_items(target, ids, start, stop, value) -> True | None: target[ids[i]] = value for i in
+ * range(start, stop) (a list's per-block flag or count, e.g. written = True, ref = 1). */
+static PyObject *native_set_items(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *target, *ids, *value;
+    Py_ssize_t start, stop;
+    if (!PyArg_ParseTuple(args, "OOnnO:set_items", &target, &ids, &start, &stop, &value)) return NULL;
+    if (!PyList_CheckExact(target) || (!PyList_CheckExact(ids) && !PyTuple_CheckExact(ids)) || start < 0 ||
+        stop > PySequence_Fast_GET_SIZE(ids))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(target);
+    PyObject *const *items = PySequence_Fast_ITEMS(ids);
+    for (Py_ssize_t i = start; i < stop; i++)
+        if (block_id(items[i], n) < 0) Py_RETURN_NONE;
+    for (Py_ssize_t i = start; i < stop; i++)
+        if (set_list_item(target, block_id(items[i], n), value) < 0) return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* add_refs(ref, blocks) -> bool: ref[b] += 1 for each block when every one is already held (ref >= 1:
+ * a fork sharing its parent's blocks); False, changing nothing, otherwise (BlockPool.share's other
+ * cases -- a retained or deferred block -- stay in Python). */
+static PyObject *native_add_refs(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ref, *blocks;
+    if (!PyArg_ParseTuple(args, "OO:add_refs", &ref, &blocks)) return NULL;
+    if (!PyList_CheckExact(ref)) Py_RETURN_FALSE;
+    Py_ssize_t count = 0;
+    Py_ssize_t *ids = block_ids(blocks, PyList_GET_SIZE(ref), &count);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_FALSE;
+    }
+    long value;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        if (small_int(PyList_GET_ITEM(ref, ids[i]), &value) < 0 || value < 1 || value > LONG_MAX / 2) {
+            PyMem_Free(ids);
+            Py_RETURN_FALSE;
+        }
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        small_int(PyList_GET_ITEM(ref, ids[i]), &value);
+        PyObject *num = PyLong_FromLong(value + 1);
+        if (num == NULL || PyList_SetItem(ref, ids[i], num) < 0) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    PyMem_Free(ids);
+    Py_RETURN_TRUE;
+}
+
+/* register_many(index, digest, group, blocks, digests, start, trust_group) -> True | None: for i in
+ * range(start, len(digests)), index blocks[i] under digests[i] unless that identity is indexed already
+ * (the first block stays canonical), recording its digest and trust group. */
+static PyObject *native_register_many(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *index, *digest, *group, *blocks, *digests, *trust;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "OOOOOnO:register_many", &index, &digest, &group, &blocks, &digests, &start, &trust))
+        return NULL;
+    if (!PyDict_CheckExact(index) || !PyList_CheckExact(digest) || !PyList_CheckExact(group) ||
+        PyList_GET_SIZE(group) != PyList_GET_SIZE(digest) || !PyList_CheckExact(blocks) ||
+        !PyList_CheckExact(digests) || start < 0 || PyList_GET_SIZE(blocks) < PyList_GET_SIZE(digests))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(digest), stop = PyList_GET_SIZE(digests);
+    for (Py_ssize_t i = start; i < stop; i++)
+        if (block_id(PyList_GET_ITEM(blocks, i), n) < 0 || !PyBytes_CheckExact(PyList_GET_ITEM(digests, i)))
+            Py_RETURN_NONE;
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *d = PyList_GET_ITEM(digests, i), *block = PyList_GET_ITEM(blocks, i);
+        int has = PyDict_Contains(index, d);
+        if (has < 0) return NULL;
+        if (has) continue;
+        Py_ssize_t b = block_id(block, n);
+        if (PyDict_SetItem(index, d, block) < 0 || set_list_item(digest, b, d) < 0 || set_list_item(group, b, trust) < 0)
+            return NULL;
+    }
+    Py_RETURN_TRUE;
+}
+
+/* ---- BlockOrder: the LRU policy's order of retained blocks --------------------------------------------
+ * An ordered set of block ids (plain ints in [0, 2**26)) as an intrusive doubly linked list over flat
+ * arrays (vLLM's free-block queue works the same way): add at the back, remove anywhere, pop from the
+ * front, all O(1), with no object per entry. add/add_many return False (and change nothing) for any
+ * other key; kvledger.core.eviction.LRUPolicy then moves to an OrderedDict, so behaviour never depends
+ * on which one holds the order. */
+
+#define ORDER_MAX (1 << 26)
+
+typedef struct {
+    PyObject_HEAD
+    int32_t *prev, *next; /* -1: none */
+    uint8_t *member;
+    Py_ssize_t cap, len;
+    int32_t head, tail;
+} BlockOrder;
+
+static Py_ssize_t order_key(PyObject *o) {
+    if (!PyLong_CheckExact(o)) return -1;
+    int overflow = 0;
+    long v = PyLong_AsLongAndOverflow(o, &overflow);
+    if (overflow || v < 0 || v >= ORDER_MAX) {
+        PyErr_Clear();
+        return -1;
+    }
+    return (Py_ssize_t)v;
+}
+
+static int order_reserve(BlockOrder *self, Py_ssize_t key) {
+    if (key < self->cap) return 0;
+    Py_ssize_t cap = self->cap ? self->cap : 64;
+    while (cap <= key) cap *= 2;
+    if (cap > ORDER_MAX) cap = ORDER_MAX;
+    int32_t *prev = PyMem_Realloc(self->prev, sizeof(int32_t) * (size_t)cap);
+    if (prev == NULL) goto nomem;
+    self->prev = prev;
+    int32_t *next = PyMem_Realloc(self->next, sizeof(int32_t) * (size_t)cap);
+    if (next == NULL) goto nomem;
+    self->next = next;
+    uint8_t *member = PyMem_Realloc(self->member, (size_t)cap);
+    if (member == NULL) goto nomem;
+    self->member = member;
+    memset(member + self->cap, 0, (size_t)(cap - self->cap));
+    self->cap = cap;
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
+static void order_link(BlockOrder *self, Py_ssize_t k) {
+    self->member[k] = 1;
+    self->prev[k] = self->tail;
+    self->next[k] = -1;
+    if (self->tail >= 0)
+        self->next[self->tail] = (int32_t)k;
+    else
+        self->head = (int32_t)k;
+    self->tail = (int32_t)k;
+    self->len++;
+}
+
+static void order_unlink(BlockOrder *self, Py_ssize_t k) {
+    int32_t p = self->prev[k], n = self->next[k];
+    if (p >= 0)
+        self->next[p] = n;
+    else
+        self->head = n;
+    if (n >= 0)
+        self->prev[n] = p;
+    else
+        self->tail = p;
+    self->member[k] = 0;
+    self->len--;
+}
+
+static PyObject *order_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    if (PyTuple_GET_SIZE(args) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "BlockOrder() takes no arguments");
+        return NULL;
+    }
+    BlockOrder *self = (BlockOrder *)type->tp_alloc(type, 0);
+    if (self == NULL) return NULL;
+    self->prev = self->next = NULL;
+    self->member = NULL;
+    self->cap = self->len = 0;
+    self->head = self->tail = -1;
+    return (PyObject *)self;
+}
+
+static void order_dealloc(BlockOrder *self) {
+    PyMem_Free(self->prev);
+    PyMem_Free(self->next);
+    PyMem_Free(self->member);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* add(block) -> bool: append at the back (a block already there keeps its place). */
+static PyObject *order_add(BlockOrder *self, PyObject *key) {
+    Py_ssize_t k = order_key(key);
+    if (k < 0) Py_RETURN_FALSE;
+    if (order_reserve(self, k) < 0) return NULL;
+    if (!self->member[k]) order_link(self, k);
+    Py_RETURN_TRUE;
+}
+
+/* add_many(blocks) -> bool: add each, in order; False (nothing added) if any key is not a block id. */
+static PyObject *order_add_many(BlockOrder *self, PyObject *blocks) {
+    if (!PyList_CheckExact(blocks) && !PyTuple_CheckExact(blocks)) Py_RETURN_FALSE;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(blocks), top = -1;
+    PyObject *const *items = PySequence_Fast_ITEMS(blocks);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = order_key(items[i]);
+        if (k < 0) Py_RETURN_FALSE;
+        if (k > top) top = k;
+    }
+    if (top >= 0 && order_reserve(self, top) < 0) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t k = order_key(items[i]);
+        if (!self->member[k]) order_link(self, k);
+    }
+    Py_RETURN_TRUE;
+}
+
+/* remove(block): KeyError(block) when it is not there (as `del ordered_dict[block]`). */
+static PyObject *order_remove(BlockOrder *self, PyObject *key) {
+    Py_ssize_t k = order_key(key);
+    if (k < 0 || k >= self->cap || !self->member[k]) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    order_unlink(self, k);
+    Py_RETURN_NONE;
+}
+
+/* pop_front(n) -> list: the n oldest blocks, removed (n <= len). */
+static PyObject *order_pop_front(BlockOrder *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > self->len) {
+        PyErr_SetString(PyExc_ValueError, "pop_front: n must be in 0..len");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n);
+    if (out == NULL) return NULL;
+    Py_ssize_t k = self->head;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *num = PyLong_FromSsize_t(k);
+        if (num == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, num);
+        k = self->next[k];
+    }
+    for (Py_ssize_t i = 0; i < n; i++) order_unlink(self, self->head);
+    return out;
+}
+
+/* to_list() -> list: every block, oldest first. */
+static PyObject *order_to_list(BlockOrder *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New(self->len);
+    if (out == NULL) return NULL;
+    Py_ssize_t k = self->head;
+    for (Py_ssize_t i = 0; i < self->len; i++) {
+        PyObject *num = PyLong_FromSsize_t(k);
+        if (num == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, num);
+        k = self->next[k];
+    }
+    return out;
+}
+
+static PyObject *order_clear(BlockOrder *self, PyObject *Py_UNUSED(ignored)) {
+    if (self->member != NULL) memset(self->member, 0, (size_t)self->cap);
+    self->len = 0;
+    self->head = self->tail = -1;
+    Py_RETURN_NONE;
+}
+
+static Py_ssize_t order_len(BlockOrder *self) { return self->len; }
+
+static int order_contains(BlockOrder *self, PyObject *key) {
+    Py_ssize_t k = order_key(key);
+    return k >= 0 && k < self->cap && self->member[k];
+}
+
+static PyMethodDef order_methods[] = {
+    {"add", (PyCFunction)order_add, METH_O, "Append a block at the back (one already there keeps its place)."},
+    {"add_many", (PyCFunction)order_add_many, METH_O, "Append blocks in order; False if one is not a block id."},
+    {"remove", (PyCFunction)order_remove, METH_O, "Remove a block (KeyError if absent)."},
+    {"pop_front", (PyCFunction)order_pop_front, METH_O, "Remove and return the n oldest blocks."},
+    {"to_list", (PyCFunction)order_to_list, METH_NOARGS, "Every block, oldest first."},
+    {"clear", (PyCFunction)order_clear, METH_NOARGS, "Forget every block."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods order_as_sequence = {
+    .sq_length = (lenfunc)order_len,
+    .sq_contains = (objobjproc)order_contains,
+};
+
+static PyTypeObject BlockOrderType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvledger.core._native.BlockOrder",
+    .tp_basicsize = sizeof(BlockOrder),
+    .tp_dealloc = (destructor)order_dealloc,
+    .tp_as_sequence = &order_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ordered set of block ids: O(1) add at the back, remove anywhere, pop from the front.",
+    .tp_methods = order_methods,
+    .tp_new = order_new,
+};
+
+/* ---- decode_step's common case ---------------------------------------------------------------------
+ * decode_fast(seqs, steps, block_size, seq_type) -> (deferred, pairs, opens) | None: KVLedger.decode_step's
+ * first loop. For each (request_id, token) pair in order: when the token lands inside the tail block
+ * of a sequence that owns it alone (n % bs != 0, num_prompt < n < limit, not cow_tail, token a plain
+ * int in [0, 2**32)), append it; otherwise defer the pair -- its position goes to `deferred`, and
+ * (sequence, token) to `pairs` -- and raise the sequence's cow_tail flag for the rest of the loop, so
+ * that its later pairs are deferred too. The flags are put back before returning. `opens` is True when
+ * every deferred pair simply opens the next block of its own sequence from its promise (one pair per
+ * sequence, none with a forked tail, n % bs == 0, promised > 0, n < limit, no block there yet, a plain
+ * token id): then nothing can fail and decode_step applies them without its general check. Any input
+ * the Python loop would reject or treat specially (an unknown id, a pair that is not a 2-tuple, a
+ * sequence of another type) undoes every append and returns None: the Python loop then runs. */
+
+typedef struct {
+    Py_ssize_t tokens, num_prompt, limit, cow_tail, promised, table;
+} SeqLayout;
+
+/* Slot names, interned once (module init): looked up on the type at every call, never cached. */
+static PyObject *name_tokens, *name_num_prompt, *name_limit, *name_cow_tail, *name_promised, *name_table,
+    *name_blocks;
+
+static int slot_offset(PyObject *type, PyObject *name, Py_ssize_t *offset) {
+    PyObject *descr = PyObject_GetAttr(type, name);
+    if (descr == NULL) {
+        PyErr_Clear();
+        return -1;
+    }
+    int ok = Py_IS_TYPE(descr, &PyMemberDescr_Type) &&
+             ((PyMemberDescrObject *)descr)->d_member->type == T_OBJECT_EX &&
+             !(((PyMemberDescrObject *)descr)->d_member->flags & READONLY);
+    if (ok) *offset = ((PyMemberDescrObject *)descr)->d_member->offset;
+    Py_DECREF(descr);
+    return ok ? 0 : -1;
+}
+
+static inline PyObject *slot_get(PyObject *obj, Py_ssize_t offset) { return *(PyObject **)((char *)obj + offset); }
+
+static inline void slot_set(PyObject *obj, Py_ssize_t offset, PyObject *value) {
+    PyObject **where = (PyObject **)((char *)obj + offset);
+    PyObject *old = *where;
+    Py_INCREF(value);
+    *where = value;
+    Py_XDECREF(old);
+}
+
+static PyObject *native_decode_fast(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *seqs, *steps, *seq_type;
+    Py_ssize_t bs;
+    if (!PyArg_ParseTuple(args, "OOnO:decode_fast", &seqs, &steps, &bs, &seq_type)) return NULL;
+    SeqLayout L;
+    if (!PyDict_CheckExact(seqs) || !PyList_CheckExact(steps) || bs <= 0 || !PyType_Check(seq_type) ||
+        slot_offset(seq_type, name_tokens, &L.tokens) < 0 || slot_offset(seq_type, name_num_prompt, &L.num_prompt) < 0 ||
+        slot_offset(seq_type, name_limit, &L.limit) < 0 || slot_offset(seq_type, name_cow_tail, &L.cow_tail) < 0 ||
+        slot_offset(seq_type, name_promised, &L.promised) < 0 || slot_offset(seq_type, name_table, &L.table) < 0)
+        Py_RETURN_NONE;
+    Py_ssize_t n_steps = PyList_GET_SIZE(steps), n_appended = 0, n_raised = 0;
+    PyObject **appended = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_steps > 0 ? n_steps : 1));
+    PyObject **raised = PyMem_Malloc(sizeof(PyObject *) * (size_t)(n_steps > 0 ? n_steps : 1));
+    PyObject *deferred = PyList_New(0), *pairs = PyList_New(0), *result = NULL;
+    PyTypeObject *table_type = NULL; /* the block table's type and its `blocks` slot, read at the first opening */
+    Py_ssize_t blocks_offset = 0;
+    int declined = 0, opens = 1;
+    if (appended == NULL || raised == NULL || deferred == NULL || pairs == NULL) {
+        if (deferred != NULL && pairs != NULL) PyErr_NoMemory();
+        goto out;
+    }
+    for (Py_ssize_t i = 0; i < n_steps; i++) {
+        PyObject *pair = PyList_GET_ITEM(steps, i);
+        /* str ids only: hashing and comparing them runs no Python code that could change the lists */
+        if (!PyTuple_CheckExact(pair) || PyTuple_GET_SIZE(pair) != 2 || !PyUnicode_CheckExact(PyTuple_GET_ITEM(pair, 0))) {
+            declined = 1;
+            break;
+        }
+        PyObject *seq = PyDict_GetItemWithError(seqs, PyTuple_GET_ITEM(pair, 0)); /* borrowed */
+        if (seq == NULL || Py_TYPE(seq) != (PyTypeObject *)seq_type) {
+            PyErr_Clear(); /* an unhashable id: the Python loop words the error */
+            declined = 1;
+            break;
+        }
+        PyObject *tokens = slot_get(seq, L.tokens), *num_prompt = slot_get(seq, L.num_prompt);
+        PyObject *limit = slot_get(seq, L.limit), *cow_tail = slot_get(seq, L.cow_tail);
+        if (tokens == NULL || !PyList_CheckExact(tokens) || num_prompt == NULL || !PyLong_CheckExact(num_prompt) ||
+            limit == NULL || !PyLong_CheckExact(limit) || (cow_tail != Py_True && cow_tail != Py_False)) {
+            declined = 1;
+            break;
+        }
+        Py_ssize_t n = PyList_GET_SIZE(tokens);
+        PyObject *token = PyTuple_GET_ITEM(pair, 1);
+        int fast = 0;
+        if (n % bs != 0 && cow_tail == Py_False && PyLong_CheckExact(token)) {
+            int overflow = 0;
+            long long np = PyLong_AsLongLongAndOverflow(num_prompt, &overflow);
+            long long lim = overflow ? 0 : PyLong_AsLongLongAndOverflow(limit, &overflow);
+            long long t = overflow ? 0 : PyLong_AsLongLongAndOverflow(token, &overflow);
+            if (PyErr_Occurred()) PyErr_Clear();
+            if (overflow) {
+                declined = 1; /* numbers beyond 64 bits: let Python compare them */
+                break;
+            }
+            fast = np < n && n < lim && t >= 0 && (unsigned long long)t <= MAX_TOKEN;
+        }
+        if (fast) {
+            if (PyList_Append(tokens, token) < 0) goto out;
+            Py_INCREF(tokens);
+            appended[n_appended++] = tokens;
+        } else {
+            PyObject *pos = PyLong_FromSsize_t(i);
+            if (pos == NULL || PyList_Append(deferred, pos) < 0) {
+                Py_XDECREF(pos);
+                goto out;
+            }
+            Py_DECREF(pos);
+            PyObject *deferred_pair = PyTuple_Pack(2, seq, token);
+            if (deferred_pair == NULL || PyList_Append(pairs, deferred_pair) < 0) {
+                Py_XDECREF(deferred_pair);
+                goto out;
+            }
+            Py_DECREF(deferred_pair);
+            if (cow_tail == Py_False) {
+                slot_set(seq, L.cow_tail, Py_True);
+                Py_INCREF(seq);
+                raised[n_raised++] = seq;
+            } else {
+                opens = 0; /* a forked tail, or the sequence's second pair in this step */
+            }
+            if (opens) { /* does this pair just open the next block from the sequence's promise? */
+                PyObject *promised = slot_get(seq, L.promised), *table = slot_get(seq, L.table), *blocks = NULL;
+                if (table != NULL && table_type == NULL) {
+                    table_type = Py_TYPE(table);
+                    if (slot_offset((PyObject *)table_type, name_blocks, &blocks_offset) < 0) table_type = NULL;
+                }
+                if (table != NULL && table_type != NULL && Py_TYPE(table) == table_type)
+                    blocks = slot_get(table, blocks_offset);
+                int overflow = 0;
+                long long lim = PyLong_AsLongLongAndOverflow(limit, &overflow);
+                long long pr = promised != NULL && PyLong_CheckExact(promised) && !overflow
+                                   ? PyLong_AsLongLongAndOverflow(promised, &overflow) : 0;
+                long long t = PyLong_CheckExact(token) && !overflow ? PyLong_AsLongLongAndOverflow(token, &overflow) : -1;
+                if (PyErr_Occurred()) PyErr_Clear();
+                opens = !overflow && blocks != NULL && PyList_CheckExact(blocks) && n % bs == 0 && pr > 0 &&
+                        n < lim && n >= PyList_GET_SIZE(blocks) * bs && t >= 0 && (unsigned long long)t <= MAX_TOKEN;
+            }
+        }
+    }
+    if (!declined) result = Py_BuildValue("(OOO)", deferred, pairs, opens && PyList_GET_SIZE(deferred) ? Py_True : Py_False);
+out:
+    if (result == NULL && appended != NULL) { /* declined or failed: take every append back, newest first */
+        for (Py_ssize_t j = n_appended - 1; j >= 0; j--)
+            PyList_SetSlice(appended[j], PyList_GET_SIZE(appended[j]) - 1, PyList_GET_SIZE(appended[j]), NULL);
+    }
+    if (raised != NULL) {
+        for (Py_ssize_t j = 0; j < n_raised; j++) {
+            slot_set(raised[j], L.cow_tail, Py_False);
+            Py_DECREF(raised[j]);
+        }
+    }
+    if (appended != NULL)
+        for (Py_ssize_t j = 0; j < n_appended; j++) Py_DECREF(appended[j]);
+    PyMem_Free(appended);
+    PyMem_Free(raised);
+    Py_XDECREF(deferred);
+    Py_XDECREF(pairs);
+    if (result == NULL && !PyErr_Occurred()) Py_RETURN_NONE;
+    return result;
+}
+
+/* prefix_hits(index, digests, ref, leased, written) -> (hits, retained, pending, ready) | None: admission's
+ * prefix lookup. hits: the blocks indexed under the leading digests, up to the first miss; retained: how
+ * many of them are idle cache (ref 0, not leased); pending: how many are not written yet; ready: how
+ * many leading hits are written. */
+static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *index, *digests, *ref, *leased, *written;
+    if (!PyArg_ParseTuple(args, "OOOOO:prefix_hits", &index, &digests, &ref, &leased, &written)) return NULL;
+    if (!PyDict_CheckExact(index) || (!PyList_CheckExact(digests) && !PyTuple_CheckExact(digests)) ||
+        !PyList_CheckExact(ref) || !PyList_CheckExact(leased) || !PyList_CheckExact(written))
+        Py_RETURN_NONE;
+    Py_ssize_t n = PyList_GET_SIZE(ref);
+    if (PyList_GET_SIZE(leased) != n || PyList_GET_SIZE(written) != n) Py_RETURN_NONE;
+    PyObject *hits = PyList_New(0);
+    if (hits == NULL) return NULL;
+    Py_ssize_t retained = 0, pending = 0, ready = 0;
+    int ready_run = 1;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(digests); i++) {
+        PyObject *d = PySequence_Fast_GET_ITEM(digests, i);
+        if (!PyBytes_CheckExact(d)) { /* a lookup of anything else could run Python code */
+            Py_DECREF(hits);
+            Py_RETURN_NONE;
+        }
+        PyObject *block = PyDict_GetItemWithError(index, d);
+        if (block == NULL) {
+            if (PyErr_Occurred()) {
+                Py_DECREF(hits);
+                return NULL;
+            }
+            break;
+        }
+        Py_ssize_t b = block_id(block, n);
+        long r = 0, l = 0;
+        PyObject *w = b >= 0 ? PyList_GET_ITEM(written, b) : NULL;
+        if (b < 0 || small_int(PyList_GET_ITEM(ref, b), &r) < 0 || small_int(PyList_GET_ITEM(leased, b), &l) < 0 ||
+            (w != Py_True && w != Py_False)) {
+            Py_DECREF(hits);
+            Py_RETURN_NONE;
+        }
+        if (PyList_Append(hits, block) < 0) {
+            Py_DECREF(hits);
+            return NULL;
+        }
+        if (r == 0 && l == 0) retained++;
+        if (w == Py_False) {
+            pending++;
+            ready_run = 0;
+        } else if (ready_run) {
+            ready++;
+        }
+    }
+    PyObject *result = Py_BuildValue("(Nnnn)", hits, retained, pending, ready);
+    return result;
+}
+
+/* share_blocks(ref, leased, order, blocks) -> int | None: BlockPool.share for each block in order,
+ * with the LRU order held by a BlockOrder: ref += 1; a block at ref 0 leaves the order (idle cache
+ * taken again) unless it is leased (a deferred release picked up again: the returned count of those
+ * is subtracted from the pool's deferred count). None, changing nothing, for any other input --
+ * including a block at ref 0 that the order does not hold, so that Python raises as it would. */
+static PyObject *native_share_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *ref, *leased, *order_obj, *blocks;
+    if (!PyArg_ParseTuple(args, "OOOO:share_blocks", &ref, &leased, &order_obj, &blocks)) return NULL;
+    if (!PyList_CheckExact(ref) || !PyList_CheckExact(leased) || !Py_IS_TYPE(order_obj, &BlockOrderType) ||
+        PyList_GET_SIZE(leased) != PyList_GET_SIZE(ref))
+        Py_RETURN_NONE;
+    BlockOrder *order = (BlockOrder *)order_obj;
+    Py_ssize_t n = PyList_GET_SIZE(ref), count = 0;
+    Py_ssize_t *ids = block_ids(blocks, n, &count);
+    if (ids == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        Py_RETURN_NONE;
+    }
+    uint8_t *seen = PyMem_Calloc((size_t)(n > 0 ? n : 1), 1);
+    if (seen == NULL) {
+        PyMem_Free(ids);
+        return PyErr_NoMemory();
+    }
+    long r, l;
+    for (Py_ssize_t i = 0; i < count; i++) { /* check first: the pool's types, every idle block in the order */
+        Py_ssize_t b = ids[i];
+        if (small_int(PyList_GET_ITEM(ref, b), &r) < 0 || small_int(PyList_GET_ITEM(leased, b), &l) < 0 ||
+            r < 0 || r > LONG_MAX / 2 ||
+            (!seen[b] && r == 0 && l == 0 && (b >= order->cap || !order->member[b]))) {
+            PyMem_Free(seen);
+            PyMem_Free(ids);
+            Py_RETURN_NONE;
+        }
+        seen[b] = 1;
+    }
+    PyMem_Free(seen);
+    Py_ssize_t picked_up = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_ssize_t b = ids[i];
+        small_int(PyList_GET_ITEM(ref, b), &r);
+        if (r == 0) {
+            small_int(PyList_GET_ITEM(leased, b), &l);
+            if (l == 0)
+                order_unlink(order, b);
+            else
+                picked_up++;
+        }
+        PyObject *num = PyLong_FromLong(r + 1);
+        if (num == NULL || PyList_SetItem(ref, b, num) < 0) {
+            PyMem_Free(ids);
+            return NULL;
+        }
+    }
+    PyMem_Free(ids);
+    return PyLong_FromSsize_t(picked_up);
+}
+
+static PyMethodDef native_methods[] = {
+    {"blake2b", native_blake2b, METH_VARARGS, "BLAKE2b-512 of a bytes object (RFC 7693)."},
+    {"chain_bytes", native_chain_bytes, METH_VARARGS, "Chained BLAKE2b digests of every full block of uint32 token bytes."},
+    {"prompt_digests", native_prompt_digests, METH_VARARGS, "Check a prompt's token ids and chain-hash its full blocks (None: use the Python path)."},
+    {"block_digest", (PyCFunction)(void (*)(void))native_block_digest, METH_FASTCALL, "Digest of one block of a token list chained to its parent (None: use the Python path)."},
+    {"check_tokens", native_check_tokens, METH_O, "Whether every item is a plain int in [0, 2**32)."},
+    {"release_scan", native_release_scan, METH_VARARGS, "BlockPool.release_many's per-block decisions in one pass."},
+    {"clear_identity", native_clear_identity, METH_VARARGS, "Evicted blocks lose their identity."},
+    {"add_refs", native_add_refs, METH_VARARGS, "One more reference on blocks that are all held already."},
+    {"set_items", native_set_items, METH_VARARGS, "target[ids[i]] = value for i in range(start, stop)."},
+    {"register_many", native_register_many, METH_VARARGS, "Index new full blocks under their digests."},
+    {"prefix_hits", native_prefix_hits, METH_VARARGS, "Admission's prefix lookup: hits, idle, pending, ready."},
+    {"share_blocks", native_share_blocks, METH_VARARGS, "BlockPool.share for each block, the LRU order in a BlockOrder."},
+    {"decode_fast", native_decode_fast, METH_VARARGS, "KVLedger.decode_step's common case: tokens inside a private tail block."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT, "kvledger.core._native",
+    "The ledger core's optional C part; kvledger.core.native decides whether it is used.", -1, native_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    if (PyType_Ready(&BlockOrderType) < 0) return NULL;
+    if ((name_tokens = PyUnicode_InternFromString("tokens")) == NULL ||
+        (name_num_prompt = PyUnicode_InternFromString("num_prompt")) == NULL ||
+        (name_limit = PyUnicode_InternFromString("limit")) == NULL ||
+        (name_cow_tail = PyUnicode_InternFromString("cow_tail")) == NULL ||
+        (name_promised = PyUnicode_InternFromString("promised")) == NULL ||
+        (name_table = PyUnicode_InternFromString("table")) == NULL ||
+        (name_blocks = PyUnicode_InternFromString("blocks")) == NULL)
+        return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&BlockOrderType);
+    if (PyModule_AddObject(m, "BlockOrder", (PyObject *)&BlockOrderType) < 0) {
+        Py_DECREF(&BlockOrderType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    if (PyModule_AddIntConstant(m, "ABI", NATIVE_ABI) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

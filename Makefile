@@ -41,4 +41,4 @@ bench: install
 	$(PY) benchmarks/runtime_decode.py --reps 1
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info src/kvledger/runtime/native/_build
+	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info src/kvledger/runtime/native/_build src/kvledger/core/_native*.so

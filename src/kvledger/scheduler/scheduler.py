@@ -172,6 +172,9 @@ class Scheduler(AdmissionOps):
         restored_owner: dict[int, str] = {}
         for br in self._restored:
             restored_owner.update(dict.fromkeys(br.host_blocks, br.request.request_id))
+        # A copy into a block swapped out this step fills it for the host copy: it is the victim's.
+        for d, h in plan.swap_out:
+            dst_owner.setdefault(d, host_owner.get(h))  # type: ignore[arg-type]
         return ([dst_owner.get(op.dst) for op in plan.copies], [host_owner.get(h) for _, h in plan.swap_out],
                 [restored_owner.get(h) for h, _ in plan.swap_in])
 
@@ -211,7 +214,7 @@ class Scheduler(AdmissionOps):
         """Give the ledger the tokens sampled last step; handle growth failures by policy."""
         self._grow_once(plan)
         live = self._live()
-        if live and all(br.deferred for br in live) and not plan.swap_out:
+        if live and all(self._stuck(brs) for brs in self.running.values()) and not plan.swap_out:
             # Deferring only helps while someone else can finish and free memory; when every running
             # request is stuck, waiting would be a deadlock, so one victim is recomputed instead.
             if len(self.running) > 1:
@@ -224,6 +227,14 @@ class Scheduler(AdmissionOps):
                 # everything it could ever get.
                 for br in list(live):
                     self.end_branch(br, REJECTED_OUTGREW, plan)
+
+    @staticmethod
+    def _stuck(branches: list[Branch]) -> bool:
+        """A running request cannot advance this step: every branch deferred -- or, for beam search, any
+        one (its beams sample in step, so the driver holds back the others until the deferred one grows)."""
+        if branches[0].request.beam:
+            return any(br.deferred for br in branches)
+        return all(br.deferred for br in branches)
 
     def _grow_once(self, plan: StepPlan) -> None:
         ledger = self.ledger
@@ -282,6 +293,10 @@ class Scheduler(AdmissionOps):
             assert self.host is not None
             host_of = dict(zip(blocks, self.host.allocate(len(blocks)), strict=True))
             plan.swap_out.extend(host_of.items())
+            # A copy-on-write copy recorded this step (a branch's first write into a shared tail) must
+            # still run: the executor makes copies before swap-outs, so the host gets the filled block.
+            # Taken now, because dropping the sequences below discards copies into their blocks.
+            plan.copies.extend(self.ledger.take_copies())
             # The device blocks stay until the copy to the host is done.
             lease = self.ledger.lease(blocks=blocks, owner=f"{self.lease_owner} swap-out step {plan.step}")
             plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(blocks), self.costs.block_bytes)

@@ -1,0 +1,1 @@
+"""Tests written to kill surviving mutants (make mutation); see docs/testing.md."""

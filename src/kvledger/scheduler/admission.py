@@ -95,7 +95,10 @@ class AdmissionOps:
         return Outcome.ADMITTED
 
     def _swap_in(self: Scheduler, plan: StepPlan) -> None:
-        while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
+        if not self.swapped:
+            return
+        live = self.num_live()
+        while self.swapped and live + len(self.swapped[0]) <= self.config.max_running:
             unit = self.swapped[0]
             if unit[0].request.request_id in self._swapped_now:
                 break  # its blocks come free only when this step's transfer is done
@@ -106,6 +109,7 @@ class AdmissionOps:
             if outcome is not Outcome.ADMITTED:
                 break
             self.swapped.popleft()
+            live += len(unit)
 
     def _end_unit(self: Scheduler, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
                   plan: StepPlan) -> None:
@@ -122,11 +126,12 @@ class AdmissionOps:
     def _admit(self: Scheduler, plan: StepPlan, budget: int) -> None:
         waiting = self.waiting
         max_running = self.config.max_running
+        live = self.num_live() if waiting else 0
         while waiting and budget > 0:
             unit = waiting.head()
             if len(unit) > max_running:
                 outcome = Outcome.NEVER  # more branches than may ever run at once
-            elif len(self._live()) + len(unit) > max_running:
+            elif live + len(unit) > max_running:
                 break
             else:
                 outcome = self._admit_unit(unit, plan)
@@ -140,6 +145,7 @@ class AdmissionOps:
             if outcome is not Outcome.ADMITTED:
                 break  # priority order, first come first served: nobody overtakes the head of the queue
             waiting.popleft()
+            live += len(unit)
             for br in unit:
                 budget = self._schedule_branch(br, plan, budget)
 

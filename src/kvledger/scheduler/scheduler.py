@@ -54,6 +54,9 @@ class Scheduler(AdmissionOps):
         self._by_seq: dict[str, Branch] = {}
         self._finished_now: list[str] = []  # finished since the last take_finished()
         self._in_flight: StepPlan | None = None  # scheduled, not confirmed yet
+        self._deferred: list[Branch] = []  # branches deferred this step (their flags are reset next step)
+        self._decoding: list[Branch] = []  # the branch of each of the in-flight plan's decodes, in order
+        self._steady: tuple[list[Branch], list[Branch]] | None = None  # see _grow_once
         self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
         self._keep_free = self.config.keep_free(ledger.num_blocks)
         # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
@@ -181,6 +184,7 @@ class Scheduler(AdmissionOps):
             raise LedgerError(f"step {self._in_flight.step} is still in flight: confirm it first")
         plan = StepPlan(self._step)
         self._step += 1
+        self._decoding = []
         self._swapped_now.clear()
         self._grow(plan)
         self._swap_in(plan)
@@ -191,9 +195,13 @@ class Scheduler(AdmissionOps):
         plan.copies.extend(self.ledger.take_copies())
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
-        seqs = {w.seq_id for w in plan.prefills}
-        seqs.update(w.seq_id for w in plan.decodes)
-        seqs.update(br.seq_id for br in self._restored if br.status is Status.RUNNING)
+        # (A sequence has at most one work per plan; a restored one may also have none.)
+        seqs = [br.seq_id for br in self._decoding]
+        if len(seqs) != len(plan.decodes):
+            seqs = [w.seq_id for w in plan.decodes]
+        seqs += [w.seq_id for w in plan.prefills]
+        if self._restored:
+            seqs = list(dict.fromkeys(seqs + [br.seq_id for br in self._restored if br.status is Status.RUNNING]))
         blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if seqs or blocks:
             plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks,
@@ -210,8 +218,10 @@ class Scheduler(AdmissionOps):
     def _grow(self, plan: StepPlan) -> None:
         """Give the ledger the tokens sampled last step; handle growth failures by policy."""
         self._grow_once(plan)
+        if not self._deferred or plan.swap_out:
+            return
         live = self._live()
-        if live and all(br.deferred for br in live) and not plan.swap_out:
+        if live and all(br.deferred for br in live):
             # Deferring only helps while someone else can finish and free memory; when every running
             # request is stuck, waiting would be a deadlock, so one victim is recomputed instead.
             if len(self.running) > 1:
@@ -225,24 +235,58 @@ class Scheduler(AdmissionOps):
                 for br in list(live):
                     self.end_branch(br, REJECTED_OUTGREW, plan)
 
+    def defer(self, br: Branch) -> None:
+        """Skip ``br`` this step (it could not grow); it retries next step."""
+        br.deferred = True
+        self._deferred.append(br)
+
     def _grow_once(self, plan: StepPlan) -> None:
         ledger = self.ledger
-        live = self._live()
-        for br in live:
-            br.deferred = False
-            if br.request.lookahead:
-                ledger.trim_lookahead(br.seq_id)
-        # The common case -- one new token per running branch -- goes to the ledger in one call.
-        single = [br for br in live if len(br.tokens) - br.in_ledger == 1]
-        if single:
+        deferred = self._deferred
+        if deferred:
+            for br in deferred:
+                br.deferred = False
+            deferred.clear()
+        # The common case -- one new token per running branch -- goes to the ledger in one call, built
+        # in one pass; anything else (several tokens, a failed append) takes the loop below.
+        pairs: list[tuple[str, int]] = []
+        single: list[Branch] = []
+        others: list[Branch] = []
+        rest = irregular = False
+        self._steady = None
+        for branches in self.running.values():
+            for br in branches:
+                tokens = br.tokens
+                d = len(tokens) - br.in_ledger
+                if br.request.lookahead:
+                    ledger.trim_lookahead(br.seq_id)
+                    irregular = True
+                if d == 1:
+                    single.append(br)
+                    pairs.append((br.seq_id, tokens[-1]))
+                else:
+                    others.append(br)
+                    if d or len(tokens) - br.computed == 1:
+                        rest |= d > 0
+                        irregular = True
+        if pairs:
             try:
-                ledger.decode_step([(br.seq_id, br.tokens[br.in_ledger]) for br in single])
+                ledger.decode_step(pairs)
+            except OutOfBlocksError:
+                # decode_step applied the pairs in order up to the one that failed; the loop below
+                # retries the rest one by one, through the growth action.
+                for br in single:
+                    br.in_ledger = ledger.sequence(br.seq_id).num_tokens
+                rest = True
+            else:
                 for br in single:
                     br.in_ledger += 1
-            except OutOfBlocksError:
-                for br in single:  # decode_step applies in order up to the one that failed
-                    if ledger.sequence(br.seq_id).num_tokens > br.in_ledger:
-                        br.in_ledger += 1
+        if not rest:
+            if not irregular:
+                # The steady state: every branch either decodes one token or continues a prefill,
+                # nothing was deferred, no lookahead. _schedule_running takes these lists as they are.
+                self._steady = (single, others)
+            return
         for rid in list(self.running):
             for br in list(self.running.get(rid, ())):
                 if br.status is not Status.RUNNING:
@@ -312,16 +356,42 @@ class Scheduler(AdmissionOps):
     def _live(self) -> list[Branch]:
         return [br for branches in self.running.values() for br in branches]
 
+    def num_live(self) -> int:
+        """Running branches (what ``max_running`` counts)."""
+        return sum(map(len, self.running.values()))
+
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Decodes first (one token each: they keep latency low), then prefill chunks in the budget
         that is left. Requests admitted in this plan are scheduled by ``_admit``."""
-        admitted = set(plan.admitted)
-        restored = {br.seq_id for br in self._restored}
         running = Status.RUNNING
         later: list[Branch] = []
         decodes = plan.decodes
+        decoding = self._decoding
         make = tuple.__new__  # Work(...) without the keyword machinery: hundreds per step
-        for branches in self.running.values():
+        steady = self._steady
+        if steady is not None:
+            # Set by _grow_once: the decoding branches (in running order), then the branches that
+            # continue a prefill; only restored branches come after them.
+            self._steady = None
+            single, later = steady
+            for br in single:
+                tokens = br.tokens
+                n = len(tokens)
+                c = br.computed
+                if n - c != 1:
+                    later.append(br)
+                    continue
+                if budget <= 0:
+                    return budget
+                decodes.append(make(Work, (br.seq_id, c, n, True, 0, br.request, br.index, br.blocks, tokens)))
+                decoding.append(br)
+                budget -= 1
+            walk = [self._restored] if self._restored else []
+        else:
+            walk = self.running.values()
+        admitted = set(plan.admitted)
+        restored = {br.seq_id for br in self._restored}
+        for branches in walk:
             for br in branches:
                 if br.deferred or br.status is not running:
                     continue
@@ -337,6 +407,7 @@ class Scheduler(AdmissionOps):
                     if budget <= 0:
                         return budget
                     decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens)))
+                    decoding.append(br)
                     budget -= 1
                 else:
                     later.append(br)
@@ -359,6 +430,7 @@ class Scheduler(AdmissionOps):
                     k = 0
             c = br.computed
             plan.decodes.append(Work(br.seq_id, c, c + 1, True, k, req, br.index, br.blocks, br.tokens))
+            self._decoding.append(br)
             return budget - 1 - k
         chunk = min(todo, self.config.prefill_chunk, budget)
         end = br.computed + chunk
@@ -383,12 +455,23 @@ class Scheduler(AdmissionOps):
             if w.sample:
                 self.accept(br, sampled.get(w.seq_id, ()), done)
         by_seq, running, accept = self._by_seq, Status.RUNNING, self.accept
-        for w in plan.decodes:
-            br = by_seq.get(w.seq_id)
+        decodes = plan.decodes
+        # The branch of each decode, as scheduled (beam search may have held some back: look them up).
+        branches = self._decoding if len(self._decoding) == len(decodes) else [by_seq.get(w.seq_id) for w in decodes]
+        for w, br in zip(decodes, branches, strict=True):
             if br is None or br.status is not running:
                 continue
             br.computed = w.end
-            accept(br, sampled.get(w.seq_id, ()), done)
+            got = sampled.get(w.seq_id)
+            if got is not None and len(got) == 1 and not br.request.stop_token_ids:
+                out = br.tokens  # accept() for its common case: one token, no stop tokens
+                out.append(int(got[0]))
+                if len(out) >= br.limit:
+                    self.end_branch(br, "length")
+                    done.append(br)
+            else:
+                accept(br, () if got is None else got, done)
+        self._decoding = []
         for br in self._restored:
             if br.status is Status.RUNNING:
                 ledger.mark_computed(br.seq_id, min(br.computed, br.in_ledger))
@@ -492,7 +575,11 @@ class Scheduler(AdmissionOps):
         ledger.check()
         if self.host is not None:
             self.host.check()
+        order = -1
         for branches in self.running.values():
+            if not branches or branches[0].admitted_order <= order:
+                raise InvariantError("running requests are not in admission order (the victim policies rely on it)")
+            order = branches[0].admitted_order
             for br in branches:
                 if br.status is not Status.RUNNING or br.seq_id not in ledger:
                     raise InvariantError(f"running branch {br.seq_id!r} is not running in the ledger")

@@ -65,6 +65,7 @@ class AdmissionOps:
             seq = ledger.sequence(br.seq_id)
             br.blocks = blocks = seq.table.blocks
             br.ledger_prompt = None
+            br.hit_end = seq.hit_blocks * bs  # pending hits among them: see Scheduler._shared_start
             if restoring:
                 written = ledger.pool.written
                 for j in range(seq.hit_blocks, len(blocks)):

@@ -23,7 +23,7 @@ from .admission import AdmissionOps
 from .config import SchedulerConfig
 from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
 from .host import HostPool
-from .plan import Branch, GenRequest, Preemption, Status, StepPlan, Work, validate_request
+from .plan import Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, Work, validate_request
 from .policies import OutputLengthTracker
 from .queue import WaitingQueue
 from .recovery import RECOVERY_MODES, RecoveryCosts
@@ -57,6 +57,8 @@ class Scheduler(AdmissionOps):
         self._deferred: list[Branch] = []  # branches deferred this step (their flags are reset next step)
         self._decoding: list[Branch] = []  # the branch of each of the in-flight plan's decodes, in order
         self._steady: tuple[list[Branch], list[Branch]] | None = None  # see _grow_once
+        self._writes: dict[int, str] = {}  # block -> sequence whose prefill in the plan being built completes it
+        self._writes_seen = 0  # prefills of that plan indexed in _writes so far
         self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
         self._keep_free = self.config.keep_free(ledger.num_blocks)
         # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
@@ -185,6 +187,8 @@ class Scheduler(AdmissionOps):
         plan = StepPlan(self._step)
         self._step += 1
         self._decoding = []
+        self._writes.clear()
+        self._writes_seen = 0
         self._swapped_now.clear()
         self._grow(plan)
         self._swap_in(plan)
@@ -419,7 +423,13 @@ class Scheduler(AdmissionOps):
     def _schedule_branch(self, br: Branch, plan: StepPlan, budget: int) -> int:
         if br.deferred or br.status is not Status.RUNNING or budget <= 0 or br.in_ledger < len(br.tokens):
             return budget
-        todo = len(br.tokens) - br.computed
+        c = br.computed
+        if c < br.hit_end:
+            c = self._shared_start(br, plan, c)
+            if c < 0:
+                return budget  # an earlier request is about to write the prefix it needs next
+        tokens = br.tokens
+        todo = len(tokens) - c
         req = br.request
         if todo == 1:
             k = req.lookahead
@@ -428,15 +438,88 @@ class Scheduler(AdmissionOps):
                     self.ledger.reserve_lookahead(br.seq_id, k)
                 except OutOfBlocksError:
                     k = 0
-            c = br.computed
-            plan.decodes.append(Work(br.seq_id, c, c + 1, True, k, req, br.index, br.blocks, br.tokens))
+            plan.decodes.append(Work(br.seq_id, c, c + 1, True, k, req, br.index, br.blocks, tokens))
             self._decoding.append(br)
             return budget - 1 - k
         chunk = min(todo, self.config.prefill_chunk, budget)
-        end = br.computed + chunk
-        plan.prefills.append(Work(br.seq_id, br.computed, end, end == len(br.tokens), 0, req, br.index, br.blocks,
-                                  br.tokens))
+        end = c + chunk
+        plan.prefills.append(Work(br.seq_id, c, end, end == len(tokens), 0, req, br.index, br.blocks, tokens))
         return budget - chunk
+
+    # ---- prefix blocks written in the same step ---------------------------------------------------
+    def _shared_start(self, br: Branch, plan: StepPlan, c: int) -> int:
+        """Where the next work of ``br`` starts, past the prefix hits it can read now; -1: it waits.
+
+        ``br`` computed ``c`` tokens and was admitted with prefix hits covering ``hit_end`` tokens. A hit
+        block is readable when it is written, or when a prefill already in this plan completes it: every
+        work's K/V of a layer is written before any work reads that layer (the executor contract), so
+        the reader skips those positions and the plan says so (:class:`SharedRead`).
+
+        At the first hit block that is neither, if a running request admitted earlier still has to
+        compute that block (and is not deferred), the branch waits: no work this step. The earlier
+        request gets the step's budget first and moves through the shared run one chunk per step, as
+        the branch would by recomputing it, so waiting delays the branch by at most about one step and
+        saves the whole run (vLLM recomputes here: it finds only blocks already scheduled). With nobody
+        to wait for (the filler was preempted, cancelled or is deferred) the branch computes the blocks
+        itself, as before."""
+        bs = self.ledger.block_size
+        written = self.ledger.pool.written
+        blocks = br.blocks
+        last = len(br.tokens) - 1  # the last token is always computed: its logits give the next one
+        hit_blocks = br.hit_end // bs
+        j = c // bs
+        reads: list[SharedRead] = []
+        while j < hit_blocks and j * bs < last:
+            b = blocks[j]
+            if not written[b]:
+                writer = self._plan_writer(plan, b)
+                if writer is None or writer == br.seq_id:
+                    break
+                lo = max(c, j * bs)
+                hi = min((j + 1) * bs, last)
+                prev = reads[-1] if reads else None
+                if prev is not None and prev.writer == writer and prev.end == lo:
+                    reads[-1] = prev._replace(end=hi)
+                else:
+                    reads.append(SharedRead(br.seq_id, writer, lo, hi))
+            j += 1
+        start = max(c, min(j * bs, last))
+        if j < hit_blocks and start < last and self._filler_ahead(br, j):
+            return -1
+        plan.shared_reads.extend(reads)
+        return start
+
+    def _plan_writer(self, plan: StepPlan, block: int) -> str | None:
+        """The sequence whose prefill in ``plan`` completes ``block`` (indexed lazily: only steps with
+        pending prefix hits pay for it). Beam requests never count: beam search may shorten their work
+        after planning (``BeamSearch.hold_back``)."""
+        writes = self._writes
+        bs = self.ledger.block_size
+        prefills = plan.prefills
+        for w in prefills[self._writes_seen:]:
+            req = w.request
+            if req is not None and req.beam:
+                continue
+            blocks = w.blocks
+            for j in range(w.start // bs, w.end // bs):
+                writes.setdefault(blocks[j], w.seq_id)
+        self._writes_seen = len(prefills)
+        return writes.get(block)
+
+    def _filler_ahead(self, br: Branch, j: int) -> bool:
+        """Whether a running request admitted before ``br`` holds ``br``'s block ``j`` and has yet to
+        compute it, and can run this step (not deferred)."""
+        block = br.blocks[j]
+        end = (j + 1) * self.ledger.block_size
+        order = br.admitted_order
+        for branches in self.running.values():  # in admission order
+            if branches[0].admitted_order >= order:
+                return False
+            for f in branches:
+                held = f.blocks
+                if len(held) > j and held[j] == block and f.computed < end and not f.deferred:
+                    return True
+        return False
 
     # ---- confirmation ---------------------------------------------------------------------------
     def confirm(self, plan: StepPlan, sampled: Mapping[str, Sequence[int]]) -> list[Branch]:
@@ -552,6 +635,18 @@ class Scheduler(AdmissionOps):
             for rid in sorted(self.running, key=lambda r: -self.running[r][0].admitted_order):
                 self._requeue(rid)
         return ledger.reset_prefix_cache()
+
+    def requeue(self, request_id: str) -> bool:
+        """Send a running request back to the front of its priority in the waiting queue: its memory is
+        dropped and it is computed again from its tokens when it is re-admitted (not an error, not
+        counted as a preemption). Between ``schedule`` and ``confirm`` its work in the plan in flight is
+        ignored, and the blocks that plan leases stay until ``confirm``. The driver does this to a
+        request whose step read KV that a failed part of the same step was to write. Returns False if
+        the request is not running."""
+        if request_id not in self.running:
+            return False
+        self._requeue(request_id)
+        return True
 
     def _requeue(self, rid: str) -> None:
         """Send a running request back to the front of its priority in the waiting queue."""

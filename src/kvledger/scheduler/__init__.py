@@ -20,5 +20,5 @@ from .victims import VICTIM_POLICIES
 __all__ = ["ADMISSION_POLICIES", "Admission", "Branch", "Clock", "ConstantExecutor", "Driver", "Executor",
            "FinishedRequest", "GROWTH_ACTIONS", "GenRequest", "HostPool", "Preemption", "RECOVERY_MODES",
            "RecoveryCosts", "Registry", "RequestMetrics", "SCHEDULER_KEYS", "Scheduler", "SchedulerConfig",
-           "SharedRead", "Status", "StepOutput", "StepPlan", "StepResult", "TransferModel", "VICTIM_POLICIES", "VirtualClock",
-           "WallClock", "Work", "distribution", "percentile", "summarize_requests", "validate_request"]
+           "SharedRead", "Status", "StepOutput", "StepPlan", "StepResult", "TransferModel", "VICTIM_POLICIES",
+           "VirtualClock", "WallClock", "Work", "distribution", "percentile", "summarize_requests", "validate_request"]

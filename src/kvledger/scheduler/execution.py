@@ -4,8 +4,9 @@ An :class:`Executor` turns a :class:`~kvledger.scheduler.plan.StepPlan` into a :
 sampled tokens per sequence (or beam candidates) and the seconds the step took -- reading nothing but
 the plan. Within a step, every work's K/V of a layer is written before any work reads it (see
 :meth:`Executor.execute`): the scheduler relies on it to let a request read prefix blocks that
-another request writes in the same step. :class:`ConstantExecutor` is the one without a model (the lab, tests, benchmarks); the torch
-runtime and the simulator have their own (``kvledger.runtime.executor``, ``kvledger.sim.simulator``).
+another request writes in the same step. :class:`ConstantExecutor` is the one without a model (the lab,
+tests, benchmarks); the torch runtime and the simulator have their own (``kvledger.runtime.executor``,
+``kvledger.sim.simulator``).
 """
 
 from __future__ import annotations

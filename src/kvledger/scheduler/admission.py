@@ -79,13 +79,15 @@ class AdmissionOps:
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:
                     cached = min(ready * bs, br.in_ledger - 1)
+                br.hits_counted = max(br.computed, cached)
                 self._restored.append(br)
             else:
                 br.in_ledger = len(br.tokens)
                 br.computed = hit_ready if hit_ready is not None else ledger.ready_tokens(br.seq_id)
                 br.computed = min(br.computed, len(br.tokens) - 1)
                 if i == 0:
-                    cached = br.computed  # the tokens it really skips: written hits, not pending ones
+                    cached = br.computed  # written hits; pending ones are counted when skipped (shared_hits)
+                br.hits_counted = br.computed
             br.status = Status.RUNNING
         if restored_blocks:
             plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(restored_blocks), self.costs.block_bytes)

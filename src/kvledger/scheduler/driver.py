@@ -305,7 +305,7 @@ class Driver:
         self._finished(FinishedRequest(req, m, [[] for _ in range(branches)], [reason] * branches), finished)
 
     def _admissions(self, plan: StepPlan, t: float) -> None:
-        if not (plan.admissions or plan.shared_reads):
+        if not (plan.admissions or plan.shared_hits):
             return
         with self._lock:
             metrics = self._metrics
@@ -321,18 +321,16 @@ class Driver:
                 else:
                     m.readmit_hit_tokens += a.cached_tokens
                     self._readmitted.add(a.request_id)
-            # Prompt tokens skipped because another request writes them in this very step: the first
-            # branch's count, for the admission it belongs to.
-            for r in plan.shared_reads:
-                if "/" in r.seq_id:
-                    continue
-                m = metrics.get(r.seq_id)
+            # Prompt tokens skipped after the admission step or beyond what it counted: prefix blocks
+            # another request wrote while this one waited, or writes in the same step.
+            for rid, skipped in plan.shared_hits:
+                m = metrics.get(rid)
                 if m is None:
                     continue
-                if r.seq_id in self._readmitted:
-                    m.readmit_hit_tokens += r.end - r.start
+                if rid in self._readmitted:
+                    m.readmit_hit_tokens += skipped
                 else:
-                    m.hit_tokens += r.end - r.start
+                    m.hit_tokens += skipped
 
     def _first_tokens(self, t: float) -> None:
         if not self._awaiting_first:
@@ -433,6 +431,7 @@ class Driver:
                 return merged, failed
         done: set[str] = set()
         lost: set[str] = set()  # parts that failed or did not run
+        requeue: list[str] = []
         pending = list(parts)
         while pending:
             # Writers come before their readers in the plan, so this settles in a pass or two.
@@ -443,7 +442,7 @@ class Driver:
                 pending.remove(rid)
                 if writers.get(rid, set()) & lost:
                     lost.add(rid)
-                    sched.requeue(rid)
+                    requeue.append(rid)
                     continue
                 try:
                     out = self.executor.execute(parts[rid])
@@ -456,6 +455,8 @@ class Driver:
                 merged.sampled.update(out.sampled)
                 merged.candidates.update(out.candidates)
                 merged.elapsed_s += out.elapsed_s
+        for rid in reversed(requeue):  # each goes to the front: the last first keeps their order
+            sched.requeue(rid)
         return merged, failed
 
     def _abandon(self, plan: StepPlan, error: BaseException) -> None:

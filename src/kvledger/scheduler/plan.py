@@ -89,6 +89,7 @@ class Branch:
     index: int = 0  # the branch index (sampling keys, result order)
     blocks: list[int] = field(default_factory=list)  # while running: the ledger's block table of the branch
     hit_end: int = 0  # while running: tokens covered by the prefix hits found at its admission
+    hits_counted: int = 0  # while running: prompt tokens up to here are accounted as computed or skipped
     ledger_prompt: tuple[int, ...] | None = None  # while queued: the prompt handed to admission, reused
 
     def __post_init__(self) -> None:
@@ -181,6 +182,9 @@ class StepPlan:
     admitted: list[str] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)  # what each admission found cached
     shared_reads: list[SharedRead] = field(default_factory=list)  # reads of blocks this plan writes
+    # (request id, prompt tokens its first branch skips in this step beyond what its admission counted):
+    # prefix blocks another request wrote while it waited, or writes in this very plan
+    shared_hits: list[tuple[str, int]] = field(default_factory=list)
     preempted: list[Preemption] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (seq_id, reason) ended while planning
     lease: int | None = None

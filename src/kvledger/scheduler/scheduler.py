@@ -456,12 +456,11 @@ class Scheduler(AdmissionOps):
         the reader skips those positions and the plan says so (:class:`SharedRead`).
 
         At the first hit block that is neither, if a running request admitted earlier still has to
-        compute that block (and is not deferred), the branch waits: no work this step. The earlier
+        compute that block, the branch waits: no work this step. The earlier
         request gets the step's budget first and moves through the shared run one chunk per step, as
         the branch would by recomputing it, so waiting delays the branch by at most about one step and
         saves the whole run (vLLM recomputes here: it finds only blocks already scheduled). With nobody
-        to wait for (the filler was preempted, cancelled or is deferred) the branch computes the blocks
-        itself, as before."""
+        to wait for (the filler was preempted or cancelled) the branch computes the blocks itself."""
         bs = self.ledger.block_size
         written = self.ledger.pool.written
         blocks = br.blocks
@@ -487,6 +486,10 @@ class Scheduler(AdmissionOps):
         if j < hit_blocks and start < last and self._filler_ahead(br, j):
             return -1
         plan.shared_reads.extend(reads)
+        if start > br.hits_counted:
+            if br.index == 0:
+                plan.shared_hits.append((br.request.request_id, start - br.hits_counted))
+            br.hits_counted = start
         return start
 
     def _plan_writer(self, plan: StepPlan, block: int) -> str | None:
@@ -508,7 +511,7 @@ class Scheduler(AdmissionOps):
 
     def _filler_ahead(self, br: Branch, j: int) -> bool:
         """Whether a running request admitted before ``br`` holds ``br``'s block ``j`` and has yet to
-        compute it, and can run this step (not deferred)."""
+        compute it."""
         block = br.blocks[j]
         end = (j + 1) * self.ledger.block_size
         order = br.admitted_order
@@ -517,7 +520,7 @@ class Scheduler(AdmissionOps):
                 return False
             for f in branches:
                 held = f.blocks
-                if len(held) > j and held[j] == block and f.computed < end and not f.deferred:
+                if len(held) > j and held[j] == block and f.computed < end:
                     return True
         return False
 

@@ -209,7 +209,7 @@ def test_a_failing_writer_sends_its_readers_back_to_the_queue() -> None:
     driver.run()
     records = {m.request_id: m for m in driver.records}
     assert records["A"].finish_reason.startswith("error: RuntimeError: part of ['A'] failed")
-    for rid, p in prompts.items():
+    for rid in prompts:
         if rid != "A":
             assert records[rid].finish_reason == "length"
             assert records[rid].generated == 4

@@ -236,3 +236,31 @@ def test_circular_shared_reads_are_an_invariant_error() -> None:
     s.schedule = schedule  # type: ignore[method-assign]
     with pytest.raises(InvariantError, match="circular shared reads"):
         driver.step()
+
+
+def test_the_peer_workload_shape_computes_a_shared_header_once() -> None:
+    """The shape of the peer workload (benchmarks/peers.py), scaled to this file's 4-token blocks: 32
+    prompts of 16..128 tokens submitted at once, the even ones opening with one 64-token header (16
+    blocks, as the peers' 256 tokens are 16 blocks of 16), a step budget of 256 blocks' worth of tokens,
+    32 running. Before, the requests admitted in the header writer's step computed the header again;
+    now it is computed exactly once: 15 x 64 prompt tokens are skipped -- every full block two prompts
+    share -- and they count as the requests' hit tokens."""
+    import random
+
+    rng = random.Random(3)
+    header = [rng.randrange(32000) for _ in range(64)]
+    prompts = []
+    for i in range(32):
+        n = rng.randrange(16, 129)
+        prompts.append(header + [rng.randrange(32000) for _ in range(max(n - 64, 11))] if i % 2 == 0
+                       else [rng.randrange(32000) for _ in range(n)])
+    s = Scheduler(KVLedger(2048, BS), SchedulerConfig(policy="full", token_budget=1024, max_running=32))
+    ex = FakeExecutor(s)
+    driver = Driver(s, ex, keep_records=True, check_every=1)
+    for i, p in enumerate(prompts):
+        driver.submit(GenRequest(f"p{i}", p, 2))
+    driver.run(max_steps=400)
+    assert len(driver.records) == 32 and all(m.finish_reason == "length" for m in driver.records)
+    assert sum(ex.tokens) == sum(len(p) for p in prompts) - 15 * 64 + 32  # + one decode each
+    assert sum(m.hit_tokens for m in driver.records) == 15 * 64
+    assert_drained(s)

@@ -27,7 +27,7 @@ from .plan import Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, 
 from .policies import OutputLengthTracker
 from .queue import WaitingQueue
 from .recovery import RECOVERY_MODES, RecoveryCosts
-from .victims import pick_victim, replay_tokens
+from .victims import VictimQueue, pick_victim, replay_tokens
 
 
 class Scheduler(AdmissionOps):
@@ -57,6 +57,8 @@ class Scheduler(AdmissionOps):
         self._deferred: list[Branch] = []  # branches deferred this step (their flags are reset next step)
         self._decoding: list[Branch] = []  # the branch of each of the in-flight plan's decodes, in order
         self._steady: tuple[list[Branch], list[Branch]] | None = None  # see _grow_once
+        self._growing = False  # a growth pass is under way: victims come from _victims
+        self._victims: VictimQueue | None = None  # that pass's victims, from its first pick on
         self._writes: dict[int, str] = {}  # block -> sequence whose prefill in the plan being built completes it
         self._writes_seen = 0  # prefills of that plan indexed in _writes so far
         self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
@@ -221,6 +223,13 @@ class Scheduler(AdmissionOps):
 
     def _grow(self, plan: StepPlan) -> None:
         """Give the ledger the tokens sampled last step; handle growth failures by policy."""
+        self._growing, self._victims = True, None
+        try:
+            self._grow_pass(plan)
+        finally:
+            self._growing, self._victims = False, None
+
+    def _grow_pass(self, plan: StepPlan) -> None:
         self._grow_once(plan)
         if not self._deferred or plan.swap_out:
             return
@@ -312,7 +321,12 @@ class Scheduler(AdmissionOps):
     # ---- preemption -----------------------------------------------------------------------------
     def pick_victim(self) -> str | None:
         """The running request the victim policy preempts next."""
-        return pick_victim(self.config.victim, self.ledger, self.running)
+        policy = self.config.victim
+        if not self._growing or policy == "latest":
+            return pick_victim(policy, self.ledger, self.running)
+        if self._victims is None:
+            self._victims = VictimQueue(policy, self.ledger, self.running)
+        return self._victims.pick()
 
     def preempt(self, rid: str, plan: StepPlan, why: str, force: str | None = None) -> str:
         """Preempt every branch of ``rid`` together (gang semantics); returns the recovery mode."""

@@ -12,6 +12,7 @@ whatever happens to this request).
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -91,4 +92,38 @@ def pick_victim(policy: str, ledger: KVLedger, running: dict[str, list[Branch]])
     return victim
 
 
-__all__ = ["VICTIM_POLICIES", "VictimKey", "held_blocks", "pick_victim", "replay_tokens", "waste"]
+class VictimQueue:
+    """The victims of one growth pass, picked one after another without scoring every candidate again.
+
+    While running requests only grow -- their branches append tokens and take blocks, their shared
+    blocks lose holders as others are preempted -- no policy's key goes down: ``min_waste``'s held
+    blocks and replay tokens only rise, priorities and computed tokens stay. So the keys are scored
+    once into a heap, and a pick re-scores only the candidate at its top: if its key has not risen it is
+    the smallest (every other key is at least what the heap holds), else it goes back with its new key.
+    The result is exactly :func:`pick_victim`'s. Valid while no request joins ``running`` (within
+    ``Scheduler._grow``)."""
+
+    __slots__ = ("_heap", "_key", "_ledger", "_running")
+
+    def __init__(self, policy: str, ledger: KVLedger, running: dict[str, list[Branch]]) -> None:
+        key = self._key = VICTIM_POLICIES[policy]
+        self._ledger, self._running = ledger, running
+        self._heap = [(key(ledger, brs), -brs[0].admitted_order, rid) for rid, brs in running.items()]
+        heapq.heapify(self._heap)
+
+    def pick(self) -> str | None:
+        heap, running, key, ledger = self._heap, self._running, self._key, self._ledger
+        while heap:
+            stored, order, rid = heap[0]
+            branches = running.get(rid)
+            if not branches:
+                heapq.heappop(heap)  # preempted or finished since
+                continue
+            now = key(ledger, branches)
+            if now <= stored:
+                return rid
+            heapq.heapreplace(heap, (now, order, rid))
+        return None
+
+
+__all__ = ["VICTIM_POLICIES", "VictimKey", "VictimQueue", "held_blocks", "pick_victim", "replay_tokens", "waste"]

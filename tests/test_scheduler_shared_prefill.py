@@ -88,6 +88,38 @@ def test_requests_admitted_with_the_first_filler_read_its_prefix_in_the_same_ste
     assert_drained(s)
 
 
+def test_the_branches_of_a_family_keep_identical_works() -> None:
+    """F (n=2) reads A's head in the step A writes it: both branches get the same work (an executor
+    computes identical works once). G (n=2) waits for W, which is then cancelled: nobody will write the
+    rest of the shared prefix, so branch 0 computes it -- and branch 1 does not read it from its own
+    sibling, it gets the same work again instead of a shorter one that would be computed apart."""
+    s = Scheduler(KVLedger(64, BS), SchedulerConfig(policy="full", prefill_chunk=8))
+    s.add(GenRequest("A", HEAD + toks(2, 100), 3))
+    s.add(GenRequest("F", HEAD + toks(3, 200), 3, n=2))
+    engine = FakeEngine(s)
+    first = engine.step()
+    # A's first chunk covers blocks 0-1; block 2 is A's to write next step: F waits.
+    assert [(w.seq_id, w.start, w.end) for w in first.works] == [("A", 0, 8)]
+    second = engine.step()
+    assert [(w.seq_id, w.start, w.end) for w in second.works] == [("A", 8, 14), ("F", 12, 15), ("F/1", 12, 15)]
+    assert second.shared_reads == [SharedRead("F", "A", 8, 12), SharedRead("F/1", "A", 8, 12)]
+    assert second.shared_hits == [("F", 12)]
+    engine.drain()
+
+    L = toks(24, 800)
+    s.add(GenRequest("W", L + toks(2, 100), 3))
+    s.add(GenRequest("G", L + toks(3, 200), 3, n=2))
+    plan = engine.step()
+    assert [(w.seq_id, w.start, w.end) for w in plan.works] == [("W", 0, 8)]  # G waits for W
+    s.cancel("W")
+    plan = engine.step()
+    assert [(w.seq_id, w.start, w.end) for w in plan.works] == [("G", 8, 16), ("G/1", 8, 16)]
+    assert plan.shared_reads == []
+    engine.drain()
+    assert [br.finish_reason for br in s.branches("G")] == ["length", "length"]
+    assert_drained(s)
+
+
 def test_a_reader_of_two_writers_reads_each_run_from_its_own_writer() -> None:
     """A writes the head; B (head + 8 tokens of its own + 1) writes blocks 3-4; C shares head + those 8
     tokens, so in the same step it reads blocks 0-2 from A's work and blocks 3-4 from B's."""

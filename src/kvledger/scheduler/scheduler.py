@@ -59,7 +59,8 @@ class Scheduler(AdmissionOps):
         self._steady: tuple[list[Branch], list[Branch]] | None = None  # see _grow_once
         self._growing = False  # a growth pass is under way: victims come from _victims
         self._victims: VictimQueue | None = None  # that pass's victims, from its first pick on
-        self._writes: dict[int, str] = {}  # block -> sequence whose prefill in the plan being built completes it
+        # block -> (sequence, request) whose prefill in the plan being built completes it
+        self._writes: dict[int, tuple[str, str]] = {}
         self._writes_seen = 0  # prefills of that plan indexed in _writes so far
         self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
         self._keep_free = self.config.keep_free(ledger.num_blocks)
@@ -482,18 +483,22 @@ class Scheduler(AdmissionOps):
         hit_blocks = br.hit_end // bs
         j = c // bs
         reads: list[SharedRead] = []
+        rid = br.request.request_id
         while j < hit_blocks and j * bs < last:
             b = blocks[j]
             if not written[b]:
-                writer = self._plan_writer(plan, b)
-                if writer is None or writer == br.seq_id:
+                found = self._plan_writer(plan, b)
+                # A sibling computing the family's pending blocks is not a writer to read from: the
+                # branches' identical works are computed once (the executor deduplicates them).
+                if found is None or found[1] == rid:
                     break
+                writer = found[0]
                 lo = max(c, j * bs)
                 hi = min((j + 1) * bs, last)
                 prev = reads[-1] if reads else None
                 if prev is not None and prev.writer == writer and prev.end == lo:
                     reads[-1] = prev._replace(end=hi)
-                else:
+                elif hi > lo:
                     reads.append(SharedRead(br.seq_id, writer, lo, hi))
             j += 1
         start = max(c, min(j * bs, last))
@@ -502,14 +507,14 @@ class Scheduler(AdmissionOps):
         plan.shared_reads.extend(reads)
         if start > br.hits_counted:
             if br.index == 0:
-                plan.shared_hits.append((br.request.request_id, start - br.hits_counted))
+                plan.shared_hits.append((rid, start - br.hits_counted))
             br.hits_counted = start
         return start
 
-    def _plan_writer(self, plan: StepPlan, block: int) -> str | None:
-        """The sequence whose prefill in ``plan`` completes ``block`` (indexed lazily: only steps with
-        pending prefix hits pay for it). Beam requests never count: beam search may shorten their work
-        after planning (``BeamSearch.hold_back``)."""
+    def _plan_writer(self, plan: StepPlan, block: int) -> tuple[str, str] | None:
+        """The sequence (and its request) whose prefill in ``plan`` completes ``block`` (indexed lazily:
+        only steps with pending prefix hits pay for it). Beam requests never count: beam search may
+        shorten their work after planning (``BeamSearch.hold_back``)."""
         writes = self._writes
         bs = self.ledger.block_size
         prefills = plan.prefills
@@ -518,8 +523,9 @@ class Scheduler(AdmissionOps):
             if req is not None and req.beam:
                 continue
             blocks = w.blocks
+            who = (w.seq_id, w.request_id)
             for j in range(w.start // bs, w.end // bs):
-                writes.setdefault(blocks[j], w.seq_id)
+                writes.setdefault(blocks[j], who)
         self._writes_seen = len(prefills)
         return writes.get(block)
 

@@ -65,6 +65,7 @@ class AdmissionOps:
             seq = ledger.sequence(br.seq_id)
             br.blocks = blocks = seq.table.blocks
             br.ledger_prompt = None
+            br.hit_end = seq.hit_blocks * bs  # pending hits among them: see Scheduler._shared_start
             if restoring:
                 written = ledger.pool.written
                 for j in range(seq.hit_blocks, len(blocks)):
@@ -78,13 +79,15 @@ class AdmissionOps:
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:
                     cached = min(ready * bs, br.in_ledger - 1)
+                br.hits_counted = max(br.computed, cached)
                 self._restored.append(br)
             else:
                 br.in_ledger = len(br.tokens)
                 br.computed = hit_ready if hit_ready is not None else ledger.ready_tokens(br.seq_id)
                 br.computed = min(br.computed, len(br.tokens) - 1)
                 if i == 0:
-                    cached = br.computed  # the tokens it really skips: written hits, not pending ones
+                    cached = br.computed  # written hits; pending ones are counted when skipped (shared_hits)
+                br.hits_counted = br.computed
             br.status = Status.RUNNING
         if restored_blocks:
             plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(restored_blocks), self.costs.block_bytes)
@@ -95,7 +98,10 @@ class AdmissionOps:
         return Outcome.ADMITTED
 
     def _swap_in(self: Scheduler, plan: StepPlan) -> None:
-        while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
+        if not self.swapped:
+            return
+        live = self.num_live()
+        while self.swapped and live + len(self.swapped[0]) <= self.config.max_running:
             unit = self.swapped[0]
             if unit[0].request.request_id in self._swapped_now:
                 break  # its blocks come free only when this step's transfer is done
@@ -106,6 +112,7 @@ class AdmissionOps:
             if outcome is not Outcome.ADMITTED:
                 break
             self.swapped.popleft()
+            live += len(unit)
 
     def _end_unit(self: Scheduler, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
                   plan: StepPlan) -> None:
@@ -122,11 +129,12 @@ class AdmissionOps:
     def _admit(self: Scheduler, plan: StepPlan, budget: int) -> None:
         waiting = self.waiting
         max_running = self.config.max_running
+        live = self.num_live() if waiting else 0
         while waiting and budget > 0:
             unit = waiting.head()
             if len(unit) > max_running:
                 outcome = Outcome.NEVER  # more branches than may ever run at once
-            elif len(self._live()) + len(unit) > max_running:
+            elif live + len(unit) > max_running:
                 break
             else:
                 outcome = self._admit_unit(unit, plan)
@@ -140,6 +148,7 @@ class AdmissionOps:
             if outcome is not Outcome.ADMITTED:
                 break  # priority order, first come first served: nobody overtakes the head of the queue
             waiting.popleft()
+            live += len(unit)
             for br in unit:
                 budget = self._schedule_branch(br, plan, budget)
 

@@ -37,7 +37,7 @@ class GrowthAction:
 
 
 def _defer(sched: Scheduler, br: Branch, plan: StepPlan, why: str) -> bool:
-    br.deferred = True  # retried next step; Scheduler._grow breaks the all-deferred deadlock
+    sched.defer(br)  # retried next step; Scheduler._grow breaks the all-deferred deadlock
     return False
 
 
@@ -51,7 +51,7 @@ def _preempt(sched: Scheduler, br: Branch, plan: StepPlan, why: str) -> bool:
     victim = sched.pick_victim()
     if victim is None or (victim == rid and len(sched.running) == 1):
         if sched.swap_in_flight:
-            br.deferred = True  # blocks being swapped out this step come free at confirm
+            sched.defer(br)  # blocks being swapped out this step come free at confirm
             return False
         sched.end_branch(br, REJECTED_OUTGREW, plan)
         return False
@@ -61,7 +61,7 @@ def _preempt(sched: Scheduler, br: Branch, plan: StepPlan, why: str) -> bool:
     if mode == "swap":
         # The victim's blocks are reusable only once the transfer completes: the grower waits one step
         # (retrying now would pick a second victim for memory that is already on its way).
-        br.deferred = True
+        sched.defer(br)
         return False
     return True
 

@@ -81,21 +81,25 @@ def main(argv: list[str] | None = None) -> int:
     for p in peaks:
         print(f"{p.dtype:5} {p.backend:22} {p.kind:7} {p.tokens:6d} {p.seqs:5d} {p.context:5d} "
               f"{p.peak_bytes / 2**20:13.1f} {p.formula_bytes / 2**20:12.1f} {p.ratio:17.2f}")
-    backends = ", ".join(sorted({f"{p.dtype}: {p.backend}" for p in peaks}))
     cpu = platform.processor() or platform.machine()
-    source = (f"benchmarks/workspace_peaks.py --grid {args.grid} --backend {args.backend} on "
-              f"{datetime.date.today().isoformat()} (attention {backends}; torch {torch.__version__}, "
-              f"{args.threads} threads, {args.device} {cpu}; "
-              f"{'profiler allocation events' if args.device == 'cpu' else 'max_memory_allocated'}; "
-              f"rows from decode shapes at context <= {CONTEXT})")
-    rows = peak_rows(peaks, source, max_context=CONTEXT)
-    result = {"model": args.model, "device": args.device, "grid": args.grid, "wall_s": round(wall, 1),
+    rows = []
+    for dtype in dict.fromkeys(p.dtype for p in peaks):  # one source per dtype: its own backend
+        mine = [p for p in peaks if p.dtype == dtype]
+        source = (f"benchmarks/workspace_peaks.py --grid {args.grid} on {datetime.date.today().isoformat()}: "
+                  f"attention {mine[0].backend}, torch {torch.__version__}, {args.threads} threads, "
+                  f"{args.device} {cpu}, "
+                  f"{'profiler allocation events' if args.device == 'cpu' else 'max_memory_allocated'}; "
+                  f"rows from decode shapes at context <= {CONTEXT}")
+        rows += peak_rows(mine, source, max_context=CONTEXT)
+    result = {"model": args.model, "device": args.device, "grid": args.grid, "backend": args.backend,
+              "date": datetime.date.today().isoformat(), "torch": torch.__version__, "wall_s": round(wall, 1),
               "load_average": [round(x, 2) for x in load], "measurements": [p.as_dict() for p in peaks],
               "planner_rows": rows}
     if args.out:
         with open(args.out, "w", encoding="utf-8") as fh:
-            json.dump({"peaks": rows, "measurements": result["measurements"], "load_average": result["load_average"],
-                       "wall_s": result["wall_s"]}, fh, indent=1)
+            json.dump({key: result[key] for key in ("model", "device", "grid", "backend", "date", "torch",
+                                                    "load_average", "wall_s")}
+                      | {"peaks": rows, "measurements": result["measurements"]}, fh, indent=1)
             fh.write("\n")
     if args.planner_file:
         _merge_rows(args.planner_file, rows)

@@ -119,6 +119,24 @@ def test_branches_and_families_are_charged_and_capped() -> None:
     ledger.check()
 
 
+def test_a_quota_refusal_changes_nothing_but_its_counters() -> None:
+    ledger = KVLedger(64, 4)
+    ledger.set_quota("acme", 6)
+    ledger.admit(Request("a", list(range(8)), 8, A))  # 4 blocks at most
+    ledger.mark_computed("a", 8)
+    pool = ledger.pool
+    before = (ledger.usage(), pool.free_blocks(), dict(pool.index), list(pool.ref), list(pool.written),
+              ledger.counters.groups["acme"].queries, ledger.group_usage())
+    # Shares a's two written prompt blocks (charged nothing) but needs 3 more of its own: 4 + 3 > 6.
+    d = ledger.admit(Request("b", list(range(8)) + [99], 8, A))
+    assert d.outcome is Outcome.NOT_NOW and d.over_quota and d.blocks_hit == 2
+    after = (ledger.usage(), pool.free_blocks(), dict(pool.index), list(pool.ref), list(pool.written),
+             ledger.counters.groups["acme"].queries, ledger.group_usage())
+    assert after == before
+    assert (ledger.counters.rejected_not_now, ledger.counters.quota_refusals) == (1, {"acme": 1})
+    ledger.check()
+
+
 def test_quota_input_is_checked_before_anything_changes() -> None:
     ledger = KVLedger(16, 4)
     for group, cap in [("", 4), (None, 4), (3, 4), ("acme", 0), ("acme", -1), ("acme", 1.5), ("acme", True),

@@ -240,9 +240,13 @@ class LedgerEpisode:
         self.counts[f"admit:{decision.outcome.value}"] += 1
         longest = -(-(len(prompt) + max_new + lookahead) // self.bs)
         need = longest + (branches - 1) * (longest - len(prompt) // self.bs)
-        never = need > self.num_blocks or branches > self.num_blocks
+        group = CONTEXTS[ctx].trust_group
+        cap = led.quotas().get(group)
+        never = need > self.num_blocks or branches > self.num_blocks or (cap is not None and need > cap)
         require((decision.outcome is Outcome.NEVER) == never,
-                f"{rid}: the declared maximum is {need} blocks of {self.num_blocks}, yet {decision.outcome.value}")
+                f"{rid}: the declared maximum is {need} blocks of {self.num_blocks} (quota {cap}), "
+                f"yet {decision.outcome.value}")
+        require(not decision.over_quota or cap is not None, f"{rid}: refused over a quota its group does not have")
         if not decision.admitted:
             require(self.snapshot() == before, f"{rid}: refused ({decision.outcome.value}) but changed the ledger")
             return
@@ -253,6 +257,9 @@ class LedgerEpisode:
             require(self.content.get(b) == want, f"{rid}: prefix hit on block {b} holding {self.content.get(b)}, "
                                                  f"expected {want}")
             require(b in index_before.values(), f"{rid}: hit block {b} was not in the prefix index")
+        if cap is not None:  # an admission never takes a capped group's charge past its cap
+            charged = led.group_usage(group)[group].charged
+            require(charged <= cap, f"{rid}: admitted, and trust group {group!r} is charged {charged} > its cap {cap}")
         full = (reserve is None or reserve == max_new)
         for i in range(branches):
             sid = rid if i == 0 else f"{rid}/{i}"
@@ -442,6 +449,13 @@ class LedgerEpisode:
             require((u.free, len(led.pool.index)) == (u.total, 0), f"a reset left {u}")
             self.content.clear()
 
+    def op_quota(self) -> None:
+        """Cap a trust group (sometimes below what it holds now: its admissions wait) or lift the cap."""
+        rng, led = self.rng, self.ledger
+        group = rng.choice(sorted({c.trust_group for c in CONTEXTS}))
+        cap = rng.choice([None, rng.randint(0, self.num_blocks), rng.randint(self.num_blocks // 2, self.num_blocks)])
+        self.attempt("quota", lambda: led.set_quota(group, cap))
+
     def op_take_copies(self) -> None:
         self.attempt("take_copies", self.ledger.take_copies)
 
@@ -502,7 +516,7 @@ class LedgerEpisode:
         ("beam_step", 2, True), ("release", 4, True), ("finish", 5, True), ("preempt", 2, True),
         ("retract", 1, True), ("cancel", 2, True), ("lease", 3, False), ("end_lease", 3, False),
         ("pin", 2, False), ("unpin", 1, False), ("clear", 1, False), ("reset", 1, False),
-        ("take_copies", 1, False), ("bad", 2, False),
+        ("take_copies", 1, False), ("quota", 1, False), ("bad", 2, False),
     )
 
     def run(self) -> Counter[str]:

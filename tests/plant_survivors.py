@@ -27,32 +27,42 @@ REPO = Path(__file__).resolve().parent.parent
 
 @dataclass(frozen=True)
 class Plant:
+    """One bug: each ``(old, new)`` edit replaces a line found exactly once in ``path``. A plant has
+    more than one edit only where the code computes the same decision twice (a fast path and the
+    general one), so the bug is the same one wherever the decision is taken."""
+
     name: str
     what: str
     path: str  # relative to src/kvledger
-    old: str
-    new: str
+    edits: tuple[tuple[str, str], ...]
 
 
 PLANTS = (
     Plant("never_ignores_lookahead", "the 'never fits' rule ignores lookahead", "core/admission.py",
-          "longest = -(-(prompt_len + request.max_new_tokens + request.lookahead) // bs)",
-          "longest = -(-(prompt_len + request.max_new_tokens) // bs)"),
+          (("longest = -(-(prompt_len + request.max_new_tokens + request.lookahead) // bs)",
+            "longest = -(-(prompt_len + request.max_new_tokens) // bs)"),)),
     Plant("trim_not_repromised", "trimmed draft blocks are not promised again", "core/ledger.py",
-          "repromise = max(0, min(len(extra), seq.reserved_blocks - len(blocks) - seq.promised))",
-          "repromise = 0"),
+          (("repromise = max(0, min(len(extra), seq.reserved_blocks - len(blocks) - seq.promised))",
+            "repromise = 0"),)),
     Plant("field_without_length", "context field values encoded without their length", "core/identity.py",
-          'return b"s" + _U64.pack(len(data)) + data', 'return b"s" + data'),
+          (('return b"s" + _U64.pack(len(data)) + data', 'return b"s" + data'),)),
     Plant("no_personalisation", "the root digest's personalisation removed", "core/identity.py",
-          "digest_size=DIGEST_BYTES, person=ROOT_PERSON)", "digest_size=DIGEST_BYTES)"),
+          (("digest_size=DIGEST_BYTES, person=ROOT_PERSON)", "digest_size=DIGEST_BYTES)"),)),
+    # The victim is picked by pick_victim() outside a growth pass and by VictimQueue inside one.
     Plant("victim_tie_break_flipped", "victim ties go to the earliest admitted", "scheduler/victims.py",
-          "-running[rid][0].admitted_order))", "running[rid][0].admitted_order))"),
+          (("if best is None or k <= best:", "if best is None or k < best:"),
+           ("self._heap = [(key(ledger, brs), -brs[0].admitted_order, rid)",
+            "self._heap = [(key(ledger, brs), brs[0].admitted_order, rid)"))),
+    # waste() has a one-branch fast path and the general family formula.
     Plant("min_waste_differently", "min_waste adds held blocks and replay instead of multiplying",
-          "scheduler/victims.py", "held_blocks(ledger, branches) * replay_tokens(ledger, branches)",
-          "held_blocks(ledger, branches) + replay_tokens(ledger, branches)"),
+          "scheduler/victims.py",
+          (("held_blocks(ledger, branches) * replay_tokens(ledger, branches)",
+            "held_blocks(ledger, branches) + replay_tokens(ledger, branches)"),
+           ("return len(blocks) * (len(br.tokens) - kept * ledger.block_size)",
+            "return len(blocks) + (len(br.tokens) - kept * ledger.block_size)"))),
     Plant("grower_retries_after_swap", "the grower retries right after a swap", "scheduler/growth.py",
-          "        br.deferred = True\n        return False\n    return True",
-          "        return True\n    return True"),
+          (("        sched.defer(br)\n        return False\n    return True",
+            "        return True\n    return True"),)),
 )
 
 TESTS = [
@@ -61,6 +71,7 @@ TESTS = [
     "tests/test_lifetimes.py", "tests/test_eviction.py", "tests/test_identity.py",
     "tests/test_identity_known_answers.py", "tests/test_isolation.py", "tests/test_scheduler.py",
     "tests/test_scheduler_defects.py", "tests/test_scheduler_props.py", "tests/test_scheduler_beam.py",
+    "tests/test_scheduler_victims.py", "tests/test_ledger_quota.py", "tests/test_scheduler_quota.py",
     "tests/test_driver.py", "tests/test_fuzz_regressions.py", "tests/test_mutation_kills.py",
 ]
 
@@ -70,10 +81,12 @@ def plant_tree(plant: Plant, into: Path) -> Path:
     shutil.copytree(REPO / "src", src, ignore=shutil.ignore_patterns("__pycache__", "_build", "*.so"))
     target = src / "kvledger" / plant.path
     text = target.read_text()
-    if text.count(plant.old) != 1:
-        raise SystemExit(f"{plant.name}: the line to plant is not found exactly once in {plant.path}; "
-                         f"update tests/plant_survivors.py")
-    target.write_text(text.replace(plant.old, plant.new))
+    for old, new in plant.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{plant.name}: {old!r} is not found exactly once in {plant.path}; "
+                             f"update tests/plant_survivors.py")
+        text = text.replace(old, new)
+    target.write_text(text)
     return src
 
 

@@ -731,11 +731,12 @@ class SchedulerScenario:
     cancels: dict[int, str] = field(default_factory=dict)  # driver step -> request id
     failing: str | None = None
     accept_seed: int = 0
+    quotas: dict[str, int] = field(default_factory=dict)  # trust group -> cap (blocks)
 
     def describe(self) -> str:
         c = self.config
         return (f"{c.policy}/{c.on_growth_failure}/{c.victim}/{c.recovery}/{self.eviction} caching={self.caching} "
-                f"pool={self.num_blocks} host={self.host_blocks} requests={len(self.requests)}")
+                f"pool={self.num_blocks} host={self.host_blocks} requests={len(self.requests)} quotas={self.quotas}")
 
 
 def draw_scenario(rng: random.Random) -> SchedulerScenario:
@@ -777,9 +778,12 @@ def draw_scenario(rng: random.Random) -> SchedulerScenario:
     if rng.random() < 0.3:
         cancels[rng.randint(0, 20)] = rng.choice(requests).request_id
     failing = rng.choice(requests).request_id if rng.random() < 0.1 else None
+    quotas = {}
+    if rng.random() < 0.25:  # one tenant capped: its requests queue behind each other, or never fit
+        quotas[rng.choice(contexts).trust_group] = rng.randint(max(1, needs[0] - 1), num_blocks)
     return SchedulerScenario(cfg, rng.choice(sorted(EVICTION_POLICIES)), rng.random() < 0.85, num_blocks,
                              rng.choice([0, 4, 16, 64]), rng.choice([1e8, 1e12]), requests, cancels, failing,
-                             rng.randint(0, 2**31))
+                             rng.randint(0, 2**31), quotas)
 
 
 MAX_STEPS = 3000
@@ -804,6 +808,8 @@ def scheduler_episode(seed: int, ops: int = 0) -> Counter[str]:
 def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
     cfg = sc.config
     led = KVLedger(sc.num_blocks, BS, prefix_caching=sc.caching, policy=sc.eviction, clock=lambda: 0.0)
+    for group, cap in sc.quotas.items():
+        led.set_quota(group, cap)
     host = HostPool(sc.host_blocks)
     costs = RecoveryCosts(flops_per_token=1e9, flops_per_s=1e12, block_bytes=1_000_000,
                           transfer=TransferModel(link_Bps=sc.link_Bps, staging_blocks=2))
@@ -826,6 +832,7 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
     counts["preemptions"] += s.preemptions
     counts[f"policy:{cfg.policy}"] += 1
     counts[f"recovery:{cfg.recovery}"] += 1
+    counts["quota"] += bool(sc.quotas)
     s.check()
     u = led.usage()
     require((u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), f"leaked: {u} ({sc.describe()})")
@@ -840,6 +847,7 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
         f = finished.get(rid)
         require(f is not None, f"{rid} never finished ({sc.describe()})")
         cancelled = rid in sc.cancels.values()
+        cap = sc.quotas.get(req.context.trust_group, sc.num_blocks)
         for i, (out, reason) in enumerate(zip(f.outputs, f.finish_reasons, strict=True)):
             counts[f"finish:{reason.split(':')[0]}"] += 1
             where = f"{rid} branch {i} ({reason}; {sc.describe()})"
@@ -854,8 +862,8 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
                         f"{where}: stopped on a token that is no stop token")
             elif reason.startswith("never"):
                 need = never_blocks(len(req.prompt), req.max_new_tokens, req.lookahead, req.n)
-                require(out == [] and (need > sc.num_blocks or req.n > cfg.max_running),
-                        f"{where}: needs {need} of {sc.num_blocks} blocks, yet never")
+                require(out == [] and (need > min(sc.num_blocks, cap) or req.n > cfg.max_running),
+                        f"{where}: needs {need} of {sc.num_blocks} blocks (quota {cap}), yet never")
             elif reason.startswith("rejected"):
                 require(not cfg.exact, f"{where}: a full reservation was rejected")
                 require(len(out) < req.max_new_tokens, f"{where}: rejected after all its tokens")
@@ -866,7 +874,8 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
             else:
                 require(reason == "cancelled" and cancelled, f"{where}: unexpected reason")
         need = never_blocks(len(req.prompt), req.max_new_tokens, req.lookahead, req.n)
-        if cfg.exact and not cancelled and rid != sc.failing and need <= sc.num_blocks and req.n <= cfg.max_running:
+        if cfg.exact and not cancelled and rid != sc.failing and need <= min(sc.num_blocks, cap) \
+                and req.n <= cfg.max_running:
             require(all(r in ("length", "stop", "pruned") for r in f.finish_reasons),
                     f"{rid}: fits the pool under full reservation, yet ended {f.finish_reasons} ({sc.describe()})")
         outcome.append((rid, tuple(map(tuple, f.outputs)), tuple(f.finish_reasons), f.metrics.preemptions))

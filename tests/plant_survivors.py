@@ -71,7 +71,8 @@ TESTS = [
     "tests/test_lifetimes.py", "tests/test_eviction.py", "tests/test_identity.py",
     "tests/test_identity_known_answers.py", "tests/test_isolation.py", "tests/test_scheduler.py",
     "tests/test_scheduler_defects.py", "tests/test_scheduler_props.py", "tests/test_scheduler_beam.py",
-    "tests/test_scheduler_victims.py", "tests/test_ledger_quota.py", "tests/test_scheduler_quota.py",
+    "tests/test_scheduler_victims.py", "tests/test_scheduler_shared_prefill.py", "tests/test_ledger_quota.py",
+    "tests/test_scheduler_quota.py",
     "tests/test_driver.py", "tests/test_fuzz_regressions.py", "tests/test_mutation_kills.py",
 ]
 

@@ -13,6 +13,7 @@ from kvledger.scheduler import (
     ConstantExecutor,
     Driver,
     GenRequest,
+    HostPool,
     Registry,
     RequestMetrics,
     Scheduler,
@@ -21,12 +22,13 @@ from kvledger.scheduler import (
     percentile,
     summarize_requests,
 )
+from kvledger.scheduler.growth import REJECTED_OUTGREW
 from kvledger.scheduler.victims import VICTIM_POLICIES, held_blocks, replay_tokens
 
 try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, toks
+    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 except ImportError:  # pragma: no cover
-    from test_scheduler import BS, FakeEngine, assert_drained, toks
+    from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 
 
 # ---- scheduler/metrics.py ---------------------------------------------------------------------------
@@ -208,4 +210,28 @@ def test_min_waste_counts_a_family_once_and_keeps_only_blocks_others_hold() -> N
     assert {rid: replay_tokens(led, brs) for rid, brs in s.running.items()} == {"F": 16, "P": 2, "Q": 1, "R": 5}
     assert s.pick_victim() == "Q"
     engine.drain()
+    assert_drained(s)
+
+
+# ---- scheduler/growth.py: preempt, alone -------------------------------------------------------------
+
+@pytest.mark.parametrize("recovery", ["recompute", "swap"])
+def test_a_lone_request_that_outgrows_the_pool_is_rejected_not_preempted(recovery: str) -> None:
+    """on_growth_failure=preempt, alone in an 8-block pool with 3 blocks pinned: the request (4 + 20
+    tokens = 6 blocks, so not 'never') fills 5 blocks = 20 tokens and can grow no further. Preempting
+    itself would free nothing it could use again: it ends 'outgrew the whole pool', never preempted."""
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery=recovery, watermark=0.0)
+    led = KVLedger(8, BS, max_pinned_fraction=0.5)
+    s = Scheduler(led, cfg, host=HostPool(16))
+    engine = FakeEngine(s)
+    system = toks(3 * BS, 900)
+    s.add(GenRequest("sys", system, 1))
+    engine.drain()
+    assert led.pin("system", system, CacheContext()) == 3
+    s.add(GenRequest("r", toks(4, 100), 20))
+    engine.drain(limit=40)
+    (br,) = s.branches("r")
+    assert (br.finish_reason, s.preemptions) == (REJECTED_OUTGREW, 0)
+    assert br.output == expected_output("r", 4, 20)[:17] and br.in_ledger == 5 * BS
+    s.ledger.unpin("system")
     assert_drained(s)

@@ -14,11 +14,13 @@ from kvledger.scheduler import (
     Driver,
     GenRequest,
     HostPool,
+    RecoveryCosts,
     Registry,
     RequestMetrics,
     Scheduler,
     SchedulerConfig,
     Status,
+    TransferModel,
     percentile,
     summarize_requests,
 )
@@ -229,9 +231,26 @@ def test_a_lone_request_that_outgrows_the_pool_is_rejected_not_preempted(recover
     engine.drain()
     assert led.pin("system", system, CacheContext()) == 3
     s.add(GenRequest("r", toks(4, 100), 20))
-    engine.drain(limit=40)
+    plans = engine.drain(limit=40)
     (br,) = s.branches("r")
     assert (br.finish_reason, s.preemptions) == (REJECTED_OUTGREW, 0)
+    # The step that ended it says so (executors drop a branch's state on plan.ended).
+    assert [e for p in plans for e in p.ended] == [("r", REJECTED_OUTGREW)]
     assert br.output == expected_output("r", 4, 20)[:17] and br.in_ledger == 5 * BS
     s.ledger.unpin("system")
     assert_drained(s)
+
+
+# ---- scheduler/recovery.py: the auto cost model --------------------------------------------------------
+
+def test_auto_recovery_swaps_only_when_strictly_cheaper_and_nothing_to_replay_costs_nothing() -> None:
+    """1 FLOP per token at 1 FLOP/s; blocks of 1 byte over a 1 B/s link with no per-round overhead: a
+    recompute costs its replay tokens in seconds, a swap 2 x its blocks (out and back)."""
+    costs = RecoveryCosts(flops_per_token=1.0, flops_per_s=1.0, block_bytes=1,
+                          transfer=TransferModel(link_Bps=1.0, overhead_s=0.0, staging_blocks=64))
+    assert costs.choose(4, 2) == ("recompute", 4.0, 4.0)  # a tie keeps the request off the host tier
+    assert costs.choose(5, 2) == ("swap", 5.0, 4.0)
+    assert costs.choose(3, 2) == ("recompute", 3.0, 4.0)
+    # A victim whose every token sits in blocks others keep replays nothing: recompute is free.
+    assert RecoveryCosts().recompute_s(0) == 0.0 and RecoveryCosts().recompute_s(-3) == 0.0
+    assert RecoveryCosts().choose(0, 1)[0] == "recompute"

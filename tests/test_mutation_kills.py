@@ -25,6 +25,7 @@ from kvledger.scheduler import (
     summarize_requests,
 )
 from kvledger.scheduler.growth import REJECTED_OUTGREW
+from kvledger.scheduler.policies import OutputLengthTracker, reserve_tokens
 from kvledger.scheduler.victims import VICTIM_POLICIES, held_blocks, replay_tokens
 
 try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
@@ -254,3 +255,31 @@ def test_auto_recovery_swaps_only_when_strictly_cheaper_and_nothing_to_replay_co
     # A victim whose every token sits in blocks others keep replays nothing: recompute is free.
     assert RecoveryCosts().recompute_s(0) == 0.0 and RecoveryCosts().recompute_s(-3) == 0.0
     assert RecoveryCosts().choose(0, 1)[0] == "recompute"
+
+
+# ---- scheduler/policies.py: the predicted policy ---------------------------------------------------------
+
+def test_output_length_quantiles_are_the_nearest_rank_of_what_finished() -> None:
+    lengths = OutputLengthTracker()
+    with pytest.raises(ValueError, match="^no output lengths observed yet$"):
+        lengths.quantile(0.5)
+    for n in (40, 10, 30, 20):
+        lengths.observe(n)
+    # Nearest rank: the smallest length with at least q of them at or below it.
+    assert [lengths.quantile(q) for q in (0.0, 0.25, 0.26, 0.5, 0.75, 0.9, 1.0)] == [10, 10, 20, 20, 30, 40, 40]
+    assert lengths.quantile(1.5) == 40 and lengths.quantile(-1.0) == 10  # clamped to what was seen
+
+
+def test_predicted_reserves_the_quantile_minus_what_was_already_generated() -> None:
+    """Median of 10, 20, 30, 40 is 20 once 2 requests have finished; before that, the whole allowance."""
+    cfg = SchedulerConfig(policy="predicted", predicted_quantile=0.5, predicted_min_samples=2)
+    lengths = OutputLengthTracker()
+    lengths.observe(10)
+    assert reserve_tokens(cfg, lengths, 100, 100) == 100  # one sample: not enough to predict
+    for n in (20, 30, 40):
+        lengths.observe(n)
+    assert reserve_tokens(cfg, lengths, 100, 100) == 20  # a first admission
+    assert reserve_tokens(cfg, lengths, 100, 85) == 5  # re-admitted after 15 tokens: 20 - 15 more
+    assert reserve_tokens(cfg, lengths, 100, 75) == 1  # already past the prediction: the next token only
+    assert reserve_tokens(cfg, lengths, 12, 12) == 12  # never more than the request may still generate
+    assert reserve_tokens(cfg, lengths, 100, 0) == 0

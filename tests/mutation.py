@@ -3,6 +3,7 @@ Makefile; configured in pyproject.toml's ``[tool.mutmut]``), module by module, a
 
     .venv/bin/python tests/mutation.py run [MODULE ...]    # mutmut on each module, then the report
     .venv/bin/python tests/mutation.py report [MODULE ...] # the report of what the last runs found
+    .venv/bin/python tests/mutation.py rerun [MODULE ...]  # the survivors again, after adding tests
 
 A MODULE is a dotted name (``kvledger.scheduler.victims``) or a package (``kvledger.scheduler``); the
 default is every module of ``kvledger.core`` and ``kvledger.scheduler``. The run is one mutmut worker
@@ -106,8 +107,7 @@ def report(names: list[str]) -> int:
         rate = f"{100 * c['killed'] / denom:.1f}%" if denom else "-"
         print(f"{mod:34s} {c['mutants']:8d} {c['killed']:7d} {c['equivalent']:6d} {c['survived']:6d} "
               f"{c['unchecked']:9d} {rate:>9s}")
-    surv = sorted(k for k, v in status.items() if module_of(k) in wanted and v not in KILLED | {"not checked"}
-                  and k not in eq)
+    surv = surviving(names)
     if surv:
         print(f"\n{len(surv)} surviving non-equivalent mutants (mutmut show NAME shows one):")
         for name in surv:
@@ -131,11 +131,39 @@ def run(names: list[str]) -> int:
     return report(names)
 
 
+def surviving(names: list[str]) -> list[str]:
+    wanted = modules(names)
+    eq = equivalents()
+    return sorted(k for k, v in results().items()
+                  if module_of(k) in wanted and v not in KILLED | {"not checked"} and k not in eq)
+
+
+def rerun(names: list[str]) -> int:
+    """Run the surviving non-equivalent mutants of ``names`` again (after adding tests), in one mutmut
+    call, then the report."""
+    todo = surviving(names)
+    if not todo:
+        print("no surviving non-equivalent mutants to run again")
+        return report(names)
+    t0 = time.perf_counter()
+    print(f"== mutmut: {len(todo)} surviving mutants again", flush=True)
+    cmd = ["nice", "-n", "10", *MUTMUT, "run", "--max-children", "1", *todo]
+    proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, **ENV), capture_output=True, text=True)
+    print(f"   {time.perf_counter() - t0:.0f} s", flush=True)
+    if proc.returncode != 0:
+        print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
+        return proc.returncode
+    return report(names)
+
+
+COMMANDS = {"run": run, "report": report, "rerun": rerun}
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("run", "report"):
+    if not argv or argv[0] not in COMMANDS:
         print(__doc__)
         return 2
-    return run(argv[1:]) if argv[0] == "run" else report(argv[1:])
+    return COMMANDS[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvledger.core.eviction import PriorityPolicy
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger
 from kvledger.errors import ConfigError, LedgerError
@@ -283,3 +284,52 @@ def test_predicted_reserves_the_quantile_minus_what_was_already_generated() -> N
     assert reserve_tokens(cfg, lengths, 100, 75) == 1  # already past the prediction: the next token only
     assert reserve_tokens(cfg, lengths, 12, 12) == 12  # never more than the request may still generate
     assert reserve_tokens(cfg, lengths, 100, 0) == 0
+
+
+# ---- core/eviction.py: retention priorities with expiry ------------------------------------------------
+
+def test_priority_policy_expiry_is_inclusive_and_stale_entries_do_not_stop_it() -> None:
+    """A manual clock. A priority that expires at t falls back to the default level (35) at t itself,
+    both when the block is retained at t and when it was retained before; entries for blocks evicted or
+    re-prioritised since are skipped, never the end of the expiry scan."""
+    now = [0.0]
+    p = PriorityPolicy(clock=lambda: now[0])
+    assert p.is_empty()
+    for bad in (True, -1, 101, 1.5, "9"):
+        with pytest.raises(ConfigError, match=r"^priority must be an integer in 0\.\.100, got "):
+            p.set_priority(1, bad, None)  # type: ignore[arg-type]
+    p.set_priority(1, 90, 3.0)  # 1: kept at 90 until t=3
+    p.set_priority(2, 90, 1.0)  # 2: evicted before its expiry (a stale heap entry)
+    p.set_priority(3, 90, 1.5)  # 3: re-prioritised for good before its expiry (stale too)
+    p.set_priority(4, 60, None)  # 4: 60 for good
+    for b in (2, 3, 1, 4):
+        p.add(b)
+    p.set_priority(3, 95, None)
+    p.remove(2)
+    assert 2 not in p and 1 in p and len(p) == 3
+    p.add(5)  # 5: the default level
+    assert p.blocks() == [5, 4, 3, 1]  # at t=0: 35, 60, 90 (3 and 1 in release order)
+    now[0] = 3.0
+    assert p.blocks() == [5, 1, 4, 3]  # 1 expired at exactly t=3 and is now the most recent at 35
+    p.set_priority(6, 90, 3.0)
+    p.add(6)  # retained at its expiry: the default level straight away, released before 7
+    p.add(7)
+    assert p.pop_victims(4) == [5, 1, 6, 7]
+    with pytest.raises(IndexError, match="^fewer retained blocks than requested victims$"):
+        p.pop_victims(3)
+    assert 6 not in p
+
+
+def test_priority_policy_is_empty_only_when_it_remembers_nothing() -> None:
+    p = PriorityPolicy(clock=lambda: 0.0)
+    p.set_priority(7, 90, None)  # a priority for a block not retained yet
+    assert not p.is_empty()
+    p.forget(7)  # its content is gone: so is its priority
+    assert p.is_empty()
+    p.set_priority(8, 90, 5.0)
+    p.add(8)
+    p.remove(8)
+    p.forget(8)
+    assert not p.is_empty()  # its expiry is still pending in the heap
+    p.clear()
+    assert p.is_empty()

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.core.eviction import PriorityPolicy
+from kvledger.core import native
+from kvledger.core.eviction import LRUPolicy, PriorityPolicy, as_policy, make_policy
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger
 from kvledger.errors import ConfigError, LedgerError
@@ -333,3 +334,44 @@ def test_priority_policy_is_empty_only_when_it_remembers_nothing() -> None:
     assert not p.is_empty()  # its expiry is still pending in the heap
     p.clear()
     assert p.is_empty()
+
+
+def test_lru_asked_for_more_victims_than_it_holds_takes_them_all_and_fails_like_popitem() -> None:
+    lru = LRUPolicy()
+    lru.add_many([3, 1])
+    lru.add(2)
+    lru.remove(1)
+    assert lru.blocks() == [3, 2] and 2 in lru and 1 not in lru
+    with pytest.raises(KeyError):
+        lru.pop_victims(3)
+    assert len(lru) == 0 and lru.blocks() == []
+
+
+def test_lru_keeps_block_ids_in_the_native_order_when_the_c_part_is_loaded() -> None:
+    """Block ids stay in the C part's flat order (one object per block would cost the memory it saves);
+    only a key that is not a block id moves the order to an OrderedDict, for good, with the same order."""
+    lru = LRUPolicy()
+    lru.add_many([5, 6])
+    lru.add(7)
+    lru.remove(6)
+    loaded = native.MODULE is not None
+    assert (lru.native_order is not None) == loaded
+    assert lru.pop_victims(1) == [5] and lru.blocks() == [7]
+    lru.add("not-a-block")  # type: ignore[arg-type]
+    assert lru.native_order is None and lru.blocks() == [7, "not-a-block"]
+
+
+def test_a_policy_that_is_not_one_gets_one_clear_error() -> None:
+    """What KVLedger(policy=...) says about what it cannot use (the CLI prints these lines as they are)."""
+    with pytest.raises(ConfigError) as exc:
+        make_policy(["lru"])  # type: ignore[arg-type]
+    assert str(exc.value) == "unknown eviction policy ['lru']; choose one of lru, priority"
+    with pytest.raises(ConfigError) as exc:
+        as_policy(object())  # type: ignore[arg-type]
+    assert str(exc.value) == ("policy must be an eviction policy or one of lru, priority; object lacks add, add_many, "
+                              "remove, pop_victims, set_priority, blocks, __len__, __contains__")
+    used = LRUPolicy()
+    used.add(1)
+    with pytest.raises(ConfigError) as exc:
+        as_policy(used)
+    assert str(exc.value) == "an eviction policy can serve one pool, from empty; this one already holds blocks"

@@ -247,7 +247,7 @@ def _compare_logits(model: Any, hb: torch.Tensor, hf: torch.Tensor, targets: tor
             "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
 
 
-@dataclass(slots=True)
+@dataclass
 class QualityRun:
     """One model, one format: ``measure`` fills a report (baseline figures are cached per case)."""
 

@@ -68,7 +68,8 @@ def kv_table(spec: Any) -> Any:
     bpt = spec.bytes_per_token
     t.add_row("KV bytes per token", f"{bpt:,} ({format_bytes(int(bpt))})" if isinstance(bpt, int)
               else f"{bpt:,.2f} (block bytes / block size)")
-    t.add_row("block", f"{spec.block_size} tokens = {spec.block_bytes:,} B ({format_bytes(spec.block_bytes)})")
+    t.add_row("block", f"{spec.block_size} tokens = {format_bytes(spec.block_bytes)}"
+              + ("" if spec.format.plain else f" ({spec.block_bytes:,} B, metadata included)"))
     if not spec.format.plain:
         from ..core.inventory import kv_layout
 

@@ -256,6 +256,8 @@ class KVStore:
             return
         B = self.block_size
         values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        if values and not 0 <= min(values) <= max(values) < self.num_slots:
+            raise ConfigError(f"slots must be in [0, {self.num_slots}), got {min(values)}..{max(values)}")
         by_block: dict[int, list[tuple[int, int]]] = {}
         for i, s in enumerate(values):
             by_block.setdefault(s // B, []).append((s % B, i))

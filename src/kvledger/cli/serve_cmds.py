@@ -79,7 +79,8 @@ def _prepare_torch(threads: int | None) -> None:
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
 def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: str | None, block_size: int,
-              kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str, recovery: str,
+              kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str,
+              recovery: str,
               host_blocks: int, max_num_seqs: int | None, max_num_batched_tokens: int | None,
               max_model_len: int | None, max_queue: int, tenants_path: str | None, api_key: str | None,
               served_model_name: str | None, drain_timeout: float, threads: int | None, log_level: str) -> None:

@@ -412,6 +412,7 @@ def _sliding_layout(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
 
 
 __all__ = [
-    "ATTENTION_KINDS", "ELEMENT_BYTES", "KV_DTYPE_BYTES", "KV_FORMATS", "KVSpec", "canonical_dtype", "config_int", "default_dtype",
+    "ATTENTION_KINDS", "ELEMENT_BYTES", "KV_DTYPE_BYTES", "KV_FORMATS", "KVSpec", "canonical_dtype", "config_int",
+    "default_dtype",
     "dtype_bytes", "text_config",
 ]

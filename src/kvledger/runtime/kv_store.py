@@ -440,7 +440,7 @@ class KVStore:
 
     def _copy_token_rows(self, src_bytes: torch.Tensor, dst: int, n: int) -> None:
         """The first ``n`` rows of a per-token-scaled block (codes and scales of K and V)."""
-        for (kv, name), (at, shape, dtype) in self.offsets.items():
+        for at, shape, dtype in self.offsets.values():
             row = (shape[1] * shape[2] if len(shape) == 3 else shape[1]) * torch.empty((), dtype=dtype).element_size()
             self.kv[:, dst, at:at + n * row] = src_bytes[:, at:at + n * row]
 

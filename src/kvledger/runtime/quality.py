@@ -10,8 +10,12 @@ and each case reports:
 * per-layer attention-output relative error ``||o - o_exact|| / ||o_exact||``, where ``o`` is the layer's
   attention output reading the format's K/V and ``o_exact`` the same queries over the same keys and values
   unquantised (so each layer's own representation error, not the drift of the layers before it);
-* greedy generation agreement: ``new_tokens`` (128) greedy tokens after the context, with each runner:
-  the positions where both chose the same token, and the first position where they differ.
+* greedy generation agreement: the baseline generates ``new_tokens`` (128) greedy tokens after the
+  context; the format's runner decodes along that same path (fed the baseline's tokens) and its greedy
+  choice is compared at every step: the steps where both choose the same token, and the first step where
+  they differ (which is where a free-running run of the format would first diverge). Comparing two
+  free-running runs after their first divergence would compare unrelated continuations: one near-tie
+  early on (a bf16 cache against fp32 already flips one on prose) would score the rest as disagreement.
 
 Texts come from what the package and the system ship (:func:`quality_texts`, each with its origin and
 hash): the bundled public-domain corpus (prose), a module of Python's own standard library (code), and
@@ -140,7 +144,8 @@ def quality_texts(tokenizer: Any = None, kinds: Sequence[str] = KINDS) -> list[T
     out = []
     for kind in kinds:
         if kind == "prose":
-            out.append(TextSource("prose", corpus_text(), f"kvledger's bundled public-domain corpus ({CORPUS_DIR.name}/)"))
+            origin = f"kvledger's bundled public-domain corpus (kvledger/data/{CORPUS_DIR.name}/)"
+            out.append(TextSource("prose", corpus_text(), origin))
         elif kind == "code":
             out.append(_code_text())
         elif kind == "chat":
@@ -215,17 +220,33 @@ def _teacher_forced(model: Any, spec: Any, ids: list[int], backend: str) -> tupl
 
 
 @torch.inference_mode()
-def _greedy(model: Any, spec: Any, ids: list[int], new_tokens: int, backend: str) -> list[int]:
-    runner, table = _runner(model, spec, len(ids) + new_tokens, backend)
+def _greedy(model: Any, spec: Any, prompts: list[list[int]], new_tokens: int, backend: str,
+            forced: list[list[int]] | None = None) -> list[list[int]]:
+    """``new_tokens`` greedy choices after each prompt, all prompts in one batch (one prefill step, then one
+    decode step per token), each sequence in blocks of its own.
+
+    Without ``forced`` each sequence feeds back its own choice (free-running greedy generation). With
+    ``forced`` (the baseline's greedy tokens) every sequence is fed the baseline's token instead, so the
+    choice at step ``i`` is the format's greedy token on the baseline's path: the two agree at ``i`` exactly
+    when a free-running run that had not diverged before ``i`` would pick the same token, and the first
+    disagreement is the free-running first divergence."""
     bs = spec.block_size
-    logits = runner.forward([SeqStep(ids, 0, table, _slots(table, 0, len(ids), bs))])
-    out = [int(logits[0].argmax())]
-    pos = len(ids)
-    while len(out) < new_tokens:
-        logits = runner.forward([SeqStep([out[-1]], pos, table, _slots(table, pos, pos + 1, bs))])
-        out.append(int(logits[0].argmax()))
-        pos += 1
-    return out
+    need = [-(-(len(p) + new_tokens) // bs) for p in prompts]
+    slots = len(prompts) if spec.format.has_residual else None
+    runner = ModelRunner(model, spec, sum(need), backend=backend, residual_slots=slots)
+    tables, at = [], 0
+    for n in need:
+        tables.append(list(range(at, at + n)))
+        at += n
+    logits = runner.forward([SeqStep(p, 0, t, _slots(t, 0, len(p), bs)) for p, t in zip(prompts, tables, strict=True)])
+    outs = [[int(x)] for x in logits.argmax(-1).tolist()]
+    feed = forced if forced is not None else outs
+    for i in range(1, new_tokens):
+        steps = [SeqStep([f[i - 1]], len(p) + i - 1, t, _slots(t, len(p) + i - 1, len(p) + i, bs))
+                 for p, t, f in zip(prompts, tables, feed, strict=True)]
+        for o, x in zip(outs, runner.forward(steps).argmax(-1).tolist(), strict=True):
+            o.append(int(x))
+    return outs
 
 
 @torch.inference_mode()
@@ -260,7 +281,7 @@ class QualityRun:
     def __post_init__(self) -> None:
         self._model = load_decoder(self.ckpt, self.dtype)
         self._tok: Any = None
-        self._base: dict[tuple[str, int, int], Any] = {}
+        self._base: dict[tuple[Any, ...], Any] = {}
 
     @property
     def tokenizer(self) -> Any:
@@ -278,34 +299,44 @@ class QualityRun:
         cases = []
         text_info = []
         t0 = time.perf_counter()
+        work: list[tuple[str, int, list[int]]] = []
         for src in texts:
             ids_all = self.tokenizer(src.text, add_special_tokens=False).input_ids
             text_info.append({"kind": src.kind, "origin": src.origin, "sha256": src.sha256, "tokens": len(ids_all)})
             for n in contexts:
                 if len(ids_all) < n + 1:
                     raise ConfigError(f"the {src.kind} text has {len(ids_all)} tokens, fewer than a {n}-token context")
-                ids = ids_all[:n]
-                key = (src.kind, n, new_tokens)
-                if progress:
-                    progress(f"{src.kind} at {n} tokens")
-                if key not in self._base:
-                    hb, _ = _teacher_forced(self._model, base_spec, ids, self.backend)
-                    gb = _greedy(self._model, base_spec, ids, new_tokens, self.backend)
-                    self._base[key] = (hb, gb)
-                hb, gb = self._base[key]
-                hf, errors = _teacher_forced(self._model, spec, ids, self.backend)
-                gf = _greedy(self._model, spec, ids, new_tokens, self.backend)
-                figures = _compare_logits(self._model, hb[:-1], hf[:-1], torch.tensor(ids[1:]))
-                match = sum(a == b for a, b in zip(gb, gf, strict=True))
-                first = next((i for i, (a, b) in enumerate(zip(gb, gf, strict=True)) if a != b), None)
-                layers = [errors[i] for i in sorted(errors)]
-                cases.append({"kind": src.kind, "context": n, **figures, "attn_rel_err": max(layers),
-                              "attn_rel_err_mean": sum(layers) / len(layers), "attn_rel_err_by_layer": layers,
-                              "greedy_matching": match, "greedy_new_tokens": new_tokens,
-                              "greedy_agreement": match / new_tokens, "first_divergence": first})
+                work.append((src.kind, n, ids_all[:n]))
+        base_keys = [(kind, n, new_tokens) for kind, n, _ in work]
+        if progress:
+            progress(f"greedy generation, {len(work)} contexts in one batch")
+        if any(k not in self._base for k in base_keys):
+            for key, out in zip(base_keys, _greedy(self._model, base_spec, [ids for *_, ids in work], new_tokens,
+                                                   self.backend), strict=True):
+                self._base[key] = out
+        greedy = _greedy(self._model, spec, [ids for *_, ids in work], new_tokens, self.backend,
+                         forced=[self._base[k] for k in base_keys])
+        for (kind, n, ids), key, gf in zip(work, base_keys, greedy, strict=True):
+            if progress:
+                progress(f"{kind} at {n} tokens")
+            gb = self._base[key]
+            hkey = ("hidden", kind, n)
+            if hkey not in self._base:
+                self._base[hkey] = _teacher_forced(self._model, base_spec, ids, self.backend)[0]
+            hb = self._base[hkey]
+            hf, errors = _teacher_forced(self._model, spec, ids, self.backend)
+            figures = _compare_logits(self._model, hb[:-1], hf[:-1], torch.tensor(ids[1:]))
+            match = sum(a == b for a, b in zip(gb, gf, strict=True))
+            first = next((i for i, (a, b) in enumerate(zip(gb, gf, strict=True)) if a != b), None)
+            layers = [errors[i] for i in sorted(errors)]
+            cases.append({"kind": kind, "context": n, **figures, "attn_rel_err": max(layers),
+                          "attn_rel_err_mean": sum(layers) / len(layers), "attn_rel_err_by_layer": layers,
+                          "greedy_matching": match, "greedy_new_tokens": new_tokens,
+                          "greedy_agreement": match / new_tokens, "first_divergence": first})
         from .quality_records import kvledger_version, weights_revision
 
-        protocol = {"kinds": list(kinds), "contexts": list(contexts), "new_tokens": new_tokens}
+        protocol = {"kinds": list(kinds), "contexts": list(contexts), "new_tokens": new_tokens,
+                    "greedy": "format decodes along the baseline's greedy path"}
         complete = (all(k in kinds for k in KINDS) and new_tokens >= DEFAULT_NEW_TOKENS
                     and any(c <= 512 for c in contexts) and any(c >= 2048 for c in contexts))
         return {"model": self.model_name, "weights_revision": weights_revision(self.ckpt), "format": spec.kv_dtype,

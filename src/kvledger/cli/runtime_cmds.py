@@ -173,7 +173,7 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
     branches = beam_width if beam_width > 1 else n
     need = branches * (-(-(len(ids) + max_new) // block_size) + 1)
     engine = Engine.from_model(ckpt, block_size=block_size, backend=attention_backend, kv_dtype=kv_dtype,
-                               allow_untested_kv=allow_untested_kv, residual_slots=branches,
+                               allow_untested_kv=allow_untested_kv, residual_slots=branches, model_name=model,
                                **_pool_args(pool_blocks, pool, max(need, 16)))
     stop = {t for t in (tok.eos_token_id,) if t is not None}
     if chat:
@@ -310,7 +310,7 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
                                backend=attention_backend, kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv,
-                               scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
+                               model_name=model, scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)
     tokens = corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path))

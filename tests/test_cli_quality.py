@@ -130,3 +130,18 @@ def test_the_shipped_records_let_the_bundled_model_serve_compressed_kv(capsys: p
                        "--kv-dtype", fmt, "--json")
     assert rc == 0, err
     assert "Paris" in json.loads(out)["outputs"][0]["text"]
+
+
+@needs_smol
+def test_serve_trace_runs_on_a_compressed_pool(capsys: pytest.CaptureFixture[str], no_records: Path) -> None:
+    trace = str(Path(__file__).resolve().parent / "data" / "traces" / "mooncake_conversation_head300.jsonl")
+    args = ["serve-trace", "--trace", trace, "--limit", "4", "--burst", "--scale", "0.01", "--max-new-cap", "3",
+            "--kv-dtype", "int4", "--json"]
+    rc, out, err = run(capsys, *args)
+    assert rc == 2 and "no passing quality record" in one_error_line(err)
+    rc, out, err = run(capsys, *args, "--allow-untested-kv")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["requests"] == 4 and data["output_tokens"] > 0
+    # int4 in 16-token blocks on SmolLM2: 30 layers x 4,032 bytes per block / 16 tokens, scales included
+    assert data["memory"]["kv_bytes_per_token"] == 7560 and data["memory"]["usage"]["active"] == 0

@@ -310,7 +310,8 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
                                backend=attention_backend, kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv,
-                               model_name=model, scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
+                               model_name=model,
+                               scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)
     tokens = corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path))

@@ -62,6 +62,33 @@ def test_quality_measures_only_quantised_formats(capsys: pytest.CaptureFixture[s
     assert rc == 2 and "bf16" in err  # plain formats have nothing to measure
 
 
+SEED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--block-size", "16", "--pool", "512MiB",
+        "--prompt", "2048", "--max-new", "257"]
+
+
+@pytest.mark.parametrize(("fmt", "extra", "per_token", "blocks", "concurrent"), [
+    ("bf16", [], 131072, 256, 1),
+    ("int8", [], 66560, 504, 3),  # 32 x 2 x 8 x (128 codes + 2 scale bytes): 1.97x the blocks of bf16
+    ("fp8", [], 66560, 504, 3),
+    ("int4", ["--max-num-seqs", "8"], 41984, 774, 5),  # eight 2 MiB residual pages come off the pool first
+])
+def test_plan_counts_a_formats_metadata_in_bytes_blocks_and_concurrency(
+        capsys: pytest.CaptureFixture[str], fmt: str, extra: list[str], per_token: int, blocks: int,
+        concurrent: int) -> None:
+    rc, out, err = run(capsys, "plan", *SEED, "--kv-dtype", fmt, *extra, "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert (data["kv_bytes_per_token"], data["block_bytes"]) == (per_token, per_token * 16)
+    assert (data["pool_blocks"], data["blocks_per_request"], data["max_concurrent_requests"]) == (blocks, 145,
+                                                                                                   concurrent)
+
+
+def test_plan_says_which_option_frees_room_for_int4_residual_pages(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "plan", *SEED, "--kv-dtype", "int4")  # 256 sequences' pages fill 512 MiB
+    assert rc == 2 and not out
+    assert "residual page(s)" in one_error_line(err) and "--max-num-seqs" in err
+
+
 @needs_smol
 def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                              no_records: Path) -> None:

@@ -245,7 +245,8 @@ class KVSpec:
                 raise ConfigError(
                     f"pool of {format_bytes(size)} holds no {block} KV block beside {residual_slots} "
                     f"{self.kv_dtype} residual page(s) of {format_bytes(self.residual_page_bytes)} (one per running "
-                    f"sequence, {format_bytes(residual)}): give a larger pool or fewer sequences")
+                    f"sequence, {format_bytes(residual)}): give a larger pool or fewer running sequences "
+                    "(--max-num-seqs)")
             raise ConfigError(f"pool of {format_bytes(size)} is smaller than one KV block ({block})")
         return blocks
 

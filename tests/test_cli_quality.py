@@ -145,21 +145,6 @@ def test_generate_refuses_an_unrecorded_format_in_one_line(capsys: pytest.Captur
 
 
 @needs_smol
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
-def test_the_shipped_records_let_the_bundled_model_serve_compressed_kv(capsys: pytest.CaptureFixture[str],
-                                                                      fmt: str) -> None:
-    from kvledger.runtime.quality_records import SHIPPED_RECORDS
-
-    records = [json.loads(p.read_text()) for p in sorted(SHIPPED_RECORDS.glob(f"{fmt}-*.json"))]
-    assert records and all(r["passed"] and r["protocol"]["complete"] for r in records)
-    assert max(c["context"] for c in records[0]["cases"]) >= 2048
-    rc, out, err = run(capsys, "generate", "--model", "smollm2-135m", "The capital of France is", "--max-new", "4",
-                       "--kv-dtype", fmt, "--json")
-    assert rc == 0, err
-    assert "Paris" in json.loads(out)["outputs"][0]["text"]
-
-
-@needs_smol
 def test_serve_trace_runs_on_a_compressed_pool(capsys: pytest.CaptureFixture[str], no_records: Path) -> None:
     trace = str(Path(__file__).resolve().parent / "data" / "traces" / "mooncake_conversation_head300.jsonl")
     args = ["serve-trace", "--trace", trace, "--limit", "4", "--burst", "--scale", "0.01", "--max-new-cap", "3",

@@ -18,6 +18,7 @@ from that router's thread (an asyncio loop, or the simulator).
 from __future__ import annotations
 
 import random
+import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -363,5 +364,22 @@ class RouterView:
         return sum(len(s.sent) for s in self.replicas.values())
 
 
+_VIEWS: dict[str, RouterView] = {}
+_VIEWS_LOCK = threading.Lock()
+
+
+def shared_view(key: str, *, block_size: int, score: ScoreConfig | None = None,
+                dedicated: dict[str, list[str]] | None = None, seed: int | None = None) -> RouterView:
+    """The view of fleet ``key`` in this process, created on first use: the live router (which Ray builds
+    itself) and the ingress code of one process meet here. The simulator gives every router its own."""
+    with _VIEWS_LOCK:
+        view = _VIEWS.get(key)
+        if view is None:
+            view = _VIEWS[key] = RouterView(block_size, score, seed=seed, placement=Placement.of(dedicated))
+        elif view.block_size != block_size:
+            raise ConfigError(f"fleet {key!r} already has a view with block size {view.block_size}")
+        return view
+
+
 __all__ = ["CLEARED", "EVICTED", "FORGET_EVENTS", "REMOVED", "STORED", "Placement", "PrefixIndex", "ReplicaState",
-           "RouterView"]
+           "RouterView", "shared_view"]

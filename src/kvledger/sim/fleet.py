@@ -10,7 +10,9 @@ Two arms answer the seed's question -- can a stale metric sent to a router keep 
   the replica's door decides with its own ledger (:mod:`kvledger.fleet.door`) and a refusal ("not now")
   comes back with a fresh load; the router retries the next replica (``avoid``), at most
   ``max_retries`` times, then queues the request and tries again later, and past ``max_queue`` waiting
-  requests answers 429.
+  requests answers 429. When its view says no replica fits, the router waits for news (a reply, a
+  snapshot, its retry timer) instead of sending, unless the view is older than ``probe_after_s``: the
+  view only spares futile sends, it never decides.
 
 Both arms get the same information: a periodic snapshot of every replica's load (every ``staleness_s``
 seconds, phases spread over the routers; 0 means fresh at every decision) and, with ``usage_on_reply``,
@@ -66,6 +68,7 @@ class FleetConfig:
     transit_s: float = 0.001
     max_retries: int | None = None  # default: replicas - 1 (each replica once)
     retry_s: float = 0.05  # a queued request is tried again after this long (or when the router hears news)
+    probe_after_s: float = 0.5  # arm B: when no replica fits by the view, send anyway once the view is this old
     max_queue: int = 100_000
     usage_on_reply: bool = True
     score: ScoreConfig = field(default_factory=ScoreConfig)
@@ -83,7 +86,7 @@ class FleetConfig:
         if self.max_retries is not None and (isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int)
                                              or not 0 <= self.max_retries <= 1000):
             raise ConfigError(f"max_retries must be an integer in [0, 1000], got {self.max_retries!r}")
-        for name in ("staleness_s", "transit_s", "retry_s"):
+        for name in ("staleness_s", "transit_s", "retry_s", "probe_after_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and 0 <= v <= 86400):
                 raise ConfigError(f"{name} must be a number of seconds in [0, 86400], got {v!r}")
@@ -313,6 +316,9 @@ class FleetSimulator:
             self.decision_us.append((time.perf_counter() - t0) * 1e6)
             if cfg.arm == "A":
                 ranking = [c for c in ranking if c.fits]
+            elif ranking and not ranking[0].fits and ranking[0].age_s is not None \
+                    and ranking[0].age_s < cfg.probe_after_s:
+                ranking = []  # a fresh view says nothing fits: wait for news instead of a futile send
             best = ranking[0] if ranking else None
             choice = best.replica if best is not None else None
             matched = best.matched if best is not None else 0

@@ -171,11 +171,13 @@ class _Replica:
     # -- hooks of the driver --
     def _planned(self, plan: StepPlan, t: float) -> None:
         door, ledger = self.door, self.ledger
-        for a in plan.admissions:
+        for a in plan.admissions:  # all of the step's admissions are the ledger's now: unbook them first
             door.admitted(a.request_id)
-            if self.fleet.config.check:
-                ledger.check()
-                door.check() if door.enforce else None
+        if plan.admissions and self.fleet.config.check:
+            ledger.check()
+            if door.enforce:
+                door.check()
+        for a in plan.admissions:
             seq = ledger.sequence(a.request_id)
             group = seq.context.trust_group
             pool_group = ledger.pool.group

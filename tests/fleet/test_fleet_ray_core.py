@@ -1,0 +1,163 @@
+"""Ray core, no model: three ledger actors (each a real KVLedger behind its admission door) hammered by
+routers whose views are deliberately stale. Every acceptance is honoured by its ledger, every law holds
+after every admission, and nobody overcommits; the cluster listens on loopback only."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+
+from kvledger.core.identity import CacheContext, prompt_digests
+from kvledger.core.ledger import KVLedger
+from kvledger.core.types import Request
+from kvledger.fleet.door import AdmissionDoor, CacheEventTap
+from kvledger.fleet.score import ReplicaLoad, make_route_request
+from kvledger.fleet.view import RouterView
+
+from .conftest import is_loopback, listeners, ray_processes
+
+BS = 16
+POOL = 40
+
+
+class LedgerReplica:
+    """A replica without a model: its door decides, its ledger admits at once, the caller releases."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.tap = CacheEventTap()
+        self.ledger = KVLedger(POOL, BS, events=self.tap)
+        self.door = AdmissionDoor(self.ledger)
+        self.admitted = 0
+        self.broken_promises = 0
+
+    def load(self) -> dict:
+        return self.door.load().to_dict()
+
+    def decide(self, rid: str, prompt: list[int], max_new: int, group: str) -> dict:
+        request = Request(rid, prompt, max_new, CacheContext(trust_group=group))
+        answer = self.door.decide(request)
+        if answer.accepted:
+            decision = self.ledger.admit(request)  # the only commitment: the ledger's own, atomic
+            if not decision.admitted:
+                self.broken_promises += 1
+            self.door.admitted(rid)
+            self.ledger.mark_computed(rid, len(prompt))
+            self.ledger.check()
+            self.door.check()
+            self.admitted += 1
+        events, nxt, _ = self.tap.since(0)
+        return {"outcome": answer.outcome, "load": answer.load.to_dict(), "seq": answer.seq, "events": len(events)}
+
+    def release(self, rid: str) -> dict:
+        self.ledger.release(rid)
+        seq = self.door.finished(rid)
+        self.ledger.check()
+        self.door.check()
+        return {"seq": seq, "load": self.load()}
+
+    def audit(self) -> dict:
+        self.ledger.check()
+        self.door.check()
+        return {"admitted": self.admitted, "broken_promises": self.broken_promises, **self.door.counters(),
+                "usage": self.ledger.usage().as_dict()}
+
+
+def test_three_ledger_actors_under_routers_with_stale_views(ray_cluster):
+    import ray
+
+    actor_cls = ray.remote(num_cpus=0)(LedgerReplica)
+    names = ["r0", "r1", "r2"]
+    actors = {n: actor_cls.remote(n) for n in names}
+    snapshot = {n: ReplicaLoad.from_dict(ray.get(a.load.remote())) for n, a in actors.items()}
+    errors: list[BaseException] = []
+    stats = {"sent": 0, "refused": 0, "accepted": 0}
+    lock = threading.Lock()
+
+    def router(k: int) -> None:
+        rng = random.Random(k)
+        view = RouterView(BS, seed=k)
+        view.set_replicas(names)
+        for n in names:  # the snapshot taken before anyone sent anything, never refreshed: stale on purpose
+            view.update_load(n, snapshot[n], 0.0)
+        held: list[tuple[str, str]] = []
+        try:
+            for i in range(40):
+                group = f"t{rng.randrange(2)}"
+                shared = rng.randrange(3)
+                own = [k * 100_000 + i] * rng.randrange(1, 3 * BS)
+                prompt = list(range(shared * 1000, shared * 1000 + 2 * BS)) + own
+                max_new = rng.randrange(1, 6 * BS)
+                c = CacheContext(trust_group=group)
+                rid = f"k{k}-{i}"
+                route = make_route_request(rid, group, prompt_digests(c.root_digest(), prompt, BS), len(prompt),
+                                           max_new, BS)
+                avoid: list[str] = []
+                while True:
+                    if len(avoid) == len(names):  # every replica said "not now": free something, new round
+                        avoid = []
+                        if held:
+                            rid_done, where = held.pop(rng.randrange(len(held)))
+                            ray.get(actors[where].release.remote(rid_done))
+                        else:
+                            time.sleep(0.01)  # the others hold the memory: wait for them
+                    choice = view.rank(route, 0.0, avoid)[0].replica
+                    view.routed(route, choice)
+                    with lock:
+                        stats["sent"] += 1
+                    answer = ray.get(actors[choice].decide.remote(rid, prompt, max_new, group))
+                    if answer["outcome"] == "accepted":
+                        view.accepted(rid, choice, answer["seq"], None, 0.0)  # its load is dropped: stays stale
+                        held.append((rid, choice))
+                        with lock:
+                            stats["accepted"] += 1
+                        break
+                    assert answer["outcome"] == "not_now"
+                    with lock:
+                        stats["refused"] += 1
+                    view.refused(rid, choice, None, 0.0)
+                    avoid.append(choice)
+                if held and rng.random() < 0.3:
+                    rid_done, where = held.pop(rng.randrange(len(held)))
+                    ray.get(actors[where].release.remote(rid_done))
+            for rid_done, where in held:
+                ray.get(actors[where].release.remote(rid_done))
+        except BaseException as exc:  # noqa: BLE001 -- reported by the test below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=router, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    audits = [ray.get(a.audit.remote()) for a in actors.values()]  # every law, in every actor, once more
+    assert sum(a["admitted"] for a in audits) == stats["accepted"] == 120
+    assert all(a["broken_promises"] == 0 and a["overcommits"] == 0 for a in audits)
+    assert stats["refused"] > 0  # the stale views did send requests where they no longer fitted
+    assert all(a["usage"]["promised"] == 0 and a["usage"]["active"] == 0 for a in audits)
+    for a in actors.values():
+        ray.kill(a)
+
+
+def test_every_ray_listener_is_on_loopback(ray_cluster):
+    import ray
+
+    @ray.remote(num_cpus=0)
+    def ping() -> int:
+        return 1
+
+    assert ray.get(ping.remote()) == 1  # a worker is up and listening too
+    found = listeners(ray_processes())
+    assert found, "no Ray listener found: the check would prove nothing"
+    outside = [x for x in found if not is_loopback(x[0])]
+    assert not outside, f"Ray listens beyond loopback: {outside}"
+
+
+@pytest.mark.parametrize("ip, ok", [("127.0.0.1", True), ("::ffff:127.0.0.1", True), ("0.0.0.0", False),
+                                    ("10.1.2.3", False), ("::", False)])
+def test_loopback_rule(ip, ok):
+    assert is_loopback(ip) is ok

@@ -161,3 +161,50 @@ def test_every_ray_listener_is_on_loopback(ray_cluster):
                                     ("10.1.2.3", False), ("::", False)])
 def test_loopback_rule(ip, ok):
     assert is_loopback(ip) is ok
+
+
+def test_the_live_router_and_the_simulator_rank_with_one_cost_function(monkeypatch):
+    """Both deciders call the same ``replica_cost`` through the same ``RouterView.rank``: patched once, it
+    is seen by Ray's request router and by the fleet simulator alike."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from kvledger.fleet import view as view_module
+    from kvledger.fleet.router import LedgerRequestRouter
+    from kvledger.sim.fleet import FleetConfig, FleetSimulator
+    from kvledger.sim.simulator import SimConfig
+    from kvledger.sim.workloads import Poisson, synthetic
+
+    calls = {"n": 0}
+    real = view_module.replica_cost
+
+    def counted(*args, **kwargs):
+        calls["n"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(view_module, "replica_cost", counted)
+
+    # Ray's router, built the way Ray builds it (initialize_state from request_router_kwargs), over two
+    # stand-in replicas; no cluster needed to rank.
+    router = LedgerRequestRouter.__new__(LedgerRequestRouter)
+    router.initialize_state(view_key="one-cost-test", block_size=BS, min_match_tokens=BS)
+
+    def replica(name: str, free: int) -> SimpleNamespace:
+        rid = SimpleNamespace(to_full_id_str=lambda: name)
+        load = ReplicaLoad(POOL, free, 0, 0, seq=1, stamp=0.0).to_dict()
+        return SimpleNamespace(replica_id=rid, routing_stats={"load": load})
+
+    ctx = CacheContext(trust_group="t")
+    prompt = list(range(3 * BS))
+    route = make_route_request("q", "t", prompt_digests(ctx.root_digest(), prompt, BS), len(prompt), BS, BS)
+    router.view.routed(route, "warm")  # a name the router has never seen is ignored
+    pending = SimpleNamespace(args=[{"route": route, "avoid": []}])
+    ranks = asyncio.run(router.choose_replicas([replica("full", 2), replica("roomy", POOL)], pending))
+    assert [r[0].replica_id.to_full_id_str() for r in ranks] == ["roomy", "full"]  # fits first
+    live = calls["n"]
+    assert live == 2
+
+    sim = SimConfig(model="smollm2-135m", gpu="h100-80gb", pool_blocks=64, block_size=BS)
+    FleetSimulator(FleetConfig(sim=sim, replicas=2, routers=1, staleness_s=0.0)).run(
+        synthetic(5, arrivals=Poisson(10.0), prompt_len=32, output_len=4, seed=1))
+    assert calls["n"] > live

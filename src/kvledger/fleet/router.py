@@ -65,6 +65,14 @@ class LedgerRequestRouter(RequestRouter):
                 except ConfigError:
                     pass  # a malformed stat is no advice: the replica still decides
 
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        # Ray tells every router of a membership change: the view learns it before the next request.
+        super().update_replicas(replicas)
+        names = frozenset(replica_key(r.replica_id) for r in replicas)
+        if names != self._known:
+            self.view.set_replicas(names)
+            self._known = names
+
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         self._sync(candidate_replicas)

@@ -10,9 +10,11 @@ OpenAI-compatible server of :mod:`kvledger.server` running as the ingress deploy
   block digests with the tenant's context (as the replicas' ledgers do), and sends it through the
   deployment handle, whose :class:`~kvledger.fleet.router.LedgerRequestRouter` ranks the replicas. A
   refusal comes back with a fresh load; the backend retries with ``avoid=[replica]`` up to ``retries``
-  times, then waits (the request counts as waiting: the server's queue bound answers 429 past
-  ``max_queue``) and starts a new round. A replica that dies mid-request is avoided and the request
-  resubmitted with the same seed: tokens already streamed are not sent twice.
+  times; when every replica has said "not now" it waits for news of room (a finished request, or a
+  replica's cache events and load, which each ingress polls every ``news_period_s`` in the background,
+  never on the routing path), at most four news periods, and starts a new round. A waiting request counts
+  against the server's queue bound, which answers 429 past ``max_queue``. A replica that dies mid-request
+  is avoided and the request resubmitted with the same seed: tokens already streamed are not sent twice.
 * :func:`fleet_app` -- the application: ``engine`` and ``ingress`` deployments, ready for ``serve.run``.
 
 Tenants: the trust group is the authenticated tenant's (``kvledger.server.tenants``), never the body's; it
@@ -29,6 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request as HttpRequest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -36,7 +39,7 @@ from ..core.identity import CacheContext, prompt_digests
 from ..core.types import Request
 from ..errors import AdmissionError, ConfigError
 from .door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
-from .score import ReplicaLoad, make_route_request, request_blocks
+from .score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
 from .view import RouterView, shared_view
 
 ROUTER_CLASS = "kvledger.fleet.router:LedgerRequestRouter"
@@ -61,6 +64,7 @@ class FleetSpec:
     queue_weight: float = 0.1
     view_key: str = "kvledger"
     torch_threads: int = 1
+    news_period_s: float = 0.25  # how often an ingress asks each replica for its cache events and load
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "block_size", "max_running", "engine_replicas", "ingress_replicas",
@@ -68,8 +72,50 @@ class FleetSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if not self.stats_period_s > 0 or not self.retry_s > 0:
-            raise ConfigError("stats_period_s and retry_s must be positive")
+        if not self.stats_period_s > 0 or not self.retry_s > 0 or not self.news_period_s > 0:
+            raise ConfigError("stats_period_s, retry_s and news_period_s must be positive")
+
+    def score(self) -> ScoreConfig:
+        return ScoreConfig(min_match_tokens=self.min_match_tokens, queue_weight=self.queue_weight)
+
+
+def local_ray(num_cpus: int | None = None, **kwargs: Any) -> Any:
+    """Start (or join) a local Ray for the fleet that listens on 127.0.0.1 only: the environment is set
+    *before* ``ray.init`` -- without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes the machine's private
+    address and listens there -- the node's address is loopback, there is no dashboard and no usage report.
+    The engine and ingress replicas also keep Serve's inter-deployment gRPC server on loopback
+    (:func:`serve_on_loopback`). Stop it with ``ray.shutdown()``."""
+    import os
+
+    import ray
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    options: dict[str, Any] = {"include_dashboard": False, "_node_ip_address": "127.0.0.1"}
+    if num_cpus is not None:
+        options["num_cpus"] = num_cpus
+    options.update(kwargs)
+    return ray.init(**options)
+
+
+def serve_on_loopback() -> None:
+    """Ray Serve 2.60 binds each replica's inter-deployment gRPC server to ``[::]:0`` -- every interface --
+    with no option to change it. Called in a replica's constructor (which Ray runs before it starts that
+    server), this rebinds it to 127.0.0.1: callers reach it at the node's address, loopback here."""
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+    if getattr(bind, "kvledger_loopback", False):
+        return
+
+    def loopback(server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        if host in ("[::]", "0.0.0.0", ""):
+            address = f"127.0.0.1:{port}"
+        return bind(server, address)
+
+    loopback.kvledger_loopback = True  # type: ignore[attr-defined]
+    replica.add_port_to_grpc_server = loopback
 
 
 def _replica_name() -> str:
@@ -88,6 +134,7 @@ class EngineReplica:
         from ..scheduler import SchedulerConfig
         from ..server.backend import build_engine
 
+        serve_on_loopback()
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
         self.engine = build_engine(spec.model, pool_blocks=spec.pool_blocks, block_size=spec.block_size,
@@ -182,6 +229,12 @@ class EngineReplica:
                 engine.cancel(rid)
                 self.door.finished(rid)
 
+    async def news(self, job: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Cache events since ``job["since"]`` and a fresh load: what an ingress polls in the background
+        (never on the routing path) to learn where the other ingresses' requests went."""
+        since = (job or {}).get("since", 0)
+        return {"replica": self.name, "load": self._load().to_dict(), **self._events({self.name: since})}
+
     async def audit(self, _job: dict[str, Any] | None = None) -> dict[str, Any]:
         """Every conservation law of this replica (ledger, scheduler, door) and its counters."""
         self.engine.check()
@@ -252,12 +305,80 @@ class FleetBackend:
         self.max_num_seqs = spec.max_running
         self.kv_dtype = kv_dtype
         self.error: BaseException | None = None
-        self.view: RouterView = shared_view(spec.view_key, block_size=spec.block_size)
+        self.view: RouterView = shared_view(spec.view_key, block_size=spec.block_size, score=spec.score())
         self.retries = spec.engine_replicas - 1 if spec.retries is None else spec.retries
         self._handles: dict[str, FleetHandle] = {}
         self._contexts: dict[str, CacheContext] = {}
         self.running = 0  # requests a replica accepted and has not finished
-        self.counters = {"refusals": 0, "retries": 0, "replica_failures": 0, "accepted": 0, "overcommits": 0}
+        self.counters = {"refusals": 0, "retries": 0, "replica_failures": 0, "accepted": 0, "overcommits": 0,
+                         "news": 0, "waits": 0}
+        self._news: asyncio.Task[Any] | None = None
+        self._changed: asyncio.Event | None = None  # set (and replaced) whenever the view hears news
+        self._line = asyncio.Lock()  # the waiting line of requests every replica has refused once
+        self.ensure_news()
+
+    def _heard(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    async def _wait_for_room(self, route: Any, budget_s: float) -> None:
+        """Every replica said "not now": wait until the view says some replica has room for ``route`` (a
+        request finished, or a replica's news came), at most ``budget_s``. The view only spares futile
+        sends; the replica still decides."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + budget_s
+        while True:
+            names = self.view.candidates(route.trust_group)
+            if any((self.view.available(n) or 0) >= route.charge for n in names):
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    # ---- news from the replicas, in the background ------------------------------------------------
+    def ensure_news(self) -> None:
+        """Start the background task that polls every replica's cache events and load (once, on this
+        ingress's event loop; a no-op outside one)."""
+        if self._news is not None and not self._news.done():
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._news = loop.create_task(self._poll_news())
+
+    async def _poll_news(self) -> None:
+        period = self.spec.news_period_s
+        while True:
+            try:
+                if not self.view.replicas:
+                    # This ingress has not routed yet: one untargeted call makes Ray build its router here,
+                    # which tells the view who the replicas are.
+                    await asyncio.wait_for(self.handle.pid.remote(None), timeout=30)
+                for name, seq in list(self.view.event_positions().items()):
+                    try:
+                        msg = await asyncio.wait_for(self.handle.news.remote({"target": name, "since": seq}),
+                                                     timeout=max(1.0, 10 * period))
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception:  # noqa: BLE001 -- a replica that is gone or busy: news later
+                        continue
+                    self._events(name, msg)
+                    self.view.update_load(name, ReplicaLoad.from_dict(msg["load"]), time.time())
+                    self.counters["news"] += 1
+                    self._heard()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 -- news is advice: never let it take the ingress down
+                pass
+            await asyncio.sleep(period)
 
     def _context(self, trust_group: str) -> CacheContext:
         ctx = self._contexts.get(trust_group)
@@ -293,6 +414,7 @@ class FleetBackend:
 
         from ..runtime.sampling import SamplingParams
 
+        self.ensure_news()
         params = sampling or SamplingParams()
         ids, max_new, ctx = self.check_request(prompt, max_new_tokens, params, trust_group=trust_group)
         rid = request_id or f"fleet-{secrets.token_hex(8)}"
@@ -317,13 +439,18 @@ class FleetBackend:
         cached = 0
         replica = None
         counted = False
+        waiting = False  # every replica has said "not now" to it at least once
         try:
             while True:
                 attempts += 1
-                job["events_since"] = {r: st.events_seq for r, st in self.view.replicas.items()}
+                job["events_since"] = self.view.event_positions()
                 try:
-                    outcome, replica, cached, reasons = await self._attempt(job, emitted, prompt_len, on_token,
-                                                                            lambda: self._count_running(True))
+                    if waiting:
+                        outcome, replica, cached, reasons = await self._gated_attempt(
+                            job, emitted, prompt_len, on_token, lambda: self._count_running(True))
+                    else:
+                        outcome, replica, cached, reasons = await self._attempt(
+                            job, emitted, prompt_len, on_token, lambda: self._count_running(True))
                     counted = outcome == ACCEPTED or counted
                 except _ReplicaFailed as exc:
                     self.counters["replica_failures"] += 1
@@ -342,7 +469,10 @@ class FleetBackend:
                 self.counters["refusals"] += 1
                 job["avoid"] = [*job["avoid"], replica]
                 if len(job["avoid"]) > self.retries:
-                    job["avoid"] = []  # every replica said "not now": wait, then a new round
+                    # Every replica said "not now": a new round, through the waiting line (_gated_attempt).
+                    job["avoid"] = []
+                    waiting = True
+                    self.counters["waits"] += 1
                     await asyncio.sleep(self.spec.retry_s)
                 else:
                     self.counters["retries"] += 1
@@ -355,12 +485,34 @@ class FleetBackend:
                 on_token(FleetTokenEvent(handle.request_id, 0, None, prompt_len + sum(emitted.values()), time.time(),
                                          finished=True, finish_reason=reasons[0] if reasons else None))
 
+    async def _gated_attempt(self, job: dict[str, Any], emitted: dict[int, int], prompt_len: int,
+                             on_token: Callable[[Any], None] | None, accepted_cb: Callable[[], None]
+                             ) -> tuple[str, str | None, int, list[str]]:
+        """An attempt of a request that every replica has already refused once. Such requests take turns,
+        first come first served (an asyncio lock is FIFO): at the start of a round each waits for news of
+        room, then asks, and holds the line only until the replica's first answer -- so one finished request
+        does not wake every waiting one into a storm of refusals, and none is starved by the others."""
+        async with self._line:
+            if not job["avoid"]:
+                await self._wait_for_room(job["route"], 4 * self.spec.news_period_s)
+            answered = asyncio.Event()
+            task = asyncio.ensure_future(self._attempt(job, emitted, prompt_len, on_token, accepted_cb, answered))
+            signal = asyncio.ensure_future(answered.wait())
+            try:
+                await asyncio.wait({task, signal}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                task.cancel()
+                raise
+            finally:
+                signal.cancel()
+        return await task
+
     def _count_running(self, up: bool) -> None:
         self.running += 1 if up else -1
 
     async def _attempt(self, job: dict[str, Any], emitted: dict[int, int], prompt_len: int,
-                       on_token: Callable[[Any], None] | None, accepted_cb: Callable[[], None]
-                       ) -> tuple[str, str | None, int, list[str]]:
+                       on_token: Callable[[Any], None] | None, accepted_cb: Callable[[], None],
+                       answered: asyncio.Event | None = None) -> tuple[str, str | None, int, list[str]]:
         route = job["route"]
         replica: str | None = None
         counted = False
@@ -379,6 +531,8 @@ class FleetBackend:
                             on_token(FleetTokenEvent(job["request_id"], b, msg["token"], prompt_len + seen[b] - 1, now))
                     continue
                 replica = msg.get("replica")
+                if answered is not None:
+                    answered.set()
                 load = ReplicaLoad.from_dict(msg["load"]) if msg.get("load") else None
                 self._events(replica, msg)
                 if kind == ACCEPTED:
@@ -390,6 +544,7 @@ class FleetBackend:
                     counted = True
                 elif kind == "finished":
                     self.view.finished(route.request_id, replica, msg["seq"], load, now)
+                    self._heard()
                     return ACCEPTED, replica, int(msg["cached_prompt_tokens"]), list(msg["finish_reasons"])
                 else:  # not_now or never: nothing is held there
                     self.view.refused(route.request_id, replica, load, now)
@@ -400,6 +555,9 @@ class FleetBackend:
             if replica is not None:
                 self.view.drop(replica)
             raise _ReplicaFailed(replica, counted) from exc
+        finally:
+            if answered is not None:
+                answered.set()
         raise _ReplicaFailed(replica, counted)
 
     def _events(self, replica: str | None, msg: dict[str, Any]) -> None:
@@ -444,6 +602,8 @@ class FleetBackend:
         return not self._handles
 
     def stop(self) -> None:
+        if self._news is not None:
+            self._news.cancel()
         for h in list(self._handles.values()):
             if h.task is not None:
                 h.task.cancel()
@@ -468,6 +628,7 @@ class FleetIngress:
         from ..server.tenants import Tenants
         from ..server.text import TextCodec
 
+        serve_on_loopback()
         ckpt = resolve_model(spec.model)
         self.codec = TextCodec.from_pretrained(str(ckpt.path))
         vocab = int(ckpt.config.get("vocab_size") or len(self.codec.tok))
@@ -486,13 +647,18 @@ class FleetIngress:
         app = create_app(backend, self.codec, self.tenants, settings)
 
         @app.get("/admin/fleet")
-        async def fleet_state() -> Any:  # the ingress's own counters and its view's ages (operator only)
+        async def fleet_state(request: HttpRequest) -> Any:
+            """This ingress's counters and its router's view: the age of each replica's load and how many
+            prefix blocks it believes each holds (operator only; tenant-free aggregates)."""
             from fastapi.responses import JSONResponse
 
+            app.state.kvledger.operator(request)
+            backend.ensure_news()
             now = time.time()
-            return JSONResponse({"counters": backend.counters, "running": backend.running,
-                                 "ages_s": {r: backend.view.age(r, now) for r in backend.view.replicas},
-                                 "prefix_digests": len(backend.view.index)})
+            view = backend.view
+            return JSONResponse({"ingress": _replica_name(), "counters": backend.counters, "running": backend.running,
+                                 "ages_s": {r: view.age(r, now) for r in view.replicas}, "known_blocks": view.known(),
+                                 "prefix_digests": len(view.index)})
 
         return app
 
@@ -515,4 +681,4 @@ def fleet_app(spec: FleetSpec, *, tenants: dict[str, Any] | None = None, max_que
     return ingress.bind(engine.bind(spec), spec, tenants, max_queue)
 
 
-__all__ = ["EngineReplica", "FleetBackend", "FleetIngress", "FleetSpec", "fleet_app"]
+__all__ = ["EngineReplica", "FleetBackend", "FleetIngress", "FleetSpec", "fleet_app", "local_ray", "serve_on_loopback"]

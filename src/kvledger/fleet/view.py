@@ -11,8 +11,9 @@ count yet are added to it, its own finished ones taken off -- and stamps every r
 its load. It cannot see what other routers sent: that is why it only ranks, and the replica decides.
 
 Nothing here blocks or talks to anyone: feeding the view (loads, events, replies) and ranking with it are
-plain method calls, O(prompt blocks + replicas) per decision. Not thread-safe: one view per router, used
-from that router's thread (an asyncio loop, or the simulator).
+plain method calls, O(prompt blocks + replicas) per decision. Every public method holds the view's own
+lock (uncontended in the simulator): in a live ingress, Ray runs the router on its own event loop thread
+while the ingress code feeds the same view from the user-code thread.
 """
 
 from __future__ import annotations
@@ -20,11 +21,25 @@ from __future__ import annotations
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import wraps
+from typing import Any, TypeVar
 
 from ..errors import ConfigError
 from .score import Choice, ReplicaLoad, RouteRequest, ScoreConfig, rank, replica_cost
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _locked(method: _F) -> _F:
+    @wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return run  # type: ignore[return-value]
+
 
 STORED, REMOVED, EVICTED, CLEARED = "stored", "removed", "evicted", "cleared"
 FORGET_EVENTS = frozenset({REMOVED, EVICTED, CLEARED})
@@ -97,6 +112,11 @@ class PrefixIndex:
             else:
                 del holders[d]
         self._free_bits.append(b.bit_length() - 1)
+
+    def held_by(self, replica: str) -> int:
+        """How many digests ``replica`` is believed to hold (O(index))."""
+        b = self._bit.get(replica, 0)
+        return sum(1 for m in self._holders.values() if m & b) if b else 0
 
     def matches(self, digests: Sequence[bytes], replicas: Sequence[str]) -> dict[str, int]:
         """Leading digests of ``digests`` each replica is believed to hold (O(len(digests)))."""
@@ -189,8 +209,10 @@ class RouterView:
         self.index = PrefixIndex(max_digests)
         self.replicas: dict[str, ReplicaState] = {}
         self._where: dict[str, str] = {}  # request id -> the replica it was last sent to
+        self._lock = threading.RLock()
 
     # ---- membership ---------------------------------------------------------------------------------
+    @_locked
     def set_replicas(self, replicas: Iterable[str]) -> None:
         """The replicas that exist now: new ones are added, gone ones forgotten (with their prefixes)."""
         now = set(replicas)
@@ -200,6 +222,7 @@ class RouterView:
         for r in now:
             self.replicas.setdefault(r, ReplicaState())
 
+    @_locked
     def drop(self, replica: str) -> None:
         state = self.replicas.pop(replica, None)
         if state is not None:
@@ -208,6 +231,7 @@ class RouterView:
         self.index.drop(replica)
 
     # ---- what the router learns --------------------------------------------------------------------
+    @_locked
     def update_load(self, replica: str, load: ReplicaLoad, now: float) -> bool:
         """A published load (a periodic snapshot, or one carried by a reply). An older one than the view
         already has is ignored. Returns whether it was taken."""
@@ -221,6 +245,7 @@ class RouterView:
         self._recount(state)
         return True
 
+    @_locked
     def apply_events(self, replica: str, events: Iterable[tuple[str, bytes]], upto: int | None = None) -> None:
         """Cache events of ``replica`` in order: (kind, digest). ``upto``: the replica's event counter
         after them (what this view asks for next)."""
@@ -235,6 +260,7 @@ class RouterView:
         if upto is not None:
             self.replicas[replica].events_seq = upto
 
+    @_locked
     def resync(self, replica: str) -> None:
         """The replica's event history has a gap for this view: forget what the view believed it holds
         (its own later decisions and events rebuild it)."""
@@ -247,6 +273,7 @@ class RouterView:
         skip = set(avoid)
         return [r for r in self.placement.allowed(trust_group, self.replicas) if r not in skip]
 
+    @_locked
     def rank(self, request: RouteRequest, now: float, avoid: Iterable[str] = ()) -> list[Choice]:
         """Every allowed replica not in ``avoid``, best first (see :func:`kvledger.fleet.score.rank`)."""
         names = self.candidates(request.trust_group, avoid)
@@ -270,6 +297,7 @@ class RouterView:
                                   matched[r], age))
         return rank(choices, self.rng)
 
+    @_locked
     def available(self, replica: str) -> int | None:
         """What the view believes ``replica`` could still admit (None: no load heard yet)."""
         st = self.replicas.get(replica)
@@ -277,11 +305,13 @@ class RouterView:
             return None
         return st.load.available + st.delta_available
 
+    @_locked
     def age(self, replica: str, now: float) -> float | None:
         st = self.replicas.get(replica)
         return None if st is None or st.load is None else max(0.0, now - st.load.stamp)
 
     # ---- this router's own requests ---------------------------------------------------------------
+    @_locked
     def routed(self, request: RouteRequest, replica: str, matched: int = 0) -> None:
         """The router sent ``request`` to ``replica``: count it there until the replica's load does, and
         remember that the replica is about to hold its prefix."""
@@ -298,6 +328,7 @@ class RouterView:
         self._where[request.request_id] = replica
         self._recount(state)
 
+    @_locked
     def accepted(self, request_id: str, replica: str, seq: int, load: ReplicaLoad | None, now: float) -> None:
         state = self.replicas.get(replica)
         if state is None:
@@ -308,6 +339,7 @@ class RouterView:
         if load is None or not self.update_load(replica, load, now):
             self._recount(state)
 
+    @_locked
     def refused(self, request_id: str, replica: str, load: ReplicaLoad | None, now: float) -> None:
         """The replica said "not now": its prefix is not coming there after all."""
         state = self.replicas.get(replica)
@@ -321,6 +353,7 @@ class RouterView:
         if load is None or not self.update_load(replica, load, now):
             self._recount(state)
 
+    @_locked
     def finished(self, request_id: str, replica: str, seq: int, load: ReplicaLoad | None, now: float) -> None:
         state = self.replicas.get(replica)
         if state is None:
@@ -360,8 +393,19 @@ class RouterView:
             del state.sent[rid]
         state.delta_available, state.delta_decode, state.delta_prefill = avail, decode, prefill
 
+    @_locked
     def in_flight(self) -> int:
         return sum(len(s.sent) for s in self.replicas.values())
+
+    @_locked
+    def event_positions(self) -> dict[str, int]:
+        """Each replica's cache-event counter this view has consumed up to."""
+        return {r: st.events_seq for r, st in self.replicas.items()}
+
+    @_locked
+    def known(self) -> dict[str, int]:
+        """Digests the view believes each replica holds (O(index): for operators and tests)."""
+        return {r: self.index.held_by(r) for r in self.replicas}
 
 
 _VIEWS: dict[str, RouterView] = {}

@@ -13,7 +13,8 @@ own), and asks it to rank replicas for every call. This one:
   queue lengths with an actor call; here the first live replica of a rank is taken as is (the replica's
   ledger is what decides, not a queue length);
 * honours ``avoid`` (replicas that just refused the request) and ``target`` (an operator call meant for
-  one replica) in the call's first argument, a dict built by :mod:`kvledger.fleet.serve`.
+  one replica) in the call's first argument, a dict built by :mod:`kvledger.fleet.serve`; it never
+  answers with an empty ranking while replicas exist (Ray would ask again at once, in a tight loop).
 
 The router and the ingress code of one process share the view through
 :func:`kvledger.fleet.view.shared_view` (Ray constructs the router itself, from ``request_router_kwargs``,
@@ -82,11 +83,17 @@ class LedgerRequestRouter(RequestRouter):
             return [[r] for r in candidate_replicas]
         target = job.get("target")
         if target is not None:
-            return [[by_name[target]]] if target in by_name else []
+            if target in by_name:
+                return [[by_name[target]]]
+            # The replica is gone. An empty answer would make Ray ask again at once, forever (no backoff
+            # between rounds): send the call to any replica instead, which refuses a call not meant for it.
+            return [[r] for r in candidate_replicas]
         route = job.get("route")
         if route is None:
             return [[r] for r in candidate_replicas]
         ranking = self.view.rank(route, time.time(), job.get("avoid") or ())
+        if not ranking:  # every replica the view knows is to be avoided: an empty rank would wait forever
+            ranking = self.view.rank(route, time.time())
         self.decisions += 1
         self._matched[route.request_id] = {c.replica: c.matched for c in ranking}
         return [[by_name[c.replica]] for c in ranking if c.replica in by_name]

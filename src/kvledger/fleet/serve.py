@@ -232,11 +232,18 @@ class EngineReplica:
     async def news(self, job: dict[str, Any] | None = None) -> dict[str, Any]:
         """Cache events since ``job["since"]`` and a fresh load: what an ingress polls in the background
         (never on the routing path) to learn where the other ingresses' requests went."""
+        self._meant_for_me(job)
         since = (job or {}).get("since", 0)
         return {"replica": self.name, "load": self._load().to_dict(), **self._events({self.name: since})}
 
-    async def audit(self, _job: dict[str, Any] | None = None) -> dict[str, Any]:
+    def _meant_for_me(self, job: dict[str, Any] | None) -> None:
+        target = (job or {}).get("target")
+        if target is not None and target != self.name:
+            raise ConfigError(f"a call meant for replica {target!r} reached {self.name!r} (it is gone)")
+
+    async def audit(self, job: dict[str, Any] | None = None) -> dict[str, Any]:
         """Every conservation law of this replica (ledger, scheduler, door) and its counters."""
+        self._meant_for_me(job)
         self.engine.check()
         self.door.check()
         u = self.engine.ledger.usage()
@@ -468,7 +475,8 @@ class FleetBackend:
                 refusals += 1
                 self.counters["refusals"] += 1
                 job["avoid"] = [*job["avoid"], replica]
-                if len(job["avoid"]) > self.retries:
+                others = set(self.view.candidates(job["route"].trust_group)) - set(job["avoid"])
+                if len(job["avoid"]) > self.retries or not others:
                     # Every replica said "not now": a new round, through the waiting line (_gated_attempt).
                     job["avoid"] = []
                     waiting = True

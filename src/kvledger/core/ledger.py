@@ -96,6 +96,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         self._next_lease = 1
         self._pins: dict[str, list[int]] = {}
         self._digest_cache: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now"
+        self._quotas: dict[str, int] = {}  # trust group -> cap on its charged blocks (core/admission.py)
         self._lock = threading.RLock()
         self._native = native.MODULE  # the optional C part (kvledger.core.native), None: pure Python
 
@@ -598,3 +599,4 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                 raise InvariantError(
                     f"overcommitted: {self.promised} promised > {pool.num_free} free + "
                     f"{pool.num_evictable} evictable")
+            self._check_groups()

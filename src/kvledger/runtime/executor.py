@@ -2,8 +2,11 @@
 
 One :meth:`TorchExecutor.execute` is, in order: the copy-on-write copies, the swap-outs (device -> host),
 the swap-ins (host -> device), one batched forward pass over every prefill chunk and decode, and token
-selection. It reads nothing but the plan: each ``Work`` names its request (whose ``payload`` is the
-request's :class:`Sampling`), its branch index, its block table and its tokens.
+selection. The single forward pass is what the executor contract asks for: in each layer the attention
+backend writes the new K/V of the whole batch before any sequence attends, so a work may read prefix
+blocks another work of the same plan writes (``StepPlan.shared_reads``). It reads nothing but the plan:
+each ``Work`` names its request (whose ``payload`` is the request's :class:`Sampling`), its branch index,
+its block table and its tokens.
 
 Token selection is keyed by ``(seed, branch, position)`` (:mod:`kvledger.runtime.sampling`), so a
 request's tokens do not depend on what else is in the batch: running a failing step again one request

@@ -39,7 +39,14 @@ def engine_registry(engine: Any) -> TensorRegistry:
 
 def _packed(model: Any) -> list[Any]:
     """The oneDNN weight copies a CPU runner packs next to its weights (``model.Linear._packed``)."""
-    return [t for m in model.modules() for t in (getattr(m, "_packed", None) or ())]
+    out: list[Any] = []
+    for m in model.modules():
+        packed = getattr(m, "_packed", None)
+        if packed is None:
+            continue
+        # One packed tensor per projection (older runners kept a (weight, bias) pair).
+        out.extend(packed if isinstance(packed, tuple | list) else (packed,))
+    return out
 
 
 @dataclass(slots=True)

@@ -208,3 +208,35 @@ def test_the_live_router_and_the_simulator_rank_with_one_cost_function(monkeypat
     FleetSimulator(FleetConfig(sim=sim, replicas=2, routers=1, staleness_s=0.0)).run(
         synthetic(5, arrivals=Poisson(10.0), prompt_len=32, output_len=4, seed=1))
     assert calls["n"] > live
+
+
+def test_the_ingress_answers_never_itself_and_salts_digests_like_the_engine():
+    """The ingress backend's own checks, no cluster: "never" (too long, too large for a replica's pool or
+    the tenant's quota, more sequences than a replica runs) is answered at once without asking any
+    replica; a cache_salt changes the digest chain exactly as the engine's context does."""
+    from kvledger.errors import AdmissionError, ConfigError, QuotaError
+    from kvledger.fleet.serve import FleetBackend, FleetSpec
+    from kvledger.runtime.sampling import SamplingParams
+
+    spec = FleetSpec(pool_blocks=8, block_size=BS, max_running=4, view_key="never-test")
+    backend = FleetBackend(None, spec, vocab_size=100, max_context=200, kv_dtype="fp32")
+    backend.set_quota("small", 3)
+    ids, max_new, ctx = backend.check_request([1, 2, 3], 10, trust_group="t")
+    assert (ids, max_new) == ([1, 2, 3], 10)
+    assert ctx.root_digest() == CacheContext(trust_group="t", model=spec.model, kv_dtype="fp32").root_digest()
+    salted = backend.check_request([1, 2, 3], 10, trust_group="t", cache_salt="s")[2]
+    assert salted.root_digest() == CacheContext(trust_group="t", model=spec.model, kv_dtype="fp32",
+                                                extra=(("cache_salt", "s"),)).root_digest()
+    assert salted.root_digest() != ctx.root_digest()
+    with pytest.raises(AdmissionError, match="too small"):
+        backend.check_request([1] * 150, 40, trust_group="t")  # 12 blocks > a replica's 8
+    with pytest.raises(QuotaError, match="quota"):
+        backend.check_request([1] * 40, 20, trust_group="small")
+    with pytest.raises(AdmissionError, match="context"):
+        backend.check_request([1] * 200, 1, trust_group="t")
+    with pytest.raises(AdmissionError, match="at once"):
+        backend.check_request([1, 2], 1, SamplingParams(temperature=1.0, n=5), trust_group="t")
+    with pytest.raises(ConfigError):
+        backend.check_request([1, 2, 300], 1, trust_group="t")
+    with pytest.raises(ConfigError):
+        backend.check_request([1, 2], 1, trust_group="t", cache_salt="")

@@ -37,7 +37,7 @@ from ray.serve.config import RequestRouterConfig
 
 from ..core.identity import CacheContext, prompt_digests
 from ..core.types import Request
-from ..errors import AdmissionError, ConfigError
+from ..errors import AdmissionError, ConfigError, QuotaError
 from .door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
 from .score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
 from .view import RouterView, shared_view
@@ -118,6 +118,11 @@ def serve_on_loopback() -> None:
     replica.add_port_to_grpc_server = loopback
 
 
+def _branches(sampling: Any) -> int:
+    """Sequences a request runs at once: its beam width, or n."""
+    return sampling.beam_width if getattr(sampling, "beam", False) else (getattr(sampling, "n", 1) or 1)
+
+
 def _replica_name() -> str:
     return serve.get_replica_context().replica_id.to_full_id_str()
 
@@ -128,7 +133,7 @@ def _replica_name() -> str:
 class EngineReplica:
     """One engine with its own pool; see the module docstring."""
 
-    def __init__(self, spec: FleetSpec) -> None:
+    def __init__(self, spec: FleetSpec, quotas: dict[str, int] | None = None) -> None:
         import torch
 
         from ..scheduler import SchedulerConfig
@@ -146,6 +151,8 @@ class EngineReplica:
         ledger.events = self.tap
         ledger.pool.on_event = self.tap.emit
         self.door = AdmissionDoor(ledger, clock=time.time)
+        for group, blocks in (quotas or {}).items():  # a tenant's max_blocks caps it in every replica
+            self.engine.set_quota(group, blocks)
         self.engine.step_observers.append(self._observe)
         self.engine.start()
         self.name = _replica_name()
@@ -178,13 +185,14 @@ class EngineReplica:
         sampling = SamplingParams(**job["sampling"])
         try:
             prompt, max_new, context = engine.check_request(job["prompt"], job["max_tokens"], sampling,
-                                                            trust_group=job["trust_group"], request_id=rid)
+                                                            trust_group=job["trust_group"], request_id=rid,
+                                                            cache_salt=job.get("cache_salt"))
         except (AdmissionError, ConfigError) as exc:
             yield {"type": NEVER, "replica": self.name, "reason": str(exc), "load": self._load().to_dict(),
                    "seq": self.door.seq}
             return
         sched = engine.scheduler
-        answer = self.door.decide(Request(rid, prompt, max_new, context, branches=sampling.n),
+        answer = self.door.decide(Request(rid, prompt, max_new, context, branches=_branches(sampling)),
                                   running=len(sched.running), waiting=len(sched.waiting))
         if not answer.accepted:
             yield {"type": answer.outcome, "replica": self.name, "reason": answer.reason,
@@ -202,7 +210,7 @@ class EngineReplica:
         try:
             handle = engine.submit(prompt, max_new, sampling, stop_token_ids=job["stop_token_ids"],
                                    trust_group=job["trust_group"], priority=job.get("priority", 0), request_id=rid,
-                                   on_token=on_token)
+                                   on_token=on_token, cache_salt=job.get("cache_salt"))
         except Exception:
             self.door.finished(rid)
             raise
@@ -315,7 +323,8 @@ class FleetBackend:
         self.view: RouterView = shared_view(spec.view_key, block_size=spec.block_size, score=spec.score())
         self.retries = spec.engine_replicas - 1 if spec.retries is None else spec.retries
         self._handles: dict[str, FleetHandle] = {}
-        self._contexts: dict[str, CacheContext] = {}
+        self._contexts: dict[tuple[str, str | None], CacheContext] = {}
+        self.quotas: dict[str, int] = {}
         self.running = 0  # requests a replica accepted and has not finished
         self.counters = {"refusals": 0, "retries": 0, "replica_failures": 0, "accepted": 0, "overcommits": 0,
                          "news": 0, "waits": 0}
@@ -387,15 +396,27 @@ class FleetBackend:
                 pass
             await asyncio.sleep(period)
 
-    def _context(self, trust_group: str) -> CacheContext:
-        ctx = self._contexts.get(trust_group)
+    def _context(self, trust_group: str, cache_salt: str | None) -> CacheContext:
+        # As the replicas' engines build it (Engine.check_request): router and ledger digests agree.
+        key = (trust_group, cache_salt)
+        ctx = self._contexts.get(key)
         if ctx is None:
-            ctx = self._contexts[trust_group] = CacheContext(trust_group=trust_group, model=self.model_name,
-                                                             kv_dtype=self.kv_dtype)
+            ctx = self._contexts[key] = CacheContext(
+                trust_group=trust_group, model=self.model_name, kv_dtype=self.kv_dtype,
+                extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
         return ctx
 
+    def set_quota(self, trust_group: str, max_blocks: int | None) -> None:
+        """A tenant's block cap: every replica applies it to its own ledger (``fleet_app`` hands the
+        tenants' caps to the engine replicas); here it answers "never" for a request larger than it."""
+        if max_blocks is None:
+            self.quotas.pop(trust_group, None)
+        else:
+            self.quotas[trust_group] = max_blocks
+
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
-                      trust_group: str = "default", request_id: str = "check") -> tuple[list[int], int, Any]:
+                      trust_group: str = "default", request_id: str = "check",
+                      cache_salt: str | None = None) -> tuple[list[int], int, Any]:
         """The ingress's own "never": answered here, at once, without asking (or retrying) any replica."""
         ids = [int(t) for t in prompt]
         if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
@@ -407,32 +428,43 @@ class FleetBackend:
                 raise AdmissionError(f"the prompt has {len(ids)} tokens but the model's context is "
                                      f"{self.max_context} tokens: it does not fit")
             max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
-        n = getattr(sampling, "n", 1) or 1
+        if cache_salt is not None and (type(cache_salt) is not str or not cache_salt):
+            raise ConfigError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        n = _branches(sampling) if sampling is not None else 1
+        if n > self.max_num_seqs:
+            raise AdmissionError(f"{n} sequences can never run at once here: at most {self.max_num_seqs} sequences "
+                                 "run at a time")
         _, _, charge = request_blocks(len(ids), max_new_tokens, self.block_size, n)
         if charge > self.pool_blocks:
             raise AdmissionError(f"the KV pool of a replica is too small for this request: it needs {charge} "
                                  f"blocks and a replica has {self.pool_blocks}")
-        return ids, max_new_tokens, self._context(trust_group)
+        quota = self.quotas.get(trust_group)
+        if quota is not None and charge > quota:
+            raise QuotaError(f"this request is larger than its trust group's quota: it needs {charge} blocks and "
+                             f"the quota is {quota}")
+        return ids, max_new_tokens, self._context(trust_group, cache_salt)
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
                stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,
-               request_id: str | None = None, on_token: Callable[[Any], None] | None = None) -> FleetHandle:
+               request_id: str | None = None, on_token: Callable[[Any], None] | None = None,
+               cache_salt: str | None = None) -> FleetHandle:
         from dataclasses import asdict
 
         from ..runtime.sampling import SamplingParams
 
         self.ensure_news()
         params = sampling or SamplingParams()
-        ids, max_new, ctx = self.check_request(prompt, max_new_tokens, params, trust_group=trust_group)
+        ids, max_new, ctx = self.check_request(prompt, max_new_tokens, params, trust_group=trust_group,
+                                               cache_salt=cache_salt)
         rid = request_id or f"fleet-{secrets.token_hex(8)}"
         if params.seed is None and not params.greedy:
             # One seed for every attempt: a resubmission after a replica died samples the same tokens.
             params = SamplingParams(**{**asdict(params), "seed": secrets.randbits(63)})
         digests = prompt_digests(ctx.root_digest(), ids, self.block_size)
-        route = make_route_request(rid, trust_group, digests, len(ids), max_new, self.block_size, params.n)
+        route = make_route_request(rid, trust_group, digests, len(ids), max_new, self.block_size, _branches(params))
         job = {"request_id": rid, "prompt": ids, "max_tokens": max_new, "sampling": asdict(params),
                "stop_token_ids": list(stop_token_ids), "trust_group": trust_group, "priority": priority,
-               "route": route, "avoid": []}
+               "cache_salt": cache_salt, "route": route, "avoid": []}
         handle = FleetHandle(rid)
         self._handles[rid] = handle
         handle.task = asyncio.get_running_loop().create_task(self._drive(handle, job, len(ids), on_token))
@@ -686,7 +718,13 @@ def fleet_app(spec: FleetSpec, *, tenants: dict[str, Any] | None = None, max_que
     ingress = serve.deployment(ingress_cls, name="ingress", num_replicas=spec.ingress_replicas,
                                max_ongoing_requests=MAX_ONGOING, ray_actor_options={"num_cpus": 0},
                                graceful_shutdown_timeout_s=2.0)
-    return ingress.bind(engine.bind(spec), spec, tenants, max_queue)
+    quotas: dict[str, int] = {}
+    if tenants:
+        from ..server.tenants import Tenants
+
+        quotas = {t.name: t.max_blocks for t in Tenants.from_dict(tenants).by_name.values()
+                  if t.max_blocks is not None}
+    return ingress.bind(engine.bind(spec, quotas), spec, tenants, max_queue)
 
 
 __all__ = ["EngineReplica", "FleetBackend", "FleetIngress", "FleetSpec", "fleet_app", "local_ray", "serve_on_loopback"]

@@ -240,3 +240,28 @@ def test_the_ingress_answers_never_itself_and_salts_digests_like_the_engine():
         backend.check_request([1, 2, 300], 1, trust_group="t")
     with pytest.raises(ConfigError):
         backend.check_request([1, 2], 1, trust_group="t", cache_salt="")
+
+
+def test_local_ray_refuses_a_ray_imported_before_the_loopback_setting():
+    """Ray reads RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER when it is imported: imported first, it listens on the
+    machine's private address and on every interface even with the node's address set to 127.0.0.1.
+    local_ray checks every listener after ray.init and refuses (and stops) such a Ray; imported after
+    kvledger.fleet, the same call gives a loopback-only Ray. (Regression: local_ray used to trust the
+    setting it made too late.)"""
+    import subprocess
+    import sys
+
+    def run(first: str) -> subprocess.CompletedProcess:
+        code = (f"import os; os.environ.pop('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER', None); {first}; "
+                "from kvledger.fleet.serve import local_ray, ray_listeners, is_loopback; import ray; "
+                "local_ray(num_cpus=1, object_store_memory=80 * 2**20, log_to_driver=False); "
+                "found = ray_listeners(); ray.shutdown(); "
+                "print('LISTENERS', len(found), sum(not is_loopback(x[0]) for x in found))")
+        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+
+    bad = run("import ray")
+    assert bad.returncode != 0 and "ConfigError: Ray listens beyond 127.0.0.1" in bad.stderr, bad.stderr[-2000:]
+    good = run("import kvledger.fleet")
+    assert good.returncode == 0, good.stderr[-2000:]
+    count, outside = (int(x) for x in good.stdout.split("LISTENERS")[1].split())
+    assert count > 0 and outside == 0

@@ -12,7 +12,15 @@ request elsewhere. Two halves:
   ingress) and :mod:`.router` (Ray Serve's ``RequestRouter`` over the same view). They import Ray, which
   the ``fleet`` extra installs (``pip install 'kvledger[fleet]'``).
 
-Nothing here is imported by ``import kvledger.fleet``: import the module you need.
+Nothing here is imported by ``import kvledger.fleet``: import the module you need. Importing the package
+does one thing: it sets ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment, because Ray reads it
+when *it* is imported -- without it Ray takes the machine's private address and listens on every
+interface -- and the fleet's Ray faces import Ray. Import ``kvledger.fleet`` (or any of its modules)
+before Ray; :func:`kvledger.fleet.serve.local_ray` refuses to run a Ray that listens beyond 127.0.0.1.
 """
 
 from __future__ import annotations
+
+import os
+
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"

@@ -80,11 +80,13 @@ class FleetSpec:
 
 
 def local_ray(num_cpus: int | None = None, **kwargs: Any) -> Any:
-    """Start (or join) a local Ray for the fleet that listens on 127.0.0.1 only: the environment is set
-    *before* ``ray.init`` -- without ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` Ray takes the machine's private
-    address and listens there -- the node's address is loopback, there is no dashboard and no usage report.
-    The engine and ingress replicas also keep Serve's inter-deployment gRPC server on loopback
-    (:func:`serve_on_loopback`). Stop it with ``ray.shutdown()``."""
+    """Start a local Ray for the fleet that listens on 127.0.0.1 only, and prove it: Ray must have been
+    imported with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (``import kvledger.fleet`` sets it; without it Ray
+    takes the machine's private address and listens on every interface), the node's address is loopback,
+    there is no dashboard and no usage report. After ``ray.init`` every listening socket of the Ray
+    processes it started is checked; any beyond loopback shuts Ray down again and raises
+    :class:`~kvledger.errors.ConfigError`. The engine and ingress replicas also keep Serve's
+    inter-deployment gRPC server on loopback (:func:`serve_on_loopback`). Stop it with ``ray.shutdown()``."""
     import os
 
     import ray
@@ -95,7 +97,41 @@ def local_ray(num_cpus: int | None = None, **kwargs: Any) -> Any:
     if num_cpus is not None:
         options["num_cpus"] = num_cpus
     options.update(kwargs)
-    return ray.init(**options)
+    context = ray.init(**options)
+    outside = [x for x in ray_listeners() if not is_loopback(x[0])]
+    if outside:
+        ray.shutdown()
+        raise ConfigError(f"Ray listens beyond 127.0.0.1 ({outside[:3]}): import kvledger.fleet before ray, or "
+                          "set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported")
+    return context
+
+
+def is_loopback(ip: str) -> bool:
+    return ip in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def ray_listeners() -> list[tuple[str, int, str]]:
+    """``(address, port, process name)`` of every listening TCP socket of the Ray processes this process
+    started (GCS, raylet, agents, workers), and of this process."""
+    import psutil
+
+    me = psutil.Process()
+    procs = {me.pid: me}
+    for p in me.children(recursive=True):
+        try:
+            if "ray" in " ".join(p.cmdline()).lower():
+                procs[p.pid] = p
+        except psutil.Error:
+            continue
+    out = []
+    for c in psutil.net_connections(kind="tcp"):
+        if c.status == psutil.CONN_LISTEN and c.pid in procs:
+            try:
+                name = procs[c.pid].name()
+            except psutil.Error:
+                name = "?"
+            out.append((c.laddr.ip, c.laddr.port, name))
+    return out
 
 
 def serve_on_loopback() -> None:
@@ -727,4 +763,5 @@ def fleet_app(spec: FleetSpec, *, tenants: dict[str, Any] | None = None, max_que
     return ingress.bind(engine.bind(spec, quotas), spec, tenants, max_queue)
 
 
-__all__ = ["EngineReplica", "FleetBackend", "FleetIngress", "FleetSpec", "fleet_app", "local_ray", "serve_on_loopback"]
+__all__ = ["EngineReplica", "FleetBackend", "FleetIngress", "FleetSpec", "fleet_app", "is_loopback", "local_ray",
+           "ray_listeners", "serve_on_loopback"]

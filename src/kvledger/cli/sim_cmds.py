@@ -249,7 +249,6 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
     "kvledger simulate --workload synthetic --input-len 1024 --output-len 256 --prefix-len 512 --rate 4 "
     "--sweep rate=0.5,1,2,4 --slo-ttft 500 --slo-tpot 50",
     "kvledger simulate --trace ../shared/traces/azure_llm_2023_conv.csv --duration-s 300 --sweep speedup=1,2,4",
-    "kvledger simulate --trace trace.jsonl --sweep policy=full,incremental --out reports/policies",
     "kvledger simulate --trace mooncake.jsonl --block-size 512 --pool-blocks 200 --replicas 4 --routers 2 "
     "--staleness 10 --arm B",
 ))

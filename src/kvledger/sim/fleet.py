@@ -518,8 +518,8 @@ class FleetSimulator:
                     rep.door.check()
         n = len(self.reqs)
 
-        def pct(xs: list[float], q: float) -> float | None:
-            return percentile(xs, q) if xs else None
+        def p_or_none(samples: list[float], q: float) -> float | None:  # the scheduler's percentile
+            return percentile(samples, q) if samples else None
 
         completed = sum(1 for _, m in recs if m.completed)
         summary = {
@@ -531,17 +531,17 @@ class FleetSimulator:
             "max_overshoot": max((p["max_overshoot"] for p in per_replica), default=0),
             "refusals": refusals, "refusals_per_request": refusals / n if n else 0.0,
             "deferred_requests": len(deferred),
-            "deferral_p50_s": pct(deferred, 50), "deferral_p99_s": pct(deferred, 99),
+            "deferral_p50_s": p_or_none(deferred, 50), "deferral_p99_s": p_or_none(deferred, 99),
             "deferral_max_s": max(deferred, default=None),
-            "accept_wait_p99_s": pct(waits, 99),
+            "accept_wait_p99_s": p_or_none(waits, 99),
             "prompt_tokens": prompt, "hit_tokens": hits, "hit_rate": hits / prompt if prompt else 0.0,
             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
-            "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
+            "ttft_p50_s": p_or_none(ttft, 50), "ttft_p90_s": p_or_none(ttft, 90), "ttft_p99_s": p_or_none(ttft, 99),
             "max_prefill_share": max(prefill) / sum(prefill) if sum(prefill) else 0.0,
             "mean_use": sum(p["mean_use"] for p in per_replica) / len(per_replica),
             "view_age_mean_s": sum(self.view_ages) / len(self.view_ages) if self.view_ages else None,
-            "view_age_p99_s": pct(self.view_ages, 99),
-            "decision_us_p50": pct(self.decision_us, 50), "decision_us_p99": pct(self.decision_us, 99),
+            "view_age_p99_s": p_or_none(self.view_ages, 99),
+            "decision_us_p50": p_or_none(self.decision_us, 50), "decision_us_p99": p_or_none(self.decision_us, 99),
             "cross_tenant_hit_blocks": sum(p["cross_tenant_hit_blocks"] for p in per_replica),
             "sim_duration_s": end, "notes": notes,
         }

@@ -17,7 +17,8 @@ Writes results.json and overcommits.png (overcommits against staleness, both arm
 tables as it goes and ends with one JSON line. Simulated time; the wall time of each run is printed with
 the machine's load average (the decision times are wall-clock microseconds, noisy under load).
 
-Usage: python benchmarks/fleet_grid.py [--trace PATH] [--out DIR] [--duration-s S] [--grid-s S] [--jobs 1]
+Usage: python benchmarks/fleet_grid.py [--trace PATH] [--out DIR] [--duration-s S] [--grid-s S] [--pools P65,P80]
+       [--skip-part1] [--skip-grid]
 """
 
 from __future__ import annotations

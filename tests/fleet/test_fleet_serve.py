@@ -183,7 +183,11 @@ def test_fleet_end_to_end(fleet):
 
 
 def test_a_replica_dies_and_every_request_still_completes(fleet):
+    """One engine replica is killed while it holds requests: every request still completes (the ones it
+    held are resubmitted elsewhere with the same seed), and at least one ingress saw the failure."""
+    import httpx
     import ray
+    from ray import serve
 
     from kvledger.runtime.engine import resolve_model
     from kvledger.server.text import TextCodec
@@ -193,17 +197,37 @@ def test_a_replica_dies_and_every_request_still_completes(fleet):
     engines = [n for n in names if f"{APP}#engine#" in n]
     assert len(engines) == 2
     victim = ray.get_actor(engines[0], namespace="serve")
+    engine = serve.get_deployment_handle("engine", app_name=APP)
+
+    def holding() -> int:  # requests the victim has accepted and not finished
+        a = engine.audit.remote({"target": engines[0]}).result(timeout_s=60)
+        return a["door"]["accepted"] - a["finished"]
 
     async def run() -> list:
         client = fleet.async_client("acme")
         tasks = [asyncio.ensure_future(client.completions.create(
-            model="smollm2-135m", prompt=codec.encode(f"Story {i}: once upon a time"), max_tokens=40,
+            model="smollm2-135m", prompt=codec.encode(f"Story {i}: once upon a time"), max_tokens=60,
             temperature=0, extra_body={"ignore_eos": True})) for i in range(8)]
-        await asyncio.sleep(1.0)
+        for _ in range(2000):  # wait (bounded) until the victim holds some of them
+            if await asyncio.to_thread(holding) > 0:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the victim never held a request")
         ray.kill(victim, no_restart=False)
         return await asyncio.gather(*tasks)
 
     t0 = time.monotonic()
     done = asyncio.run(run())
-    assert all(r.usage.completion_tokens == 40 for r in done)
-    print(f"after a replica was killed: {len(done)} of 8 completed in {time.monotonic() - t0:.1f} s")
+    assert all(r.usage.completion_tokens == 60 for r in done)
+    failures: dict[str, int] = {}
+    with httpx.Client(trust_env=False, timeout=60) as http:
+        for _ in range(600):
+            state = http.get(f"{fleet.url}/admin/fleet", headers={"Authorization": f"Bearer {OPERATOR}"}).json()
+            failures[state["ingress"]] = state["counters"]["replica_failures"]
+            if len(failures) >= 2:
+                break
+            time.sleep(0.05)
+    assert sum(failures.values()) >= 1, failures
+    print(f"after a replica was killed: {len(done)} of 8 completed in {time.monotonic() - t0:.1f} s; "
+          f"{sum(failures.values())} request(s) resubmitted after the failure")

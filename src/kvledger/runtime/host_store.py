@@ -1,9 +1,12 @@
 """The host tier's memory: one preallocated host tensor addressed by the scheduler's HostPool ids.
 
-Layout ``[layers, 2 (K, V), host_blocks, block_size, kv_heads, head_dim]``, the device store's layout
-with host block ids on dim 2, so host block ``h`` holds one whole-model page exactly like device block
-``d``. The scheduler's :class:`~kvledger.scheduler.HostPool` decides which host ids are free; this
-class only moves bytes. Pinned when CUDA is present, so device<->host copies can use DMA.
+Layout: the device store's pool with the block id on dim 1 (plain formats:
+``[layers, 2 (K, V), host_blocks, block_size, kv_heads, head_dim]``; quantised formats:
+``[layers, host_blocks, layer_block_bytes]``), so host block ``h`` holds one whole-model page, every byte of
+it (codes, scales, minimums), exactly like device block ``d``. An open int4 block (a partly written tail)
+also carries its unquantised residual page, kept beside the host block. The scheduler's
+:class:`~kvledger.scheduler.HostPool` decides which host ids are free; this class only moves bytes. Pinned
+when CUDA is present, so device<->host copies can use DMA.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import ConfigError
-from .kv_store import KVStore
+from .kv_store import BlockBytes, KVStore
 
 
 class HostKVStore:
@@ -24,16 +27,19 @@ class HostKVStore:
             raise ConfigError(f"the host store needs a block count >= 0, got {num_blocks!r}")
         self.device = device
         self.num_blocks = num_blocks
-        spec = device.spec
-        shape = (spec.layers, 2, num_blocks, device.block_size, device.kv_heads, device.head_dim)
+        shape = list(device.kv.shape)
+        shape[device.block_dim] = num_blocks
         pin = torch.cuda.is_available() and num_blocks > 0
-        self.kv = torch.zeros(shape, dtype=device.dtype, pin_memory=pin)
+        self.kv = torch.zeros(shape, dtype=device.kv.dtype, pin_memory=pin)
+        self.block_dim = device.block_dim
+        self.residual: dict[int, torch.Tensor] = {}  # host block -> residual page of an open int4 block
         self.blocks_out = 0  # device -> host block copies so far
         self.blocks_in = 0  # host -> device block copies so far
 
     @property
     def nbytes(self) -> int:
-        return self.kv.numel() * self.kv.element_size()
+        return self.kv.numel() * self.kv.element_size() + sum(r.numel() * r.element_size()
+                                                              for r in self.residual.values())
 
     def _ids(self, ids: Sequence[int], limit: int, what: str) -> torch.Tensor:
         if ids and not 0 <= min(ids) <= max(ids) < limit:
@@ -48,8 +54,13 @@ class HostKVStore:
         dev = self._ids([d for d, _ in pairs], self.device.num_blocks, "device")
         host = self._ids([h for _, h in pairs], self.num_blocks, "host")
         # One gather on the device, one transfer, one scatter into the host pool.
-        data = self.device.kv[:, :, dev.to(self.device.device)]
-        self.kv[:, :, host] = data.to("cpu")
+        taken = self.device.take_blocks(dev.tolist())
+        self.kv.movedim(self.block_dim, 0)[host] = taken.data.to("cpu")
+        for (_, h), res in zip(pairs, taken.residual, strict=True):
+            if res is None:
+                self.residual.pop(h, None)
+            else:
+                self.residual[h] = res.to("cpu")
         self.blocks_out += len(pairs)
 
     def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
@@ -58,11 +69,11 @@ class HostKVStore:
             return
         host = self._ids([h for h, _ in pairs], self.num_blocks, "host")
         dev = self._ids([d for _, d in pairs], self.device.num_blocks, "device")
-        data = self.kv[:, :, host]
+        data = self.kv.movedim(self.block_dim, 0)[host]
         if self.device.device.type == "cuda":
             data = data.pin_memory()
-        self.device.kv[:, :, dev.to(self.device.device)] = data.to(
-            self.device.device, non_blocking=self.device.device.type == "cuda")
+        data = data.to(self.device.device, non_blocking=self.device.device.type == "cuda")
+        self.device.put_blocks(dev.tolist(), BlockBytes(data, [self.residual.get(h) for h, _ in pairs]))
         self.blocks_in += len(pairs)
 
 

@@ -700,6 +700,7 @@ class FleetIngress:
 
     def __init__(self, engine: Any, spec: FleetSpec, tenants: dict[str, Any] | None = None,
                  max_queue: int = 256) -> None:
+        from ..core.geometry import canonical_dtype
         from ..runtime.engine import model_context, resolve_model
         from ..server.tenants import Tenants
         from ..server.text import TextCodec
@@ -709,7 +710,7 @@ class FleetIngress:
         self.codec = TextCodec.from_pretrained(str(ckpt.path))
         vocab = int(ckpt.config.get("vocab_size") or len(self.codec.tok))
         self.backend = FleetBackend(engine, spec, vocab_size=vocab, max_context=model_context(ckpt),
-                                    kv_dtype=spec.dtype)
+                                    kv_dtype=canonical_dtype(spec.dtype))  # the engines' name for it
         self.tenants = Tenants.from_dict(tenants) if tenants else Tenants.single_tenant()
         self.max_queue = max_queue
         self.spec = spec

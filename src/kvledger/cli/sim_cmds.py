@@ -15,6 +15,7 @@ import click
 
 from ..core.eviction import policy_names
 from ..errors import ConfigError
+from ..fleet.score import ARMS, ROUTINGS
 from ..scheduler import ADMISSION_POLICIES, RECOVERY_MODES, VICTIM_POLICIES
 from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
 from .common import emit_json as _emit_json
@@ -248,7 +249,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
     "kvledger simulate --workload synthetic --input-len 1024 --output-len 256 --prefix-len 512 --rate 4 "
     "--sweep rate=0.5,1,2,4 --slo-ttft 500 --slo-tpot 50",
     "kvledger simulate --trace ../shared/traces/azure_llm_2023_conv.csv --duration-s 300 --sweep speedup=1,2,4",
-    "kvledger simulate --trace trace.jsonl --sweep policy=full,incremental --out reports/policies",
+    "kvledger simulate --trace mooncake.jsonl --block-size 512 --pool-blocks 200 --replicas 4 --routers 2 "
+    "--staleness 10 --arm B",
 ))
 @click.option("--trace", default=None, help="Trace file: Mooncake .jsonl, Azure CSV, a length table, or kvledger's "
               "JSONL/CSV schema (see --trace-format).")
@@ -341,6 +343,22 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Fragmentation study: the maximum sequence length (Orca Max reservation).")
 @click.option("--frag-block-sizes", default="8,16,32,64,128", show_default=True,
               help="Fragmentation study: paged block sizes to compare, comma-separated.")
+@click.option("--replicas", type=Int(1, 64), default=None,
+              help="Simulate a fleet of N replicas (each --pool-blocks) behind --routers routers.")
+@click.option("--routers", type=Int(1, 64), default=1, show_default=True, help="Fleet: routers deciding at once.")
+@click.option("--staleness", type=Float(0.0, 3600.0), default=1.0, show_default=True,
+              help="Fleet: seconds between the load snapshots each router gets (0: fresh at every decision).")
+@click.option("--arm", type=click.Choice(ARMS), default="B", show_default=True,
+              help="Fleet: B the replica's ledger decides and the router retries; A the router decides.")
+@click.option("--routing", type=click.Choice(ROUTINGS), default=ROUTINGS[0], show_default=True,
+              help="Fleet: the router's cost function, or round-robin.")
+@click.option("--transit-ms", type=Float(0.0, 10_000.0), default=1.0, show_default=True,
+              help="Fleet: one-way message time between a router and a replica.")
+@click.option("--retries", type=Int(0, 1000), default=None, help="Fleet: retries after a refusal [replicas - 1].")
+@click.option("--min-match", type=Int(0, 10**8), default=1024, show_default=True,
+              help="Fleet: prefix tokens below which a match is not affinity.")
+@click.option("--queue-weight", type=Float(0.0, 1e6), default=0.1, show_default=True,
+              help="Fleet: weight of a replica's prefill backlog in the routing cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, requests: int, input_len: int,
                  output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str, tp: int,
@@ -353,7 +371,9 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                  speedup: float | None, rate: float, arrival_cv: float, block_tokens: int, scale: float,
                  seed: int, out: str | None, no_report: bool, sweep: tuple[str, ...], slo_ttft: float | None,
                  slo_tpot: float | None, slo_percentile: str, prefix_bound: bool, fragmentation: bool,
-                 capacity_tokens: int, frag_max_len: int, frag_block_sizes: str, as_json: bool) -> None:
+                 capacity_tokens: int, frag_max_len: int, frag_block_sizes: str, replicas: int | None, routers: int,
+                 staleness: float, arm: str, routing: str, transit_ms: float, retries: int | None, min_match: int,
+                 queue_weight: float, as_json: bool) -> None:
     """Simulate a workload through the real scheduler and ledger, timed by the cost model; sweep load and
     settings into a throughput-latency curve."""
     from ..sim.simulator import SimConfig, parse_sweep, prefix_hit_bound, sweep_configs
@@ -403,6 +423,14 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
             reqs = scale_time(reqs, speedup)
         label = f"a synthetic workload ({input_len} + {output_len} tokens, prefix {prefix_len}, {rate:g} req/s)"
     console = _console()
+    if replicas is not None:
+        from .fleet_cmds import run_fleet
+
+        run_fleet(base, reqs, replicas=replicas, routers=routers, staleness=staleness, arm=arm, routing=routing,
+                  transit_ms=transit_ms, retries=retries, min_match=min_match, queue_weight=queue_weight,
+                  label=label, as_json=as_json, emit_json=_emit_json, console=console,
+                  sweep=bool(sweep))
+        return
     bound = prefix_hit_bound(reqs, block_size, isolate=groups) if prefix_bound else None
     combos = sweep_configs(base, grid)
     wl_key, wl_values = workload_grid[0] if workload_grid else (None, [None])

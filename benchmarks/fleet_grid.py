@@ -1,0 +1,192 @@
+"""The fleet demonstration: Mooncake's conversation trace over N = 4 simulated replicas.
+
+Part 1 (the whole hour, unless --duration-s): hit rate, prefill balance and TTFT of the scoring router
+against round-robin and against a single pool of the same total capacity (one replica of 4x the pool and
+tp=4, i.e. about 4x the compute) -- with unbounded caches (no eviction ever) and with pools sized for
+about 65% and 80% mean use. Pools are sized from the unbounded run: the mean number of blocks a replica
+has in use (held by running requests + promised) divided by 0.65 or 0.80; the measured mean use of each
+run is reported beside it.
+
+Part 2 (the first --grid-s seconds, 20 minutes by default): the staleness grid -- R in {1, 2, 4} routers,
+staleness in {0, 0.1, 1, 10} s, arm A (the router decides, the replica commits whatever it is sent) and
+arm B (the replica's ledger decides, the router retries), at both pool sizes. Per cell: overcommitted
+admissions and the largest overshoot, refusals per request, deferral wait p50/p99, hit rate, TTFT p50/p90,
+the largest replica share of prefill, the view's age and the routing decision time.
+
+Writes results.json and overcommits.png (overcommits against staleness, both arms) into --out, prints
+tables as it goes and ends with one JSON line. Simulated time; the wall time of each run is printed with
+the machine's load average (the decision times are wall-clock microseconds, noisy under load).
+
+Usage: python benchmarks/fleet_grid.py [--trace PATH] [--out DIR] [--duration-s S] [--grid-s S] [--pools P65,P80]
+       [--skip-part1] [--skip-grid]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvledger.sim.fleet import FleetConfig, FleetSimulator
+from kvledger.sim.simulator import SimConfig, Simulator, prefix_hit_bound
+from kvledger.sim.workloads import load_mooncake, slice_requests
+
+TRACE = "../shared/traces/mooncake_fast25_conversation_trace.jsonl"
+KEYS = ("overcommits", "max_overshoot", "refusals_per_request", "deferred_requests", "deferral_p50_s",
+        "deferral_p99_s", "hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "max_prefill_share", "mean_use",
+        "view_age_mean_s", "view_age_p99_s", "decision_us_p50", "decision_us_p99", "rejected", "completed",
+        "cross_tenant_hit_blocks")
+
+
+def load() -> str:
+    return f"{os.getloadavg()[0]:.2f}"
+
+
+def run_fleet(reqs: list[Any], sim: SimConfig, **kw: Any) -> dict[str, Any]:
+    t = time.perf_counter()
+    res = FleetSimulator(FleetConfig(sim=sim, **kw)).run(reqs)
+    row = {k: res.summary[k] for k in KEYS}
+    row.update({k: v for k, v in kw.items() if k in ("replicas", "routers", "staleness_s", "arm", "routing")})
+    row["pool_blocks"] = sim.pool_blocks
+    row["wall_s"] = round(time.perf_counter() - t, 1)
+    row["load"] = load()
+    return row
+
+
+def run_single(reqs: list[Any], sim: SimConfig, pool: int) -> dict[str, Any]:
+    """One replica with the fleet's total pool and tp=4 (about the fleet's compute)."""
+    t = time.perf_counter()
+    s = Simulator(sim.with_values(pool_blocks=pool, tp=4)).run(reqs).summary()
+    return {"routing": "single pool", "pool_blocks": pool, "hit_rate": s["prefix_hit_rate"],
+            "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
+            "wall_s": round(time.perf_counter() - t, 1), "load": load()}
+
+
+def fmt(row: dict[str, Any]) -> str:
+    def f(v: Any) -> str:
+        if v is None:
+            return "-"
+        if isinstance(v, float):
+            return f"{v:.4g}"
+        return str(v)
+    return "  ".join(f"{k}={f(v)}" for k, v in row.items())
+
+
+def plot(grid: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({r["label"] for r in grid})
+    fig, axes = plt.subplots(1, len(loads), figsize=(6 * len(loads), 4.2), squeeze=False)
+    stales = sorted({r["staleness_s"] for r in grid})
+    xs = list(range(len(stales)))
+    for ax, label in zip(axes[0], loads, strict=True):
+        for arm, style in (("A", "-o"), ("B", "--s")):
+            for routers in sorted({r["routers"] for r in grid}):
+                ys = []
+                for s in stales:
+                    row = next(r for r in grid if r["label"] == label and r["arm"] == arm and r["routers"] == routers
+                               and r["staleness_s"] == s)
+                    ys.append(row["overcommits"])
+                ax.plot(xs, ys, style, label=f"arm {arm}, R={routers}")
+        ax.set_xticks(xs, [f"{s:g}" for s in stales])
+        ax.set_xlabel("staleness of the routers' view (s)")
+        ax.set_ylabel("overcommitted admissions")
+        ax.set_title(f"N=4 replicas, {label}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Arm A: the router decides on its view. Arm B: the replica's ledger decides (always 0).", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--out", default="reports/fleet-grid")
+    ap.add_argument("--duration-s", type=float, default=None, help="part 1 on the first S seconds (default: all)")
+    ap.add_argument("--grid-s", type=float, default=1200.0, help="part 2 on the first S seconds")
+    ap.add_argument("--skip-part1", action="store_true")
+    ap.add_argument("--skip-grid", action="store_true")
+    ap.add_argument("--pools", default=None, help="P65,P80 pool blocks per replica (skip the sizing run)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    everything = load_mooncake(args.trace)
+    reqs = slice_requests(everything, end_s=args.duration_s) if args.duration_s else everything
+    grid_reqs = slice_requests(everything, end_s=args.grid_s)
+    bs = 512
+    sim = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", block_size=bs)
+    results: dict[str, Any] = {"trace": Path(args.trace).name, "requests": len(reqs), "grid_requests": len(grid_reqs),
+                               "block_size": bs, "model": "llama-3.1-8b", "gpu": "h100-80gb"}
+    results["bound"] = prefix_hit_bound(reqs, bs)["bound"]
+    results["grid_bound"] = prefix_hit_bound(grid_reqs, bs)["bound"]
+    print(f"{len(reqs)} requests; single-pool bound {results['bound']:.4f}; grid slice {len(grid_reqs)} requests, "
+          f"bound {results['grid_bound']:.4f}", flush=True)
+    unbounded = sum(-(-(r.prompt_len + r.output_len) // bs) for r in reqs) + 1
+    part1: list[dict[str, Any]] = []
+    if args.pools:
+        p65, p80 = (int(x) for x in args.pools.split(","))
+    else:
+        row = run_fleet(reqs, sim.with_values(pool_blocks=unbounded), replicas=4, routers=1, staleness_s=0.0)
+        row["label"] = "unbounded"
+        part1.append(row)
+        print(fmt(row), flush=True)
+        used = row["mean_use"] * unbounded
+        p65, p80 = math.ceil(used / 0.65), math.ceil(used / 0.80)
+    results["pools"] = {"65%": p65, "80%": p80, "unbounded": unbounded}
+    print(f"pools per replica: 65% -> {p65} blocks, 80% -> {p80} blocks", flush=True)
+    if not args.skip_part1:
+        plan = [("unbounded", unbounded, dict(routing="round-robin", staleness_s=0.0)),
+                ("unbounded", unbounded, dict(staleness_s=10.0)),
+                ("unbounded", unbounded, dict(staleness_s=10.0, routers=4))]
+        for label, pool in (("65%", p65), ("80%", p80)):
+            plan += [(label, pool, dict(staleness_s=0.0)), (label, pool, dict(staleness_s=1.0, routers=4)),
+                     (label, pool, dict(routing="round-robin", staleness_s=0.0))]
+        for label, pool, kw in plan:
+            kw = {"replicas": 4, "routers": 1, **kw}
+            row = run_fleet(reqs, sim.with_values(pool_blocks=pool), **kw)
+            row["label"] = label
+            part1.append(row)
+            print(fmt(row), flush=True)
+        for label, pool in (("unbounded", unbounded), ("65%", 4 * p65), ("80%", 4 * p80)):
+            row = run_single(reqs, sim, pool)
+            row["label"] = label
+            part1.append(row)
+            print(fmt(row), flush=True)
+        results["part1"] = part1
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    grid: list[dict[str, Any]] = []
+    if not args.skip_grid:
+        for label, pool in (("65%", p65), ("80%", p80)):
+            for routers in (1, 2, 4):
+                for staleness in (0.0, 0.1, 1.0, 10.0):
+                    for arm in ("A", "B"):
+                        row = run_fleet(grid_reqs, sim.with_values(pool_blocks=pool), replicas=4, routers=routers,
+                                        staleness_s=staleness, arm=arm)
+                        row["label"] = label
+                        grid.append(row)
+                        print(fmt(row), flush=True)
+                        results["grid"] = grid
+                        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot(grid, out / "overcommits.png")
+    results["grid"] = grid
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    b = [r for r in grid if r["arm"] == "B"]
+    a2 = [r for r in grid if r["arm"] == "A" and r["routers"] >= 2]
+    print(json.dumps({"bench": "fleet_grid", "requests": len(reqs), "pools": results["pools"],
+                      "arm_b_overcommits": sum(r["overcommits"] for r in b),
+                      "arm_a_r2plus_overcommits": sum(r["overcommits"] for r in a2),
+                      "out": str(out)}), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

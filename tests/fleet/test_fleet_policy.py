@@ -1,0 +1,291 @@
+"""The fleet's policy without Ray: the admission door, the router's view and score, and the fleet simulator
+(arm A: the router decides on a stale view; arm B: the replica's ledger decides)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+
+from kvledger.core.identity import CacheContext, prompt_digests
+from kvledger.core.ledger import KVLedger
+from kvledger.core.types import Request
+from kvledger.errors import ConfigError, InvariantError
+from kvledger.fleet.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap
+from kvledger.fleet.score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
+from kvledger.fleet.view import Placement, PrefixIndex, RouterView
+from kvledger.sim.cost_model import DeviceProfile
+from kvledger.sim.fleet import FleetConfig, FleetSimulator
+from kvledger.sim.simulator import SimConfig
+from kvledger.sim.workloads import Poisson, synthetic
+
+BS = 16
+STUB = DeviceProfile(name="stub", peak_flops=1e30, mem_bandwidth_Bps=1e30, flops_efficiency=1.0,
+                     bw_efficiency=1.0, step_overhead_s=0.01, host_link_Bps=1e30, transfer_overhead_s=0.0,
+                     source="test stub")
+
+
+def ctx(group: str = "acme") -> CacheContext:
+    return CacheContext(trust_group=group, model="m")
+
+
+def ledger_request(rid: str, blocks: int, group: str = "acme", base: int = 0) -> Request:
+    """A request of ``blocks`` blocks at full reservation: a one-block prompt and the rest as output."""
+    return Request(rid, list(range(base, base + BS)), (blocks - 1) * BS, ctx(group))
+
+
+def route(rid: str, tokens: list[int], max_new: int, group: str = "acme"):
+    c = ctx(group)
+    return make_route_request(rid, group, prompt_digests(c.root_digest(), tokens, BS), len(tokens), max_new, BS)
+
+
+# ---- the seed's two lines: a snapshot says 10 free, two routers each send 6 -------------------------
+
+
+@pytest.mark.parametrize("arm", ["A", "B"])
+def test_two_routers_on_one_snapshot_of_ten_free_blocks(arm):
+    ledger = KVLedger(10, BS)
+    door = AdmissionDoor(ledger, enforce=arm == "B")
+    snapshot = door.load()
+    assert snapshot.available == 10
+    routers = [RouterView(BS, seed=k) for k in range(2)]
+    answers = []
+    for k, view in enumerate(routers):
+        view.set_replicas(["r0"])
+        view.update_load("r0", snapshot, now=0.0)  # the same stale snapshot: neither sees the other's send
+        req = route(f"q{k}", list(range(1000 * k, 1000 * k + BS)), 5 * BS)
+        assert req.charge == 6
+        choice = view.rank(req, now=0.0)[0]
+        assert choice.fits  # each router's view says 6 <= 10
+        view.routed(req, "r0")
+        answers.append(door.decide(ledger_request(f"q{k}", 6, base=1000 * k)))
+    first, second = answers
+    assert first.outcome == ACCEPTED and first.overshoot == 0
+    if arm == "A":  # the replica commits what it was sent: 12 promised or booked against 10
+        assert second.outcome == ACCEPTED
+        assert second.overshoot == 2
+        assert door.overcommits == 1 and door.max_overshoot == 2
+        with pytest.raises(InvariantError, match="overcommitted"):
+            door.check()
+    else:  # the ledger decides: the second is told "not now", holding nothing, with a fresh load
+        assert second.outcome == NOT_NOW
+        assert second.load.available == 4 and second.load.booked == 6
+        assert door.overcommits == 0
+        door.check()
+        ledger.check()
+        assert ledger.usage().active == 0  # booked is a claim on capacity, not a block
+        routers[1].refused("q1", "r0", second.load, now=0.001)
+        assert routers[1].available("r0") == 4  # the fresh load replaced the stale snapshot
+
+
+def test_door_books_the_worst_case_and_admission_releases_the_booking():
+    ledger = KVLedger(40, BS)
+    door = AdmissionDoor(ledger)
+    prompt = list(range(3 * BS))
+    a = door.decide(Request("a", prompt, BS, ctx()))
+    assert a.accepted and a.booked == 4  # 3 prompt blocks + 1 output block, nothing cached yet
+    ledger.admit(Request("a", prompt, BS, ctx()))
+    door.admitted("a")
+    assert door.booked == 0
+    ledger.mark_computed("a", len(prompt))
+    ledger.release("a")  # its prompt blocks stay cached: retained
+    b = door.decide(Request("b", prompt + [7] * BS, BS, ctx()))
+    # 3 hits on retained blocks may be taken from the evictable pool: booked as part of the worst case.
+    assert b.accepted and b.booked == 3 + 1 + 1
+    door.check()
+    assert door.decide(Request("huge", list(range(BS)), 100 * BS, ctx())).outcome == NEVER
+    door.finished("b")
+    assert door.booked == 0
+    door.booked = 5  # a book whose total disagrees with its entries is a bug the check reports
+    with pytest.raises(InvariantError, match="book"):
+        door.check()
+
+
+def test_cache_event_tap_numbers_events_and_reports_gaps():
+    tap = CacheEventTap(maxlen=2)
+    ledger = KVLedger(16, BS, events=tap)
+    ledger.admit(Request("a", list(range(4 * BS)), 1, ctx()))
+    events, nxt, complete = tap.since(0)
+    assert [k for k, _ in events] == ["stored"] * 4 and complete  # 4 <= 2 * maxlen: nothing dropped yet
+    ledger.admit(Request("b", list(range(1000, 1000 + 4 * BS)), 1, ctx()))
+    events, nxt2, complete = tap.since(0)
+    assert not complete  # the oldest were dropped: a reader this far behind must resync
+    assert nxt2 == tap.seq == 8
+
+
+# ---- the view and the score -----------------------------------------------------------------------
+
+
+def test_the_tenant_is_in_every_digest_so_no_prefix_scores_across_tenants():
+    tokens = list(range(40 * BS))
+    view = RouterView(BS, ScoreConfig(min_match_tokens=0), seed=1)
+    view.set_replicas(["r0", "r1"])
+    acme = route("a", tokens, 16, "acme")
+    view.routed(acme, "r0")
+    again = view.rank(route("a2", tokens, 16, "acme"), now=0.0)
+    assert again[0].replica == "r0" and again[0].matched == 40
+    globex = view.rank(route("g", tokens, 16, "globex"), now=0.0)
+    assert all(c.matched == 0 for c in globex)  # identical tokens, another tenant: no affinity anywhere
+
+
+def test_minimum_match_gate_keeps_a_shared_system_prompt_from_attracting_everything():
+    system = list(range(BS))  # one block every request shares, cached on r0 only
+    system_digest = route("s", system, 16).digests[0]
+    picks: dict[int, set[str]] = {}
+    for gate in (0, 4 * BS):
+        view = RouterView(BS, ScoreConfig(min_match_tokens=gate), seed=0)
+        view.set_replicas(["r0", "r1", "r2"])
+        for r in ("r0", "r1", "r2"):
+            view.update_load(r, ReplicaLoad(pool=100, free=100, evictable=0, promised=0, seq=1, stamp=0.0), 0.0)
+        view.apply_events("r0", [("stored", system_digest)])
+        picks[gate] = set()
+        for i in range(30):
+            base = 10_000 * (i + 1)
+            picks[gate].add(view.rank(route(f"x{i}", system + list(range(base, base + 8 * BS)), 16), 0.0)[0].replica)
+    assert picks[0] == {"r0"}  # without the gate, one shared block sends everything to one replica
+    assert picks[4 * BS] == {"r0", "r1", "r2"}  # with it, ties broken at random
+
+
+def test_own_requests_count_until_the_replica_load_does():
+    view = RouterView(BS, seed=0)
+    view.set_replicas(["r0"])
+    view.update_load("r0", ReplicaLoad(pool=100, free=100, evictable=0, promised=0, seq=5, stamp=10.0), now=10.0)
+    req = route("a", list(range(3 * BS)), 2 * BS)
+    view.routed(req, "r0")
+    assert view.available("r0") == 100 - req.charge  # in flight: not in the load yet
+    view.accepted("a", "r0", seq=6, load=None, now=10.1)
+    assert view.available("r0") == 100 - req.charge  # accepted, but the load still predates it
+    counted = ReplicaLoad(pool=100, free=100, evictable=0, promised=2, booked=req.charge - 2, seq=7, stamp=10.2)
+    view.update_load("r0", counted, now=10.2)
+    assert view.available("r0") == counted.available  # the load counts it now: no double count
+    view.finished("a", "r0", seq=9, load=None, now=11.0)
+    assert view.available("r0") == counted.available + req.charge  # finished: its blocks came back
+    assert view.update_load("r0", ReplicaLoad(pool=100, free=1, evictable=0, promised=0, seq=3), now=12.0) is False
+    assert view.age("r0", now=12.0) == pytest.approx(1.8)  # the age of the load, not of its arrival
+
+
+def test_prefix_index_forgets_on_eviction_events_and_dead_replicas():
+    idx = PrefixIndex(max_digests=3)
+    idx.add("r0", [b"a", b"b", b"c"])
+    idx.add("r1", [b"a"])
+    assert idx.matches([b"a", b"b", b"c"], ["r0", "r1"]) == {"r0": 3, "r1": 1}
+    idx.remove("r0", [b"b"])
+    assert idx.matches([b"a", b"b", b"c"], ["r0", "r1"]) == {"r0": 1, "r1": 1}
+    idx.drop("r1")
+    assert idx.matches([b"a"], ["r0", "r1"]) == {"r0": 1, "r1": 0}
+    idx.add("r0", [b"d", b"e"])
+    assert len(idx) <= 3  # bounded: the digests learned longest ago go first
+
+
+def test_placement_dedicates_replicas_to_a_tenant():
+    p = Placement.of({"vip": ["r2"]})
+    assert p.allowed("vip", ["r0", "r1", "r2"]) == ["r2"]
+    assert p.allowed("acme", ["r0", "r1", "r2"]) == ["r0", "r1"]
+    with pytest.raises(ConfigError):
+        Placement.of({"a": ["r1"], "b": ["r1"]})
+
+
+def test_request_blocks_match_the_ledgers_full_reservation():
+    # The seed: 2,048 + 257 tokens in 16-token blocks = 145 blocks, 128 of them the prompt's.
+    assert request_blocks(2048, 257, 16) == (128, 17, 145)
+    ledger = KVLedger(256, 16)
+    d = ledger.admit(Request("s", list(range(2048)), 257, ctx()))
+    assert d.blocks_total == 145
+
+
+def test_loads_from_elsewhere_are_checked():
+    with pytest.raises(ConfigError):
+        ReplicaLoad.from_dict({"pool": -1})
+    with pytest.raises(ConfigError):
+        ReplicaLoad.from_dict({"pool": 1, "stamp": float("nan")})
+    assert ReplicaLoad.from_dict(ReplicaLoad(4, 3, 1, 2, seq=1, stamp=2.5).to_dict()).available == 2
+
+
+# ---- the fleet simulator ----------------------------------------------------------------------------
+
+
+def workload(seed: int, count: int = 40, groups: int = 2):
+    return synthetic(count, arrivals=Poisson(40.0), prompt_len=48, output_len=24, system_prompts=2,
+                     system_prompt_len=64, shared_fraction=0.7, trust_groups=groups, seed=seed)
+
+
+def fleet(seed: int, routers: int, staleness: float, arm: str, pool: int = 48, **kw) -> dict:
+    sim = SimConfig(model="smollm2-135m", gpu="stub", profile=STUB, pool_blocks=pool, block_size=BS)
+    cfg = FleetConfig(sim=sim, replicas=3, routers=routers, staleness_s=staleness, arm=arm, check=True,
+                      seed=seed, score=ScoreConfig(min_match_tokens=32), **kw)
+    return FleetSimulator(cfg).run(workload(seed)).summary
+
+
+FLEETS = st.tuples(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from([0.0, 0.05, 0.5, 5.0]),
+                   st.integers(20, 60))
+
+
+@settings(max_examples=12, suppress_health_check=[HealthCheck.too_slow])
+@given(FLEETS)
+def test_arm_b_never_overcommits(params):
+    seed, routers, staleness, pool = params
+    s = fleet(seed, routers, staleness, "B", pool)  # check=True: every law after every acceptance and admission
+    assert s["overcommits"] == 0 and s["max_overshoot"] == 0
+    assert s["completed"] + s["rejected"] == s["requests"]
+    assert s["cross_tenant_hit_blocks"] == 0
+
+
+def test_hypothesis_finds_an_overcommit_when_routers_decide():
+    found = find(FLEETS.filter(lambda p: p[1] >= 2),
+                 lambda p: fleet(p[0], p[1], p[2], "A", p[3])["overcommits"] > 0,
+                 settings=settings(max_examples=40, database=None, suppress_health_check=list(HealthCheck)))
+    assert found[1] >= 2
+
+
+def test_one_router_with_a_fresh_view_never_overcommits_either_arm():
+    for arm in ("A", "B"):
+        assert fleet(3, 1, 0.0, arm)["overcommits"] == 0
+
+
+def test_round_robin_and_score_both_complete_and_score_hits_more():
+    sim = SimConfig(model="smollm2-135m", gpu="stub", profile=STUB, pool_blocks=400, block_size=BS)
+    reqs = synthetic(60, arrivals=Poisson(20.0), prompt_len=32, output_len=8, system_prompts=6,
+                     system_prompt_len=256, shared_fraction=1.0, seed=4)
+    out = {}
+    for routing in ("score", "round-robin"):
+        cfg = FleetConfig(sim=sim, replicas=4, routers=1, staleness_s=0.0, routing=routing,
+                          score=ScoreConfig(min_match_tokens=64))
+        out[routing] = FleetSimulator(cfg).run(reqs).summary
+        assert out[routing]["completed"] == 60
+    assert out["score"]["hit_rate"] > out["round-robin"]["hit_rate"]
+    assert out["score"]["decision_us_p99"] is not None  # measured and reported, never asserted on
+
+
+def test_fleet_config_is_checked():
+    sim = SimConfig(model="smollm2-135m", gpu="stub", profile=STUB, pool_blocks=48, block_size=BS)
+    for bad in ({"arm": "C"}, {"replicas": 0}, {"staleness_s": -1.0}, {"routing": "random"},
+                {"dedicated": (("t", (7,)),)}):
+        with pytest.raises(ConfigError):
+            FleetConfig(sim=sim, **bad)
+    with pytest.raises(ConfigError, match="reserve exactly"):
+        FleetConfig(sim=sim.with_values(policy="incremental"))
+
+
+def test_cli_simulates_a_fleet(tmp_path):
+    trace = "tests/data/traces/mooncake_conversation_head300.jsonl"
+    cmd = [sys.executable, "-m", "kvledger.cli.main", "simulate", "--trace", trace, "--limit", "60",
+           "--block-size", "512", "--pool-blocks", "120", "--replicas", "3", "--routers", "2", "--staleness", "1",
+           "--arm", "B", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    s = json.loads(out.stdout)
+    assert s["replicas"] == 3 and s["overcommits"] == 0 and s["completed"] + s["rejected"] == 60
+    bad = subprocess.run(cmd[:-1] + ["--replicas", "0"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("kvledger: error:") and "Traceback" not in bad.stderr
+
+
+def test_the_policy_imports_neither_ray_nor_torch():
+    code = ("import sys, kvledger.fleet.score, kvledger.fleet.view, kvledger.fleet.door, kvledger.sim.fleet; "
+            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

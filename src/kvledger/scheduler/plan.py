@@ -159,12 +159,16 @@ class StepPlan:
     copies: list[CopyOp] = field(default_factory=list)  # execute first
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Lower tiers (scheduler/transfers.py has the order they run in and what a step waits for):
+    tier_moves: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, slot of a slower tier)
+    demote: list[tuple[int, int]] = field(default_factory=list)  # (evicted device block, tier slot)
+    promote: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, device block): a prefix comes back
     admitted: list[str] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)  # what each admission found cached
     preempted: list[Preemption] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (seq_id, reason) ended while planning
     lease: int | None = None
-    transfer_wait_s: float = 0.0  # what the step must wait for transfers that do not overlap
+    transfer_wait_s: float = 0.0  # the swaps' link time by the scheduler's TransferModel (executors split it)
 
     @property
     def num_tokens(self) -> int:
@@ -177,11 +181,17 @@ class StepPlan:
 
     @property
     def transfers(self) -> bool:
-        return bool(self.copies or self.swap_out or self.swap_in)
+        return bool(self.copies or self.swap_out or self.swap_in or self.tier_transfers)
+
+    @property
+    def tier_transfers(self) -> bool:
+        """Demotions, moves or promotions: transfers of the prefix cache that belong to no request."""
+        return bool(self.demote or self.tier_moves or self.promote)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.swap_out or self.swap_in or self.copies)
+        return not (self.prefills or self.decodes or self.swap_out or self.swap_in or self.copies
+                    or self.tier_transfers)
 
     @property
     def progressed(self) -> bool:

@@ -372,7 +372,8 @@ class TierLedger:
                 lo, hi = self.bases[i], self.bases[i] + self.sizes[i]
                 per = [0, 0, 0, 0]
                 for s in range(lo, hi):
-                    per[self.state[s]] += 1
+                    if self.state[s] in (FREE, HELD, CACHED, DRAINING):  # a slot in no state breaks the sum
+                        per[self.state[s]] += 1
                 free = self._free[i]
                 if len(set(free)) != len(free):
                     raise InvariantError(f"tier {name}: a slot is on the free list twice")
@@ -389,7 +390,7 @@ class TierLedger:
                 for k in range(4):
                     counts[k] += per[k]
             for s in range(self.num_blocks):
-                st, d = self.state[s], self.digest[s]
+                st, d = self.state[s], self.digest[s]  # every state is one of the four (checked above)
                 if st == CACHED:
                     if d is None or self.index.get(d) != s:
                         raise InvariantError(f"cached tier slot {s} is not its digest's index entry")

@@ -64,7 +64,7 @@ def test_evicted_prefix_blocks_are_demoted_deepest_first_and_promoted_back_for_t
     assert led.counters.promoted_blocks == 3
     a_digests = led._prepare(req("q", list(range(16))))
     assert tiers.flow["promoted"] == 3 and not set(a_digests) & set(tiers.index)  # they left the tiers
-    assert len(tiers.index) == 3  # b's blocks, evicted by the promotion, went down in their place
+    assert len(tiers.index) == 4  # b's blocks evicted by the promotion (3) and the admission (1) went down
     led.check()
 
 

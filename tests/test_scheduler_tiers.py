@@ -52,23 +52,33 @@ class TierEngine(FakeEngine):
         self.moved = self.demoted = self.promoted = 0
 
     def run(self, plan: StepPlan) -> dict[str, list[int]]:
+        pool = self.s.ledger.pool
+        for b, slot in plan.demote:  # A: before anything writes the evicted blocks
+            self.host[slot] = list(self.block(b))
+        for slot, d in plan.promote:  # B
+            assert slot in self.host, f"step {plan.step}: tier slot {slot} promoted but never written"
+            assert pool.leased[d], f"step {plan.step}: promoted block {d} is not leased"
+            self.dev[d] = list(self.host[slot])
+        # C runs beside the compute: its device blocks must be nobody's in this step.
+        touched = {b for w in (*plan.prefills, *plan.decodes) for b in w.blocks}
+        touched.update(c.dst for c in plan.copies)
+        touched.update(d for _, d in (*plan.swap_in, *plan.promote))
         for src, dst in plan.tier_moves:
             assert src in self.host, f"step {plan.step}: tier slot {src} moved but never written"
             self.host[dst] = list(self.host[src])
-        for b, slot in plan.demote:
-            assert self.s.ledger.pool.ref[b] >= 0
+        for b, slot in plan.writeback:
+            assert b not in touched and pool.ref[b] == 0 and b in pool.retained, \
+                f"step {plan.step}: block {b} written back while the step uses it"
             self.host[slot] = list(self.block(b))
-        for slot, d in plan.promote:
-            assert slot in self.host, f"step {plan.step}: tier slot {slot} promoted but never written"
-            assert self.s.ledger.pool.leased[d], f"step {plan.step}: promoted block {d} is not leased"
-            self.dev[d] = list(self.host[slot])
         self.moved += len(plan.tier_moves)
-        self.demoted += len(plan.demote)
+        self.demoted += len(plan.demote) + len(plan.writeback)
         self.promoted += len(plan.promote)
         return super().run(plan)
 
 
 def offload(pool: int = 8, host: int = 8, disk: int = 0, **cfg: object) -> tuple[Scheduler, TierEngine]:
+    """Offloading scheduler; no write-back unless asked (the exact counts below are of urgent demotions)."""
+    cfg.setdefault("writeback_blocks", 0)
     tiers = TierLedger([(n, b) for n, b in (("host", host), ("disk", disk)) if b])
     s = Scheduler(KVLedger(pool, BS), SchedulerConfig(offload_prefixes=True, **cfg), host=tiers)  # type: ignore[arg-type]
     return s, TierEngine(s)
@@ -94,6 +104,21 @@ def test_a_demoted_prefix_comes_back_by_promotion_with_its_exact_kv() -> None:
     assert sum(w.end - w.start for p in plans for w in p.prefills) == 3
     stats = s.tier_stats()
     assert stats["flow"]["promoted"] == 3 and stats["offload_prefixes"]
+    s.check()
+
+
+@pytest.mark.parametrize("disk", [0, 16])
+def test_write_back_copies_retained_blocks_ahead_of_eviction_so_evicting_them_copies_nothing(disk: int) -> None:
+    s, engine = offload(host=4, disk=disk, writeback_blocks=4)
+    plans = run_one(s, engine, GenRequest("A", toks(16, 0), 2))
+    plans += run_one(s, engine, GenRequest("B", toks(24, 500), 2))
+    written = sum(len(p.writeback) for p in plans)
+    urgent = sum(len(p.demote) for p in plans)
+    assert written > 0  # copied while still on the device, beside a step's compute (TierEngine checks it)
+    assert urgent < 3  # A's evicted blocks were mostly below already: nothing to copy at eviction
+    plans = run_one(s, engine, GenRequest("C", toks(16, 0) + toks(3, 900), 2))
+    admit = next(p for p in plans if "C" in p.admitted)
+    assert admit.admissions[0].cached_tokens == 16  # device hits and promotions, with the exact KV
     s.check()
 
 
@@ -123,10 +148,10 @@ def test_a_tier_never_promotes_another_tenants_prefix() -> None:
     s.check()
 
 
-def test_demotions_cascade_to_disk_and_come_back_from_there() -> None:
-    s, engine = offload(pool=8, host=2, disk=6)
+def test_write_backs_cascade_to_disk_and_come_back_from_there() -> None:
+    s, engine = offload(pool=8, host=2, disk=16, writeback_blocks=8)
     run_one(s, engine, GenRequest("A", toks(16, 0), 2))
-    run_one(s, engine, GenRequest("B", toks(24, 500), 2))  # A1..A3 go down: the host holds 2, one moves on
+    run_one(s, engine, GenRequest("B", toks(24, 500), 2))  # A's blocks go down: the host holds 2, moves on
     run_one(s, engine, GenRequest("D", toks(24, 700), 2))  # B's blocks go down too: more moves to disk
     assert engine.moved >= 1
     tiers = s.host

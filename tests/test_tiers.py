@@ -79,20 +79,32 @@ def test_a_demoted_block_is_not_readable_until_its_transfer_completes() -> None:
     assert len(pairs) == 3
 
 
-def test_a_full_host_tier_moves_its_coldest_entry_to_disk_and_the_last_tier_drops() -> None:
+def test_a_write_back_into_a_full_host_tier_moves_its_coldest_entry_to_disk_and_the_last_tier_drops() -> None:
     tiers = TierLedger([("host", 1), ("disk", 1)])
-    assert tiers.demote(10, b"d1", "g") == 0
+    assert tiers.demote(10, b"d1", "g", urgent=False) == 0
     tiers.complete()
-    assert tiers.demote(11, b"d2", "g") == 0  # d1 moves host -> disk, d2 takes the host slot
-    assert tiers.take_ops() == [TierOp("demote", 10, 0), TierOp("move", 0, 1), TierOp("demote", 11, 0)]
+    assert tiers.demote(11, b"d2", "g", urgent=False) == 0  # d1 moves host -> disk, d2 takes the host slot
+    assert tiers.take_ops() == [TierOp("writeback", 10, 0), TierOp("move", 0, 1), TierOp("writeback", 11, 0)]
     assert tiers.index == {b"d1": 1, b"d2": 0}
     tiers.complete()
-    assert tiers.demote(12, b"d3", "g") == 0  # d2 moves to disk, d1 falls off the last tier
+    assert tiers.demote(12, b"d3", "g", urgent=False) == 0  # d2 moves to disk, d1 falls off the last tier
     assert tiers.index == {b"d2": 1, b"d3": 0} and tiers.flow["dropped"] == 1
     tiers.complete()
     tiers.check()
     # Already cached below: no second copy.
     assert tiers.demote(13, b"d3", "g") is None and tiers.flow["demote_skipped"] == 1
+    tiers.check()
+
+
+def test_an_urgent_demotion_never_moves_it_takes_a_free_slot_or_drops_the_slowest_tiers_coldest() -> None:
+    tiers = TierLedger([("host", 1), ("disk", 1)])
+    assert tiers.demote(10, b"d1", "g") == 0  # free host slot
+    assert tiers.demote(11, b"d2", "g") == 1  # free disk slot
+    tiers.complete()
+    assert tiers.demote(12, b"d3", "g") == 1  # the disk's entry is dropped: no move on the critical path
+    assert tiers.index == {b"d1": 0, b"d3": 1} and tiers.flow["dropped"] == 1
+    assert [op.kind for op in tiers.take_ops()] == ["demote"] * 3
+    tiers.complete()
     tiers.check()
 
 

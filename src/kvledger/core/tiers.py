@@ -27,11 +27,14 @@ when the step that carries the transfer is confirmed). The ledger decides; the r
 chain already starts from the group's context root, and :meth:`TierLedger.lookup` also compares the
 group explicitly, so a tier never serves a block to another tenant even if two digests collided.
 
-**Demotion** (:meth:`demote`) puts an evicted device block into the fastest tier with room: a free slot,
-else that tier's least recently used readable cached entry, which moves one tier down (a ``move``
-op) or, from the last tier, is dropped. **Holds** (:meth:`hold`, for swapped requests) take free slots
-fastest tier first, then drop cached entries slowest tier first, so ``holdable = free + evictable``
-is exact. Every operation is O(1) per slot (amortised) except :meth:`check`.
+**Demotion** (:meth:`demote`) comes in two kinds. A *write-back* copies a retained device block that is
+next in line for eviction while it still sits on the device (off the critical path); it goes to the
+fastest tier with room: a free slot, else that tier's least recently used readable entry, which moves
+one tier down (a ``move`` op) or, from the last tier, is dropped. When such a block is then evicted its
+identity is already below, so nothing is copied. An *urgent* demotion copies a block being evicted now
+(no write-back reached it): a free slot fastest tier first, else a dropped entry's slot, slowest tier
+first. **Holds** (:meth:`hold`, for swapped requests) take slots the same way, so ``holdable = free +
+evictable`` is exact. Every operation is O(1) per slot (amortised) except :meth:`check`.
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ MAX_TIER_SLOTS = 2**24  # per-slot facts live in flat lists, as the device pool'
 
 @dataclass(frozen=True, slots=True)
 class TierOp:
-    """A transfer the tier ledger decided on its own: ``demote`` (device block ``src`` -> tier slot ``dst``)
-    or ``move`` (tier slot ``src`` -> slot ``dst`` of a slower tier). Executors run every ``move`` of a
-    step before its demotions (a demotion may reuse a moved entry's slot)."""
+    """A transfer the tier ledger decided on its own: ``demote`` (an evicted device block ``src`` -> tier
+    slot ``dst``: urgent, the block is reused this step), ``writeback`` (a retained device block that stays
+    on the device -> slot ``dst``: a copy ahead of its eviction) or ``move`` (tier slot ``src`` -> slot
+    ``dst`` of a slower tier, to make room for a write-back). Executors run a step's moves before its
+    write-backs (one may reuse a moved entry's slot); urgent demotions never cause a move."""
 
     kind: str
     src: int
@@ -205,9 +210,15 @@ class TierLedger:
         return self.hold(n)
 
     # ---- the prefix cache below the device ------------------------------------------------------
-    def demote(self, block: int, digest: bytes, group: str | None) -> int | None:
-        """An evicted device block's identity moves down: returns the slot its bytes go to (an op is
-        recorded), or None when it is already cached below (no copy) or no tier has room (dropped)."""
+    def demote(self, block: int, digest: bytes, group: str | None, *, urgent: bool = True) -> int | None:
+        """A device block's identity goes down: returns the slot its bytes go to (an op is recorded), or None
+        when it is already cached below (no copy) or no tier has room (dropped).
+
+        ``urgent``: the device block is being evicted now and is reused this step, so its copy is on the
+        step's critical path: it takes a free slot (fastest tier first) or the slot of a dropped entry
+        (slowest tier first) -- never a move, which would have to run first. Not urgent (a *write-back* of
+        a retained block that stays on the device, ahead of its eviction): the fastest tier with room,
+        whose least recently used entry moves one tier down to make it (``move`` ops, run before it)."""
         if type(digest) is not bytes or not digest:
             raise ConfigError(f"demote: a digest is non-empty bytes, got {show(digest)}")
         with self._lock:
@@ -218,16 +229,39 @@ class TierLedger:
                 if held in lru:
                     lru.move_to_end(held)
                 return None
-            for i in range(len(self.names)):
-                slot = self._slot_for_cache(i)
-                if slot is not None:
-                    self._place(slot, digest, group)
-                    self.flow["demoted"] += 1
-                    self._ops.append(TierOp("demote", block, slot))
-                    return slot
+            slot = None
+            if urgent:
+                slot = self._free_slot()
+                if slot is None:
+                    slot = self._dropped_slot()
+            else:
+                for i in range(len(self.names)):
+                    slot = self._slot_for_cache(i)
+                    if slot is not None:
+                        break
             self.flow["demoted"] += 1
-            self.flow["dropped"] += 1
-            return None
+            if slot is None:
+                self.flow["dropped"] += 1
+                return None
+            self._place(slot, digest, group)
+            self._ops.append(TierOp("demote" if urgent else "writeback", block, slot))
+            return slot
+
+    def _free_slot(self) -> int | None:
+        for free in self._free:
+            if free:
+                return free.pop()
+        return None
+
+    def _dropped_slot(self) -> int | None:
+        """Drop the least recently used readable entry of the slowest tier that has one; its slot."""
+        for i in range(len(self.names) - 1, -1, -1):
+            lru = self._lru[i]
+            if lru:
+                slot, _ = lru.popitem(last=False)
+                self._drop_entry(slot, "dropped")
+                return self._free[i].pop()
+        return None
 
     def _slot_for_cache(self, i: int) -> int | None:
         """A slot of tier ``i`` for a new cached entry: a free one, else the slot of its least recently

@@ -297,6 +297,7 @@ class EngineStats:
     demoted_blocks: int = 0
     promoted_blocks: int = 0
     moved_blocks: int = 0
+    written_back_blocks: int = 0  # retained blocks copied down ahead of their eviction
     forward_s: float = 0.0
     prefill_tokens: int = 0  # prompt / replay tokens run through the model
     decode_tokens: int = 0

@@ -1,7 +1,7 @@
 """The torch executor: carries out the scheduler's step plans on real tensors.
 
 One :meth:`TorchExecutor.execute` hands the plan's transfers to and from the tiers below the device pool
-(demotions, moves, promotions, swap-ins, swap-outs) to the background worker of
+(demotions, write-backs, moves, promotions, swap-ins, swap-outs) to the background worker of
 :class:`~kvledger.runtime.transfer.TransferEngine`, then runs the copy-on-write copies, one batched forward
 pass over every prefill chunk and decode, and token selection beside them -- waiting for the demotions
 before anything writes a device block, for the incoming blocks before a forward pass that reads one, and
@@ -96,6 +96,7 @@ class TorchExecutor:
             stats.demoted_blocks += len(plan.demote)
             stats.promoted_blocks += len(plan.promote)
             stats.moved_blocks += len(plan.tier_moves)
+            stats.written_back_blocks += len(plan.writeback)
         out.elapsed_s = time.perf_counter() - t0
         return out
 

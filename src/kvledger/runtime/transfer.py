@@ -2,9 +2,10 @@
 
 A step's transfers come in three phases, in this order (:mod:`kvledger.scheduler.transfers`)::
 
-    A  tier_moves, demote      evicted device blocks out (before anything writes them), entries one tier down
+    A  demote                  evicted device blocks out, before anything writes them
     B  promote, swap_in        blocks coming up from a tier
-    C  swap_out                requests preempted by swap (their device blocks stay leased until confirm)
+    C  tier_moves, writeback,  entries one tier down, then retained blocks copied down ahead of eviction;
+       swap_out                requests preempted by swap (their device blocks stay leased until confirm)
 
 :meth:`TransferEngine.start` runs in the executor's thread what the step depends on -- A always, B when a
 work of the step reads an incoming block -- and queues the rest on one background worker thread, which
@@ -135,10 +136,10 @@ class TransferEngine:
     # ---- a step's transfers -----------------------------------------------------------------------
     @staticmethod
     def has_work(plan: StepPlan) -> bool:
-        return bool(plan.swap_out or plan.swap_in or plan.tier_moves or plan.demote or plan.promote)
+        return bool(plan.swap_out or plan.swap_in or plan.tier_transfers)
 
     def start(self, plan: StepPlan, inbound_needed: bool = True) -> StepTransfers:
-        """Run what the step depends on now -- moves and demotions (A), and the incoming blocks (B) when
+        """Run what the step depends on now -- urgent demotions (A), and the incoming blocks (B) when
         ``inbound_needed`` -- and queue the rest on the worker. Errors are kept in the handle's ``error``."""
         batch = StepTransfers(plan)
         if self.overlap:
@@ -173,10 +174,10 @@ class TransferEngine:
     @staticmethod
     def _phase_has_work(plan: StepPlan, phase: str) -> bool:
         if phase == "A":
-            return bool(plan.tier_moves or plan.demote)
+            return bool(plan.demote)
         if phase == "B":
             return bool(plan.promote or plan.swap_in)
-        return bool(plan.swap_out)
+        return bool(plan.tier_moves or plan.writeback or plan.swap_out)
 
     # ---- the worker -------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -198,7 +199,6 @@ class TransferEngine:
             ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
             with ctx:
                 if "A" in phases:
-                    self._moves(plan.tier_moves)
                     self._out(plan.demote, "demote")
                     self._sync()
                 if "B" in phases:
@@ -206,6 +206,8 @@ class TransferEngine:
                     self._in(plan.swap_in, "swap_in")
                     self._sync()
                 if "C" in phases:
+                    self._moves(plan.tier_moves)  # before the write-backs: one may reuse a moved entry's slot
+                    self._out(plan.writeback, "writeback")
                     self._out(plan.swap_out, "swap_out")
                     self._sync()
         except Exception as exc:  # noqa: BLE001 -- handed to the executor, which raises it in its thread
@@ -275,7 +277,7 @@ class TransferEngine:
             self._count(tier.kind, "in", len(group), len(group) * nb, time.perf_counter() - t0)
 
     def _moves(self, pairs: list[tuple[int, int]]) -> None:
-        """Tier slot -> slot of a slower tier (run before the demotions: one may reuse a source slot)."""
+        """Tier slot -> slot of a slower tier (run before the write-backs: one may reuse a source slot)."""
         if not pairs:
             return
         t0 = time.perf_counter()

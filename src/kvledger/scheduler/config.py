@@ -36,9 +36,11 @@ class SchedulerConfig:
 
     ``offload_prefixes``: with tiers below the device pool (the scheduler's ``host``), a retained prefix
     block the pool evicts is demoted to a tier instead of forgotten, and a prompt whose next blocks a tier
-    holds (same trust group) gets them promoted back at admission. ``restore_ahead``: a request restored from
-    a swap or admitted with promoted blocks computes from the next step, so the transfer can hide behind
-    this step's compute instead of stalling it (one step later for that request).
+    holds (same trust group) gets them promoted back at admission; ``writeback_blocks`` of the retained
+    blocks next in line for eviction are copied down ahead of it, beside the compute, so their eviction later
+    copies nothing (0: every copy happens at eviction, on the step's critical path). ``restore_ahead``: a
+    request restored from a swap or admitted with promoted blocks computes from the next step, so the
+    transfer can hide behind this step's compute instead of stalling it (one step later for that request).
     """
 
     policy: str = "full"
@@ -54,13 +56,15 @@ class SchedulerConfig:
     predicted_min_samples: int = 20
     offload_prefixes: bool = False  # demote evicted prefix blocks to the tiers below, promote them on a hit
     restore_ahead: bool = False  # a request whose blocks arrive from a tier computes from the next step
+    writeback_blocks: int = 32  # with offload_prefixes: retained blocks next in line for eviction copied down
 
     def __post_init__(self) -> None:
         for name, registry in REGISTRIES.items():
             registry.check(getattr(self, name), name)
-        for name in ("max_running", "token_budget", "prefill_chunk", "predicted_min_samples", "headroom_blocks"):
+        for name in ("max_running", "token_budget", "prefill_chunk", "predicted_min_samples", "headroom_blocks",
+                     "writeback_blocks"):
             value = getattr(self, name)
-            low = 0 if name == "headroom_blocks" else 1
+            low = 0 if name in ("headroom_blocks", "writeback_blocks") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("offload_prefixes", "restore_ahead"):

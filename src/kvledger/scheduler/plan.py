@@ -160,8 +160,9 @@ class StepPlan:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     # Lower tiers (scheduler/transfers.py has the order they run in and what a step waits for):
+    demote: list[tuple[int, int]] = field(default_factory=list)  # (evicted device block, tier slot): urgent
     tier_moves: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, slot of a slower tier)
-    demote: list[tuple[int, int]] = field(default_factory=list)  # (evicted device block, tier slot)
+    writeback: list[tuple[int, int]] = field(default_factory=list)  # (retained device block, tier slot): a copy
     promote: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, device block): a prefix comes back
     admitted: list[str] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)  # what each admission found cached
@@ -185,8 +186,8 @@ class StepPlan:
 
     @property
     def tier_transfers(self) -> bool:
-        """Demotions, moves or promotions: transfers of the prefix cache that belong to no request."""
-        return bool(self.demote or self.tier_moves or self.promote)
+        """Demotions, moves, write-backs or promotions: the prefix cache's transfers (no request owns them)."""
+        return bool(self.demote or self.tier_moves or self.writeback or self.promote)
 
     @property
     def empty(self) -> bool:

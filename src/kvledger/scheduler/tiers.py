@@ -5,8 +5,11 @@ Mixed into :class:`~kvledger.scheduler.scheduler.Scheduler`. The scheduler's ``h
 single ``host`` tier). Swapped requests take *held* slots of it (:meth:`Scheduler.preempt`). With
 ``SchedulerConfig.offload_prefixes`` the ledger is attached to it, so that:
 
-* every retained prefix block the device pool evicts is **demoted**: the ledger records the op and this
-  module moves it into the plan (``plan.demote``, with the ``plan.tier_moves`` that make room below);
+* the retained prefix blocks next in line for eviction are **written back** (``plan.writeback``, with
+  the ``plan.tier_moves`` that make room below): copied down while they stay on the device, beside the
+  step's compute, so that evicting them later copies nothing;
+* a retained block the device pool evicts before any write-back reached it is **demoted** urgently
+  (``plan.demote``): its bytes are read out before anything in the step writes the block;
 * a request about to be admitted gets the prompt blocks the tiers hold for its trust group **promoted**
   (``plan.promote``): device blocks indexed and leased until ``confirm``, then shared by its admission
   as ordinary prefix hits. Promotion is attempted only when the admission would succeed anyway, so a
@@ -66,12 +69,36 @@ class TierPlanning:
         if self.config.restore_ahead:
             self._arriving.add(unit[0].request.request_id)
 
+    def _plan_writeback(self: Scheduler) -> None:
+        """Copy down, ahead of their eviction, the retained blocks the next ``writeback_blocks`` allocations
+        beyond the free list would evict (only those not below already). Planned after everything else
+        of the step: these blocks are nobody's in this plan, so nothing writes them while they are read."""
+        budget = self.config.writeback_blocks
+        pool = self.ledger.pool
+        need = budget - pool.num_free
+        if need <= 0 or not pool.num_retained:
+            return
+        peek = getattr(pool.retained, "peek", None)
+        candidates = peek(budget) if peek is not None else pool.retained.blocks()[:budget]
+        tiers, digest, group = self.host, pool.digest, pool.group
+        for block in candidates:
+            d = digest[block]
+            if d is None or d in tiers.index:
+                continue
+            tiers.demote(block, d, group[block], urgent=False)
+            need -= 1
+            if need <= 0:
+                return
+
     def _take_tier_ops(self: Scheduler, plan: StepPlan) -> None:
-        """Demotions and moves the ledger decided since the last step go into this plan."""
+        """Demotions, write-backs and moves the ledger decided since the last step go into this plan."""
         if not self.offloading:
             return
+        if self.config.writeback_blocks:
+            self._plan_writeback()
+        lists = {"demote": plan.demote, "move": plan.tier_moves, "writeback": plan.writeback}
         for op in self.host.take_ops():
-            (plan.tier_moves if op.kind == "move" else plan.demote).append((op.src, op.dst))
+            lists[op.kind].append((op.src, op.dst))
 
     def _complete_tiers(self: Scheduler) -> None:
         if self.host is not None:
@@ -82,7 +109,7 @@ class TierPlanning:
         """The executor could not complete ``plan``'s tier transfers: the entries they were writing are
         dropped, and the promoted device blocks lose their identity (their requests fail with the step)."""
         if self.host is not None:
-            self.host.discard([s for _, s in plan.demote] + [s for _, s in plan.tier_moves])
+            self.host.discard([s for _, s in (*plan.demote, *plan.tier_moves, *plan.writeback)])
         if plan.promote:
             self.ledger.invalidate([d for _, d in plan.promote])
 

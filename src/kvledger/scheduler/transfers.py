@@ -2,15 +2,16 @@
 
 A step's transfers run on one background worker, in this order (``StepPlan`` names them):
 
-    A  tier_moves, demote      cached entries one tier down; evicted device blocks to a tier
+    A  demote                  evicted device blocks to a tier (urgent: the step reuses them)
     B  promote, swap_in        tier -> device: promoted prefix blocks, restored swapped requests
-    C  swap_out                device -> tier: requests preempted by swap (their blocks stay leased)
+    C  tier_moves, writeback,  cached entries one tier down, then retained device blocks copied down ahead
+       swap_out                of their eviction; requests preempted by swap (their blocks stay leased)
 
 and the step's compute (copies, the forward pass, sampling) runs beside them on the main thread. Data
 dependencies decide what must finish first:
 
 * **A** whenever the plan demotes: a demoted device block has a new owner that this step may write, so
-  its bytes must be read out before anything runs (and a move must read a slot before a demotion reuses it);
+  its bytes must be read out before anything runs;
 * **B** when a work of the step reads a promoted or restored block (:func:`reads_inbound`): the forward
   pass waits for it;
 * everything else overlaps the compute, and the step ends only when every transfer is done (the slots
@@ -96,16 +97,18 @@ def step_transfer_timing(plan: StepPlan, compute_s: float, link_of: LinkOf, bloc
     """The modelled transfer time of ``plan`` beside ``compute_s`` of compute (see the module docstring).
     A move costs the destination tier's outgoing link (its source is a faster tier). ``overlap=False``:
     an executor that runs every transfer before its compute (all of it is exposed)."""
-    a = _group_time([d for _, d in plan.tier_moves], link_of, block_bytes, "out") + \
-        _group_time([d for _, d in plan.demote], link_of, block_bytes, "out")
+    a = _group_time([d for _, d in plan.demote], link_of, block_bytes, "out")
     b = _group_time([s for s, _ in plan.promote], link_of, block_bytes, "in") + \
         _group_time([s for s, _ in plan.swap_in], link_of, block_bytes, "in")
-    c = _group_time([s for _, s in plan.swap_out], link_of, block_bytes, "out")
-    blocks = len(plan.tier_moves) + len(plan.demote) + len(plan.promote) + len(plan.swap_in) + len(plan.swap_out)
+    c = _group_time([d for _, d in plan.tier_moves], link_of, block_bytes, "out") + \
+        _group_time([d for _, d in plan.writeback], link_of, block_bytes, "out") + \
+        _group_time([s for _, s in plan.swap_out], link_of, block_bytes, "out")
+    blocks = (len(plan.tier_moves) + len(plan.demote) + len(plan.writeback) + len(plan.promote) + len(plan.swap_in)
+              + len(plan.swap_out))
     if not blocks:
         return TransferTiming()
-    needed = a if plan.demote or plan.tier_moves else 0.0
-    overlapped = a - needed
+    needed = a
+    overlapped = 0.0
     if reads_inbound(plan, block_size):
         needed += b
     else:

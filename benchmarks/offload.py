@@ -14,8 +14,9 @@ a slice of the Mooncake trace.
    -- transfers overlapped, overlapped with restore-ahead, and not overlapped -- side by side in one run.
    Greedy outputs must be identical across every configuration (a swap-in or promotion is bit-identical).
 4. **Hit rate on Mooncake.** The simulator (Llama-3.1-8B on an H100 profile; the disk link there is an
-   assumed NVMe) replays the first ``--mooncake-requests`` requests of the conversation trace
-   (tests/data/traces slice by default; ``--trace`` for the full trace in /work/shared/traces) with a small
+   assumed NVMe) replays the first ``--mooncake-requests`` requests of the conversation trace (the full trace
+   in /work/shared/traces when present, else the 300-request slice in tests/data/traces; ``--trace`` for
+   another), arrivals slowed by ``--speedup`` (one H100 cannot keep up with the trace's rate), with a small
    pool, without a tier and with tiers of growing size; the unbounded-cache bound is printed beside them.
 
 Timings depend on the machine and its load (noted before and after); only figures measured side by side in
@@ -39,6 +40,7 @@ from pathlib import Path  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 MOONCAKE_SLICE = REPO / "tests" / "data" / "traces" / "mooncake_conversation_head300.jsonl"
+FULL_TRACE = Path("/work/shared/traces/mooncake_fast25_conversation_trace.jsonl")
 
 
 def load() -> list[float]:
@@ -175,20 +177,21 @@ def engine_section(args: argparse.Namespace, ckpt, tokens: list[int]) -> dict:
 
 
 def mooncake_section(args: argparse.Namespace) -> dict:
-    from kvledger.sim import load_trace
+    from kvledger.sim import load_trace, scale_time
     from kvledger.sim.simulator import SimConfig, Simulator, prefix_hit_bound
 
-    path = Path(args.trace) if args.trace else MOONCAKE_SLICE
-    reqs = load_trace(path)[: args.mooncake_requests]
+    path = Path(args.trace) if args.trace else (FULL_TRACE if FULL_TRACE.is_file() else MOONCAKE_SLICE)
+    reqs = scale_time(load_trace(path)[: args.mooncake_requests], args.speedup)
     bound = prefix_hit_bound(reqs, 16)
     block_bytes = 16 * 32 * 8 * 128 * 2 * 2  # Llama-3.1-8B, bf16 KV: 2 MiB per 16-token block
     pool = args.mooncake_pool_blocks
-    print(f"\n4. Prefix hit rate on {len(reqs)} Mooncake requests ({path.name}), simulated: Llama-3.1-8B on an "
-          f"H100 profile, pool {pool} blocks ({pool * block_bytes / 2**30:.1f} GiB); unbounded-cache bound "
-          f"{bound['bound']:.1%}")
+    print(f"\n4. Prefix hit rate on the first {len(reqs)} Mooncake requests ({path.name}, arrivals x{args.speedup:g}), "
+          f"simulated: Llama-3.1-8B on an H100 profile, pool {pool} blocks ({pool * block_bytes / 2**30:.1f} GiB); "
+          f"unbounded-cache bound {bound['bound']:.1%}")
     print(f"{'tiers':<28}{'hit rate':>9}{'TTFT p50':>10}{'tok/s':>8}{'promoted tok':>13}{'transfer ms':>12}"
           f"{'hidden':>8}{'exposed':>8}")
-    out: dict = {"requests": len(reqs), "trace": path.name, "pool_blocks": pool, "bound": bound["bound"]}
+    out: dict = {"requests": len(reqs), "trace": path.name, "speedup": args.speedup, "pool_blocks": pool,
+                 "bound": bound["bound"]}
     cases = {"none": (0, 0), f"host {2 * pool}": (2 * pool, 0),
              f"host {2 * pool} + disk {16 * pool}": (2 * pool, 16 * pool)}
     for name, (host, disk) in cases.items():
@@ -221,7 +224,8 @@ def main() -> None:
     p.add_argument("--disk-dir", default=None, help="folder of the disk tier's file [the system temp dir]")
     p.add_argument("--link-repeats", type=int, default=5)
     p.add_argument("--trace", default=None, help=f"a Mooncake trace [{MOONCAKE_SLICE.relative_to(REPO)}]")
-    p.add_argument("--mooncake-requests", type=int, default=300)
+    p.add_argument("--mooncake-requests", type=int, default=1000)
+    p.add_argument("--speedup", type=float, default=0.2, help="arrival-rate factor of the Mooncake replay")
     p.add_argument("--mooncake-pool-blocks", type=int, default=4096)
     p.add_argument("--skip-runtime", action="store_true", help="only the simulated Mooncake section")
     args = p.parse_args()

@@ -133,6 +133,24 @@ def test_without_offload_the_same_prompt_recomputes_what_was_evicted() -> None:
     assert engine.demoted == 0 and s.host.index == {}
 
 
+def test_spill_keeps_free_fast_slots_and_its_drained_slots_wait_for_the_step() -> None:
+    tiers = TierLedger([("host", 3), ("disk", 3)])
+    for i in range(3):
+        tiers.demote(i, bytes([i + 1]), "g")
+    tiers.complete()
+    tiers.take_ops()
+    assert tiers.free_in(0) == 0
+    assert tiers.spill(0, 2) == 2
+    assert [(op.kind, op.src) for op in tiers.take_ops()] == [("move", 0), ("move", 1)]  # coldest first
+    assert tiers.free_in(0) == 0  # the moved-out slots are read this step: not reusable yet
+    # An urgent demotion stays in the fastest tier: it drops the host's last entry rather than write to disk.
+    assert tiers.demote(9, b"x", "g") == 2 and bytes([3]) not in tiers.index
+    tiers.complete()
+    assert tiers.free_in(0) == 2 and tiers.tier_name(tiers.index[bytes([1])]) == "disk"
+    assert tiers.tier_name(tiers.index[bytes([2])]) == "disk" and tiers.index[b"x"] == 2
+    tiers.check()
+
+
 def test_a_tier_never_promotes_another_tenants_prefix() -> None:
     s, engine = offload()
     a, b = CacheContext(trust_group="a"), CacheContext(trust_group="b")
@@ -155,8 +173,9 @@ def test_write_backs_cascade_to_disk_and_come_back_from_there() -> None:
     run_one(s, engine, GenRequest("D", toks(24, 700), 2))  # B's blocks go down too: more moves to disk
     assert engine.moved >= 1
     tiers = s.host
-    names = {tiers.tier_name(slot) for slot in tiers.index.values()}
-    assert names == {"host", "disk"}
+    # The host keeps writeback_blocks (8 > its 2 slots) free: every entry has been spilled to disk.
+    assert {tiers.tier_name(slot) for slot in tiers.index.values()} == {"disk"}
+    assert tiers.free_in(0) == 2
     plans = run_one(s, engine, GenRequest("C", toks(16, 0) + toks(3, 900), 2))
     admit = next(p for p in plans if "C" in p.admitted)
     assert admit.admissions[0].cached_tokens >= 12

@@ -7,7 +7,8 @@ hold one whole device block's bytes. Slots have global ids -- tier ``i`` owns ``
     free      holds nothing
     held      the only copy of a swapped request's block (it returns to the device on restore)
     cached    a demoted prefix block: indexed by its digest and tagged with its trust group
-    draining  a cached block being promoted back to the device this step; free once the step is done
+    draining  read by a transfer this step (a promotion back to the device, or a move one tier down);
+              free once the step is done
 
 A slot written by a transfer that has not completed is *in flight*: a held slot cannot be restored
 and a cached one cannot be promoted or moved before :meth:`TierLedger.complete` (the scheduler calls it
@@ -32,9 +33,10 @@ next in line for eviction while it still sits on the device (off the critical pa
 fastest tier with room: a free slot, else that tier's least recently used readable entry, which moves
 one tier down (a ``move`` op) or, from the last tier, is dropped. When such a block is then evicted its
 identity is already below, so nothing is copied. An *urgent* demotion copies a block being evicted now
-(no write-back reached it): a free slot fastest tier first, else a dropped entry's slot, slowest tier
-first. **Holds** (:meth:`hold`, for swapped requests) take slots the same way, so ``holdable = free +
-evictable`` is exact. Every operation is O(1) per slot (amortised) except :meth:`check`.
+(no write-back reached it) into the fastest tier that has a free slot or a readable entry to drop --
+never a move, and never a slow tier while a fast one can take it. **Holds** (:meth:`hold`, for swapped
+requests) take free slots fastest tier first, then drop cached entries slowest tier first, so
+``holdable = free + evictable`` is exact. Every operation is O(1) per slot (amortised) except :meth:`check`.
 """
 
 from __future__ import annotations
@@ -215,8 +217,8 @@ class TierLedger:
         when it is already cached below (no copy) or no tier has room (dropped).
 
         ``urgent``: the device block is being evicted now and is reused this step, so its copy is on the
-        step's critical path: it takes a free slot (fastest tier first) or the slot of a dropped entry
-        (slowest tier first) -- never a move, which would have to run first. Not urgent (a *write-back* of
+        step's critical path: it takes the fastest tier's free slot or the slot of its least recently used
+        entry, which is dropped -- never a move, which would have to run first. Not urgent (a *write-back* of
         a retained block that stays on the device, ahead of its eviction): the fastest tier with room,
         whose least recently used entry moves one tier down to make it (``move`` ops, run before it)."""
         if type(digest) is not bytes or not digest:
@@ -231,9 +233,7 @@ class TierLedger:
                 return None
             slot = None
             if urgent:
-                slot = self._free_slot()
-                if slot is None:
-                    slot = self._dropped_slot()
+                slot = self._urgent_slot()
             else:
                 for i in range(len(self.names)):
                     slot = self._slot_for_cache(i)
@@ -247,15 +247,12 @@ class TierLedger:
             self._ops.append(TierOp("demote" if urgent else "writeback", block, slot))
             return slot
 
-    def _free_slot(self) -> int | None:
-        for free in self._free:
-            if free:
-                return free.pop()
-        return None
-
-    def _dropped_slot(self) -> int | None:
-        """Drop the least recently used readable entry of the slowest tier that has one; its slot."""
-        for i in range(len(self.names) - 1, -1, -1):
+    def _urgent_slot(self) -> int | None:
+        """The fastest tier that has a free slot or a readable entry to drop (never a move: it would have to
+        run before the copy, on the critical path too); a free slot before a dropped entry within a tier."""
+        for i in range(len(self.names)):
+            if self._free[i]:
+                return self._free[i].pop()
             lru = self._lru[i]
             if lru:
                 slot, _ = lru.popitem(last=False)
@@ -290,6 +287,39 @@ class TierLedger:
         self.flow["moved"] += 1
         self._ops.append(TierOp("move", slot, target))
         return slot
+
+    def spill(self, tier: int, n: int) -> int:
+        """Move up to ``n`` of tier ``tier``'s least recently used readable entries one tier down (``move``
+        ops, off the critical path), so the tier has free slots for the next demotions. A moved entry's
+        old slot drains: it is free once the step's transfers are done. Returns the entries moved."""
+        with self._lock:
+            moved = 0
+            lru = self._lru[tier]
+            while moved < n and lru:
+                target = None
+                for j in range(tier + 1, len(self.names)):
+                    target = self._slot_for_cache(j)
+                    if target is not None:
+                        break
+                if target is None:
+                    break
+                slot, _ = lru.popitem(last=False)
+                digest, group = self.digest[slot], self.group[slot]
+                del self.index[digest]  # type: ignore[arg-type]
+                self._clear(slot)
+                self.state[slot] = DRAINING
+                self._draining.append(slot)
+                self.counts["cached"] -= 1
+                self.counts["draining"] += 1
+                self._place(target, digest, group)  # type: ignore[arg-type]
+                self.flow["moved"] += 1
+                self._ops.append(TierOp("move", slot, target))
+                moved += 1
+            return moved
+
+    def free_in(self, tier: int) -> int:
+        """Free slots of one tier."""
+        return len(self._free[tier])
 
     def _place(self, slot: int, digest: bytes, group: str | None) -> None:
         self.state[slot] = CACHED

@@ -7,7 +7,8 @@ single ``host`` tier). Swapped requests take *held* slots of it (:meth:`Schedule
 
 * the retained prefix blocks next in line for eviction are **written back** (``plan.writeback``, with
   the ``plan.tier_moves`` that make room below): copied down while they stay on the device, beside the
-  step's compute, so that evicting them later copies nothing;
+  step's compute, so that evicting them later copies nothing; and each tier but the last keeps
+  ``writeback_blocks`` slots free by **spilling** its coldest entries one tier down (``plan.tier_moves``);
 * a retained block the device pool evicts before any write-back reached it is **demoted** urgently
   (``plan.demote``): its bytes are read out before anything in the step writes the block;
 * a request about to be admitted gets the prompt blocks the tiers hold for its trust group **promoted**
@@ -75,12 +76,19 @@ class TierPlanning:
         of the step: these blocks are nobody's in this plan, so nothing writes them while they are read."""
         budget = self.config.writeback_blocks
         pool = self.ledger.pool
+        tiers = self.host
+        # Each tier but the last keeps ``budget`` slots free by spilling its coldest entries one tier down,
+        # so that urgent demotions find a free fast slot instead of dropping a cached entry.
+        for i in range(len(tiers.names) - 1):
+            short = budget - tiers.free_in(i)
+            if short > 0:
+                tiers.spill(i, short)
         need = budget - pool.num_free
         if need <= 0 or not pool.num_retained:
             return
         peek = getattr(pool.retained, "peek", None)
         candidates = peek(budget) if peek is not None else pool.retained.blocks()[:budget]
-        tiers, digest, group = self.host, pool.digest, pool.group
+        digest, group = pool.digest, pool.group
         for block in candidates:
             d = digest[block]
             if d is None or d in tiers.index:

@@ -61,6 +61,27 @@ def test_swap_out_and_in_is_bit_identical(spec: KVSpec, tiers, compression: str,
     engine.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA transfer path needs a GPU")
+def test_the_cuda_path_uses_pinned_buffers_and_a_copy_stream_and_is_bit_identical(tmp_path) -> None:
+    spec = KVSpec(3, 2, 8, kv_dtype="bf16", block_size=BS)
+    cpu = filled(spec, 8, seed=5)
+    store = KVStore(spec, 8, device="cuda")
+    store.kv.copy_(cpu.kv)
+    before = {b: block_bytes(cpu, b) for b in range(8)}
+    stores = TierStores(store, ["host", "disk"], [2, 4], disk_dir=tmp_path, compression="zlib")
+    engine = TransferEngine(stores, staging_blocks=2)
+    assert engine.cuda and engine.stream is not None
+    assert stores.host.data.is_pinned() and engine.staging.is_pinned()
+    batch = engine.start(StepPlan(0, swap_out=[(b, s) for s, b in enumerate((1, 3, 4, 6, 7, 0))]), inbound_needed=False)
+    batch.wait()
+    assert batch.error is None
+    store.kv.zero_()  # the compute stream overwrites the blocks; the copy stream must have read them first
+    engine.start(StepPlan(1, swap_in=[(s, d) for s, d in enumerate((7, 6, 5, 4, 3, 2))]))  # needed: inline
+    for (s, b), d in zip(enumerate((1, 3, 4, 6, 7, 0)), (7, 6, 5, 4, 3, 2), strict=True):
+        assert BlockBytes(store).snapshot(d) == before[b], f"slot {s}: block {b} came back as {d} with other bytes"
+    engine.close()
+
+
 def test_a_store_with_more_per_block_tensors_moves_them_all(tmp_path) -> None:
     """A format that keeps scales beside the values names both in ``block_tensors()``: a tier moves the
     block's whole byte layout."""

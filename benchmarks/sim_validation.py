@@ -115,6 +115,8 @@ def runtime_side(reqs, args: argparse.Namespace) -> dict:
 
     engine = runtime_engine(args)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], 4)  # warm-up outside the measurement
+    tiers = engine.scheduler.host
+    flow0 = dict(tiers.flow) if tiers is not None else {}
     greedy = SamplingParams(temperature=0.0)
     steps0 = engine.stats.steps
     t0 = engine.clock() + 0.05
@@ -128,7 +130,9 @@ def runtime_side(reqs, args: argparse.Namespace) -> dict:
     if args.offload:
         s = engine.stats
         transfers = {"transfer_s": s.transfer_s, "hidden_s": s.transfer_hidden_s, "exposed_s": s.transfer_exposed_s,
-                     "promoted_blocks": s.promoted_blocks, "demoted_blocks": s.demoted_blocks}
+                     # The tier ledger's flow, as the simulator's side reports it (write-backs included).
+                     "promoted_blocks": tiers.flow["promoted"] - flow0["promoted"],
+                     "demoted_blocks": tiers.flow["demoted"] - flow0["demoted"]}
         engine.close()
     return figures(summarize_requests(r.metrics for r in results), engine.stats.steps - steps0,
                    sum(r.preemptions for r in results), transfers)

@@ -562,7 +562,7 @@ def test_the_core_test_modules_pass_on_the_pure_python_core() -> None:
     modules = ["test_ledger.py", "test_ledger_audit.py", "test_ledger_cache_controls.py", "test_ledger_defects.py",
                "test_ledger_family.py", "test_ledger_state_machine.py", "test_ledger_threads.py",
                "test_lifetimes.py", "test_eviction.py", "test_identity.py", "test_identity_known_answers.py",
-               "test_isolation.py", "test_table.py"]
+               "test_isolation.py", "test_table.py", "test_ledger_quota.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *[str(REPO / "tests" / m) for m in modules]],
                           env={**os.environ, "KVLEDGER_NATIVE": "0"}, cwd=REPO, capture_output=True, text=True,

@@ -69,6 +69,7 @@ class FakeEngine:
         self.dev: dict[int, list] = {}
         self.host: dict[int, list] = {}
         self.drafts: list[tuple[str, int]] = []  # (seq_id, position) of every draft slot written
+        self.shared_tokens = 0  # positions works read from another work of the same plan
 
     def block(self, b: int) -> list:
         return self.dev.setdefault(b, [None] * BS)
@@ -91,24 +92,40 @@ class FakeEngine:
             assert w.seq_id == (w.request_id if w.branch == 0 else f"{w.request_id}/{w.branch}"), w
             assert list(w.blocks) == led.sequence(w.seq_id).table.blocks, (plan.step, w.seq_id)
             assert list(w.tokens[: w.end]) == led.sequence(w.seq_id).tokens[: w.end], (plan.step, w.seq_id)
-        # Every read happens before any write of this step: a block another sequence fills in this
-        # very step is not yet readable (the ledger's "pending" rule).
+        # The executor contract: every work's K/V is written before any work reads (a batched forward
+        # pass writes each layer's new K/V before attending in that layer). So a work may read what
+        # another work of this very plan writes -- and then the plan must say so (StepPlan.shared_reads).
+        writers: dict[tuple[int, int], set[str]] = {}
+        before: dict[tuple[int, int], object] = {}  # what a slot written in this step held before it
+        for w in works:
+            table = w.blocks
+            # A scheduled sequence is leased as a whole (its blocks are leased only if it is dropped).
+            assert led.is_leased(w.seq_id), f"step {plan.step}: {w.seq_id} runs unleased"
+            assert w.end <= len(w.tokens) and w.end + w.lookahead <= len(table) * BS, (plan.step, w)
+            chain = kv_chain(list(w.tokens[: w.end]))
+            for p in range(w.start, w.end):
+                slot = (table[p // BS], p % BS)
+                before.setdefault(slot, self.block(slot[0])[slot[1]])
+                self.block(slot[0])[slot[1]] = chain[p]
+                writers.setdefault(slot, set()).add(w.seq_id)
+        declared = {(r.seq_id, p): r.writer for r in plan.shared_reads for p in range(r.start, r.end)}
+        self.shared_tokens += len(declared)
         for w in works:
             table, tokens = w.blocks, w.tokens
-            assert w.end <= len(tokens) and w.end + w.lookahead <= len(table) * BS, (plan.step, w)
             chain = kv_chain(list(tokens[: w.start]))
             for p in range(w.start):
                 got = self.block(table[p // BS])[p % BS]
                 assert got == chain[p], (f"step {plan.step}: {w.seq_id} reads position {p} (block "
                                          f"{table[p // BS]}) but its KV was never written there")
+                slot = (table[p // BS], p % BS)
+                by = writers.get(slot)
+                if by is not None and w.seq_id not in by and before[slot] != chain[p]:
+                    assert declared.get((w.seq_id, p)) in by, (
+                        f"step {plan.step}: {w.seq_id} reads position {p}, written in this step by {sorted(by)}, "
+                        "and the plan does not say so")
         sampled: dict[str, list[int]] = {}
         for w in works:
             table = w.blocks
-            # A scheduled sequence is leased as a whole (its blocks are leased only if it is dropped).
-            assert led.is_leased(w.seq_id), f"step {plan.step}: {w.seq_id} runs unleased"
-            chain = kv_chain(list(w.tokens[: w.end]))
-            for p in range(w.start, w.end):
-                self.block(table[p // BS])[p % BS] = chain[p]
             if not w.sample:
                 continue
             n = self.accept(w) if w.lookahead else 1

@@ -15,6 +15,10 @@ class AdmissionError(KVLedgerError):
     """A request that cannot be admitted (now, or ever)."""
 
 
+class QuotaError(AdmissionError):
+    """A request its trust group's quota can never hold (larger than the cap on its own)."""
+
+
 class OutOfBlocksError(KVLedgerError):
     """Growth needed a block that neither a promise nor free/evictable capacity can supply."""
 

@@ -129,30 +129,33 @@ def test_greedy_16_concurrent_equals_generate(tiny, greedy_refs, mode: str) -> N
     _assert_pressure(engine, mode)
     if mode == "roomy":
         assert engine.stats.steps == NEW  # all 16 prefill together, then decode together
-        # They share a 9-token head (2 full blocks), but all 16 were admitted in one step: the head was
-        # still being written by the first, so every other one computed it again and skipped nothing.
-        assert sum(r.cached_prompt_tokens for r in results) == 0
+        # All 16 are admitted in one step. Six open with a 9-token head (2 full blocks of 4), five with a
+        # 5-token head (1 block): the first of each group writes the head, and the others read it in that
+        # same step (the forward pass writes every K/V of a layer before attending) instead of computing
+        # it again: 5 x 8 + 4 x 4 = 56 prompt tokens skipped, and the outputs are unchanged.
+        assert sum(r.cached_prompt_tokens for r in results) == 5 * 8 + 4 * 4
         computed = engine.stats.prefill_tokens + engine.stats.decode_tokens
-        assert computed == sum(len(p) for p in prompts) + len(prompts) * (NEW - 1)
+        assert computed == sum(len(p) for p in prompts) - 56 + len(prompts) * (NEW - 1)
     assert_clean(engine)
 
 
 def test_cached_prompt_tokens_count_only_tokens_really_skipped(tiny, greedy_refs) -> None:
     """Regression: cached_prompt_tokens counted prefix blocks another request was still filling (then
-    computed again) as cached. Only written blocks the request really skipped count."""
+    computed again) as cached. Only tokens the request really skipped count: written blocks, and blocks
+    another request writes in the very step that reads them."""
     path, _ = tiny
     prompts, refs = greedy_refs
     engine = _engine(path, "roomy")
-    same_step = [engine.submit(p, NEW) for p in (prompts[0], prompts[3])]  # the 9-token head, pending
+    same_step = [engine.submit(p, NEW) for p in (prompts[0], prompts[3])]  # the 9-token head: read as written
     engine.step()
     later = engine.submit(prompts[6], NEW)  # the head is written now: 2 blocks of 4 tokens are skipped
     engine.run_until_idle()
-    assert [h.result().cached_prompt_tokens for h in same_step] == [0, 0]
+    assert [h.result().cached_prompt_tokens for h in same_step] == [0, 8]
     assert later.result().cached_prompt_tokens == 8
     assert later.result().metrics.hit_tokens == 8
     assert [h.result().output for h in (*same_step, later)] == [refs[0], refs[3], refs[6]]
     prefilled = engine.stats.prefill_tokens + engine.stats.decode_tokens - 3 * (NEW - 1)
-    assert prefilled == len(prompts[0]) + len(prompts[3]) + len(prompts[6]) - 8  # what was skipped, was
+    assert prefilled == len(prompts[0]) + len(prompts[3]) + len(prompts[6]) - 2 * 8  # what was skipped, was
     assert_clean(engine)
 
 

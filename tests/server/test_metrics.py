@@ -93,7 +93,9 @@ def test_counters_move_by_what_a_request_did(server) -> None:
     assert value(after, "vllm:num_requests_waiting") == 0
     assert value(after, "vllm:kv_cache_usage_perc") == 0
     assert value(after, "kvledger:blocks", state="promised") == 0
-    assert value(after, "kvledger:tenant_reserved_blocks", tenant="globex") == 0
+    for state in ("active", "promised", "growth"):
+        assert value(after, "kvledger:tenant_blocks", tenant="globex", state=state) == 0
+    assert value(after, "kvledger:tenant_block_cap", tenant="capped") == server.capped_blocks
 
 
 def test_refusals_are_counted(server) -> None:

@@ -107,8 +107,9 @@ def test_sigterm_lets_running_requests_finish(spawn) -> None:
 
 
 def test_sigterm_ends_requests_held_at_a_tenant_cap(spawn) -> None:
-    """At the drain timeout a request still held by its tenant's cap gets a 503 (it never ran), the one
-    running ends with finish_reason abort, and the ledger is clean."""
+    """At the drain timeout a request still held by its tenant's cap (queued in the engine: the ledger's
+    quota said "not now") is cancelled there like the running one: both end with finish_reason abort, the
+    held one with no token, and the ledger is clean."""
     server = spawn("--pool-blocks", "96", "--drain-timeout", "0.3")
     capped = server.client(server.keys["capped"])
     tokens = server.capped_blocks * server.block_size - 8  # most of the cap: one at a time
@@ -122,18 +123,19 @@ def test_sigterm_ends_requests_held_at_a_tenant_cap(spawn) -> None:
 
     def send_held() -> None:
         try:
-            capped.completions.create(model="smollm2-135m", prompt="Another story.", max_tokens=tokens,
-                                      extra_body={"ignore_eos": True})
+            out = capped.completions.create(model="smollm2-135m", prompt="Another story.", max_tokens=tokens,
+                                            extra_body={"ignore_eos": True})
+            held["result"] = (out.choices[0].finish_reason, out.usage.completion_tokens)
         except openai.APIStatusError as exc:
             held["status"] = exc.status_code
 
     t = threading.Thread(target=send_held)
     t.start()
-    until(lambda: waiting(server) == 1)  # held at the gate by the cap
+    until(lambda: waiting(server) == 1)  # held in the engine by the cap
     server.proc.send_signal(signal.SIGTERM)
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     t.join(60)
     assert reasons == ["abort"]
-    assert held == {"status": 503}
+    assert held == {"result": ("abort", 0)}
     code, log = server.stop()
     assert code == 0 and "ledger clean at exit" in log, log

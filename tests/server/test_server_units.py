@@ -3,7 +3,6 @@ laws under bounded random fuzzing), incremental text with stop strings, and the 
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import pytest
@@ -11,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger.errors import ConfigError
-from kvledger.server.gate import AdmissionGate, NeverFits, QueueFull
+from kvledger.server.gate import AdmissionGate, QueueFull
 from kvledger.server.loadgen import LoadSpec, check_loopback, percentile, synthetic_workload, to_vocab
 from kvledger.server.tenants import DEFAULT_TENANT, Tenant, Tenants
 from kvledger.server.text import Detokenizer, StopMatcher
@@ -65,114 +64,60 @@ def test_tenants_file_errors(tmp_path) -> None:  # noqa: ANN001
 
 
 # ---- the gate ----------------------------------------------------------------------------------------
-def test_gate_queue_full_and_never() -> None:
-    async def go() -> None:
-        running = [0]
-        gate = AdmissionGate(2, lambda: running[0])
-        t = Tenant("a")
-        first = gate.enter(t, [4])
-        running[0] = 1  # the engine took it
-        gate.enter(t, [4])
-        gate.enter(t, [4])  # two wait now
-        with pytest.raises(QueueFull):
-            gate.enter(t, [4])
-        with pytest.raises(NeverFits, match="cap is 3"):
-            gate.enter(Tenant("b", max_blocks=3), [4])
-        with pytest.raises(QueueFull, match="1 requests"):
-            AdmissionGate(10, lambda: 0).enter(Tenant("c", max_requests=1), [1, 1])
-        gate.release(first, 0)
-        gate.release(first, 0)  # idempotent
-        gate.check()
-        assert gate.in_flight == 2
-
-    asyncio.run(go())
-
-
-def test_gate_holds_a_tenant_at_its_cap_in_order() -> None:
-    async def go() -> None:
-        gate = AdmissionGate(100, lambda: 0)
-        t = Tenant("a", max_blocks=10)
-        a = gate.enter(t, [6])
-        b = gate.enter(t, [6])  # would exceed 10: held
-        c = gate.enter(t, [1])  # fits, but b is first in line
-        assert a.admitted and not b.admitted and not c.admitted
-        assert gate.waiting_at_gate == 2
-        waiter_b = asyncio.ensure_future(gate.admitted(b))
-        waiter_c = asyncio.ensure_future(gate.admitted(c))
-        await asyncio.sleep(0.01)
-        assert not waiter_b.done() and not waiter_c.done()
-        gate.release(a, 0)
-        await asyncio.wait_for(asyncio.gather(waiter_b, waiter_c), 5)
-        assert gate.reserved("a") == 7 and gate.waiting_at_gate == 0
-        gate.check()
-        # A caller that goes away while held leaves nothing behind.
-        d = gate.enter(t, [9])
-        waiter_d = asyncio.ensure_future(gate.admitted(d))
-        await asyncio.sleep(0.01)
-        waiter_d.cancel()
-        await asyncio.gather(waiter_d, return_exceptions=True)
-        assert gate.waiting_at_gate == 0 and gate.reserved("a") == 7
-        gate.check()
-
-    asyncio.run(go())
+def test_gate_queue_full_and_tenant_limits() -> None:
+    running = [0]
+    gate = AdmissionGate(2, lambda: running[0])
+    t = Tenant("a")
+    first = gate.enter(t, 1)
+    running[0] = 1  # the engine took it
+    gate.enter(t, 1)
+    gate.enter(t, 1)  # two wait now
+    with pytest.raises(QueueFull):
+        gate.enter(t, 1)
+    running[0] = 3  # all three running: a tenant's block cap is not the gate's business (the ledger's)
+    gate.enter(Tenant("b", max_blocks=3), 1)
+    with pytest.raises(QueueFull, match="1 requests"):
+        AdmissionGate(10, lambda: 0).enter(Tenant("c", max_requests=1), 2)
+    gate.release(first, 0)
+    gate.release(first, 0)  # idempotent
+    gate.check()
+    assert gate.in_flight == 3 and gate.tenant_in_flight("a") == 2 and gate.tenant_in_flight("b") == 1
+    with pytest.raises(ValueError):
+        gate.enter(t, 0)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(st.integers(0, 2**32 - 1))
 def test_gate_conservation_under_random_operations(seed: int) -> None:
-    """reserved == the blocks of live engine requests <= cap, in_flight and waiting add up, after every
-    operation, whatever the order of enters, releases and cancelled waits."""
-
-    async def go() -> None:
-        rng = random.Random(seed)
-        gate = AdmissionGate(rng.randint(1, 12), lambda: 0)
-        tenants = [Tenant("a", max_blocks=rng.randint(4, 20)), Tenant("b"), Tenant("c", max_blocks=8)]
-        live, waiters = [], []
-        for _ in range(80):
-            op = rng.random()
-            if op < 0.45:
-                t = rng.choice(tenants)
-                try:
-                    ticket = gate.enter(t, [rng.randint(1, 6) for _ in range(rng.randint(1, 2))])
-                except (QueueFull, NeverFits):
-                    continue
-                if ticket.admitted:
-                    live.append(ticket)
-                else:
-                    waiters.append((ticket, asyncio.ensure_future(gate.admitted(ticket))))
-            elif op < 0.8 and live:
-                ticket = rng.choice(live)
-                for i in range(len(ticket.blocks)):
-                    gate.release(ticket, i)
+    """in_flight per tenant == its live tickets' entries, and the server's in_flight their sum, after
+    every operation, whatever the order of enters and releases (each release idempotent)."""
+    rng = random.Random(seed)
+    running = [0]
+    gate = AdmissionGate(rng.randint(1, 12), lambda: running[0])
+    tenants = [Tenant("a", max_requests=rng.randint(1, 6)), Tenant("b"), Tenant("c", max_requests=3)]
+    live = []
+    for _ in range(80):
+        if rng.random() < 0.5:
+            try:
+                live.append(gate.enter(rng.choice(tenants), rng.randint(1, 3)))
+                assert gate.waiting() <= gate.max_queue  # what waits never passes the bound it entered under
+            except QueueFull:
+                pass
+        elif live:
+            ticket = rng.choice(live)
+            gate.release(ticket, rng.randrange(ticket.count + 1))  # past the end: nothing
+            if not any(ticket.live):
                 live.remove(ticket)
-            elif waiters:
-                ticket, fut = waiters.pop(rng.randrange(len(waiters)))
-                fut.cancel()
-                await asyncio.gather(fut, return_exceptions=True)
-                if ticket.admitted:
-                    live.append(ticket)
-            await asyncio.sleep(0)
-            for ticket, fut in list(waiters):
-                if fut.done():
-                    waiters.remove((ticket, fut))
-                    live.append(ticket)
-            gate.check()
-        for ticket in live:
-            for i in range(len(ticket.blocks)):
-                gate.release(ticket, i)
-        for _, fut in waiters:
-            fut.cancel()
-        await asyncio.gather(*(f for _, f in waiters), return_exceptions=True)
-        await asyncio.sleep(0)
-        for ticket, _ in waiters:
-            if ticket.admitted:
-                for i in range(len(ticket.blocks)):
-                    gate.release(ticket, i)
+        running[0] = rng.randint(0, gate.in_flight)
         gate.check()
-        assert gate.in_flight == 0 and gate.waiting_at_gate == 0
-        assert all(gate.reserved(t.name) == 0 for t in tenants)
-
-    asyncio.run(go())
+        for t in tenants:
+            if t.max_requests is not None:
+                assert gate.tenant_in_flight(t.name) <= t.max_requests
+    for ticket in live:
+        for i in range(ticket.count):
+            gate.release(ticket, i)
+    gate.check()
+    assert gate.in_flight == 0 and all(gate.tenant_in_flight(t.name) == 0 for t in tenants)
 
 
 # ---- text ------------------------------------------------------------------------------------------

@@ -52,7 +52,8 @@ def test_tenant_block_cap(server) -> None:
     # Larger than the cap on its own: never (400), with the tenant's own cap as the reason.
     with pytest.raises(openai.BadRequestError) as err:
         capped.completions.create(model="smollm2-135m", prompt="hi", max_tokens=cap * bs)
-    assert f"your tenant's cap is {cap} blocks" in err.value.message
+    assert "Your tenant's KV block cap can never hold this request" in err.value.message
+    assert f"its trust group's quota is {cap} blocks" in err.value.message
     # Without max_tokens, chat gets the most the cap allows, not a refusal.
     out = capped.chat.completions.create(model="smollm2-135m", temperature=0,
                                          messages=[{"role": "user", "content": "Say yes."}])
@@ -60,25 +61,41 @@ def test_tenant_block_cap(server) -> None:
 
 
 def test_tenant_over_its_cap_waits_and_then_runs(server) -> None:
-    """Requests that each fit the cap but not together: the later ones wait at the gate (not a 429, not
-    another tenant's problem) and run once the earlier ones are done."""
+    """Requests that each fit the cap but not together: the later ones wait in the engine (not a 429, not
+    another tenant's problem: the ledger's quota says "not now" for this tenant only) and run once the
+    earlier ones are done. Distinct prompts, so that no prefix is shared (a shared prefix is charged once)."""
     cap, bs = server.capped_blocks, server.block_size
-    prompt = "Count the blocks: " + "one two three four five six seven eight nine ten " * 5  # 4 blocks
+    prompts = [f"{word}: " + "one two three four five six seven eight nine ten " * 5 for word in ("Count", "Say",
+                                                                                              "Read")]
     client = server.client(server.keys["capped"])
-    plen = client.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    plen = max(client.completions.create(model="smollm2-135m", prompt=p, max_tokens=1).usage.prompt_tokens
+               for p in prompts)
     need = -(-(plen + 2) // bs)
     assert 2 * need > cap >= need  # one fits the cap, two do not
+    before = _quota_refusals(server)
 
     async def go() -> list[int]:
         aclient = server.client(server.keys["capped"], async_=True)
         outs = await asyncio.gather(*[aclient.completions.create(
-            model="smollm2-135m", prompt=prompt, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
-            for _ in range(3)])
+            model="smollm2-135m", prompt=p, max_tokens=2, temperature=0, extra_body={"ignore_eos": True})
+            for p in prompts])
         return [o.usage.completion_tokens for o in outs]
 
     assert asyncio.run(go()) == [2, 2, 2]
     report = server.wait_idle()
     assert report["clean"], report
+    assert report["groups"]["capped"]["charged"] == 0 and report["groups"]["capped"]["cap"] == cap
+    assert _quota_refusals(server) > before  # they waited on the cap, in the engine
+
+
+def _quota_refusals(server) -> float:  # noqa: ANN001
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(server.get("/metrics").text):
+        for s in family.samples:
+            if s.name == "kvledger:tenant_quota_refusals_total" and s.labels.get("tenant") == "capped":
+                return s.value
+    raise AssertionError("kvledger:tenant_quota_refusals has no sample for tenant capped")
 
 
 def test_errors_do_not_reveal_other_tenants(server) -> None:

@@ -11,6 +11,11 @@ A decision is taken in three steps, cheapest first:
 3. **decide and commit** under the ledger's lock: prefix hits, new blocks and promises are counted,
    and either everything is committed or nothing changes.
 
+A trust group may have a quota (:meth:`AdmissionOps.set_quota`; the group ledgers of
+:mod:`.quota`): the same decision, under the same lock, refuses an admission that would take the group's
+charge -- active + promised blocks + the growth its sequences may still take -- past its cap (``not_now``,
+or ``never`` when the request alone exceeds it), with ``Decision.over_quota`` set.
+
 A refused admission changes no block, index entry, promise, event or prefix-cache counter; only the
 ``not_now`` / ``never`` outcome counters move. ``Decision.reason`` is what a tenant may see: it speaks of
 the request's own blocks only. The pool-wide free / evictable / promised figures behind the outcome are
@@ -30,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, LedgerError
 from .identity import check_tokens, prompt_digests
+from .quota import QuotaOps
 from .table import BlockTable
 from .types import Decision, Outcome, Request, Retention, SequenceState, as_count
 
@@ -58,7 +64,7 @@ class FamilyLayout:
         return len(self.parents)
 
 
-class AdmissionOps:
+class AdmissionOps(QuotaOps):
     """Mixed into :class:`~kvledger.core.ledger.KVLedger`; decisions run under its lock."""
 
     # ---- preparation (no lock) ----------------------------------------------------------------
@@ -76,9 +82,15 @@ class AdmissionOps:
         k = request.branches
         longest = -(-(prompt_len + request.max_new_tokens + request.lookahead) // bs)
         need = longest + (k - 1) * (longest - prompt_len // bs)
-        if need <= pool_blocks and k <= pool_blocks:
-            return None
+        cap = self._quotas.get(request.context.trust_group) if self._quotas else None
         branches = f" for {k} branches" if k > 1 else ""
+        if need <= pool_blocks and k <= pool_blocks:
+            if cap is None or need <= cap:
+                return None
+            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but its "
+                      f"trust group's quota is {cap} blocks")
+            return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason,
+                            over_quota=True)
         if need > pool_blocks:
             reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but the "
                       f"whole pool has {pool_blocks}")
@@ -146,6 +158,8 @@ class AdmissionOps:
             with self._lock:
                 self._digest_cache.pop(rid, None)  # it will not be asked again: keep no copy of it
                 self.counters.rejected_never += 1
+                if never.over_quota:
+                    self.counters.record_quota_refusal(request.context.trust_group)
             return never
         digests = self._prepare(request)  # hashing is pure: keep it outside the lock
         with self._lock:
@@ -161,6 +175,8 @@ class AdmissionOps:
                 self._count_query(request, len(digests), len(hits))
             else:
                 self.counters.rejected_not_now += 1
+                if decision.over_quota:
+                    self.counters.record_quota_refusal(request.context.trust_group)
                 self._remember(request, digests)  # it will be asked again: hash it once
             return decision
 
@@ -200,6 +216,21 @@ class AdmissionOps:
         branch_blocks = (request.branches - 1) * per_branch
         promise = total - prompt_blocks + branch_blocks
         need = new_now + promise
+        if self._quotas:
+            group = request.context.trust_group
+            cap = self._quotas.get(group)
+            if cap is not None:
+                # The group's charge grows by every block it will newly hold -- new blocks, hits nobody
+                # holds now (retained or deferred), each branch up to its declared maximum, tail copies.
+                ref = pool.ref
+                unheld_hits = sum(1 for b in hits if ref[b] == 0)
+                most = max(total, self.blocks_for(prompt_len + request.max_new_tokens))
+                adds = (new_now + unheld_hits + request.branches * (most - prompt_blocks)
+                        + (request.branches - 1) * (1 if prompt_len % bs else 0))
+                refused = self._over_quota(rid, group, cap, adds, total, len(hits), pending_hits, new_now, promise,
+                                           branch_blocks)
+                if refused is not None:
+                    return refused, hits, ready
         available = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
         detail = (f"{max(available, 0)} can be promised now ({pool.num_free} free + {pool.num_evictable} "
                   f"evictable - {self.promised} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
@@ -312,6 +343,11 @@ class AdmissionOps:
             reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest ({layout.nodes} "
                       f"shared full blocks) but the whole pool has {pool_blocks}")
             return self._family_never(reqs, family, reason, need_empty)
+        cap = self._quotas.get(head.context.trust_group) if self._quotas else None
+        if cap is not None and need_empty > cap:
+            reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest but its trust "
+                      f"group's quota is {cap} blocks")
+            return self._family_never(reqs, family, reason, need_empty, over_quota=True)
         with self._lock:
             for r in reqs:
                 if r.request_id in self._seqs:
@@ -319,6 +355,8 @@ class AdmissionOps:
             decision, hit_of = self._decide_family(reqs, family, layout, keep_free)
             if not decision.admitted:
                 self.counters.rejected_not_now += 1
+                if decision.over_quota:
+                    self.counters.record_quota_refusal(head.context.trust_group)
                 for r, d in zip(reqs, digests, strict=True):
                     self._remember(r, d)  # the family will be asked again: hash it once
                 return decision
@@ -354,12 +392,15 @@ class AdmissionOps:
             raise ConfigError(f"family {family!r} names a branch twice")
         return reqs
 
-    def _family_never(self: KVLedger, reqs: list[Request], family: str, reason: str, need: int) -> Decision:
+    def _family_never(self: KVLedger, reqs: list[Request], family: str, reason: str, need: int,
+                      over_quota: bool = False) -> Decision:
         with self._lock:
             for r in reqs:
                 self._digest_cache.pop(r.request_id, None)
             self.counters.rejected_never += 1
-        return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason)
+            if over_quota:
+                self.counters.record_quota_refusal(reqs[0].context.trust_group)
+        return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason, over_quota=over_quota)
 
     def family_layout(self: KVLedger, requests: Sequence[Request], digests: list[list[bytes]]) -> FamilyLayout:
         """The block-sharing trie of a family (pure; see :class:`FamilyLayout`). With prefix caching the
@@ -419,11 +460,25 @@ class AdmissionOps:
         promise = sum(own) + copies
         need = new_now + promise
         total = len(hits) + need
+        branches = promise - own[0]
+        if self._quotas:
+            group = reqs[0].context.trust_group
+            cap = self._quotas.get(group)
+            if cap is not None:
+                unheld_hits = sum(1 for b in hits if ref[b] == 0)
+                tables = [len(path) + (1 if tail >= 0 else 0) for path, tail in zip(layout.paths, layout.tails,
+                                                                                     strict=True)]
+                most = [max(self.blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead),
+                            self.blocks_for(len(r.prompt) + r.max_new_tokens)) for r in reqs]
+                adds = new_now + unheld_hits + copies + sum(max(0, m - t) for m, t in zip(most, tables, strict=True))
+                refused = self._over_quota(family, group, cap, adds, total, len(hits), pending_hits, new_now, promise,
+                                           branches)
+                if refused is not None:
+                    return refused, hit_of
         available = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
         detail = (f"{max(available, 0)} can be promised now ({pool.num_free} free + {pool.num_evictable} "
                   f"evictable - {self.promised} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
                   + (f" - {keep_free} kept free" if keep_free else "") + ")")
-        branches = promise - own[0]
         if need > available:
             reason = (f"family of {len(reqs)} branches needs {need} new blocks ({len(hits)} of {total} shared); "
                       f"the pool cannot promise them now")

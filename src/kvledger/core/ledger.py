@@ -99,6 +99,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         self._next_lease = 1
         self._pins: dict[str, list[int]] = {}
         self._digest_cache: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now"
+        self._quotas: dict[str, int] = {}  # trust group -> cap on its charged blocks (core/admission.py)
         self._lock = threading.RLock()
         self._native = native.MODULE  # the optional C part (kvledger.core.native), None: pure Python
         self.tiers: TierLedger | None = None  # lower tiers evicted prefix blocks are demoted to (attach_tiers)
@@ -606,3 +607,4 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                 if pool.on_evict is None:
                     raise InvariantError("tiers are attached but the pool's evictions are not demoted")
                 self.tiers.check()
+            self._check_groups()

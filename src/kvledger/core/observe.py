@@ -86,6 +86,7 @@ class Counters:
     read_skipped: int = 0  # admissions that wrote the cache without reading it (read_prefix_cache=False)
     promoted_blocks: int = 0  # prefix blocks brought back from a lower tier (core/offload.py)
     groups: dict[str, GroupCounters] = field(default_factory=dict)  # first admissions
+    quota_refusals: dict[str, int] = field(default_factory=dict)  # trust group -> admissions its quota refused
     readmission_groups: dict[str, GroupCounters] = field(default_factory=dict)  # re-admissions
     window: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=1000))
 
@@ -102,6 +103,10 @@ class Counters:
         g.hit_tokens += hit_tokens
         if not readmission:
             self.window.append((tokens, hit_tokens))
+
+    def record_quota_refusal(self, group: str) -> None:
+        """An admission of ``group`` refused by its quota (also counted under not_now / never)."""
+        self.quota_refusals[group] = self.quota_refusals.get(group, 0) + 1
 
     def totals(self, readmission: bool = False) -> GroupCounters:
         t = GroupCounters()

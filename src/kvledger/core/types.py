@@ -162,6 +162,7 @@ class Decision:
     # The operator's explanation: the pool-wide free / evictable / promised figures behind the outcome.
     # ``reason`` is what a tenant may see and never quotes them (they reveal other tenants' volume).
     detail: str = ""
+    over_quota: bool = False  # refused by its trust group's quota (KVLedger.set_quota), not by the pool
 
     @property
     def admitted(self) -> bool:

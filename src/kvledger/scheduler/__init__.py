@@ -10,7 +10,7 @@ from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClo
 from .growth import GROWTH_ACTIONS
 from .host import HostPool, TransferModel
 from .metrics import RequestMetrics, distribution, percentile, summarize_requests
-from .plan import Admission, Branch, GenRequest, Preemption, Status, StepPlan, Work, validate_request
+from .plan import Admission, Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, Work, validate_request
 from .policies import ADMISSION_POLICIES
 from .recovery import RECOVERY_MODES, RecoveryCosts
 from .registry import Registry
@@ -20,5 +20,5 @@ from .victims import VICTIM_POLICIES
 __all__ = ["ADMISSION_POLICIES", "Admission", "Branch", "Clock", "ConstantExecutor", "Driver", "Executor",
            "FinishedRequest", "GROWTH_ACTIONS", "GenRequest", "HostPool", "Preemption", "RECOVERY_MODES",
            "RecoveryCosts", "Registry", "RequestMetrics", "SCHEDULER_KEYS", "Scheduler", "SchedulerConfig",
-           "Status", "StepOutput", "StepPlan", "StepResult", "TransferModel", "VICTIM_POLICIES", "VirtualClock",
-           "WallClock", "Work", "distribution", "percentile", "summarize_requests", "validate_request"]
+           "SharedRead", "Status", "StepOutput", "StepPlan", "StepResult", "TransferModel", "VICTIM_POLICIES",
+           "VirtualClock", "WallClock", "Work", "distribution", "percentile", "summarize_requests", "validate_request"]

@@ -3,15 +3,22 @@
 Mixed into :class:`~kvledger.scheduler.scheduler.Scheduler` (its state, its ledger). A fresh request is
 one ledger admission with ``branches=n``; a preempted family -- recomputed or swapped -- comes back in one
 ``KVLedger.admit_family`` decision, all-or-nothing, changing nothing when refused.
+
+Units are admitted in priority order, first come first served, and nobody overtakes a unit the pool
+cannot take now. A unit refused by its trust group's quota (``Decision.over_quota``) is different: the
+group waits for its own requests to finish, so the units behind it of other groups go ahead, while the
+group's later units keep waiting behind it (first come first served within the group). One tenant at its
+cap never holds up another.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..core.types import Outcome, Request
-from .growth import NEVER_BRANCHES, NEVER_POOL, REJECTED_NO_ROOM, REJECTED_OUTGREW
+from .growth import NEVER_BRANCHES, NEVER_POOL, NEVER_QUOTA, REJECTED_NO_ROOM, REJECTED_OUTGREW
 from .plan import Admission, Branch, Status, StepPlan
 from .policies import reserve_tokens
 from .queue import WaitingQueue
@@ -37,7 +44,8 @@ class AdmissionOps:
                        lookahead=req.lookahead, family=req.request_id, read_prefix_cache=req.read_prefix_cache,
                        readmission=readmission)
 
-    def _admit_unit(self: Scheduler, unit: list[Branch], plan: StepPlan) -> Outcome:
+    def _admit_unit(self: Scheduler, unit: list[Branch], plan: StepPlan) -> tuple[Outcome, bool]:
+        """Admit one unit. Returns the outcome and whether a refusal came from its group's quota."""
         first = unit[0]
         readmission = first.admitted_order >= 0
         fresh = not readmission and len(unit) == first.request.n and all(br.num_generated == 0 for br in unit)
@@ -58,7 +66,7 @@ class AdmissionOps:
                 self._promote(unit, plan, requests[0], keep_free)
             decision = ledger.admit_family(requests, keep_free)
         if not decision.admitted:
-            return decision.outcome
+            return decision.outcome, decision.over_quota
         rid = first.request.request_id
         bs = ledger.block_size
         cached = 0
@@ -70,6 +78,7 @@ class AdmissionOps:
             seq = ledger.sequence(br.seq_id)
             br.blocks = blocks = seq.table.blocks
             br.ledger_prompt = None
+            br.hit_end = seq.hit_blocks * bs  # pending hits among them: see Scheduler._shared_start
             if restoring:
                 written = ledger.pool.written
                 for j in range(seq.hit_blocks, len(blocks)):
@@ -83,13 +92,15 @@ class AdmissionOps:
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:
                     cached = min(ready * bs, br.in_ledger - 1)
+                br.hits_counted = max(br.computed, cached)
                 self._restored.append(br)
             else:
                 br.in_ledger = len(br.tokens)
                 br.computed = hit_ready if hit_ready is not None else ledger.ready_tokens(br.seq_id)
                 br.computed = min(br.computed, len(br.tokens) - 1)
                 if i == 0:
-                    cached = br.computed  # the tokens it really skips: written hits, not pending ones
+                    cached = br.computed  # written hits; pending ones are counted when skipped (shared_hits)
+                br.hits_counted = br.computed
             br.status = Status.RUNNING
         if restored_blocks:
             plan.transfer_wait_s += self.costs.transfer.time_s(len(restored_blocks), self.costs.block_bytes, "in")
@@ -99,20 +110,40 @@ class AdmissionOps:
         self.running[rid] = list(unit)
         plan.admitted.append(rid)
         plan.admissions.append(Admission(rid, cached, readmission))
-        return Outcome.ADMITTED
+        return Outcome.ADMITTED, False
 
     def _swap_in(self: Scheduler, plan: StepPlan) -> None:
-        while self.swapped and len(self._live()) + len(self.swapped[0]) <= self.config.max_running:
-            unit = self.swapped[0]
+        if not self.swapped:
+            return
+        live = self.num_live()
+        held: set[str] = set()  # trust groups at their quota this step
+        rest: Iterator[list[Branch]] | None = None  # past a unit its quota holds: the units behind it
+        while self.swapped:
+            if rest is None:
+                unit = self.swapped[0]
+            else:
+                unit = next(rest, None)
+                if unit is None:
+                    break
+                if unit[0].request.context.trust_group in held:
+                    continue
+            if live + len(unit) > self.config.max_running:
+                break
             if unit[0].request.request_id in self._swapped_now:
                 break  # its blocks come free only when this step's transfer is done
-            outcome = self._admit_unit(unit, plan)
+            outcome, over_quota = self._admit_unit(unit, plan)
             if outcome is Outcome.NEVER:
-                self._end_unit(self.swapped, unit, REJECTED_OUTGREW, plan)
+                self._end_unit(self.swapped, unit, NEVER_QUOTA if over_quota else REJECTED_OUTGREW, plan)
                 continue
             if outcome is not Outcome.ADMITTED:
-                break
-            self.swapped.popleft()
+                if not over_quota:
+                    break
+                held.add(unit[0].request.context.trust_group)
+                if rest is None:
+                    rest = iter(list(self.swapped)[1:])
+                continue
+            self.swapped.remove(unit)
+            live += len(unit)
 
     def _end_unit(self: Scheduler, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
                   plan: StepPlan) -> None:
@@ -129,24 +160,48 @@ class AdmissionOps:
     def _admit(self: Scheduler, plan: StepPlan, budget: int) -> None:
         waiting = self.waiting
         max_running = self.config.max_running
-        while waiting and budget > 0:
-            unit = waiting.head()
+        live = self.num_live() if waiting else 0
+        held: set[str] = set()  # trust groups at their quota this step
+        rest: Iterator[list[Branch]] | None = None  # past a unit its quota holds: the units behind it
+        while budget > 0:
+            if rest is None:
+                if not waiting:
+                    break
+                unit = waiting.head()
+            else:
+                unit = next(rest, None)
+                if unit is None:
+                    break
+                if unit[0].request.context.trust_group in held:
+                    continue  # first come first served within the group
+            over_quota = False
             if len(unit) > max_running:
                 outcome = Outcome.NEVER  # more branches than may ever run at once
-            elif len(self._live()) + len(unit) > max_running:
+            elif live + len(unit) > max_running:
                 break
             else:
-                outcome = self._admit_unit(unit, plan)
+                outcome, over_quota = self._admit_unit(unit, plan)
             if outcome is Outcome.NEVER:
                 if len(unit) > max_running:
                     why = NEVER_BRANCHES
+                elif over_quota:
+                    why = NEVER_QUOTA
                 else:  # a preempted family that no longer fits even the empty pool outgrew it
                     why = REJECTED_OUTGREW if unit[0].admitted_order >= 0 else NEVER_POOL
                 self._end_unit(waiting, unit, why, plan)
                 continue
             if outcome is not Outcome.ADMITTED:
-                break  # priority order, first come first served: nobody overtakes the head of the queue
-            waiting.popleft()
+                if not over_quota:
+                    break  # priority order, first come first served: nobody overtakes what the pool refuses
+                held.add(unit[0].request.context.trust_group)
+                if rest is None:
+                    rest = iter(list(waiting)[1:])  # the units behind the head, in admission order
+                continue
+            if rest is None:
+                waiting.popleft()
+            else:
+                waiting.remove(unit)
+            live += len(unit)
             if unit[0].request.request_id in self._arriving:
                 continue  # its promoted blocks arrive this step: it computes from the next one
             for br in unit:

@@ -113,6 +113,7 @@ class Driver:
         self._origin = 0.0
         self._in_scheduler: set[str] = set()
         self._awaiting_first: set[str] = set()
+        self._readmitted: set[str] = set()  # requests whose latest admission was a re-admission
         self._idle = 0
 
     # ---- intake (any thread) ----------------------------------------------------------------------
@@ -304,7 +305,7 @@ class Driver:
         self._finished(FinishedRequest(req, m, [[] for _ in range(branches)], [reason] * branches), finished)
 
     def _admissions(self, plan: StepPlan, t: float) -> None:
-        if not plan.admissions:
+        if not (plan.admissions or plan.shared_hits):
             return
         with self._lock:
             metrics = self._metrics
@@ -316,8 +317,20 @@ class Driver:
                     m.admitted_s = t
                     m.hit_tokens = a.cached_tokens
                     self._awaiting_first.add(a.request_id)
+                    self._readmitted.discard(a.request_id)
                 else:
                     m.readmit_hit_tokens += a.cached_tokens
+                    self._readmitted.add(a.request_id)
+            # Prompt tokens skipped after the admission step or beyond what it counted: prefix blocks
+            # another request wrote while this one waited, or writes in the same step.
+            for rid, skipped in plan.shared_hits:
+                m = metrics.get(rid)
+                if m is None:
+                    continue
+                if rid in self._readmitted:
+                    m.readmit_hit_tokens += skipped
+                else:
+                    m.hit_tokens += skipped
 
     def _first_tokens(self, t: float) -> None:
         if not self._awaiting_first:
@@ -349,6 +362,7 @@ class Driver:
             branches = sched.forget(rid)
             self._in_scheduler.discard(rid)
             self._awaiting_first.discard(rid)
+            self._readmitted.discard(rid)
             with self._lock:
                 m = self._metrics.pop(rid)
                 req = self._requests.pop(rid)
@@ -400,6 +414,14 @@ class Driver:
             part(w.request_id).prefills.append(w)
         for w in plan.decodes:
             part(w.request_id).decodes.append(w)
+        # A part that reads blocks another request's part writes in this step runs after it, and not
+        # at all if that part failed: its request goes back to the waiting queue instead.
+        writers: dict[str, set[str]] = {}
+        for r in plan.shared_reads:
+            reader, writer = r.seq_id.split("/", 1)[0], r.writer.split("/", 1)[0]
+            part(reader).shared_reads.append(r)
+            if writer != reader:
+                writers.setdefault(reader, set()).add(writer)
         merged = StepOutput()
         failed: list[tuple[str, Exception]] = []
         if not orphan.empty:
@@ -410,16 +432,34 @@ class Driver:
                     failed.append((rid, exc))
                     sched.cancel(rid, f"error: {type(exc).__name__}: {exc}")
                 return merged, failed
-        for rid, sub in parts.items():
-            try:
-                out = self.executor.execute(sub)
-            except Exception as exc:  # noqa: BLE001 -- this request's part fails: end it, go on
-                failed.append((rid, exc))
-                sched.cancel(rid, f"error: {type(exc).__name__}: {exc}")
-                continue
-            merged.sampled.update(out.sampled)
-            merged.candidates.update(out.candidates)
-            merged.elapsed_s += out.elapsed_s
+        done: set[str] = set()
+        lost: set[str] = set()  # parts that failed or did not run
+        requeue: list[str] = []
+        pending = list(parts)
+        while pending:
+            # Writers come before their readers in the plan, so this settles in a pass or two.
+            ready = [rid for rid in pending if writers.get(rid, set()) <= done | lost]
+            if not ready:
+                raise InvariantError(f"step {plan.step}: circular shared reads among {sorted(pending)}")
+            for rid in ready:
+                pending.remove(rid)
+                if writers.get(rid, set()) & lost:
+                    lost.add(rid)
+                    requeue.append(rid)
+                    continue
+                try:
+                    out = self.executor.execute(parts[rid])
+                except Exception as exc:  # noqa: BLE001 -- this request's part fails: end it, go on
+                    failed.append((rid, exc))
+                    lost.add(rid)
+                    sched.cancel(rid, f"error: {type(exc).__name__}: {exc}")
+                    continue
+                done.add(rid)
+                merged.sampled.update(out.sampled)
+                merged.candidates.update(out.candidates)
+                merged.elapsed_s += out.elapsed_s
+        for rid in reversed(requeue):  # each goes to the front: the last first keeps their order
+            sched.requeue(rid)
         return merged, failed
 
     def _abandon(self, plan: StepPlan, error: BaseException) -> None:

@@ -2,8 +2,11 @@
 
 An :class:`Executor` turns a :class:`~kvledger.scheduler.plan.StepPlan` into a :class:`StepOutput` --
 sampled tokens per sequence (or beam candidates) and the seconds the step took -- reading nothing but
-the plan. :class:`ConstantExecutor` is the one without a model (the lab, tests, benchmarks); the torch
-runtime and the simulator have their own (``kvledger.runtime.executor``, ``kvledger.sim.simulator``).
+the plan. Within a step, every work's K/V of a layer is written before any work reads it (see
+:meth:`Executor.execute`): the scheduler relies on it to let a request read prefix blocks that
+another request writes in the same step. :class:`ConstantExecutor` is the one without a model (the lab,
+tests, benchmarks); the torch runtime and the simulator have their own (``kvledger.runtime.executor``,
+``kvledger.sim.simulator``).
 """
 
 from __future__ import annotations
@@ -93,7 +96,13 @@ class StepOutput:
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepOutput:
         """Carry out ``plan``: its tier transfers (moves and demotions first; see
-        :mod:`kvledger.scheduler.transfers`), copies, swap_out, swap_in, then the prefills and decodes."""
+        :mod:`kvledger.scheduler.transfers`), copies, swap_out, swap_in, then the prefills and decodes.
+
+        The prefills and decodes run as one batch in which **every work's K/V of a layer is written
+        before any work reads that layer** (a batched forward pass that writes the new K/V and then
+        attends, layer by layer, does exactly this). A work may read blocks that another work of the
+        same plan writes: ``plan.shared_reads`` lists each such read, reader and writer. An executor
+        that runs works one after another must run each writer's work before its readers'."""
 
 
 class ConstantExecutor:

@@ -25,6 +25,7 @@ REJECTED_OUTGREW = "rejected: the request outgrew the whole pool"
 REJECTED_NO_ROOM = "rejected: does not fit even with nothing else running"
 NEVER_POOL = "never: larger than the whole pool"
 NEVER_BRANCHES = "never: more branches than max_running"
+NEVER_QUOTA = "never: larger than its trust group's quota"
 
 # (scheduler, the branch that cannot grow, the plan being built, why) -> retry the append now?
 Handler = Callable[["Scheduler", Branch, StepPlan, str], bool]
@@ -37,7 +38,7 @@ class GrowthAction:
 
 
 def _defer(sched: Scheduler, br: Branch, plan: StepPlan, why: str) -> bool:
-    br.deferred = True  # retried next step; Scheduler._grow breaks the all-deferred deadlock
+    sched.defer(br)  # retried next step; Scheduler._grow breaks the all-deferred deadlock
     return False
 
 
@@ -51,7 +52,7 @@ def _preempt(sched: Scheduler, br: Branch, plan: StepPlan, why: str) -> bool:
     victim = sched.pick_victim()
     if victim is None or (victim == rid and len(sched.running) == 1):
         if sched.swap_in_flight:
-            br.deferred = True  # blocks being swapped out this step come free at confirm
+            sched.defer(br)  # blocks being swapped out this step come free at confirm
             return False
         sched.end_branch(br, REJECTED_OUTGREW, plan)
         return False
@@ -61,7 +62,7 @@ def _preempt(sched: Scheduler, br: Branch, plan: StepPlan, why: str) -> bool:
     if mode == "swap":
         # The victim's blocks are reusable only once the transfer completes: the grower waits one step
         # (retrying now would pick a second victim for memory that is already on its way).
-        br.deferred = True
+        sched.defer(br)
         return False
     return True
 
@@ -76,5 +77,5 @@ GROWTH_ACTIONS.register("reject", GrowthAction(_reject), "end the branch with a 
 GROWTH_ACTIONS.register("headroom", GrowthAction(_preempt, keeps_headroom=True),
                         "admission keeps headroom_blocks free for growth; past that, as preempt")
 
-__all__ = ["GROWTH_ACTIONS", "NEVER_BRANCHES", "NEVER_POOL", "REJECTED_NO_MEMORY", "REJECTED_NO_ROOM",
+__all__ = ["GROWTH_ACTIONS", "NEVER_BRANCHES", "NEVER_POOL", "NEVER_QUOTA", "REJECTED_NO_MEMORY", "REJECTED_NO_ROOM",
            "REJECTED_OUTGREW", "GrowthAction", "Handler"]

@@ -88,6 +88,8 @@ class Branch:
     host_blocks: list[int] = field(default_factory=list)  # while swapped: host copy of each block
     index: int = 0  # the branch index (sampling keys, result order)
     blocks: list[int] = field(default_factory=list)  # while running: the ledger's block table of the branch
+    hit_end: int = 0  # while running: tokens covered by the prefix hits found at its admission
+    hits_counted: int = 0  # while running: prompt tokens up to here are accounted as computed or skipped
     ledger_prompt: tuple[int, ...] | None = None  # while queued: the prompt handed to admission, reused
 
     def __post_init__(self) -> None:
@@ -141,10 +143,28 @@ class Preemption:
     reason: str
 
 
+class SharedRead(NamedTuple):
+    """The work of ``seq_id`` reads positions ``[start, end)`` from prefix-cache blocks that ``writer``'s
+    work writes in this very plan: blocks ``writer`` was admitted with (indexed, not written yet), whose
+    positions the reader skips instead of computing them again.
+
+    The executor contract makes it safe: every work's new K/V of a layer is written before any work of
+    the plan reads that layer (one batched forward pass does this by construction). An executor that
+    runs works apart must run ``writer``'s before this one, and must not run this one when ``writer``'s
+    failed (the driver's fault isolation sends such a reader back to the waiting queue)."""
+
+    seq_id: str
+    writer: str
+    start: int
+    end: int
+
+
 class Admission(NamedTuple):
     """A request (re-)admitted in this step. ``cached_tokens``: prompt tokens it skips because the prefix
-    cache already holds them written (blocks another request is still filling are computed again and
-    do not count). ``readmission``: it was admitted before and comes back after a preemption."""
+    cache already holds them written. (Blocks another request is still filling are not counted here:
+    the request reads them in the step their writer writes them -- :class:`SharedRead` -- or computes
+    them itself if nobody will.) ``readmission``: it was admitted before and comes back after a
+    preemption."""
 
     request_id: str
     cached_tokens: int
@@ -166,6 +186,10 @@ class StepPlan:
     promote: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, device block): a prefix comes back
     admitted: list[str] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)  # what each admission found cached
+    shared_reads: list[SharedRead] = field(default_factory=list)  # reads of blocks this plan writes
+    # (request id, prompt tokens its first branch skips in this step beyond what its admission counted):
+    # prefix blocks another request wrote while it waited, or writes in this very plan
+    shared_hits: list[tuple[str, int]] = field(default_factory=list)
     preempted: list[Preemption] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (seq_id, reason) ended while planning
     lease: int | None = None

@@ -23,12 +23,12 @@ from .admission import AdmissionOps
 from .config import SchedulerConfig
 from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
 from .host import HostPool, TierLedger
-from .plan import Branch, GenRequest, Preemption, Status, StepPlan, Work, validate_request
+from .plan import Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, Work, validate_request
 from .policies import OutputLengthTracker
 from .queue import WaitingQueue
 from .recovery import RECOVERY_MODES, RecoveryCosts
 from .tiers import TierPlanning
-from .victims import pick_victim, replay_tokens
+from .victims import VictimQueue, pick_victim, replay_tokens
 
 
 class Scheduler(AdmissionOps, TierPlanning):
@@ -55,6 +55,14 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._by_seq: dict[str, Branch] = {}
         self._finished_now: list[str] = []  # finished since the last take_finished()
         self._in_flight: StepPlan | None = None  # scheduled, not confirmed yet
+        self._deferred: list[Branch] = []  # branches deferred this step (their flags are reset next step)
+        self._decoding: list[Branch] = []  # the branch of each of the in-flight plan's decodes, in order
+        self._steady: tuple[list[Branch], list[Branch]] | None = None  # see _grow_once
+        self._growing = False  # a growth pass is under way: victims come from _victims
+        self._victims: VictimQueue | None = None  # that pass's victims, from its first pick on
+        # block -> (sequence, request) whose prefill in the plan being built completes it
+        self._writes: dict[int, tuple[str, str]] = {}
+        self._writes_seen = 0  # prefills of that plan indexed in _writes so far
         self._grow_action = GROWTH_ACTIONS[self.config.on_growth_failure].handle
         self._keep_free = self.config.keep_free(ledger.num_blocks)
         # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
@@ -183,6 +191,9 @@ class Scheduler(AdmissionOps, TierPlanning):
             raise LedgerError(f"step {self._in_flight.step} is still in flight: confirm it first")
         plan = StepPlan(self._step)
         self._step += 1
+        self._decoding = []
+        self._writes.clear()
+        self._writes_seen = 0
         self._swapped_now.clear()
         self._arriving.clear()
         self._grow(plan)
@@ -195,9 +206,13 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._take_tier_ops(plan)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
-        seqs = {w.seq_id for w in plan.prefills}
-        seqs.update(w.seq_id for w in plan.decodes)
-        seqs.update(br.seq_id for br in self._restored if br.status is Status.RUNNING)
+        # (A sequence has at most one work per plan; a restored one may also have none.)
+        seqs = [br.seq_id for br in self._decoding]
+        if len(seqs) != len(plan.decodes):
+            seqs = [w.seq_id for w in plan.decodes]
+        seqs += [w.seq_id for w in plan.prefills]
+        if self._restored:
+            seqs = list(dict.fromkeys(seqs + [br.seq_id for br in self._restored if br.status is Status.RUNNING]))
         blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if seqs or blocks:
             plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks,
@@ -213,9 +228,18 @@ class Scheduler(AdmissionOps, TierPlanning):
 
     def _grow(self, plan: StepPlan) -> None:
         """Give the ledger the tokens sampled last step; handle growth failures by policy."""
+        self._growing, self._victims = True, None
+        try:
+            self._grow_pass(plan)
+        finally:
+            self._growing, self._victims = False, None
+
+    def _grow_pass(self, plan: StepPlan) -> None:
         self._grow_once(plan)
+        if not self._deferred or plan.swap_out:
+            return
         live = self._live()
-        if live and all(br.deferred for br in live) and not plan.swap_out:
+        if live and all(br.deferred for br in live):
             # Deferring only helps while someone else can finish and free memory; when every running
             # request is stuck, waiting would be a deadlock, so one victim is recomputed instead.
             if len(self.running) > 1:
@@ -229,24 +253,58 @@ class Scheduler(AdmissionOps, TierPlanning):
                 for br in list(live):
                     self.end_branch(br, REJECTED_OUTGREW, plan)
 
+    def defer(self, br: Branch) -> None:
+        """Skip ``br`` this step (it could not grow); it retries next step."""
+        br.deferred = True
+        self._deferred.append(br)
+
     def _grow_once(self, plan: StepPlan) -> None:
         ledger = self.ledger
-        live = self._live()
-        for br in live:
-            br.deferred = False
-            if br.request.lookahead:
-                ledger.trim_lookahead(br.seq_id)
-        # The common case -- one new token per running branch -- goes to the ledger in one call.
-        single = [br for br in live if len(br.tokens) - br.in_ledger == 1]
-        if single:
+        deferred = self._deferred
+        if deferred:
+            for br in deferred:
+                br.deferred = False
+            deferred.clear()
+        # The common case -- one new token per running branch -- goes to the ledger in one call, built
+        # in one pass; anything else (several tokens, a failed append) takes the loop below.
+        pairs: list[tuple[str, int]] = []
+        single: list[Branch] = []
+        others: list[Branch] = []
+        rest = irregular = False
+        self._steady = None
+        for branches in self.running.values():
+            for br in branches:
+                tokens = br.tokens
+                d = len(tokens) - br.in_ledger
+                if br.request.lookahead:
+                    ledger.trim_lookahead(br.seq_id)
+                    irregular = True
+                if d == 1:
+                    single.append(br)
+                    pairs.append((br.seq_id, tokens[-1]))
+                else:
+                    others.append(br)
+                    if d or len(tokens) - br.computed == 1:
+                        rest |= d > 0
+                        irregular = True
+        if pairs:
             try:
-                ledger.decode_step([(br.seq_id, br.tokens[br.in_ledger]) for br in single])
+                ledger.decode_step(pairs)
+            except OutOfBlocksError:
+                # decode_step applied the pairs in order up to the one that failed; the loop below
+                # retries the rest one by one, through the growth action.
+                for br in single:
+                    br.in_ledger = ledger.sequence(br.seq_id).num_tokens
+                rest = True
+            else:
                 for br in single:
                     br.in_ledger += 1
-            except OutOfBlocksError:
-                for br in single:  # decode_step applies in order up to the one that failed
-                    if ledger.sequence(br.seq_id).num_tokens > br.in_ledger:
-                        br.in_ledger += 1
+        if not rest:
+            if not irregular:
+                # The steady state: every branch either decodes one token or continues a prefill,
+                # nothing was deferred, no lookahead. _schedule_running takes these lists as they are.
+                self._steady = (single, others)
+            return
         for rid in list(self.running):
             for br in list(self.running.get(rid, ())):
                 if br.status is not Status.RUNNING:
@@ -268,7 +326,12 @@ class Scheduler(AdmissionOps, TierPlanning):
     # ---- preemption -----------------------------------------------------------------------------
     def pick_victim(self) -> str | None:
         """The running request the victim policy preempts next."""
-        return pick_victim(self.config.victim, self.ledger, self.running)
+        policy = self.config.victim
+        if not self._growing or policy == "latest":
+            return pick_victim(policy, self.ledger, self.running)
+        if self._victims is None:
+            self._victims = VictimQueue(policy, self.ledger, self.running)
+        return self._victims.pick()
 
     def preempt(self, rid: str, plan: StepPlan, why: str, force: str | None = None) -> str:
         """Preempt every branch of ``rid`` together (gang semantics); returns the recovery mode."""
@@ -316,16 +379,42 @@ class Scheduler(AdmissionOps, TierPlanning):
     def _live(self) -> list[Branch]:
         return [br for branches in self.running.values() for br in branches]
 
+    def num_live(self) -> int:
+        """Running branches (what ``max_running`` counts)."""
+        return sum(map(len, self.running.values()))
+
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Decodes first (one token each: they keep latency low), then prefill chunks in the budget
         that is left. Requests admitted in this plan are scheduled by ``_admit``."""
-        admitted = set(plan.admitted)
-        restored = {br.seq_id for br in self._restored}
         running = Status.RUNNING
         later: list[Branch] = []
         decodes = plan.decodes
+        decoding = self._decoding
         make = tuple.__new__  # Work(...) without the keyword machinery: hundreds per step
-        for branches in self.running.values():
+        steady = self._steady
+        if steady is not None:
+            # Set by _grow_once: the decoding branches (in running order), then the branches that
+            # continue a prefill; only restored branches come after them.
+            self._steady = None
+            single, later = steady
+            for br in single:
+                tokens = br.tokens
+                n = len(tokens)
+                c = br.computed
+                if n - c != 1:
+                    later.append(br)
+                    continue
+                if budget <= 0:
+                    return budget
+                decodes.append(make(Work, (br.seq_id, c, n, True, 0, br.request, br.index, br.blocks, tokens)))
+                decoding.append(br)
+                budget -= 1
+            walk = [self._restored] if self._restored else []
+        else:
+            walk = self.running.values()
+        admitted = set(plan.admitted)
+        restored = {br.seq_id for br in self._restored}
+        for branches in walk:
             for br in branches:
                 if br.deferred or br.status is not running:
                     continue
@@ -342,6 +431,7 @@ class Scheduler(AdmissionOps, TierPlanning):
                     if budget <= 0:
                         return budget
                     decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens)))
+                    decoding.append(br)
                     budget -= 1
                 else:
                     later.append(br)
@@ -353,7 +443,13 @@ class Scheduler(AdmissionOps, TierPlanning):
     def _schedule_branch(self, br: Branch, plan: StepPlan, budget: int) -> int:
         if br.deferred or br.status is not Status.RUNNING or budget <= 0 or br.in_ledger < len(br.tokens):
             return budget
-        todo = len(br.tokens) - br.computed
+        c = br.computed
+        if c < br.hit_end:
+            c = self._shared_start(br, plan, c)
+            if c < 0:
+                return budget  # an earlier request is about to write the prefix it needs next
+        tokens = br.tokens
+        todo = len(tokens) - c
         req = br.request
         if todo == 1:
             k = req.lookahead
@@ -362,14 +458,96 @@ class Scheduler(AdmissionOps, TierPlanning):
                     self.ledger.reserve_lookahead(br.seq_id, k)
                 except OutOfBlocksError:
                     k = 0
-            c = br.computed
-            plan.decodes.append(Work(br.seq_id, c, c + 1, True, k, req, br.index, br.blocks, br.tokens))
+            plan.decodes.append(Work(br.seq_id, c, c + 1, True, k, req, br.index, br.blocks, tokens))
+            self._decoding.append(br)
             return budget - 1 - k
         chunk = min(todo, self.config.prefill_chunk, budget)
-        end = br.computed + chunk
-        plan.prefills.append(Work(br.seq_id, br.computed, end, end == len(br.tokens), 0, req, br.index, br.blocks,
-                                  br.tokens))
+        end = c + chunk
+        plan.prefills.append(Work(br.seq_id, c, end, end == len(tokens), 0, req, br.index, br.blocks, tokens))
         return budget - chunk
+
+    # ---- prefix blocks written in the same step ---------------------------------------------------
+    def _shared_start(self, br: Branch, plan: StepPlan, c: int) -> int:
+        """Where the next work of ``br`` starts, past the prefix hits it can read now; -1: it waits.
+
+        ``br`` computed ``c`` tokens and was admitted with prefix hits covering ``hit_end`` tokens. A hit
+        block is readable when it is written, or when a prefill already in this plan completes it: every
+        work's K/V of a layer is written before any work reads that layer (the executor contract), so
+        the reader skips those positions and the plan says so (:class:`SharedRead`).
+
+        At the first hit block that is neither, if a running request admitted earlier still has to
+        compute that block, the branch waits: no work this step. The earlier
+        request gets the step's budget first and moves through the shared run one chunk per step, as
+        the branch would by recomputing it, so waiting delays the branch by at most about one step and
+        saves the whole run (vLLM recomputes here: it finds only blocks already scheduled). With nobody
+        to wait for (the filler was preempted or cancelled) the branch computes the blocks itself."""
+        bs = self.ledger.block_size
+        written = self.ledger.pool.written
+        blocks = br.blocks
+        last = len(br.tokens) - 1  # the last token is always computed: its logits give the next one
+        hit_blocks = br.hit_end // bs
+        j = c // bs
+        reads: list[SharedRead] = []
+        rid = br.request.request_id
+        while j < hit_blocks and j * bs < last:
+            b = blocks[j]
+            if not written[b]:
+                found = self._plan_writer(plan, b)
+                # A sibling computing the family's pending blocks is not a writer to read from: the
+                # branches' identical works are computed once (the executor deduplicates them).
+                if found is None or found[1] == rid:
+                    break
+                writer = found[0]
+                lo = max(c, j * bs)
+                hi = min((j + 1) * bs, last)
+                prev = reads[-1] if reads else None
+                if prev is not None and prev.writer == writer and prev.end == lo:
+                    reads[-1] = prev._replace(end=hi)
+                elif hi > lo:
+                    reads.append(SharedRead(br.seq_id, writer, lo, hi))
+            j += 1
+        start = max(c, min(j * bs, last))
+        if j < hit_blocks and start < last and self._filler_ahead(br, j):
+            return -1
+        plan.shared_reads.extend(reads)
+        if start > br.hits_counted:
+            if br.index == 0:
+                plan.shared_hits.append((rid, start - br.hits_counted))
+            br.hits_counted = start
+        return start
+
+    def _plan_writer(self, plan: StepPlan, block: int) -> tuple[str, str] | None:
+        """The sequence (and its request) whose prefill in ``plan`` completes ``block`` (indexed lazily:
+        only steps with pending prefix hits pay for it). Beam requests never count: beam search may
+        shorten their work after planning (``BeamSearch.hold_back``)."""
+        writes = self._writes
+        bs = self.ledger.block_size
+        prefills = plan.prefills
+        for w in prefills[self._writes_seen:]:
+            req = w.request
+            if req is not None and req.beam:
+                continue
+            blocks = w.blocks
+            who = (w.seq_id, w.request_id)
+            for j in range(w.start // bs, w.end // bs):
+                writes.setdefault(blocks[j], who)
+        self._writes_seen = len(prefills)
+        return writes.get(block)
+
+    def _filler_ahead(self, br: Branch, j: int) -> bool:
+        """Whether a running request admitted before ``br`` holds ``br``'s block ``j`` and has yet to
+        compute it."""
+        block = br.blocks[j]
+        end = (j + 1) * self.ledger.block_size
+        order = br.admitted_order
+        for branches in self.running.values():  # in admission order
+            if branches[0].admitted_order >= order:
+                return False
+            for f in branches:
+                held = f.blocks
+                if len(held) > j and held[j] == block and f.computed < end:
+                    return True
+        return False
 
     # ---- confirmation ---------------------------------------------------------------------------
     def confirm(self, plan: StepPlan, sampled: Mapping[str, Sequence[int]]) -> list[Branch]:
@@ -388,12 +566,23 @@ class Scheduler(AdmissionOps, TierPlanning):
             if w.sample:
                 self.accept(br, sampled.get(w.seq_id, ()), done)
         by_seq, running, accept = self._by_seq, Status.RUNNING, self.accept
-        for w in plan.decodes:
-            br = by_seq.get(w.seq_id)
+        decodes = plan.decodes
+        # The branch of each decode, as scheduled (beam search may have held some back: look them up).
+        branches = self._decoding if len(self._decoding) == len(decodes) else [by_seq.get(w.seq_id) for w in decodes]
+        for w, br in zip(decodes, branches, strict=True):
             if br is None or br.status is not running:
                 continue
             br.computed = w.end
-            accept(br, sampled.get(w.seq_id, ()), done)
+            got = sampled.get(w.seq_id)
+            if got is not None and len(got) == 1 and not br.request.stop_token_ids:
+                out = br.tokens  # accept() for its common case: one token, no stop tokens
+                out.append(int(got[0]))
+                if len(out) >= br.limit:
+                    self.end_branch(br, "length")
+                    done.append(br)
+            else:
+                accept(br, () if got is None else got, done)
+        self._decoding = []
         for br in self._restored:
             if br.status is Status.RUNNING:
                 ledger.mark_computed(br.seq_id, min(br.computed, br.in_ledger))
@@ -479,6 +668,18 @@ class Scheduler(AdmissionOps, TierPlanning):
             self.host.clear_cache()  # the cache below the device goes too; swapped requests keep their slots
         return reset
 
+    def requeue(self, request_id: str) -> bool:
+        """Send a running request back to the front of its priority in the waiting queue: its memory is
+        dropped and it is computed again from its tokens when it is re-admitted (not an error, not
+        counted as a preemption). Between ``schedule`` and ``confirm`` its work in the plan in flight is
+        ignored, and the blocks that plan leases stay until ``confirm``. The driver does this to a
+        request whose step read KV that a failed part of the same step was to write. Returns False if
+        the request is not running."""
+        if request_id not in self.running:
+            return False
+        self._requeue(request_id)
+        return True
+
     def _requeue(self, rid: str) -> None:
         """Send a running request back to the front of its priority in the waiting queue."""
         branches = self.running.pop(rid)
@@ -501,7 +702,11 @@ class Scheduler(AdmissionOps, TierPlanning):
         ledger.check()
         if self.host is not None:
             self.host.check()
+        order = -1
         for branches in self.running.values():
+            if not branches or branches[0].admitted_order <= order:
+                raise InvariantError("running requests are not in admission order (the victim policies rely on it)")
+            order = branches[0].admitted_order
             for br in branches:
                 if br.status is not Status.RUNNING or br.seq_id not in ledger:
                     raise InvariantError(f"running branch {br.seq_id!r} is not running in the ledger")

@@ -5,8 +5,13 @@ events with ``stream``), ``GET /health``, ``GET /metrics`` and ``GET /admin/ledg
 
 Order of checks for a generation request, each answered before anything changes state:
 401 unknown key -> 503 draining -> 400 malformed or unsupported -> 404 unknown model -> 400 "never"
-(longer than the model's length, larger than the pool, larger than the tenant's cap) -> 429 queue full
-(with ``Retry-After``) -> queued ("not now", inside the engine or at the tenant's cap) -> running.
+(longer than the model's length, larger than the pool, larger than the tenant's cap, more samples than
+run at once) -> 429 queue full (with ``Retry-After``) -> queued in the engine ("not now": the pool, or the
+tenant at its cap) -> running.
+
+A tenant's ``max_blocks`` is its trust group's quota in the engine's ledger (``Engine.set_quota``): what
+its requests hold, are promised and may still grow into never passes it, the decision is taken with the
+admission itself, and a tenant at its cap waits without holding up the others.
 
 Tenancy: the trust group comes from the API key only (a ``cache_salt`` in the body can split a tenant's
 cache further, never join two tenants). Responses and errors carry nothing about the pool or about other
@@ -18,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,9 +31,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from ..errors import AdmissionError, ConfigError, KVLedgerError
+from ..errors import AdmissionError, ConfigError, KVLedgerError, QuotaError
 from .backend import Backend
-from .gate import AdmissionGate, NeverFits, QueueFull
+from .gate import AdmissionGate, QueueFull
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_PROMPTS,
@@ -74,15 +78,14 @@ class ServerContext:
                                      lambda: sorted(tenants.by_name))
         self.draining = False
         self.runs: set[Run] = set()
+        for tenant in tenants.by_name.values():  # a tenant's block cap is its trust group's quota
+            if tenant.max_blocks is not None:
+                backend.set_quota(tenant.name, tenant.max_blocks)
 
     def cancel_all(self) -> None:
-        """Shutdown: cancel every request in flight (running ones end with finish_reason abort; ones
-        still held at the gate end at once)."""
+        """Shutdown: cancel every request in flight (they end with finish_reason abort)."""
         for run in list(self.runs):
-            if run.waiter is not None:
-                run.waiter.cancel()
-            else:
-                run.cancel()
+            run.cancel()
 
     # ---- checks -----------------------------------------------------------------------------------
     def principal(self, request: Request) -> Principal:
@@ -151,7 +154,7 @@ class ServerContext:
         except ConfigError as exc:
             raise self.invalid(str(exc)) from None
 
-    def budget(self, ids: list[int], asked: int | None, sampling: Any, tenant: Tenant, group: str) -> int:
+    def budget(self, ids: list[int], asked: int | None, sampling: Any, group: str) -> int:
         """The request's max_tokens: as asked (refused if it can never fit), or by default the most the
         model's length, the pool and the tenant's cap allow."""
         limit = self.settings.max_model_len
@@ -167,13 +170,7 @@ class ServerContext:
                                    "never_fits")
             self.check(ids, asked, sampling, group)
             return asked
-        hi = limit - plen
-        bs, n = self.backend.block_size, sampling.n
-        if tenant.max_blocks is not None:
-            hi = min(hi, (tenant.max_blocks // n) * bs - plen)
-            if hi < 1:
-                raise self.invalid(f"the prompt alone needs {n * math.ceil((plen + 1) / bs)} KV blocks "
-                                   f"(n={n}) but your tenant's cap is {tenant.max_blocks} blocks", "never_fits")
+        hi = limit - plen  # the engine's own rule (pool, tenant's cap) cuts it below, by binary search
         if self.fits(ids, hi, sampling, group):
             return hi
         if not self.fits(ids, 1, sampling, group):
@@ -194,6 +191,9 @@ class ServerContext:
     def check(self, ids: list[int], max_tokens: int, sampling: Any, group: str) -> None:
         try:
             self.backend.check_request(ids, max_tokens, sampling, trust_group=group)
+        except QuotaError as exc:  # the tenant's own cap: the only figures it names are the tenant's own
+            raise self.invalid(f"Your tenant's KV block cap can never hold this request ({exc}). Lower "
+                               "max_tokens or n.", "tenant_cap") from None
         except AdmissionError as exc:
             raise self.invalid(str(exc), "never_fits") from None
         except ConfigError as exc:
@@ -302,22 +302,19 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found")
         if chat and not codec.has_chat_template:
             raise ctx.invalid("this model has no chat template: use /v1/completions")
-        group = tenant.name if body.cache_salt is None else f"{tenant.name}#{body.cache_salt}"
+        group = tenant.name  # the trust group: from the API key only
         sampling = ctx.sampling(body)
         asked = body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
         stop_ids = [] if body.ignore_eos else sorted(codec.turn_end_ids if chat else codec.eos_ids)
         jobs: list[Job] = []
         shape = ResponseShape(chat, settings.served_model_name)
         for i, ids in enumerate(ctx.prompt_ids(body)):
-            max_tokens = ctx.budget(ids, asked, sampling, tenant, group)
-            jobs.append(Job(f"{shape.id}-{i}", ids, max_tokens, sampling, stop_ids, group, tenant.priority))
+            max_tokens = ctx.budget(ids, asked, sampling, group)
+            jobs.append(Job(f"{shape.id}-{i}", ids, max_tokens, sampling, stop_ids, group, tenant.priority,
+                            body.cache_salt))
         run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [])
-        bs = backend.block_size
-        blocks = [sampling.n * math.ceil((len(j.prompt) + j.max_tokens) / bs) for j in jobs]
         try:
-            run.ticket = ctx.gate.enter(tenant, blocks)
-        except NeverFits as exc:
-            raise ctx.invalid(str(exc), "tenant_cap") from None
+            run.ticket = ctx.gate.enter(tenant, len(jobs))
         except QueueFull as exc:
             ctx.metrics.refused.labels("queue_full").inc()
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",
@@ -328,10 +325,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         return await _complete(request, run, shape)
 
     async def _start(run: Run) -> None:
-        run.waiter = asyncio.current_task()  # what shutdown cancels while the run is still held
         ctx.runs.add(run)
-        await ctx.gate.admitted(run.ticket)  # a tenant at its cap waits here
-        run.waiter = None
         run.start()
 
     async def _complete(request: Request, run: Run, shape: ResponseShape) -> Response:

@@ -36,13 +36,16 @@ class Backend(Protocol):
     error: BaseException | None
 
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
-                      trust_group: str = "default", request_id: str = "check") -> tuple[list[int], int, Any]: ...
+                      trust_group: str = "default", request_id: str = "check",
+                      cache_salt: str | None = None) -> tuple[list[int], int, Any]: ...
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
                stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,
-               request_id: str | None = None, on_token: Callable[[Any], None] | None = None) -> Handle: ...
+               request_id: str | None = None, on_token: Callable[[Any], None] | None = None,
+               cache_salt: str | None = None) -> Handle: ...
 
     def cancel(self, request_id: str) -> bool: ...
+    def set_quota(self, trust_group: str, max_blocks: int | None) -> None: ...
     def num_running(self) -> int: ...
     def state(self) -> BackendState: ...
     def audit(self) -> dict[str, Any]: ...
@@ -67,61 +70,65 @@ class BackendState:
     prefix_queries_tokens: int
     prefix_hits_tokens: int
     cancelled: int = 0  # requests the engine cancelled (client gone, stop string met, shutdown)
-    groups: dict[str, tuple[int, int]] = field(default_factory=dict)  # trust group -> (query, hit) tokens
+    # trust group -> its ledger (active, promised, growth, charged, cap), prefix-cache figures (query_tokens,
+    # hit_tokens) and quota_refusals: KVLedger.group_stats()
+    groups: dict[str, dict[str, int | None]] = field(default_factory=dict)
 
 
 class EngineBackend:
-    """:class:`Backend` over one local :class:`~kvledger.runtime.engine.Engine` in its background thread."""
+    """:class:`Backend` over one local :class:`~kvledger.runtime.engine.Engine` in its background thread,
+    through the engine's public API only (its snapshot for everything a scrape or an audit reads)."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+        snap = engine.snapshot()
         self.model_name = engine.model_name
-        self.block_size = engine.spec.block_size
-        self.pool_blocks = engine.ledger.num_blocks
+        self.block_size = snap.block_size
+        self.pool_blocks = snap.pool_blocks
         self.max_context = engine.max_context
-        self.vocab_size = engine.runner.config.vocab_size
-        self.max_num_seqs = engine.scheduler.config.max_running
+        self.vocab_size = engine.vocab_size
+        self.max_num_seqs = snap.max_running
 
     @property
     def error(self) -> BaseException | None:
         return self.engine.error
 
     def check_request(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
-                      trust_group: str = "default", request_id: str = "check") -> tuple[list[int], int, Any]:
+                      trust_group: str = "default", request_id: str = "check",
+                      cache_salt: str | None = None) -> tuple[list[int], int, Any]:
         return self.engine.check_request(prompt, max_new_tokens, sampling, trust_group=trust_group,
-                                         request_id=request_id)
+                                         request_id=request_id, cache_salt=cache_salt)
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
                stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,
-               request_id: str | None = None, on_token: Callable[[Any], None] | None = None) -> Handle:
+               request_id: str | None = None, on_token: Callable[[Any], None] | None = None,
+               cache_salt: str | None = None) -> Handle:
         return self.engine.submit(prompt, max_new_tokens, sampling, stop_token_ids=stop_token_ids,
                                   trust_group=trust_group, priority=priority, request_id=request_id,
-                                  on_token=on_token)
+                                  on_token=on_token, cache_salt=cache_salt)
 
     def cancel(self, request_id: str) -> bool:
         return self.engine.cancel(request_id)
 
+    def set_quota(self, trust_group: str, max_blocks: int | None) -> None:
+        self.engine.set_quota(trust_group, max_blocks)
+
     def num_running(self) -> int:
-        return len(self.engine.scheduler.running)  # len() of a dict: one atomic read
+        return self.engine.num_running()
 
     def state(self) -> BackendState:
-        ledger = self.engine.ledger
-        stats = ledger.stats()
-        u, life = stats["usage"], stats["lifetimes"]
-        prefix = stats["prefix_cache"]
-        engine_stats = self.engine.stats
-        groups = {g: (c.query_tokens, c.hit_tokens) for g, c in list(ledger.counters.groups.items())}
+        snap = self.engine.snapshot()
+        u, stats = snap.blocks, snap.stats
         return BackendState(
-            running=self.num_running(),
+            running=snap.running,
             blocks={"free": u["free"], "active": u["active"], "retained": u["retained"],
                     "evictable": u["evictable"], "promised": u["promised"], "pinned": u["pinned"],
                     "leased": u["deferred"]},
-            total_blocks=u["total"], leases=life["leases"], sequences=u["sequences"],
-            admissions=dict(stats["admissions"]), evictions=life["evictions"],
-            preemptions=self.engine.scheduler.preemptions,
-            swapped_blocks={"out": engine_stats.swapped_out_blocks, "in": engine_stats.swapped_in_blocks},
-            prefix_queries_tokens=prefix["query_tokens"], prefix_hits_tokens=prefix["hit_tokens"],
-            cancelled=engine_stats.cancelled, groups=groups)
+            total_blocks=u["total"], leases=snap.leases, sequences=u["sequences"],
+            admissions=dict(snap.admissions), evictions=snap.evictions, preemptions=snap.preemptions,
+            swapped_blocks={"out": stats["swapped_out_blocks"], "in": stats["swapped_in_blocks"]},
+            prefix_queries_tokens=snap.prefix_query_tokens, prefix_hits_tokens=snap.prefix_hit_tokens,
+            cancelled=stats["cancelled"], groups=snap.groups)
 
     def audit(self) -> dict[str, Any]:
         """Check every conservation law now (between steps) and report whether the ledger is clean:
@@ -131,7 +138,10 @@ class EngineBackend:
         clean = (s.sequences == 0 and s.blocks["active"] == 0 and s.blocks["promised"] == 0
                  and s.blocks["leased"] == 0 and s.leases == 0)
         return {"clean": clean, "running": s.running, "sequences": s.sequences, "leases": s.leases,
-                "blocks": s.blocks, "total_blocks": s.total_blocks, "checked": True}
+                "blocks": s.blocks, "total_blocks": s.total_blocks, "checked": True,
+                "groups": {g: {k: v for k, v in entry.items() if k in ("active", "promised", "growth", "charged",
+                                                                       "cap")}
+                           for g, entry in s.groups.items()}}
 
     def start(self) -> None:
         self.engine.start()

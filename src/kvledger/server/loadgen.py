@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
+from ..scheduler.metrics import percentile  # the one definition (scheduler, simulator, engine)
 
 _MASK64 = (1 << 64) - 1
 _FIRST_ID = 1000  # prompt ids start here: clear of the special tokens most vocabularies put first
@@ -301,17 +302,6 @@ async def _drive(spec: LoadSpec, items: list[Item], progress: Any) -> tuple[list
         wall = time.perf_counter() - start
         outcomes = [t.result() if t in done and not t.cancelled() else Outcome(False, "timeout") for t in tasks]
         return outcomes, wall, model
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Linearly interpolated percentile (``q`` in [0, 100]); None when empty."""
-    if not values:
-        return None
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
 def _dist(values: list[float]) -> dict[str, float | None]:

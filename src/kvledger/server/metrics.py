@@ -27,11 +27,7 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 
 BLOCK_STATES = ("free", "active", "retained", "evictable", "promised", "pinned", "leased")
 REFUSALS = ("unauthorized", "forbidden", "invalid", "never_fits", "tenant_cap", "queue_full", "draining")
-
-
-def tenant_of(trust_group: str) -> str:
-    """The tenant behind a trust group (a request's cache salt is appended after '#')."""
-    return trust_group.split("#", 1)[0]
+GROUP_STATES = ("active", "promised", "growth")  # a trust group's ledger (kvledger.core.quota)
 
 
 class ServerMetrics:
@@ -141,31 +137,38 @@ class _StateCollector:
             sw.add_metric([direction], value)
         yield sw
 
-        names = sorted(set(self.tenant_names()) | set(self.gate.tenants()))
+        names = sorted(set(self.tenant_names()) | set(self.gate.tenants()) | set(s.groups))
         flight = GaugeMetricFamily("kvledger:tenant_requests_in_flight", "Engine requests in flight, per tenant.",
                                    labels=["tenant"])
-        reserved = GaugeMetricFamily("kvledger:tenant_reserved_blocks",
-                                     "Worst-case KV blocks of a tenant's in-flight requests (what its cap "
-                                     "bounds).", labels=["tenant"])
         for name in names:
             flight.add_metric([name], self.gate.tenant_in_flight(name))
-            reserved.add_metric([name], self.gate.reserved(name))
         yield flight
-        yield reserved
-        queries: dict[str, list[int]] = {name: [0, 0] for name in names}
-        for group, (q, h) in s.groups.items():
-            acc = queries.setdefault(tenant_of(group), [0, 0])
-            acc[0] += q
-            acc[1] += h
+        usage = GaugeMetricFamily("kvledger:tenant_blocks", "A tenant's KV blocks in the ledger (its trust "
+                                  "group's ledger): active (held), promised (reserved, not yet materialised), "
+                                  "growth (its requests may still take past their reservations); their sum is "
+                                  "what its cap bounds.", labels=["tenant", "state"])
+        caps = GaugeMetricFamily("kvledger:tenant_block_cap", "A tenant's cap on KV blocks (its quota), for "
+                                 "tenants that have one.", labels=["tenant"])
+        refused = CounterMetricFamily("kvledger:tenant_quota_refusals", "Admissions a tenant's cap made wait "
+                                      "(not now) or refused (never).", labels=["tenant"])
         tq = CounterMetricFamily("kvledger:tenant_prefix_cache_queries", "Prompt tokens looked up, per tenant.",
                                  labels=["tenant"])
         th = CounterMetricFamily("kvledger:tenant_prefix_cache_hits", "Prompt tokens found cached, per tenant.",
                                  labels=["tenant"])
-        for name, (q, h) in sorted(queries.items()):
-            tq.add_metric([name], q)
-            th.add_metric([name], h)
+        for name in names:
+            entry = s.groups.get(name, {})
+            for state in GROUP_STATES:
+                usage.add_metric([name, state], entry.get(state) or 0)
+            if entry.get("cap") is not None:
+                caps.add_metric([name], entry["cap"])
+            refused.add_metric([name], entry.get("quota_refusals") or 0)
+            tq.add_metric([name], entry.get("query_tokens") or 0)
+            th.add_metric([name], entry.get("hit_tokens") or 0)
+        yield usage
+        yield caps
+        yield refused
         yield tq
         yield th
 
 
-__all__ = ["BLOCK_STATES", "REFUSALS", "ServerMetrics", "tenant_of"]
+__all__ = ["BLOCK_STATES", "GROUP_STATES", "REFUSALS", "ServerMetrics"]

@@ -18,11 +18,10 @@ from typing import Any
 
 from .backend import Backend
 from .gate import AdmissionGate, Ticket
-from .metrics import ServerMetrics, tenant_of
+from .metrics import ServerMetrics
 from .text import Detokenizer, StopMatcher, TextCodec
 
 _ENGINE_POLL_S = 1.0  # how often a waiting request checks that the engine thread is still alive
-_FINISH_POLLS = 10_000  # ~10 s of 1 ms polls for the result after the engine's last event
 
 
 class EngineFailed(RuntimeError):
@@ -40,6 +39,7 @@ class Job:
     stop_token_ids: list[int]
     trust_group: str
     priority: int = 0
+    cache_salt: str | None = None  # splits the tenant's cache further (never joins two tenants)
 
 
 @dataclass(slots=True)
@@ -76,7 +76,6 @@ class Run:
         self.metrics = metrics
         self.jobs = jobs
         self.ticket: Ticket | None = None  # the gate's share; set before start()
-        self.waiter: asyncio.Task[Any] | None = None  # the task waiting at the gate, until start()
         self.n = n
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
@@ -115,8 +114,8 @@ class Run:
                 self.handles.append(self.backend.submit(
                     job.prompt, job.max_tokens, job.sampling, stop_token_ids=job.stop_token_ids,
                     trust_group=job.trust_group, priority=job.priority, request_id=job.request_id,
-                    on_token=self._bridge(i)))
-                self.metrics.tenant_requests.labels(tenant_of(job.trust_group)).inc()
+                    on_token=self._bridge(i), cache_salt=job.cache_salt))
+                self.metrics.tenant_requests.labels(job.trust_group).inc()
         except BaseException:
             self.close()
             raise
@@ -130,7 +129,6 @@ class Run:
                 c.finish_reason = "abort"
                 self.metrics.success.labels(self.metrics.model_name, "abort").inc()
         if self.ticket is not None:
-            self.gate.abandon(self.ticket)
             for i in range(len(self.handles), len(self.jobs)):
                 self.gate.release(self.ticket, i)
 
@@ -171,7 +169,7 @@ class Run:
             return None  # this choice already hit a stop string; the engine is being told
         c.tokens += 1
         m.generation_tokens.inc()
-        m.tenant_generated.labels(tenant_of(self.jobs[index].trust_group)).inc()
+        m.tenant_generated.labels(self.jobs[index].trust_group).inc()
         if c.last_token_s is not None:
             m.itl.observe(now - c.last_token_s)
         c.last_token_s = now
@@ -193,18 +191,13 @@ class Run:
 
     async def _finish(self, index: int) -> list[Delta]:
         handle = self.handles[index]
-        # The engine completes the handle right after it emits the last event; wait for that here
-        # (never in RequestHandle.result, which would block this loop).
-        for _ in range(_FINISH_POLLS):
-            if handle.done():
-                break
-            await asyncio.sleep(0.001)
-        else:
+        # The engine completes the handle before it emits the finished event: the result is there.
+        if not handle.done():
             raise EngineFailed(f"request {handle.request_id} ended without a result")
-        result = handle.result()
+        result = handle.result(timeout=0)
         self.finished[index] = True
         job = self.jobs[index]
-        tenant = tenant_of(job.trust_group)
+        tenant = job.trust_group  # a tenant is its trust group
         m = self.metrics
         # Served from the cache: the last prompt token is always computed (its logits start the output).
         cached = min(result.cached_prompt_tokens, max(0, len(job.prompt) - 1))

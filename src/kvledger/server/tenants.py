@@ -10,7 +10,8 @@ api_keys = ["sk-ops-1"]
 
 [tenants.acme]
 api_keys = ["sk-acme-1", "sk-acme-2"]
-max_blocks = 256                    # optional: cap on the KV blocks its requests may hold or be promised
+max_blocks = 256                    # optional: cap on the KV blocks its requests may hold, be promised or
+                                    # grow into (its trust group's quota in the engine's ledger)
 max_requests = 32                   # optional: its requests in flight or waiting at once (then 429)
 priority = 0                        # optional: scheduler priority of its requests (lower runs first)
 
@@ -34,8 +35,7 @@ from typing import Any
 from ..errors import ConfigError
 
 DEFAULT_TENANT = "default"  # the trust group of single-tenant mode (CacheContext's default)
-# Tenant names become trust groups and metric labels; '#' separates a request's cache salt, so it is
-# never part of a name.
+# Tenant names become trust groups and metric labels: letters, digits and a few separators only.
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _TENANT_KEYS = {"api_keys", "max_blocks", "max_requests", "priority"}
 
@@ -45,7 +45,7 @@ class Tenant:
     """One principal: its trust group and its limits."""
 
     name: str
-    max_blocks: int | None = None  # cap on the blocks its in-flight requests may claim (None: no cap)
+    max_blocks: int | None = None  # its trust group's quota in the ledger (None: no cap)
     max_requests: int | None = None  # its requests in flight or waiting at once (None: no own limit)
     priority: int = 0
 

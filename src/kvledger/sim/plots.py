@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..scheduler.metrics import percentile
 from .fragmentation import FIG2_KEYS
 from .simulator import BREAKDOWN_KEYS, SimResult
 
@@ -40,13 +41,6 @@ def _downsample(n: int, limit: int = 4000) -> range:
     return range(0, n, max(1, n // limit))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    pos = (len(xs) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def plot_latency_cdf(rows: Sequence[dict[str, Any]], out: Path, *, title: str) -> Path:
     """TTFT and TPOT CDFs in milliseconds with p50/p90/p99 marked."""
     plt = _plt()
@@ -56,7 +50,7 @@ def plot_latency_cdf(rows: Sequence[dict[str, Any]], out: Path, *, title: str) -
         if xs:
             ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], color="#2b8cbe")
             for q, (name, style, _marker) in PCT_STYLES.items():
-                v = _pct(xs, q)
+                v = percentile(xs, q)
                 ax.axvline(v, linestyle=style, color="#555555", linewidth=1)
                 ax.annotate(f"{name} {v:,.0f} ms", (v, q / 100), textcoords="offset points", xytext=(4, -10),
                             fontsize=7)

@@ -160,6 +160,7 @@ class ForwardPeak:
     context: int  # tokens each sequence attends over after the step
     peak_bytes: int
     formula_bytes: int  # workspace_peak_bytes(cfg, max_batched_tokens=tokens, max_seqs=seqs, act bytes)
+    backend: str = ""  # the attention backend that ran the step (its class name)
 
     @property
     def ratio(self) -> float:
@@ -168,7 +169,8 @@ class ForwardPeak:
     def as_dict(self) -> dict[str, Any]:
         return {"model": self.model, "dtype": self.dtype, "device": self.device, "kind": self.kind,
                 "tokens": self.tokens, "seqs": self.seqs, "context": self.context, "peak_bytes": self.peak_bytes,
-                "formula_bytes": self.formula_bytes, "measured_over_formula": round(self.ratio, 3)}
+                "formula_bytes": self.formula_bytes, "measured_over_formula": round(self.ratio, 3),
+                "backend": self.backend}
 
 
 def synthetic_steps(kind: str, tokens: int, seqs: int, context: int, block_size: int,
@@ -203,17 +205,22 @@ def synthetic_steps(kind: str, tokens: int, seqs: int, context: int, block_size:
 def measure_forward_peaks(
     model: str, shapes: Sequence[tuple[str, int, int, int]], *, dtypes: Sequence[torch.dtype] = (torch.float32,),
     device: str = "cpu", block_size: int = 16, repeats: int = 2, progress: Callable[[str], None] | None = None,
+    backend: str | None = None,
 ) -> list[ForwardPeak]:
     """Run the forward pass of ``model`` (a bundled name, folder or GGUF) on each shape
     ``(kind, tokens, seqs, context)`` in each dtype, measure its peak (the least of ``repeats`` runs after
-    one warm-up, so one-off allocations do not count) and compute the formula for the same shape."""
+    one warm-up, so one-off allocations do not count) and compute the formula for the same shape.
+    ``backend`` names the attention backend (default ``auto``: the native kernels where they are built);
+    each row records the one that ran."""
     from ..engine import load_runner, resolve_model
 
     ckpt = resolve_model(model)
     out: list[ForwardPeak] = []
     blocks = max(synthetic_steps(k, t, s, c, block_size)[1] for k, t, s, c in shapes)
     for dtype in dtypes:
-        runner = load_runner(ckpt, num_blocks=blocks, block_size=block_size, dtype=dtype, device=device)
+        runner = load_runner(ckpt, num_blocks=blocks, block_size=block_size, dtype=dtype, device=device,
+                             backend=backend)
+        backend_name = type(runner.backend).__name__
         dname = str(dtype).replace("torch.", "").replace("float32", "fp32").replace("bfloat16", "bf16") \
             .replace("float16", "fp16")
         act = torch.empty((), dtype=dtype).element_size()
@@ -229,10 +236,11 @@ def measure_forward_peaks(
                 peaks.append(meter.stop().peak_bytes)
             ctx = context if kind == "decode" else tokens // seqs
             formula = workspace_peak_bytes(ckpt.config, 1, tokens, seqs, act)
-            row = ForwardPeak(model, dname, _device_name(device), kind, tokens, seqs, ctx, min(peaks), formula)
+            row = ForwardPeak(model, dname, _device_name(device), kind, tokens, seqs, ctx, min(peaks), formula,
+                              backend_name)
             out.append(row)
             if progress is not None:
-                progress(f"{dname} {kind} tokens={tokens} seqs={seqs} ctx={ctx}: "
+                progress(f"{dname} {backend_name} {kind} tokens={tokens} seqs={seqs} ctx={ctx}: "
                          f"{row.peak_bytes / 2**20:.1f} MiB (formula {formula / 2**20:.1f} MiB)")
         del runner
     return out

@@ -43,8 +43,14 @@ def engine_registry(engine: Any) -> TensorRegistry:
 
 def _packed(model: Any) -> list[Any]:
     """The oneDNN weight copies a CPU runner packs next to its weights (``model.Linear._packed``)."""
-    # One tensor per packed Linear (or None): never test a tensor for truth or iterate over its rows.
-    return [p for m in model.modules() if (p := getattr(m, "_packed", None)) is not None]
+    out: list[Any] = []
+    for m in model.modules():
+        packed = getattr(m, "_packed", None)
+        if packed is None:
+            continue
+        # One packed tensor per projection (older runners kept a (weight, bias) pair).
+        out.extend(packed if isinstance(packed, tuple | list) else (packed,))
+    return out
 
 
 @dataclass(slots=True)

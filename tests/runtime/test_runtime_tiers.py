@@ -261,3 +261,30 @@ def test_a_tier_ledger_and_its_stores_agree_on_slots(tmp_path) -> None:
         stores.locate(8)
     with pytest.raises(ConfigError, match="no byte store"):
         TierStores(KVStore(spec, 2), ["nvme"], [2])
+
+
+def test_measure_links_times_each_tier_on_the_real_path_and_leaves_the_store_as_it_was(tmp_path) -> None:
+    from kvledger.runtime.links import measure_links
+    from kvledger.sim.calibrate import fit_links
+
+    store = filled(SPECS[1], 8, seed=9)
+    before = [block_bytes(store, b) for b in range(8)]
+    got = measure_links(store, sizes=(1, 2, 4), repeats=1, disk_dir=tmp_path, compression="zlib")
+    assert got["block_bytes"] == SPECS[1].block_bytes and set(got["tiers"]) == {"host", "disk"}
+    for entry in got["tiers"].values():
+        for direction in ("out", "in"):
+            assert [n for n, _ in entry["points"][direction]] == [1, 2, 4]
+            assert all(t > 0 for _, t in entry["points"][direction])
+    assert got["tiers"]["disk"]["compression"] == "zlib" and got["tiers"]["disk"]["compression_ratio"] > 0
+    assert "compression" not in got["tiers"]["host"]
+    assert [block_bytes(store, b) for b in range(8)] == before  # the blocks it moved are restored
+    assert not list(tmp_path.iterdir())
+    links, report = fit_links(got)
+    for tier in ("host", "disk"):
+        assert links[tier]["out_Bps"] > 0 and links[tier]["in_Bps"] > 0
+        assert links[tier]["out_overhead_s"] >= 0 and links[tier]["in_overhead_s"] >= 0
+        assert len(report[tier]["points"]) == 6
+    with pytest.raises(ConfigError, match="link sizes"):
+        measure_links(store, sizes=(1, 9))
+    with pytest.raises(ConfigError, match="at least one repeat"):
+        measure_links(store, sizes=(1,), repeats=0)

@@ -9,15 +9,17 @@ a slice of the Mooncake trace.
 2. **Lossless compression of real KV.** The engine computes the KV of real text (the bundled corpus) in fp32
    and in bf16; every written block is compressed with zlib (level 1): ratio and MB/s of each.
 3. **Hidden vs exposed.** SmolLM2 on the real engine, a 48-block pool, 24 requests each opening with one of
-   three 160-token system prompts (real text) plus a private part, arriving all at once, incremental
-   admission, preemption by swap: without tiers (recompute), and with a host + disk tier and prefix offload
+   eight 160-token system prompts in turn (real text; more than the pool keeps) plus a private part,
+   arriving all at once, incremental admission, preemption by swap: without tiers (recompute), and with a
+   host + disk tier and prefix offload
    -- transfers overlapped, overlapped with restore-ahead, and not overlapped -- side by side in one run.
    Greedy outputs must be identical across every configuration (a swap-in or promotion is bit-identical).
 4. **Hit rate on Mooncake.** The simulator (Llama-3.1-8B on an H100 profile; the disk link there is an
    assumed NVMe) replays the first ``--mooncake-requests`` requests of the conversation trace (the full trace
    in /work/shared/traces when present, else the 300-request slice in tests/data/traces; ``--trace`` for
    another), arrivals slowed by ``--speedup`` (one H100 cannot keep up with the trace's rate), with a small
-   pool, without a tier and with tiers of growing size; the unbounded-cache bound is printed beside them.
+   pool, without a tier and with tiers of growing size (host 2x the pool; disks 16x and 64x: the trace's
+   re-uses are far apart); the unbounded-cache bound is printed beside them.
 
 Timings depend on the machine and its load (noted before and after); only figures measured side by side in
 this run are compared. Run with OMP_NUM_THREADS=1 on a shared machine. Ends with one JSON line.
@@ -127,14 +129,16 @@ def engine_section(args: argparse.Namespace, ckpt, tokens: list[int]) -> dict:
     from kvledger.scheduler import SchedulerConfig, summarize_requests
 
     synth = PromptSynth(tokens, 64)
-    systems = [synth.chunk(10 + k)[:64] + synth.chunk(20 + k)[:64] + synth.chunk(30 + k)[:32] for k in range(3)]
-    prompts = [systems[i % 3] + synth.chunk(1000 + i)[: 24 + (i * 7) % 33] for i in range(args.requests)]
+    k_sys = args.system_prompts
+    systems = [synth.chunk(10 + k)[:64] + synth.chunk(40 + k)[:64] + synth.chunk(70 + k)[:32] for k in range(k_sys)]
+    prompts = [systems[i % k_sys] + synth.chunk(1000 + i)[: 24 + (i * 7) % 33] for i in range(args.requests)]
     greedy = SamplingParams(temperature=0.0)
-    print(f"\n3. Hidden vs exposed transfer time: {args.requests} requests (3 shared 160-token system prompts + "
+    print(f"\n3. Hidden vs exposed transfer time: {args.requests} requests ({k_sys} shared 160-token system prompts, "
+          f"taken in turn, + "
           f"24-56 private tokens, {args.new} new each), pool {args.pool_blocks} blocks of 16, max {args.max_running} "
           f"running, incremental admission")
-    print(f"{'configuration':<34}{'tok/s':>7}{'TTFT p50':>10}{'hit rate':>9}{'swapped':>8}{'demoted':>8}"
-          f"{'promoted':>9}{'transfer ms':>12}{'hidden':>8}{'exposed':>8}")
+    print(f"{'configuration':<34}{'tok/s':>7}{'TTFT p50':>10}{'hit rate':>9}{'swapped':>8}{'wrote back':>11}"
+          f"{'demoted':>8}{'promoted':>9}{'transfer ms':>12}{'hidden':>8}{'exposed':>8}")
     out = {}
     outputs = {}
     for name, c in CONFIGS.items():
@@ -155,7 +159,8 @@ def engine_section(args: argparse.Namespace, ckpt, tokens: list[int]) -> dict:
         entry = {"throughput_tok_s": summ["throughput_tok_s"], "ttft_p50_s": summ["ttft_s"]["p50"],
                  "prefix_hit_rate": summ["prefix_hit_rate"], "preemptions": engine.scheduler.preemptions,
                  "swapped_out_blocks": s.swapped_out_blocks, "swapped_in_blocks": s.swapped_in_blocks,
-                 "demoted_blocks": s.demoted_blocks, "promoted_blocks": s.promoted_blocks,
+                 "written_back_blocks": s.written_back_blocks, "demoted_blocks": s.demoted_blocks,
+                 "promoted_blocks": s.promoted_blocks,
                  "moved_blocks": s.moved_blocks, "transfer_s": s.transfer_s, "hidden_s": s.transfer_hidden_s,
                  "exposed_s": s.transfer_exposed_s, "steps": s.steps, "forward_s": s.forward_s}
         if engine.transfers is not None:
@@ -164,7 +169,8 @@ def engine_section(args: argparse.Namespace, ckpt, tokens: list[int]) -> dict:
         out[name] = entry
         outputs[name] = [r.output for r in results]
         print(f"{name:<34}{entry['throughput_tok_s']:>7.1f}{entry['ttft_p50_s'] * 1e3:>9.0f}ms"
-              f"{entry['prefix_hit_rate']:>9.1%}{s.swapped_out_blocks:>8}{s.demoted_blocks:>8}{s.promoted_blocks:>9}"
+              f"{entry['prefix_hit_rate']:>9.1%}{s.swapped_out_blocks:>8}{s.written_back_blocks:>11}"
+              f"{s.demoted_blocks:>8}{s.promoted_blocks:>9}"
               f"{s.transfer_s * 1e3:>12.1f}{s.transfer_hidden_s * 1e3:>8.1f}{s.transfer_exposed_s * 1e3:>8.1f}")
     ref = next(iter(outputs.values()))
     same = all(o == ref for o in outputs.values())
@@ -193,7 +199,8 @@ def mooncake_section(args: argparse.Namespace) -> dict:
     out: dict = {"requests": len(reqs), "trace": path.name, "speedup": args.speedup, "pool_blocks": pool,
                  "bound": bound["bound"]}
     cases = {"none": (0, 0), f"host {2 * pool}": (2 * pool, 0),
-             f"host {2 * pool} + disk {16 * pool}": (2 * pool, 16 * pool)}
+             f"host {2 * pool} + disk {16 * pool}": (2 * pool, 16 * pool),
+             f"host {2 * pool} + disk {64 * pool}": (2 * pool, 64 * pool)}
     for name, (host, disk) in cases.items():
         cfg = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", pool_blocks=pool, block_size=16,
                         host_pool_bytes=host * block_bytes, disk_pool_bytes=disk * block_bytes,
@@ -216,6 +223,7 @@ def mooncake_section(args: argparse.Namespace) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=24)
+    p.add_argument("--system-prompts", type=int, default=8, help="distinct shared system prompts, taken in turn")
     p.add_argument("--new", type=int, default=24)
     p.add_argument("--pool-blocks", type=int, default=48)
     p.add_argument("--max-running", type=int, default=6)

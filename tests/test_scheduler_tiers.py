@@ -143,11 +143,12 @@ def test_spill_keeps_free_fast_slots_and_its_drained_slots_wait_for_the_step() -
     assert tiers.spill(0, 2) == 2
     assert [(op.kind, op.src) for op in tiers.take_ops()] == [("move", 0), ("move", 1)]  # coldest first
     assert tiers.free_in(0) == 0  # the moved-out slots are read this step: not reusable yet
-    # An urgent demotion stays in the fastest tier: it drops the host's last entry rather than write to disk.
-    assert tiers.demote(9, b"x", "g") == 2 and bytes([3]) not in tiers.index
+    # So an urgent demotion takes the disk's last free slot rather than drop the host's last entry.
+    slot = tiers.demote(9, b"x", "g")
+    assert tiers.tier_name(slot) == "disk" and tiers.flow["dropped"] == 0 and tiers.free_in(1) == 0
     tiers.complete()
     assert tiers.free_in(0) == 2 and tiers.tier_name(tiers.index[bytes([1])]) == "disk"
-    assert tiers.tier_name(tiers.index[bytes([2])]) == "disk" and tiers.index[b"x"] == 2
+    assert tiers.tier_name(tiers.index[bytes([3])]) == "host" and tiers.tier_name(tiers.index[b"x"]) == "disk"
     tiers.check()
 
 

@@ -96,13 +96,13 @@ def test_a_write_back_into_a_full_host_tier_moves_its_coldest_entry_to_disk_and_
     tiers.check()
 
 
-def test_an_urgent_demotion_never_moves_it_stays_in_the_fastest_tier_and_drops_its_coldest() -> None:
+def test_an_urgent_demotion_never_moves_it_takes_a_free_slot_or_drops_the_slowest_tiers_coldest() -> None:
     tiers = TierLedger([("host", 1), ("disk", 1)])
     assert tiers.demote(10, b"d1", "g") == 0  # free host slot
-    assert tiers.demote(11, b"d2", "g") == 1  # the host slot is in flight: the disk's free slot
+    assert tiers.demote(11, b"d2", "g") == 1  # free disk slot: kept rather than dropping the host's entry
     tiers.complete()
-    assert tiers.demote(12, b"d3", "g") == 0  # the host's coldest entry is dropped: no move, no disk write
-    assert tiers.index == {b"d2": 1, b"d3": 0} and tiers.flow["dropped"] == 1
+    assert tiers.demote(12, b"d3", "g") == 1  # the disk's entry, the coldest, is dropped: no move on the critical path
+    assert tiers.index == {b"d1": 0, b"d3": 1} and tiers.flow["dropped"] == 1
     assert [op.kind for op in tiers.take_ops()] == ["demote"] * 3
     tiers.complete()
     tiers.check()

@@ -33,8 +33,9 @@ next in line for eviction while it still sits on the device (off the critical pa
 fastest tier with room: a free slot, else that tier's least recently used readable entry, which moves
 one tier down (a ``move`` op) or, from the last tier, is dropped. When such a block is then evicted its
 identity is already below, so nothing is copied. An *urgent* demotion copies a block being evicted now
-(no write-back reached it) into the fastest tier that has a free slot or a readable entry to drop --
-never a move, and never a slow tier while a fast one can take it. **Holds** (:meth:`hold`, for swapped
+(no write-back reached it) into a free slot, fastest tier first, else the slot of the slowest tier's
+least recently used entry, which is dropped -- never a move, which would run on the critical path too
+(spilling keeps fast slots free ahead of time, off it). **Holds** (:meth:`hold`, for swapped
 requests) take free slots fastest tier first, then drop cached entries slowest tier first, so
 ``holdable = free + evictable`` is exact. Every operation is O(1) per slot (amortised) except :meth:`check`.
 """
@@ -217,9 +218,10 @@ class TierLedger:
         when it is already cached below (no copy) or no tier has room (dropped).
 
         ``urgent``: the device block is being evicted now and is reused this step, so its copy is on the
-        step's critical path: it takes the fastest tier's free slot or the slot of its least recently used
-        entry, which is dropped -- never a move, which would have to run first. Not urgent (a *write-back* of
-        a retained block that stays on the device, ahead of its eviction): the fastest tier with room,
+        step's critical path: it takes a free slot (fastest tier first) or the slot of the slowest tier's
+        least recently used entry, which is dropped -- never a move, which would have to run first. Not
+        urgent (a *write-back* of a retained block that stays on the device, ahead of its eviction): the
+        fastest tier with room,
         whose least recently used entry moves one tier down to make it (``move`` ops, run before it)."""
         if type(digest) is not bytes or not digest:
             raise ConfigError(f"demote: a digest is non-empty bytes, got {show(digest)}")
@@ -248,11 +250,13 @@ class TierLedger:
             return slot
 
     def _urgent_slot(self) -> int | None:
-        """The fastest tier that has a free slot or a readable entry to drop (never a move: it would have to
-        run before the copy, on the critical path too); a free slot before a dropped entry within a tier."""
-        for i in range(len(self.names)):
-            if self._free[i]:
-                return self._free[i].pop()
+        """A free slot, fastest tier first; else the slot of the slowest tier's least recently used readable
+        entry, which is dropped (never a move: it would have to run before the copy, on the critical path
+        too). Dropping the coldest entry of the whole hierarchy keeps what is likelier to be hit again."""
+        for free in self._free:
+            if free:
+                return free.pop()
+        for i in range(len(self.names) - 1, -1, -1):
             lru = self._lru[i]
             if lru:
                 slot, _ = lru.popitem(last=False)

@@ -236,6 +236,7 @@ def main() -> None:
     p.add_argument("--speedup", type=float, default=0.2, help="arrival-rate factor of the Mooncake replay")
     p.add_argument("--mooncake-pool-blocks", type=int, default=4096)
     p.add_argument("--skip-runtime", action="store_true", help="only the simulated Mooncake section")
+    p.add_argument("--skip-mooncake", action="store_true", help="only the runtime sections")
     args = p.parse_args()
     before = load()
     print(f"offload benchmark; load average before: {before}; OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}")
@@ -255,7 +256,8 @@ def main() -> None:
         synth = PromptSynth(tokens, 512)
         out["compression"] = compression_section(ckpt, [synth.chunk(7 + i) for i in range(4)])
         out["engine"] = engine_section(args, ckpt, tokens)
-    out["mooncake"] = mooncake_section(args)
+    if not args.skip_mooncake:
+        out["mooncake"] = mooncake_section(args)
     out["load_average_after"] = load()
     print(f"\nload average after: {out['load_average_after']}")
     print(json.dumps(out))

@@ -10,7 +10,7 @@ a slice of the Mooncake trace.
    and in bf16; every written block is compressed with zlib (level 1): ratio and MB/s of each.
 3. **Hidden vs exposed.** SmolLM2 on the real engine, a 48-block pool, 24 requests each opening with one of
    eight 160-token system prompts in turn (real text; more than the pool keeps) plus a private part,
-   arriving all at once, incremental admission, preemption by swap: without tiers (recompute), and with a
+   64 new tokens each, arriving all at once, incremental admission, preemption by swap: without tiers (recompute), and with a
    host + disk tier and prefix offload
    -- transfers overlapped, overlapped with restore-ahead, and not overlapped -- side by side in one run.
    Greedy outputs must be identical across every configuration (a swap-in or promotion is bit-identical).
@@ -23,8 +23,8 @@ a slice of the Mooncake trace.
 
 Timings depend on the machine and its load (noted before and after); only figures measured side by side in
 this run are compared. Run with OMP_NUM_THREADS=1 on a shared machine. Ends with one JSON line.
-Usage: OMP_NUM_THREADS=1 python benchmarks/offload.py [--requests 24] [--mooncake-requests 300] [--trace PATH]
-       [--disk-dir DIR] [--skip-runtime]
+Usage: OMP_NUM_THREADS=1 python benchmarks/offload.py [--requests 24] [--new 64] [--system-prompts 8]
+       [--mooncake-requests 1000] [--speedup 0.2] [--trace PATH] [--disk-dir DIR] [--skip-runtime | --skip-mooncake]
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, default=24)
     p.add_argument("--system-prompts", type=int, default=8, help="distinct shared system prompts, taken in turn")
-    p.add_argument("--new", type=int, default=24)
+    p.add_argument("--new", type=int, default=64, help="tokens generated per request (growth makes preemptions)")
     p.add_argument("--pool-blocks", type=int, default=48)
     p.add_argument("--max-running", type=int, default=6)
     p.add_argument("--host-blocks", type=int, default=32)

@@ -10,8 +10,8 @@ a slice of the Mooncake trace.
    and in bf16; every written block is compressed with zlib (level 1): ratio and MB/s of each.
 3. **Hidden vs exposed.** SmolLM2 on the real engine, a 48-block pool, 24 requests each opening with one of
    eight 160-token system prompts in turn (real text; more than the pool keeps) plus a private part,
-   64 new tokens each, arriving all at once, incremental admission, preemption by swap: without tiers (recompute), and with a
-   host + disk tier and prefix offload
+   64 new tokens each, arriving all at once, incremental admission, preemption by swap: without tiers
+   (recompute), and with a host + disk tier and prefix offload
    -- transfers overlapped, overlapped with restore-ahead, and not overlapped -- side by side in one run.
    Greedy outputs must be identical across every configuration (a swap-in or promotion is bit-identical).
 4. **Hit rate on Mooncake.** The simulator (Llama-3.1-8B on an H100 profile; the disk link there is an

@@ -53,7 +53,9 @@ def test_dtype_sizes_and_hf_spellings():
     assert dtype_bytes("bfloat16") == 2
     assert dtype_bytes("float8_e4m3fn") == 1
     assert dtype_bytes("float32") == 4
-    assert seed(kv_dtype="fp8").bytes_per_token == 65536
+    assert seed(kv_dtype="fp8_e4m3").bytes_per_token == 65536  # the plain cast: one byte, no scale
+    # fp8 and int8 carry an fp16 scale per token and KV head: 32 x 2 x 8 x (128 + 2) bytes.
+    assert seed(kv_dtype="fp8").bytes_per_token == seed(kv_dtype="int8").bytes_per_token == 66560
     assert seed(kv_dtype="bfloat16") == seed(kv_dtype="bf16")  # stored under the short name
     with pytest.raises(ConfigError, match="unknown dtype"):
         dtype_bytes("fp4_unicorn")

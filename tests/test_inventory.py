@@ -266,7 +266,8 @@ def test_to_dict_has_exactly_the_documented_keys_and_is_json_ready():
         "pool_bytes", "parameters", "weights_bytes_per_rank", "workspace_bytes", "reserve_bytes",
         "device_bytes", "engine", "utilization", "budget_bytes", "non_torch_bytes", "kv_budget_bytes",
         "workspace_source", "weight_format", "max_batched_tokens", "max_seqs", "capacity_tokens",
-        "largest_context", "headroom_bytes", "terms",
+        "largest_context", "headroom_bytes", "terms", "residual_slots", "residual_bytes", "kv_format",
+        "kv_format_parts",
     }
     assert json.loads(json.dumps(d)) == d
     assert d["device_bytes"] == 80 * GiB

@@ -204,7 +204,7 @@ def test_native_prefill_and_decode_at_model_head_dims(heads: int, kv_heads: int,
         assert h.step({0: 1, 1: 1, 2: 1, 3: 1}, window) < 1e-5
 
 
-@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8"])
+@pytest.mark.parametrize("kv_dtype", ["bf16", "fp16", "fp8_e4m3"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_low_precision_stores_are_read_exactly(kv_dtype: str, backend: str) -> None:
     """The kernels dequantise each stored row to fp32 exactly as a cast would (the reference sees the

@@ -286,9 +286,10 @@ def test_cache_root_follows_the_environment(monkeypatch: pytest.MonkeyPatch, tmp
 
 
 def test_fp8_kv_cache_with_fp32_compute(tiny_llama, path_kind: str) -> None:
-    """K/V stored in one byte, read back as fp32: the spec, the pool size and rough logits follow."""
+    """K/V stored in one byte (the plain e4m3 cast), read back as fp32: the spec, the pool size and rough
+    logits follow."""
     path, hf = tiny_llama
-    runner = _runner(path, path_kind, num_blocks=16, block_size=4, kv_dtype="fp8")
+    runner = _runner(path, path_kind, num_blocks=16, block_size=4, kv_dtype="fp8_e4m3")
     assert runner.store.dtype == torch.float8_e4m3fn
     assert runner.store.nbytes == runner.spec.block_bytes * 16 == 2 * 2 * 2 * 16 * 4 * 16
     prompt = _prompts([9], seed=7)[0]

@@ -120,7 +120,7 @@ def test_block_map_conserves_the_pool(block_size, requests, prompt, shared, max_
                                       branches, prefix):
     """Every cell is in exactly one state; the states add up to the pool; live cells are the ledger's active
     blocks and drawn promises its promises (while free blocks can carry them); the numbers are the lab's."""
-    inp = LabInput(layers=1, kv_heads=1, head_dim=1, kv_dtype="fp8", block_size=block_size,
+    inp = LabInput(layers=1, kv_heads=1, head_dim=1, kv_dtype="fp8_e4m3", block_size=block_size,
                    pool=str(2 * block_size * pool_blocks), requests=requests, prompt=prompt,
                    shared_prefix=min(shared, prompt), max_new=max_new, groups=min(groups, requests),
                    policy=policy, branches=branches, prefix_cache=prefix)

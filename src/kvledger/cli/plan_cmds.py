@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from ..core.engines import ENGINES
+from ..core.kv_formats import KV_FORMATS
 from .options import BLOCK_SIZE, MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
 
 
@@ -23,7 +24,8 @@ def geometry_options(fn: Any) -> Any:
         click.option("--layers", type=Int(1, 10_000), default=None, help="Decoder layers (instead of --model)."),
         click.option("--kv-heads", type=Int(1, 100_000), default=None, help="Total KV heads (instead of --model)."),
         click.option("--head-dim", type=Int(1, 100_000), default=None, help="Head dimension (instead of --model)."),
-        click.option("--kv-dtype", default=None, help="KV dtype: bf16, fp16, fp32, fp8, int8 [the model's dtype]."),
+        click.option("--kv-dtype", default=None, help=f"KV format: {', '.join(KV_FORMATS)} (fp8, int8 and int4 "
+                     "count their scales; see docs/kv_formats.md) [the model's dtype]."),
         click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree."),
         click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block."),
     ]
@@ -59,11 +61,24 @@ def kv_table(spec: Any) -> Any:
     t.add_row("layers / KV heads / head dim", f"{spec.layers} / {spec.kv_heads} / {spec.head_dim}")
     t.add_row("attention", spec.attention + (f" (window {spec.sliding_window} on {spec.sliding_layers} layers)"
                                              if spec.sliding_window else ""))
-    t.add_row("KV dtype", spec.kv_dtype)
+    t.add_row("KV format", spec.kv_format_id if spec.kv_format_id == spec.kv_dtype
+              else f"{spec.kv_dtype} ({spec.kv_format_id})")
     t.add_row("tensor parallel", f"tp={spec.tp}: {spec.kv_heads_per_rank} KV head(s) per rank, "
               f"replication x{spec.kv_replication}")
-    t.add_row("KV bytes per token", f"{spec.bytes_per_token:,} ({format_bytes(spec.bytes_per_token)})")
-    t.add_row("block", f"{spec.block_size} tokens = {format_bytes(spec.block_bytes)}")
+    bpt = spec.bytes_per_token
+    t.add_row("KV bytes per token", f"{bpt:,} ({format_bytes(int(bpt))})" if isinstance(bpt, int)
+              else f"{bpt:,.2f} (block bytes / block size)")
+    t.add_row("block", f"{spec.block_size} tokens = {format_bytes(spec.block_bytes)}"
+              + ("" if spec.format.plain else f" ({spec.block_bytes:,} B, metadata included)"))
+    if not spec.format.plain:
+        from ..core.inventory import kv_layout
+
+        parts = ", ".join(f"{p['kv'].upper()} {p['part']} {'x'.join(map(str, p['shape']))} {p['element']}"
+                          for p in kv_layout(spec))
+        t.add_row("layout per layer and block", f"{parts} = {spec.layer_block_bytes:,} B")
+    if spec.residual_page_bytes:
+        t.add_row("residual page", f"{format_bytes(spec.residual_page_bytes)} per running sequence "
+                  f"({spec.block_size} tokens unquantised, {spec.residual_dtype})")
     return t
 
 
@@ -116,6 +131,10 @@ def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
         t.add_row("workspace source", inv.workspace_source)
     t.add_row("KV pool", f"{inv.pool_blocks:,} blocks of {format_bytes(inv.block_bytes)} = {_gib(inv.pool_bytes)} "
               f"= {inv.capacity_tokens:,} tokens")
+    if inv.residual_slots:
+        t.add_row("residual pages", f"{inv.residual_slots:,} running sequences x "
+                  f"{format_bytes(inv.spec.residual_page_bytes)} = {format_bytes(inv.residual_bytes)} "
+                  "(--max-num-seqs sets the count)")
     return t
 
 
@@ -234,10 +253,13 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     if sum(x is not None for x in (pool, gpu, device_memory)) > 1:
         raise ConfigError("give one of --pool, --gpu and --device-memory")
     gpu_obj = get_gpu(gpu) if gpu is not None else None
+    from ..core.inventory import kv_layout
+
     base: dict[str, Any] = {"model": model, "block_size": spec.block_size, "kv_dtype": spec.kv_dtype, "tp": spec.tp,
                             "attention": spec.attention, "kv_bytes_per_token": spec.bytes_per_token,
                             "block_bytes": spec.block_bytes, "kv_heads_per_rank": spec.kv_heads_per_rank,
-                            "kv_replication": spec.kv_replication}
+                            "kv_replication": spec.kv_replication, "kv_format": spec.kv_format_id,
+                            "kv_format_parts": kv_layout(spec), "residual_page_bytes": spec.residual_page_bytes}
     if pool is None and gpu is None and device_memory is None:
         # Geometry alone: nothing to size, so say what the geometry is.
         if as_json:

@@ -16,6 +16,7 @@ from typing import Any
 import click
 
 from ..core.eviction import policy_names
+from ..core.kv_formats import KV_FORMATS
 from ..errors import ConfigError
 from ..scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES
 from .options import BLOCK_SIZE, SEED, Float, Int, Size, epilog
@@ -59,6 +60,15 @@ class TierCompressionChoice(click.Choice):
     @choices.setter
     def choices(self, value: object) -> None:  # click never sets it after __init__
         pass
+
+
+def kv_format_options(fn: Any) -> Any:
+    """--kv-dtype (choices from the format registry) and --allow-untested-kv, for every engine command."""
+    fn = click.option("--allow-untested-kv", is_flag=True,
+                      help="Serve a quantised KV format that has no passing quality record for the model.")(fn)
+    return click.option("--kv-dtype", type=click.Choice(list(KV_FORMATS)), default=None,
+                        help="KV cache format [the compute dtype]; fp8, int8 and int4 are quantised and need a "
+                             "passing `kvledger quality` record for the model (see docs/kv_formats.md).")(fn)
 
 
 _attention_backend_option = click.option(
@@ -168,10 +178,12 @@ def _tier_lines(summary: dict[str, Any]) -> list[str]:
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
 @_attention_backend_option
+@kv_format_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_p: float, top_k: int,
                  seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: int | None,
-                 block_size: int, threads: int | None, attention_backend: str, as_json: bool) -> None:
+                 block_size: int, threads: int | None, attention_backend: str, kv_dtype: str | None,
+                 allow_untested_kv: bool, as_json: bool) -> None:
     """Generate text for PROMPT with the real runtime and print a memory summary."""
     _prepare_torch(threads)
     from ..runtime.engine import Engine, resolve_model
@@ -198,7 +210,8 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
         raise ConfigError("the prompt is empty after tokenisation")
     branches = beam_width if beam_width > 1 else n
     need = branches * (-(-(len(ids) + max_new) // block_size) + 1)
-    engine = Engine.from_model(ckpt, block_size=block_size, backend=attention_backend,
+    engine = Engine.from_model(ckpt, block_size=block_size, backend=attention_backend, kv_dtype=kv_dtype,
+                               allow_untested_kv=allow_untested_kv, residual_slots=branches, model_name=model,
                                **_pool_args(pool_blocks, pool, max(need, 16)))
     stop = {t for t in (tok.eos_token_id,) if t is not None}
     if chat:
@@ -302,13 +315,14 @@ def _trace_formats() -> list[str]:
 @click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
 @click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
 @_attention_backend_option
+@kv_format_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
                     on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,
                     host_blocks: int, disk_blocks: int, disk_dir: str | None, tier_compression: str,
                     offload_prefixes: bool, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
-                    burst: bool, threads: int | None, out: str | None, attention_backend: str,
-                    as_json: bool) -> None:
+                    burst: bool, threads: int | None, out: str | None, attention_backend: str, kv_dtype: str | None,
+                    allow_untested_kv: bool, as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
     prompt tokens from the bundled corpus. A request that can never fit the pool is refused ("never") and
     the replay goes on."""
@@ -345,7 +359,8 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
                                disk_dir=disk_dir, tier_compression=tier_compression, eviction=eviction,
-                               backend=attention_backend,
+                               backend=attention_backend, kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv,
+                               model_name=model,
                                scheduler_config=_scheduler_config(policy, on_growth_failure, recovery,
                                                                   offload_prefixes=offload_prefixes),
                                **_pool_args(pool_blocks, pool, 128))
@@ -413,6 +428,7 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     summary = engine.summary()
     data = run_summary(table, wall_s=wall, extra={
         "source": "runtime", "trace": trace_path, "model": model, "policy": policy, "recovery": recovery,
+        "kv_format": engine.spec.kv_format_id,
         "scale": scale, "prompt_scale": chunk / MOONCAKE_BLOCK_TOKENS, "clipped_prompts": clipped,
         "refused_never": refused, "title": f"{model} replaying {Path(trace_path).name} ({len(table)} requests, "
         f"prompts x {chunk / MOONCAKE_BLOCK_TOKENS:g}, outputs x {scale:g})", "memory": summary})

@@ -51,7 +51,10 @@ def _prepare_torch(threads: int | None) -> None:
 @click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [1024].")
 @click.option("--pool", default=None, help="KV pool size in bytes, e.g. 512MiB (instead of --pool-blocks).")
 @click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--kv-dtype", default=None, help="KV cache dtype (fp32, bf16, fp16, fp8_e4m3, ...) [--dtype].")
+@click.option("--kv-dtype", default=None, help="KV cache format (fp32, bf16, fp16, fp8, int8, int4, fp8_e4m3, ...) "
+              "[--dtype]; a quantised one needs a passing `kvledger quality` record for the model.")
+@click.option("--allow-untested-kv", is_flag=True,
+              help="Serve a quantised KV format that has no passing quality record for the model.")
 @click.option("--dtype", default="fp32", show_default=True, help="Compute dtype of the weights: fp32, bf16, fp16.")
 @click.option("--policy", default="incremental", show_default=True,
               help="Admission policy: what a request reserves when it is admitted.")
@@ -76,7 +79,8 @@ def _prepare_torch(threads: int | None) -> None:
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
 def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: str | None, block_size: int,
-              kv_dtype: str | None, dtype: str, policy: str, on_growth_failure: str, recovery: str,
+              kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str,
+              recovery: str,
               host_blocks: int, max_num_seqs: int | None, max_num_batched_tokens: int | None,
               max_model_len: int | None, max_queue: int, tenants_path: str | None, api_key: str | None,
               served_model_name: str | None, drain_timeout: float, threads: int | None, log_level: str) -> None:
@@ -116,7 +120,8 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
 
         engine = build_engine(model, pool_blocks=pool_blocks if pool is not None or pool_blocks is not None
                               else 1024, pool=pool, block_size=block_size, kv_dtype=kv_dtype, dtype=dtype,
-                              host_blocks=host_blocks, scheduler_config=scheduler_config)
+                              host_blocks=host_blocks, scheduler_config=scheduler_config,
+                              allow_untested_kv=allow_untested_kv)
         codec = TextCodec.from_pretrained(str(engine.checkpoint.path))
         backend = EngineBackend(engine)
         say = _say

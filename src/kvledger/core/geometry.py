@@ -10,17 +10,13 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..units import format_bytes, parse_bytes
+from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, KVFormat
 
-# Bytes per element of the KV cache, by short name. fp8 is an alias of the e4m3 layout: both fp8
-# variants are one byte, and the layout only matters to kernels, not to the ledger.
-KV_DTYPE_BYTES: dict[str, int] = {
-    "bf16": 2,
-    "fp16": 2,
-    "fp32": 4,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
+# Bytes per stored K/V value, by format name (int4: half a byte). Metadata is not in this figure: a
+# format's bytes per token and per block come from its layout (`core.kv_formats`), which counts scales,
+# zero points and residual pages too.
+KV_DTYPE_BYTES: dict[str, int | float] = {
+    name: (f.value_bits // 8 if f.value_bits % 8 == 0 else f.value_bits / 8) for name, f in KV_FORMATS.items()
 }
 
 # Hugging Face / torch spellings mapped onto the short names, so a config's `torch_dtype` can be
@@ -46,14 +42,15 @@ def canonical_dtype(name: str) -> str:
         raise ConfigError(f"dtype must be a string, got {name!r}")
     key = name.strip().lower().removeprefix("torch.")
     key = _DTYPE_ALIASES.get(key, key)
-    if key not in KV_DTYPE_BYTES:
-        known = ", ".join(sorted(set(KV_DTYPE_BYTES) | set(_DTYPE_ALIASES)))
+    if key not in KV_FORMATS:
+        known = ", ".join(sorted(set(KV_FORMATS) | set(_DTYPE_ALIASES)))
         raise ConfigError(f"unknown dtype {name!r} (known: {known})")
     return key
 
 
-def dtype_bytes(name: str) -> int:
-    """Bytes per element of a dtype: `dtype_bytes("bfloat16") == 2`, `dtype_bytes("fp8") == 1`."""
+def dtype_bytes(name: str) -> int | float:
+    """Bytes per stored value of a dtype or KV format: `dtype_bytes("bfloat16") == 2`,
+    `dtype_bytes("fp8") == 1`, `dtype_bytes("int4") == 0.5` (metadata not included)."""
     return KV_DTYPE_BYTES[canonical_dtype(name)]
 
 
@@ -71,6 +68,10 @@ class KVSpec:
     one compressed latent per token and layer (width `kv_lora_rank + rope_dim`) instead of K and V
     heads, so `kv_heads` and `head_dim` are informational there (`from_hf_config` sets them to 1
     and the latent width).
+
+    `kv_dtype` names a KV format (`core.kv_formats.KV_FORMATS`): plain dtypes, or quantised formats
+    whose bytes include their scales. `residual_dtype` is the unquantised residual page of formats
+    that keep one (int4; default bf16) and is None for every other format.
     """
 
     layers: int
@@ -85,17 +86,27 @@ class KVSpec:
     kv_lora_rank: int = 0
     rope_dim: int = 0
     name: str | None = None
+    residual_dtype: str | None = None
 
     def __post_init__(self) -> None:
         for field in ("layers", "kv_heads", "head_dim", "block_size", "tp"):
             _check_positive_int(getattr(self, field), field)
         # Store the short dtype name so equal specs compare equal whatever spelling was used.
         object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
+        fmt = KV_FORMATS[self.kv_dtype]
+        if fmt.has_residual:
+            residual = canonical_dtype(self.residual_dtype or "bf16")
+            if residual not in RESIDUAL_DTYPES:
+                raise ConfigError(f"residual_dtype must be one of {', '.join(RESIDUAL_DTYPES)}, got {residual!r}")
+            object.__setattr__(self, "residual_dtype", residual)
+        else:  # no residual page: the field means nothing, so it never splits equal specs
+            object.__setattr__(self, "residual_dtype", None)
         if self.attention not in ATTENTION_KINDS:
             kinds = ", ".join(ATTENTION_KINDS)
             raise ConfigError(f"attention must be one of {kinds}, got {self.attention!r}")
         self._check_window()
         self._check_mla()
+        fmt.check(self.block_size, self.kv_heads, self.head_dim, mla=self.attention == "mla")
         self.kv_heads_per_rank  # noqa: B018 -- raises ConfigError now rather than on first use
 
     def _check_window(self) -> None:
@@ -157,26 +168,62 @@ class KVSpec:
         return 1 if self.kv_heads >= self.tp else self.tp // self.kv_heads
 
     @property
-    def dtype_bytes(self) -> int:
+    def format(self) -> KVFormat:
+        """The KV format: its byte layout, scales and residual (`core.kv_formats`)."""
+        return KV_FORMATS[self.kv_dtype]
+
+    @property
+    def kv_format_id(self) -> str:
+        """The exact format and its parameters (what a cache context's `kv_dtype` must name)."""
+        return self.format.identity(self.block_size, self.residual_dtype)
+
+    @property
+    def dtype_bytes(self) -> int | float:
+        """Bytes per stored value (0.5 for int4); metadata is not in it (see `layer_block_bytes`)."""
         return KV_DTYPE_BYTES[self.kv_dtype]
 
     @property
-    def layer_bytes_per_token(self) -> int:
-        """Bytes one token costs in one layer on one rank."""
+    def layer_block_bytes(self) -> int:
+        """Bytes of one layer of one block on one rank: K and V values plus their scales and zero points."""
+        fmt = self.format
         if self.attention == "mla":
-            # One latent vector (compressed KV plus the decoupled RoPE key); no separate K and V.
-            return (self.kv_lora_rank + self.rope_dim) * self.dtype_bytes
-        return 2 * self.kv_heads_per_rank * self.head_dim * self.dtype_bytes  # 2 = K and V
+            # One latent vector (compressed KV plus the decoupled RoPE key) per token; no separate K and V.
+            # It is quantised like one head of one tensor: half of the K-and-V layout of one head.
+            width = self.kv_lora_rank + self.rope_dim
+            return fmt.layer_block_bytes(self.block_size, 1, width) // 2
+        return fmt.layer_block_bytes(self.block_size, self.kv_heads_per_rank, self.head_dim)
 
     @property
-    def bytes_per_token(self) -> int:
-        """Bytes one token costs on one rank when every layer holds it (the block pool's view)."""
-        return self.layers * self.layer_bytes_per_token
+    def layer_bytes_per_token(self) -> int | float:
+        """Bytes one token costs in one layer on one rank (a fraction when per-block metadata does not
+        divide evenly over the block's tokens)."""
+        return _exact(self.layer_block_bytes, self.block_size)
+
+    @property
+    def bytes_per_token(self) -> int | float:
+        """Bytes one token costs on one rank when every layer holds it (the block pool's view):
+        `block_bytes / block_size`, metadata included."""
+        return _exact(self.block_bytes, self.block_size)
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block: `block_size` tokens across all layers."""
-        return self.bytes_per_token * self.block_size
+        """Bytes of one block: `block_size` tokens across all layers, metadata included."""
+        return self.layers * self.layer_block_bytes
+
+    @property
+    def residual_page_bytes(self) -> int:
+        """Bytes of one unquantised residual page (int4: one per running sequence); 0 for other formats."""
+        if not self.format.has_residual:
+            return 0
+        assert self.residual_dtype is not None
+        return self.format.residual_page_bytes(self.block_size, self.kv_heads_per_rank, self.head_dim,
+                                               self.layers, self.residual_dtype)
+
+    def pool_bytes_for(self, num_blocks: int, residual_slots: int = 0) -> int:
+        """Bytes of a pool of `num_blocks` blocks and `residual_slots` residual pages (what the runtime's
+        store allocates; residual pages exist only for formats that keep one)."""
+        pages = residual_slots if self.format.has_residual else 0
+        return num_blocks * self.block_bytes + pages * self.residual_page_bytes
 
     # ---- blocks and pools -------------------------------------------------------------------
 
@@ -186,12 +233,20 @@ class KVSpec:
             raise ConfigError(f"token count must be a non-negative integer, got {n_tokens!r}")
         return -(-n_tokens // self.block_size)
 
-    def pool_blocks(self, pool_bytes: int | str) -> int:
-        """Whole blocks that fit in `pool_bytes` (floor); a pool below one block is an error."""
+    def pool_blocks(self, pool_bytes: int | str, residual_slots: int = 0) -> int:
+        """Whole blocks that fit in `pool_bytes` (floor) beside `residual_slots` residual pages (formats
+        with a residual only); a pool below one block is an error."""
         size = parse_bytes(pool_bytes)
-        blocks = size // self.block_bytes
+        residual = self.pool_bytes_for(0, residual_slots)
+        blocks = (size - residual) // self.block_bytes
         if blocks < 1:
             block = format_bytes(self.block_bytes)
+            if residual:
+                raise ConfigError(
+                    f"pool of {format_bytes(size)} holds no {block} KV block beside {residual_slots} "
+                    f"{self.kv_dtype} residual page(s) of {format_bytes(self.residual_page_bytes)} (one per running "
+                    f"sequence, {format_bytes(residual)}): give a larger pool or fewer running sequences "
+                    "(--max-num-seqs)")
             raise ConfigError(f"pool of {format_bytes(size)} is smaller than one KV block ({block})")
         return blocks
 
@@ -211,7 +266,7 @@ class KVSpec:
         if self.sliding_layers:
             assert self.sliding_window is not None  # guaranteed by __post_init__
             held += self.sliding_layers * self.blocks_for_tokens(min(n_tokens, self.sliding_window))
-        return held * self.block_size * self.layer_bytes_per_token
+        return held * self.layer_block_bytes
 
     def pool_bytes_for_sequence(self, n_tokens: int) -> int:
         """Bytes the block pool charges for `n_tokens` (whole blocks, every layer)."""
@@ -228,6 +283,7 @@ class KVSpec:
         tp: int = 1,
         block_size: int = 16,
         name: str | None = None,
+        residual_dtype: str | None = None,
     ) -> KVSpec:
         """Build a spec from a Hugging Face `config.json` dict.
 
@@ -239,7 +295,7 @@ class KVSpec:
         cfg = text_config(cfg)
         layers = config_int(cfg, "num_hidden_layers")
         dtype = default_dtype(cfg) if kv_dtype is None else kv_dtype
-        common = dict(kv_dtype=dtype, tp=tp, block_size=block_size, name=name)
+        common = dict(kv_dtype=dtype, tp=tp, block_size=block_size, name=name, residual_dtype=residual_dtype)
         if cfg.get("kv_lora_rank") is not None:
             rank = config_int(cfg, "kv_lora_rank")
             rope = config_int(cfg, "qk_rope_head_dim", minimum=0)
@@ -262,6 +318,10 @@ class KVSpec:
         kind = "sliding" if sliding == layers else "hybrid"
         return cls(layers, kv_heads, head_dim, attention=kind, sliding_window=window,
                    sliding_layers=sliding, **common)
+
+
+def _exact(n: int, d: int) -> int | float:
+    return n // d if n % d == 0 else n / d
 
 
 # ---- helpers for reading Hugging Face config dicts (shared with inventory.py) ----------------
@@ -353,6 +413,7 @@ def _sliding_layout(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
 
 
 __all__ = [
-    "ATTENTION_KINDS", "KV_DTYPE_BYTES", "KVSpec", "canonical_dtype", "config_int", "default_dtype",
+    "ATTENTION_KINDS", "ELEMENT_BYTES", "KV_DTYPE_BYTES", "KV_FORMATS", "KVSpec", "canonical_dtype", "config_int",
+    "default_dtype",
     "dtype_bytes", "text_config",
 ]

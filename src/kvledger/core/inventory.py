@@ -85,6 +85,9 @@ class Inventory:
     max_batched_tokens: int | None = None
     max_seqs: int | None = None
     terms: tuple[Term, ...] = field(default=())
+    # Formats with an unquantised residual (int4) keep one page per running sequence beside the blocks.
+    residual_slots: int = 0
+    residual_bytes: int = 0
 
     # -- capacity answers ----------------------------------------------------------------------------
 
@@ -128,8 +131,10 @@ class Inventory:
                 "pool_bytes", "parameters", "weights_bytes_per_rank", "workspace_bytes", "reserve_bytes",
                 "device_bytes", "engine", "utilization", "budget_bytes", "non_torch_bytes", "kv_budget_bytes",
                 "workspace_source", "weight_format", "max_batched_tokens", "max_seqs", "capacity_tokens",
-                "largest_context", "headroom_bytes")
+                "largest_context", "headroom_bytes", "residual_slots", "residual_bytes")
         out: dict[str, Any] = {key: getattr(self, key) for key in keys}
+        out["kv_format"] = self.spec.kv_format_id
+        out["kv_format_parts"] = kv_layout(self.spec)
         out["terms"] = [t.to_dict() for t in self.terms]
         return out
 
@@ -199,6 +204,7 @@ def build_inventory(
     workspace_bytes: int | None = None,
     vocab: int | None = None,
     peaks: Sequence[MeasuredPeak] | None = None,
+    residual_slots: int | None = None,
 ) -> Inventory:
     """Account for one rank's memory and size the KV block pool.
 
@@ -208,6 +214,10 @@ def build_inventory(
     (its driver-reported total). `engine` is `vllm` or `kvledger` (see `core.engines`); the step shape
     defaults to the engine's (vLLM's per GPU class; 8192 tokens / 256 sequences for kvledger) and the
     reserve to 1 GiB for kvledger, 0 for vLLM (whose non-torch term stands in for it).
+
+    A KV format with an unquantised residual (int4) keeps one residual page per running sequence:
+    `residual_slots` pages (default: the step's sequence limit, `max_seqs`) are charged before the
+    blocks, as the runtime's store allocates them.
     """
     check_engine(engine)
     if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
@@ -260,6 +270,16 @@ def build_inventory(
             w = weights_bytes if weights_bytes is not None else params * dtype_bytes(weight_dtype or "bf16")
             terms = [Term("weights", "weights", w, "given by hand", "given by hand")]
             n_params = params or 0
+    slots = 0
+    if spec.format.has_residual:
+        slots = seqs if residual_slots is None else _step(residual_slots, "residual_slots")
+        page = spec.residual_page_bytes
+        terms = [*terms, Term("residual", f"{spec.kv_dtype} residual pages", slots * page,
+                              f"{slots:,} running sequences x one unquantised page of {spec.block_size} tokens "
+                              f"({page:,} B, {spec.residual_dtype})",
+                              "the partly written block of each running sequence stays unquantised until it is "
+                              "full (core.kv_formats)")]
+    residual = slots * spec.residual_page_bytes
     by_key = {t.key: t.bytes for t in terms}
     weights = by_key.get("weights", 0)
     workspace = by_key.get("activation", by_key.get("workspace", 0))
@@ -268,9 +288,11 @@ def build_inventory(
 
     if pool_bytes is not None:
         budget = _size(pool_bytes, "pool_bytes")
-        available = budget
+        available = budget - residual
         reserve = 0  # the pool was given directly: nothing is subtracted from it
         kv_budget = budget
+        if available < spec.block_bytes:
+            spec.pool_blocks(budget, slots)  # raises the one clear message
     elif device is None:
         raise ConfigError("give device_bytes, gpu or pool_bytes to size the KV pool")
     else:
@@ -296,11 +318,24 @@ def build_inventory(
         kv_budget_bytes=kv_budget, workspace_source=source, weight_format=fmt_name,
         max_batched_tokens=tokens if device is not None or cfg is not None else None,
         max_seqs=seqs if device is not None or cfg is not None else None, terms=tuple(terms),
+        residual_slots=slots, residual_bytes=residual,
     )
+
+
+def kv_layout(spec: KVSpec) -> list[dict[str, Any]]:
+    """The byte layout of one layer of one block (per rank) of ``spec``'s format, part by part."""
+    heads = 1 if spec.attention == "mla" else spec.kv_heads_per_rank
+    width = spec.kv_lora_rank + spec.rope_dim if spec.attention == "mla" else spec.head_dim
+    parts = spec.format.parts(spec.block_size, heads, width)
+    if spec.attention == "mla":
+        parts = tuple(p for p in parts if p.kv == "k")  # one latent, no separate V
+    return [{"kv": p.kv, "part": p.name, "shape": list(p.shape), "element": p.element, "bytes": p.nbytes}
+            for p in parts]
 
 
 __all__ = [
     "DEFAULT_VOCAB", "ENGINES", "GPU", "GPUS", "DoesNotFit", "Inventory", "ParamCount", "build_inventory",
+    "kv_layout",
     "count_parameters", "count_parameters_per_rank", "default_weight_dtype", "get_gpu", "weights_bytes_per_rank",
     "workspace_peak_bytes",
 ]

@@ -154,6 +154,7 @@ class TorchPagedAttention:
                 decode_slots[row, : lens[row]] = ctx[i]
             decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
         self._plan = _Plan(batch, prefill, ctx, decode, decode_rows, decode_slots, decode_lens)
+        self.store.begin_write(batch.slot_mapping)
 
     def _decode_mask(self, plan: _Plan, window: int | None) -> torch.Tensor:
         """``[B, 1, 1, max context]``: each row's own context (hides the padding), within the window."""
@@ -260,8 +261,29 @@ def _table_tensor(tables: list[list[int]], context_lens: list[int], block_size: 
 
 
 _NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
-# KV dtypes the native kernels read and write directly.
+# Plain KV dtypes the native kernels read and write directly (quantised formats have their own loaders).
 _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
+# The kernels' codes for a quantised tensor's layout (QuantKind in the C++).
+_QUANT_KINDS = {("fp8", "k"): 1, ("fp8", "v"): 1, ("int8", "k"): 2, ("int8", "v"): 2, ("int4", "k"): 3,
+                ("int4", "v"): 4}
+
+
+def _quant_layout(store: KVStore) -> torch.Tensor:
+    """int64 [8]: K kind, K codes / scale / min byte offsets, then the same for V (min 0 when absent)."""
+    out: list[int] = []
+    for kv in "kv":
+        out.append(_QUANT_KINDS[(store.format.name, kv)])
+        for name in ("codes", "scale", "min"):
+            entry = store.offsets.get((kv, name))
+            out.append(entry[0] if entry is not None else 0)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def _native_reads(store: KVStore) -> bool:
+    """The native kernels read this store: a plain dtype they know, or a quantised format with a loader."""
+    if store.plain:
+        return store.dtype in _NATIVE_KV_DTYPES
+    return store.format.name in {name for name, _ in _QUANT_KINDS}
 
 
 class NativePagedAttention:
@@ -280,11 +302,13 @@ class NativePagedAttention:
     def __init__(self, store: KVStore) -> None:
         if store.device.type != "cpu":
             raise ConfigError(f"the native attention backend runs on the CPU; the KV store is on {store.device}")
-        if store.dtype not in _NATIVE_KV_DTYPES:
-            raise ConfigError(f"the native attention backend cannot read a {store.dtype} KV store")
+        if not _native_reads(store):
+            raise ConfigError(f"the native attention backend cannot read a {store.format.name} KV store")
         self.ops = native.require()
         self.store = store
         self._plan: _NativePlan | None = None
+        self._layout = None if store.plain else _quant_layout(store)
+        self._no_residual = torch.empty(0)
 
     def plan(self, batch: AttentionBatch) -> None:
         bs, dev = self.store.block_size, self.store.device
@@ -315,6 +339,7 @@ class NativePagedAttention:
             lens = torch.tensor(ctx, dtype=torch.int32)
             tables = _table_tensor([batch.block_tables[i] for i in decode], ctx, bs)
         self._plan = _NativePlan(batch, prefills, prefill_args, rows, tables, lens)
+        self.store.begin_write(batch.slot_mapping)
 
     def _mask(self, plan: _NativePlan, p: _Prefill, window: int | None) -> torch.Tensor | None:
         """Mask for a prefill chunk; ``None`` when SDPA's own causal flag is exact."""
@@ -336,6 +361,8 @@ class NativePagedAttention:
         if plan is None:
             raise RuntimeError("NativePagedAttention.forward called before plan()")
         store = self.store
+        if not store.plain:
+            return self._forward_quantised(plan, layer, q, k, v, scale, window)
         kc, vc = store.blocks(layer)
         if k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype in (torch.float32, torch.bfloat16, torch.float16):
             self.ops.kv_write(kc, vc, plan.batch.slot_mapping, k, v)
@@ -350,6 +377,27 @@ class NativePagedAttention:
         if plan.decode_rows is not None:
             self.ops.paged_decode(out, q, kc, vc, plan.decode_tables, plan.decode_lens, plan.decode_rows,
                                   scale, window or 0, self.partition)
+        return out
+
+    def _forward_quantised(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           scale: float, window: int | None) -> torch.Tensor:
+        """A quantised store: rows quantised on write (the store), dequantised by the kernels' loaders."""
+        store = self.store
+        store.write(layer, plan.batch.slot_mapping, k, v)
+        blocks = store.kv[layer]
+        residual = store.residual[layer] if store.residual_slots else self._no_residual
+        res_map = store.res_map if store.residual_slots else self._no_residual
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        pa = plan.prefill_args
+        if pa is not None and q.shape[-1] in _NATIVE_PREFILL_DIMS:
+            self.ops.paged_prefill_q(out, q, blocks, self._layout, store.block_size, store.kv_heads, residual,
+                                     res_map, pa.tables, pa.starts, pa.query_lens, pa.offsets, scale, window or 0)
+        else:
+            self._sdpa_prefills(plan, layer, q, k, v, out, scale, window)
+        if plan.decode_rows is not None:
+            self.ops.paged_decode_q(out, q, blocks, self._layout, store.block_size, store.kv_heads, residual, res_map,
+                                    plan.decode_tables, plan.decode_lens, plan.decode_rows, scale, window or 0,
+                                    self.partition)
         return out
 
     def _sdpa_prefills(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -411,7 +459,7 @@ def make_attention_backend(name: str, store: KVStore) -> AttentionBackend:
 
 
 def _auto(store: KVStore) -> AttentionBackend:
-    if store.device.type == "cpu" and store.dtype in _NATIVE_KV_DTYPES and native.available():
+    if store.device.type == "cpu" and _native_reads(store) and native.available():
         return NativePagedAttention(store)
     return TorchPagedAttention(store)
 

@@ -127,17 +127,42 @@ def load_decoder(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: s
 def load_runner(
     ckpt: Checkpoint, *, num_blocks: int | None = None, pool_bytes: int | str | None = None,
     block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    backend: BackendFactory | None = None,
+    backend: BackendFactory | None = None, kv_dtype: str | None = None, residual_slots: int | None = None,
 ) -> ModelRunner:
-    """A fresh KV store of ``num_blocks`` (or ``pool_bytes``) around the (cached) decoder."""
+    """A fresh KV store of ``num_blocks`` (or ``pool_bytes``: the blocks that fit beside the residual
+    pages) in ``kv_dtype`` (default: the compute dtype) around the (cached) decoder."""
     DecoderConfig.from_hf(ckpt.config)  # unsupported configs fail here, before any weight is read
-    spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(str(dtype)), block_size=block_size)
+    spec = kv_spec_for(ckpt, dtype, kv_dtype, block_size)
     if (num_blocks is None) == (pool_bytes is None):
         raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
-    blocks = spec.pool_blocks(pool_bytes) if num_blocks is None else num_blocks
+    slots = residual_slots if spec.format.has_residual else None
+    blocks = spec.pool_blocks(pool_bytes, slots or 0) if num_blocks is None else num_blocks
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ConfigError(f"the KV pool needs at least one block, got {blocks!r}")
-    return ModelRunner(load_decoder(ckpt, dtype, device), spec, blocks, backend=backend)
+    return ModelRunner(load_decoder(ckpt, dtype, device), spec, blocks, backend=backend, residual_slots=slots)
+
+
+def kv_spec_for(ckpt: Checkpoint, dtype: torch.dtype, kv_dtype: str | None, block_size: int) -> KVSpec:
+    """The KV geometry of ``ckpt`` computed in ``dtype`` and stored as ``kv_dtype`` (default: ``dtype``);
+    a residual page, if the format keeps one, holds rows in the compute dtype (unquantised)."""
+    compute = canonical_dtype(str(dtype))
+    return KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(kv_dtype or compute), block_size=block_size,
+                                 residual_dtype=compute)
+
+
+RESIDUAL_SLOTS_DEFAULT = 32  # int4: sequences running at once when neither the caller nor the pool says
+
+
+def residual_slots_for(spec: KVSpec, config: SchedulerConfig | None, num_blocks: int | None) -> int | None:
+    """Residual pages an engine gives a format that keeps them (int4): one per sequence that may run at
+    once, i.e. the scheduler's ``max_running``, at most 32 unless that was raised on purpose, and never
+    more than the pool's blocks. None for every other format."""
+    if not spec.format.has_residual:
+        return None
+    running = (config or SchedulerConfig()).max_running
+    slots = running if config is not None and running != SchedulerConfig().max_running else \
+        min(running, RESIDUAL_SLOTS_DEFAULT)
+    return max(1, min(slots, num_blocks)) if num_blocks is not None else max(1, slots)
 
 
 @dataclass(slots=True)
@@ -246,7 +271,13 @@ class Engine:
         eviction: str = "lru",
         model_name: str = "",
         clock: Callable[[], float] = time.perf_counter,
+        checkpoint: Checkpoint | None = None,
+        allow_untested_kv: bool = False,
     ) -> None:
+        if runner.spec.format.quantized and not allow_untested_kv:
+            from .quality_records import require_record
+
+            require_record(runner.spec, checkpoint, model_name)
         self.runner = runner
         self.spec = runner.spec
         self.ledger = KVLedger(runner.store.num_blocks, self.spec.block_size, prefix_caching=prefix_caching,
@@ -262,12 +293,21 @@ class Engine:
             # CPU-ish defaults; they only matter to recovery="auto".
             costs = RecoveryCosts(flops_per_token=2.0 * params, flops_per_s=50e9, block_bytes=self.spec.block_bytes,
                                   transfer=TransferModel(link_Bps=10e9, overhead_s=20e-6))
+        store = runner.store
+        if store.residual_slots:
+            # int4: one residual page per running sequence, so never run more sequences than pages; pages of
+            # blocks the ledger freed are reclaimed by asking it.
+            cfg = scheduler_config or SchedulerConfig()
+            if cfg.max_running > store.residual_slots:
+                scheduler_config = SchedulerConfig(**{**cfg.to_dict(), "max_running": store.residual_slots})
+            pool = self.ledger.pool
+            store.block_in_use = lambda b: pool.ref[b] > 0 or pool.leased[b] > 0
         self.scheduler = Scheduler(self.ledger, scheduler_config, host=host, costs=costs)
         self.max_context = max_context
         self.model_name = model_name
         self.clock = clock
         self.stats = EngineStats()
-        self.checkpoint: Checkpoint | None = None
+        self.checkpoint: Checkpoint | None = checkpoint
         self.executor = TorchExecutor(runner, self.transfers, self.stats,
                                       on_transfer_error=self.scheduler.transfers_failed)
         self.driver = Driver(self.scheduler, self.executor, clock=WallClock(clock), on_executed=self._executed)
@@ -287,18 +327,23 @@ class Engine:
     def from_model(
         cls, model: str | os.PathLike[str] | Checkpoint, *, num_blocks: int | None = None,
         pool_bytes: int | str | None = None, block_size: int = 16, dtype: torch.dtype = torch.float32,
-        device: str | torch.device = "cpu", backend: BackendFactory | None = None, **kwargs: Any,
+        device: str | torch.device = "cpu", backend: BackendFactory | None = None, kv_dtype: str | None = None,
+        residual_slots: int | None = None, **kwargs: Any,
     ) -> Engine:
         """Load ``model`` (bundled name, HF folder or GGUF) with a pool of ``num_blocks`` or
-        ``pool_bytes``; other keywords go to the constructor."""
+        ``pool_bytes`` in ``kv_dtype`` (default: the compute dtype; a quantised format needs a passing
+        quality record for the model, or ``allow_untested_kv=True``); other keywords go to the
+        constructor. ``residual_slots``: int4's residual pages (default: see :func:`residual_slots_for`)."""
         ckpt = model if isinstance(model, Checkpoint) else resolve_model(model)
+        spec = kv_spec_for(ckpt, dtype, kv_dtype, block_size)
+        if residual_slots is None:
+            residual_slots = residual_slots_for(spec, kwargs.get("scheduler_config"), num_blocks)
         runner = load_runner(ckpt, num_blocks=num_blocks, pool_bytes=pool_bytes, block_size=block_size,
-                             dtype=dtype, device=device, backend=backend)
+                             dtype=dtype, device=device, backend=backend, kv_dtype=kv_dtype,
+                             residual_slots=residual_slots)
         kwargs.setdefault("max_context", model_context(ckpt))
         kwargs.setdefault("model_name", str(model) if not isinstance(model, Checkpoint) else str(ckpt.path))
-        engine = cls(runner, **kwargs)
-        engine.checkpoint = ckpt
-        return engine
+        return cls(runner, checkpoint=ckpt, **kwargs)
 
     # ---- requests -------------------------------------------------------------------------------
     def submit(
@@ -395,7 +440,7 @@ class Engine:
             raise ConfigError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         if type(trust_group) is not str or not trust_group:
             raise ConfigError(f"trust_group must be a non-empty string, got {trust_group!r}")
-        context = CacheContext(trust_group=trust_group, model=self.model_name, kv_dtype=self.spec.kv_dtype,
+        context = CacheContext(trust_group=trust_group, model=self.model_name, kv_dtype=self.spec.kv_format_id,
                                extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
         # Larger than the whole pool (or the group's quota) is known now; say so instead of queueing a
         # request that never runs.

@@ -1,10 +1,12 @@
 """The bytes of the tiers below the device pool: host memory and a file on disk, addressed by tier slots.
 
-A tier slot holds one whole device block **as bytes**: :class:`BlockBytes` reads the block out of every
-tensor of the device store that is indexed by block (by default the store's ``kv``, block ids on dim 2;
-a store whose format keeps more per-block tensors -- scales, residuals -- names them all in
-``store.block_tensors()``, a list of ``(tensor, block dim)``) and concatenates their raw bytes. So a tier
-moves a block whatever its format, and a block that goes down and comes back is bit-identical.
+A tier slot holds one whole device block **as bytes**: :class:`BlockRows` reads the block out of every
+tensor of the device store that is indexed by block (by default the store's ``kv`` on its ``block_dim``:
+values, and for quantised formats their scales and minimums, all in one byte layout; a store may name
+more per-block tensors in ``store.block_tensors()``, a list of ``(tensor, block dim)``) and concatenates
+their raw bytes; an int4 store's open block also carries its unquantised residual page (and a flag), so
+the residual travels with the block and is re-attached on the way back. A tier moves a block whatever its
+format, and a block that goes down and comes back is bit-identical.
 
 * :class:`MemoryTier` -- one ``uint8`` tensor of ``[slots, block_bytes]`` (pinned when CUDA is present, so
   device <-> host copies are DMA on a copy stream);
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError
-from .kv_store import KVStore
+from .kv_store import BlockBytes, KVStore
 
 # ---- a block as bytes ------------------------------------------------------------------------------
 
@@ -44,13 +46,14 @@ class _Part:
     shape: tuple[int, ...]  # one block of this tensor (the tensor's shape without its block dim)
 
 
-class BlockBytes:
+class BlockRows:
     """Copies whole device blocks to and from ``uint8`` rows of :attr:`nbytes` (all layers, K and V, and any
     per-block metadata a format keeps), with no dtype conversion."""
 
     def __init__(self, store: KVStore) -> None:
         named = getattr(store, "block_tensors", None)
-        pairs: Sequence[tuple[torch.Tensor, int]] = named() if callable(named) else [(store.kv, 2)]
+        pairs: Sequence[tuple[torch.Tensor, int]] = named() if callable(named) else \
+            [(store.kv, getattr(store, "block_dim", 2))]
         parts = []
         offset = 0
         for tensor, dim in pairs:
@@ -61,6 +64,15 @@ class BlockBytes:
             nbytes = int(np.prod(shape)) * tensor.element_size()
             parts.append(_Part(tensor, dim, offset, nbytes, shape))
             offset += nbytes
+        self.store = store
+        self.residual: _Part | None = None  # an int4 store's residual page of an open block, and a flag
+        if getattr(store, "residual_slots", 0):
+            page = store.residual[:, :, 0]
+            offset = -(-offset // 8) * 8  # the flag and the page start 8-byte aligned
+            self.flag_offset = offset
+            offset += 8
+            self.residual = _Part(store.residual, 2, offset, page.numel() * page.element_size(), tuple(page.shape))
+            offset += self.residual.nbytes
         self.parts = tuple(parts)
         self.nbytes = offset
         self.device = store.kv.device
@@ -71,12 +83,24 @@ class BlockBytes:
         for p in self.parts:
             dst = row[p.offset:p.offset + p.nbytes].view(p.tensor.dtype).view(p.shape)
             dst.copy_(p.tensor.select(p.dim, block), non_blocking=non_blocking)
+        r = self.residual
+        if r is not None:
+            page = int(self.store.res_map[block])
+            row[self.flag_offset] = 1 if page >= 0 else 0
+            if page >= 0:
+                dst = row[r.offset:r.offset + r.nbytes].view(r.tensor.dtype).view(r.shape)
+                dst.copy_(r.tensor.select(r.dim, page), non_blocking=non_blocking)
 
     def write(self, block: int, row: torch.Tensor, non_blocking: bool = False) -> None:
-        """``row`` -> device block ``block``."""
+        """``row`` -> device block ``block`` (an open int4 block gets its residual page back)."""
         for p in self.parts:
             src = row[p.offset:p.offset + p.nbytes].view(p.tensor.dtype).view(p.shape)
             p.tensor.select(p.dim, block).copy_(src, non_blocking=non_blocking)
+        r = self.residual
+        if r is not None:
+            is_open = bool(row[self.flag_offset].item())
+            page = row[r.offset:r.offset + r.nbytes].view(r.tensor.dtype).view(r.shape) if is_open else None
+            self.store.attach(block, page)
 
     def snapshot(self, block: int) -> bytes:
         """The block's bytes (for tests and checks)."""
@@ -237,7 +261,7 @@ class TierStores:
     def __init__(self, device: KVStore, names: Sequence[str], sizes: Sequence[int], *,
                  disk_dir: str | os.PathLike[str] | None = None, compression: str = "none") -> None:
         self.device = device
-        self.blocks = BlockBytes(device)
+        self.blocks = BlockRows(device)
         self.names = tuple(names)
         self.bases = tuple(sum(sizes[:i]) for i in range(len(sizes)))
         self.tiers: list[MemoryTier | FileTier] = []
@@ -285,7 +309,66 @@ class TierStores:
             t.close()
 
 
-# The name earlier versions used for the host tier's bytes.
-HostKVStore = TierStores
+# ---- the one-tier swap store of earlier versions ---------------------------------------------------------
+# The engine uses TierStores; this stays for callers that swap whole stores directly.
 
-__all__ = ["CODECS", "BlockBytes", "Codec", "FileTier", "HostKVStore", "MemoryTier", "TierStores", "codec"]
+
+class HostKVStore:
+    """Host copies of device KV blocks, for preemption by swap."""
+
+    def __init__(self, device: KVStore, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ConfigError(f"the host store needs a block count >= 0, got {num_blocks!r}")
+        self.device = device
+        self.num_blocks = num_blocks
+        shape = list(device.kv.shape)
+        shape[device.block_dim] = num_blocks
+        pin = torch.cuda.is_available() and num_blocks > 0
+        self.kv = torch.zeros(shape, dtype=device.kv.dtype, pin_memory=pin)
+        self.block_dim = device.block_dim
+        self.residual: dict[int, torch.Tensor] = {}  # host block -> residual page of an open int4 block
+        self.blocks_out = 0  # device -> host block copies so far
+        self.blocks_in = 0  # host -> device block copies so far
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size() + sum(r.numel() * r.element_size()
+                                                              for r in self.residual.values())
+
+    def _ids(self, ids: Sequence[int], limit: int, what: str) -> torch.Tensor:
+        if ids and not 0 <= min(ids) <= max(ids) < limit:
+            raise ConfigError(f"{what} block ids must be in [0, {limit}), got {min(ids)}..{max(ids)}")
+        return torch.as_tensor(list(ids), dtype=torch.long)
+
+    def swap_out(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy device block ``d`` into host block ``h`` for each ``(d, h)`` (all layers, K and V).
+        Returns once the copies are complete, so the device blocks may be reused right after."""
+        if not pairs:
+            return
+        dev = self._ids([d for d, _ in pairs], self.device.num_blocks, "device")
+        host = self._ids([h for _, h in pairs], self.num_blocks, "host")
+        # One gather on the device, one transfer, one scatter into the host pool.
+        taken = self.device.take_blocks(dev.tolist())
+        self.kv.movedim(self.block_dim, 0)[host] = taken.data.to("cpu")
+        for (_, h), res in zip(pairs, taken.residual, strict=True):
+            if res is None:
+                self.residual.pop(h, None)
+            else:
+                self.residual[h] = res.to("cpu")
+        self.blocks_out += len(pairs)
+
+    def swap_in(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy host block ``h`` into device block ``d`` for each ``(h, d)``."""
+        if not pairs:
+            return
+        host = self._ids([h for h, _ in pairs], self.num_blocks, "host")
+        dev = self._ids([d for _, d in pairs], self.device.num_blocks, "device")
+        data = self.kv.movedim(self.block_dim, 0)[host]
+        if self.device.device.type == "cuda":
+            data = data.pin_memory()
+        data = data.to(self.device.device, non_blocking=self.device.device.type == "cuda")
+        self.device.put_blocks(dev.tolist(), BlockBytes(data, [self.residual.get(h) for h, _ in pairs]))
+        self.blocks_in += len(pairs)
+
+
+__all__ = ["CODECS", "BlockRows", "Codec", "FileTier", "HostKVStore", "MemoryTier", "TierStores", "codec"]

@@ -1,40 +1,54 @@
-"""The physical KV cache of one rank: a single preallocated tensor laid out by a :class:`KVSpec`.
+"""The physical KV cache of one rank: preallocated tensors laid out by a :class:`KVSpec` and its format.
 
-Layout: ``[layers, 2 (K, V), num_blocks, block_size, kv_heads_per_rank, head_dim]``. Block ``b`` of the
-ledger is index ``b`` on dim 2 of every layer, so one ledger block id addresses a whole-model page,
-exactly the uniform page the block pool charges for. A token slot is ``block * block_size + offset``
-(``BlockTable.slot_mapping``); within one layer the cache is viewed as ``[num_slots, heads, dim]``.
+Plain formats (fp32, bf16, fp16, and the unscaled fp8 casts) keep one tensor
+``kv[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]`` of the storage dtype. Quantised
+formats with metadata (fp8 and int8 with a scale per token and head, KIVI int4) keep one byte tensor
+``kv[layers, num_blocks, layer_block_bytes]``: the bytes of one layer of one block, part after part in the
+order of :meth:`KVFormat.parts` (codes, scales, minimums; K, then V). Either way ledger block ``b`` is one
+whole-model page, exactly the bytes the block pool charges ``KVSpec.block_bytes`` for, and
+:attr:`KVStore.block_view` shows the pool with the block id on dim 0, so a swap or an offload copies a
+block's whole byte layout whatever the format.
+
+int4 also keeps ``residual_slots`` unquantised residual pages
+(``residual[layers, 2, slots, block_size, kv_heads, head_dim]`` in ``spec.residual_dtype``): a block that is
+not yet full lives there (it is *open*) and is quantised into its packed bytes when its last row is written
+(then *sealed*). A sealed block is immutable: a later write of some of its rows (the last prompt token of a
+fully cached prompt is recomputed) is dropped. Which block holds which page is ``res_map`` (int32, -1 for
+none), the map both attention paths read. Pages of blocks the ledger freed are reclaimed through
+``block_in_use`` (the engine wires it to its ledger) when no page is free.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from ..core.geometry import KVSpec
-from ..errors import ConfigError
+from ..errors import ConfigError, InvariantError
+from . import kv_quant as q
 
-# KVSpec short dtype names -> torch storage dtypes. int8 needs per-block scales the runtime does not
-# keep, so it is refused rather than silently truncated.
+# Element names of the core's formats -> torch storage dtypes.
 _TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
     "bf16": torch.bfloat16,
     "fp16": torch.float16,
-    "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
 }
 
 
 def torch_dtype(kv_dtype: str) -> torch.dtype:
-    """The torch dtype that stores a KVSpec dtype name."""
+    """The torch dtype that stores a plain KV format's values (or a part's element)."""
     try:
         return _TORCH_DTYPES[kv_dtype]
     except KeyError:
         known = ", ".join(_TORCH_DTYPES)
-        raise ConfigError(f"KV dtype {kv_dtype!r} is not supported by the runtime (use {known})") from None
+        raise ConfigError(f"KV dtype {kv_dtype!r} has no plain torch storage (plain: {known})") from None
 
 
 def _index(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -60,24 +74,73 @@ def _normalise(op: tuple[int, ...] | _CopyLike, block_size: int) -> tuple[int, i
     return int(src), int(dst), int(slots)
 
 
-class KVStore:
-    """All K/V pages of one rank in one tensor. Block ids and slots come from the ledger's tables."""
+@dataclass(slots=True)
+class BlockBytes:
+    """Blocks taken out of a store: ``data`` (``block_view`` rows, block on dim 0) and, per block, the
+    unquantised residual page of an open int4 block (``None`` for every other block)."""
 
-    def __init__(self, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu") -> None:
+    data: torch.Tensor
+    residual: list[torch.Tensor | None]
+
+
+@dataclass(slots=True)
+class _WritePlan:
+    """One step's writes into an int4 store, decided once (``begin_write``) and applied per layer."""
+
+    rows: torch.Tensor  # int64 [n]: residual row (page * block_size + offset) of each written row, -1: none
+    direct: list[tuple[int, list[int]]]  # blocks written whole this step: (block, the B rows in offset order)
+    seal: list[tuple[int, int]]  # open blocks whose last row is written this step: (block, page)
+
+
+class KVStore:
+    """All K/V pages of one rank. Block ids and slots come from the ledger's tables."""
+
+    def __init__(self, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu", *,
+                 residual_slots: int | None = None) -> None:
         if spec.attention == "mla":
             raise ConfigError("the runtime KV store holds K and V heads; MLA latent caches are not supported")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ConfigError(f"the KV store needs at least one block, got {num_blocks!r}")
+        fmt = spec.format
         self.spec = spec
+        self.format = fmt
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
         self.kv_heads = spec.kv_heads_per_rank
         self.head_dim = spec.head_dim
-        self.dtype = torch_dtype(spec.kv_dtype)
         self.device = torch.device(device)
-        shape = (spec.layers, 2, num_blocks, self.block_size, self.kv_heads, self.head_dim)
-        # Zero-filled so unwritten slots are finite: a kernel reading a padded tail never sees NaN.
-        self.kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.plain = fmt.plain
+        self.residual_slots = 0
+        self.block_in_use: Callable[[int], bool] | None = None
+        L, B, H, D = spec.layers, self.block_size, self.kv_heads, self.head_dim
+        if self.plain:
+            self.dtype = torch_dtype(fmt.element)
+            # Zero-filled so unwritten slots are finite: a kernel reading a padded tail never sees NaN.
+            self.kv = torch.zeros((L, 2, num_blocks, B, H, D), dtype=self.dtype, device=self.device)
+            self.block_dim = 2
+        else:
+            if D % 4:
+                raise ConfigError(f"the runtime stores {fmt.name} for head dims divisible by 4, got {D}")
+            self.dtype = torch.uint8
+            self.kv = torch.zeros((L, num_blocks, spec.layer_block_bytes), dtype=torch.uint8, device=self.device)
+            self.block_dim = 1
+            self.offsets: dict[tuple[str, str], tuple[int, tuple[int, ...], torch.dtype]] = {}
+            at = 0
+            for p in fmt.parts(B, H, D):
+                self.offsets[(p.kv, p.name)] = (at, p.shape, torch_dtype(p.element))
+                at += p.nbytes
+        if fmt.has_residual:
+            slots = min(num_blocks, 64) if residual_slots is None else residual_slots
+            if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+                raise ConfigError(f"int4 needs at least one residual page, got {slots!r}")
+            self.residual_slots = slots
+            assert spec.residual_dtype is not None
+            self.residual = torch.zeros((L, 2, slots, B, H, D), dtype=torch_dtype(spec.residual_dtype),
+                                        device=self.device)
+            self.res_map = torch.full((num_blocks,), -1, dtype=torch.int32)
+            self._sealed = bytearray(num_blocks)  # 1: full and quantised (immutable until rewritten from row 0)
+            self._free_pages = list(range(slots - 1, -1, -1))
+            self._plan: _WritePlan | None = None
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
@@ -86,45 +149,80 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool occupies; by construction ``spec.block_bytes * num_blocks``."""
-        return self.kv.numel() * self.kv.element_size()
+        """Bytes the pool occupies: ``spec.pool_bytes_for(num_blocks, residual_slots)`` by construction."""
+        total = self.kv.numel() * self.kv.element_size()
+        if self.residual_slots:
+            total += self.residual.numel() * self.residual.element_size()
+        return total
+
+    @property
+    def block_view(self) -> torch.Tensor:
+        """The pool with the block id on dim 0 (a view): ``block_view[b]`` is every byte of block ``b``."""
+        return self.kv.movedim(self.block_dim, 0)
 
     # ---- per-layer views ----------------------------------------------------------------------
+    def _part(self, layer: int, kv: str, name: str) -> torch.Tensor:
+        """One part of one layer as ``[num_blocks, *shape]`` of its element type (a view)."""
+        at, shape, dtype = self.offsets[(kv, name)]
+        size = 1
+        for s in shape:
+            size *= s
+        raw = self.kv[layer][:, at:at + size * torch.empty((), dtype=dtype).element_size()]
+        return raw.view(dtype).view(self.num_blocks, *shape)
+
+    def parts(self, layer: int) -> dict[str, torch.Tensor]:
+        """Every part of one layer by ``'k.codes'``-style name (quantised formats)."""
+        return {f"{kv}.{name}": self._part(layer, kv, name) for kv, name in self.offsets}
+
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer as ``[num_slots, kv_heads, head_dim]`` views (no copy)."""
+        """(K, V) of one layer as ``[num_slots, kv_heads, head_dim]`` views (plain formats, no copy)."""
+        self._need_plain("layer views")
         kv = self.kv[layer]
         shape = (self.num_slots, self.kv_heads, self.head_dim)
         return kv[0].view(shape), kv[1].view(shape)
 
     def blocks(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(K, V) of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` views (no copy): the
-        shape paged kernels walk block by block."""
+        """(K, V) of one layer as ``[num_blocks, block_size, kv_heads, head_dim]`` views (plain formats):
+        the shape paged kernels walk block by block."""
+        self._need_plain("block views")
         kv = self.kv[layer]
         return kv[0], kv[1]
 
+    def _need_plain(self, what: str) -> None:
+        if not self.plain:
+            raise ConfigError(f"{what} exist for plain KV formats only; {self.format.name} is read through read()")
+
+    # ---- reads --------------------------------------------------------------------------------
     def read(
         self, layer: int, slots: torch.Tensor, dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V at flat ``slots`` (any index shape ``S``) as ``dtype``: ``[*S, kv_heads, head_dim]``.
 
-        Every read that leaves the store in another dtype goes through here (and through the native
-        kernels' row loader): a compressed format (per-block scales) dequantises in these two places."""
-        kc, vc = self.layer(layer)
-        return kc[slots].to(dtype), vc[slots].to(dtype)
-
-    def write(
-        self, layer: int, slots: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    ) -> None:
-        """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) for ``n`` tokens at flat ``slots``."""
-        idx = _index(slots, self.device)
-        if k.shape != v.shape or k.shape[0] != idx.numel() or k.shape[1:] != (self.kv_heads, self.head_dim):
-            raise ConfigError(
-                f"write of K {tuple(k.shape)} / V {tuple(v.shape)} through {idx.numel()} slots does not "
-                f"match [n, {self.kv_heads}, {self.head_dim}]")
-        kc, vc = self.layer(layer)
-        # Index assignment (not index_copy_) because CPU has no index_copy for float8 dtypes.
-        kc[idx] = k.to(self.dtype)
-        vc[idx] = v.to(self.dtype)
+        Every read that leaves the store goes through here (and through the native kernels' row
+        loaders): quantised formats dequantise here, open int4 blocks are read from their residual page."""
+        if self.plain:
+            kc, vc = self.layer(layer)
+            return kc[slots].to(dtype), vc[slots].to(dtype)
+        slots = slots.to(self.device)
+        p = self.parts(layer)
+        B = self.block_size
+        block, off = slots // B, slots % B
+        if self.format.scales == "token-head":
+            k = q.dequant_token(p["k.codes"][block, off], p["k.scale"][block, off])
+            v = q.dequant_token(p["v.codes"][block, off], p["v.scale"][block, off])
+            return k.to(dtype), v.to(dtype)
+        k = q.dequant_kivi_k(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
+        v = q.dequant_kivi_v(p["v.codes"][block, off], p["v.scale"][block, off], p["v.min"][block, off])
+        page = self.res_map.to(self.device)[block]
+        open_ = page >= 0
+        if bool(open_.any()):
+            rows = page.clamp(min=0).long() * B + off
+            flat = (self.residual_slots * B, self.kv_heads, self.head_dim)
+            rk = self.residual[layer, 0].view(flat)[rows].float()
+            rv = self.residual[layer, 1].view(flat)[rows].float()
+            mask = open_[..., None, None]
+            k, v = torch.where(mask, rk, k), torch.where(mask, rv, v)
+        return k.to(dtype), v.to(dtype)
 
     def gather(
         self, layer: int, blocks: Sequence[int] | torch.Tensor, num_tokens: int | None = None,
@@ -135,15 +233,152 @@ class KVStore:
         ``num_tokens`` trims the unused tail of the last block (default: every slot of the table).
         """
         idx = _index(blocks, self.device)
-        kv = self.kv[layer][:, idx].flatten(1, 2)  # [2, len(blocks) * block_size, heads, dim]
+        if num_tokens is not None and num_tokens > idx.numel() * self.block_size:
+            raise ConfigError(f"{num_tokens} tokens do not fit in {idx.numel()} blocks of {self.block_size}")
+        if self.plain:
+            kv = self.kv[layer][:, idx].flatten(1, 2)  # [2, len(blocks) * block_size, heads, dim]
+            if num_tokens is not None:
+                kv = kv[:, :num_tokens]
+            if dtype is not None:
+                kv = kv.to(dtype)
+            return kv[0], kv[1]
+        slots = (idx[:, None] * self.block_size + torch.arange(self.block_size, device=self.device)).flatten()
         if num_tokens is not None:
-            if num_tokens > kv.shape[1]:
-                raise ConfigError(
-                    f"{num_tokens} tokens do not fit in {idx.numel()} blocks of {self.block_size}")
-            kv = kv[:, :num_tokens]
-        if dtype is not None:
-            kv = kv.to(dtype)
-        return kv[0], kv[1]
+            slots = slots[:num_tokens]
+        return self.read(layer, slots, dtype or torch.float32)
+
+    # ---- writes -------------------------------------------------------------------------------
+    def begin_write(self, slots: torch.Tensor | Sequence[int]) -> None:
+        """Decide once per step where each new row goes (int4: residual page or a whole block quantised
+        directly) and bind residual pages to newly opened blocks. Backends call it from ``plan``; every
+        layer's :meth:`write` then applies it. A no-op for other formats."""
+        if not self.format.has_residual:
+            return
+        B = self.block_size
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        if values and not 0 <= min(values) <= max(values) < self.num_slots:
+            raise ConfigError(f"slots must be in [0, {self.num_slots}), got {min(values)}..{max(values)}")
+        by_block: dict[int, list[tuple[int, int]]] = {}
+        for i, s in enumerate(values):
+            by_block.setdefault(s // B, []).append((s % B, i))
+        rows = [-1] * len(values)
+        direct: list[tuple[int, list[int]]] = []
+        seal: list[tuple[int, int]] = []
+        for block, items in by_block.items():
+            offsets = {o for o, _ in items}
+            page = int(self.res_map[block])
+            if page < 0 and min(offsets) == 0 and len(offsets) == B:
+                first = {}
+                for o, i in items:
+                    first.setdefault(o, i)
+                direct.append((block, [first[o] for o in range(B)]))
+                continue
+            if page < 0:
+                if min(offsets) > 0:
+                    if self._sealed[block]:
+                        continue  # rows of a sealed block are already there: immutable, dropped
+                    raise InvariantError(f"block {block}: a write at row {min(offsets)} into a block with no "
+                                         "residual page and no sealed contents (its earlier rows are lost)")
+                page = self._take_page()
+                self.res_map[block] = page
+                self._sealed[block] = 0
+            for o, i in items:
+                rows[i] = page * B + o
+            if max(offsets) == B - 1:
+                seal.append((block, page))
+        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), direct, seal)
+
+    def write(
+        self, layer: int, slots: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    ) -> None:
+        """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) for ``n`` tokens at flat ``slots``."""
+        idx = _index(slots, self.device)
+        if k.shape != v.shape or k.shape[0] != idx.numel() or k.shape[1:] != (self.kv_heads, self.head_dim):
+            raise ConfigError(
+                f"write of K {tuple(k.shape)} / V {tuple(v.shape)} through {idx.numel()} slots does not "
+                f"match [n, {self.kv_heads}, {self.head_dim}]")
+        if self.plain:
+            kc, vc = self.layer(layer)
+            # Index assignment (not index_copy_) because CPU has no index_copy for float8 dtypes.
+            kc[idx] = k.to(self.dtype)
+            vc[idx] = v.to(self.dtype)
+            return
+        p = self.parts(layer)
+        if self.format.scales == "token-head":
+            block, off = idx // self.block_size, idx % self.block_size
+            for name, x in (("k", k), ("v", v)):
+                codes, scale = q.quant_token(x, self.format.name)
+                p[f"{name}.codes"][block, off] = codes
+                p[f"{name}.scale"][block, off] = scale
+            return
+        self._write_kivi(layer, idx, k, v, p)
+
+    def _write_kivi(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    p: dict[str, torch.Tensor]) -> None:
+        plan = self._plan
+        if plan is None or plan.rows.numel() != idx.numel():
+            self.begin_write(idx)  # a direct caller (no backend plan): one write, every layer alike
+            plan = self._plan
+            assert plan is not None
+        B = self.block_size
+        keep = plan.rows >= 0
+        if bool(keep.any()):
+            dst = plan.rows[keep]
+            flat = (self.residual_slots * B, self.kv_heads, self.head_dim)
+            self.residual[layer, 0].view(flat)[dst] = k[keep].to(self.residual.dtype)
+            self.residual[layer, 1].view(flat)[dst] = v[keep].to(self.residual.dtype)
+        groups: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        for block, rows in plan.direct:
+            r = torch.tensor(rows, device=self.device)
+            groups.append((block, k[r], v[r]))
+        for block, page in plan.seal:
+            groups.append((block, self.residual[layer, 0, page], self.residual[layer, 1, page]))
+        if groups:
+            blocks = torch.tensor([g[0] for g in groups], device=self.device)
+            kb = torch.stack([g[1] for g in groups]).float()  # [n, B, H, D]
+            vb = torch.stack([g[2] for g in groups]).float()
+            kc, ks, km = q.quant_kivi_k(kb)
+            vc, vs, vm = q.quant_kivi_v(vb)
+            p["k.codes"][blocks], p["k.scale"][blocks], p["k.min"][blocks] = kc, ks, km
+            p["v.codes"][blocks], p["v.scale"][blocks], p["v.min"][blocks] = vc, vs, vm
+        if layer == self.spec.layers - 1:  # the step's last layer: the sealed blocks are now packed everywhere
+            for block, _rows in plan.direct:
+                self._release(block)
+                self._sealed[block] = 1
+            for block, page in plan.seal:
+                self.res_map[block] = -1
+                self._free_pages.append(page)
+                self._sealed[block] = 1
+            self._plan = None
+
+    # ---- residual pages (int4) ----------------------------------------------------------------
+    def _take_page(self) -> int:
+        if not self._free_pages:
+            self._reclaim()
+        if not self._free_pages:
+            raise ConfigError(f"all {self.residual_slots} int4 residual pages are held by open blocks of running "
+                              "sequences: run fewer sequences at once or give the store more residual pages")
+        return self._free_pages.pop()
+
+    def _reclaim(self) -> None:
+        """Give back the pages of open blocks the ledger no longer holds (a finished or preempted
+        sequence's partly written tail)."""
+        in_use = self.block_in_use
+        if in_use is None:
+            return
+        for block in torch.nonzero(self.res_map >= 0).flatten().tolist():
+            if not in_use(block):
+                self._release(block)
+
+    def _release(self, block: int) -> None:
+        page = int(self.res_map[block])
+        if page >= 0:
+            self.res_map[block] = -1
+            self._free_pages.append(page)
+
+    def open_blocks(self) -> int:
+        """Blocks that hold a residual page now (int4)."""
+        return int((self.res_map >= 0).sum()) if self.residual_slots else 0
 
     # ---- whole-block operations (all layers, K and V) ------------------------------------------
     def copy_blocks(self, ops: Iterable[tuple[int, int] | tuple[int, int, int] | _CopyLike]) -> None:
@@ -152,7 +387,8 @@ class KVStore:
         Each op is ``(src, dst)`` (whole block), ``(src, dst, slots)`` or the ledger's ``CopyOp``
         (``.src``, ``.dst``, ``.slots``): only the first ``slots`` token slots are copied, which is all a
         forked partial tail holds. All sources are read before any destination is written, so chains
-        like ``[(1, 2), (2, 3)]`` copy the *old* contents of block 2 into block 3.
+        like ``[(1, 2), (2, 3)]`` copy the *old* contents of block 2 into block 3. Quantised blocks copy
+        their bytes (scales included); an open int4 block copies its residual rows into a page of its own.
         """
         norm = [_normalise(op, self.block_size) for op in ops]
         if not norm:
@@ -160,6 +396,9 @@ class KVStore:
         dst_all = [d for _, d, _ in norm]
         if len(set(dst_all)) != len(dst_all):
             raise ConfigError("copy_blocks got the same destination block twice")
+        if not self.plain:
+            self._copy_quantised(norm)
+            return
         whole = [(s, d) for s, d, n in norm if n == self.block_size]
         part = [(s, d, n) for s, d, n in norm if n < self.block_size]
         # Read every source before writing anything (advanced indexing on the right makes a copy).
@@ -170,27 +409,94 @@ class KVStore:
         for (_, d, n), data in zip(part, part_data, strict=True):
             self.kv[:, :, d, :n] = data
 
-    def swap_out(self, blocks: Sequence[int]) -> torch.Tensor:
-        """Copy ``blocks`` (all layers) to host memory: ``[layers, 2, len(blocks), block_size, heads, dim]``.
+    def _copy_quantised(self, ops: list[tuple[int, int, int]]) -> None:
+        B = self.block_size
+        src = _index([s for s, _, _ in ops], self.device)
+        data = self.kv[:, src].clone()  # every source read first
+        residual: list[torch.Tensor | None] = []
+        for s, _d, n in ops:
+            if not self.residual_slots:
+                residual.append(None)
+                continue
+            page = int(self.res_map[s])
+            if page >= 0:
+                residual.append(self.residual[:, :, page].clone())
+            elif n < B:  # a partial copy of a sealed block: its rows, unquantised, into a page of its own
+                rows = torch.arange(B, device=self.device) + s * B
+                pages = torch.zeros_like(self.residual[:, :, 0])
+                for layer in range(self.spec.layers):
+                    k, v = self.read(layer, rows, self.residual.dtype)
+                    pages[layer, 0], pages[layer, 1] = k, v
+                residual.append(pages)
+            else:
+                residual.append(None)
+        for i, (_s, d, n) in enumerate(ops):
+            if self.format.scales == "token-head" and n < B:
+                self._copy_token_rows(data[:, i], d, n)
+            else:
+                self.kv[:, d] = data[:, i]
+            if self.residual_slots:
+                self.attach(d, residual[i])
 
-        The host buffer is pinned when CUDA is available so the device-to-host copy can use DMA.
-        """
+    def _copy_token_rows(self, src_bytes: torch.Tensor, dst: int, n: int) -> None:
+        """The first ``n`` rows of a per-token-scaled block (codes and scales of K and V)."""
+        for at, shape, dtype in self.offsets.values():
+            row = (shape[1] * shape[2] if len(shape) == 3 else shape[1]) * torch.empty((), dtype=dtype).element_size()
+            self.kv[:, dst, at:at + n * row] = src_bytes[:, at:at + n * row]
+
+    def attach(self, block: int, residual: torch.Tensor | None) -> None:
+        """Set an int4 block's residual state after its bytes were replaced (copy, swap-in): open with
+        ``residual`` (``[layers, 2, block_size, heads, dim]``) as its page, or sealed when None."""
+        if not self.residual_slots:
+            return
+        if residual is None:
+            self._release(block)
+            self._sealed[block] = 1
+            return
+        page = int(self.res_map[block])
+        if page < 0:
+            page = self._take_page()
+            self.res_map[block] = page
+        self.residual[:, :, page] = residual.to(self.residual.device, self.residual.dtype)
+        self._sealed[block] = 0
+
+    def take_blocks(self, blocks: Sequence[int]) -> BlockBytes:
+        """Copy ``blocks`` out: every byte of each (``block_view`` rows) and the residual page of each open
+        int4 block. What a swap-out or an offload moves."""
         idx = _index(blocks, self.device)
-        shape = (self.spec.layers, 2, idx.numel(), self.block_size, self.kv_heads, self.head_dim)
-        host = torch.empty(shape, dtype=self.dtype, pin_memory=torch.cuda.is_available())
-        host.copy_(self.kv[:, :, idx], non_blocking=self.device.type == "cuda")
+        data = self.block_view[idx]
+        residual: list[torch.Tensor | None] = [None] * len(blocks)
+        if self.residual_slots:
+            for i, b in enumerate(blocks):
+                page = int(self.res_map[b])
+                if page >= 0:
+                    residual[i] = self.residual[:, :, page].clone()
+        return BlockBytes(data, residual)
+
+    def put_blocks(self, blocks: Sequence[int], taken: BlockBytes) -> None:
+        """Restore :meth:`take_blocks` output into ``blocks`` (which may differ from the original ids)."""
+        idx = _index(blocks, self.device)
+        expected = (idx.numel(), *self.block_view.shape[1:])
+        if tuple(taken.data.shape) != expected or len(taken.residual) != idx.numel():
+            raise ConfigError(f"restored blocks have shape {tuple(taken.data.shape)}, expected {expected}")
+        view = self.block_view
+        view[idx] = taken.data.to(self.device, self.kv.dtype)
+        for b, res in zip(blocks, taken.residual, strict=True):
+            self.attach(int(b), res)
+
+    def swap_out(self, blocks: Sequence[int]) -> BlockBytes:
+        """Copy ``blocks`` (all layers) to host memory (pinned when CUDA is available, for DMA)."""
+        taken = self.take_blocks(blocks)
+        host = torch.empty(taken.data.shape, dtype=taken.data.dtype, pin_memory=torch.cuda.is_available())
+        host.copy_(taken.data, non_blocking=self.device.type == "cuda")
         if self.device.type == "cuda":
             # The caller may free or reuse the device blocks as soon as this returns.
             torch.cuda.current_stream(self.device).synchronize()
-        return host
+        return BlockBytes(host, [None if r is None else r.cpu() for r in taken.residual])
 
-    def swap_in(self, host: torch.Tensor, blocks: Sequence[int]) -> None:
+    def swap_in(self, host: BlockBytes, blocks: Sequence[int]) -> None:
         """Restore a :meth:`swap_out` buffer into ``blocks`` (which may differ from the original ids)."""
-        idx = _index(blocks, self.device)
-        expected = (self.spec.layers, 2, idx.numel(), self.block_size, self.kv_heads, self.head_dim)
-        if tuple(host.shape) != expected:
-            raise ConfigError(f"swap_in buffer has shape {tuple(host.shape)}, expected {expected}")
-        self.kv[:, :, idx] = host.to(self.device, self.dtype, non_blocking=host.is_pinned())
+        self.put_blocks(blocks, host)
 
 
-__all__ = ["KVStore", "torch_dtype"]
+__all__ = ["BlockBytes", "KVStore", "torch_dtype"]

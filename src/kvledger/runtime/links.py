@@ -38,7 +38,7 @@ def measure_links(store: KVStore, *, tiers: Sequence[str] = ("host", "disk"), si
         raise ConfigError("measuring a link needs at least one repeat")
     top = sizes[-1]
     out: dict[str, Any] = {"block_bytes": 0, "sizes": sizes, "tiers": {}}
-    saved = store.kv[:, :, :top].clone()
+    saved = store.take_blocks(list(range(top)))  # every byte, residual pages included
     try:
         for tier in tiers:
             stores = TierStores(store, [tier], [top], disk_dir=disk_dir, compression=compression)
@@ -67,7 +67,7 @@ def measure_links(store: KVStore, *, tiers: Sequence[str] = ("host", "disk"), si
             out["tiers"][tier] = entry
             engine.close()
     finally:
-        store.kv[:, :, :top].copy_(saved)
+        store.put_blocks(list(range(top)), saved)
     return out
 
 

@@ -258,10 +258,11 @@ class ModelRunner:
 
     def __init__(self, model: Decoder, spec: KVSpec, num_blocks: int, *,
                  backend: BackendFactory | str | None = None, pack_weights: bool | None = None,
-                 kernels: LayerKernels | None = None) -> None:
+                 kernels: LayerKernels | None = None, residual_slots: int | None = None) -> None:
         """``backend``: an attention backend factory or a registered name (default ``"auto"``: the
         native CPU kernels when built, else the torch reference). ``kernels``: the elementwise layer
-        kernels (default: native on CPU when built, else torch)."""
+        kernels (default: native on CPU when built, else torch). ``residual_slots``: unquantised residual
+        pages of a format that keeps them (int4; one per sequence running at once)."""
         if pack_weights is None:
             pack_weights = os.environ.get(PACK_ENV, "1") != "0"
         if pack_weights and not getattr(model, "_kvledger_packed", False):
@@ -271,7 +272,7 @@ class ModelRunner:
         self.config = model.cfg
         self.spec = spec
         device = model.embed_tokens.weight.device
-        self.store = KVStore(spec, num_blocks, device)
+        self.store = KVStore(spec, num_blocks, device, residual_slots=residual_slots)
         factory = attention_backend_factory(backend or "auto") if backend is None or isinstance(backend, str) \
             else backend
         self.backend: AttentionBackend = factory(self.store)
@@ -290,21 +291,24 @@ class ModelRunner:
         device: str | torch.device = "cpu",
         backend: BackendFactory | str | None = None,
         kernels: LayerKernels | None = None,
+        residual_slots: int | None = None,
     ) -> ModelRunner:
         """Load a HF folder or GGUF file. Give the pool as ``num_blocks`` or ``pool_bytes`` (whole
-        blocks that fit); the KV dtype defaults to the compute ``dtype``."""
+        blocks that fit); the KV format defaults to the compute ``dtype`` (a quantised format's residual
+        pages, if it keeps any, are in the compute dtype)."""
         ckpt = path if isinstance(path, Checkpoint) else resolve_checkpoint(path)
         cfg = DecoderConfig.from_hf(ckpt.config)
-        kv_dtype = canonical_dtype(str(dtype) if kv_dtype is None else kv_dtype)
-        spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=kv_dtype, block_size=block_size)
+        compute = canonical_dtype(str(dtype))
+        kv_dtype = canonical_dtype(compute if kv_dtype is None else kv_dtype)
+        spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=kv_dtype, block_size=block_size, residual_dtype=compute)
         if (num_blocks is None) == (pool_bytes is None):
             raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
-        blocks = spec.pool_blocks(pool_bytes) if num_blocks is None else num_blocks
+        blocks = spec.pool_blocks(pool_bytes, residual_slots or 0) if num_blocks is None else num_blocks
         with torch.device("meta"):  # no throwaway random init: the checkpoint overwrites everything
             model = Decoder(cfg)
         model.load_hf_state(ckpt.tensors(), dtype, device)
         model.eval()
-        return cls(model, spec, blocks, backend=backend, kernels=kernels)
+        return cls(model, spec, blocks, backend=backend, kernels=kernels, residual_slots=residual_slots)
 
     def new_ledger(self, *, prefix_caching: bool = True) -> KVLedger:
         """A ledger whose block ids address exactly this runner's KV store."""

@@ -161,7 +161,7 @@ class EngineBackend:
 
 def build_engine(model: str, *, pool_blocks: int | None = None, pool: str | None = None, block_size: int = 16,
                  kv_dtype: str | None = None, dtype: str = "fp32", host_blocks: int = 0,
-                 scheduler_config: Any = None) -> Any:
+                 scheduler_config: Any = None, allow_untested_kv: bool = False) -> Any:
     """An :class:`Engine` for ``model`` with a KV pool of ``pool_blocks`` (or ``pool`` bytes) in
     ``kv_dtype`` (default: the compute dtype)."""
     import torch
@@ -179,17 +179,19 @@ def build_engine(model: str, *, pool_blocks: int | None = None, pool: str | None
     from ..runtime.config import DecoderConfig
 
     DecoderConfig.from_hf(ckpt.config)  # an unsupported model fails here, before any weight is read
-    spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(kv_dtype or dtype), block_size=block_size)
-    blocks = spec.pool_blocks(pool) if pool is not None else pool_blocks
+    spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(kv_dtype or dtype), block_size=block_size,
+                                 residual_dtype=canonical_dtype(dtype))
+    from ..runtime.engine import residual_slots_for
+
+    slots = residual_slots_for(spec, scheduler_config, pool_blocks if pool is None else None)
+    blocks = spec.pool_blocks(pool, slots or 0) if pool is not None else pool_blocks
     if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
         raise ConfigError(f"the KV pool needs at least one block, got {blocks!r}")
     if host_blocks < 0:
         raise ConfigError(f"--host-blocks must be >= 0, got {host_blocks}")
-    runner = ModelRunner(load_decoder(ckpt, compute), spec, blocks)
-    engine = Engine(runner, scheduler_config=scheduler_config, host_blocks=host_blocks,
-                    max_context=model_context(ckpt), model_name=model)
-    engine.checkpoint = ckpt
-    return engine
+    runner = ModelRunner(load_decoder(ckpt, compute), spec, blocks, residual_slots=slots)
+    return Engine(runner, scheduler_config=scheduler_config, host_blocks=host_blocks, max_context=model_context(ckpt),
+                  model_name=model, checkpoint=ckpt, allow_untested_kv=allow_untested_kv)
 
 
 __all__ = ["Backend", "BackendState", "EngineBackend", "Handle", "build_engine"]

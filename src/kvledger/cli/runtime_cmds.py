@@ -44,6 +44,24 @@ class _AttentionBackendChoice(click.Choice):
         pass
 
 
+class TierCompressionChoice(click.Choice):
+    """The lossless codecs of the disk tier (``kvledger.runtime.host_store.CODECS``), read when the option is
+    parsed or shown, as the attention backends are."""
+
+    def __init__(self) -> None:
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        from ..runtime.host_store import CODECS
+
+        return tuple(CODECS)
+
+    @choices.setter
+    def choices(self, value: object) -> None:  # click never sets it after __init__
+        pass
+
+
 def kv_format_options(fn: Any) -> Any:
     """--kv-dtype (choices from the format registry) and --allow-untested-kv, for every engine command."""
     fn = click.option("--allow-untested-kv", is_flag=True,
@@ -80,10 +98,10 @@ def _load_tokenizer(ckpt: Any) -> Any:
         raise ConfigError(f"no usable tokenizer in {ckpt.path}: {str(exc).splitlines()[0][:200]}") from None
 
 
-def _scheduler_config(policy: str, on_growth_failure: str, recovery: str) -> Any:
+def _scheduler_config(policy: str, on_growth_failure: str, recovery: str, **extra: Any) -> Any:
     from ..scheduler import SchedulerConfig
 
-    return SchedulerConfig(policy=policy, on_growth_failure=on_growth_failure, recovery=recovery)
+    return SchedulerConfig(policy=policy, on_growth_failure=on_growth_failure, recovery=recovery, **extra)
 
 
 def _pool_args(pool_blocks: int | None, pool: int | None, default_blocks: int) -> dict[str, Any]:
@@ -113,6 +131,26 @@ def _memory_lines(summary: dict[str, Any]) -> list[str]:
         f"prefix cache hit rate {summary['prefix_hit_rate']:.1%}; preemptions {summary['preemptions']}; "
         f"forks {life['forks']}, copy-on-write copies {life['copies']}, evictions {life['evictions']}",
     ]
+
+
+def _tier_lines(summary: dict[str, Any]) -> list[str]:
+    """The tiers below the pool and their transfers, when the engine has any."""
+    from ..units import format_bytes
+
+    transfers, eng = summary.get("transfers"), summary["engine"]
+    if not transfers:
+        return []
+    tiers = summary.get("tiers") or {}
+    flow = tiers.get("flow", {})
+    out = [f"tiers: host {summary['host_blocks']} + disk {summary['disk_blocks']} blocks; "
+           f"demoted {flow.get('demoted', 0)}, promoted {flow.get('promoted', 0)}, dropped {flow.get('dropped', 0)}; "
+           f"transfers {eng['transfer_s'] * 1e3:.1f} ms, hidden {eng['transfer_hidden_s'] * 1e3:.1f} ms, "
+           f"exposed {eng['transfer_exposed_s'] * 1e3:.1f} ms"]
+    for name, link in sorted(transfers.get("links", {}).items()):
+        if link["blocks"]:
+            rate = link["bytes"] / link["seconds"] / 1e9 if link["seconds"] > 0 else 0.0
+            out.append(f"  {name}: {link['blocks']} blocks, {format_bytes(link['bytes'])}, {rate:.2f} GB/s")
+    return out
 
 
 # ---- generate --------------------------------------------------------------------------------------
@@ -251,13 +289,20 @@ def _trace_formats() -> list[str]:
 @click.option("--on-growth-failure", type=click.Choice(GROWTH_ACTIONS.names()),
               default="preempt", show_default=True, help="What the scheduler does when a running request cannot grow.")
 @click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
-              show_default=True, help="How preempted requests come back (swap needs --host-blocks).")
+              show_default=True, help="How preempted requests come back (swap needs --host-blocks or --disk-blocks).")
 @click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
               help="Eviction policy for cached prefix blocks.")
 @click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None, help="KV pool size in blocks [128].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
 @click.option("--host-blocks", type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
-              help="Host tier for swapping, in blocks.")
+              help="Host-memory tier below the pool (swaps, offloaded prefixes), in blocks.")
+@click.option("--disk-blocks", type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
+              help="Disk tier below the host tier (a file in --disk-dir), in blocks.")
+@click.option("--disk-dir", default=None, help="Folder of the disk tier's file [the system temp dir].")
+@click.option("--tier-compression", type=TierCompressionChoice(), default="none", show_default=True,
+              help="Lossless compression of disk-tier blocks (exact bytes come back).")
+@click.option("--offload-prefixes", is_flag=True,
+              help="Demote evicted prefix blocks to the tiers instead of forgetting them; promote them on a hit.")
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
 @click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1 / 64, show_default=True,
               help="Multiply the trace's lengths (fits a small model's context and a CPU). Prompts scale by whole "
@@ -274,7 +319,8 @@ def _trace_formats() -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
                     on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,
-                    host_blocks: int, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
+                    host_blocks: int, disk_blocks: int, disk_dir: str | None, tier_compression: str,
+                    offload_prefixes: bool, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
                     burst: bool, threads: int | None, out: str | None, attention_backend: str, kv_dtype: str | None,
                     allow_untested_kv: bool, as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
@@ -289,6 +335,9 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
         sniff_trace_format,
     )
 
+    if (recovery == "swap" or offload_prefixes) and not (host_blocks or disk_blocks):
+        raise ConfigError(("--recovery swap" if recovery == "swap" else "--offload-prefixes")
+                          + " needs a tier below the pool: give --host-blocks N or --disk-blocks N")
     fmt = sniff_trace_format(trace_path) if trace_format == "auto" else TRACE_FORMATS[trace_format]
     requests = load_trace(trace_path, format=fmt.name, arrivals=Poisson(rate))[:limit]
     if not requests:
@@ -308,10 +357,12 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     from ..sim.report import run_summary, write_run_report
 
     ckpt = resolve_model(model)
-    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, eviction=eviction,
+    engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
+                               disk_dir=disk_dir, tier_compression=tier_compression, eviction=eviction,
                                backend=attention_backend, kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv,
                                model_name=model,
-                               scheduler_config=_scheduler_config(policy, on_growth_failure, recovery),
+                               scheduler_config=_scheduler_config(policy, on_growth_failure, recovery,
+                                                                  offload_prefixes=offload_prefixes),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)
     tokens = corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path))
@@ -403,6 +454,8 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
                    f"mean {ms(pct['mean'])}")
     click.echo("finish: " + ", ".join(f"{k} {v}" for k, v in data["finish_reasons"].items()))
     for line in _memory_lines(summary):
+        click.echo(line)
+    for line in _tier_lines(summary):
         click.echo(line)
     if folder is not None:
         click.echo(f"report: {folder}")

@@ -107,6 +107,14 @@ class LRUPolicy:
     def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
         return None
 
+    def peek(self, n: int) -> list[int]:
+        """The next ``n`` victims, first victim first, without taking them (O(n); O(retained) while the
+        native order holds them)."""
+        order = self._order
+        if type(order) is OrderedDict:
+            return list(islice(order, max(n, 0)))
+        return order.to_list()[: max(n, 0)]
+
     def __len__(self) -> int:
         return len(self._order)
 
@@ -203,6 +211,17 @@ class PriorityPolicy:
         self._count -= len(out)
         if len(out) < n:
             raise IndexError("fewer retained blocks than requested victims")
+        return out
+
+    def peek(self, n: int) -> list[int]:
+        """The next ``n`` victims, first victim first, without taking them."""
+        self._expire()
+        out: list[int] = []
+        for level in sorted(self._levels):
+            for block in self._levels[level]:
+                if len(out) >= n:
+                    return out
+                out.append(block)
         return out
 
     def forget(self, block: int) -> None:

@@ -12,7 +12,8 @@ it true, so every promise can be turned into a block without evicting or preempt
 Admission is one atomic decision under the ledger's lock, so concurrent admissions cannot overcommit.
 
 Branches (forks, beam search), leases, pins and statistics live in :mod:`.branches` and
-:mod:`.lifetimes`, mixed into :class:`KVLedger`; they share its lock and its state.
+:mod:`.lifetimes`, demotion to and promotion from lower tiers in :mod:`.offload`, mixed into
+:class:`KVLedger`; they share its lock and its state.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from .eviction import EvictionPolicy, as_policy
 from .identity import block_digest_at
 from .lifetimes import Lease, LifetimeOps
 from .observe import Counters, EventLog
+from .offload import OffloadOps
 from .pool import BlockPool
+from .tiers import TierLedger
 from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState, Usage, as_count, show
 
 _MAX_TOKEN = 2**32 - 1  # token ids are hashed as uint32
@@ -42,7 +45,7 @@ MAX_BLOCK_SIZE = 2**16  # tokens per block
 __all__ = ["CopyOp", "Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage"]
 
 
-class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
+class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
     """Owns one block pool and every sequence that holds blocks of it. Thread-safe.
 
     ``policy`` is an eviction policy object or a registered name (``core.eviction.EVICTION_POLICIES``:
@@ -99,6 +102,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
         self._quotas: dict[str, int] = {}  # trust group -> cap on its charged blocks (core/admission.py)
         self._lock = threading.RLock()
         self._native = native.MODULE  # the optional C part (kvledger.core.native), None: pure Python
+        self.tiers: TierLedger | None = None  # lower tiers evicted prefix blocks are demoted to (attach_tiers)
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -599,4 +603,8 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps):
                 raise InvariantError(
                     f"overcommitted: {self.promised} promised > {pool.num_free} free + "
                     f"{pool.num_evictable} evictable")
+            if self.tiers is not None:
+                if pool.on_evict is None:
+                    raise InvariantError("tiers are attached but the pool's evictions are not demoted")
+                self.tiers.check()
             self._check_groups()

@@ -84,6 +84,7 @@ class Counters:
     cleared: int = 0
     cache_resets: int = 0
     read_skipped: int = 0  # admissions that wrote the cache without reading it (read_prefix_cache=False)
+    promoted_blocks: int = 0  # prefix blocks brought back from a lower tier (core/offload.py)
     groups: dict[str, GroupCounters] = field(default_factory=dict)  # first admissions
     quota_refusals: dict[str, int] = field(default_factory=dict)  # trust group -> admissions its quota refused
     readmission_groups: dict[str, GroupCounters] = field(default_factory=dict)  # re-admissions

@@ -27,7 +27,7 @@ EventHook = Callable[[str, int, bytes, "str | None"], None]
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref", "leased", "digest", "group", "written", "_free", "retained", "index",
-                 "on_event", "deferred", "evictions", "_policy_forget", "_native")
+                 "on_event", "on_evict", "deferred", "evictions", "_policy_forget", "_native")
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0:
@@ -47,6 +47,9 @@ class BlockPool:
         self._policy_forget: Callable[[int], None] | None = getattr(self.retained, "forget", None)
         self.index: dict[bytes, int] = {}
         self.on_event: EventHook | None = None
+        # Told of every block evicted for a new allocation, before it loses its identity (the ledger's tier
+        # demotion); never of blocks cleared by a cache reset.
+        self.on_evict: Callable[[list[int]], None] | None = None
         self.deferred = 0  # blocks whose last reference is gone but whose lease is not
         self.evictions = 0
         # The optional C part (kvledger.core.native): same transitions, per-block loops in C.
@@ -76,7 +79,7 @@ class BlockPool:
             block = self._free.pop()
             self.ref[block] = 1
             return block
-        if self.retained and self.on_event is None and self._policy_forget is None:
+        if self.retained and self.on_event is None and self._policy_forget is None and self.on_evict is None:
             # The pool is full of cache (an engine's steady state): evict one block, inlined.
             block = self.retained.pop_victims(1)[0]
             self.evictions += 1
@@ -104,6 +107,8 @@ class BlockPool:
                 raise OutOfBlocksError("no free or evictable block left in the pool")
             victims = self.retained.pop_victims(n - take)
             self.evictions += len(victims)
+            if self.on_evict is not None:
+                self.on_evict(victims)
             if (fast is not None and self.on_event is None and self._policy_forget is None
                     and fast.clear_identity(victims, self.index, self.digest, self.group, self.written) is not None):
                 blocks += victims  # each lost its identity (index entry, digest, group, written) in one C call

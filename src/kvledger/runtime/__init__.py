@@ -18,15 +18,17 @@ from .attention import (
 )
 from .config import SUPPORTED_MODEL_TYPES, DecoderConfig
 from .engine import Engine, RequestHandle, RequestResult, TokenEvent
-from .host_store import HostKVStore
+from .host_store import HostKVStore, TierStores
 from .kv_store import KVStore, torch_dtype
 from .loop import LoopStats, generate_greedy
 from .model import BackendFactory, Decoder, ModelRunner, SeqStep
 from .sampling import SamplingParams
+from .transfer import TransferEngine
 from .weights import CACHE_ENV, Checkpoint, cache_root, convert_gguf, resolve_checkpoint
 
 __all__ = [
-    "native", "Engine", "HostKVStore", "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
+    "native", "Engine", "HostKVStore", "TierStores", "TransferEngine",
+    "RequestHandle", "RequestResult", "SamplingParams", "TokenEvent",
     "CACHE_ENV", "SUPPORTED_MODEL_TYPES", "AttentionBackend", "AttentionBatch", "BackendFactory",
     "Checkpoint", "Decoder", "DecoderConfig", "KVStore", "LoopStats", "ModelRunner", "SeqStep",
     "NativePagedAttention", "TorchPagedAttention", "attention_backends", "make_attention_backend",

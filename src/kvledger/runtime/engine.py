@@ -7,10 +7,10 @@ request metrics, beam search, fault isolation) with the torch executor of
 :mod:`kvledger.runtime.executor`::
 
     plan = scheduler.schedule()            # grow, restore swapped, decode + prefill chunks, admit
+    transfers.submit(plan)                 # background worker: demote / promote prefix blocks, swap out / in
     store.copy_blocks(plan.copies)         # copy-on-write tails of forked branches
-    host.swap_out(plan.swap_out)           # preemption by swap: device block -> host block
-    host.swap_in(plan.swap_in)             # restoring a swapped request: host block -> device block
     logits = runner.forward(works)         # every prefill chunk and decode of the step, one batch
+                                           # (after the transfers it depends on; the rest overlaps it)
     sampled = sample(logits)               # (seed, branch, position)-keyed: batch-independent
     scheduler.confirm(plan, sampled)       # tokens recorded, finished branches released
 
@@ -46,12 +46,12 @@ import torch
 from ..core import CacheContext, KVLedger, KVSpec, Outcome, Request
 from ..core.eviction import make_policy
 from ..core.geometry import canonical_dtype, text_config
+from ..core.tiers import TierLedger
 from ..errors import AdmissionError, ConfigError, QuotaError
 from ..scheduler import (
     Driver,
     FinishedRequest,
     GenRequest,
-    HostPool,
     RecoveryCosts,
     Scheduler,
     SchedulerConfig,
@@ -64,9 +64,10 @@ from ..scheduler import (
 from .config import DecoderConfig
 from .executor import Sampling, TorchExecutor
 from .handles import RequestHandle, RequestResult, TokenCallback, TokenEvent
-from .host_store import HostKVStore
+from .host_store import TierStores
 from .model import BackendFactory, Decoder, ModelRunner
 from .sampling import SamplingParams
+from .transfer import TransferEngine
 from .weights import Checkpoint, resolve_checkpoint
 
 # Bundled model names -> the Python package that ships the weights as data (located, never imported).
@@ -182,6 +183,13 @@ class _Live:
 class EngineStats:
     steps: int = 0
     forward_steps: int = 0
+    transfer_s: float = 0.0  # worker time moving blocks to and from the tiers
+    transfer_hidden_s: float = 0.0  # ... of which ran beside the steps' compute
+    transfer_exposed_s: float = 0.0  # ... of which the steps waited for
+    demoted_blocks: int = 0
+    promoted_blocks: int = 0
+    moved_blocks: int = 0
+    written_back_blocks: int = 0  # retained blocks copied down ahead of their eviction
     forward_s: float = 0.0
     prefill_tokens: int = 0  # prompt / replay tokens run through the model
     decode_tokens: int = 0
@@ -236,8 +244,12 @@ class Engine:
     """Continuous batching over one :class:`ModelRunner` and one :class:`Scheduler`, stepped by a
     :class:`Driver` on the wall clock.
 
-    ``host_blocks`` > 0 adds a host tier of that many blocks (a :class:`HostPool` for the scheduler,
-    a :class:`HostKVStore` for the bytes), which preemption by swap needs. ``max_context`` refuses
+    ``host_blocks`` > 0 adds a host tier of that many blocks and ``disk_blocks`` > 0 a disk tier (a file in
+    ``disk_dir``, blocks stored raw or compressed by ``tier_compression``): a
+    :class:`~kvledger.core.tiers.TierLedger` for the scheduler, :class:`TierStores` for the bytes and a
+    :class:`TransferEngine` that moves them on a background worker through ``staging_blocks`` of staging
+    (``overlap_transfers=False``: every transfer completes before the step's compute). Preemption by swap
+    needs a tier; so does ``SchedulerConfig(offload_prefixes=True)``. ``max_context`` refuses
     prompts the model cannot attend over (default: the checkpoint's ``max_position_embeddings`` when
     built by :meth:`from_model`). ``eviction`` names the ledger's eviction policy for retained blocks
     (``lru`` or ``priority``; see ``kvledger.core.eviction``)."""
@@ -248,6 +260,11 @@ class Engine:
         *,
         scheduler_config: SchedulerConfig | None = None,
         host_blocks: int = 0,
+        disk_blocks: int = 0,
+        disk_dir: str | os.PathLike[str] | None = None,
+        tier_compression: str = "none",
+        staging_blocks: int = 32,
+        overlap_transfers: bool = True,
         costs: RecoveryCosts | None = None,
         max_context: int | None = None,
         prefix_caching: bool = True,
@@ -265,8 +282,12 @@ class Engine:
         self.spec = runner.spec
         self.ledger = KVLedger(runner.store.num_blocks, self.spec.block_size, prefix_caching=prefix_caching,
                                policy=make_policy(eviction))
-        self.host_store = HostKVStore(runner.store, host_blocks) if host_blocks else None
-        host = HostPool(host_blocks, self.spec.block_bytes) if host_blocks else None
+        specs = [(name, n) for name, n in (("host", host_blocks), ("disk", disk_blocks)) if n]
+        host = TierLedger(specs) if specs else None
+        self.host_store = TierStores(runner.store, [n for n, _ in specs], [b for _, b in specs], disk_dir=disk_dir,
+                                     compression=tier_compression) if specs else None
+        self.transfers = TransferEngine(self.host_store, staging_blocks=staging_blocks,
+                                        overlap=overlap_transfers) if self.host_store is not None else None
         if costs is None:
             params = sum(p.numel() for p in runner.model.parameters())
             # CPU-ish defaults; they only matter to recovery="auto".
@@ -287,7 +308,8 @@ class Engine:
         self.clock = clock
         self.stats = EngineStats()
         self.checkpoint: Checkpoint | None = checkpoint
-        self.executor = TorchExecutor(runner, self.host_store, self.stats)
+        self.executor = TorchExecutor(runner, self.transfers, self.stats,
+                                      on_transfer_error=self.scheduler.transfers_failed)
         self.driver = Driver(self.scheduler, self.executor, clock=WallClock(clock), on_executed=self._executed)
         self._lock = threading.Lock()  # guards _live and _submitted
         self._step_lock = threading.RLock()
@@ -533,6 +555,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="kvledger-engine", daemon=True)
         self._thread.start()
 
+    def close(self) -> None:
+        """Stop the background thread if any, then the transfer worker, and close the disk tier's file."""
+        self.stop()
+        if self.transfers is not None:
+            self.transfers.close()
+
     def stop(self, timeout: float | None = None) -> None:
         self._stop.set()
         with self._lock:
@@ -677,7 +705,12 @@ class Engine:
             "block_size": self.spec.block_size,
             "block_bytes": bytes_per_block,
             "pool_bytes": self.runner.store.nbytes,
-            "host_blocks": self.host_store.num_blocks if self.host_store else 0,
+            "host_blocks": self.scheduler.host.sizes[self.scheduler.host.names.index("host")]
+            if self.scheduler.host is not None and "host" in self.scheduler.host.names else 0,
+            "disk_blocks": self.scheduler.host.sizes[self.scheduler.host.names.index("disk")]
+            if self.scheduler.host is not None and "disk" in self.scheduler.host.names else 0,
+            "tiers": self.scheduler.tier_stats(),
+            "transfers": self.transfers.stats() if self.transfers is not None else None,
             "usage": ledger_stats["usage"],
             "prefix_hit_rate": ledger_stats["prefix_cache"]["hit_rate"],
             "preemptions": self.scheduler.preemptions,

@@ -1,12 +1,17 @@
 """The torch executor: carries out the scheduler's step plans on real tensors.
 
-One :meth:`TorchExecutor.execute` is, in order: the copy-on-write copies, the swap-outs (device -> host),
-the swap-ins (host -> device), one batched forward pass over every prefill chunk and decode, and token
-selection. The single forward pass is what the executor contract asks for: in each layer the attention
-backend writes the new K/V of the whole batch before any sequence attends, so a work may read prefix
-blocks another work of the same plan writes (``StepPlan.shared_reads``). It reads nothing but the plan:
-each ``Work`` names its request (whose ``payload`` is the request's :class:`Sampling`), its branch index,
-its block table and its tokens.
+One :meth:`TorchExecutor.execute` hands the plan's transfers to and from the tiers below the device pool
+(demotions, write-backs, moves, promotions, swap-ins, swap-outs) to the background worker of
+:class:`~kvledger.runtime.transfer.TransferEngine`, then runs the copy-on-write copies, one batched forward
+pass over every prefill chunk and decode, and token selection beside them -- waiting for the demotions
+before anything writes a device block, for the incoming blocks before a forward pass that reads one, and
+for everything before the step ends (the rule of :mod:`kvledger.scheduler.transfers`); each step reports
+the transfer time it waited for (exposed) and the time that ran beside its compute (hidden). The single
+forward pass is what the executor contract asks for: in each layer the attention backend writes the new
+K/V of the whole batch before any sequence attends, so a work may read prefix blocks another work of the
+same plan writes (``StepPlan.shared_reads``). It reads nothing but the plan: each ``Work`` names its
+request (whose ``payload`` is the request's :class:`Sampling`), its branch index, its block table and its
+tokens.
 
 Token selection is keyed by ``(seed, branch, position)`` (:mod:`kvledger.runtime.sampling`), so a
 request's tokens do not depend on what else is in the batch: running a failing step again one request
@@ -26,9 +31,10 @@ import torch
 from ..core.table import BlockTable
 from ..errors import InvariantError
 from ..scheduler import StepOutput, StepPlan, Work
-from .host_store import HostKVStore
+from ..scheduler.transfers import reads_inbound
 from .model import ModelRunner, SeqStep
 from .sampling import SamplingParams, beam_logprobs, sample_rows, top_candidates
+from .transfer import StepTransfers, TransferEngine, TransferErrorHook
 
 if TYPE_CHECKING:
     from .engine import EngineStats
@@ -43,34 +49,67 @@ class Sampling:
 
 
 class TorchExecutor:
-    """Executes plans against ``runner``'s KV store (and ``host`` for swaps); counts into ``stats``."""
+    """Executes plans against ``runner``'s KV store (and ``transfers`` for the tiers); counts into ``stats``.
+    ``on_transfer_error(plan)`` is called before a failed transfer's error is raised (the engine wires it to
+    ``Scheduler.transfers_failed``, so no tier entry or promoted block keeps bytes that never arrived)."""
 
-    def __init__(self, runner: ModelRunner, host: HostKVStore | None, stats: EngineStats) -> None:
+    def __init__(self, runner: ModelRunner, transfers: TransferEngine | None, stats: EngineStats,
+                 on_transfer_error: TransferErrorHook | None = None) -> None:
         self.runner = runner
-        self.host = host
+        self.transfers = transfers
         self.stats = stats
         self.block_size = runner.spec.block_size
+        self.on_transfer_error = on_transfer_error
 
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         stats = self.stats
-        if plan.copies:
-            self.runner.store.copy_blocks(plan.copies)
-            stats.copies += len(plan.copies)
-        if plan.swap_out or plan.swap_in:
-            if self.host is None:
-                raise InvariantError("the scheduler planned a swap but the engine has no host tier")
-            self.host.swap_out(plan.swap_out)
-            self.host.swap_in(plan.swap_in)
+        batch: StepTransfers | None = None
+        if TransferEngine.has_work(plan):
+            if self.transfers is None:
+                raise InvariantError("the scheduler planned a transfer to a tier but the engine has none")
+            # Demotions (and incoming blocks a work reads) now; the rest beside the compute.
+            batch = self.transfers.start(plan, inbound_needed=reads_inbound(plan, self.block_size))
+        try:
+            if batch is not None:
+                self._check(batch)
+            if plan.copies:
+                self.runner.store.copy_blocks(plan.copies)
+                stats.copies += len(plan.copies)
+            out = StepOutput()
+            works = [*plan.prefills, *plan.decodes]
+            if works:
+                logits, rows = self._forward(works)
+                self._select(works, logits, rows, out)
+        except BaseException:
+            if batch is not None:
+                batch.done.wait()  # nothing outlives the step, even a failing one
+            raise
+        if batch is not None:
+            batch.wait()
+            self._check(batch)
+            out.transfer_s = batch.busy_s
+            out.transfer_exposed_s = batch.exposed_s
+            out.transfer_hidden_s = batch.hidden_s
+            stats.transfer_s += batch.busy_s
+            stats.transfer_exposed_s += batch.exposed_s
+            stats.transfer_hidden_s += batch.hidden_s
             stats.swapped_out_blocks += len(plan.swap_out)
             stats.swapped_in_blocks += len(plan.swap_in)
-        out = StepOutput()
-        works = [*plan.prefills, *plan.decodes]
-        if works:
-            logits, rows = self._forward(works)
-            self._select(works, logits, rows, out)
+            stats.demoted_blocks += len(plan.demote)
+            stats.promoted_blocks += len(plan.promote)
+            stats.moved_blocks += len(plan.tier_moves)
+            stats.written_back_blocks += len(plan.writeback)
         out.elapsed_s = time.perf_counter() - t0
         return out
+
+    def _check(self, batch: StepTransfers) -> None:
+        if batch.error is None:
+            return
+        batch.done.wait()
+        if self.on_transfer_error is not None:
+            self.on_transfer_error(batch.plan)
+        raise batch.error
 
     def _forward(self, works: list[Work]) -> tuple[torch.Tensor, list[int]]:
         """Run every work in one batch; sibling branches with identical work (same positions through

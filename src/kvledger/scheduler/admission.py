@@ -54,12 +54,17 @@ class AdmissionOps:
         # request that fits the pool from ever starting.
         keep_free = self._keep_free if self.running else 0
         if fresh:
-            decision = ledger.admit(self._ledger_request(first, True, False), keep_free)
+            request = self._ledger_request(first, True, False)
+            self._promote(unit, plan, request, keep_free)
+            decision = ledger.admit(request, keep_free)
         else:
             # A preempted family comes back whole or not at all (gang semantics), in one ledger decision
             # that changes nothing when it refuses; its branches share their common full blocks as they
             # did before (with or without prefix caching), so a family that fitted fits again.
-            decision = ledger.admit_family([self._ledger_request(br, False, readmission) for br in unit], keep_free)
+            requests = [self._ledger_request(br, False, readmission) for br in unit]
+            if first.status is not Status.SWAPPED:  # a recomputed family may find its prefix below the device
+                self._promote(unit, plan, requests[0], keep_free)
+            decision = ledger.admit_family(requests, keep_free)
         if not decision.admitted:
             return decision.outcome, decision.over_quota
         rid = first.request.request_id
@@ -98,7 +103,9 @@ class AdmissionOps:
                 br.hits_counted = br.computed
             br.status = Status.RUNNING
         if restored_blocks:
-            plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(restored_blocks), self.costs.block_bytes)
+            plan.transfer_wait_s += self.costs.transfer.time_s(len(restored_blocks), self.costs.block_bytes, "in")
+            if self.config.restore_ahead:
+                self._arriving.add(rid)
         self._order += 1
         self.running[rid] = list(unit)
         plan.admitted.append(rid)
@@ -195,6 +202,8 @@ class AdmissionOps:
             else:
                 waiting.remove(unit)
             live += len(unit)
+            if unit[0].request.request_id in self._arriving:
+                continue  # its promoted blocks arrive this step: it computes from the next one
             for br in unit:
                 budget = self._schedule_branch(br, plan, budget)
 

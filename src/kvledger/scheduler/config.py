@@ -33,6 +33,14 @@ class SchedulerConfig:
     victim chosen by ``victim``, recovered by ``recovery``), ``reject`` (end the request's growth with a
     clear reason), ``headroom`` (admission keeps ``headroom_blocks`` free for growth; if even that runs
     out, preempt).
+
+    ``offload_prefixes``: with tiers below the device pool (the scheduler's ``host``), a retained prefix
+    block the pool evicts is demoted to a tier instead of forgotten, and a prompt whose next blocks a tier
+    holds (same trust group) gets them promoted back at admission; ``writeback_blocks`` of the retained
+    blocks next in line for eviction are copied down ahead of it, beside the compute, so their eviction later
+    copies nothing (0: every copy happens at eviction, on the step's critical path). ``restore_ahead``: a
+    request restored from a swap or admitted with promoted blocks computes from the next step, so the
+    transfer can hide behind this step's compute instead of stalling it (one step later for that request).
     """
 
     policy: str = "full"
@@ -46,15 +54,22 @@ class SchedulerConfig:
     headroom_blocks: int = 0
     predicted_quantile: float = 0.9
     predicted_min_samples: int = 20
+    offload_prefixes: bool = False  # demote evicted prefix blocks to the tiers below, promote them on a hit
+    restore_ahead: bool = False  # a request whose blocks arrive from a tier computes from the next step
+    writeback_blocks: int = 32  # with offload_prefixes: retained blocks next in line for eviction copied down
 
     def __post_init__(self) -> None:
         for name, registry in REGISTRIES.items():
             registry.check(getattr(self, name), name)
-        for name in ("max_running", "token_budget", "prefill_chunk", "predicted_min_samples", "headroom_blocks"):
+        for name in ("max_running", "token_budget", "prefill_chunk", "predicted_min_samples", "headroom_blocks",
+                     "writeback_blocks"):
             value = getattr(self, name)
-            low = 0 if name == "headroom_blocks" else 1
+            low = 0 if name in ("headroom_blocks", "writeback_blocks") else 1
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        for name in ("offload_prefixes", "restore_ahead"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         for name, low, high, closed_low in (("watermark", 0, 1, True), ("predicted_quantile", 0, 1, False)):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value

@@ -401,6 +401,9 @@ class Driver:
                 p = parts[rid] = StepPlan(plan.step)
             return p
 
+        # The prefix cache's transfers belong to no request; they run first, as in the whole plan.
+        orphan.demote, orphan.tier_moves = list(plan.demote), list(plan.tier_moves)
+        orphan.writeback, orphan.promote = list(plan.writeback), list(plan.promote)
         for op, rid in zip(plan.copies, copy_owner, strict=True):
             part(rid).copies.append(op)
         for pair, rid in zip(plan.swap_out, out_owner, strict=True):

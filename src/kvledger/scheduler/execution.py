@@ -80,16 +80,23 @@ class WallClock:
 class StepOutput:
     """What an executor returns: ``sampled`` maps each sequence that sampled to its new tokens (one, or
     the accepted drafts plus one); ``candidates`` maps each beam of a beam request to its best
-    ``(logprob, token)`` pairs (``2 * width`` of them) instead; ``elapsed_s`` is the step's duration."""
+    ``(logprob, token)`` pairs (``2 * width`` of them) instead; ``elapsed_s`` is the step's duration. The
+    transfer figures split the step's transfers to and from lower tiers (:mod:`kvledger.scheduler.transfers`):
+    ``transfer_s`` in all, ``transfer_hidden_s`` behind the step's compute, ``transfer_exposed_s`` waited
+    for (part of ``elapsed_s``)."""
 
     sampled: dict[str, list[int]] = field(default_factory=dict)
     elapsed_s: float = 0.0
     candidates: dict[str, list[tuple[float, int]]] = field(default_factory=dict)
+    transfer_s: float = 0.0
+    transfer_hidden_s: float = 0.0
+    transfer_exposed_s: float = 0.0
 
 
 class Executor(Protocol):
     def execute(self, plan: StepPlan) -> StepOutput:
-        """Carry out ``plan`` in order: copies, swap_out, swap_in, then the prefills and decodes.
+        """Carry out ``plan``: its tier transfers (moves and demotions first; see
+        :mod:`kvledger.scheduler.transfers`), copies, swap_out, swap_in, then the prefills and decodes.
 
         The prefills and decodes run as one batch in which **every work's K/V of a layer is written
         before any work reads that layer** (a batched forward pass that writes the new K/V and then

@@ -179,6 +179,11 @@ class StepPlan:
     copies: list[CopyOp] = field(default_factory=list)  # execute first
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Lower tiers (scheduler/transfers.py has the order they run in and what a step waits for):
+    demote: list[tuple[int, int]] = field(default_factory=list)  # (evicted device block, tier slot): urgent
+    tier_moves: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, slot of a slower tier)
+    writeback: list[tuple[int, int]] = field(default_factory=list)  # (retained device block, tier slot): a copy
+    promote: list[tuple[int, int]] = field(default_factory=list)  # (tier slot, device block): a prefix comes back
     admitted: list[str] = field(default_factory=list)
     admissions: list[Admission] = field(default_factory=list)  # what each admission found cached
     shared_reads: list[SharedRead] = field(default_factory=list)  # reads of blocks this plan writes
@@ -188,7 +193,7 @@ class StepPlan:
     preempted: list[Preemption] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)  # (seq_id, reason) ended while planning
     lease: int | None = None
-    transfer_wait_s: float = 0.0  # what the step must wait for transfers that do not overlap
+    transfer_wait_s: float = 0.0  # the swaps' link time by the scheduler's TransferModel (executors split it)
 
     @property
     def num_tokens(self) -> int:
@@ -201,11 +206,17 @@ class StepPlan:
 
     @property
     def transfers(self) -> bool:
-        return bool(self.copies or self.swap_out or self.swap_in)
+        return bool(self.copies or self.swap_out or self.swap_in or self.tier_transfers)
+
+    @property
+    def tier_transfers(self) -> bool:
+        """Demotions, moves, write-backs or promotions: the prefix cache's transfers (no request owns them)."""
+        return bool(self.demote or self.tier_moves or self.writeback or self.promote)
 
     @property
     def empty(self) -> bool:
-        return not (self.prefills or self.decodes or self.swap_out or self.swap_in or self.copies)
+        return not (self.prefills or self.decodes or self.swap_out or self.swap_in or self.copies
+                    or self.tier_transfers)
 
     @property
     def progressed(self) -> bool:

@@ -22,19 +22,20 @@ from ..errors import InvariantError, LedgerError, OutOfBlocksError
 from .admission import AdmissionOps
 from .config import SchedulerConfig
 from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
-from .host import HostPool
+from .host import HostPool, TierLedger
 from .plan import Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, Work, validate_request
 from .policies import OutputLengthTracker
 from .queue import WaitingQueue
 from .recovery import RECOVERY_MODES, RecoveryCosts
+from .tiers import TierPlanning
 from .victims import VictimQueue, pick_victim, replay_tokens
 
 
-class Scheduler(AdmissionOps):
+class Scheduler(AdmissionOps, TierPlanning):
     """Plans engine steps on one ledger; see the module docstring and docs/scheduler.md."""
 
     def __init__(self, ledger: KVLedger, config: SchedulerConfig | None = None, *,
-                 host: HostPool | None = None, costs: RecoveryCosts | None = None) -> None:
+                 host: HostPool | TierLedger | None = None, costs: RecoveryCosts | None = None) -> None:
         self.ledger = ledger
         self.config = config or SchedulerConfig()
         self.host = host
@@ -67,6 +68,7 @@ class Scheduler(AdmissionOps):
         # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
         # its step from one somebody else holds.
         self.lease_owner = f"scheduler-{id(self):x}"
+        self._setup_tiers()
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
@@ -196,6 +198,7 @@ class Scheduler(AdmissionOps):
         self._writes.clear()
         self._writes_seen = 0
         self._swapped_now.clear()
+        self._arriving.clear()
         self._grow(plan)
         self._swap_in(plan)
         budget = self.config.token_budget
@@ -203,6 +206,7 @@ class Scheduler(AdmissionOps):
         self._admit(plan, budget)
         self._liveness(plan)
         plan.copies.extend(self.ledger.take_copies())
+        self._take_tier_ops(plan)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
         # (A sequence has at most one work per plan; a restored one may also have none.)
@@ -349,7 +353,7 @@ class Scheduler(AdmissionOps):
         mode, note = RECOVERY_MODES[force or self.config.recovery](
             self.costs, replay_tokens(self.ledger, branches), len(blocks))
         reason = why + note
-        if mode == "swap" and (self.host is None or self.host.num_free < len(blocks)):
+        if mode == "swap" and (self.host is None or self.host.holdable < len(blocks)):
             mode = "recompute"
             reason += "; host pool cannot hold the blocks, recomputing instead"
         if mode == "swap":
@@ -362,7 +366,7 @@ class Scheduler(AdmissionOps):
             plan.copies.extend(self.ledger.take_copies())
             # The device blocks stay until the copy to the host is done.
             lease = self.ledger.lease(blocks=blocks, owner=f"{self.lease_owner} swap-out step {plan.step}")
-            plan.transfer_wait_s += self.costs.transfer.blocking_time_s(len(blocks), self.costs.block_bytes)
+            plan.transfer_wait_s += self.costs.transfer.time_s(len(blocks), self.costs.block_bytes)
             self._swap_leases.append(lease)
             for br in branches:
                 br.host_blocks = [host_of[b] for b in br.blocks]
@@ -434,8 +438,9 @@ class Scheduler(AdmissionOps):
                 if br.in_ledger < n:
                     continue
                 req = br.request
-                if admitted and req.request_id in admitted and br.seq_id not in restored:
-                    continue
+                if admitted and req.request_id in admitted and (br.seq_id not in restored
+                                                                 or req.request_id in self._arriving):
+                    continue  # admitted now (scheduled by _admit), or its blocks arrive this step
                 c = br.computed
                 if n - c == 1 and not req.lookahead:
                     if budget <= 0:
@@ -601,6 +606,7 @@ class Scheduler(AdmissionOps):
         for lease in self._swap_leases:
             ledger.end_lease(lease)
         self._swap_leases.clear()
+        self._complete_tiers()  # every transfer of the step is done: written slots readable, drained free
         if plan.lease is not None:
             ledger.end_lease(plan.lease)
         self._in_flight = None
@@ -672,7 +678,10 @@ class Scheduler(AdmissionOps):
                 return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
             for rid in sorted(self.running, key=lambda r: -self.running[r][0].admitted_order):
                 self._requeue(rid)
-        return ledger.reset_prefix_cache()
+        reset = ledger.reset_prefix_cache()
+        if reset and self.host is not None:
+            self.host.clear_cache()  # the cache below the device goes too; swapped requests keep their slots
+        return reset
 
     def requeue(self, request_id: str) -> bool:
         """Send a running request back to the front of its priority in the waiting queue: its memory is

@@ -11,7 +11,15 @@ lives in the CLI face (``kvledger.cli.sim_cmds``), so that this layer never impo
 
   F_i and B_i come from the same CostModel the simulator uses, so the fit is consistent with how the
   profile will be read. The fit minimises the squared log error (relative error) over a refined grid of
-  the two rates for each candidate overhead -- no numpy or scipy needed.
+  the two rates for each candidate overhead -- no numpy or scipy needed;
+* ``fit_link``: one tier's link, per direction, from transfers of several sizes timed on the real
+  transfer path (``kvledger.runtime.links``)::
+
+      t(n blocks) ~= fixed_s + n x block_bytes / bandwidth
+
+  by least squares on the relative error (each point weighted by 1 / t, so small transfers -- where the
+  fixed cost shows -- count as much as large ones); ``fixed_s`` is kept >= 0. ``fit_links`` turns a
+  whole measurement into the profile's ``links`` and a report with every point and the fit error.
 """
 
 from __future__ import annotations
@@ -75,11 +83,11 @@ def _loss(fb: list[tuple[float, float, int]], times: list[float], p: float, w: f
 
 
 def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_link_Bps: float,
-                transfer_overhead_s: float, name: str = CPU_LOCAL, source: str = "") -> tuple[DeviceProfile,
-                                                                                            dict[str, Any]]:
+                transfer_overhead_s: float, name: str = CPU_LOCAL, source: str = "",
+                links: dict[str, dict[str, Any]] | None = None) -> tuple[DeviceProfile, dict[str, Any]]:
     """Fit (peak_flops, mem_bandwidth_Bps, step_overhead_s, seq_overhead_s) with efficiencies 1.
-    ``cost`` gives each shape's FLOPs and bytes (its own profile is not used). Returns the profile and
-    a fit report."""
+    ``cost`` gives each shape's FLOPs and bytes (its own profile is not used); ``links`` (from
+    :func:`fit_links`) go into the profile as they are. Returns the profile and a fit report."""
     if len(measurements) < 3:
         raise ConfigError("calibration needs at least 3 measured shapes")
     times = [m.seconds for m in measurements]
@@ -111,7 +119,7 @@ def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_li
     loss, p, w, o, q = best
     profile = DeviceProfile(name=name, peak_flops=p, mem_bandwidth_Bps=w, flops_efficiency=1.0,
                             bw_efficiency=1.0, step_overhead_s=o, seq_overhead_s=q, host_link_Bps=host_link_Bps,
-                            transfer_overhead_s=transfer_overhead_s,
+                            transfer_overhead_s=transfer_overhead_s, links=dict(links or {}),
                             source=source or "kvledger calibrate: fitted to measured runtime steps")
     rows = []
     for m, (f, b, n) in zip(measurements, fb, strict=True):
@@ -146,5 +154,59 @@ def fit_quality(report: dict[str, Any]) -> dict[str, Any]:
             "worst_error_pct": 100 * worst["error"], "poor": poor, "advice": advice}
 
 
-__all__ = ["CALIBRATION_SHAPES", "POOR_FIT_MAX_ERROR", "POOR_FIT_RMS_LOG", "Measurement", "Shape", "fit_profile",
+# ---- links to the tiers ----------------------------------------------------------------------------
+
+
+def fit_link(points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
+    """``(fixed_s, bandwidth_Bps, rms relative error)`` of ``t = fixed_s + nbytes / bandwidth`` over
+    ``(nbytes, seconds)`` points (at least two distinct sizes, positive times)."""
+    pts = [(float(x), float(t)) for x, t in points]
+    if len({x for x, _ in pts}) < 2 or any(not t > 0 or x <= 0 for x, t in pts):
+        raise ConfigError("fitting a link needs positive times at two or more transfer sizes")
+    # Minimise sum(((a + b x) / t - 1)^2): weighted linear least squares with weights 1 / t.
+    sw2 = sum(1 / t**2 for _, t in pts)
+    sxw2 = sum(x / t**2 for x, t in pts)
+    sx2w2 = sum(x * x / t**2 for x, t in pts)
+    sw = sum(1 / t for _, t in pts)
+    sxw = sum(x / t for x, t in pts)
+    det = sw2 * sx2w2 - sxw2 * sxw2
+    a = (sw * sx2w2 - sxw * sxw2) / det if det else 0.0
+    b = (sw2 * sxw - sxw2 * sw) / det if det else 0.0
+    if a < 0 or b <= 0:  # no fixed cost measurable: the best line through the origin
+        a = 0.0
+        b = sxw / sx2w2
+    rms = math.sqrt(sum(((a + b * x) / t - 1) ** 2 for x, t in pts) / len(pts))
+    return a, 1.0 / b, rms
+
+
+def fit_links(measured: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """Per tier of a :func:`kvledger.runtime.links.measure_links` result: the profile's ``links`` entry
+    (``out_Bps``, ``out_overhead_s``, ``in_Bps``, ``in_overhead_s`` and each direction's fit error) and a
+    report with every point, measured against fitted."""
+    block_bytes = int(measured["block_bytes"])
+    links: dict[str, dict[str, Any]] = {}
+    report: dict[str, Any] = {}
+    for tier, entry in measured["tiers"].items():
+        link: dict[str, Any] = {}
+        rows = []
+        for direction in ("out", "in"):
+            pts = [(n * block_bytes, t) for n, t in entry["points"][direction]]
+            fixed, bw, rms = fit_link(pts)
+            link[f"{direction}_Bps"] = bw
+            link[f"{direction}_overhead_s"] = fixed
+            link[f"{direction}_fit_rms_error_pct"] = 100 * rms
+            for (n, t), (x, _) in zip(entry["points"][direction], pts, strict=True):
+                pred = fixed + x / bw
+                rows.append({"direction": direction, "blocks": n, "bytes": x, "measured_s": t, "fitted_s": pred,
+                             "error": pred / t - 1})
+        if "compression_ratio" in entry:
+            link["compression"] = entry.get("compression", "none")
+            link["compression_ratio"] = entry["compression_ratio"]
+        links[tier] = link
+        report[tier] = {"points": rows, **{k: v for k, v in link.items()}}
+    return links, report
+
+
+__all__ = ["CALIBRATION_SHAPES", "fit_link", "fit_links",
+           "POOR_FIT_MAX_ERROR", "POOR_FIT_RMS_LOG", "Measurement", "Shape", "fit_profile",
            "fit_quality"]

@@ -16,7 +16,7 @@ import json
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from ..core.gpus import GPU, GPUS
 from ..core.models import load_model_config
 from ..core.params import count_parameters_per_rank, default_weight_dtype, weight_plan, weights_bytes_per_rank
 from ..errors import ConfigError
+from ..scheduler.host import TransferModel
 
 # Defaults for the GPU profiles. These are assumptions, not datasheet numbers: large bf16 GEMMs
 # typically reach ~70% of the dense tensor-core peak and streaming kernels ~85% of HBM bandwidth.
@@ -33,6 +34,13 @@ DEFAULT_FLOPS_EFFICIENCY = 0.7
 DEFAULT_BW_EFFICIENCY = 0.85
 DEFAULT_STEP_OVERHEAD_S = 1e-3  # scheduling, sampling and launch cost of one step
 DEFAULT_TRANSFER_OVERHEAD_S = 10e-6  # fixed cost of one host<->device copy (launch + sync)
+# A disk tier behind the host on a GPU server: an NVMe drive's sequential rates and a file call's cost.
+# Assumptions (no calibration on the GPUs): `kvledger calibrate` measures the link of this machine.
+DEFAULT_DISK_WRITE_BPS = 3e9
+DEFAULT_DISK_READ_BPS = 6e9
+DEFAULT_DISK_OVERHEAD_S = 50e-6
+DEFAULT_STAGING_BLOCKS = 32
+LINK_KEYS = ("out_Bps", "out_overhead_s", "in_Bps", "in_overhead_s")
 
 CPU_LOCAL = "cpu-local"
 CPU_LOCAL_FILE = "cpu-local.json"
@@ -65,6 +73,10 @@ class DeviceProfile:
     bandwidth in one direction (bytes/s); transfer_overhead_s: fixed time per swap transfer.
     seq_overhead_s: time added per sequence in a step (per-sequence launch, gather and sampling work
     that neither FLOPs nor bytes capture; large on a CPU, ~0 on a GPU with batched kernels).
+    links: per tier below the device (``host``, ``disk``), the link measured by ``kvledger calibrate``:
+    ``out_Bps`` / ``out_overhead_s`` (device -> tier) and ``in_Bps`` / ``in_overhead_s`` (tier -> device),
+    plus whatever the fit reports (``fit_rms_error_pct``...). A tier not listed falls back to the host link
+    above (``host``) or to the assumed NVMe defaults (``disk``); see :meth:`link`.
     """
 
     name: str
@@ -77,6 +89,7 @@ class DeviceProfile:
     transfer_overhead_s: float
     source: str
     seq_overhead_s: float = 0.0
+    links: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -92,6 +105,21 @@ class DeviceProfile:
             object.__setattr__(self, key, _non_negative(getattr(self, key), f"{self.name}: {key}"))
         if not isinstance(self.source, str):
             raise ConfigError(f"{self.name}: source must be a string")
+        if not isinstance(self.links, dict):
+            raise ConfigError(f"{self.name}: links must map tier names to link figures")
+        links = {}
+        for tier, figures in self.links.items():
+            if not isinstance(tier, str) or not tier.isidentifier() or not isinstance(figures, dict):
+                raise ConfigError(f"{self.name}: links[{tier!r}] must be an object of link figures")
+            missing = [k for k in LINK_KEYS if k not in figures]
+            if missing:
+                raise ConfigError(f"{self.name}: link {tier!r} lacks {', '.join(missing)}")
+            checked = dict(figures)
+            for k in LINK_KEYS:
+                check = _positive if k.endswith("Bps") else _non_negative
+                checked[k] = check(figures[k], f"{self.name}: links.{tier}.{k}")
+            links[tier] = checked
+        object.__setattr__(self, "links", links)
 
     @property
     def effective_flops(self) -> float:
@@ -114,6 +142,19 @@ class DeviceProfile:
             raise ConfigError(f"moving {nbytes} bytes takes at least one transfer")
         return transfers * self.transfer_overhead_s + nbytes / self.host_link_Bps
 
+    def link(self, tier: str, *, staging_blocks: int = DEFAULT_STAGING_BLOCKS, overlap: bool = True) -> TransferModel:
+        """The link between the device and tier ``tier`` as a :class:`TransferModel` (per direction)."""
+        figures = self.links.get(tier)
+        if figures is not None:
+            return TransferModel(link_Bps=figures["out_Bps"], overhead_s=figures["out_overhead_s"],
+                                 in_link_Bps=figures["in_Bps"], in_overhead_s=figures["in_overhead_s"],
+                                 staging_blocks=staging_blocks, overlap=overlap)
+        if tier == "disk":
+            return TransferModel(link_Bps=DEFAULT_DISK_WRITE_BPS, overhead_s=DEFAULT_DISK_OVERHEAD_S,
+                                 in_link_Bps=DEFAULT_DISK_READ_BPS, staging_blocks=staging_blocks, overlap=overlap)
+        return TransferModel(link_Bps=self.host_link_Bps, overhead_s=self.transfer_overhead_s,
+                             staging_blocks=staging_blocks, overlap=overlap)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -126,7 +167,7 @@ class DeviceProfile:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} (known: {', '.join(names)})")
-        values = {"name": CPU_LOCAL, "source": origin, "seq_overhead_s": 0.0, **data}  # optional keys
+        values = {"name": CPU_LOCAL, "source": origin, "seq_overhead_s": 0.0, "links": {}, **data}  # optional keys
         missing = [n for n in names if n not in values]
         if missing:
             raise ConfigError(f"{origin}: missing key(s) {', '.join(missing)}")
@@ -410,7 +451,8 @@ class CostModel:
 
 
 __all__ = [
-    "CACHE_ENV", "CPU_LOCAL", "DEFAULT_BW_EFFICIENCY", "DEFAULT_FLOPS_EFFICIENCY", "DEFAULT_STEP_OVERHEAD_S",
+    "CACHE_ENV", "CPU_LOCAL", "DEFAULT_BW_EFFICIENCY", "DEFAULT_STAGING_BLOCKS", "LINK_KEYS",
+    "DEFAULT_FLOPS_EFFICIENCY", "DEFAULT_STEP_OVERHEAD_S",
     "DEFAULT_TRANSFER_OVERHEAD_S", "GPU_PROFILES", "CostModel", "DeviceProfile", "StepBreakdown",
     "cpu_profile_path", "get_profile", "list_profiles", "load_cpu_profile", "profile_from_gpu",
 ]

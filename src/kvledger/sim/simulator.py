@@ -5,11 +5,14 @@ scheduler's :class:`~kvledger.scheduler.driver.Driver` on a virtual clock -- wit
 replaced by :class:`CostModelExecutor`:
 
     plan = scheduler.schedule()                     # the same Scheduler + KVLedger the runtime drives
-    dt   = cost_model.step_time(prefills, decodes) + plan.transfer_wait_s
-    now += dt
+    compute = cost_model.step_time(prefills, decodes)
+    dt   = compute + exposed transfer time          # scheduler/transfers.py: what the step depends on waits,
+    now += dt                                       # the rest hides behind at most `compute`
     scheduler.confirm(plan, sampled)                # one synthetic token per sampling sequence
 
-so admission, growth, eviction, preemption, the liveness rule and the host tier are the production code,
+so admission, growth, eviction, preemption, the liveness rule and the tiers below the device pool (host
+and disk: swapped requests, demoted and promoted prefix blocks, each link timed by the device profile's
+``link``) are the production code,
 not a copy of it, and so are the request metrics (:mod:`kvledger.scheduler.metrics`: TTFT, TPOT,
 end-to-end, preemptions, prefix-hit tokens; the runtime reports the very same definitions). Sampled
 tokens are synthetic (no stop tokens: every request generates exactly its trace ``output_len`` tokens,
@@ -42,25 +45,25 @@ from ..core.identity import CacheContext
 from ..core.inventory import GPUS, build_inventory, count_parameters_per_rank
 from ..core.ledger import KVLedger
 from ..core.models import load_model_config
+from ..core.tiers import TierLedger
 from ..errors import ConfigError
 from ..scheduler import (
     SCHEDULER_KEYS,
     Driver,
     GenRequest,
-    HostPool,
     RecoveryCosts,
     RequestMetrics,
     Scheduler,
     SchedulerConfig,
     StepOutput,
     StepPlan,
-    TransferModel,
     VirtualClock,
     distribution,
     percentile,
     summarize_requests,
 )
 from ..scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
+from ..scheduler.transfers import step_transfer_timing
 from ..units import parse_bytes
 from .cost_model import CPU_LOCAL, CostModel, DeviceProfile, get_profile
 from .workloads import SimRequest, assign_trust_groups
@@ -91,7 +94,9 @@ class SimConfig:
     when ``gpu`` is not a catalogue GPU (e.g. cpu-local). eviction: the ledger's eviction policy for
     retained blocks (lru, priority). trust_groups: ``trace`` (the trace's groups), ``request`` (every
     request its own trust group: no sharing across requests) or a count N (requests spread over N
-    tenants at random, seeded). host_pool_bytes: host tier for swapped requests (0 = none).
+    tenants at random, seeded). host_pool_bytes / disk_pool_bytes: the tiers below the device pool, for
+    swapped requests and (with the scheduler's ``offload_prefixes``) demoted prefix blocks (0 = none);
+    ``staging_blocks``: the transfers' bounded staging buffer, in blocks (one fixed cost per round).
     max_model_len: prompts and outputs are clamped to it (default: the model's max_position_embeddings).
     declared_max_new: None (the default) gives every request its trace output length as max_new_tokens and
     no stop token, so ``full`` reservation knows each true length (an oracle). A number N declares
@@ -111,6 +116,8 @@ class SimConfig:
     eviction: str = "lru"
     trust_groups: str = "trace"
     host_pool_bytes: int = 0
+    disk_pool_bytes: int = 0
+    staging_blocks: int = 32
     utilization: float = 0.9
     pool_blocks: int | None = None
     device_memory: int | None = None
@@ -145,9 +152,9 @@ class SimConfig:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def __post_init__(self) -> None:
-        for name in ("tp", "block_size", "feed_window", "sample_every"):
+        for name in ("tp", "block_size", "feed_window", "sample_every", "staging_blocks"):
             _positive_int(getattr(self, name), name)
-        for name in ("host_pool_bytes", "check_every", "seed"):
+        for name in ("host_pool_bytes", "disk_pool_bytes", "check_every", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
@@ -190,14 +197,15 @@ def _positive_int(value: Any, what: str) -> int:
 SWEEP_KEYS = tuple(f.name for f in fields(SimConfig) if f.name not in ("profile", "scheduler")) + SCHEDULER_KEYS
 _BOOL_WORDS = {"on": True, "off": False, "true": True, "false": False, "yes": True, "no": False,
                "1": True, "0": False}
-_BYTE_KEYS = ("host_pool_bytes", "device_memory")
+_BYTE_KEYS = ("host_pool_bytes", "disk_pool_bytes", "device_memory")
 
 
 def parse_value(key: str, text: str) -> Any:
     """Parse one sweep value for ``key`` (a SimConfig field; dashes allowed): ``on/off`` for booleans,
     byte sizes like ``64GiB`` for the *_bytes / device_memory keys, ``none`` for optional ones."""
     name = key.strip().replace("-", "_")
-    aliases = {"host_pool": "host_pool_bytes", "prefix_caching": "prefix_cache", "device": "gpu",
+    aliases = {"host_pool": "host_pool_bytes", "disk_pool": "disk_pool_bytes", "prefix_caching": "prefix_cache",
+               "device": "gpu",
                "isolate_groups": "trust_groups"}
     name = aliases.get(name, name)
     if name not in SWEEP_KEYS:
@@ -274,10 +282,16 @@ class Deployment:
     inventory: dict[str, Any]
     max_model_len: int | None
     host_blocks: int
+    disk_blocks: int = 0
 
     @property
     def block_bytes(self) -> int:
         return self.spec.block_bytes
+
+    def tiers(self) -> TierLedger | None:
+        """A fresh ledger of the tiers below the device pool (None without any)."""
+        specs = [(n, b) for n, b in (("host", self.host_blocks), ("disk", self.disk_blocks)) if b]
+        return TierLedger(specs) if specs else None
 
 
 def build_deployment(config: SimConfig) -> Deployment:
@@ -311,14 +325,15 @@ def build_deployment(config: SimConfig) -> Deployment:
     if max_len is None:
         max_len = config_int(text_config(cfg), "max_position_embeddings", default=None)
     host_blocks = config.host_pool_bytes // spec.block_bytes if config.host_pool_bytes else 0
-    return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks)
+    disk_blocks = config.disk_pool_bytes // spec.block_bytes if config.disk_pool_bytes else 0
+    return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks, disk_blocks)
 
 
-def _recovery_costs(dep: Deployment) -> RecoveryCosts:
+def _recovery_costs(dep: Deployment, staging_blocks: int = 32) -> RecoveryCosts:
     """The scheduler's recompute-vs-swap prices from the same device profile the step times use."""
     params = count_parameters_per_rank(dep.model_cfg, dep.spec.tp)
     per_token = 2 * (params.attention + params.mlp + params.embedding)
-    transfer = TransferModel(link_Bps=dep.profile.host_link_Bps, overhead_s=dep.profile.transfer_overhead_s)
+    transfer = dep.profile.link("host", staging_blocks=staging_blocks)
     return RecoveryCosts(flops_per_token=float(per_token), flops_per_s=dep.profile.effective_flops,
                          block_bytes=dep.spec.block_bytes, transfer=transfer)
 
@@ -396,7 +411,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         "trust_groups": cfg.trust_groups,
         "pool_blocks": dep.pool_blocks, "pool_bytes": dep.pool_blocks * dep.block_bytes,
         "block_bytes": dep.block_bytes, "pool_source": dep.pool_source,
-        "host_blocks": dep.host_blocks,
+        "host_blocks": dep.host_blocks, "disk_blocks": dep.disk_blocks,
         "requests": run["requests"], "completed": run["completed"], "finish_reasons": run["finish_reasons"],
         "steps": result.steps, "sim_duration_s": run["duration_s"],
         "throughput_tok_s": run["throughput_tok_s"],
@@ -467,19 +482,32 @@ def prepare_workload(requests: Sequence[SimRequest], config: SimConfig, max_mode
 
 
 class CostModelExecutor:
-    """The simulator's executor: a step takes the cost model's time for its prefill chunks and decodes
-    plus the transfer wait the plan names; every sampling sequence gets ``SAMPLED_TOKEN``, or
-    ``STOP_TOKEN`` for the last token of its trace output when the request carries that length as its
-    payload (``declared_max_new``)."""
+    """The simulator's executor: a step takes the cost model's time for its prefill chunks and decodes plus
+    the transfer time it waits for (:func:`~kvledger.scheduler.transfers.step_transfer_timing`: what the
+    step depends on in full, the rest only where it outlasts the compute; ``links`` maps a tier slot to its
+    link, ``None`` without tiers); every sampling sequence gets ``SAMPLED_TOKEN``, or ``STOP_TOKEN`` for
+    the last token of its trace output when the request carries that length as its payload
+    (``declared_max_new``)."""
 
-    def __init__(self, step_time: Callable[[list[tuple[int, int]], list[int]], float]) -> None:
+    def __init__(self, step_time: Callable[[list[tuple[int, int]], list[int]], float], *,
+                 links: Callable[[int], Any] | None = None, block_bytes: int = 0, block_size: int = 16) -> None:
         self.step_time = step_time
+        self.links = links
+        self.block_bytes = block_bytes
+        self.block_size = block_size
 
     def execute(self, plan: StepPlan) -> StepOutput:
         prefills, decodes = plan.prefills, plan.decodes
         dt = self.step_time([(w.end - w.start, w.start) for w in prefills], [w.end for w in decodes]) \
             if prefills or decodes else 0.0
-        out = StepOutput(elapsed_s=dt + plan.transfer_wait_s)
+        out = StepOutput(elapsed_s=dt)
+        if self.links is not None and (plan.swap_out or plan.swap_in or plan.tier_transfers):
+            t = step_transfer_timing(plan, dt, self.links, self.block_bytes, self.block_size)
+            out.elapsed_s += t.exposed_s
+            out.transfer_s, out.transfer_hidden_s, out.transfer_exposed_s = t.total_s, t.hidden_s, t.exposed_s
+        elif plan.swap_out or plan.swap_in:
+            out.elapsed_s += plan.transfer_wait_s
+            out.transfer_s = out.transfer_exposed_s = plan.transfer_wait_s
         sampled = out.sampled
         token, stop = [SAMPLED_TOKEN], [STOP_TOKEN]
         for w in (*prefills, *decodes):
@@ -534,8 +562,8 @@ class Simulator:
         workload, notes = prepare_workload(requests, cfg, dep.max_model_len)
         bs = dep.spec.block_size
         ledger = KVLedger(dep.pool_blocks, bs, prefix_caching=cfg.prefix_cache, policy=make_policy(cfg.eviction))
-        host = HostPool(dep.host_blocks, dep.block_bytes) if dep.host_blocks else None
-        sched = Scheduler(ledger, cfg.scheduler, host=host, costs=_recovery_costs(dep))
+        host = dep.tiers()
+        sched = Scheduler(ledger, cfg.scheduler, host=host, costs=_recovery_costs(dep, cfg.staging_blocks))
         self.scheduler = sched  # kept for inspection after the run
         tl = Timeline()
         preempt = {"recompute": 0, "swap": 0}
@@ -549,12 +577,23 @@ class Simulator:
                 self._sample(tl, sched, seq_of, pool, ledger, bs, t0)
 
         def executed(plan: StepPlan, output: StepOutput) -> None:
+            if output.transfer_s:
+                transfers["transfer_s"] += output.transfer_s
+                transfers["hidden_s"] += output.transfer_hidden_s
+                transfers["exposed_s"] += output.transfer_exposed_s
+                transfers["steps_with_transfers"] += 1
             if driver.steps % sample_every == 0 or not (plan.prefills or plan.decodes):
                 tl.dt_s.append(output.elapsed_s)
                 tl.prefill_tokens.append(sum(w.end - w.start for w in plan.prefills))
                 tl.decodes.append(len(plan.decodes))
 
-        driver = Driver(sched, CostModelExecutor(dep.cost.step_time), clock=VirtualClock(),
+        links = None
+        if host is not None:
+            models = [dep.profile.link(name, staging_blocks=cfg.staging_blocks) for name in host.names]
+            links = lambda slot: models[host.tier_of(slot)]  # noqa: E731
+        transfers = {"transfer_s": 0.0, "hidden_s": 0.0, "exposed_s": 0.0, "steps_with_transfers": 0}
+        executor = CostModelExecutor(dep.cost.step_time, links=links, block_bytes=dep.block_bytes, block_size=bs)
+        driver = Driver(sched, executor, clock=VirtualClock(),
                         feed_window=cfg.feed_window, check_every=cfg.check_every, on_planned=planned,
                         on_executed=executed, keep_records=True)
         total = len(workload)
@@ -574,6 +613,8 @@ class Simulator:
                     "ledger_prefix_cache": stats["prefix_cache"]}
         if host is not None:
             counters["host_blocks_used_at_end"] = host.num_used
+            counters["tiers"] = sched.tier_stats()
+            counters["transfers"] = transfers
         records.sort(key=lambda r: (r.arrival_s, r.request_id))
         return SimResult(cfg, dep, records, tl, driver.steps, preempt, counters, notes,
                          time.perf_counter() - wall0)

@@ -74,7 +74,7 @@ def run_diagnosis(
         model={"name": engine.model_name or model, "dtype": dtype, "kv_dtype": spec.kv_dtype,
                "pool_blocks": engine.ledger.num_blocks, "block_size": spec.block_size, "block_bytes": spec.block_bytes,
                "kv_bytes_per_token": spec.bytes_per_token, "pool_bytes": store.nbytes,
-               "host_blocks": engine.host_store.num_blocks if engine.host_store else 0},
+               "host_blocks": engine.host_store.num_blocks if engine.host_store else 0},  # every tier's slots
         device={"type": dev.type, "name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                 "allocator": sampler.providers.allocator.read().backend,
                 "device_reader": sampler.providers.device.read().backend},

@@ -23,7 +23,8 @@ from .tensors import CreationSites, StorageKey, TensorRegistry, TensorSample, sc
 def engine_registry(engine: Any) -> TensorRegistry:
     """The owners of an :class:`~kvledger.runtime.engine.Engine`'s tensors: its weights (and the other
     decoders the process keeps loaded) and their packed oneDNN copies on CPU, the device KV store, the host
-    tier, the attention backend's per-step workspace (index tensors and masks it keeps between steps)."""
+    tier, the transfers' staging buffer, the attention backend's per-step workspace (index tensors and masks it
+    keeps between steps)."""
     from .. import engine as engine_module
 
     reg = TensorRegistry()
@@ -33,6 +34,9 @@ def engine_registry(engine: Any) -> TensorRegistry:
     reg.register("kv/device", engine.runner.store)
     if engine.host_store is not None:
         reg.register("kv/host", engine.host_store)
+    transfers = getattr(engine, "transfers", None)
+    if transfers is not None:
+        reg.register("staging", lambda: [transfers.staging], call=True)  # the bounded transfer buffer
     reg.register("workspace", engine.runner.backend)
     return reg
 

@@ -1,0 +1,131 @@
+"""Tier planning: the scheduler's side of demotion, promotion and swapping to the tiers below the pool.
+
+Mixed into :class:`~kvledger.scheduler.scheduler.Scheduler`. The scheduler's ``host`` is a
+:class:`~kvledger.core.tiers.TierLedger` (a :class:`~kvledger.scheduler.host.HostPool` is one with a
+single ``host`` tier). Swapped requests take *held* slots of it (:meth:`Scheduler.preempt`). With
+``SchedulerConfig.offload_prefixes`` the ledger is attached to it, so that:
+
+* the retained prefix blocks next in line for eviction are **written back** (``plan.writeback``, with
+  the ``plan.tier_moves`` that make room below): copied down while they stay on the device, beside the
+  step's compute, so that evicting them later copies nothing; and each tier but the last keeps
+  ``writeback_blocks`` slots free by **spilling** its coldest entries one tier down (``plan.tier_moves``);
+* a retained block the device pool evicts before any write-back reached it is **demoted** urgently
+  (``plan.demote``): its bytes are read out before anything in the step writes the block;
+* a request about to be admitted gets the prompt blocks the tiers hold for its trust group **promoted**
+  (``plan.promote``): device blocks indexed and leased until ``confirm``, then shared by its admission
+  as ordinary prefix hits. Promotion is attempted only when the admission would succeed anyway, so a
+  request that must wait never drags its prefix up just to have it evicted again.
+
+Every transfer of a step completes within that step; ``confirm`` makes the written slots readable and
+frees the drained ones (:meth:`TierLedger.complete`). ``restore_ahead`` keeps a request whose blocks arrive
+this step from computing until the next one (see :mod:`kvledger.scheduler.transfers` for why that lets
+the transfer hide). A failed transfer (:meth:`TierPlanning.transfers_failed`) drops the tier entries it was
+writing and takes the identity of the device blocks it was filling, so no tenant is ever served bytes that
+did not arrive.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ..core.tiers import TierLedger
+from ..errors import ConfigError
+from .plan import Branch, StepPlan
+
+if TYPE_CHECKING:
+    from .scheduler import Scheduler
+
+
+class TierPlanning:
+    """Mixed into the Scheduler (its ``ledger``, ``host``, ``config`` and swap leases)."""
+
+    def _setup_tiers(self: Scheduler) -> None:
+        host = self.host
+        if host is not None and not isinstance(host, TierLedger):
+            raise ConfigError(f"the scheduler's host tier must be a TierLedger or HostPool, got {type(host).__name__}")
+        self._arriving: set[str] = set()  # requests whose blocks arrive from a tier this step
+        self.promoted_tokens = 0
+        if self.config.offload_prefixes:
+            if host is None or host.num_blocks == 0:
+                raise ConfigError("offload_prefixes needs tiers below the device pool (a host or disk tier)")
+            self.ledger.attach_tiers(host)  # ConfigError without prefix caching
+
+    @property
+    def offloading(self: Scheduler) -> bool:
+        return self.host is not None and self.ledger.tiers is self.host
+
+    def _promote(self: Scheduler, unit: list[Branch], plan: StepPlan, request: Any, keep_free: int) -> None:
+        """Before ``unit``'s admission: promote the prompt blocks the tiers hold for it, if it fits now."""
+        if not self.offloading or not self.host.index:
+            return
+        ledger = self.ledger
+        if not ledger.can_admit(request, keep_free).admitted:
+            return
+        pairs, lease = ledger.promote_from_tiers(request, f"{self.lease_owner} promote step {plan.step}", keep_free)
+        if lease is None:
+            return
+        self._swap_leases.append(lease)  # ended at confirm, when the transfer is done
+        plan.promote.extend(pairs)
+        self.promoted_tokens += len(pairs) * ledger.block_size
+        if self.config.restore_ahead:
+            self._arriving.add(unit[0].request.request_id)
+
+    def _plan_writeback(self: Scheduler) -> None:
+        """Copy down, ahead of their eviction, the retained blocks the next ``writeback_blocks`` allocations
+        beyond the free list would evict (only those not below already). Planned after everything else
+        of the step: these blocks are nobody's in this plan, so nothing writes them while they are read."""
+        budget = self.config.writeback_blocks
+        pool = self.ledger.pool
+        tiers = self.host
+        # Each tier but the last keeps ``budget`` slots free by spilling its coldest entries one tier down,
+        # so that urgent demotions find a free fast slot instead of dropping a cached entry.
+        for i in range(len(tiers.names) - 1):
+            short = budget - tiers.free_in(i)
+            if short > 0:
+                tiers.spill(i, short)
+        need = budget - pool.num_free
+        if need <= 0 or not pool.num_retained:
+            return
+        peek = getattr(pool.retained, "peek", None)
+        candidates = peek(budget) if peek is not None else pool.retained.blocks()[:budget]
+        digest, group = pool.digest, pool.group
+        for block in candidates:
+            d = digest[block]
+            if d is None or d in tiers.index:
+                continue
+            tiers.demote(block, d, group[block], urgent=False)
+            need -= 1
+            if need <= 0:
+                return
+
+    def _take_tier_ops(self: Scheduler, plan: StepPlan) -> None:
+        """Demotions, write-backs and moves the ledger decided since the last step go into this plan."""
+        if not self.offloading:
+            return
+        if self.config.writeback_blocks:
+            self._plan_writeback()
+        lists = {"demote": plan.demote, "move": plan.tier_moves, "writeback": plan.writeback}
+        for op in self.host.take_ops():
+            lists[op.kind].append((op.src, op.dst))
+
+    def _complete_tiers(self: Scheduler) -> None:
+        if self.host is not None:
+            self.host.complete()
+        self._arriving.clear()
+
+    def transfers_failed(self: Scheduler, plan: StepPlan) -> None:
+        """The executor could not complete ``plan``'s tier transfers: the entries they were writing are
+        dropped, and the promoted device blocks lose their identity (their requests fail with the step)."""
+        if self.host is not None:
+            self.host.discard([s for _, s in (*plan.demote, *plan.tier_moves, *plan.writeback)])
+        if plan.promote:
+            self.ledger.invalidate([d for _, d in plan.promote])
+
+    def tier_stats(self: Scheduler) -> dict[str, Any]:
+        """Slots by tier and state, the flow of cached entries, and promoted prefix tokens."""
+        if self.host is None:
+            return {}
+        return {**self.host.stats(), "promoted_tokens": self.promoted_tokens, "offload_prefixes": self.offloading}
+
+
+__all__ = ["TierPlanning"]

@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvledger-installed
 NATIVE_SRC   := $(wildcard src/kvledger/runtime/native/csrc/*.cpp) src/kvledger/runtime/native/__init__.py
 NATIVE_STAMP := $(VENV)/.kvledger-native
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench clean fuzz mutation
 
 install: $(STAMP) $(NATIVE_STAMP)
 
@@ -32,6 +32,32 @@ test: install
 	@bash scripts/ensure_chromium.sh
 	$(PY) -m pytest
 
+# The long randomised search (docs/testing.md). `make test` runs a few seconds of the same fuzz on a new
+# seed; this runs FUZZ_SECONDS per part (ledger operations, 16-32 threads, scheduler episodes) with the
+# C part (each episode also run on the pure-Python core, the two compared) and again with
+# KVLEDGER_NATIVE=0, then the Hypothesis properties under the randomised `fuzz` profile. FUZZ_SEED=N
+# replays a run; a failure prints the one command that replays its episode.
+FUZZ_SECONDS ?= 120
+FUZZ_SEED    ?=
+FUZZ_ARGS     = --seconds $(FUZZ_SECONDS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
+fuzz: install
+	@status=0; \
+	$(PY) tests/fuzzing.py $(FUZZ_ARGS) || status=1; \
+	KVLEDGER_NATIVE=0 $(PY) tests/fuzzing.py $(FUZZ_ARGS) || status=1; \
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/test_ledger_state_machine.py \
+	  tests/test_ledger_family.py tests/test_lifetimes.py tests/test_native_core.py || status=1; \
+	exit $$status
+
+# Mutation testing of core/ and scheduler/ (docs/testing.md): mutmut, pinned here, one worker at low
+# priority, module by module, with KVLEDGER_NATIVE=0; then the kill rate per module. MUTATE picks
+# modules, e.g. `make mutation MUTATE=kvledger.scheduler.victims` (default: both packages, a few hours).
+# The same pin as pyproject.toml's `mutation` extra.
+MUTMUT ?= mutmut==3.8.1
+MUTATE ?=
+mutation: install
+	@$(PY) -m pip install -q --disable-pip-version-check '$(MUTMUT)'
+	$(PY) tests/mutation.py run $(MUTATE)
+
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
 
@@ -41,4 +67,4 @@ bench: install
 	$(PY) benchmarks/runtime_decode.py --reps 1
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .hypothesis src/*.egg-info src/kvledger/runtime/native/_build src/kvledger/core/_native*.so
+	rm -rf $(VENV) build dist .pytest_cache .hypothesis mutants src/*.egg-info src/kvledger/runtime/native/_build src/kvledger/core/_native*.so

@@ -45,3 +45,17 @@ def _bound_shrinking(max_shrinks: int, max_seconds: int) -> None:
 
 if PROFILE == "deterministic":
     _bound_shrinking(max_shrinks=100, max_seconds=10)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # noqa: ANN001 -- pytest's hook
+    """Print the short fuzz's seed and operation counts (tests/test_fuzz_short.py), pass or fail, so a
+    run can be replayed."""
+    import sys
+
+    for name in ("tests.test_fuzz_short", "test_fuzz_short"):
+        module = sys.modules.get(name)
+        if module is not None and getattr(module, "SUMMARY", None):
+            terminalreporter.write_sep("-", "randomised fuzz (new seed each run; KVLEDGER_FUZZ_SEED=N replays)")
+            for line in module.SUMMARY:
+                terminalreporter.write_line(line)
+            return

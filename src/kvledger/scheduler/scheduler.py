@@ -182,6 +182,9 @@ class Scheduler(AdmissionOps, TierPlanning):
         restored_owner: dict[int, str] = {}
         for br in self._restored:
             restored_owner.update(dict.fromkeys(br.host_blocks, br.request.request_id))
+        # A copy into a block swapped out this step fills it for the host copy: it is the victim's.
+        for d, h in plan.swap_out:
+            dst_owner.setdefault(d, host_owner.get(h))  # type: ignore[arg-type]
         return ([dst_owner.get(op.dst) for op in plan.copies], [host_owner.get(h) for _, h in plan.swap_out],
                 [restored_owner.get(h) for h, _ in plan.swap_in])
 
@@ -239,7 +242,7 @@ class Scheduler(AdmissionOps, TierPlanning):
         if not self._deferred or plan.swap_out:
             return
         live = self._live()
-        if live and all(br.deferred for br in live):
+        if live and all(self._stuck(brs) for brs in self.running.values()):
             # Deferring only helps while someone else can finish and free memory; when every running
             # request is stuck, waiting would be a deadlock, so one victim is recomputed instead.
             if len(self.running) > 1:
@@ -252,6 +255,14 @@ class Scheduler(AdmissionOps, TierPlanning):
                 # everything it could ever get.
                 for br in list(live):
                     self.end_branch(br, REJECTED_OUTGREW, plan)
+
+    @staticmethod
+    def _stuck(branches: list[Branch]) -> bool:
+        """A running request cannot advance this step: every branch deferred -- or, for beam search, any
+        one (its beams sample in step, so the driver holds back the others until the deferred one grows)."""
+        if branches[0].request.beam:
+            return any(br.deferred for br in branches)
+        return all(br.deferred for br in branches)
 
     def defer(self, br: Branch) -> None:
         """Skip ``br`` this step (it could not grow); it retries next step."""
@@ -349,6 +360,10 @@ class Scheduler(AdmissionOps, TierPlanning):
             assert self.host is not None
             host_of = dict(zip(blocks, self.host.allocate(len(blocks)), strict=True))
             plan.swap_out.extend(host_of.items())
+            # A copy-on-write copy recorded this step (a branch's first write into a shared tail) must
+            # still run: the executor makes copies before swap-outs, so the host gets the filled block.
+            # Taken now, because dropping the sequences below discards copies into their blocks.
+            plan.copies.extend(self.ledger.take_copies())
             # The device blocks stay until the copy to the host is done.
             lease = self.ledger.lease(blocks=blocks, owner=f"{self.lease_owner} swap-out step {plan.step}")
             plan.transfer_wait_s += self.costs.transfer.time_s(len(blocks), self.costs.block_bytes)

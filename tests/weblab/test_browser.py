@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -190,4 +191,30 @@ def test_bad_controls_show_one_message_in_the_page(lab_server, browser):
     page.locator("#reveal").click()
     expect(error).to_have_text("requests: must be <= 64 (got 100000)")
     _shot(page, "8-bad-input")
+    page.close()
+
+
+def test_a_bad_control_gets_the_controls_wording_whichever_answer_is_slower(lab_server, browser):
+    """Reveal asks the server twice (the ledger run and the score). Both refuse bad controls, with
+    different prefixes; when they were sent in parallel, whichever refusal arrived last wrote the message
+    line, so the wording depended on timing. Here the score is made to answer late on purpose."""
+    page = browser.new_page()
+    page.set_default_timeout(20_000)
+    slow: list[str] = []
+
+    def late_score(route) -> None:
+        slow.append(route.request.url)
+        time.sleep(0.5)  # the ledger run's refusal is on the page by now
+        route.continue_()
+
+    page.route("**/api/score", late_score)
+    page.goto(lab_server.url)
+    expect(page.locator("body")).to_have_attribute("data-ready", "true")
+    page.get_by_label("Requests", exact=True).fill("100000")
+    page.locator("#reveal").click()
+    error = page.locator("#predict-error")
+    expect(error).to_have_text("requests: must be <= 64 (got 100000)")
+    page.wait_for_timeout(1_000)  # long enough for a late answer to overwrite the line
+    expect(error).to_have_text("requests: must be <= 64 (got 100000)")
+    assert slow == []  # the score is not asked for controls the ledger refused
     page.close()

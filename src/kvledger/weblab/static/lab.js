@@ -292,8 +292,10 @@
     const controls = readControls();
     const prediction = readPrediction();
     const err = $("#predict-error");
-    const [score, lab] = await Promise.all([api("/api/score", {controls, prediction}, err),
-      api("/api/lab", controls, err)]);
+    // One after the other: both answers check the same controls and write the same message line, so
+    // in parallel whichever bad answer arrived last would decide the wording the learner sees.
+    const lab = await api("/api/lab", controls, err);
+    const score = await api("/api/score", {controls, prediction}, err);
     renderScore(score);
     renderLab(lab);
     state.revealed = {controls, prediction, first: summarize(lab)};

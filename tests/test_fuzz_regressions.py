@@ -6,10 +6,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-import pytest
-
 from kvledger.core.ledger import KVLedger
-from kvledger.errors import InvariantError
 from kvledger.scheduler import ConstantExecutor, Driver, GenRequest, HostPool, Scheduler, SchedulerConfig
 
 try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
@@ -82,9 +79,6 @@ def test_a_copy_on_write_copy_runs_before_its_block_is_swapped_out() -> None:
     assert s.host.num_free == 8
 
 
-@pytest.mark.xfail(strict=True, raises=InvariantError, reason="open: held-back beam works take the whole token "
-                   "budget, so a beam's lagging branch is never scheduled (found by the fuzz on 2026-12-01, on "
-                   "main's scheduler too; not fixed yet)")
 def test_held_back_beams_do_not_starve_a_lagging_beam_of_the_token_budget() -> None:
     """Found by the fuzz (scheduler episode seed 2045599137606; replay:
     ``.venv/bin/python tests/fuzzing.py --part scheduler --seed 2045599137606 --episodes 1 --ops 0``).
@@ -92,6 +86,51 @@ def test_held_back_beams_do_not_starve_a_lagging_beam_of_the_token_budget() -> N
     driver holds its other beams back; beam r1 (n=3, read_prefix_cache off) has two branches at their
     last prompt token and one, r1/2, with nothing computed. Every step plans the four decodes
     r6, r6/3, r1, r1/1 -- all held back -- and r1/2 never gets a token of budget; r1 defers nothing,
-    so the all-stuck rule never preempts anyone: no progress for 200 steps."""
+    so the all-stuck rule never preempts anyone: no progress for 200 steps. The scheduler now spends no
+    budget on a beam request's decodes unless all its beams decode together; r1/2's prefill runs."""
     sc = fuzzing.draw_scenario(random.Random(2045599137606))
     fuzzing.run_scenario(sc, Counter())
+
+
+def test_a_lagging_beam_gets_token_budget_while_its_siblings_wait_to_decode() -> None:
+    """Hand-made companion of the fuzz case above: pool of 10 blocks of 4, ``token_budget`` 4,
+    ``prefill_chunk`` 2, ``on_growth_failure="defer"``; two beam requests of width 3 (six beams, more
+    than the budget). Once memory runs short, one request has a deferred beam and the other a beam
+    whose prefill lags behind its siblings. The scheduler used to plan the ready beams' decodes first
+    -- four of them, the whole budget -- and beam search held them all back, so the lagging prefill
+    never ran: "no progress in 50 steps". Ready beams now wait (no budget spent) until every beam of
+    their request can decode together, and both searches finish."""
+    s = Scheduler(KVLedger(10, 4), SchedulerConfig(policy="incremental", token_budget=4, prefill_chunk=2,
+                                                   on_growth_failure="defer", watermark=0.0))
+    driver = Driver(s, ConstantExecutor(), check_every=1, stall_steps=50)
+    driver.submit(GenRequest("A", toks(7, 0), 6, n=3, beam=True))
+    driver.submit(GenRequest("B", toks(8, 900), 5, n=3, beam=True))
+    finished = {}
+    while driver.has_work():
+        for f in driver.step().finished:
+            finished[f.request.request_id] = f
+    assert sorted(finished) == ["A", "B"]
+    for rid, n_out in (("A", 6), ("B", 5)):
+        assert finished[rid].finish_reasons == ["length"] * 3, finished[rid].finish_reasons
+        assert [len(o) for o in finished[rid].outputs] == [n_out] * 3
+    assert s.num_live() == 0
+    s.check()
+
+
+def test_a_beam_wider_than_the_token_budget_is_refused_rather_than_stalling() -> None:
+    """Found while fixing the case above: beams decode in one step, so a beam request with more beams
+    than ``token_budget`` (3 beams, budget 2) could never take a step, and the driver stopped with "no
+    progress" (a scheduler bug). It now ends at admission with a reason that says why; a request
+    behind it runs."""
+    s = Scheduler(KVLedger(64, 4), SchedulerConfig(token_budget=2, watermark=0.0))
+    driver = Driver(s, ConstantExecutor(), check_every=1, stall_steps=50)
+    driver.submit(GenRequest("wide", toks(5, 0), 3, n=3, beam=True))
+    driver.submit(GenRequest("fits", toks(5, 100), 3, n=2, beam=True))
+    finished = {}
+    while driver.has_work():
+        for f in driver.step().finished:
+            finished[f.request.request_id] = f
+    assert finished["wide"].finish_reasons == ["never: more beams than token_budget (beams decode in one step)"]
+    assert finished["wide"].outputs == [[]]
+    assert finished["fits"].finish_reasons == ["length", "length"]
+    assert [len(o) for o in finished["fits"].outputs] == [3, 3]

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..core.types import Outcome, Request
-from .growth import NEVER_BRANCHES, NEVER_POOL, NEVER_QUOTA, REJECTED_NO_ROOM, REJECTED_OUTGREW
+from .growth import NEVER_BEAMS, NEVER_BRANCHES, NEVER_POOL, NEVER_QUOTA, REJECTED_NO_ROOM, REJECTED_OUTGREW
 from .plan import Admission, Branch, Status, StepPlan
 from .policies import reserve_tokens
 from .queue import WaitingQueue
@@ -177,6 +177,8 @@ class AdmissionOps:
             over_quota = False
             if len(unit) > max_running:
                 outcome = Outcome.NEVER  # more branches than may ever run at once
+            elif len(unit) > self.config.token_budget and unit[0].request.beam:
+                outcome = Outcome.NEVER  # a beam step decodes every beam at once: it could never run
             elif live + len(unit) > max_running:
                 break
             else:
@@ -184,6 +186,8 @@ class AdmissionOps:
             if outcome is Outcome.NEVER:
                 if len(unit) > max_running:
                     why = NEVER_BRANCHES
+                elif unit[0].request.beam and len(unit) > self.config.token_budget:
+                    why = NEVER_BEAMS
                 elif over_quota:
                     why = NEVER_QUOTA
                 else:  # a preempted family that no longer fits even the empty pool outgrew it

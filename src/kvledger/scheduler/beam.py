@@ -177,7 +177,10 @@ class BeamSearch:
 
     * :meth:`hold_back` before the executor: a beam step needs every live beam's logits at the same
       length, so a request whose beams would not all sample at one position (a deferred beam, a
-      prefill cut by the token budget) samples none this step (decodes skipped, prefills one short);
+      prefill cut by the token budget) samples none this step (decodes skipped, prefills one short).
+      The scheduler plans by the same rule (``Scheduler._schedule_running``): it schedules a beam
+      request's decodes only when all its beams decode together, so what is held back here is at most
+      a lagging beam's completing prefill (trimmed) or a prefill of a request admitted this step;
     * :meth:`choose` before ``confirm``: from the executor's candidates, finished hypotheses, pruning,
       each surviving beam's first continuation as its sampled token, or the end of the search;
     * :meth:`fork` after ``confirm``: one new beam per further continuation.

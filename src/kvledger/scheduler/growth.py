@@ -25,6 +25,7 @@ REJECTED_OUTGREW = "rejected: the request outgrew the whole pool"
 REJECTED_NO_ROOM = "rejected: does not fit even with nothing else running"
 NEVER_POOL = "never: larger than the whole pool"
 NEVER_BRANCHES = "never: more branches than max_running"
+NEVER_BEAMS = "never: more beams than token_budget (beams decode in one step)"
 NEVER_QUOTA = "never: larger than its trust group's quota"
 
 # (scheduler, the branch that cannot grow, the plan being built, why) -> retry the append now?
@@ -77,5 +78,5 @@ GROWTH_ACTIONS.register("reject", GrowthAction(_reject), "end the branch with a 
 GROWTH_ACTIONS.register("headroom", GrowthAction(_preempt, keeps_headroom=True),
                         "admission keeps headroom_blocks free for growth; past that, as preempt")
 
-__all__ = ["GROWTH_ACTIONS", "NEVER_BRANCHES", "NEVER_POOL", "NEVER_QUOTA", "REJECTED_NO_MEMORY", "REJECTED_NO_ROOM",
-           "REJECTED_OUTGREW", "GrowthAction", "Handler"]
+__all__ = ["GROWTH_ACTIONS", "NEVER_BEAMS", "NEVER_BRANCHES", "NEVER_POOL", "NEVER_QUOTA", "REJECTED_NO_MEMORY",
+           "REJECTED_NO_ROOM", "REJECTED_OUTGREW", "GrowthAction", "Handler"]

@@ -58,6 +58,9 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._deferred: list[Branch] = []  # branches deferred this step (their flags are reset next step)
         self._decoding: list[Branch] = []  # the branch of each of the in-flight plan's decodes, in order
         self._steady: tuple[list[Branch], list[Branch]] | None = None  # see _grow_once
+        # Beam requests added and not finished: their beams sample in step (see _schedule_running), so
+        # while one runs, steps take the general path; other workloads never pay for the check per branch.
+        self._beam_ids: set[str] = set()
         self._growing = False  # a growth pass is under way: victims come from _victims
         self._victims: VictimQueue | None = None  # that pass's victims, from its first pick on
         # block -> (sequence, request) whose prefill in the plan being built completes it
@@ -81,6 +84,8 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._all[rid] = branches
         for br in branches:
             self._by_seq[br.seq_id] = br
+        if request.beam:
+            self._beam_ids.add(rid)
         self.waiting.append(list(branches))  # queues hold their own lists; _all keeps every branch
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> bool:
@@ -140,6 +145,7 @@ class Scheduler(AdmissionOps, TierPlanning):
             raise LedgerError(f"request {request_id!r} is not finished")
         branches = self.finished.pop(request_id)
         self._all.pop(request_id, None)
+        self._beam_ids.discard(request_id)
         for br in branches:
             self._by_seq.pop(br.seq_id, None)
         return branches
@@ -311,6 +317,10 @@ class Scheduler(AdmissionOps, TierPlanning):
                 for br in single:
                     br.in_ledger += 1
         if not rest:
+            beam_ids = self._beam_ids
+            if beam_ids and not irregular:
+                running = self.running
+                irregular = any(rid in running for rid in beam_ids)
             if not irregular:
                 # The steady state: every branch either decodes one token or continues a prefill,
                 # nothing was deferred, no lookahead. _schedule_running takes these lists as they are.
@@ -400,7 +410,15 @@ class Scheduler(AdmissionOps, TierPlanning):
 
     def _schedule_running(self, plan: StepPlan, budget: int) -> int:
         """Decodes first (one token each: they keep latency low), then prefill chunks in the budget
-        that is left. Requests admitted in this plan are scheduled by ``_admit``."""
+        that is left. Requests admitted in this plan are scheduled by ``_admit``.
+
+        A beam request's beams sample in step (``BeamSearch.hold_back`` drops the sampling works of a
+        request whose live beams would not all sample at one position), so budget is never spent on
+        decodes that would be dropped: a beam request decodes only when every live beam is at its last
+        token, undeferred, and the budget left covers all of them; otherwise its ready beams wait and
+        only its lagging beams' prefills are scheduled (one that completes is trimmed by hold_back, and
+        next step every beam decodes together). Spending the budget on held-back decodes instead
+        starved a lagging beam's prefill forever under a small token budget."""
         running = Status.RUNNING
         later: list[Branch] = []
         decodes = plan.decodes
@@ -429,6 +447,7 @@ class Scheduler(AdmissionOps, TierPlanning):
             walk = self.running.values()
         admitted = set(plan.admitted)
         restored = {br.seq_id for br in self._restored}
+        beam_ready: dict[str, list[Branch]] = {}  # beam request -> its beams ready to decode, waiting
         for branches in walk:
             for br in branches:
                 if br.deferred or br.status is not running:
@@ -443,6 +462,20 @@ class Scheduler(AdmissionOps, TierPlanning):
                     continue  # admitted now (scheduled by _admit), or its blocks arrive this step
                 c = br.computed
                 if n - c == 1 and not req.lookahead:
+                    if req.beam:
+                        # Decided when the request's last ready beam is seen (a family's branches are
+                        # walked together), so beam requests keep their place in the decode order.
+                        rid = req.request_id
+                        ready = beam_ready.setdefault(rid, [])
+                        ready.append(br)
+                        if len(ready) < len(self.running[rid]):
+                            continue
+                        del beam_ready[rid]
+                        if budget <= 0:
+                            return budget
+                        if budget >= len(ready):
+                            budget = self._decode_beams(ready, plan, budget)
+                        continue
                     if budget <= 0:
                         return budget
                     decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens)))
@@ -451,8 +484,36 @@ class Scheduler(AdmissionOps, TierPlanning):
                 else:
                     later.append(br)
         later.sort(key=lambda b: len(b.tokens) - b.computed > 1)  # lookahead decodes before prefills
+        first_late = len(decodes)
         for br in later:
             budget = self._schedule_branch(br, plan, budget)
+        if beam_ready:
+            budget = self._complete_beams(beam_ready, plan, first_late, budget)
+        return budget
+
+    def _decode_beams(self, ready: list[Branch], plan: StepPlan, budget: int) -> int:
+        """Schedule the decodes of a beam request's ready beams, in family order."""
+        decodes, decoding = plan.decodes, self._decoding
+        for br in ready:
+            tokens = br.tokens
+            n = len(tokens)
+            decodes.append(Work(br.seq_id, n - 1, n, True, 0, br.request, br.index, br.blocks, tokens))
+            decoding.append(br)
+        return budget - len(ready)
+
+    def _complete_beams(self, beam_ready: dict[str, list[Branch]], plan: StepPlan, first_late: int,
+                        budget: int) -> int:
+        """A lagging beam whose prefix hits turned its prefill into a decode (``_shared_start``) samples
+        at the same position as its waiting siblings: let those decode with it, or it is held back
+        alone every step."""
+        late: dict[str, int] = {}
+        for w in plan.decodes[first_late:]:
+            rid = w.request_id
+            if rid in beam_ready and w.end == len(beam_ready[rid][0].tokens):
+                late[rid] = late.get(rid, 0) + 1
+        for rid, ready in beam_ready.items():
+            if late.get(rid, 0) + len(ready) == len(self.running[rid]) and budget >= len(ready):
+                budget = self._decode_beams(ready, plan, budget)
         return budget
 
     def _schedule_branch(self, br: Branch, plan: StepPlan, budget: int) -> int:
@@ -652,6 +713,7 @@ class Scheduler(AdmissionOps, TierPlanning):
             if br.status is not Status.FINISHED:
                 br.status = Status.FINISHED
                 br.finish_reason = reason or br.finish_reason
+        self._beam_ids.discard(rid)
         if rid not in self.finished:
             self.finished[rid] = self._all[rid]
             self._finished_now.append(rid)

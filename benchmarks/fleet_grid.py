@@ -168,6 +168,12 @@ def main() -> None:
     ap.add_argument("--capacity", type=float, default=None,
                     help="--load-by rate: the fleet's capacity in requests/s (skip the saturation run)")
     args = ap.parse_args()
+    if args.pool_blocks is not None and args.pool_blocks < 1:
+        ap.error("--pool-blocks must be >= 1")
+    if args.saturation_requests < 10:
+        ap.error("--saturation-requests must be >= 10")
+    if args.capacity is not None and not (math.isfinite(args.capacity) and args.capacity > 0):
+        ap.error("--capacity must be a positive number of requests/s")
     if args.load_by == "rate":
         return main_by_rate(args)
     out = Path(args.out)
@@ -250,8 +256,6 @@ def main_by_rate(args: argparse.Namespace) -> None:
     bs = 512
     sim = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", block_size=bs)
     pool = args.pool_blocks if args.pool_blocks is not None else build_deployment(sim).pool_blocks
-    if pool < 1:
-        sys.exit("kvledger: error: --pool-blocks must be >= 1")
     sim = sim.with_values(pool_blocks=pool)
     native = offered_rate(reqs, args.duration_s)
     results: dict[str, Any] = {"trace": Path(args.trace).name, "load_by": "rate", "requests": len(reqs),
@@ -263,7 +267,7 @@ def main_by_rate(args: argparse.Namespace) -> None:
     if args.capacity:
         results["capacity"] = {"capacity_rps": args.capacity, "given": True}
     else:
-        results["capacity"] = saturation_capacity(reqs[:max(10, args.saturation_requests)], sim)
+        results["capacity"] = saturation_capacity(reqs[:args.saturation_requests], sim)
         print("saturation: " + fmt(results["capacity"]), flush=True)
     cap = results["capacity"]["capacity_rps"]
     loads = (("65%", 0.65), ("80%", 0.80))

@@ -7,6 +7,16 @@ about 65% and 80% mean use. Pools are sized from the unbounded run: the mean num
 has in use (held by running requests + promised) divided by 0.65 or 0.80; the measured mean use of each
 run is reported beside it.
 
+With --load-by rate, "65% / 80% load" is read as offered load instead: every replica gets a pool of
+--pool-blocks (default: what the inventory gives the model on the GPU, as `kvledger plan` does), the
+fleet's capacity in requests/s is measured by a saturation run (the slice's first --saturation-requests
+arrivals compressed 100x, so
+the queue never empties; round-robin routing, so no router's cache affinity is counted as capacity;
+requests finished per simulated second between the 10th and 90th percentile of finish times), and the
+slice's arrival times are scaled so the offered rate is 65% and 80% of that capacity (conversation turns
+keep their order; their gaps scale with the rest). Part 1 then
+runs at each load with those pools (no unbounded rows), and the grid on its slice scaled the same way.
+
 Part 2 (the first --grid-s seconds, 20 minutes by default): the staleness grid -- R in {1, 2, 4} routers,
 staleness in {0, 0.1, 1, 10} s, arm A (the router decides, the replica commits whatever it is sent) and
 arm B (the replica's ledger decides, the router retries), at both pool sizes. Per cell: overcommitted
@@ -19,6 +29,7 @@ the machine's load average (the decision times are wall-clock microseconds, nois
 
 Usage: python benchmarks/fleet_grid.py [--trace PATH] [--out DIR] [--duration-s S] [--grid-s S] [--pools P65,P80]
        [--skip-part1] [--skip-grid]
+       [--load-by rate [--pool-blocks N] [--capacity RPS]]
 """
 
 from __future__ import annotations
@@ -29,11 +40,12 @@ import math
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
-from kvledger.sim.simulator import SimConfig, Simulator, prefix_hit_bound
+from kvledger.sim.simulator import SimConfig, Simulator, build_deployment, prefix_hit_bound
 from kvledger.sim.workloads import load_mooncake, slice_requests
 
 TRACE = "../shared/traces/mooncake_fast25_conversation_trace.jsonl"
@@ -64,6 +76,33 @@ def run_single(reqs: list[Any], sim: SimConfig, pool: int) -> dict[str, Any]:
     s = Simulator(sim.with_values(pool_blocks=pool, tp=4)).run(reqs).summary()
     return {"routing": "single pool", "pool_blocks": pool, "hit_rate": s["prefix_hit_rate"],
             "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
+            "wall_s": round(time.perf_counter() - t, 1), "load": load()}
+
+
+def scaled(reqs: list[Any], factor: float) -> list[Any]:
+    """The same requests with every arrival time multiplied by `factor` (< 1: a higher rate)."""
+    return [replace(r, arrival_s=r.arrival_s * factor) for r in reqs]
+
+
+def offered_rate(reqs: list[Any], span_s: float | None) -> float:
+    """Requests per second the slice offers (over its window, or its arrival span)."""
+    span = span_s if span_s else max(r.arrival_s for r in reqs)
+    return len(reqs) / span
+
+
+def saturation_capacity(reqs: list[Any], sim: SimConfig) -> dict[str, Any]:
+    """The fleet's throughput (requests/s) with the queue never empty: arrivals compressed 100x,
+    round-robin routing (no cache affinity counted as capacity), arm B. Measured between the 10th and
+    the 90th percentile of finish times, so neither the ramp-up nor the drain of the last long requests
+    (when replicas sit idle) counts; completed / makespan is reported beside it."""
+    t = time.perf_counter()
+    fleet = FleetSimulator(FleetConfig(sim=sim, replicas=4, routers=1, staleness_s=0.0, routing="round-robin"))
+    s = fleet.run(scaled(reqs, 0.01)).summary
+    ends = sorted(m.finish_s for _, m in fleet.finished_metrics if m.finish_s is not None)
+    lo, hi = ends[len(ends) // 10], ends[(9 * len(ends)) // 10]
+    steady = ((9 * len(ends)) // 10 - len(ends) // 10) / (hi - lo) if hi > lo else s["completed"] / s["sim_duration_s"]
+    return {"capacity_rps": steady, "makespan_rps": s["completed"] / s["sim_duration_s"], "completed": s["completed"],
+            "sim_duration_s": s["sim_duration_s"], "hit_rate": s["hit_rate"], "mean_use": s["mean_use"],
             "wall_s": round(time.perf_counter() - t, 1), "load": load()}
 
 
@@ -117,7 +156,26 @@ def main() -> None:
     ap.add_argument("--skip-part1", action="store_true")
     ap.add_argument("--skip-grid", action="store_true")
     ap.add_argument("--pools", default=None, help="P65,P80 pool blocks per replica (skip the sizing run)")
+    ap.add_argument("--load-by", choices=("pool", "rate"), default="pool",
+                    help="pool: size pools for 65%%/80%% mean use at the trace's rate (default); rate: fixed pools, "
+                         "arrivals scaled to 65%%/80%% of the fleet's measured capacity")
+    ap.add_argument("--pool-blocks", type=int, default=None,
+                    help="--load-by rate: blocks per replica (default: the inventory's for the model on the GPU)")
+    ap.add_argument("--saturation-requests", type=int, default=400,
+                    help="--load-by rate: how many of the slice's first requests the saturation run uses (a few "
+                         "pool-fulls; more is slow -- the router rescans its queue on every retry -- and packs "
+                         "conversation turns together, which inflates the figure: see docs/fleet.md)")
+    ap.add_argument("--capacity", type=float, default=None,
+                    help="--load-by rate: the fleet's capacity in requests/s (skip the saturation run)")
     args = ap.parse_args()
+    if args.pool_blocks is not None and args.pool_blocks < 1:
+        ap.error("--pool-blocks must be >= 1")
+    if args.saturation_requests < 10:
+        ap.error("--saturation-requests must be >= 10")
+    if args.capacity is not None and not (math.isfinite(args.capacity) and args.capacity > 0):
+        ap.error("--capacity must be a positive number of requests/s")
+    if args.load_by == "rate":
+        return main_by_rate(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     everything = load_mooncake(args.trace)
@@ -186,6 +244,76 @@ def main() -> None:
                       "arm_b_overcommits": sum(r["overcommits"] for r in b),
                       "arm_a_r2plus_overcommits": sum(r["overcommits"] for r in a2),
                       "out": str(out)}), flush=True)
+
+
+def main_by_rate(args: argparse.Namespace) -> None:
+    """65% / 80% load as offered rate over the fleet's measured capacity, with pools of a real size."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    everything = load_mooncake(args.trace)
+    reqs = slice_requests(everything, end_s=args.duration_s) if args.duration_s else everything
+    grid_reqs = slice_requests(everything, end_s=args.grid_s)
+    bs = 512
+    sim = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", block_size=bs)
+    pool = args.pool_blocks if args.pool_blocks is not None else build_deployment(sim).pool_blocks
+    sim = sim.with_values(pool_blocks=pool)
+    native = offered_rate(reqs, args.duration_s)
+    results: dict[str, Any] = {"trace": Path(args.trace).name, "load_by": "rate", "requests": len(reqs),
+                               "grid_requests": len(grid_reqs), "block_size": bs, "model": "llama-3.1-8b",
+                               "gpu": "h100-80gb", "pool_blocks": pool, "native_rps": native,
+                               "bound": prefix_hit_bound(reqs, bs)["bound"]}
+    print(f"{len(reqs)} requests at {native:.3f}/s; single-pool bound {results['bound']:.4f}; "
+          f"{pool} blocks of {bs} tokens per replica", flush=True)
+    if args.capacity:
+        results["capacity"] = {"capacity_rps": args.capacity, "given": True}
+    else:
+        results["capacity"] = saturation_capacity(reqs[:args.saturation_requests], sim)
+        print("saturation: " + fmt(results["capacity"]), flush=True)
+    cap = results["capacity"]["capacity_rps"]
+    loads = (("65%", 0.65), ("80%", 0.80))
+    factors = {label: native / (frac * cap) for label, frac in loads}
+    results["time_scale"] = factors
+    print(f"capacity {cap:.3f} req/s; arrival times x " + ", ".join(f"{k}: {v:.4g}" for k, v in factors.items()),
+          flush=True)
+    part1: list[dict[str, Any]] = []
+    if not args.skip_part1:
+        for label, _ in loads:
+            lreqs = scaled(reqs, factors[label])
+            for kw in (dict(staleness_s=0.0), dict(staleness_s=1.0, routers=4),
+                       dict(routing="round-robin", staleness_s=0.0)):
+                row = run_fleet(lreqs, sim, **{"replicas": 4, "routers": 1, **kw})
+                row["label"] = label
+                part1.append(row)
+                print(fmt(row), flush=True)
+                results["part1"] = part1
+                (out / "results.json").write_text(json.dumps(results, indent=1))
+            row = run_single(lreqs, sim, 4 * pool)
+            row["label"] = label
+            part1.append(row)
+            print(fmt(row), flush=True)
+        results["part1"] = part1
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    grid: list[dict[str, Any]] = []
+    if not args.skip_grid:
+        for label, _ in loads:
+            greqs = scaled(grid_reqs, factors[label])
+            for routers in (1, 2, 4):
+                for staleness in (0.0, 0.1, 1.0, 10.0):
+                    for arm in ("A", "B"):
+                        row = run_fleet(greqs, sim, replicas=4, routers=routers, staleness_s=staleness, arm=arm)
+                        row["label"] = label
+                        grid.append(row)
+                        print(fmt(row), flush=True)
+                        results["grid"] = grid
+                        (out / "results.json").write_text(json.dumps(results, indent=1))
+        plot(grid, out / "overcommits.png")
+    results["grid"] = grid
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    b = [r for r in grid if r["arm"] == "B"]
+    a2 = [r for r in grid if r["arm"] == "A" and r["routers"] >= 2]
+    print(json.dumps({"bench": "fleet_grid", "load_by": "rate", "requests": len(reqs), "pool_blocks": pool,
+                      "capacity_rps": cap, "arm_b_overcommits": sum(r["overcommits"] for r in b),
+                      "arm_a_r2plus_overcommits": sum(r["overcommits"] for r in a2), "out": str(out)}), flush=True)
 
 
 if __name__ == "__main__":

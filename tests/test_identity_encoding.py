@@ -7,7 +7,7 @@ import struct
 
 import pytest
 
-from kvledger.core.identity import CacheContext, _encode_value
+from kvledger.core.identity import CacheContext, _encode_value, token_bytes
 from kvledger.errors import ConfigError
 
 
@@ -74,3 +74,32 @@ def test_bad_values_are_shown_short() -> None:
     with pytest.raises(ConfigError) as err:
         CacheContext(extra=((exact, [0]),))  # type: ignore[arg-type]
     assert f"CacheContext.extra[{exact!r}]" in str(err.value)
+
+
+def test_false_has_its_one_byte_encoding() -> None:
+    assert _encode_value(False, "v") == b"b" + struct.pack("<Q", 1) + b"\x00"
+    assert _encode_value(True, "v") == b"b" + struct.pack("<Q", 1) + b"\x01"
+
+
+def test_lone_surrogates_in_keys_and_values_are_identities_of_their_own() -> None:
+    # "surrogatepass" keeps the encoding injective for strings Python allows but UTF-8 does not.
+    a = CacheContext(extra=(("\ud800", "\udfff"),))
+    b = CacheContext(extra=(("\ud801", "\udfff"),))
+    c = CacheContext(extra=(("\ud800", "\udffe"),))
+    assert len({a.root_digest(), b.root_digest(), c.root_digest()}) == 3
+
+
+def test_malformed_extra_entries_and_repeated_keys_are_named_in_the_message() -> None:
+    with pytest.raises(ConfigError) as err:
+        CacheContext(extra=(("a", 1, 2),))  # type: ignore[arg-type]
+    assert str(err.value) == "CacheContext.extra entries must be (str key, value) pairs, got tuple"
+    with pytest.raises(ConfigError) as err:
+        CacheContext(extra=(("a", 1), ("a", 2)))
+    assert str(err.value) == "CacheContext.extra names a key twice"
+
+
+def test_a_bad_token_id_says_what_token_ids_must_be() -> None:
+    with pytest.raises(ConfigError, match=r"^token ids must be integers in \[0, 2\*\*32\): "):
+        token_bytes([1, -1])
+    with pytest.raises(ConfigError, match=r"^token ids must be integers in \[0, 2\*\*32\): "):
+        token_bytes([2**32])

@@ -147,6 +147,20 @@ def plot(grid: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+
+def run_cells(grid: list[dict[str, Any]], reqs: list[Any], sim: SimConfig, label: str, results: dict[str, Any],
+              out: Path) -> None:
+    """One pool's (or load's) cells of the grid: routers x staleness x arm, saved after each cell."""
+    for routers in (1, 2, 4):
+        for staleness in (0.0, 0.1, 1.0, 10.0):
+            for arm in ("A", "B"):
+                row = run_fleet(reqs, sim, replicas=4, routers=routers, staleness_s=staleness, arm=arm)
+                row["label"] = label
+                grid.append(row)
+                print(fmt(row), flush=True)
+                results["grid"] = grid
+                (out / "results.json").write_text(json.dumps(results, indent=1))
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=TRACE)
@@ -225,16 +239,7 @@ def main() -> None:
     grid: list[dict[str, Any]] = []
     if not args.skip_grid:
         for label, pool in (("65%", p65), ("80%", p80)):
-            for routers in (1, 2, 4):
-                for staleness in (0.0, 0.1, 1.0, 10.0):
-                    for arm in ("A", "B"):
-                        row = run_fleet(grid_reqs, sim.with_values(pool_blocks=pool), replicas=4, routers=routers,
-                                        staleness_s=staleness, arm=arm)
-                        row["label"] = label
-                        grid.append(row)
-                        print(fmt(row), flush=True)
-                        results["grid"] = grid
-                        (out / "results.json").write_text(json.dumps(results, indent=1))
+            run_cells(grid, grid_reqs, sim.with_values(pool_blocks=pool), label, results, out)
         plot(grid, out / "overcommits.png")
     results["grid"] = grid
     (out / "results.json").write_text(json.dumps(results, indent=1))
@@ -296,16 +301,7 @@ def main_by_rate(args: argparse.Namespace) -> None:
     grid: list[dict[str, Any]] = []
     if not args.skip_grid:
         for label, _ in loads:
-            greqs = scaled(grid_reqs, factors[label])
-            for routers in (1, 2, 4):
-                for staleness in (0.0, 0.1, 1.0, 10.0):
-                    for arm in ("A", "B"):
-                        row = run_fleet(greqs, sim, replicas=4, routers=routers, staleness_s=staleness, arm=arm)
-                        row["label"] = label
-                        grid.append(row)
-                        print(fmt(row), flush=True)
-                        results["grid"] = grid
-                        (out / "results.json").write_text(json.dumps(results, indent=1))
+            run_cells(grid, scaled(grid_reqs, factors[label]), sim, label, results, out)
         plot(grid, out / "overcommits.png")
     results["grid"] = grid
     (out / "results.json").write_text(json.dumps(results, indent=1))

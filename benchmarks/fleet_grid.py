@@ -29,7 +29,7 @@ the machine's load average (the decision times are wall-clock microseconds, nois
 
 Usage: python benchmarks/fleet_grid.py [--trace PATH] [--out DIR] [--duration-s S] [--grid-s S] [--pools P65,P80]
        [--skip-part1] [--skip-grid]
-       [--load-by rate [--pool-blocks N] [--capacity RPS]]
+       [--load-by rate [--pool-blocks N] [--capacity RPS] [--host-pool BYTES]]
 """
 
 from __future__ import annotations
@@ -44,15 +44,17 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvledger.errors import KVLedgerError
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
 from kvledger.sim.simulator import SimConfig, Simulator, build_deployment, prefix_hit_bound
 from kvledger.sim.workloads import load_mooncake, slice_requests
+from kvledger.units import parse_bytes
 
 TRACE = "../shared/traces/mooncake_fast25_conversation_trace.jsonl"
 KEYS = ("overcommits", "max_overshoot", "refusals_per_request", "deferred_requests", "deferral_p50_s",
         "deferral_p99_s", "hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "max_prefill_share", "mean_use",
         "view_age_mean_s", "view_age_p99_s", "decision_us_p50", "decision_us_p99", "rejected", "completed",
-        "cross_tenant_hit_blocks")
+        "cross_tenant_hit_blocks", "promoted_tokens")
 
 
 def load() -> str:
@@ -70,10 +72,16 @@ def run_fleet(reqs: list[Any], sim: SimConfig, **kw: Any) -> dict[str, Any]:
     return row
 
 
-def run_single(reqs: list[Any], sim: SimConfig, pool: int) -> dict[str, Any]:
-    """One replica with the fleet's total pool and tp=4 (about the fleet's compute)."""
+def run_single(reqs: list[Any], sim: SimConfig, pool: int, replicas: int = 4) -> dict[str, Any]:
+    """One replica with the fleet's total pool and tp=4 (about the fleet's compute), and with a host tier
+    the fleet's total host slots (a block of one tp=4 rank is a quarter of a replica's, so the bytes are
+    scaled to keep the slot count)."""
     t = time.perf_counter()
-    s = Simulator(sim.with_values(pool_blocks=pool, tp=4)).run(reqs).summary()
+    single = sim.with_values(pool_blocks=pool, tp=4)
+    if sim.host_pool_bytes:
+        slots = replicas * build_deployment(sim).host_blocks
+        single = single.with_values(host_pool_bytes=slots * build_deployment(single).block_bytes)
+    s = Simulator(single).run(reqs).summary()
     return {"routing": "single pool", "pool_blocks": pool, "hit_rate": s["prefix_hit_rate"],
             "ttft_mean_s": s["ttft_s"]["mean"], "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"],
             "wall_s": round(time.perf_counter() - t, 1), "load": load()}
@@ -181,7 +189,17 @@ def main() -> None:
                          "conversation turns together, which inflates the figure: see docs/fleet.md)")
     ap.add_argument("--capacity", type=float, default=None,
                     help="--load-by rate: the fleet's capacity in requests/s (skip the saturation run)")
+    ap.add_argument("--host-pool", default="0",
+                    help="--load-by rate: a host tier per replica (e.g. 164GiB) below the device pool, with evicted "
+                         "prefix blocks demoted to it and promoted back on a hit (offload_prefixes); the saturation "
+                         "run and the single pool get the same tiers")
     args = ap.parse_args()
+    try:
+        args.host_pool = parse_bytes(args.host_pool, allow_zero=True)
+    except KVLedgerError as e:
+        ap.error(f"--host-pool: {e}")
+    if args.host_pool and args.load_by != "rate":
+        ap.error("--host-pool needs --load-by rate")
     if args.pool_blocks is not None and args.pool_blocks < 1:
         ap.error("--pool-blocks must be >= 1")
     if args.saturation_requests < 10:
@@ -262,13 +280,17 @@ def main_by_rate(args: argparse.Namespace) -> None:
     sim = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", block_size=bs)
     pool = args.pool_blocks if args.pool_blocks is not None else build_deployment(sim).pool_blocks
     sim = sim.with_values(pool_blocks=pool)
+    if args.host_pool:
+        sim = sim.with_values(host_pool_bytes=args.host_pool, offload_prefixes=True)
     native = offered_rate(reqs, args.duration_s)
     results: dict[str, Any] = {"trace": Path(args.trace).name, "load_by": "rate", "requests": len(reqs),
                                "grid_requests": len(grid_reqs), "block_size": bs, "model": "llama-3.1-8b",
                                "gpu": "h100-80gb", "pool_blocks": pool, "native_rps": native,
+                               "host_pool_bytes": args.host_pool, "host_blocks": build_deployment(sim).host_blocks,
                                "bound": prefix_hit_bound(reqs, bs)["bound"]}
     print(f"{len(reqs)} requests at {native:.3f}/s; single-pool bound {results['bound']:.4f}; "
-          f"{pool} blocks of {bs} tokens per replica", flush=True)
+          f"{pool} blocks of {bs} tokens per replica"
+          + (f" + {results['host_blocks']} host blocks (offload_prefixes)" if args.host_pool else ""), flush=True)
     if args.capacity:
         results["capacity"] = {"capacity_rps": args.capacity, "given": True}
     else:
@@ -308,6 +330,7 @@ def main_by_rate(args: argparse.Namespace) -> None:
     b = [r for r in grid if r["arm"] == "B"]
     a2 = [r for r in grid if r["arm"] == "A" and r["routers"] >= 2]
     print(json.dumps({"bench": "fleet_grid", "load_by": "rate", "requests": len(reqs), "pool_blocks": pool,
+                      "host_blocks": results["host_blocks"],
                       "capacity_rps": cap, "arm_b_overcommits": sum(r["overcommits"] for r in b),
                       "arm_a_r2plus_overcommits": sum(r["overcommits"] for r in a2), "out": str(out)}), flush=True)
 

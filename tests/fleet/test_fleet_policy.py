@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.core.ledger import KVLedger
+from kvledger.core.tiers import TierLedger
 from kvledger.core.types import Request
 from kvledger.errors import ConfigError, InvariantError
 from kvledger.fleet.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap
@@ -115,6 +116,67 @@ def test_cache_event_tap_numbers_events_and_reports_gaps():
     events, nxt2, complete = tap.since(0)
     assert not complete  # the oldest were dropped: a reader this far behind must resync
     assert nxt2 == tap.seq == 8
+
+
+def _held(tap: CacheEventTap, block_size: int, digests: list[bytes]) -> int:
+    """How many leading ``digests`` a router fed only with ``tap``'s events believes the replica holds."""
+    view = RouterView(block_size, ScoreConfig(min_match_tokens=0), seed=0)
+    view.set_replicas(["r0"])
+    events, nxt, complete = tap.since(0)
+    assert complete
+    view.apply_events("r0", events, nxt)
+    return view.index.matches(digests, ["r0"])["r0"]
+
+
+def test_a_prefix_demoted_to_the_host_tier_still_counts_as_the_replicas_until_the_tier_drops_it():
+    """The replica publishes what it holds anywhere: a block demoted to host memory is a hit there (it is
+    promoted, not recomputed), so routers must not forget it when the device evicts it."""
+    tiers = TierLedger([("host", 8)])
+    tap = CacheEventTap()
+    ledger = KVLedger(5, BS, events=tap)
+    ledger.attach_tiers(tiers)
+    tap.attach_tiers(tiers)
+    tokens = list(range(4 * BS))
+    digests = prompt_digests(ctx().root_digest(), tokens, BS)
+    ledger.admit(Request("a", tokens, 1, ctx())).raise_for_outcome()
+    ledger.mark_computed("a", len(tokens))
+    ledger.release("a")
+    assert _held(tap, BS, digests) == 4
+    # Another prompt needs 4 blocks: 1 free + 3 of a's evicted from the device, demoted to the host tier.
+    ledger.admit(Request("b", list(range(500, 500 + 4 * BS)), 1, ctx())).raise_for_outcome()
+    tiers.complete()
+    assert len(tiers.index) == 3 and ledger.pool.evictions == 3
+    assert _held(tap, BS, digests) == 4  # without the tiers attached to the tap: 1
+    kinds = [k for k, _ in tap.since(0)[0]]
+    assert "evicted" not in kinds  # the device evictions were no news: the blocks were still held below
+    # Promotion takes them off the tier and onto the device: held all along.
+    ledger.mark_computed("b", 4 * BS)
+    ledger.release("b")
+    again = Request("c", tokens + [1], 1, ctx())
+    pairs, lease = ledger.promote_from_tiers(again, owner="promote")
+    assert len(pairs) == 3 and lease is not None
+    assert _held(tap, BS, digests) == 4
+    ledger.end_lease(lease)
+    tiers.complete()
+    ledger.check()
+    tiers.check()
+    # A cache reset drops the tiers' entries and the device's: now the replica holds nothing of it.
+    ledger.admit(again).raise_for_outcome()
+    ledger.release("c")
+    ledger.reset_prefix_cache()
+    tiers.clear_cache()
+    assert _held(tap, BS, digests) == 0
+
+
+def test_a_tap_attaches_tiers_only_before_anything_is_cached():
+    tiers = TierLedger([("host", 4)])
+    tap = CacheEventTap()
+    ledger = KVLedger(8, BS, events=tap)
+    ledger.admit(Request("a", list(range(2 * BS)), 1, ctx())).raise_for_outcome()
+    with pytest.raises(ConfigError, match="before anything is cached"):
+        tap.attach_tiers(tiers)
+    with pytest.raises(ConfigError, match="TierLedger"):
+        CacheEventTap().attach_tiers(object())
 
 
 # ---- the view and the score -----------------------------------------------------------------------
@@ -258,6 +320,32 @@ def test_round_robin_and_score_both_complete_and_score_hits_more():
         assert out[routing]["completed"] == 60
     assert out["score"]["hit_rate"] > out["round-robin"]["hit_rate"]
     assert out["score"]["decision_us_p99"] is not None  # measured and reported, never asserted on
+
+
+def test_replicas_with_a_host_tier_promote_demoted_prefixes_and_arm_b_still_never_overcommits():
+    """Pools too small to keep the shared prefixes on the device: with a host tier below each replica and
+    offload_prefixes, evicted prefix blocks come back as hits (promoted), the router keeps sending their
+    requests to the replica that holds them, and every law holds after every admission."""
+    reqs = synthetic(80, arrivals=Poisson(20.0), prompt_len=32, output_len=8, system_prompts=8,
+                     system_prompt_len=256, shared_fraction=1.0, seed=5)
+    base = SimConfig(model="smollm2-135m", gpu="stub", profile=STUB, pool_blocks=40, block_size=BS)
+    block_bytes = FleetSimulator(FleetConfig(sim=base)).dep.block_bytes
+    out = {}
+    for name, sim in (("device only", base),
+                      ("host tier", base.with_values(host_pool_bytes=400 * block_bytes, offload_prefixes=True))):
+        for routers, staleness in ((1, 0.0), (3, 0.5)):
+            cfg = FleetConfig(sim=sim, replicas=3, routers=routers, staleness_s=staleness, arm="B", check=True,
+                              seed=2, score=ScoreConfig(min_match_tokens=64))
+            s = FleetSimulator(cfg).run(reqs).summary
+            assert s["overcommits"] == 0 and s["completed"] == 80 and s["cross_tenant_hit_blocks"] == 0
+            out[name, routers] = s
+    for routers in (1, 3):
+        tier, device = out["host tier", routers], out["device only", routers]
+        assert device["promoted_tokens"] == 0 and tier["promoted_tokens"] > 0
+        assert tier["hit_rate"] > device["hit_rate"] + 0.2
+    # Affinity survives demotion: a router that forgets a prefix once the device evicts it (the tap not
+    # publishing the tier's entries) sends its requests elsewhere and gets 0.64 here, against 0.76.
+    assert out["host tier", 1]["hit_rate"] > 0.72
 
 
 def test_fleet_config_is_checked():

@@ -285,7 +285,9 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               "requests); without it the trace's groups are used.")
 @click.option("--trust-groups", default=None, help="trace | request | N (spread requests over N tenants).")
 @click.option("--host-pool", type=Size(allow_zero=True), default="0", show_default=True,
-              help="Host tier for swapped KV, e.g. 64GiB.")
+              help="Host tier for swapped KV, e.g. 64GiB (per replica with --replicas).")
+@click.option("--offload-prefixes", is_flag=True,
+              help="Demote evicted prefix blocks to the host tier and promote them on a hit (needs --host-pool).")
 @click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
               help="Fraction of device memory the pool sizing may use.")
 @click.option("--pool-blocks", type=Int(1, MAX_POOL_BLOCKS), default=None,
@@ -364,8 +366,9 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                  output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str, tp: int,
                  policy: str, block_size: int, prefix_cache: str, eviction: str, isolate_groups: bool,
                  trust_groups: str | None,
-                 host_pool: int, utilization: float, pool_blocks: int | None, device_memory: int | None,
-                 max_running: int, token_budget: int, prefill_chunk: int, victim: str, recovery: str,
+                 host_pool: int, offload_prefixes: bool, utilization: float, pool_blocks: int | None,
+                 device_memory: int | None, max_running: int, token_budget: int, prefill_chunk: int, victim: str,
+                 recovery: str,
                  kv_dtype: str | None, weight_dtype: str | None, max_model_len: int | None,
                  declared_max_new: int | None, start_s: float | None, duration_s: float | None, limit: int | None,
                  speedup: float | None, rate: float, arrival_cv: float, block_tokens: int, scale: float,
@@ -399,9 +402,11 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
             trust_groups.isdigit() and len(trust_groups) <= 6 and 1 <= int(trust_groups) <= 100_000):
         raise ConfigError(f"--trust-groups takes trace, request or a count in [1, 100,000]; got {trust_groups[:24]!r}")
     groups = "request" if isolate_groups else (trust_groups or "trace")
+    if offload_prefixes and not host_pool:
+        raise ConfigError("--offload-prefixes needs a host tier to demote to: give --host-pool, e.g. 64GiB")
     base = SimConfig(model=model, gpu=gpu, tp=tp, policy=policy, block_size=block_size,
                      prefix_cache=prefix_cache == "on", eviction=eviction, trust_groups=groups,
-                     host_pool_bytes=host_pool,
+                     host_pool_bytes=host_pool, offload_prefixes=offload_prefixes,
                      utilization=utilization, pool_blocks=pool_blocks, device_memory=device_memory,
                      max_running=max_running, token_budget=token_budget, prefill_chunk=prefill_chunk,
                      victim=victim, recovery=recovery, kv_dtype=kv_dtype, weight_dtype=weight_dtype,

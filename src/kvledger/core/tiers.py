@@ -45,7 +45,7 @@ from __future__ import annotations
 import bisect
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, InvariantError, LedgerError
@@ -119,6 +119,11 @@ class TierLedger:
         self.flow = {"demoted": 0, "promoted": 0, "dropped": 0, "cleared": 0, "discarded": 0, "moved": 0,
                      "held_total": 0, "freed": 0, "demote_skipped": 0}
         self._lock = threading.RLock()
+        # Called as on_event(kind, digest) when a digest enters ("stored") or leaves ("removed") the index
+        # below the device, under this ledger's lock: a replica publishes what it holds in any tier to
+        # routers (kvledger.fleet.door.CacheEventTap.attach_tiers). A move one tier down is a removal
+        # followed by a store of the same digest.
+        self.on_event: Callable[[str, bytes], None] | None = None
 
     # ---- layout ---------------------------------------------------------------------------------
     def tier_of(self, slot: int) -> int:
@@ -284,7 +289,7 @@ class TierLedger:
             self._drop_entry(slot, "dropped")
             return self._free[i].pop()
         # The entry keeps its identity in the slower tier; the move op reads the old slot first.
-        del self.index[digest]  # type: ignore[arg-type]
+        self._unindex(digest)  # type: ignore[arg-type]
         self._clear(slot)
         self.counts["cached"] -= 1
         self._place(target, digest, group)  # type: ignore[arg-type]
@@ -309,7 +314,7 @@ class TierLedger:
                     break
                 slot, _ = lru.popitem(last=False)
                 digest, group = self.digest[slot], self.group[slot]
-                del self.index[digest]  # type: ignore[arg-type]
+                self._unindex(digest)  # type: ignore[arg-type]
                 self._clear(slot)
                 self.state[slot] = DRAINING
                 self._draining.append(slot)
@@ -333,6 +338,13 @@ class TierLedger:
         self._pending.add(slot)
         self.index[digest] = slot
         self.counts["cached"] += 1
+        if self.on_event is not None:
+            self.on_event("stored", digest)
+
+    def _unindex(self, digest: bytes) -> None:
+        del self.index[digest]
+        if self.on_event is not None:
+            self.on_event("removed", digest)
 
     def _clear(self, slot: int) -> None:
         self.state[slot] = FREE
@@ -343,7 +355,7 @@ class TierLedger:
 
     def _drop_entry(self, slot: int, why: str) -> None:
         """A cached entry leaves the tiers (its slot goes back to its tier's free stack)."""
-        del self.index[self.digest[slot]]  # type: ignore[arg-type]
+        self._unindex(self.digest[slot])  # type: ignore[arg-type]
         self._clear(slot)
         self.counts["cached"] -= 1
         self.flow[why] += 1
@@ -372,7 +384,7 @@ class TierLedger:
             for slot in slots:
                 d = self.digest[slot]
                 out.append(d)
-                del self.index[d]  # type: ignore[arg-type]
+                self._unindex(d)  # type: ignore[arg-type]
                 self._lru[self.tier_of(slot)].pop(slot, None)
                 self.state[slot] = DRAINING
                 self.digest[slot] = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..core.ledger import KVLedger
 from ..core.types import Outcome, Request
@@ -41,7 +42,13 @@ ACCEPTED, NOT_NOW, NEVER = "accepted", "not_now", "never"
 class CacheEventTap:
     """A ledger event sink (``KVLedger(events=tap)``) keeping the last ``maxlen`` (or up to twice that)
     cache events as ``(kind, digest)``, numbered from 0, for routers to catch up on. Digests only: no
-    trust group, no block id. O(1) per event; :meth:`since` is a slice."""
+    trust group, no block id. O(1) per event; :meth:`since` is a slice.
+
+    With :meth:`attach_tiers` the tap publishes what the replica holds *anywhere*: a digest is "stored"
+    when it is first held on the device or in a tier below it, and "removed" / "evicted" once it is held
+    in neither -- a prefix block demoted to host memory is still a hit there (promoted instead of
+    recomputed), so routers keep counting it as the replica's. The device and tier digest sets this needs
+    are kept only then."""
 
     KINDS = frozenset({"stored", "removed", "evicted", "cleared"})
 
@@ -52,6 +59,19 @@ class CacheEventTap:
         self._events: list[tuple[str, bytes]] = []
         self._base = 0  # the number of the first event kept
         self._lock = threading.Lock()
+        self._device: set[bytes] | None = None  # with tiers: digests indexed on the device
+        self._below: set[bytes] = set()  # with tiers: digests indexed in a tier below it
+
+    def attach_tiers(self, tiers: Any) -> None:
+        """Publish the entries of ``tiers`` (a :class:`~kvledger.core.tiers.TierLedger`) too; call before
+        the ledger or the tiers hold anything, so both digest sets start complete."""
+        if not hasattr(tiers, "on_event") or not hasattr(tiers, "index"):
+            raise ConfigError(f"attach_tiers needs a TierLedger, got {type(tiers).__name__}")
+        if tiers.index or self.seq:
+            raise ConfigError("attach the tiers to the event tap before anything is cached")
+        with self._lock:
+            self._device = set()
+        tiers.on_event = self._tier_event
 
     @property
     def seq(self) -> int:
@@ -63,11 +83,32 @@ class CacheEventTap:
         if kind not in self.KINDS or digest is None:
             return
         with self._lock:
-            self._events.append((kind, digest))
-            if len(self._events) > 2 * self.maxlen:
-                drop = len(self._events) - self.maxlen
-                del self._events[:drop]
-                self._base += drop
+            device = self._device
+            if device is not None:
+                if kind == "stored":
+                    device.add(digest)
+                else:
+                    device.discard(digest)
+                if digest in self._below:
+                    return  # held below the device all along: routers' belief is unchanged
+            self._append(kind, digest)
+
+    def _tier_event(self, kind: str, digest: bytes) -> None:
+        with self._lock:
+            if kind == "stored":
+                self._below.add(digest)
+            else:
+                self._below.discard(digest)
+            if self._device is not None and digest in self._device:
+                return  # still (or already) on the device
+            self._append(kind, digest)
+
+    def _append(self, kind: str, digest: bytes) -> None:
+        self._events.append((kind, digest))
+        if len(self._events) > 2 * self.maxlen:
+            drop = len(self._events) - self.maxlen
+            del self._events[:drop]
+            self._base += drop
 
     def since(self, seq: int, upto: int | None = None, limit: int | None = None
               ) -> tuple[list[tuple[str, bytes]], int, bool]:

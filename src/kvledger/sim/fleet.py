@@ -48,7 +48,7 @@ from ..fleet.score import ARMS, ROUTINGS, ReplicaLoad, RouteRequest, ScoreConfig
 from ..fleet.view import Placement, RouterView
 from ..scheduler import Driver, GenRequest, Scheduler, StepOutput, StepPlan, VirtualClock, percentile
 from ..scheduler.policies import ADMISSION_POLICIES
-from .simulator import CostModelExecutor, Deployment, SimConfig, build_deployment, prepare_workload
+from .simulator import CostModelExecutor, Deployment, SimConfig, build_deployment, prepare_workload, recovery_costs
 from .workloads import SimRequest
 
 _ARRIVE, _DELIVER, _STEP, _REPLY, _SNAPSHOT, _RETRY = range(6)
@@ -155,10 +155,24 @@ class _Replica:
         self.tap = CacheEventTap(maxlen=1 << 20)
         self.ledger = KVLedger(dep.pool_blocks, dep.spec.block_size, prefix_caching=cfg.prefix_cache,
                                policy=make_policy(cfg.eviction), events=self.tap)
-        self.sched = Scheduler(self.ledger, cfg.scheduler)
+        # Tiers below the device pool (host memory, disk), each replica its own, as the single simulator
+        # builds them: swapped requests and, with the scheduler's offload_prefixes, demoted prefix blocks,
+        # which the tap keeps publishing as the replica's (a hit there is promoted, not recomputed).
+        self.host = dep.tiers()
+        links = None
+        if self.host is not None:
+            if cfg.scheduler.offload_prefixes:
+                self.tap.attach_tiers(self.host)
+            models = [dep.profile.link(name, staging_blocks=cfg.staging_blocks) for name in self.host.names]
+            host = self.host
+            links = lambda slot: models[host.tier_of(slot)]  # noqa: E731
+        self.sched = Scheduler(self.ledger, cfg.scheduler, host=self.host,
+                               costs=recovery_costs(dep, cfg.staging_blocks))
         self.clock = VirtualClock()
         self.door = AdmissionDoor(self.ledger, enforce=config.arm == "B", clock=self.clock.now)
-        self.driver = Driver(self.sched, CostModelExecutor(dep.cost.step_time), clock=self.clock,
+        executor = CostModelExecutor(dep.cost.step_time, links=links, block_bytes=dep.block_bytes,
+                                     block_size=dep.spec.block_size)
+        self.driver = Driver(self.sched, executor, clock=self.clock,
                              feed_window=cfg.feed_window, on_planned=self._planned, on_executed=self._executed)
         self.fleet = fleet
         self.busy = False  # a step is scheduled (deliveries wait for its end)
@@ -511,7 +525,9 @@ class FleetSimulator:
                                 "requests": c["accepted"], "refusals": c["refused"], "overcommits": c["overcommits"],
                                 "max_overshoot": c["max_overshoot"], "pool_blocks": rep.ledger.num_blocks,
                                 "mean_use": rep.use_area / end / rep.ledger.num_blocks if end else 0.0,
-                                "cross_tenant_hit_blocks": rep.cross_tenant_hits})
+                                "cross_tenant_hit_blocks": rep.cross_tenant_hits,
+                                "promoted_tokens": rep.sched.promoted_tokens,
+                                "tier_blocks": rep.host.num_blocks if rep.host is not None else 0})
             if cfg.check:
                 rep.sched.check()
                 if rep.door.enforce:
@@ -543,6 +559,7 @@ class FleetSimulator:
             "view_age_p99_s": p_or_none(self.view_ages, 99),
             "decision_us_p50": p_or_none(self.decision_us, 50), "decision_us_p99": p_or_none(self.decision_us, 99),
             "cross_tenant_hit_blocks": sum(p["cross_tenant_hit_blocks"] for p in per_replica),
+            "promoted_tokens": sum(p["promoted_tokens"] for p in per_replica),
             "sim_duration_s": end, "notes": notes,
         }
         if len(recs) + self.rejected < n:

@@ -329,7 +329,7 @@ def build_deployment(config: SimConfig) -> Deployment:
     return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks, disk_blocks)
 
 
-def _recovery_costs(dep: Deployment, staging_blocks: int = 32) -> RecoveryCosts:
+def recovery_costs(dep: Deployment, staging_blocks: int = 32) -> RecoveryCosts:
     """The scheduler's recompute-vs-swap prices from the same device profile the step times use."""
     params = count_parameters_per_rank(dep.model_cfg, dep.spec.tp)
     per_token = 2 * (params.attention + params.mlp + params.embedding)
@@ -563,7 +563,7 @@ class Simulator:
         bs = dep.spec.block_size
         ledger = KVLedger(dep.pool_blocks, bs, prefix_caching=cfg.prefix_cache, policy=make_policy(cfg.eviction))
         host = dep.tiers()
-        sched = Scheduler(ledger, cfg.scheduler, host=host, costs=_recovery_costs(dep, cfg.staging_blocks))
+        sched = Scheduler(ledger, cfg.scheduler, host=host, costs=recovery_costs(dep, cfg.staging_blocks))
         self.scheduler = sched  # kept for inspection after the run
         tl = Timeline()
         preempt = {"recompute": 0, "swap": 0}

@@ -59,6 +59,8 @@ def _cases(f: dict[str, str], taken_port: int, tmp: Path) -> list[tuple[str, lis
         ("ingress-replicas 0", [*serve, "--ingress-replicas", "0"]),
         ("pool-blocks 0", [*serve, "--pool-blocks", "0"]),
         ("pool-blocks huge", [*serve, "--pool-blocks", HUGE]),
+        ("host-blocks negative", [*serve, "--host-blocks", "-1"]),
+        ("host-blocks huge", [*serve, "--host-blocks", HUGE]),
         ("block-size huge", [*serve, "--block-size", HUGE]),
         ("max-num-seqs 0", [*serve, "--max-num-seqs", "0"]),
         ("port 65536", [*serve, "--port", "65536"]),

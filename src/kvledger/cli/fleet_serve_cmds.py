@@ -30,7 +30,7 @@ STOP_WAIT_S = 30.0  # after ray.shutdown(): how long Ray's processes get to exit
 # The defaults of FleetSpec, repeated so that `--help` needs no Ray import (a test keeps them equal).
 DEFAULTS = {"model": "smollm2-135m", "pool_blocks": 64, "block_size": 16, "dtype": "fp32", "max_running": 256,
             "engine_replicas": 2, "ingress_replicas": 2, "stats_period_s": 10.0, "min_match_tokens": 64,
-            "queue_weight": 0.1, "torch_threads": 1, "news_period_s": 0.25}
+            "queue_weight": 0.1, "torch_threads": 1, "news_period_s": 0.25, "host_blocks": 0}
 
 
 @click.group("fleet", epilog=epilog(
@@ -58,6 +58,9 @@ def fleet_group() -> None:
               help="Tokens per KV block.")
 @click.option("--dtype", default=DEFAULTS["dtype"], show_default=True,
               help="Compute dtype of the weights (and the KV cache): fp32, bf16, fp16.")
+@click.option("--host-blocks", type=Int(0, MAX_COUNT), default=DEFAULTS["host_blocks"], show_default=True,
+              help="Host-memory tier below each replica's pool, in blocks: evicted prefix blocks are demoted to it "
+                   "and promoted back on a hit, and the routers keep counting them as that replica's.")
 @click.option("--max-num-seqs", type=Int(1, MAX_COUNT), default=DEFAULTS["max_running"], show_default=True,
               help="Most sequences running at once in each engine replica.")
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -84,7 +87,8 @@ def fleet_group() -> None:
 @click.option("--num-cpus", type=Int(1, 1024), default=None, help="CPUs the local Ray may use [all].")
 @click.option("--ray-logs", is_flag=True, help="Show Ray's and the replicas' own log lines too.")
 def fleet_serve_cmd(model: str, replicas: int, ingress_replicas: int, pool_blocks: int, block_size: int,
-                    dtype: str, max_num_seqs: int, host: str, port: int, tenants_path: str | None, max_queue: int,
+                    dtype: str, host_blocks: int, max_num_seqs: int, host: str, port: int,
+                    tenants_path: str | None, max_queue: int,
                     stats_period: float, news_period: float, retries: int | None, min_match: int,
                     queue_weight: float, threads: int, num_cpus: int | None, ray_logs: bool) -> None:
     """Serve a model from a fleet of engine replicas on Ray Serve, over an OpenAI-compatible HTTP API."""
@@ -103,10 +107,12 @@ def fleet_serve_cmd(model: str, replicas: int, ingress_replicas: int, pool_block
     spec = FleetSpec(model=model, pool_blocks=pool_blocks, block_size=block_size, dtype=dtype,
                      max_running=max_num_seqs, engine_replicas=replicas, ingress_replicas=ingress_replicas,
                      stats_period_s=stats_period, retries=retries, min_match_tokens=min_match,
-                     queue_weight=queue_weight, torch_threads=threads, news_period_s=news_period)
-    _say(f"kvledger fleet serve: model {model}; {replicas} engine replica(s) x {pool_blocks} blocks of {block_size} "
-         f"tokens ({dtype}); {ingress_replicas} ingress replica(s); routing stats every {stats_period:g} s; "
-         f"{describe}")
+                     queue_weight=queue_weight, torch_threads=threads, news_period_s=news_period,
+                     host_blocks=host_blocks)
+    tier = f" + {host_blocks} host blocks" if host_blocks else ""
+    _say(f"kvledger fleet serve: model {model}; {replicas} engine replica(s) x {pool_blocks} blocks{tier} of "
+         f"{block_size} tokens ({dtype}); {ingress_replicas} ingress replica(s); routing stats every "
+         f"{stats_period:g} s; {describe}")
     _run(spec, tenants, address, port, max_queue, num_cpus, ray_logs)
 
 

@@ -65,6 +65,9 @@ class FleetSpec:
     view_key: str = "kvledger"
     torch_threads: int = 1
     news_period_s: float = 0.25  # how often an ingress asks each replica for its cache events and load
+    # A host-memory tier of this many blocks below each replica's pool: evicted prefix blocks are demoted
+    # to it and promoted back on a hit (offload_prefixes), and routers keep counting them as the replica's.
+    host_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "block_size", "max_running", "engine_replicas", "ingress_replicas",
@@ -72,6 +75,8 @@ class FleetSpec:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
+            raise ConfigError(f"host_blocks must be a non-negative integer, got {self.host_blocks!r}")
         if not self.stats_period_s > 0 or not self.retry_s > 0 or not self.news_period_s > 0:
             raise ConfigError("stats_period_s, retry_s and news_period_s must be positive")
 
@@ -178,14 +183,17 @@ class EngineReplica:
         serve_on_loopback()
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
+        config = SchedulerConfig(policy="full", max_running=spec.max_running, offload_prefixes=spec.host_blocks > 0)
         self.engine = build_engine(spec.model, pool_blocks=spec.pool_blocks, block_size=spec.block_size,
-                                   dtype=spec.dtype,
-                                   scheduler_config=SchedulerConfig(policy="full", max_running=spec.max_running))
+                                   dtype=spec.dtype, host_blocks=spec.host_blocks, scheduler_config=config)
         ledger = self.engine.ledger
-        # Cache events for the routers: the ledger's event sink, set before any request is admitted.
+        # Cache events for the routers: the ledger's event sink (and the host tier's), set before any
+        # request is admitted.
         self.tap = CacheEventTap()
         ledger.events = self.tap
         ledger.pool.on_event = self.tap.emit
+        if spec.host_blocks:
+            self.tap.attach_tiers(self.engine.scheduler.host)
         self.door = AdmissionDoor(ledger, clock=time.time)
         for group, blocks in (quotas or {}).items():  # a tenant's max_blocks caps it in every replica
             self.engine.set_quota(group, blocks)

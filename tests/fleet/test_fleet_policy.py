@@ -369,6 +369,14 @@ def test_cli_simulates_a_fleet(tmp_path):
     assert s["replicas"] == 3 and s["overcommits"] == 0 and s["completed"] + s["rejected"] == 60
     bad = subprocess.run(cmd[:-1] + ["--replicas", "0"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("kvledger: error:") and "Traceback" not in bad.stderr
+    # A host tier below each replica, with evicted prefix blocks demoted to it and promoted back.
+    tiered = subprocess.run(cmd + ["--host-pool", "8GiB", "--offload-prefixes"], capture_output=True, text=True,
+                            timeout=300)
+    assert tiered.returncode == 0, tiered.stderr
+    t = json.loads(tiered.stdout)
+    assert t["overcommits"] == 0 and t["completed"] + t["rejected"] == 60 and "promoted_tokens" in t
+    lone = subprocess.run(cmd + ["--offload-prefixes"], capture_output=True, text=True, timeout=120)
+    assert lone.returncode == 2 and lone.stderr.count("\n") == 1 and "--host-pool" in lone.stderr
 
 
 def test_the_policy_imports_neither_ray_nor_torch():

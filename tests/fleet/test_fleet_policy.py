@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -166,6 +167,65 @@ def test_a_prefix_demoted_to_the_host_tier_still_counts_as_the_replicas_until_th
     ledger.reset_prefix_cache()
     tiers.clear_cache()
     assert _held(tap, BS, digests) == 0
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_what_the_tap_publishes_is_what_the_device_and_its_tiers_hold_after_every_operation(seed: int):
+    """The tap's law: replaying its events gives exactly the digests indexed on the device or in any tier
+    below it -- through demotions, promotions, moves one tier down, holds that drop cached entries,
+    failed transfers, resets and clears."""
+    rng = random.Random(seed)
+    tiers = TierLedger([("host", rng.randint(1, 5)), ("disk", rng.randint(1, 5))])
+    tap = CacheEventTap(maxlen=1 << 16)
+    ledger = KVLedger(rng.randint(6, 12), BS, events=tap)
+    ledger.attach_tiers(tiers)
+    tap.attach_tiers(tiers)
+    prompts = [list(range(k * 1000, k * 1000 + rng.randint(1, 4) * BS + rng.randint(0, 3))) for k in range(6)]
+    believed: set[bytes] = set()
+    read = 0
+    held: list[list[int]] = []
+    leases: list[int] = []
+    for n in range(250):
+        op = rng.random()
+        rid = f"r{n}"
+        if op < 0.45:
+            r = Request(rid, rng.choice(prompts), rng.randint(1, 3), ctx(rng.choice(["acme", "globex"])))
+            if rng.random() < 0.7:
+                _, lease = ledger.promote_from_tiers(r, owner=f"p{n}")
+                if lease is not None:
+                    leases.append(lease)
+            if ledger.admit(r).admitted:
+                ledger.mark_computed(rid, len(r.prompt))
+                ledger.release(rid)
+        elif op < 0.55:
+            tiers.spill(0, rng.randint(1, 3))
+        elif op < 0.62 and tiers.holdable:
+            held.append(tiers.hold(rng.randint(1, tiers.holdable)))
+        elif op < 0.68 and held:
+            tiers.free(held.pop())
+        elif op < 0.72:
+            tiers.discard(rng.sample(range(tiers.num_blocks), k=min(2, tiers.num_blocks)))
+        elif op < 0.75 and not leases:
+            ledger.reset_prefix_cache()
+            tiers.clear_cache()
+        else:
+            tiers.take_ops()
+            for lease in leases:
+                ledger.end_lease(lease)
+            leases.clear()
+            tiers.complete()
+        events, read, complete = tap.since(read)
+        assert complete
+        for kind, digest in events:
+            if kind == "stored":
+                assert digest not in believed  # a digest is news once, not per copy
+                believed.add(digest)
+            else:
+                assert digest in believed
+                believed.discard(digest)
+        assert believed == set(ledger.pool.index) | set(tiers.index)
+        ledger.check()
+    assert tiers.flow["demoted"] > 0 and tiers.flow["moved"] + tiers.flow["promoted"] > 0
 
 
 def test_a_tap_attaches_tiers_only_before_anything_is_cached():

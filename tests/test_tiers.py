@@ -259,6 +259,31 @@ def test_conservation_holds_across_device_and_tiers_under_random_operations(seed
     assert tiers.flow["demoted"] > 0
 
 
+def test_the_index_below_the_device_reports_every_entry_that_joins_or_leaves_it() -> None:
+    tiers = TierLedger([("host", 2), ("disk", 2)])
+    seen: list[tuple[str, bytes]] = []
+    tiers.on_event = lambda kind, digest: seen.append((kind, digest))
+    tiers.demote(0, b"a", "g")
+    tiers.demote(1, b"b", "g")
+    assert seen == [("stored", b"a"), ("stored", b"b")]
+    assert tiers.demote(2, b"a", "g") is None and len(seen) == 2  # already below: no news
+    tiers.complete()
+    seen.clear()
+    tiers.spill(0, 1)  # a move one tier down: out of the index and back in under a new slot
+    assert seen == [("removed", b"a"), ("stored", b"a")] and tiers.tier_name(tiers.index[b"a"]) == "disk"
+    tiers.complete()
+    seen.clear()
+    tiers.take([tiers.index[b"b"]])  # promoted: it is the device's now
+    tiers.complete()
+    tiers.discard([tiers.index[b"a"]])
+    assert seen == [("removed", b"b"), ("removed", b"a")] and not tiers.index
+    tiers.demote(3, b"c", "g")
+    tiers.complete()
+    seen.clear()
+    assert tiers.clear_cache() == 1 and seen == [("removed", b"c")]
+    tiers.check()
+
+
 # ---- the audit can fail: one corruption per check() branch -------------------------------------------
 
 

@@ -29,9 +29,9 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ..core.ledger import KVLedger
+from ..core.tiers import TierLedger
 from ..core.types import Outcome, Request
 from ..errors import ConfigError, InvariantError
 from .score import ReplicaLoad
@@ -62,10 +62,10 @@ class CacheEventTap:
         self._device: set[bytes] | None = None  # with tiers: digests indexed on the device
         self._below: set[bytes] = set()  # with tiers: digests indexed in a tier below it
 
-    def attach_tiers(self, tiers: Any) -> None:
+    def attach_tiers(self, tiers: TierLedger) -> None:
         """Publish the entries of ``tiers`` (a :class:`~kvledger.core.tiers.TierLedger`) too; call before
         the ledger or the tiers hold anything, so both digest sets start complete."""
-        if not hasattr(tiers, "on_event") or not hasattr(tiers, "index"):
+        if not isinstance(tiers, TierLedger):
             raise ConfigError(f"attach_tiers needs a TierLedger, got {type(tiers).__name__}")
         if tiers.index or self.seq:
             raise ConfigError("attach the tiers to the event tap before anything is cached")

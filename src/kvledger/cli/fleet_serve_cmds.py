@@ -15,7 +15,6 @@ import json
 import logging
 import signal
 import socket
-import sys
 import threading
 import time
 from typing import Any
@@ -24,6 +23,7 @@ import click
 
 from ..errors import ConfigError
 from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Float, Int, epilog
+from .serve_cmds import _say, _url_host
 
 APP_NAME = "kvledger-fleet"
 STOP_WAIT_S = 30.0  # after ray.shutdown(): how long Ray's processes get to exit before they are killed
@@ -281,14 +281,6 @@ def _wait_gone(procs: list[Any], timeout: float) -> int:
             continue
     psutil.wait_procs(alive, timeout=5)
     return len(alive)
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-def _url_host(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
 
 
 __all__ = ["APP_NAME", "DEFAULTS", "fleet_group", "fleet_serve_cmd"]

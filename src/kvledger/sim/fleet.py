@@ -48,7 +48,15 @@ from ..fleet.score import ARMS, ROUTINGS, ReplicaLoad, RouteRequest, ScoreConfig
 from ..fleet.view import Placement, RouterView
 from ..scheduler import Driver, GenRequest, Scheduler, StepOutput, StepPlan, VirtualClock, percentile
 from ..scheduler.policies import ADMISSION_POLICIES
-from .simulator import CostModelExecutor, Deployment, SimConfig, build_deployment, prepare_workload, recovery_costs
+from .simulator import (
+    CostModelExecutor,
+    Deployment,
+    SimConfig,
+    build_deployment,
+    prepare_workload,
+    recovery_costs,
+    tier_links,
+)
 from .workloads import SimRequest
 
 _ARRIVE, _DELIVER, _STEP, _REPLY, _SNAPSHOT, _RETRY = range(6)
@@ -159,13 +167,9 @@ class _Replica:
         # builds them: swapped requests and, with the scheduler's offload_prefixes, demoted prefix blocks,
         # which the tap keeps publishing as the replica's (a hit there is promoted, not recomputed).
         self.host = dep.tiers()
-        links = None
-        if self.host is not None:
-            if cfg.scheduler.offload_prefixes:
-                self.tap.attach_tiers(self.host)
-            models = [dep.profile.link(name, staging_blocks=cfg.staging_blocks) for name in self.host.names]
-            host = self.host
-            links = lambda slot: models[host.tier_of(slot)]  # noqa: E731
+        if self.host is not None and cfg.scheduler.offload_prefixes:
+            self.tap.attach_tiers(self.host)
+        links = tier_links(dep, self.host, cfg.staging_blocks)
         self.sched = Scheduler(self.ledger, cfg.scheduler, host=self.host,
                                costs=recovery_costs(dep, cfg.staging_blocks))
         self.clock = VirtualClock()

@@ -329,6 +329,15 @@ def build_deployment(config: SimConfig) -> Deployment:
     return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks, disk_blocks)
 
 
+def tier_links(dep: Deployment, tiers: TierLedger | None, staging_blocks: int) -> Callable[[int], Any] | None:
+    """The executor's ``links``: a tier slot -> the calibrated link of the tier that owns it (None without
+    tiers)."""
+    if tiers is None:
+        return None
+    models = [dep.profile.link(name, staging_blocks=staging_blocks) for name in tiers.names]
+    return lambda slot: models[tiers.tier_of(slot)]
+
+
 def recovery_costs(dep: Deployment, staging_blocks: int = 32) -> RecoveryCosts:
     """The scheduler's recompute-vs-swap prices from the same device profile the step times use."""
     params = count_parameters_per_rank(dep.model_cfg, dep.spec.tp)
@@ -587,10 +596,7 @@ class Simulator:
                 tl.prefill_tokens.append(sum(w.end - w.start for w in plan.prefills))
                 tl.decodes.append(len(plan.decodes))
 
-        links = None
-        if host is not None:
-            models = [dep.profile.link(name, staging_blocks=cfg.staging_blocks) for name in host.names]
-            links = lambda slot: models[host.tier_of(slot)]  # noqa: E731
+        links = tier_links(dep, host, cfg.staging_blocks)
         transfers = {"transfer_s": 0.0, "hidden_s": 0.0, "exposed_s": 0.0, "steps_with_transfers": 0}
         executor = CostModelExecutor(dep.cost.step_time, links=links, block_bytes=dep.block_bytes, block_size=bs)
         driver = Driver(sched, executor, clock=VirtualClock(),

@@ -769,18 +769,23 @@ def test_swap_victim_is_not_restored_in_the_step_it_was_swapped_out() -> None:
     assert_drained(s)
 
 
-def test_swap_restore_does_not_treat_a_pending_prefix_hit_as_written() -> None:
+@pytest.mark.parametrize(("prefill_chunk", "token_budget"), [(4, 2), (2, 3)])
+def test_swap_restore_does_not_treat_a_pending_prefix_hit_as_written(prefill_chunk: int, token_budget: int) -> None:
     """V (8-token prompt SH, priority -1) is swapped out for G in step 32 and its cached blocks are
-    then cleared. W (prompt SH + 8) is admitted and prefilled one token a step (token budget 2), so
-    W's second block -- SH[4:8] -- is indexed but pending. G is cancelled once W has computed 4
-    positions; in the next step V is restored: it hits W's two SH blocks, skips their swap-in
-    (scheduler.py:276 copies only from ``seq.hit_blocks`` on) and decodes over positions 4..7 that W
-    writes one by one in later steps. Fresh admission uses ``ready_tokens`` for exactly this; a
-    restore must swap in (or recompute) every hit that is not written yet."""
+    then cleared. W (prompt SH + 8) is admitted and prefilled a few tokens a step, so W's second
+    block -- SH[4:8] -- is indexed but pending. G is cancelled once W has computed 4 positions; in
+    the next step V is restored: it hits W's two SH blocks, and the swap-in copies only from
+    ``seq.hit_blocks`` on, so V must recompute (or read, as W writes it) the pending one.
+
+    With a budget of 2 V waits for W (the filler is ahead). With a chunk of 2 and a budget of 3 V
+    had the token it sampled before the swap appended in the next step, and appending a token
+    confirms every earlier one as written: the pending block was marked written, V skipped it and
+    read positions 4..7 while W was still writing them (step 34: position 6, no SharedRead). A
+    restored branch now recomputes up to what the ledger knows before its sampled token goes in."""
     SH = toks(8, 500)
     led = KVLedger(17, BS)
     cfg = SchedulerConfig(policy="incremental", victim="priority", recovery="swap", watermark=0.0,
-                          prefill_chunk=4, token_budget=2)
+                          prefill_chunk=prefill_chunk, token_budget=token_budget)
     s = Scheduler(led, cfg, host=HostPool(32))
     s.add(GenRequest("V", SH, 60, priority=-1))
     s.add(GenRequest("G", toks(4, 100), 60))

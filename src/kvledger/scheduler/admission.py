@@ -92,6 +92,8 @@ class AdmissionOps:
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:
                     cached = min(ready * bs, br.in_ledger - 1)
+                if len(br.tokens) > br.in_ledger and (ready < seq.hit_blocks or br.computed < br.in_ledger - 1):
+                    br.refill_end = br.in_ledger
                 br.hits_counted = max(br.computed, cached)
                 self._restored.append(br)
             else:

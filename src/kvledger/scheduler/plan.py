@@ -90,6 +90,11 @@ class Branch:
     blocks: list[int] = field(default_factory=list)  # while running: the ledger's block table of the branch
     hit_end: int = 0  # while running: tokens covered by the prefix hits found at its admission
     hits_counted: int = 0  # while running: prompt tokens up to here are accounted as computed or skipped
+    # While running after a swap-in whose KV must partly be recomputed: the tokens the ledger knows,
+    # which are computed again before the sampled tokens after them go to the ledger (appending a
+    # token confirms every earlier one as written, and a prefix hit another request is still filling
+    # is not). 0 otherwise.
+    refill_end: int = 0
     ledger_prompt: tuple[int, ...] | None = None  # while queued: the prompt handed to admission, reused
 
     def __post_init__(self) -> None:

@@ -296,6 +296,9 @@ class Scheduler(AdmissionOps, TierPlanning):
                 if br.request.lookahead:
                     ledger.trim_lookahead(br.seq_id)
                     irregular = True
+                if br.refill_end:
+                    others.append(br)  # its sampled tokens wait until it has computed refill_end again
+                    continue
                 if d == 1:
                     single.append(br)
                     pairs.append((br.seq_id, tokens[-1]))
@@ -330,7 +333,7 @@ class Scheduler(AdmissionOps, TierPlanning):
             for br in list(self.running.get(rid, ())):
                 if br.status is not Status.RUNNING:
                     continue
-                while br.in_ledger < len(br.tokens) and br.status is Status.RUNNING:
+                while br.in_ledger < len(br.tokens) and br.status is Status.RUNNING and not br.refill_end:
                     try:
                         ledger.append_token(br.seq_id, br.tokens[br.in_ledger])
                         br.in_ledger += 1
@@ -383,6 +386,7 @@ class Scheduler(AdmissionOps, TierPlanning):
                 self.ledger.preempt(br.seq_id)
                 br.status = Status.SWAPPED
                 br.deferred = False
+                br.refill_end = 0  # set again when it is restored
                 br.preemptions += 1
                 br.blocks = []
             self.swapped.append(branches)
@@ -393,6 +397,7 @@ class Scheduler(AdmissionOps, TierPlanning):
                 br.status = Status.WAITING
                 br.computed = 0
                 br.in_ledger = 0
+                br.refill_end = 0
                 br.deferred = False
                 br.preemptions += 1
                 br.blocks = []
@@ -454,7 +459,7 @@ class Scheduler(AdmissionOps, TierPlanning):
                     continue
                 tokens = br.tokens
                 n = len(tokens)
-                if br.in_ledger < n:
+                if br.in_ledger < n and not br.refill_end:
                     continue
                 req = br.request
                 if admitted and req.request_id in admitted and (br.seq_id not in restored
@@ -517,7 +522,9 @@ class Scheduler(AdmissionOps, TierPlanning):
         return budget
 
     def _schedule_branch(self, br: Branch, plan: StepPlan, budget: int) -> int:
-        if br.deferred or br.status is not Status.RUNNING or budget <= 0 or br.in_ledger < len(br.tokens):
+        refill = br.refill_end
+        if br.deferred or br.status is not Status.RUNNING or budget <= 0 or (br.in_ledger < len(br.tokens)
+                                                                                and not refill):
             return budget
         c = br.computed
         if c < br.hit_end:
@@ -525,8 +532,13 @@ class Scheduler(AdmissionOps, TierPlanning):
             if c < 0:
                 return budget  # an earlier request is about to write the prefix it needs next
         tokens = br.tokens
-        todo = len(tokens) - c
         req = br.request
+        if refill:
+            # Recompute up to what the ledger knows, without sampling: the token after it was sampled.
+            end = c + min(refill - c, self.config.prefill_chunk, budget)
+            plan.prefills.append(Work(br.seq_id, c, end, False, 0, req, br.index, br.blocks, tokens))
+            return budget - (end - c)
+        todo = len(tokens) - c
         if todo == 1:
             k = req.lookahead
             if k:
@@ -560,7 +572,9 @@ class Scheduler(AdmissionOps, TierPlanning):
         bs = self.ledger.block_size
         written = self.ledger.pool.written
         blocks = br.blocks
-        last = len(br.tokens) - 1  # the last token is always computed: its logits give the next one
+        # The last token is always computed: its logits give the next one (refilling, the last token
+        # the ledger knows: its KV is what the sampled token after it needs).
+        last = (br.refill_end or len(br.tokens)) - 1
         hit_blocks = br.hit_end // bs
         j = c // bs
         reads: list[SharedRead] = []
@@ -639,6 +653,8 @@ class Scheduler(AdmissionOps, TierPlanning):
                 continue
             br.computed = w.end
             ledger.mark_computed(br.seq_id, w.end)
+            if br.refill_end and w.end >= br.refill_end:
+                br.refill_end = 0  # its sampled tokens go to the ledger next step
             if w.sample:
                 self.accept(br, sampled.get(w.seq_id, ()), done)
         by_seq, running, accept = self._by_seq, Status.RUNNING, self.accept
@@ -765,6 +781,7 @@ class Scheduler(AdmissionOps, TierPlanning):
             br.status = Status.WAITING
             br.computed = 0
             br.in_ledger = 0
+            br.refill_end = 0
             br.deferred = False
             br.blocks = []
         self.waiting.appendleft(branches)

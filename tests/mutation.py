@@ -8,7 +8,8 @@ Makefile; configured in pyproject.toml's ``[tool.mutmut]``), module by module, a
 
 ``sample`` estimates the kill rate over every mutant of the modules (all of ``core/`` and ``scheduler/``
 by default: about 12,000 mutants, days of one core) from a uniform random sample of them, seeded: it
-runs only the sampled mutants and prints the sample's kill rate with its 95% (Wilson) interval.
+runs only the sampled mutants (with ``KVLEDGER_NATIVE=0``; each survivor again with the C part loaded,
+as ``make test`` runs; then in a fresh interpreter, for code that runs at import) and prints the sample's kill rate with its 95% (Wilson) interval.
 Equivalent mutants met in the sample are listed in ``mutation_equivalent.txt`` like any other and drop
 out of the denominator. The first ``sample`` on a fresh checkout makes mutmut generate every mutant
 and map the tests (one run over ``kvledger.core.table``, a few minutes).
@@ -50,6 +51,9 @@ ENV = {
 PACKAGES = {"kvledger.core": REPO / "src/kvledger/core", "kvledger.scheduler": REPO / "src/kvledger/scheduler"}
 SKIP = {"kvledger.core.native", "kvledger.core.__init__", "kvledger.scheduler.__init__"}
 KILLED = {"killed", "timeout"}
+# The fresh-interpreter pass of ``sample`` (see there): tensor-free tests of what the core computes at import.
+FRESH_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_geometry.py",
+               "tests/test_identity_known_answers.py")
 
 
 def modules(names: list[str]) -> list[str]:
@@ -216,9 +220,10 @@ def sample(argv: list[str]) -> int:
         print(f"mutation.py sample: no mutants of {' '.join(sorted(wanted)) or 'those modules'}", file=sys.stderr)
         return 2
     chosen = sorted(random.Random(seed).sample(population, min(count, len(population))))
-    todo = [k for k in chosen if status[k] == "not checked"]
+    # Every sampled mutant runs again: a result from before a change of the tests or the code is stale.
+    todo = chosen
     t0 = time.perf_counter()
-    print(f"== mutmut: {len(chosen)} of {len(population)} mutants (seed {seed}), {len(todo)} not run yet, "
+    print(f"== mutmut: {len(chosen)} of {len(population)} mutants (seed {seed}), "
           f"{jobs} worker(s); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
     if todo:
         cmd = ["nice", "-n", "10", *MUTMUT, "run", "--max-children", str(jobs), *todo]
@@ -228,13 +233,47 @@ def sample(argv: list[str]) -> int:
             return proc.returncode
         status = results()
     print(f"   {time.perf_counter() - t0:.0f} s; load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}")
+    # `make test` runs with the C part loaded: a mutant that survives the pure-Python run gets a second
+    # chance with it loaded (its path may be one only the C part takes), and is killed if either run
+    # kills it.
+    survivors = [k for k in chosen if status[k] not in KILLED]
+    if survivors:
+        t0 = time.perf_counter()
+        print(f"== mutmut: the {len(survivors)} survivors again with the C part loaded", flush=True)
+        cmd = ["nice", "-n", "10", *MUTMUT, "run", "--max-children", str(jobs), *survivors]
+        proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, **ENV, KVLEDGER_NATIVE="1"),
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            print(proc.stdout[-2000:], proc.stderr[-2000:], sep="\n")
+            return proc.returncode
+        status = results()
+        print(f"   {time.perf_counter() - t0:.0f} s; {sum(status[k] in KILLED for k in survivors)} killed there")
+    # mutmut runs each mutant in a process forked after the package was imported, so code that runs at
+    # import (the GPU catalogue, the weight formats) runs unmutated. A survivor gets a last chance in a
+    # fresh interpreter with the mutant active from the start, over the planner's quick tests.
+    fresh_kills: set[str] = set()
+    survivors = [k for k in chosen if status[k] not in KILLED]
+    if survivors:
+        t0 = time.perf_counter()
+        print(f"== the {len(survivors)} survivors again, each in a fresh interpreter ({' '.join(FRESH_TESTS)})",
+              flush=True)
+        for k in survivors:
+            env = dict(os.environ, **ENV, MUTANT_UNDER_TEST=k, PYTHONPATH=str(REPO / "mutants" / "src"))
+            try:
+                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+                                       *FRESH_TESTS], cwd=REPO, env=env, capture_output=True, timeout=300)
+                if proc.returncode != 0:
+                    fresh_kills.add(k)
+            except subprocess.TimeoutExpired:
+                fresh_kills.add(k)  # as mutmut counts a timeout
+        print(f"   {time.perf_counter() - t0:.0f} s; {len(fresh_kills)} killed there")
     eq = equivalents()
     c: Counter[str] = Counter()
     by_package: dict[str, Counter[str]] = {}
     left = []
     for k in chosen:
         st = status[k]
-        if st in KILLED:
+        if st in KILLED or k in fresh_kills:
             kind = "killed"
         elif k in eq:
             kind = "native" if eq[k].startswith("[native]") else "equivalent"

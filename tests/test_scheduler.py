@@ -108,6 +108,7 @@ class FakeEngine:
                 before.setdefault(slot, self.block(slot[0])[slot[1]])
                 self.block(slot[0])[slot[1]] = chain[p]
                 writers.setdefault(slot, set()).add(w.seq_id)
+        assert all(r.start < r.end for r in plan.shared_reads), f"step {plan.step}: an empty shared read"
         declared = {(r.seq_id, p): r.writer for r in plan.shared_reads for p in range(r.start, r.end)}
         self.shared_tokens += len(declared)
         for w in works:
@@ -791,6 +792,7 @@ def test_swap_restore_does_not_treat_a_pending_prefix_hit_as_written(prefill_chu
     s.add(GenRequest("G", toks(4, 100), 60))
     engine = FakeEngine(s)
     phase = "running"
+    refill = 0
     while s.has_work():
         assert engine.s._step < 200
         plan = s.schedule()
@@ -805,6 +807,8 @@ def test_swap_restore_does_not_treat_a_pending_prefix_hit_as_written(prefill_chu
                 unreadable = [b for b in context if not led.pool.written[b] and b not in swapped_in]
                 assert unreadable == [], f"restored V runs {w} over pending blocks {unreadable}"
             phase = "checked"
+        elif phase == "checked":
+            refill += sum(w.end - w.start for w in plan.prefills if w.seq_id == "V" and not w.sample)
         s.confirm(plan, engine.run(plan))
         s.check()
         if phase == "running" and plan.swap_out:
@@ -816,6 +820,9 @@ def test_swap_restore_does_not_treat_a_pending_prefix_hit_as_written(prefill_chu
             s.cancel("G")
             phase = "G cancelled"
     assert phase == "checked"
+    # Only what could not come back from the host is computed again: the pending block is read as W
+    # writes it (or waited for), the blocks after it came back whole, so one token is recomputed.
+    assert refill == 1
     assert [b.finish_reason for rid in "VW" for b in s.branches(rid)] == ["length", "length"]
     assert_drained(s)
 

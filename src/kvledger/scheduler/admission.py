@@ -88,6 +88,7 @@ class AdmissionOps:
                 # Prefix hits need no transfer, but one that another request is still filling cannot
                 # be read yet: recompute from there. A prefill cut short by the swap resumes where it was.
                 ready = next((j for j in range(seq.hit_blocks) if not written[blocks[j]]), seq.hit_blocks)
+                br.refill_resume = min(br.computed, br.in_ledger - 1)
                 br.computed = min(br.computed, br.in_ledger - 1, ready * bs
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:

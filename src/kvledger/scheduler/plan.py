@@ -95,6 +95,9 @@ class Branch:
     # token confirms every earlier one as written, and a prefix hit another request is still filling
     # is not). 0 otherwise.
     refill_end: int = 0
+    # ... and up to where the KV that came back from the host is valid (what the branch had computed
+    # when it was swapped out): past its prefix hits, the refill resumes there.
+    refill_resume: int = 0
     ledger_prompt: tuple[int, ...] | None = None  # while queued: the prompt handed to admission, reused
 
     def __post_init__(self) -> None:

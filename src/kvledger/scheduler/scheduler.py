@@ -535,6 +535,9 @@ class Scheduler(AdmissionOps, TierPlanning):
         req = br.request
         if refill:
             # Recompute up to what the ledger knows, without sampling: the token after it was sampled.
+            # Past the prefix hits, the blocks came back from the host, valid up to refill_resume.
+            if c >= br.hit_end:
+                c = max(c, br.refill_resume)
             end = c + min(refill - c, self.config.prefill_chunk, budget)
             plan.prefills.append(Work(br.seq_id, c, end, False, 0, req, br.index, br.blocks, tokens))
             return budget - (end - c)

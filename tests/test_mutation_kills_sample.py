@@ -273,10 +273,32 @@ def test_the_capacity_matrix_says_why_a_row_does_not_fit() -> None:
     long, odd = rows
     assert (long.fits, long.pool_blocks, long.blocks_per_request) == (False, 1799, 125_001)
     assert long.note == "one request needs 125,001 of 1,799 blocks"
-    assert (odd.fits, odd.pool_blocks, odd.note) == (False, 0, "tp=3 must divide the 8 KV heads or be a multiple of them")
+    assert (odd.fits, odd.pool_blocks, odd.note) == (
+        False, 0, "tp=3 must divide the 8 KV heads or be a multiple of them")
 
 
 def test_prices_that_are_not_numbers_are_named() -> None:
     from kvledger.core.capacity import parse_prices
     with pytest.raises(ConfigError, match=r"--prices: 'cheap' is not a number"):
         parse_prices("l4=cheap")
+
+
+def test_the_largest_supported_pool_is_accepted_and_one_more_block_is_refused() -> None:
+    """The refusal quotes the supported maximum (2**24 blocks); a pool of exactly that many blocks is a
+    pool the ledger promises to manage (about 1.3 GB of bookkeeping, a second or two), one more is not.
+    (Seed 2 of the sample: the bound as ``>=`` refused the documented maximum.)"""
+    from kvledger.core.ledger import MAX_POOL_BLOCKS
+
+    assert MAX_POOL_BLOCKS == 2**24
+    with pytest.raises(ConfigError, match="beyond the supported 16,777,216"):
+        KVLedger(MAX_POOL_BLOCKS + 1, BS)
+    led = KVLedger(MAX_POOL_BLOCKS, BS)
+    assert led.stats()["usage"]["total"] == MAX_POOL_BLOCKS
+    del led
+
+
+def test_a_request_whose_context_is_not_a_cache_context_quotes_what_it_got() -> None:
+    """A trust group passed where the context goes (a common slip) is refused with the value shown, so
+    the caller sees what went wrong. (Seed 3 of the sample: the message quoted None instead.)"""
+    with pytest.raises(ConfigError, match=r"^request 'a': context must be a CacheContext, got 'tenant-a'$"):
+        Request("a", [1, 2, 3], 1, "tenant-a")  # type: ignore[arg-type]

@@ -286,7 +286,7 @@ def sample(argv: list[str]) -> int:
         print(f"   {time.perf_counter() - t0:.0f} s; {len(fresh_kills)} killed there")
     eq = equivalents()
     c: Counter[str] = Counter()
-    by_package: dict[str, Counter[str]] = {}
+    by_part: dict[str, Counter[str]] = {}
     left = []
     for k in chosen:
         st = status[k]
@@ -298,8 +298,8 @@ def sample(argv: list[str]) -> int:
             kind = "survived"
             left.append(k)
         c[kind] += 1
-        by_package.setdefault(part_of(k), Counter())[kind] += 1
-    for pkg, pc in sorted(by_package.items()):
+        by_part.setdefault(part_of(k), Counter())[kind] += 1
+    for pkg, pc in sorted(by_part.items()):
         pn = pc["killed"] + pc["survived"]
         print(f"   {pkg}: {pn and 100 * pc['killed'] / pn:.1f}% of {sum(pc.values())} sampled, {pc['killed']} killed, "
               f"{pc['equivalent']} equivalent, {pc['native']} native, {pc['survived']} survived")

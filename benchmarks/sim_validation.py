@@ -29,7 +29,11 @@ transfer time hidden and exposed is reported for both sides.
 On a shared machine, run ``kvledger calibrate`` and this benchmark back to back with the same
 ``OMP_NUM_THREADS`` (1 is the most robust when other processes compete for the cores: a two-thread
 step waits for both threads to get a time slice, and a busy neighbour makes steps 10x slower at random).
+``--bracket`` measures the calibration shapes in this process right before and right after each load's
+replay and simulates with the profile fitted to the geometric mean of the two: on a machine whose speed
+drifts within minutes, a profile from one side of the replay predicts that moment, not the replay.
 Usage: python benchmarks/sim_validation.py [--requests 200] [--loads light:1,saturated:4] [--sim-only] [--offload]
+       [--bracket [--repeats 5]]
 """
 
 from __future__ import annotations
@@ -77,9 +81,8 @@ def figures(summary: dict, steps: int, preemptions: int, transfers: dict | None 
             "preemptions": preemptions}
 
 
-def sim_side(reqs, args: argparse.Namespace) -> dict:
-    profile = None
-    if args.profile:
+def sim_side(reqs, args: argparse.Namespace, profile=None) -> dict:
+    if profile is None and args.profile:
         from kvledger.sim.cost_model import load_cpu_profile
 
         profile = load_cpu_profile(args.profile)
@@ -96,6 +99,36 @@ def sim_side(reqs, args: argparse.Namespace) -> dict:
                      "promoted_blocks": res.counters["tiers"]["flow"]["promoted"],
                      "demoted_blocks": res.counters["tiers"]["flow"]["demoted"]}
     return figures(summarize_requests(res.requests), res.steps, sum(res.preemptions.values()), transfers)
+
+
+def calibrate_now(args: argparse.Namespace) -> dict:
+    """The runtime's step times of every calibration shape, measured now (what `kvledger calibrate` does)."""
+    from kvledger.cli.calibrate_cmds import measure_runtime
+
+    return measure_runtime(args.repeats)
+
+
+def bracketed_profile(before: dict, after: dict):
+    """One profile fitted to the geometric mean of each shape's step time measured right before and right
+    after the replay: the machine's speed drifts by minutes (a lone decode 44-58 ms five minutes apart), so a
+    profile measured on one side of the replay predicts the machine of that moment, not of the replay's."""
+    import math
+
+    from kvledger.sim.calibrate import Measurement, fit_links, fit_profile
+    from kvledger.sim.cost_model import CostModel, DeviceProfile
+
+    pooled = [Measurement(a.shape, math.sqrt(a.seconds * b.seconds))
+              for a, b in zip(before["measurements"], after["measurements"], strict=True)]
+    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
+    cost = CostModel(before["config"], before["spec"], placeholder, weight_dtype="fp32")
+    links, _ = fit_links(before["links"])
+    host = links["host"]
+    profile, report = fit_profile(cost, pooled, host_link_Bps=host["out_Bps"],
+                                  transfer_overhead_s=host["out_overhead_s"], links=links,
+                                  source="sim_validation --bracket: calibrated before and after the replay")
+    drift = {m.shape.name: b.seconds / m.seconds for m, b in zip(before["measurements"], after["measurements"],
+                                                                  strict=True)}
+    return profile, report, drift
 
 
 def runtime_engine(args: argparse.Namespace):
@@ -161,6 +194,10 @@ def main() -> None:
     p.add_argument("--disk-dir", default=None)
     p.add_argument("--staging-blocks", type=int, default=32)
     p.add_argument("--restore-ahead", action="store_true")
+    p.add_argument("--bracket", action="store_true",
+                   help="calibrate right before and right after each load's replay and simulate with the profile "
+                        "fitted to both (the machine's drift during the replay is then averaged in)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per shape with --bracket")
     args = p.parse_args()
     if args.pool_blocks is None:
         args.pool_blocks = 64 if args.offload else 512
@@ -179,10 +216,25 @@ def main() -> None:
           f"load average before: {' '.join(f'{x:.2f}' for x in load_before)}")
     for name, rate in loads:
         reqs = workload(args, rate)
-        sim = sim_side(reqs, args)
+        bracket = None
+        if args.bracket and not args.sim_only:
+            before = calibrate_now(args)
         wall = time.perf_counter()
         real = None if args.sim_only else runtime_side(reqs, args)
         wall = time.perf_counter() - wall
+        if args.bracket and not args.sim_only:
+            after = calibrate_now(args)
+            profile, fit, drift = bracketed_profile(before, after)
+            sim = sim_side(reqs, args, profile)
+            bracket = {"profile": profile.to_dict(), "fit_rms_error_pct": fit["rms_error_pct"],
+                       "worst_shape": fit["worst_shape"], "worst_error_pct": fit["worst_error_pct"],
+                       "after_over_before": drift}
+            print(f"\n{name}: calibrated before and after the replay; after / before per shape: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in drift.items()))
+            print(f"bracketed fit: {profile.peak_flops / 1e9:.1f} GFLOP/s, {profile.mem_bandwidth_Bps / 1e9:.1f} GB/s, "
+                  f"step overhead {profile.step_overhead_s * 1e3:.1f} ms, rms error {fit['rms_error_pct']:.1f}%")
+        else:
+            sim = sim_side(reqs, args)
         print(f"\n{name}: Poisson {rate:g}/s" + ("" if real is None else f" (runtime replay {wall:.0f} s)"))
         print(f"{'metric':<20}{'runtime':>12}{'simulator':>12}{'sim / real':>12}")
         ratios = {}
@@ -203,7 +255,8 @@ def main() -> None:
         if real is not None:
             off = [k for k, v in ratios.items() if v is None or abs(v - 1) > target]
             print(f"within {target:.0%}: " + ("all" if not off else f"not {', '.join(off)}"))
-        out["loads"][name] = {"rate": rate, "simulator": sim, "runtime": real, "sim_over_real": ratios}
+        out["loads"][name] = {"rate": rate, "simulator": sim, "runtime": real, "sim_over_real": ratios,
+                              "bracket": bracket}
     out["load_average_before"] = load_before
     out["load_average_after"] = os.getloadavg()
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in out['load_average_after'])}")

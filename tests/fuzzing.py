@@ -39,7 +39,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the tests' helpers importable
@@ -49,6 +49,7 @@ from kvledger.core import native
 from kvledger.core.eviction import EVICTION_POLICIES, make_policy
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request, Retention
+from kvledger.core.tiers import TierLedger
 from kvledger.errors import (
     AdmissionError,
     ConfigError,
@@ -69,6 +70,7 @@ from kvledger.scheduler import (
     SchedulerConfig,
     StepOutput,
     StepPlan,
+    StepResult,
     TransferModel,
 )
 
@@ -133,11 +135,12 @@ class Live:
 class LedgerEpisode:
     """One ledger, ``ops`` random operations, ``check()`` and the model after each."""
 
-    def __init__(self, seed: int, ops: int) -> None:
+    def __init__(self, seed: int, ops: int, observe: Callable[[LedgerEpisode], None] | None = None) -> None:
         self.rng = random.Random(seed)
         self.ops = ops
         self.counts: Counter[str] = Counter()
         self.trace: list[tuple] = []
+        self.observe = observe  # called after each operation has been verified (the golden transcripts)
 
     # ---- setup ------------------------------------------------------------------------------------
     def build(self) -> None:
@@ -531,6 +534,8 @@ class LedgerEpisode:
             getattr(self, f"op_{name}")()
             self.now += self.rng.choice([0.0, 0.1, 1.0])
             self.verify()
+            if self.observe is not None:
+                self.observe(self)
             self.remember_content()
             self.counts["ops"] += 1
         self.teardown()
@@ -703,9 +708,12 @@ class FuzzExecutor(FakeEngine):
         super().__init__(s, accept=lambda w: rng.randint(1, w.lookahead + 1))
         self.failing = failing
         self.rng = rng
+        self.tier_blocks: Counter[str] = Counter()  # blocks each kind of tier transfer moved
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.s.check()  # the in-flight state keeps every law too
+        for kind in ("demote", "promote", "writeback", "tier_moves"):
+            self.tier_blocks[kind] += len(getattr(plan, kind))
         works = [*plan.prefills, *plan.decodes]
         if self.failing is not None and any(w.request_id == self.failing for w in works):
             raise RuntimeError(f"injected fault in {self.failing}")
@@ -732,11 +740,16 @@ class SchedulerScenario:
     failing: str | None = None
     accept_seed: int = 0
     quotas: dict[str, int] = field(default_factory=dict)  # trust group -> cap (blocks)
+    disk_blocks: int = 0  # a second tier below the host (a TierLedger of two tiers) when > 0
 
     def describe(self) -> str:
         c = self.config
+        tiers = f" disk={self.disk_blocks}" if self.disk_blocks else ""
+        offload = f" offload(restore_ahead={c.restore_ahead}, writeback={c.writeback_blocks})" \
+            if c.offload_prefixes else ""
         return (f"{c.policy}/{c.on_growth_failure}/{c.victim}/{c.recovery}/{self.eviction} caching={self.caching} "
-                f"pool={self.num_blocks} host={self.host_blocks} requests={len(self.requests)} quotas={self.quotas}")
+                f"pool={self.num_blocks} host={self.host_blocks}{tiers}{offload} requests={len(self.requests)} "
+                f"quotas={self.quotas}")
 
 
 def draw_scenario(rng: random.Random) -> SchedulerScenario:
@@ -781,9 +794,19 @@ def draw_scenario(rng: random.Random) -> SchedulerScenario:
     quotas = {}
     if rng.random() < 0.25:  # one tenant capped: its requests queue behind each other, or never fit
         quotas[rng.choice(contexts).trust_group] = rng.randint(max(1, needs[0] - 1), num_blocks)
-    return SchedulerScenario(cfg, rng.choice(sorted(EVICTION_POLICIES)), rng.random() < 0.85, num_blocks,
-                             rng.choice([0, 4, 16, 64]), rng.choice([1e8, 1e12]), requests, cancels, failing,
-                             rng.randint(0, 2**31), quotas)
+    sc = SchedulerScenario(cfg, rng.choice(sorted(EVICTION_POLICIES)), rng.random() < 0.85, num_blocks,
+                           rng.choice([0, 4, 16, 64]), rng.choice([1e8, 1e12]), requests, cancels, failing,
+                           rng.randint(0, 2**31), quotas)
+    # Tiers below the pool: drawn last, from a generator of their own, so the draws above stay what they
+    # were for every seed. A third of the scenarios with a host get a disk tier under it, and (with prefix
+    # caching) evicted prefix blocks demoted to the tiers and promoted back on a hit.
+    tier_rng = random.Random(rng.getrandbits(64))
+    if sc.host_blocks and tier_rng.random() < 0.35:
+        sc.disk_blocks = tier_rng.choice([2, 8, 32])
+        if sc.caching:
+            sc.config = replace(cfg, offload_prefixes=True, restore_ahead=tier_rng.random() < 0.5,
+                                writeback_blocks=tier_rng.choice([0, 1, 4, 32]))
+    return sc
 
 
 MAX_STEPS = 3000
@@ -805,12 +828,16 @@ def scheduler_episode(seed: int, ops: int = 0) -> Counter[str]:
     return counts
 
 
-def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
+def run_scenario(sc: SchedulerScenario, counts: Counter[str],
+                 observe: Callable[[Scheduler, StepResult], None] | None = None) -> list[tuple]:
+    """Run one scenario to the end and check how every request ended; ``observe(scheduler, result)``
+    runs after each driver step (the golden transcripts)."""
     cfg = sc.config
     led = KVLedger(sc.num_blocks, BS, prefix_caching=sc.caching, policy=sc.eviction, clock=lambda: 0.0)
     for group, cap in sc.quotas.items():
         led.set_quota(group, cap)
-    host = HostPool(sc.host_blocks)
+    host = TierLedger([("host", sc.host_blocks), ("disk", sc.disk_blocks)]) if sc.disk_blocks \
+        else HostPool(sc.host_blocks)
     costs = RecoveryCosts(flops_per_token=1e9, flops_per_s=1e12, block_bytes=1_000_000,
                           transfer=TransferModel(link_Bps=sc.link_Bps, staging_blocks=2))
     s = Scheduler(led, cfg, host=host, costs=costs)
@@ -825,6 +852,8 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
         if steps in sc.cancels:
             driver.cancel(sc.cancels[steps])
         result = driver.step()
+        if observe is not None:
+            observe(s, result)
         for f in result.finished:
             finished[f.request.request_id] = f
         steps += 1
@@ -833,11 +862,21 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str]) -> list[tuple]:
     counts[f"policy:{cfg.policy}"] += 1
     counts[f"recovery:{cfg.recovery}"] += 1
     counts["quota"] += bool(sc.quotas)
+    counts["disk tier"] += bool(sc.disk_blocks)
+    counts["offload"] += cfg.offload_prefixes
+    counts.update({f"tier:{k}": v for k, v in executor.tier_blocks.items() if v})
     s.check()
     u = led.usage()
     require((u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), f"leaked: {u} ({sc.describe()})")
     require(led.outstanding_leases() == 0, "a lease outlived the run")
-    require(host.num_free == host.num_blocks, f"host blocks leaked: {host.num_used} in use")
+    # Demoted prefix blocks may stay cached below the pool (retained, like the pool's); nothing may stay
+    # held for a request or in flight.
+    left = {name: (u["held"], u["draining"], u["in_flight"]) for name, u in host.usage().items()
+            if u["held"] or u["draining"] or u["in_flight"]}
+    require(not left, f"tier slots leaked (held, draining, in flight): {left} ({sc.describe()})")
+    host.check()
+    if not cfg.offload_prefixes:
+        require(host.num_free == host.num_blocks, f"host blocks leaked: {host.num_used} in use")
     require(not (s.running or s.waiting or s.swapped), "the scheduler still holds requests")
     if cfg.exact:
         require(s.preemptions == 0, "a request was preempted under full reservation")

@@ -55,7 +55,7 @@ SKIP = {"kvledger.core.native", "kvledger.core.__init__", "kvledger.scheduler.__
 KILLED = {"killed", "timeout"}
 # The fresh-interpreter pass of ``sample`` (see there): tensor-free tests of what the core computes at import.
 FRESH_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_geometry.py",
-               "tests/test_identity_known_answers.py")
+               "tests/test_identity_known_answers.py", "tests/test_golden.py")
 
 
 def modules(names: list[str]) -> list[str]:

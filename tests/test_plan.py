@@ -215,6 +215,14 @@ def test_matrix_marks_the_cheapest_combination(capsys):
                       "1024", "--concurrency", "64", "--gpus", "l4,h100-80gb", "--tps", "1", "--prices",
                       "l4=0.1,h100-80gb=10", "--json")
     assert next(r for r in priced["rows"] if r["cheapest"])["gpu"] == "l4"
+    # Prices for some GPUs only: the others fit but carry no cost (this crashed with a TypeError).
+    partly = run_json(capsys, "plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "4096", "--max-new",
+                      "1024", "--concurrency", "64", "--gpus", "l4,h100-80gb", "--tps", "1,2", "--prices",
+                      "h100-80gb=2.5", "--json")
+    l4 = [r for r in partly["rows"] if r["gpu"] == "l4" and r["fits"]]
+    assert l4 and all(r["cost"] is None and not r["cheapest"] for r in l4)
+    best = next(r for r in partly["rows"] if r["cheapest"])
+    assert best["gpu"] == "h100-80gb" and best["cost"] == 2.5 * best["gpus_total"]
     rc, out, err = run(capsys, "plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "4096", "--max-new",
                        "1024", "--concurrency", "64")
     assert rc == 0 and "<- cheapest" in out

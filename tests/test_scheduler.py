@@ -77,11 +77,23 @@ class FakeEngine:
     def run(self, plan: StepPlan) -> dict[str, list[int]]:
         led = self.s.ledger
         pool = led.pool
+        # Tier transfers in the order scheduler/transfers.py gives: demotions read their device blocks before
+        # anything overwrites them; moves run before write-backs (one may reuse a moved entry's slot).
+        for d, t in plan.demote:
+            self.host[t] = list(self.block(d))
+        for src, dst in plan.tier_moves:
+            assert src in self.host, f"step {plan.step}: tier slot {src} moved down but never written"
+            self.host[dst] = self.host[src]
+        for d, t in plan.writeback:
+            self.host[t] = list(self.block(d))
         for c in plan.copies:
             self.block(c.dst)[: c.slots] = self.block(c.src)[: c.slots]
         for d, h in plan.swap_out:
             assert pool.leased[d], f"step {plan.step}: device block {d} swapped out but not leased"
             self.host[h] = list(self.block(d))
+        for t, d in plan.promote:
+            assert t in self.host, f"step {plan.step}: tier slot {t} promoted but never written"
+            self.dev[d] = list(self.host[t])
         for h, d in plan.swap_in:
             assert h in self.host, f"step {plan.step}: host block {h} read back but never written"
             self.dev[d] = list(self.host[h])

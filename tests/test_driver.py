@@ -382,3 +382,21 @@ def test_a_fresh_virtual_clock_only_moves_forward() -> None:
     with pytest.raises(InvariantError):
         clock.advance(-1)
     assert ConstantExecutor(token=3, step_s=0.25).execute(StepPlan(0)).elapsed_s == 0.25
+
+
+@pytest.mark.parametrize("kwargs", [{"feed_window": 0}, {"feed_window": -2}, {"feed_window": 1.0},
+                                    {"check_every": -1}, {"stall_steps": 0}, {"idle_wait_s": -0.1},
+                                    {"idle_wait_s": float("inf")}, {"idle_wait_s": "0.05"}, {"check_every": True}])
+def test_driver_settings_are_bounded_before_anything_runs(kwargs) -> None:
+    """A feed window of 0 let no request into the scheduler, so ``run()`` stepped forever; every setting is
+    now checked when the driver is built."""
+    s = Scheduler(KVLedger(8, 4), SchedulerConfig())
+    with pytest.raises(ConfigError, match="driver: "):
+        Driver(s, ConstantExecutor(), **kwargs)
+
+
+def test_a_feed_window_of_one_still_finishes_every_request() -> None:
+    s = Scheduler(KVLedger(8, 4), SchedulerConfig())
+    d = Driver(s, ConstantExecutor(7, 0.01), feed_window=1)
+    out = d.run([GenRequest(f"q{i}", [1, 2, 3, i], 3) for i in range(3)])
+    assert sorted(m.request_id for m in out) == ["q0", "q1", "q2"] and all(m.generated == 3 for m in out)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ def _load(name: str):
     return module
 
 
-@pytest.mark.parametrize("name", ["planner", "transcripts"])
+@pytest.mark.parametrize("name", ["planner", "transcripts", "refusals"])
 def test_known_answers_unchanged(name: str) -> None:
     module = _load(name)
     expected = json.loads(module.GOLDEN.read_text(encoding="utf-8"))
@@ -58,3 +59,17 @@ def test_the_planner_refuses_with_typed_errors_only() -> None:
               if isinstance(v, dict) and set(v) == {"error", "message"}}
     assert len(errors) > 1000  # the corpus does reach the refusals
     assert {k: v for k, v in errors.items() if v["error"] not in typed} == {}
+
+
+def test_no_entry_point_crashes_untyped_or_corrupts_the_ledger() -> None:
+    """Among the refusals' known answers: every error is one of kvledger's typed errors, and ``check()``
+    passed after every call. (Before they were recorded, ``TierLedger.free([s, s])`` corrupted the free
+    list, ``demote`` cached an entry with no trust group, and ``spill`` / ``free_in`` / ``blocks_for``
+    raised IndexError or TypeError.)"""
+    import kvledger.errors as errors
+
+    text = (GOLDEN_DIR.parent / "data" / "golden" / "refusals.json").read_text(encoding="utf-8")
+    assert "check failed" not in text
+    typed = {n for n in dir(errors) if n.endswith("Error") and isinstance(getattr(errors, n), type)}
+    found = set(re.findall(r'"error": "(\w+)"', text))
+    assert found and found <= typed, found - typed

@@ -376,3 +376,59 @@ def test_invalidate_takes_the_identity_of_blocks_whose_transfer_failed() -> None
     led.check()
     with pytest.raises(ConfigError):
         led.invalidate([10**6])
+
+
+# ---- the tier ledger's public calls refuse bad arguments before changing anything --------------------
+
+def _tiers_with_entries() -> TierLedger:
+    t = TierLedger([("host", 3), ("disk", 4)])
+    t.hold(2)
+    t.demote(5, b"d1" * 8, "g1")
+    t.complete()
+    return t
+
+
+def _state(t: TierLedger) -> tuple:
+    return (t.usage(), t.stats(), list(t.state), [list(f) for f in t._free])
+
+
+def test_freeing_a_slot_twice_in_one_call_is_refused_and_changes_nothing() -> None:
+    """free([s, s]) put the slot on the free list twice (check() then failed, and two later holds got the
+    same slot); take([s, s]) drained one slot twice."""
+    t = _tiers_with_entries()
+    held = [s for s in range(t.num_blocks) if t.state[s] == HELD]
+    before = _state(t)
+    with pytest.raises(LedgerError, match="named twice"):
+        t.free([held[0], held[0]])
+    cached = t.lookup([b"d1" * 8], 0, "g1")
+    with pytest.raises(LedgerError, match="named twice"):
+        t.take(cached * 2)
+    assert _state(t) == before
+    t.check()
+
+
+@pytest.mark.parametrize("call", [
+    lambda t: t.demote(9, b"d9" * 8, None),  # an entry without a trust group could be served to anyone
+    lambda t: t.demote(9, b"d9" * 8, 7),
+    lambda t: t.spill(2, 1), lambda t: t.spill(-1, 1), lambda t: t.spill(0, -1), lambda t: t.spill(True, 1),
+    lambda t: t.free_in(2), lambda t: t.free_in(-1),
+    lambda t: t.lookup([b"d1" * 8], -1, "g1"),
+    lambda t: t.free(5), lambda t: t.take(5), lambda t: t.discard(5), lambda t: t.free("ab"),
+])
+def test_bad_tier_arguments_are_typed_errors(call) -> None:
+    t = _tiers_with_entries()
+    before = _state(t)
+    with pytest.raises(ConfigError):
+        call(t)
+    assert _state(t) == before
+    t.check()
+
+
+def test_blocks_for_takes_token_counts_only() -> None:
+    from kvledger.core.ledger import KVLedger
+
+    led = KVLedger(8, 4)
+    assert [led.blocks_for(n) for n in (0, 1, 4, 5)] == [0, 1, 1, 2]
+    for bad in ("4", 1.5, None, True, -1):
+        with pytest.raises(ConfigError):
+            led.blocks_for(bad)

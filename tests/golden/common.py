@@ -22,8 +22,10 @@ def plain(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return f"{type(value).__name__}.{value.name}"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        # Private fields are memos (a context's root digest once someone asked): they depend on history.
         return {"__class__": type(value).__name__,
-                **{f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+                **{f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                   if not f.name.startswith("_")}}
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -32,7 +34,12 @@ def plain(value: Any) -> Any:
         return sorted((plain(v) for v in value), key=repr)
     if isinstance(value, BaseException):
         return {"error": type(value).__name__, "message": str(value)}
-    return {"__repr__": repr(value)}
+    if isinstance(value, bytes | bytearray):
+        return {"__bytes__": bytes(value).hex()}
+    text = repr(value)
+    if " at 0x" in text:  # an address changes from run to run: keep the type only
+        return {"__type__": type(value).__name__}
+    return {"__repr__": text}
 
 
 class Recorder:

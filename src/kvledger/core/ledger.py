@@ -115,7 +115,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks covering ``num_tokens``: the tail block is charged whole."""
-        return -(-num_tokens // self.block_size)
+        return -(-as_count(num_tokens, "num_tokens") // self.block_size)
 
     def usage(self) -> Usage:
         with self._lock:

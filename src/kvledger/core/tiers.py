@@ -199,12 +199,14 @@ class TierLedger:
             return out
 
     def free(self, slots: Iterable[int]) -> None:
-        """Held slots whose request was restored or cancelled become free."""
+        """Held slots whose request was restored or cancelled become free. All or nothing."""
+        slots = _slot_list(slots, "free")
         with self._lock:
-            slots = list(slots)
             for slot in slots:
                 if not self._valid(slot) or self.state[slot] != HELD:
-                    raise InvariantError(f"tier slot {slot} freed but not held")
+                    raise InvariantError(f"tier slot {show(slot)} freed but not held")
+            if len(set(slots)) != len(slots):  # freeing one twice would put it on the free list twice
+                raise LedgerError("free: a tier slot is named twice")
             for slot in slots:
                 self.state[slot] = FREE
                 self.in_flight[slot] = False
@@ -230,6 +232,8 @@ class TierLedger:
         whose least recently used entry moves one tier down to make it (``move`` ops, run before it)."""
         if type(digest) is not bytes or not digest:
             raise ConfigError(f"demote: a digest is non-empty bytes, got {show(digest)}")
+        if type(group) is not str:  # a cached entry without a trust group could be served to anyone
+            raise ConfigError(f"demote: the trust group must be a string, got {show(group)}")
         with self._lock:
             held = self.index.get(digest)
             if held is not None:
@@ -301,6 +305,9 @@ class TierLedger:
         """Move up to ``n`` of tier ``tier``'s least recently used readable entries one tier down (``move``
         ops, off the critical path), so the tier has free slots for the next demotions. A moved entry's
         old slot drains: it is free once the step's transfers are done. Returns the entries moved."""
+        self._check_tier(tier, "spill")
+        if isinstance(n, bool) or type(n) is not int or n < 0:
+            raise ConfigError(f"spill: n must be an integer >= 0, got {show(n)}")
         with self._lock:
             moved = 0
             lru = self._lru[tier]
@@ -328,7 +335,12 @@ class TierLedger:
 
     def free_in(self, tier: int) -> int:
         """Free slots of one tier."""
+        self._check_tier(tier, "free_in")
         return len(self._free[tier])
+
+    def _check_tier(self, tier: object, what: str) -> None:
+        if isinstance(tier, bool) or type(tier) is not int or not 0 <= tier < len(self.names):
+            raise ConfigError(f"{what}: tier must be an index in [0, {len(self.names)}), got {show(tier)}")
 
     def _place(self, slot: int, digest: bytes, group: str | None) -> None:
         self.state[slot] = CACHED
@@ -364,6 +376,8 @@ class TierLedger:
     def lookup(self, digests: Sequence[bytes], start: int, group: str | None) -> list[int]:
         """Slots holding ``digests[start:]`` in order, as far as they are cached, readable and of
         ``group`` (the chain stops at the first miss: only a leading run extends a prefix)."""
+        if isinstance(start, bool) or type(start) is not int or start < 0:
+            raise ConfigError(f"lookup: start must be an integer >= 0, got {show(start)}")
         with self._lock:
             out: list[int] = []
             for k in range(start, len(digests)):
@@ -375,11 +389,14 @@ class TierLedger:
 
     def take(self, slots: Sequence[int]) -> list[bytes]:
         """Promote cached entries: each leaves the index (it is on the device now) and its slot drains
-        until :meth:`complete`. Returns their digests."""
+        until :meth:`complete`. Returns their digests. All or nothing."""
+        slots = _slot_list(slots, "take")
         with self._lock:
             for slot in slots:
                 if not self._valid(slot) or self.state[slot] != CACHED or self.in_flight[slot]:
-                    raise LedgerError(f"tier slot {slot} holds no readable cached block")
+                    raise LedgerError(f"tier slot {show(slot)} holds no readable cached block")
+            if len(set(slots)) != len(slots):  # promoting one twice would drain its slot twice
+                raise LedgerError("take: a tier slot is named twice")
             out = []
             for slot in slots:
                 d = self.digest[slot]
@@ -420,6 +437,7 @@ class TierLedger:
     def discard(self, slots: Iterable[int]) -> int:
         """Transfers into these cached slots failed: drop the entries (their bytes are not trustworthy).
         Held slots are left to their request (which fails with the step). Returns entries dropped."""
+        slots = _slot_list(slots, "discard")
         with self._lock:
             n = 0
             for slot in slots:
@@ -509,3 +527,10 @@ class TierLedger:
 
 
 __all__ = ["CACHED", "DRAINING", "FREE", "HELD", "STATE_NAMES", "TierLedger", "TierOp", "TierSpec"]
+
+
+def _slot_list(slots: object, what: str) -> list:
+    """The caller's slots as a list (checked one by one by the caller)."""
+    if isinstance(slots, (str, bytes)) or not hasattr(slots, "__iter__"):
+        raise ConfigError(f"{what}: expected an iterable of tier slots, got {show(slots)}")
+    return list(slots)  # type: ignore[call-overload]

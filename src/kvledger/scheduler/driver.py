@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import InvariantError, LedgerError
+from ..errors import ConfigError, InvariantError, LedgerError
 from .beam import BeamSearch
 from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
 from .metrics import RequestMetrics, join_reasons
@@ -88,6 +88,16 @@ class Driver:
                  feed_window: int | None = None, check_every: int = 0, on_planned: StepHook | None = None,
                  on_executed: OutputHook | None = None, keep_records: bool = False,
                  idle_wait_s: float = 0.05, stall_steps: int = 1000) -> None:
+        # A zero feed window never lets a request in (the run would step forever); bound everything first.
+        for name, value, low in (("feed_window", feed_window, 1), ("check_every", check_every, 0),
+                                 ("stall_steps", stall_steps, 1)):
+            if value is None and name == "feed_window":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"driver: {name} must be an integer >= {low}, got {value!r}")
+        if isinstance(idle_wait_s, bool) or not isinstance(idle_wait_s, int | float) or \
+                not 0 <= idle_wait_s < float("inf"):
+            raise ConfigError(f"driver: idle_wait_s must be a finite number of seconds >= 0, got {idle_wait_s!r}")
         self.scheduler = scheduler
         self.executor = executor
         self.clock: Clock = clock or VirtualClock()

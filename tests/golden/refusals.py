@@ -73,18 +73,23 @@ def fixture() -> KVLedger:
     return led
 
 
+def answer(call: Callable[[], Any], check: Callable[[], None]) -> Any:
+    """What ``call()`` returned or raised; wrapped with the failure when ``check()`` fails after it."""
+    try:
+        out: Any = {"ok": plain(call())}
+    except Exception as exc:  # noqa: BLE001 -- the refusal is the answer
+        out = plain(exc)
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001
+        out = {"check failed": plain(exc), "answer": out}
+    return out
+
+
 def on_ledger(fn: Callable[[KVLedger], Any]) -> Callable[[], Any]:
     def run() -> Any:
         led = fixture()
-        try:
-            out: Any = {"ok": plain(fn(led))}
-        except Exception as exc:  # noqa: BLE001 -- the refusal is the answer
-            out = plain(exc)
-        try:
-            led.check()
-        except Exception as exc:  # noqa: BLE001
-            out = {"check failed": plain(exc), "answer": out}
-        return [out, state(led)]
+        return [answer(lambda: fn(led), led.check), state(led)]
     return run
 
 
@@ -225,14 +230,7 @@ def _tier_cases(rec: Recorder) -> None:
             t.demote(5, b"d1" * 8, "g1")
             t.demote(6, b"d2" * 8, "g1", urgent=False)
             t.complete()
-            try:
-                out: Any = {"ok": plain(fn(t))}
-            except Exception as exc:  # noqa: BLE001
-                out = plain(exc)
-            try:
-                t.check()
-            except Exception as exc:  # noqa: BLE001
-                out = {"check failed": plain(exc), "answer": out}
+            out = answer(lambda: fn(t), t.check)
             return [out, t.usage(), t.stats(), t.holdable, t.num_free, t.num_used, t.num_evictable]
         return run
 
@@ -293,15 +291,8 @@ def _scheduler_cases(rec: Recorder) -> None:
                           host=HostPool(6))
             s.add(GenRequest("x", [1, 2, 3, 4, 5], 3, TENANT))
             s.add(GenRequest("y", [1, 2, 3, 4, 9, 9], 4, TENANT, n=2))
-            try:
-                out: Any = {"ok": plain(fn(s))}
-            except Exception as exc:  # noqa: BLE001
-                out = plain(exc)
-            try:
-                s.check()
-            except Exception as exc:  # noqa: BLE001
-                out = {"check failed": plain(exc), "answer": out}
-            return [out, led.usage(), [[b.seq_id for b in u] for u in s.waiting], list(s.running)]
+            return [answer(lambda: fn(s), s.check), led.usage(), [[b.seq_id for b in u] for u in s.waiting],
+                    list(s.running)]
         return run
 
     for kw in ({"request_id": "z"}, {"request_id": ""}, {"request_id": "a/b"}, {"request_id": 3}, {"n": 0},

@@ -25,21 +25,10 @@ from kvledger.scheduler import (
 BS = 4
 
 
-def _helpers():
-    """The fake KV memory of tests/test_scheduler.py (tests run with --import-mode=importlib)."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-    name = "kvledger_seed6_ledger_kills_test_scheduler"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_scheduler.py"))
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
-
-
-_sched_h = _helpers()
+try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
+    from tests import test_scheduler as _sched_h
+except ImportError:  # pragma: no cover - run from inside tests/
+    import test_scheduler as _sched_h
 toks = _sched_h.toks  # toks(n, start): n consecutive token ids from start
 
 

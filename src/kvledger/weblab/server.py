@@ -77,3 +77,8 @@ def serve(host: str, port: int, open_browser: bool = False) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
+    if server.should_exit:
+        # Stopped by Ctrl-C. uvicorn re-raises the signal as it returns, but asyncio.run turns that into a
+        # cancellation of a task that is already finishing, so the interrupt is lost now and then and the
+        # command exited 0; say it ourselves (exit code 130, as every kvledger command).
+        raise KeyboardInterrupt

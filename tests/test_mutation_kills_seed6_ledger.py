@@ -18,8 +18,6 @@ from kvledger.scheduler import (
     HostPool,
     Scheduler,
     SchedulerConfig,
-    StepOutput,
-    StepPlan,
 )
 
 BS = 4
@@ -116,22 +114,10 @@ def test_run_stops_after_max_steps() -> None:
     assert seen == [8, 13, 18, 20]  # every 5th step of this run (its steps 5, 10, 15), then at the end
 
 
-class _PartExecutor:
-    """``FakeEngine`` behind the executor protocol: a plan with a request of ``fail`` raises (the whole
-    step, then that request's part). Records the requests of each call."""
-
-    def __init__(self, s: Scheduler, fail: set[str]) -> None:
-        self.engine = _sched_h.FakeEngine(s)
-        self.fail = fail
-        self.calls: list[list[str]] = []
-
-    def execute(self, plan: StepPlan) -> StepOutput:
-        rids = sorted({w.request_id for w in plan.works})
-        self.calls.append(rids)
-        bad = self.fail & set(rids)
-        if bad:
-            raise RuntimeError(f"part of {sorted(bad)} failed")
-        return StepOutput(self.engine.run(plan))
+try:  # the fault-injecting executor of the shared-prefill tests: FakeEngine behind the executor protocol
+    from tests.test_scheduler_shared_prefill import FakeExecutor as _PartExecutor
+except ImportError:  # pragma: no cover - run from inside tests/
+    from test_scheduler_shared_prefill import FakeExecutor as _PartExecutor
 
 
 def test_after_a_part_fails_the_other_ready_parts_run_before_the_readers_that_waited() -> None:

@@ -17,7 +17,7 @@ GOLDEN_DIR = Path(__file__).resolve().parent / "golden"
 sys.path.insert(0, str(GOLDEN_DIR))
 sys.path.insert(0, str(GOLDEN_DIR.parent))
 
-import common  # noqa: E402
+import golden_common as common  # noqa: E402
 
 
 def _load(name: str):

@@ -26,7 +26,7 @@ from typing import Any
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import Recorder, main  # noqa: E402
+from golden_common import Recorder, main  # noqa: E402
 
 from kvledger.core import capacity, engines, geometry, gpus, inventory, kv_formats, models, params  # noqa: E402
 

@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 if __package__ in (None, ""):
     sys.path.insert(0, str(HERE))
 
-from common import Recorder, main, plain  # noqa: E402
+from golden_common import Recorder, main, plain  # noqa: E402
 
 from kvledger.core import native  # noqa: E402
 from kvledger.core.identity import CacheContext  # noqa: E402

@@ -30,7 +30,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(HERE))
     sys.path.insert(0, str(HERE.parent))
 
-from common import Recorder, main, plain  # noqa: E402
+from golden_common import Recorder, main, plain  # noqa: E402
 
 import fuzzing  # noqa: E402
 

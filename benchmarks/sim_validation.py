@@ -114,18 +114,13 @@ def bracketed_profile(before: dict, after: dict):
     profile measured on one side of the replay predicts the machine of that moment, not of the replay's."""
     import math
 
-    from kvledger.sim.calibrate import Measurement, fit_links, fit_profile
-    from kvledger.sim.cost_model import CostModel, DeviceProfile
+    from kvledger.cli.calibrate_cmds import fit_measured
+    from kvledger.sim.calibrate import Measurement
 
     pooled = [Measurement(a.shape, math.sqrt(a.seconds * b.seconds))
               for a, b in zip(before["measurements"], after["measurements"], strict=True)]
-    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
-    cost = CostModel(before["config"], before["spec"], placeholder, weight_dtype="fp32")
-    links, _ = fit_links(before["links"])
-    host = links["host"]
-    profile, report = fit_profile(cost, pooled, host_link_Bps=host["out_Bps"],
-                                  transfer_overhead_s=host["out_overhead_s"], links=links,
-                                  source="sim_validation --bracket: calibrated before and after the replay")
+    profile, report = fit_measured(before, measurements=pooled,
+                                   source="sim_validation --bracket: calibrated before and after the replay")
     drift = {m.shape.name: b.seconds / m.seconds for m, b in zip(before["measurements"], after["measurements"],
                                                                   strict=True)}
     return profile, report, drift

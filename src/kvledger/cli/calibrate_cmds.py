@@ -89,6 +89,23 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
             "links": links, "threads": torch.get_num_threads()}
 
 
+def fit_measured(data: dict[str, Any], *, source: str, measurements: list[Any] | None = None) -> tuple[Any, dict]:
+    """The cpu-local profile fitted to a :func:`measure_runtime` result (its step times, or ``measurements``
+    of the same shapes), with its links and the fit report (the report's ``links`` holds the links' fit)."""
+    from ..sim.calibrate import fit_links, fit_profile
+    from ..sim.cost_model import CostModel, DeviceProfile
+
+    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
+    cost = CostModel(data["config"], data["spec"], placeholder, weight_dtype="fp32")
+    links, link_report = fit_links(data["links"])
+    host = links["host"]
+    profile, report = fit_profile(
+        cost, data["measurements"] if measurements is None else measurements, host_link_Bps=host["out_Bps"],
+        transfer_overhead_s=host["out_overhead_s"], links=links, source=source)
+    report["links"] = link_report
+    return profile, report
+
+
 @click.command("calibrate", epilog=epilog(
     "kvledger calibrate                      # writes ~/.cache/kvledger/cpu-local.json (about a minute)",
     "kvledger calibrate --repeats 5 --json",
@@ -109,23 +126,16 @@ def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, disk_di
     from rich.console import Console
     from rich.table import Table
 
-    from ..sim.calibrate import fit_links, fit_profile
-    from ..sim.cost_model import CostModel, DeviceProfile, cpu_profile_path
+    from ..sim.cost_model import cpu_profile_path
 
     err = Console(stderr=True)
     t0 = time.perf_counter()
     data = measure_runtime(repeats, model_path=model_path, disk_dir=disk_dir, tier_compression=tier_compression,
                            log=None if as_json else (lambda m: err.print(f"[dim]measured {m}[/dim]")))
-    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
-    cost = CostModel(data["config"], data["spec"], placeholder, weight_dtype="fp32")
-    links, link_report = fit_links(data["links"])
-    host = links["host"]
-    profile, report = fit_profile(
-        cost, data["measurements"], host_link_Bps=host["out_Bps"], transfer_overhead_s=host["out_overhead_s"],
-        links=links,
-        source=f"kvledger calibrate {time.strftime('%Y-%m-%d %H:%M')}: torch runtime, SmolLM2-135M fp32 on CPU, "
-               f"{data['threads']} thread(s); efficiencies folded into the peaks (1.0)")
-    report["links"] = link_report
+    profile, report = fit_measured(
+        data, source=f"kvledger calibrate {time.strftime('%Y-%m-%d %H:%M')}: torch runtime, SmolLM2-135M fp32 on "
+                     f"CPU, {data['threads']} thread(s); efficiencies folded into the peaks (1.0)")
+    links = profile.links
     path = Path(out) if out else cpu_profile_path()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

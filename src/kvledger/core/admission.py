@@ -186,8 +186,8 @@ class AdmissionOps(QuotaOps):
         and how many leading hits are written (readable at once)."""
         pool, bs = self.pool, self.block_size
         prompt_len = len(request.prompt)
-        total = self.blocks_for(prompt_len + request.reserved_new_tokens + request.lookahead)
-        prompt_blocks = self.blocks_for(prompt_len)
+        total = self._blocks_for(prompt_len + request.reserved_new_tokens + request.lookahead)
+        prompt_blocks = self._blocks_for(prompt_len)
         rid = request.request_id
         # Each extra branch: its own output allowance, plus a copy of the partial prompt tail.
         per_branch = (total - prompt_blocks) + (1 if prompt_len % bs else 0)
@@ -224,7 +224,7 @@ class AdmissionOps(QuotaOps):
                 # holds now (retained or deferred), each branch up to its declared maximum, tail copies.
                 ref = pool.ref
                 unheld_hits = sum(1 for b in hits if ref[b] == 0)
-                most = max(total, self.blocks_for(prompt_len + request.max_new_tokens))
+                most = max(total, self._blocks_for(prompt_len + request.max_new_tokens))
                 adds = (new_now + unheld_hits + request.branches * (most - prompt_blocks)
                         + (request.branches - 1) * (1 if prompt_len % bs else 0))
                 refused = self._over_quota(rid, group, cap, adds, total, len(hits), pending_hits, new_now, promise,
@@ -338,7 +338,7 @@ class AdmissionOps(QuotaOps):
         layout = self.family_layout(reqs, digests)
         bs = self.block_size
         need_empty = layout.nodes + sum(
-            self.blocks_for(len(r.prompt) + r.max_new_tokens + r.lookahead) - len(r.prompt) // bs for r in reqs)
+            self._blocks_for(len(r.prompt) + r.max_new_tokens + r.lookahead) - len(r.prompt) // bs for r in reqs)
         if need_empty > pool_blocks:
             reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest ({layout.nodes} "
                       f"shared full blocks) but the whole pool has {pool_blocks}")
@@ -454,7 +454,7 @@ class AdmissionOps(QuotaOps):
         retained_hits = sum(1 for b in hits if ref[b] == 0 and not leased[b])
         pending_hits = sum(1 for b in hits if not written[b])
         new_now = layout.nodes - len(hits) + len(layout.tail_holders)
-        own = [self.blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead) - self.blocks_for(len(r.prompt))
+        own = [self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead) - self._blocks_for(len(r.prompt))
                for r in reqs]
         copies = sum(h - 1 for h in layout.tail_holders)
         promise = sum(own) + copies
@@ -468,8 +468,8 @@ class AdmissionOps(QuotaOps):
                 unheld_hits = sum(1 for b in hits if ref[b] == 0)
                 tables = [len(path) + (1 if tail >= 0 else 0) for path, tail in zip(layout.paths, layout.tails,
                                                                                      strict=True)]
-                most = [max(self.blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead),
-                            self.blocks_for(len(r.prompt) + r.max_new_tokens)) for r in reqs]
+                most = [max(self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead),
+                            self._blocks_for(len(r.prompt) + r.max_new_tokens)) for r in reqs]
                 adds = new_now + unheld_hits + copies + sum(max(0, m - t) for m, t in zip(most, tables, strict=True))
                 refused = self._over_quota(family, group, cap, adds, total, len(hits), pending_hits, new_now, promise,
                                            branches)
@@ -537,8 +537,8 @@ class AdmissionOps(QuotaOps):
             ready = 0
             while ready < hits and written[blocks[ready]]:
                 ready += 1
-            reserved = self.blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead)
-            own = reserved - self.blocks_for(len(r.prompt))
+            reserved = self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead)
+            own = reserved - self._blocks_for(len(r.prompt))
             prompt = list(r.prompt)
             self._seqs[r.request_id] = SequenceState(
                 request_id=r.request_id, context=head.context, root=root, tokens=prompt, num_prompt=len(prompt),

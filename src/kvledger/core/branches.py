@@ -51,11 +51,11 @@ class BranchOps:
     def _fork_need(self: KVLedger, parent: SequenceState) -> int:
         """A child's promise (its reservation beyond the blocks covering the parent's tokens; the
         parent's speculative blocks are not shared) plus one copy of a partial tail."""
-        covered = self.blocks_for(len(parent.tokens))
+        covered = self._blocks_for(len(parent.tokens))
         return max(0, parent.reserved_blocks - covered) + (1 if len(parent.tokens) % self.block_size else 0)
 
     def _fork_unchecked(self: KVLedger, parent: SequenceState, child_id: str) -> None:
-        covered = self.blocks_for(len(parent.tokens))
+        covered = self._blocks_for(len(parent.tokens))
         blocks = parent.table.blocks[:covered]  # never the parent's speculative (draft) blocks
         self.pool.share_many(blocks)
         if len(parent.tokens) % self.block_size:

@@ -151,10 +151,10 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
                 continue
             instances = -(-concurrency // per)
             total = instances * tp
-            # With prices, a GPU they do not name has no cost (prices and GiB do not compare).
-            price = (prices or {}).get(name)
-            cost: float | None = total * gpu.memory_bytes / 2**30 if not prices else \
-                (None if price is None else total * price)
+            cost: float | None = total * gpu.memory_bytes / 2**30
+            if prices:  # a GPU the prices do not name has no cost (prices and GiB do not compare)
+                price = prices.get(name)
+                cost = None if price is None else total * price
             rows.append(MatrixRow(name, tp, True, inv.pool_blocks, per_req, per, instances, total, cost,
                                   f"{instances} x tp{tp}" if instances > 1 else "one instance"))
     costed = [r for r in rows if r.fits and r.cost is not None]

@@ -115,7 +115,11 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks covering ``num_tokens``: the tail block is charged whole."""
-        return -(-as_count(num_tokens, "num_tokens") // self.block_size)
+        return self._blocks_for(as_count(num_tokens, "num_tokens"))
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        # The ledger's own callers pass token counts it computed: no check on the per-step paths.
+        return -(-num_tokens // self.block_size)
 
     def usage(self) -> Usage:
         with self._lock:
@@ -432,7 +436,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         slots = as_count(slots, "lookahead slots")
         with self._lock:
             seq = self.sequence(request_id)
-            need = self.blocks_for(len(seq.tokens) + slots) - len(seq.table.blocks)
+            need = self._blocks_for(len(seq.tokens) + slots) - len(seq.table.blocks)
             pool = self.pool
             if need > seq.promised + max(pool.num_free + pool.num_evictable - self.promised, 0):
                 raise OutOfBlocksError(f"{request_id!r}: no room for {slots} lookahead slots")
@@ -455,7 +459,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         with self._lock:
             seq = self.sequence(request_id)
             blocks = seq.table.blocks
-            keep = self.blocks_for(len(seq.tokens))
+            keep = self._blocks_for(len(seq.tokens))
             if len(blocks) <= keep or request_id in self._seq_leases:
                 return 0
             # Speculative blocks are never shared (check() enforces it), so only a block lease can

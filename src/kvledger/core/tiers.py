@@ -49,11 +49,18 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, InvariantError, LedgerError
-from .types import show
+from .types import as_count, show
 
 FREE, HELD, CACHED, DRAINING = 0, 1, 2, 3
 STATE_NAMES = ("free", "held", "cached", "draining")
 MAX_TIER_SLOTS = 2**24  # per-slot facts live in flat lists, as the device pool's do
+
+
+def _slot_list(slots: object, what: str) -> list:
+    """The caller's slots as a list (checked one by one by the caller)."""
+    if isinstance(slots, (str, bytes)) or not hasattr(slots, "__iter__"):
+        raise ConfigError(f"{what}: expected an iterable of tier slots, got {show(slots)}")
+    return list(slots)  # type: ignore[call-overload]
 
 
 @dataclass(frozen=True, slots=True)
@@ -306,8 +313,7 @@ class TierLedger:
         ops, off the critical path), so the tier has free slots for the next demotions. A moved entry's
         old slot drains: it is free once the step's transfers are done. Returns the entries moved."""
         self._check_tier(tier, "spill")
-        if isinstance(n, bool) or type(n) is not int or n < 0:
-            raise ConfigError(f"spill: n must be an integer >= 0, got {show(n)}")
+        as_count(n, "spill: n")
         with self._lock:
             moved = 0
             lru = self._lru[tier]
@@ -339,7 +345,7 @@ class TierLedger:
         return len(self._free[tier])
 
     def _check_tier(self, tier: object, what: str) -> None:
-        if isinstance(tier, bool) or type(tier) is not int or not 0 <= tier < len(self.names):
+        if not 0 <= as_count(tier, f"{what}: tier", minimum=None) < len(self.names):
             raise ConfigError(f"{what}: tier must be an index in [0, {len(self.names)}), got {show(tier)}")
 
     def _place(self, slot: int, digest: bytes, group: str | None) -> None:
@@ -376,8 +382,7 @@ class TierLedger:
     def lookup(self, digests: Sequence[bytes], start: int, group: str | None) -> list[int]:
         """Slots holding ``digests[start:]`` in order, as far as they are cached, readable and of
         ``group`` (the chain stops at the first miss: only a leading run extends a prefix)."""
-        if isinstance(start, bool) or type(start) is not int or start < 0:
-            raise ConfigError(f"lookup: start must be an integer >= 0, got {show(start)}")
+        as_count(start, "lookup: start")
         with self._lock:
             out: list[int] = []
             for k in range(start, len(digests)):
@@ -527,10 +532,3 @@ class TierLedger:
 
 
 __all__ = ["CACHED", "DRAINING", "FREE", "HELD", "STATE_NAMES", "TierLedger", "TierOp", "TierSpec"]
-
-
-def _slot_list(slots: object, what: str) -> list:
-    """The caller's slots as a list (checked one by one by the caller)."""
-    if isinstance(slots, (str, bytes)) or not hasattr(slots, "__iter__"):
-        raise ConfigError(f"{what}: expected an iterable of tier slots, got {show(slots)}")
-    return list(slots)  # type: ignore[call-overload]

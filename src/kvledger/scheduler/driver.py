@@ -39,6 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
+from ..core.types import as_count
 from ..errors import ConfigError, InvariantError, LedgerError
 from .beam import BeamSearch
 from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
@@ -89,12 +90,10 @@ class Driver:
                  on_executed: OutputHook | None = None, keep_records: bool = False,
                  idle_wait_s: float = 0.05, stall_steps: int = 1000) -> None:
         # A zero feed window never lets a request in (the run would step forever); bound everything first.
-        for name, value, low in (("feed_window", feed_window, 1), ("check_every", check_every, 0),
-                                 ("stall_steps", stall_steps, 1)):
-            if value is None and name == "feed_window":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"driver: {name} must be an integer >= {low}, got {value!r}")
+        if feed_window is not None:
+            as_count(feed_window, "driver: feed_window", 1)
+        as_count(check_every, "driver: check_every")
+        as_count(stall_steps, "driver: stall_steps", 1)
         if isinstance(idle_wait_s, bool) or not isinstance(idle_wait_s, int | float) or \
                 not 0 <= idle_wait_s < float("inf"):
             raise ConfigError(f"driver: idle_wait_s must be a finite number of seconds >= 0, got {idle_wait_s!r}")

@@ -73,3 +73,6 @@ def test_no_entry_point_crashes_untyped_or_corrupts_the_ledger() -> None:
     typed = {n for n in dir(errors) if n.endswith("Error") and isinstance(getattr(errors, n), type)}
     found = set(re.findall(r'"error": "(\w+)"', text))
     assert found and found <= typed, found - typed
+    # Bad arguments are the caller's mistake: never the type that says kvledger broke its own law (a freed
+    # slot that was never held raised InvariantError before).
+    assert "InvariantError" not in found

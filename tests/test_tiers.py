@@ -432,3 +432,17 @@ def test_blocks_for_takes_token_counts_only() -> None:
     for bad in ("4", 1.5, None, True, -1):
         with pytest.raises(ConfigError):
             led.blocks_for(bad)
+
+
+@pytest.mark.parametrize("slot", [2, 99, -1, "0", None])
+def test_freeing_a_slot_not_held_is_the_callers_mistake_not_a_broken_law(slot) -> None:
+    """free() of a slot the caller does not hold (a cached one, out of range, not an integer) raised
+    InvariantError, the type that says kvledger broke its own conservation law; it is a broken rule of the
+    caller's (LedgerError), refused with nothing changed."""
+    t = _tiers_with_entries()
+    before = _state(t)
+    with pytest.raises(LedgerError, match="freed but not held") as raised:
+        t.free([slot])
+    assert not isinstance(raised.value, InvariantError)
+    assert _state(t) == before
+    t.check()

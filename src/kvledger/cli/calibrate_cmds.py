@@ -56,7 +56,7 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
     need = sum(-(-(n + c) // block) for s in CALIBRATION_SHAPES for n, c in s.prefill) + \
         sum(-(-c // block) for s in CALIBRATION_SHAPES for c in s.decode)
     runner = ModelRunner.from_pretrained(ckpt, num_blocks=need + 64, block_size=block, dtype=torch.float32)
-    measurements = []
+    plans = []
     for k, shape in enumerate(CALIBRATION_SHAPES):
         ledger = runner.new_ledger(prefix_caching=False)
         steps = []
@@ -71,15 +71,23 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
             ledger.admit(Request(rid, [(tok + i) % 1000 + 1 for i in range(ctx)], 1)).raise_for_outcome()
             steps.append(SeqStep.from_sequence(ledger.sequence(rid), ctx - 1, ctx))
             tok += 7
+        plans.append(steps)
         runner.forward(steps)  # warm-up
-        times = []
-        for _ in range(repeats):
+    # Repetitions interleaved across the shapes (every shape once per round), not each shape's repetitions in
+    # a row: on a machine whose speed drifts within a minute, a shape timed only at its own moment would carry
+    # that moment's speed into the fit and bend it (overhead against bandwidth); interleaved, every shape's
+    # median samples the same stretch of time.
+    times: list[list[float]] = [[] for _ in CALIBRATION_SHAPES]
+    for _ in range(repeats):
+        for k, steps in enumerate(plans):
             t0 = time.perf_counter()
             runner.forward(steps)
-            times.append(time.perf_counter() - t0)
-        measurements.append(Measurement(shape, statistics.median(times)))
-        if log is not None:
-            log(f"{shape.name}: {statistics.median(times) * 1e3:.2f} ms")
+            times[k].append(time.perf_counter() - t0)
+    measurements = [Measurement(shape, statistics.median(ts)) for shape, ts in zip(CALIBRATION_SHAPES, times,
+                                                                                 strict=True)]
+    if log is not None:
+        for m in measurements:
+            log(f"{m.shape.name}: {m.seconds * 1e3:.2f} ms")
     # Each tier's link: whole blocks of this KV store moved by the engine's transfer path, by size.
     from ..runtime.links import measure_links
 

@@ -210,8 +210,10 @@ class TierLedger:
         slots = _slot_list(slots, "free")
         with self._lock:
             for slot in slots:
+                # The caller's mistake (a slot it does not hold, freed twice, never a slot): a LedgerError,
+                # like any other broken rule; InvariantError is kept for laws kvledger itself broke.
                 if not self._valid(slot) or self.state[slot] != HELD:
-                    raise InvariantError(f"tier slot {show(slot)} freed but not held")
+                    raise LedgerError(f"tier slot {show(slot)} freed but not held")
             if len(set(slots)) != len(slots):  # freeing one twice would put it on the free list twice
                 raise LedgerError("free: a tier slot is named twice")
             for slot in slots:

@@ -65,7 +65,8 @@ def run_fleet(reqs: list[Any], sim: SimConfig, **kw: Any) -> dict[str, Any]:
     t = time.perf_counter()
     res = FleetSimulator(FleetConfig(sim=sim, **kw)).run(reqs)
     row = {k: res.summary[k] for k in KEYS}
-    row.update({k: v for k, v in kw.items() if k in ("replicas", "routers", "staleness_s", "arm", "routing")})
+    row.update({k: v for k, v in kw.items() if k in ("replicas", "routers", "staleness_s", "arm", "routing",
+                                                     "affinity_wait_s")})
     row["pool_blocks"] = sim.pool_blocks
     row["wall_s"] = round(time.perf_counter() - t, 1)
     row["load"] = load()
@@ -189,6 +190,9 @@ def main() -> None:
                          "conversation turns together, which inflates the figure: see docs/fleet.md)")
     ap.add_argument("--capacity", type=float, default=None,
                     help="--load-by rate: the fleet's capacity in requests/s (skip the saturation run)")
+    ap.add_argument("--affinity-wait", type=float, default=0.0,
+                    help="arm B, score routing: seconds a request may wait for its cheapest replica when that one "
+                         "does not fit yet (FleetConfig.affinity_wait_s; 0: the cheapest that fits)")
     ap.add_argument("--host-pool", default="0",
                     help="--load-by rate: a host tier per replica (e.g. 164GiB) below the device pool, with evicted "
                          "prefix blocks demoted to it and promoted back on a hit (offload_prefixes); the saturation "
@@ -308,7 +312,8 @@ def main_by_rate(args: argparse.Namespace) -> None:
             lreqs = scaled(reqs, factors[label])
             for kw in (dict(staleness_s=0.0), dict(staleness_s=1.0, routers=4),
                        dict(routing="round-robin", staleness_s=0.0)):
-                row = run_fleet(lreqs, sim, **{"replicas": 4, "routers": 1, **kw})
+                row = run_fleet(lreqs, sim, **{"replicas": 4, "routers": 1, "affinity_wait_s": args.affinity_wait,
+                                               **kw})
                 row["label"] = label
                 part1.append(row)
                 print(fmt(row), flush=True)

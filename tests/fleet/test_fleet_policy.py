@@ -408,10 +408,29 @@ def test_replicas_with_a_host_tier_promote_demoted_prefixes_and_arm_b_still_neve
     assert out["host tier", 1]["hit_rate"] > 0.72
 
 
+@pytest.mark.parametrize("pool, seed", [(24, 5), (24, 6), (40, 5), (40, 6)])
+def test_waiting_for_the_replica_that_holds_the_prefix_hits_more_and_never_overcommits(pool, seed):
+    """Pools that fill in bursts: with affinity_wait_s a request whose cheapest replica (the one holding
+    its prefix) does not fit yet waits for it instead of going to the cheapest replica that fits, where it
+    misses and its prefix is cached a second time. Measured here: 0.21 -> 0.43, 0.18 -> 0.34, 0.46 -> 0.59,
+    0.40 -> 0.58; every law holds after every acceptance and admission, and every request completes."""
+    reqs = synthetic(80, arrivals=Poisson(40.0), prompt_len=32, output_len=8, system_prompts=8,
+                     system_prompt_len=256, shared_fraction=1.0, seed=seed)
+    sim = SimConfig(model="smollm2-135m", gpu="stub", profile=STUB, pool_blocks=pool, block_size=BS)
+    out = {}
+    for wait in (0.0, 5.0):
+        cfg = FleetConfig(sim=sim, replicas=3, routers=1, staleness_s=0.0, arm="B", check=True, seed=2,
+                          score=ScoreConfig(min_match_tokens=64), affinity_wait_s=wait)
+        out[wait] = s = FleetSimulator(cfg).run(reqs).summary
+        assert s["overcommits"] == 0 and s["completed"] == 80 and s["cross_tenant_hit_blocks"] == 0
+    assert out[5.0]["hit_rate"] > out[0.0]["hit_rate"] + 0.1
+
+
 def test_fleet_config_is_checked():
     sim = SimConfig(model="smollm2-135m", gpu="stub", profile=STUB, pool_blocks=48, block_size=BS)
     for bad in ({"arm": "C"}, {"replicas": 0}, {"staleness_s": -1.0}, {"routing": "random"},
-                {"dedicated": (("t", (7,)),)}):
+                {"dedicated": (("t", (7,)),)}, {"affinity_wait_s": -1.0}, {"affinity_wait_s": float("nan")},
+                {"affinity_wait_s": "5"}):
         with pytest.raises(ConfigError):
             FleetConfig(sim=sim, **bad)
     with pytest.raises(ConfigError, match="reserve exactly"):

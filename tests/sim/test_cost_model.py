@@ -248,3 +248,25 @@ def test_cpu_local_profile_needs_calibration(tmp_path, monkeypatch):
         load_cpu_profile()
     with pytest.raises(ConfigError, match="unknown device profile"):
         get_profile("tpu-v5")
+
+
+def test_attention_efficiency_prices_only_the_attention_flops(llama_h100):
+    """A profile whose attention kernels run at a fraction of the projections' rate (a CPU's paged
+    attention) makes attention FLOPs cost 1 / attention_efficiency times as much and nothing else; 1, the
+    default and what every datasheet profile has, leaves the roofline unchanged; old profile files
+    (no such key) read as 1."""
+    base = llama_h100.profile
+    assert base.attention_efficiency == 1.0
+    slow = DeviceProfile(**{**base.to_dict(), "attention_efficiency": 0.1})
+    slow_model = CostModel.for_model("llama-3.1-8b", slow)
+    entries = [(2048, 6144)]
+    fast_b, slow_b = llama_h100.breakdown(entries), slow_model.breakdown(entries)
+    flops_rate = base.effective_flops
+    assert fast_b.compute_s == pytest.approx((fast_b.linear_flops + fast_b.attention_flops) / flops_rate)
+    assert slow_b.compute_s == pytest.approx((fast_b.linear_flops + 10 * fast_b.attention_flops) / flops_rate)
+    assert slow_b.memory_s == fast_b.memory_s and slow_b.overhead_s == fast_b.overhead_s
+    no_key = {k: v for k, v in base.to_dict().items() if k != "attention_efficiency"}
+    assert DeviceProfile.from_dict(no_key).attention_efficiency == 1.0
+    for bad in (0, -0.5, 1.5, float("nan"), "0.1", True):
+        with pytest.raises(ConfigError, match="attention_efficiency"):
+            DeviceProfile(**{**base.to_dict(), "attention_efficiency": bad})

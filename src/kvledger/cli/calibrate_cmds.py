@@ -174,8 +174,9 @@ def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, disk_di
             lt.add_row(tier, label, f"{link[f'{direction}_overhead_s'] * 1e6:.1f}",
                        f"{link[f'{direction}_Bps'] / 1e9:.2f}", f"{link[f'{direction}_fit_rms_error_pct']:.1f}%")
     con.print(lt)
-    con.print(f"cpu-local: {profile.peak_flops / 1e9:.1f} GFLOP/s effective, "
-              f"{profile.mem_bandwidth_Bps / 1e9:.2f} GB/s effective, step overhead "
+    con.print(f"cpu-local: {profile.peak_flops / 1e9:.1f} GFLOP/s effective (attention at "
+              f"{profile.attention_efficiency:.2f} of it), {profile.mem_bandwidth_Bps / 1e9:.2f} GB/s effective, "
+              f"step overhead "
               f"{profile.step_overhead_s * 1e3:.2f} ms, host link {profile.host_link_Bps / 1e9:.1f} GB/s; "
               f"rms log error {report['rms_log_error']:.3f}; {elapsed:.0f} s")
     con.print(f"fit error: rms {report['rms_error_pct']:.1f}%, worst {report['worst_shape']} "

@@ -73,6 +73,10 @@ class DeviceProfile:
     bandwidth in one direction (bytes/s); transfer_overhead_s: fixed time per swap transfer.
     seq_overhead_s: time added per sequence in a step (per-sequence launch, gather and sampling work
     that neither FLOPs nor bytes capture; large on a CPU, ~0 on a GPU with batched kernels).
+    attention_efficiency: the attention kernels' FLOP rate as a fraction of the projections' (0, 1]: paged
+    attention gathers its context block by block and runs small per-head products, far from a GEMM's rate
+    on a CPU (``kvledger calibrate`` fits about 0.08 on an AVX2 core); 1 (the default) prices attention
+    FLOPs like every other FLOP.
     links: per tier below the device (``host``, ``disk``), the link measured by ``kvledger calibrate``:
     ``out_Bps`` / ``out_overhead_s`` (device -> tier) and ``in_Bps`` / ``in_overhead_s`` (tier -> device),
     plus whatever the fit reports (``fit_rms_error_pct``...). A tier not listed falls back to the host link
@@ -90,13 +94,14 @@ class DeviceProfile:
     source: str
     seq_overhead_s: float = 0.0
     links: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attention_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError("device profile name must be a non-empty string")
         for key in ("peak_flops", "mem_bandwidth_Bps", "host_link_Bps"):
             object.__setattr__(self, key, _positive(getattr(self, key), f"{self.name}: {key}"))
-        for key in ("flops_efficiency", "bw_efficiency"):
+        for key in ("flops_efficiency", "bw_efficiency", "attention_efficiency"):
             value = _positive(getattr(self, key), f"{self.name}: {key}")
             if value > 1:
                 raise ConfigError(f"{self.name}: {key} must be in (0, 1], got {value!r}")
@@ -167,7 +172,8 @@ class DeviceProfile:
         unknown = sorted(set(data) - set(names))
         if unknown:
             raise ConfigError(f"{origin}: unknown key(s) {', '.join(unknown)} (known: {', '.join(names)})")
-        values = {"name": CPU_LOCAL, "source": origin, "seq_overhead_s": 0.0, "links": {}, **data}  # optional keys
+        values = {"name": CPU_LOCAL, "source": origin, "seq_overhead_s": 0.0, "links": {}, "attention_efficiency": 1.0,
+                  **data}  # optional keys
         missing = [n for n in names if n not in values]
         if missing:
             raise ConfigError(f"{origin}: missing key(s) {', '.join(missing)}")
@@ -422,7 +428,7 @@ class CostModel:
         return StepBreakdown(
             prefill_tokens=pre_tokens, decode_tokens=n_decode, logit_rows=logit_rows,
             linear_flops=linear, attention_flops=attention, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
-            compute_s=(linear + attention) / profile.effective_flops,
+            compute_s=(linear + attention / profile.attention_efficiency) / profile.effective_flops,
             memory_s=(weight_bytes + kv_bytes) / profile.effective_bandwidth_Bps,
             overhead_s=profile.step_overhead_s + profile.seq_overhead_s * (n_prefill + n_decode),
         )

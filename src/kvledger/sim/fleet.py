@@ -77,6 +77,10 @@ class FleetConfig:
     max_retries: int | None = None  # default: replicas - 1 (each replica once)
     retry_s: float = 0.05  # a queued request is tried again after this long (or when the router hears news)
     probe_after_s: float = 0.5  # arm B: when no replica fits by the view, send anyway once the view is this old
+    # Arm B, score routing: how long (since its arrival) a request may wait for the replica with the lowest
+    # cost when the view says it does not fit there yet, instead of going to the cheapest that fits now
+    # (0: never wait; the cheapest that fits).
+    affinity_wait_s: float = 0.0
     max_queue: int = 100_000
     usage_on_reply: bool = True
     score: ScoreConfig = field(default_factory=ScoreConfig)
@@ -94,7 +98,7 @@ class FleetConfig:
         if self.max_retries is not None and (isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int)
                                              or not 0 <= self.max_retries <= 1000):
             raise ConfigError(f"max_retries must be an integer in [0, 1000], got {self.max_retries!r}")
-        for name in ("staleness_s", "transit_s", "retry_s", "probe_after_s"):
+        for name in ("staleness_s", "transit_s", "retry_s", "probe_after_s", "affinity_wait_s"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and 0 <= v <= 86400):
                 raise ConfigError(f"{name} must be a number of seconds in [0, 86400], got {v!r}")
@@ -336,6 +340,9 @@ class FleetSimulator:
             self.decision_us.append((time.perf_counter() - t0) * 1e6)
             if cfg.arm == "A":
                 ranking = [c for c in ranking if c.fits]
+            elif ranking and cfg.affinity_wait_s and t - req.sim.arrival_s < cfg.affinity_wait_s \
+                    and self._worth_waiting(ranking, cfg.probe_after_s):
+                ranking = []  # the cheapest replica holds more of its prefix: wait for it to free memory
             elif ranking and not ranking[0].fits and ranking[0].age_s is not None \
                     and ranking[0].age_s < cfg.probe_after_s:
                 ranking = []  # a fresh view says nothing fits: wait for news instead of a futile send
@@ -350,6 +357,14 @@ class FleetSimulator:
         req.attempts += 1
         router.view.routed(req.route, choice, matched)
         self._push(t + cfg.transit_s, _DELIVER, (req, int(choice[1:])))
+
+    @staticmethod
+    def _worth_waiting(ranking: list[Any], fresh_s: float) -> bool:
+        """Whether the replica with the lowest cost (ties: the ranking's order, fitting ones first) does not
+        fit by a view younger than ``fresh_s``: then waiting for it saves more prefill than the cheapest
+        replica that fits now would."""
+        cheapest = min(ranking, key=lambda c: c.cost)
+        return not cheapest.fits and cheapest.age_s is not None and cheapest.age_s < fresh_s
 
     def _round_robin(self, router: _Router, req: _Req) -> str | None:
         names = router.view.candidates(req.sim.trust_group, req.avoid)

@@ -32,8 +32,11 @@ step waits for both threads to get a time slice, and a busy neighbour makes step
 ``--bracket`` measures the calibration shapes in this process right before and right after each load's
 replay and simulates with the profile fitted to the geometric mean of the two: on a machine whose speed
 drifts within minutes, a profile from one side of the replay predicts that moment, not the replay.
+``--replays N`` replays the runtime side N times per load and compares the simulator against each metric's
+median; it prints the real engine's own spread (max / min over the identical replays) and says which
+figures moved by more than the target on their own -- those a single sim / real ratio cannot check here.
 Usage: python benchmarks/sim_validation.py [--requests 200] [--loads light:1,saturated:4] [--sim-only] [--offload]
-       [--bracket [--repeats 5]]
+       [--bracket [--repeats 5]] [--replays N]
 """
 
 from __future__ import annotations
@@ -99,6 +102,20 @@ def sim_side(reqs, args: argparse.Namespace, profile=None) -> dict:
                      "promoted_blocks": res.counters["tiers"]["flow"]["promoted"],
                      "demoted_blocks": res.counters["tiers"]["flow"]["demoted"]}
     return figures(summarize_requests(res.requests), res.steps, sum(res.preemptions.values()), transfers)
+
+
+def median_figures(replays: list[dict]) -> dict:
+    """The runtime side of several replays of one workload: each metric's median over the replays (the
+    first replay's other fields), and ``spread``: each metric's max / min -- how far the real engine moved
+    on the identical workload, the floor under any sim / real comparison on this machine."""
+    import statistics
+
+    out = dict(replays[0])
+    for key, _, _ in METRICS:
+        out[key] = statistics.median(r[key] for r in replays)
+    out["spread"] = {key: max(r[key] for r in replays) / min(r[key] for r in replays) for key, _, _ in METRICS}
+    out["replays"] = [{key: r[key] for key, _, _ in METRICS} for r in replays]
+    return out
 
 
 def calibrate_now(args: argparse.Namespace) -> dict:
@@ -193,7 +210,12 @@ def main() -> None:
                    help="calibrate right before and right after each load's replay and simulate with the profile "
                         "fitted to both (the machine's drift during the replay is then averaged in)")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per shape with --bracket")
+    p.add_argument("--replays", type=int, default=1,
+                   help="replay the runtime side N times per load: sim / real against the median, and the real "
+                        "engine's own spread (max / min) on the identical workload")
     args = p.parse_args()
+    if not 1 <= args.replays <= 20:
+        p.error(f"--replays must be in 1..20, got {args.replays}")
     if args.pool_blocks is None:
         args.pool_blocks = 64 if args.offload else 512
     if args.offload and args.policy == "full":
@@ -215,7 +237,8 @@ def main() -> None:
         if args.bracket and not args.sim_only:
             before = calibrate_now(args)
         wall = time.perf_counter()
-        real = None if args.sim_only else runtime_side(reqs, args)
+        replays = [] if args.sim_only else [runtime_side(reqs, args) for _ in range(args.replays)]
+        real = median_figures(replays) if replays else None
         wall = time.perf_counter() - wall
         if args.bracket and not args.sim_only:
             after = calibrate_now(args)
@@ -250,6 +273,13 @@ def main() -> None:
         if real is not None:
             off = [k for k, v in ratios.items() if v is None or abs(v - 1) > target]
             print(f"within {target:.0%}: " + ("all" if not off else f"not {', '.join(off)}"))
+            if args.replays > 1:
+                wide = {k: v for k, v in real["spread"].items() if v - 1 > target}
+                print(f"real engine over {args.replays} identical replays, max / min: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in real["spread"].items()))
+                if wide:
+                    print(f"the real engine itself moved by more than {target:.0%} on "
+                          f"{', '.join(wide)}: this machine cannot check the target on those figures")
         out["loads"][name] = {"rate": rate, "simulator": sim, "runtime": real, "sim_over_real": ratios,
                               "bracket": bracket}
     out["load_average_before"] = load_before

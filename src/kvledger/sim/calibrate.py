@@ -165,10 +165,8 @@ def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_li
     # The refinement, in log rates and overheads scaled to the shortest step; out-of-range points (an
     # attention efficiency above 1, a negative overhead) are priced as their nearest valid point plus a
     # penalty, so the simplex stays inside.
-    scale = t_min
-
     def unpack(x: list[float]) -> tuple[float, float, float, float, float]:
-        return (math.exp(x[0]), math.exp(x[1]), max(x[2], 0.0) * scale, max(x[3], 0.0) * scale,
+        return (math.exp(x[0]), math.exp(x[1]), max(x[2], 0.0) * t_min, max(x[3], 0.0) * t_min,
                 math.exp(min(x[4], 0.0)))
 
     def objective(x: list[float]) -> float:
@@ -177,7 +175,7 @@ def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_li
         return _loss(fb, times, pp, ww, oo, qq, aa) + outside * outside
 
     for a0 in (1.0, 0.3, 0.1, 0.03):
-        _, x = _nelder_mead(objective, [math.log(p), math.log(w), o / scale, q / scale, math.log(a0)],
+        _, x = _nelder_mead(objective, [math.log(p), math.log(w), o / t_min, q / t_min, math.log(a0)],
                             [0.3, 0.3, 0.1, 0.01, 1.0])
         fitted = unpack(x)
         got = _loss(fb, times, *fitted)

@@ -44,7 +44,7 @@ from ..core.ledger import KVLedger
 from ..core.types import Request
 from ..errors import ConfigError, InvariantError
 from ..fleet.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap, DoorAnswer
-from ..fleet.score import ARMS, ROUTINGS, ReplicaLoad, RouteRequest, ScoreConfig, make_route_request
+from ..fleet.score import ARMS, ROUTINGS, Choice, ReplicaLoad, RouteRequest, ScoreConfig, make_route_request
 from ..fleet.view import Placement, RouterView
 from ..scheduler import Driver, GenRequest, Scheduler, StepOutput, StepPlan, VirtualClock, percentile
 from ..scheduler.policies import ADMISSION_POLICIES
@@ -340,7 +340,7 @@ class FleetSimulator:
             self.decision_us.append((time.perf_counter() - t0) * 1e6)
             if cfg.arm == "A":
                 ranking = [c for c in ranking if c.fits]
-            elif ranking and cfg.affinity_wait_s and t - req.sim.arrival_s < cfg.affinity_wait_s \
+            elif ranking and cfg.affinity_wait_s and t - req.arrival_s < cfg.affinity_wait_s \
                     and self._worth_waiting(ranking, cfg.probe_after_s):
                 ranking = []  # the cheapest replica holds more of its prefix: wait for it to free memory
             elif ranking and not ranking[0].fits and ranking[0].age_s is not None \
@@ -359,7 +359,7 @@ class FleetSimulator:
         self._push(t + cfg.transit_s, _DELIVER, (req, int(choice[1:])))
 
     @staticmethod
-    def _worth_waiting(ranking: list[Any], fresh_s: float) -> bool:
+    def _worth_waiting(ranking: list[Choice], fresh_s: float) -> bool:
         """Whether the replica with the lowest cost (ties: the ranking's order, fitting ones first) does not
         fit by a view younger than ``fresh_s``: then waiting for it saves more prefill than the cheapest
         replica that fits now would."""

@@ -35,8 +35,14 @@ drifts within minutes, a profile from one side of the replay predicts that momen
 ``--replays N`` replays the runtime side N times per load and compares the simulator against each metric's
 median; it prints the real engine's own spread (max / min over the identical replays) and says which
 figures moved by more than the target on their own -- those a single sim / real ratio cannot check here.
+``--in-situ`` also simulates with a profile fitted to the steps the real engine ran during the replay
+(:func:`kvledger.sim.calibrate.step_measurements`: each logged step's shape and its whole cost to the loop,
+planning and confirming included), so the comparison checks the loop -- scheduling, batching, queueing,
+the metrics -- apart from how far the machine's speed moved since it was calibrated; it prints the
+machine's drift *during* the replay (30 s windows of step cost over the fitted price, max / min), the
+floor under that comparison. ``--dump-steps DIR`` writes the logged steps.
 Usage: python benchmarks/sim_validation.py [--requests 200] [--loads light:1,saturated:4] [--sim-only] [--offload]
-       [--bracket [--repeats 5]] [--replays N]
+       [--bracket [--repeats 5]] [--replays N] [--in-situ] [--dump-steps DIR]
 """
 
 from __future__ import annotations
@@ -160,6 +166,15 @@ def runtime_side(reqs, args: argparse.Namespace) -> dict:
 
     engine = runtime_engine(args)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], 4)  # warm-up outside the measurement
+    logged: list[tuple[list[tuple[int, int]], list[int], float, float, float]] = []
+
+    def log_step(result) -> None:  # every step's shape and its times, for --in-situ
+        plan, out = result.plan, result.output
+        if plan is not None and out is not None and (plan.prefills or plan.decodes):
+            logged.append(([(w.end - w.start, w.start) for w in plan.prefills], [w.end for w in plan.decodes],
+                           out.elapsed_s, result.start_s, result.end_s))
+
+    engine.step_observers.append(log_step)
     tiers = engine.scheduler.host
     flow0 = dict(tiers.flow) if tiers is not None else {}
     greedy = SamplingParams(temperature=0.0)
@@ -179,8 +194,106 @@ def runtime_side(reqs, args: argparse.Namespace) -> dict:
                      "promoted_blocks": tiers.flow["promoted"] - flow0["promoted"],
                      "demoted_blocks": tiers.flow["demoted"] - flow0["demoted"]}
         engine.close()
-    return figures(summarize_requests(r.metrics for r in results), engine.stats.steps - steps0,
-                   sum(r.preemptions for r in results), transfers)
+    out = figures(summarize_requests(r.metrics for r in results), engine.stats.steps - steps0,
+                  sum(r.preemptions for r in results), transfers)
+    out["_steps"] = logged
+    out["_model"] = (engine.checkpoint.config, engine.runner.spec)
+    return out
+
+
+def loop_steps(logged: list, back_to_back_s: float = 0.005) -> tuple[list, dict]:
+    """Each logged step's whole cost to the real loop, as the simulator's virtual clock charges it: a step
+    that followed the previous one at once costs the time between their ends (planning, the forward,
+    sampling, confirming, streaming); one that followed an idle wait costs its own span plus the median
+    planning time of the back-to-back steps. Returns ``(steps for step_measurements, report)``."""
+    import itertools
+    import statistics
+
+    gaps = [b[3] - a[4] for a, b in itertools.pairwise(logged) if 0 <= b[3] - a[4] < back_to_back_s]
+    plan_s = statistics.median(gaps) if gaps else 0.0
+    steps, outside = [], []
+    for i, (prefill, decode, elapsed, start, end) in enumerate(logged):
+        prev_end = logged[i - 1][4] if i else None
+        if prev_end is not None and 0 <= start - prev_end < back_to_back_s:
+            cost = end - prev_end
+        else:
+            cost = end - start + plan_s
+        steps.append((prefill, decode, cost))
+        outside.append(cost - elapsed)
+    return steps, {"steps": len(steps), "back_to_back": len(gaps), "planning_ms_p50": plan_s * 1e3,
+                   "outside_executor_ms_p50": statistics.median(outside) * 1e3 if outside else 0.0,
+                   "executor_ms_p50": statistics.median(s[2] for s in logged) * 1e3 if logged else 0.0}
+
+
+def in_situ_profile(replays: list[dict], links_from: dict | None):
+    """A profile fitted to the steps the real engine ran in ``replays`` (see
+    :func:`kvledger.sim.calibrate.step_measurements`), with the links of ``links_from`` (a calibration)."""
+    from kvledger.sim.calibrate import fit_profile, step_measurements
+    from kvledger.sim.cost_model import CostModel, DeviceProfile
+
+    steps: list = []
+    report: dict = {}
+    for r in replays:
+        s, report = loop_steps(r["_steps"])
+        steps += s
+    report["steps"] = len(steps)  # over every replay
+    config, spec = replays[0]["_model"]
+    placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
+    cost = CostModel(config, spec, placeholder, weight_dtype="fp32")
+    host = links = None
+    if links_from is not None:
+        from kvledger.sim.calibrate import fit_links
+
+        links, _ = fit_links(links_from["links"])
+        host = links["host"]
+    profile, fit = fit_profile(cost, step_measurements(steps), host_link_Bps=host["out_Bps"] if host else 1e10,
+                               transfer_overhead_s=host["out_overhead_s"] if host else 0.0, links=links,
+                               source="sim_validation --in-situ: fitted to the replay's own steps")
+    report["drift"] = replay_drift(replays, CostModel(config, spec, profile, weight_dtype="fp32"))
+    return profile, fit, report
+
+
+def replay_drift(replays: list[dict], cost, window_s: float = 30.0) -> float:
+    """How far the machine's speed moved *during* the replays: each step's real cost over what the in-situ
+    profile prices it at, the median per ``window_s`` of the replay (windows of 20 steps or more), and the
+    largest window's median over the smallest's. One profile prices the whole replay, so a drift above the
+    target is a floor under the in-situ comparison too."""
+    import statistics
+
+    medians = []
+    for r in replays:
+        logged = r["_steps"]
+        steps, _ = loop_steps(logged)
+        windows: dict[int, list[float]] = {}
+        for (prefill, decode, seconds), raw in zip(steps, logged, strict=True):
+            windows.setdefault(int((raw[3] - logged[0][3]) // window_s), []).append(
+                seconds / cost.step_time(prefill, decode))
+        medians += [statistics.median(v) for v in windows.values() if len(v) >= 20]
+    return max(medians) / min(medians) if medians else 1.0
+
+
+def compare(real: dict | None, sim: dict, target: float, label: str) -> dict:
+    """Print the runtime and simulator columns and sim / real; returns the ratios of METRICS."""
+    print(f"{'metric':<20}{'runtime':>12}{label:>12}{'sim / real':>12}")
+    ratios = {}
+    for key, name, scale in (*METRICS, ("steps", "steps", 1), ("preemptions", "preemptions", 1)):
+        r = real[key] if real else None
+        s = sim[key]
+        ratio = s / r if r else None
+        if key in {k for k, _, _ in METRICS}:
+            ratios[key] = ratio
+        shown = f"{ratio:.2f}" if ratio is not None else "-"
+        print(f"{name:<20}{(f'{r * scale:,.1f}' if r is not None else '-'):>12}{s * scale:>12,.1f}{shown:>12}")
+    for side, fig in (("runtime", real), ("simulator", sim)):
+        t = fig and fig.get("transfers")
+        if t:
+            print(f"{side} transfers: {t['transfer_s'] * 1e3:,.1f} ms, hidden {t['hidden_s'] * 1e3:,.1f} ms, "
+                  f"exposed {t['exposed_s'] * 1e3:,.1f} ms; {t['demoted_blocks']} blocks demoted, "
+                  f"{t['promoted_blocks']} promoted")
+    if real is not None:
+        off = [k for k, v in ratios.items() if v is None or abs(v - 1) > target]
+        print(f"{label} within {target:.0%}: " + ("all" if not off else f"not {', '.join(off)}"))
+    return ratios
 
 
 def main() -> None:
@@ -210,6 +323,11 @@ def main() -> None:
                    help="calibrate right before and right after each load's replay and simulate with the profile "
                         "fitted to both (the machine's drift during the replay is then averaged in)")
     p.add_argument("--repeats", type=int, default=5, help="timed repetitions per shape with --bracket")
+    p.add_argument("--in-situ", action="store_true",
+                   help="also simulate with a profile fitted to the replay's own steps (the machine's speed during "
+                        "the replay): checks the loop apart from the machine's drift since calibration")
+    p.add_argument("--dump-steps", default=None, metavar="DIR",
+                   help="write every replay's logged steps to DIR/<load>.json (for studying the step costs)")
     p.add_argument("--replays", type=int, default=1,
                    help="replay the runtime side N times per load: sim / real against the median, and the real "
                         "engine's own spread (max / min) on the identical workload")
@@ -253,35 +371,38 @@ def main() -> None:
                   f"step overhead {profile.step_overhead_s * 1e3:.1f} ms, rms error {fit['rms_error_pct']:.1f}%")
         else:
             sim = sim_side(reqs, args)
+        in_situ = None
+        if args.in_situ and replays:
+            profile, fit, loop = in_situ_profile(replays, after if args.bracket else None)
+            in_situ = {"simulator": sim_side(reqs, args, profile), "profile": profile.to_dict(),
+                       "fit_rms_error_pct": fit["rms_error_pct"], "worst_error_pct": fit["worst_error_pct"],
+                       "fitted_steps": len(fit["points"]), "loop": loop}
         print(f"\n{name}: Poisson {rate:g}/s" + ("" if real is None else f" (runtime replay {wall:.0f} s)"))
-        print(f"{'metric':<20}{'runtime':>12}{'simulator':>12}{'sim / real':>12}")
-        ratios = {}
-        for key, label, scale in (*METRICS, ("steps", "steps", 1), ("preemptions", "preemptions", 1)):
-            r = real[key] if real else None
-            s = sim[key]
-            ratio = s / r if r else None
-            if key in dict((k, 1) for k, _, _ in METRICS):
-                ratios[key] = ratio
-            shown = f"{ratio:.2f}" if ratio is not None else "-"
-            print(f"{label:<20}{(f'{r * scale:,.1f}' if r is not None else '-'):>12}{s * scale:>12,.1f}{shown:>12}")
-        for side, fig in (("runtime", real), ("simulator", sim)):
-            t = fig and fig.get("transfers")
-            if t:
-                print(f"{side} transfers: {t['transfer_s'] * 1e3:,.1f} ms, hidden {t['hidden_s'] * 1e3:,.1f} ms, "
-                      f"exposed {t['exposed_s'] * 1e3:,.1f} ms; {t['demoted_blocks']} blocks demoted, "
-                      f"{t['promoted_blocks']} promoted")
+        ratios = compare(real, sim, target, "simulator" if in_situ is None else "calibrated")
+        if in_situ is not None:
+            loop = in_situ["loop"]
+            print(f"in situ: a profile fitted to {in_situ['fitted_steps']} of the replays' {loop['steps']} steps "
+                  f"(rms error {in_situ['fit_rms_error_pct']:.1f}%); the real loop spends "
+                  f"{loop['outside_executor_ms_p50']:.1f} ms per step outside the executor "
+                  f"(planning {loop['planning_ms_p50']:.1f} ms), executor p50 {loop['executor_ms_p50']:.1f} ms; "
+                  f"the machine's speed during the replay, 30 s windows, max / min: {loop['drift']:.2f}")
+            in_situ["sim_over_real"] = compare(real, in_situ["simulator"], target, "in situ")
+        if real is not None and args.replays > 1:
+            wide = {k: v for k, v in real["spread"].items() if v - 1 > target}
+            print(f"real engine over {args.replays} identical replays, max / min: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in real["spread"].items()))
+            if wide:
+                print(f"the real engine itself moved by more than {target:.0%} on "
+                      f"{', '.join(wide)}: this machine cannot check the target on those figures")
+        if args.dump_steps and replays:
+            path = f"{args.dump_steps}/{name}.json"
+            with open(path, "w") as f:
+                json.dump([r["_steps"] for r in replays], f)
+            print(f"steps logged by each replay (prefill entries, decode contexts, executor s, start, end): {path}")
         if real is not None:
-            off = [k for k, v in ratios.items() if v is None or abs(v - 1) > target]
-            print(f"within {target:.0%}: " + ("all" if not off else f"not {', '.join(off)}"))
-            if args.replays > 1:
-                wide = {k: v for k, v in real["spread"].items() if v - 1 > target}
-                print(f"real engine over {args.replays} identical replays, max / min: "
-                      + ", ".join(f"{k} {v:.2f}" for k, v in real["spread"].items()))
-                if wide:
-                    print(f"the real engine itself moved by more than {target:.0%} on "
-                          f"{', '.join(wide)}: this machine cannot check the target on those figures")
+            real = {k: v for k, v in real.items() if not k.startswith("_")}
         out["loads"][name] = {"rate": rate, "simulator": sim, "runtime": real, "sim_over_real": ratios,
-                              "bracket": bracket}
+                              "bracket": bracket, "in_situ": in_situ}
     out["load_average_before"] = load_before
     out["load_average_after"] = os.getloadavg()
     print(f"\nload average after: {' '.join(f'{x:.2f}' for x in out['load_average_after'])}")

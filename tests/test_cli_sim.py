@@ -10,6 +10,7 @@ import pytest
 
 from kvledger.cli import calibrate_cmds
 from kvledger.cli.main import main
+from kvledger.errors import ConfigError
 from kvledger.sim.calibrate import CALIBRATION_SHAPES, Measurement, fit_quality
 from kvledger.sim.cost_model import CostModel, DeviceProfile, get_profile
 
@@ -307,3 +308,42 @@ def test_calibration_recovers_a_slow_attention_kernel(attention_efficiency):
     assert profile.attention_efficiency == pytest.approx(attention_efficiency, rel=0.15)
     assert profile.peak_flops == pytest.approx(52e9, rel=0.1)
     assert profile.step_overhead_s == pytest.approx(0.1, rel=0.1)
+
+
+def test_a_profile_fitted_to_a_replays_own_steps_prices_that_replays_machine():
+    """`step_measurements` turns the steps an engine ran (prefill entries, decode contexts, seconds) into
+    shapes to fit: steps timed on a machine three times slower than the calibrated one fit a profile that
+    prices them three times slower, which a calibration from before the slowdown cannot."""
+    import random
+
+    from kvledger.core.geometry import KVSpec
+    from kvledger.core.models import load_model_config
+    from kvledger.sim.calibrate import fit_profile, step_measurements
+
+    cfg = load_model_config("smollm2-135m")
+    spec = KVSpec.from_hf_config(cfg, kv_dtype="fp32")
+    slow = DeviceProfile("during the replay", 20e9, 40e9, 1.0, 1.0, 0.03, 5e9, 1e-6, "test", seq_overhead_s=1e-3,
+                         attention_efficiency=0.1)
+    cost = CostModel(cfg, spec, slow, weight_dtype="fp32")
+    rng = random.Random(5)
+    steps = []
+    for _ in range(600):
+        prefill = [(rng.randint(1, 256), rng.choice((0, 0, 64, 256))) for _ in range(rng.randint(0, 3))]
+        decode = [rng.randint(16, 600) for _ in range(rng.randint(0 if prefill else 1, 24))]
+        steps.append((prefill, decode, cost.step_time(prefill, decode)))
+    steps.insert(7, ([], [], 0.5))  # a step without work (a pure transfer) says nothing about compute
+    picked = step_measurements(steps, limit=60, seed=1)
+    assert len(picked) == 60 and picked == step_measurements(steps, limit=60, seed=1)
+    assert all(m.shape.prefill or m.shape.decode for m in picked)
+    profile, report = fit_profile(cost, picked, host_link_Bps=5e9, transfer_overhead_s=1e-6)
+    assert report["rms_error_pct"] < 2
+    fitted = CostModel(cfg, spec, profile, weight_dtype="fp32")
+    for prefill, decode, seconds in steps[::37]:
+        if prefill or decode:
+            assert fitted.step_time(prefill, decode) == pytest.approx(seconds, rel=0.05)
+    with pytest.raises(ConfigError, match="positive number of seconds"):
+        step_measurements([([], [5], 0.0)] * 3)
+    with pytest.raises(ConfigError, match="at least 3 steps"):
+        step_measurements(steps[:1])
+    with pytest.raises(ConfigError, match="limit"):
+        step_measurements(steps, limit=True)

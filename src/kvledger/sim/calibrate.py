@@ -197,6 +197,37 @@ def fit_profile(cost: CostModel, measurements: Sequence[Measurement], *, host_li
     return profile, report
 
 
+LoggedStep = tuple[Sequence[tuple[int, int]], Sequence[int], float]  # (prefill entries, decode contexts, s)
+
+
+def step_measurements(steps: Sequence[LoggedStep], *, limit: int = 400, seed: int = 0) -> list[Measurement]:
+    """Measurements from steps a real engine ran during a replay: each step, with its prefill entries
+    ``(new_tokens, context_before)``, its decode contexts and its wall time, is a shape of its own.
+    Fitting a profile to them (in situ) prices steps at the speed the machine had *during* that replay,
+    so a simulator run with it checks the loop (scheduling, batching, queueing) rather than how far the
+    machine's speed moved since ``kvledger calibrate``. Steps without work are skipped; at most ``limit``
+    are kept, drawn at random with ``seed`` (the fit is pure Python: ~30 ms per shape)."""
+    import random
+
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 3 <= limit <= 10_000:
+        raise ConfigError(f"step_measurements: limit must be an integer in 3..10000, got {limit!r}")
+    picked: list[Measurement] = []
+    for i, (prefill, decode, seconds) in enumerate(steps):
+        if not prefill and not decode:
+            continue
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not 0 < seconds < math.inf:
+            raise ConfigError(f"step {i}: its time must be a positive number of seconds, got {seconds!r}")
+        shape = Shape(f"step {i}", prefill=tuple((int(n), int(c)) for n, c in prefill),
+                      decode=tuple(int(c) for c in decode))
+        picked.append(Measurement(shape, float(seconds)))
+    if len(picked) < 3:
+        raise ConfigError(f"fitting needs at least 3 steps with work, got {len(picked)}")
+    if len(picked) > limit:
+        keep = sorted(random.Random(seed).sample(range(len(picked)), limit))
+        picked = [picked[i] for i in keep]
+    return picked
+
+
 # A fit is poor when its typical error passes ~22% (rms of log ratios 0.2) or any one shape is off by half.
 POOR_FIT_RMS_LOG = 0.2
 POOR_FIT_MAX_ERROR = 0.5
@@ -274,5 +305,5 @@ def fit_links(measured: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict
 
 
 __all__ = ["CALIBRATION_SHAPES", "fit_link", "fit_links",
-           "POOR_FIT_MAX_ERROR", "POOR_FIT_RMS_LOG", "Measurement", "Shape", "fit_profile",
-           "fit_quality"]
+           "POOR_FIT_MAX_ERROR", "POOR_FIT_RMS_LOG", "LoggedStep", "Measurement", "Shape", "fit_profile",
+           "fit_quality", "step_measurements"]

@@ -166,13 +166,13 @@ def runtime_side(reqs, args: argparse.Namespace) -> dict:
 
     engine = runtime_engine(args)
     engine.generate([[1, 2, 3, 4, 5, 6, 7, 8]], 4)  # warm-up outside the measurement
-    logged: list[tuple[list[tuple[int, int]], list[int], float, float, float]] = []
+    logged: list[tuple[list[tuple[int, int]], list[int], float, float, float, float]] = []
 
     def log_step(result) -> None:  # every step's shape and its times, for --in-situ
         plan, out = result.plan, result.output
         if plan is not None and out is not None and (plan.prefills or plan.decodes):
             logged.append(([(w.end - w.start, w.start) for w in plan.prefills], [w.end for w in plan.decodes],
-                           out.elapsed_s, result.start_s, result.end_s))
+                           out.elapsed_s, result.start_s, result.end_s, out.transfer_exposed_s))
 
     engine.step_observers.append(log_step)
     tiers = engine.scheduler.host
@@ -205,29 +205,32 @@ def loop_steps(logged: list, back_to_back_s: float = 0.005) -> tuple[list, dict]
     """Each logged step's whole cost to the real loop, as the simulator's virtual clock charges it: a step
     that followed the previous one at once costs the time between their ends (planning, the forward,
     sampling, confirming, streaming); one that followed an idle wait costs its own span plus the median
-    planning time of the back-to-back steps. Returns ``(steps for step_measurements, report)``."""
+    planning time of the back-to-back steps. The transfer time a step waited for is taken out: the simulator
+    prices transfers by the profile's links, apart from compute. Returns ``(steps for step_measurements,
+    report)``."""
     import itertools
     import statistics
 
     gaps = [b[3] - a[4] for a, b in itertools.pairwise(logged) if 0 <= b[3] - a[4] < back_to_back_s]
     plan_s = statistics.median(gaps) if gaps else 0.0
     steps, outside = [], []
-    for i, (prefill, decode, elapsed, start, end) in enumerate(logged):
+    for i, (prefill, decode, elapsed, start, end, exposed) in enumerate(logged):
         prev_end = logged[i - 1][4] if i else None
         if prev_end is not None and 0 <= start - prev_end < back_to_back_s:
             cost = end - prev_end
         else:
             cost = end - start + plan_s
-        steps.append((prefill, decode, cost))
+        steps.append((prefill, decode, max(cost - exposed, 1e-6)))
         outside.append(cost - elapsed)
     return steps, {"steps": len(steps), "back_to_back": len(gaps), "planning_ms_p50": plan_s * 1e3,
                    "outside_executor_ms_p50": statistics.median(outside) * 1e3 if outside else 0.0,
                    "executor_ms_p50": statistics.median(s[2] for s in logged) * 1e3 if logged else 0.0}
 
 
-def in_situ_profile(replays: list[dict], links_from: dict | None):
+def in_situ_profile(replays: list[dict], base):
     """A profile fitted to the steps the real engine ran in ``replays`` (see
-    :func:`kvledger.sim.calibrate.step_measurements`), with the links of ``links_from`` (a calibration)."""
+    :func:`kvledger.sim.calibrate.step_measurements`), with the tier links of ``base`` (the calibrated
+    profile: links are measured by ``kvledger calibrate``, not by a replay)."""
     from kvledger.sim.calibrate import fit_profile, step_measurements
     from kvledger.sim.cost_model import CostModel, DeviceProfile
 
@@ -240,14 +243,8 @@ def in_situ_profile(replays: list[dict], links_from: dict | None):
     config, spec = replays[0]["_model"]
     placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
     cost = CostModel(config, spec, placeholder, weight_dtype="fp32")
-    host = links = None
-    if links_from is not None:
-        from kvledger.sim.calibrate import fit_links
-
-        links, _ = fit_links(links_from["links"])
-        host = links["host"]
-    profile, fit = fit_profile(cost, step_measurements(steps), host_link_Bps=host["out_Bps"] if host else 1e10,
-                               transfer_overhead_s=host["out_overhead_s"] if host else 0.0, links=links,
+    profile, fit = fit_profile(cost, step_measurements(steps), host_link_Bps=base.host_link_Bps,
+                               transfer_overhead_s=base.transfer_overhead_s, links=base.links,
                                source="sim_validation --in-situ: fitted to the replay's own steps")
     report["drift"] = replay_drift(replays, CostModel(config, spec, profile, weight_dtype="fp32"))
     return profile, fit, report
@@ -373,7 +370,11 @@ def main() -> None:
             sim = sim_side(reqs, args)
         in_situ = None
         if args.in_situ and replays:
-            profile, fit, loop = in_situ_profile(replays, after if args.bracket else None)
+            if not args.bracket:
+                from kvledger.sim.cost_model import load_cpu_profile
+
+                profile = load_cpu_profile(args.profile)
+            profile, fit, loop = in_situ_profile(replays, profile)
             in_situ = {"simulator": sim_side(reqs, args, profile), "profile": profile.to_dict(),
                        "fit_rms_error_pct": fit["rms_error_pct"], "worst_error_pct": fit["worst_error_pct"],
                        "fitted_steps": len(fit["points"]), "loop": loop}
@@ -395,10 +396,12 @@ def main() -> None:
                 print(f"the real engine itself moved by more than {target:.0%} on "
                       f"{', '.join(wide)}: this machine cannot check the target on those figures")
         if args.dump_steps and replays:
-            path = f"{args.dump_steps}/{name}.json"
+            os.makedirs(args.dump_steps, exist_ok=True)
+            path = os.path.join(args.dump_steps, f"{name}.json")
             with open(path, "w") as f:
                 json.dump([r["_steps"] for r in replays], f)
-            print(f"steps logged by each replay (prefill entries, decode contexts, executor s, start, end): {path}")
+            print(f"steps logged by each replay (prefill entries, decode contexts, executor s, start, end, "
+                  f"exposed transfer s): {path}")
         if real is not None:
             real = {k: v for k, v in real.items() if not k.startswith("_")}
         out["loads"][name] = {"rate": rate, "simulator": sim, "runtime": real, "sim_over_real": ratios,

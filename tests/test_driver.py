@@ -255,6 +255,58 @@ def test_a_failing_request_fails_alone_and_the_others_are_undisturbed() -> None:
     assert_clean(driver)
 
 
+class Index:
+    """An integer type that is not ``int`` (as numpy's are): a token id of it is accepted."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __index__(self) -> int:
+        return self.value
+
+
+class Garbling(Scripted):
+    """Samples ``value`` for every branch of ``rid`` once it has produced one token."""
+
+    def __init__(self, rid: str, value) -> None:
+        super().__init__()
+        self.rid, self.value = rid, value
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        out = super().execute(plan)
+        for w in plan.decodes:
+            if w.request_id == self.rid and w.seq_id in out.sampled:
+                out.sampled[w.seq_id] = self.value if isinstance(self.value, tuple) else [self.value]
+        return out
+
+
+@pytest.mark.parametrize("value", [-1, 2**32, "7", None, 3.0, True, b"x", ("7",)], ids=repr)
+def test_an_executor_sampling_what_is_no_token_id_fails_that_request_alone(value) -> None:
+    """Regression: the scheduler appended whatever the executor sampled -- 3.0 and True silently became
+    tokens 3 and 1, "7" became 7, None and "x" raised an untyped error out of confirm that failed every
+    request of the step, and -1 or 2**32 surfaced a step later from the ledger and ended the run. The
+    executor is code an embedder writes: a request whose sampled tokens are no token ids now fails alone
+    with a ConfigError naming it, the others' outputs are those of an undisturbed run, nothing leaks."""
+    reference = _outputs(make(), _mixed())
+    driver = make(executor=Garbling("bad", value))
+    outs = _outputs(driver, _mixed())
+    assert outs["a"] == reference["a"] and outs["c"] == reference["c"]
+    reasons = {r.request_id: r.finish_reason for r in driver.records}
+    assert reasons["a"] == reasons["c"] == "length"
+    assert reasons["bad"].startswith("error: ConfigError: the executor's output: 'bad"), reasons["bad"]
+    assert_clean(driver)
+
+
+def test_an_integer_type_that_is_not_int_is_a_token_id() -> None:
+    reference = _outputs(make(), _mixed())
+    driver = make(executor=Garbling("bad", Index(7)))
+    outs = _outputs(driver, _mixed())
+    assert outs["a"] == reference["a"] and outs["c"] == reference["c"]
+    assert {r.finish_reason for r in driver.records} == {"length"}
+    assert all(type(t) is int and t == 7 for branch in outs["bad"] for t in branch[1:])
+    assert_clean(driver)
+
+
 def test_a_transient_step_failure_fails_nobody() -> None:
     reference = _outputs(make(), _mixed())
     driver = make(executor=Faulty(None, once=True))

@@ -36,9 +36,20 @@ from .observe import Counters, EventLog
 from .offload import OffloadOps
 from .pool import BlockPool
 from .tiers import TierLedger
-from .types import CopyOp, Decision, Outcome, Request, Retention, SequenceState, Usage, as_count, show
+from .types import (
+    MAX_TOKEN_ID,
+    CopyOp,
+    Decision,
+    Outcome,
+    Request,
+    Retention,
+    SequenceState,
+    Usage,
+    as_count,
+    as_token_id,
+    show,
+)
 
-_MAX_TOKEN = 2**32 - 1  # token ids are hashed as uint32
 MAX_POOL_BLOCKS = 2**24  # per-block facts live in flat lists: ~50 bytes of bookkeeping per block
 MAX_BLOCK_SIZE = 2**16  # tokens per block
 
@@ -290,7 +301,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         for seq, token in slow:
             n = len(seq.tokens)
             if not (n % bs == 0 and seq.promised and n < seq.limit and n >= len(seq.table.blocks) * bs
-                    and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                    and type(token) is int and 0 <= token <= MAX_TOKEN_ID):
                 return False
         return True
 
@@ -314,7 +325,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                     tokens = seq.tokens
                     n = len(tokens)
                     if (n % bs and seq.num_prompt < n < seq.limit and not seq.cow_tail
-                            and type(token) is int and 0 <= token <= _MAX_TOKEN):
+                            and type(token) is int and 0 <= token <= MAX_TOKEN_ID):
                         tokens.append(token)
                     else:
                         if slow is None or at is None or raised is None:
@@ -347,12 +358,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         return OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
 
     def _token(self, seq: SequenceState, token: object) -> int:
-        if isinstance(token, bool) or not hasattr(type(token), "__index__"):
-            raise ConfigError(f"{seq.request_id!r}: token id {show(token)} is not an integer")
-        token = operator.index(token)
-        if not 0 <= token <= _MAX_TOKEN:
-            raise ConfigError(f"{seq.request_id!r}: token id {show(token)} is outside [0, 2**32)")
-        return token
+        return as_token_id(token, seq.request_id)
 
     def _check_growth(self, items: list[tuple[SequenceState, object]]) -> tuple[list[tuple[SequenceState, int]], int]:
         """Check appending ``items`` in order, changing nothing. Token ids and length limits are
@@ -366,7 +372,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         fits = -1
         out: list[tuple[SequenceState, int]] = []
         for seq, token in items:
-            if type(token) is not int or not 0 <= token <= _MAX_TOKEN:
+            if type(token) is not int or not 0 <= token <= MAX_TOKEN_ID:
                 token = self._token(seq, token)
             rid = seq.request_id
             st = state.get(rid)

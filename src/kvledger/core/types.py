@@ -33,6 +33,20 @@ def as_count(value: object, what: str, minimum: int | None = 0) -> int:
     return number
 
 
+MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32
+
+
+def as_token_id(value: object, owner: str) -> int:
+    """``value`` as a token id (a plain ``int`` in [0, 2**32)); anything else is a ConfigError naming
+    ``owner`` (the sequence or request it was meant for). Integer types such as numpy's convert."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise ConfigError(f"{owner!r}: token id {show(value)} is not an integer")
+    token = operator.index(value)
+    if not 0 <= token <= MAX_TOKEN_ID:
+        raise ConfigError(f"{owner!r}: token id {show(token)} is outside [0, 2**32)")
+    return token
+
+
 def as_flag(value: object, what: str) -> bool:
     if type(value) is not bool:
         raise ConfigError(f"{what} must be True or False, got {show(value)}")

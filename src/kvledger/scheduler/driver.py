@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..core.types import as_count
+from ..core.types import MAX_TOKEN_ID, as_count, as_token_id
 from ..errors import ConfigError, InvariantError, LedgerError
 from .beam import BeamSearch
 from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
@@ -237,6 +237,8 @@ class Driver:
             self._apply_cancels(finished)  # arrived while the step was in flight
             if self.beams and output.candidates:
                 self.beams.choose(plan, output.candidates, output.sampled)
+            if output.sampled:
+                failed += self._malformed(plan, output)
             if self.on_executed is not None:
                 self.on_executed(plan, output)
             sched.confirm(plan, output.sampled)
@@ -470,6 +472,35 @@ class Driver:
         for rid in reversed(requeue):  # each goes to the front: the last first keeps their order
             sched.requeue(rid)
         return merged, failed
+
+    def _malformed(self, plan: StepPlan, output: StepOutput) -> list[tuple[str, Exception]]:
+        """The executor is code the embedder may write: a request whose sampled tokens are not token ids
+        (not a list of integers in [0, 2**32)) fails alone with a ConfigError, before ``confirm`` takes
+        anything, and the others go on -- as a request whose part of the step raises."""
+        bad: dict[str, Exception] = {}
+        owner: dict[str, str] | None = None
+        for seq_id, tokens in output.sampled.items():
+            try:
+                if type(tokens) is not list:
+                    if isinstance(tokens, str | bytes) or not isinstance(tokens, Iterable):
+                        raise ConfigError(f"{seq_id!r}: {type(tokens).__name__} is not a list of token ids")
+                    tokens = output.sampled[seq_id] = list(tokens)
+                for t in tokens:
+                    if type(t) is not int or not 0 <= t <= MAX_TOKEN_ID:
+                        as_token_id(t, seq_id)  # numpy integers pass (confirm converts them); others raise
+            except ConfigError as exc:
+                if owner is None:
+                    owner = {w.seq_id: w.request_id for w in (*plan.prefills, *plan.decodes)}
+                rid = owner.get(seq_id)
+                if rid is not None and rid not in bad:
+                    bad[rid] = ConfigError(f"the executor's output: {exc}")
+        if not bad:
+            return []
+        for rid, exc in bad.items():
+            self.scheduler.cancel(rid, f"error: ConfigError: {exc}")
+        for seq_id in [s for s in output.sampled if owner and owner.get(s) in bad]:
+            del output.sampled[seq_id]
+        return list(bad.items())
 
     def _abandon(self, plan: StepPlan, error: BaseException) -> None:
         """Something outside any one request's part failed after ``schedule``: end every request the

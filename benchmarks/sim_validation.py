@@ -234,23 +234,23 @@ def in_situ_profile(replays: list[dict], base):
     from kvledger.sim.calibrate import fit_profile, step_measurements
     from kvledger.sim.cost_model import CostModel, DeviceProfile
 
-    steps: list = []
-    report: dict = {}
-    for r in replays:
-        s, report = loop_steps(r["_steps"])
-        steps += s
-    report["steps"] = len(steps)  # over every replay
+    per_replay = [loop_steps(r["_steps"]) for r in replays]
+    steps = [step for costs, _ in per_replay for step in costs]
+    report = dict(per_replay[-1][1])  # the last replay's loop figures ...
+    report["steps"] = len(steps)  # ... and the steps of every replay
     config, spec = replays[0]["_model"]
     placeholder = DeviceProfile("fit", 1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, "placeholder")
     cost = CostModel(config, spec, placeholder, weight_dtype="fp32")
     profile, fit = fit_profile(cost, step_measurements(steps), host_link_Bps=base.host_link_Bps,
                                transfer_overhead_s=base.transfer_overhead_s, links=base.links,
                                source="sim_validation --in-situ: fitted to the replay's own steps")
-    report["drift"] = replay_drift(replays, CostModel(config, spec, profile, weight_dtype="fp32"))
+    fitted = CostModel(config, spec, profile, weight_dtype="fp32")
+    report["drift"] = replay_drift([(costs, r["_steps"]) for (costs, _), r in zip(per_replay, replays, strict=True)],
+                                   fitted)
     return profile, fit, report
 
 
-def replay_drift(replays: list[dict], cost, window_s: float = 30.0) -> float:
+def replay_drift(replays: list[tuple[list, list]], cost, window_s: float = 30.0) -> float:
     """How far the machine's speed moved *during* the replays: each step's real cost over what the in-situ
     profile prices it at, the median per ``window_s`` of the replay (windows of 20 steps or more), and the
     largest window's median over the smallest's. One profile prices the whole replay, so a drift above the
@@ -258,9 +258,7 @@ def replay_drift(replays: list[dict], cost, window_s: float = 30.0) -> float:
     import statistics
 
     medians = []
-    for r in replays:
-        logged = r["_steps"]
-        steps, _ = loop_steps(logged)
+    for steps, logged in replays:  # each replay's loop_steps costs beside its logged steps
         windows: dict[int, list[float]] = {}
         for (prefill, decode, seconds), raw in zip(steps, logged, strict=True):
             windows.setdefault(int((raw[3] - logged[0][3]) // window_s), []).append(

@@ -494,11 +494,11 @@ class Driver:
                 rid = owner.get(seq_id)
                 if rid is not None and rid not in bad:
                     bad[rid] = ConfigError(f"the executor's output: {exc}")
-        if not bad:
+        if not bad or owner is None:
             return []
         for rid, exc in bad.items():
             self.scheduler.cancel(rid, f"error: ConfigError: {exc}")
-        for seq_id in [s for s in output.sampled if owner and owner.get(s) in bad]:
+        for seq_id in [s for s in output.sampled if owner.get(s) in bad]:
             del output.sampled[seq_id]
         return list(bad.items())
 

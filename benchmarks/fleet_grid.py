@@ -29,7 +29,7 @@ the machine's load average (the decision times are wall-clock microseconds, nois
 
 Usage: python benchmarks/fleet_grid.py [--trace PATH] [--out DIR] [--duration-s S] [--grid-s S] [--pools P65,P80]
        [--skip-part1] [--skip-grid]
-       [--load-by rate [--pool-blocks N] [--capacity RPS] [--host-pool BYTES]]
+       [--load-by rate [--gpu NAME] [--pool-blocks N] [--capacity RPS] [--host-pool BYTES]]
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from kvledger.errors import KVLedgerError
+from kvledger.sim.cost_model import GPU_PROFILES
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
 from kvledger.sim.simulator import SimConfig, Simulator, build_deployment, prefix_hit_bound
 from kvledger.sim.workloads import load_mooncake, slice_requests
@@ -54,7 +55,8 @@ TRACE = "../shared/traces/mooncake_fast25_conversation_trace.jsonl"
 KEYS = ("overcommits", "max_overshoot", "refusals_per_request", "deferred_requests", "deferral_p50_s",
         "deferral_p99_s", "hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s", "max_prefill_share", "mean_use",
         "view_age_mean_s", "view_age_p99_s", "decision_us_p50", "decision_us_p99", "rejected", "completed",
-        "cross_tenant_hit_blocks", "promoted_tokens")
+        "cross_tenant_hit_blocks", "promoted_tokens", "ttft_routing_mean_s", "ttft_replica_wait_mean_s",
+        "ttft_prefill_mean_s", "ttft_alone_mean_s")
 
 
 def load() -> str:
@@ -184,6 +186,9 @@ def main() -> None:
                          "arrivals scaled to 65%%/80%% of the fleet's measured capacity")
     ap.add_argument("--pool-blocks", type=int, default=None,
                     help="--load-by rate: blocks per replica (default: the inventory's for the model on the GPU)")
+    ap.add_argument("--gpu", default="h100-80gb",
+                    help="--load-by rate: the device profile of every replica (its memory sets the default pool; "
+                         "one of " + ", ".join(GPU_PROFILES) + ")")
     ap.add_argument("--saturation-requests", type=int, default=400,
                     help="--load-by rate: how many of the slice's first requests the saturation run uses (a few "
                          "pool-fulls; more is slow -- the router rescans its queue on every retry -- and packs "
@@ -202,6 +207,10 @@ def main() -> None:
         args.host_pool = parse_bytes(args.host_pool, allow_zero=True)
     except KVLedgerError as e:
         ap.error(f"--host-pool: {e}")
+    if args.gpu not in GPU_PROFILES:
+        ap.error(f"--gpu must be one of {', '.join(GPU_PROFILES)}")
+    if args.gpu != "h100-80gb" and args.load_by != "rate":
+        ap.error("--gpu needs --load-by rate")
     if args.host_pool and args.load_by != "rate":
         ap.error("--host-pool needs --load-by rate")
     if args.pool_blocks is not None and args.pool_blocks < 1:
@@ -281,7 +290,7 @@ def main_by_rate(args: argparse.Namespace) -> None:
     reqs = slice_requests(everything, end_s=args.duration_s) if args.duration_s else everything
     grid_reqs = slice_requests(everything, end_s=args.grid_s)
     bs = 512
-    sim = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", block_size=bs)
+    sim = SimConfig(model="llama-3.1-8b", gpu=args.gpu, block_size=bs)
     pool = args.pool_blocks if args.pool_blocks is not None else build_deployment(sim).pool_blocks
     sim = sim.with_values(pool_blocks=pool)
     if args.host_pool:
@@ -289,7 +298,7 @@ def main_by_rate(args: argparse.Namespace) -> None:
     native = offered_rate(reqs, args.duration_s)
     results: dict[str, Any] = {"trace": Path(args.trace).name, "load_by": "rate", "requests": len(reqs),
                                "grid_requests": len(grid_reqs), "block_size": bs, "model": "llama-3.1-8b",
-                               "gpu": "h100-80gb", "pool_blocks": pool, "native_rps": native,
+                               "gpu": args.gpu, "pool_blocks": pool, "native_rps": native,
                                "host_pool_bytes": args.host_pool, "host_blocks": build_deployment(sim).host_blocks,
                                "bound": prefix_hit_bound(reqs, bs)["bound"]}
     print(f"{len(reqs)} requests at {native:.3f}/s; single-pool bound {results['bound']:.4f}; "

@@ -521,6 +521,30 @@ class FleetSimulator:
         else:
             rep.busy = False
 
+    def _ttft_parts(self, recs: list[tuple[_Req, Any]]) -> dict[str, float | None]:
+        """Where the mean TTFT goes, for requests that got a first token: ``ttft_routing_mean_s`` from
+        arrival to a replica's acceptance (refusals, retries, the router's queue), ``ttft_replica_wait_mean_s``
+        from acceptance to the replica's scheduler admitting it (its door's book), ``ttft_prefill_mean_s``
+        from admission to the first token (its prefill, chunked and sharing steps with everyone else's
+        work). ``ttft_alone_mean_s`` is the floor: the uncached part of each prompt computed as one step on
+        an idle replica (the cost model's ``recompute_time``); prefill minus alone is time lost to the
+        other requests on the same replica."""
+        cost = self.dep.cost
+        routing = wait = prefill = alone = 0.0
+        n = 0
+        for req, m in recs:
+            if m.first_token_s is None or req.accepted_s is None or m.admitted_s is None:
+                continue
+            n += 1
+            routing += req.accepted_s - req.arrival_s
+            wait += m.admitted_s - req.accepted_s
+            prefill += m.first_token_s - m.admitted_s
+            alone += cost.recompute_time(m.prompt_len - m.hit_tokens, m.hit_tokens)
+        keys = ("ttft_routing_mean_s", "ttft_replica_wait_mean_s", "ttft_prefill_mean_s", "ttft_alone_mean_s")
+        if not n:
+            return dict.fromkeys(keys)
+        return dict(zip(keys, (routing / n, wait / n, prefill / n, alone / n), strict=True))
+
     def _by_id(self, rid: str) -> _Req:
         return self.reqs[self._index_of[rid]]
 
@@ -537,6 +561,7 @@ class FleetSimulator:
                     if req.accepted_s is not None and (req.refusals or req.queued_s is not None)]
         waits = [req.accepted_s - req.arrival_s for req in self.reqs if req.accepted_s is not None]
         prefill = [rep.prefill_tokens for rep in self.replicas]
+        parts = self._ttft_parts(recs)
         per_replica = []
         for rep in self.replicas:
             c = rep.door.counters()
@@ -572,6 +597,7 @@ class FleetSimulator:
             "prompt_tokens": prompt, "hit_tokens": hits, "hit_rate": hits / prompt if prompt else 0.0,
             "ttft_mean_s": sum(ttft) / len(ttft) if ttft else None,
             "ttft_p50_s": p_or_none(ttft, 50), "ttft_p90_s": p_or_none(ttft, 90), "ttft_p99_s": p_or_none(ttft, 99),
+            **parts,
             "max_prefill_share": max(prefill) / sum(prefill) if sum(prefill) else 0.0,
             "mean_use": sum(p["mean_use"] for p in per_replica) / len(per_replica),
             "view_age_mean_s": sum(self.view_ages) / len(self.view_ages) if self.view_ages else None,

@@ -27,12 +27,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fleet_grid import TRACE, load, offered_rate, run_fleet, scaled
+from fleet_grid import DEFAULT_GPU, TRACE, load, offered_rate, replica_sim, run_fleet, scaled
 
 from kvledger.errors import KVLedgerError
 from kvledger.sim.cost_model import GPU_PROFILES
 from kvledger.sim.fleet import ARMS
-from kvledger.sim.simulator import SimConfig, build_deployment
 from kvledger.sim.workloads import load_mooncake, slice_requests
 from kvledger.units import parse_bytes
 
@@ -47,7 +46,10 @@ def parse_cells(text: str) -> list[dict[str, Any]]:
         parts = item.strip().split(":")
         if len(parts) < 2:
             raise ValueError(f"cell {item!r}: expected ROUTERS:STALENESS[:ARM][:round-robin]")
-        routers, staleness = int(parts[0]), float(parts[1])
+        try:
+            routers, staleness = int(parts[0]), float(parts[1])
+        except ValueError:
+            raise ValueError(f"cell {item!r}: ROUTERS must be an integer and STALENESS a number of seconds") from None
         if not 1 <= routers <= 64 or not (math.isfinite(staleness) and 0 <= staleness <= 3600):
             raise ValueError(f"cell {item!r}: routers in [1, 64], staleness in [0, 3600] s")
         cell: dict[str, Any] = {"routers": routers, "staleness_s": staleness, "arm": "B", "routing": "score"}
@@ -75,7 +77,7 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", default=TRACE)
-    ap.add_argument("--gpu", default="h100-80gb", choices=sorted(GPU_PROFILES))
+    ap.add_argument("--gpu", default=DEFAULT_GPU, choices=sorted(GPU_PROFILES))
     ap.add_argument("--pool-blocks", type=int, default=None, help="blocks per replica (default: the inventory's)")
     ap.add_argument("--host-pool", default="0", help="a host tier per replica, with offload_prefixes (e.g. 164GiB)")
     ap.add_argument("--capacity", type=float, required=True, help="the fleet's capacity in requests/s "
@@ -107,10 +109,7 @@ def main() -> int:
         ap.error("--duration-s must be positive")
     everything = load_mooncake(args.trace)
     reqs = slice_requests(everything, end_s=args.duration_s) if args.duration_s else everything
-    sim = SimConfig(model="llama-3.1-8b", gpu=args.gpu, block_size=512)
-    sim = sim.with_values(pool_blocks=args.pool_blocks or build_deployment(sim).pool_blocks)
-    if host:
-        sim = sim.with_values(host_pool_bytes=host, offload_prefixes=True)
+    sim = replica_sim(args.gpu, args.pool_blocks, host)
     lreqs = scaled(reqs, offered_rate(reqs, args.duration_s) / (args.load * args.capacity))
     print(f"{len(reqs)} requests at {args.load:g} x {args.capacity:.3f} req/s; {sim.pool_blocks} blocks per replica "
           f"on {args.gpu}" + (f" + a host tier of {args.host_pool}" if host else "") + f"; load {load()}", flush=True)

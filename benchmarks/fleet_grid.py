@@ -59,6 +59,20 @@ KEYS = ("overcommits", "max_overshoot", "refusals_per_request", "deferred_reques
         "ttft_prefill_mean_s", "ttft_alone_mean_s")
 
 
+DEFAULT_GPU = "h100-80gb"
+
+
+def replica_sim(gpu: str, pool_blocks: int | None, host_pool_bytes: int, block_size: int = 512) -> SimConfig:
+    """One replica of the rate-load study: Llama-3.1-8B on ``gpu`` with ``pool_blocks`` (default: what the
+    inventory gives on that GPU) and, when ``host_pool_bytes``, a host tier below it with evicted prefix
+    blocks demoted to it (offload_prefixes)."""
+    sim = SimConfig(model="llama-3.1-8b", gpu=gpu, block_size=block_size)
+    sim = sim.with_values(pool_blocks=pool_blocks if pool_blocks is not None else build_deployment(sim).pool_blocks)
+    if host_pool_bytes:
+        sim = sim.with_values(host_pool_bytes=host_pool_bytes, offload_prefixes=True)
+    return sim
+
+
 def load() -> str:
     return f"{os.getloadavg()[0]:.2f}"
 
@@ -186,9 +200,9 @@ def main() -> None:
                          "arrivals scaled to 65%%/80%% of the fleet's measured capacity")
     ap.add_argument("--pool-blocks", type=int, default=None,
                     help="--load-by rate: blocks per replica (default: the inventory's for the model on the GPU)")
-    ap.add_argument("--gpu", default="h100-80gb",
-                    help="--load-by rate: the device profile of every replica (its memory sets the default pool; "
-                         "one of " + ", ".join(GPU_PROFILES) + ")")
+    ap.add_argument("--gpu", default=None, choices=sorted(GPU_PROFILES),
+                    help="--load-by rate: the device profile of every replica; its memory sets the default pool "
+                         f"(default {DEFAULT_GPU})")
     ap.add_argument("--saturation-requests", type=int, default=400,
                     help="--load-by rate: how many of the slice's first requests the saturation run uses (a few "
                          "pool-fulls; more is slow -- the router rescans its queue on every retry -- and packs "
@@ -207,9 +221,7 @@ def main() -> None:
         args.host_pool = parse_bytes(args.host_pool, allow_zero=True)
     except KVLedgerError as e:
         ap.error(f"--host-pool: {e}")
-    if args.gpu not in GPU_PROFILES:
-        ap.error(f"--gpu must be one of {', '.join(GPU_PROFILES)}")
-    if args.gpu != "h100-80gb" and args.load_by != "rate":
+    if args.gpu is not None and args.load_by != "rate":
         ap.error("--gpu needs --load-by rate")
     if args.host_pool and args.load_by != "rate":
         ap.error("--host-pool needs --load-by rate")
@@ -290,15 +302,13 @@ def main_by_rate(args: argparse.Namespace) -> None:
     reqs = slice_requests(everything, end_s=args.duration_s) if args.duration_s else everything
     grid_reqs = slice_requests(everything, end_s=args.grid_s)
     bs = 512
-    sim = SimConfig(model="llama-3.1-8b", gpu=args.gpu, block_size=bs)
-    pool = args.pool_blocks if args.pool_blocks is not None else build_deployment(sim).pool_blocks
-    sim = sim.with_values(pool_blocks=pool)
-    if args.host_pool:
-        sim = sim.with_values(host_pool_bytes=args.host_pool, offload_prefixes=True)
+    gpu = args.gpu or DEFAULT_GPU
+    sim = replica_sim(gpu, args.pool_blocks, args.host_pool, bs)
+    pool = sim.pool_blocks
     native = offered_rate(reqs, args.duration_s)
     results: dict[str, Any] = {"trace": Path(args.trace).name, "load_by": "rate", "requests": len(reqs),
                                "grid_requests": len(grid_reqs), "block_size": bs, "model": "llama-3.1-8b",
-                               "gpu": args.gpu, "pool_blocks": pool, "native_rps": native,
+                               "gpu": gpu, "pool_blocks": pool, "native_rps": native,
                                "host_pool_bytes": args.host_pool, "host_blocks": build_deployment(sim).host_blocks,
                                "bound": prefix_hit_bound(reqs, bs)["bound"]}
     print(f"{len(reqs)} requests at {native:.3f}/s; single-pool bound {results['bound']:.4f}; "

@@ -533,8 +533,9 @@ class FleetSimulator:
         routing = wait = prefill = alone = 0.0
         n = 0
         for req, m in recs:
-            if m.first_token_s is None or req.accepted_s is None or m.admitted_s is None:
+            if m.first_token_s is None:  # the same requests as the summary's TTFT, so the parts add up to it
                 continue
+            assert req.accepted_s is not None and m.admitted_s is not None  # a first token needs both
             n += 1
             routing += req.accepted_s - req.arrival_s
             wait += m.admitted_s - req.accepted_s

@@ -27,8 +27,8 @@ def healthy() -> KVLedger:
     assert ledger.pin("system", list(range(100, 108)), Request("x", [1], 0).context) == 2
     ledger.admit(Request("r", list(range(200, 206)), 6, lookahead=4)).raise_for_outcome()
     ledger.mark_computed("r", 6)
-    ledger.fork("r", "r/1")  # shares the partial tail block: one copy promised
     ledger.reserve_lookahead("r", 4)  # a private speculative block beyond r's tokens
+    ledger.fork("r", "r/1")  # shares the partial tail block (not the speculative one): one copy promised
     ledger.admit(Request("gone", list(range(300, 305)), 2)).raise_for_outcome()
     lease = ledger.lease(request_ids=["gone"], owner="step-1")
     ledger.release("gone")  # its blocks wait for the lease: deferred

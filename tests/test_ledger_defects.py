@@ -483,3 +483,73 @@ def test_decode_step_keeps_a_sequences_pairs_in_order_across_both_paths() -> Non
     ledger.decode_step([("a", Index(5)), ("a", 6), ("a", 7)])
     assert ledger.sequence("a").tokens[-4:] == [9, 5, 6, 7]
     ledger.check()
+
+
+# ---- draft slots of sibling branches ----------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt_len", [1, 5, 6])
+def test_siblings_draft_slots_land_in_private_blocks(prompt_len: int) -> None:
+    """An n = 2 request with lookahead whose branches still share the partial tail block when they
+    reach their last prompt token (a one-token prompt, a prompt cached up to its last token, a chunked
+    prefill's last chunk): each branch's draft slots land in a block of its own. Before the fix
+    reserve_lookahead placed both branches' drafts in the one shared tail, and they overwrote each
+    other's draft KV in the same step."""
+    ledger = KVLedger(16, 4)
+    ledger.admit(Request("r", list(range(prompt_len)), 6, branches=2, lookahead=2)).raise_for_outcome()
+    ledger.mark_computed("r", prompt_len - 1)
+    first, second = ledger.sequence("r"), ledger.sequence("r/1")
+    tail = prompt_len // 4
+    assert first.table.blocks[tail] == second.table.blocks[tail]  # shared before any draft
+    ledger.reserve_lookahead("r", 2)
+    ledger.reserve_lookahead("r/1", 2)
+    ledger.check()
+    draft_blocks = [{s.table.blocks[p // 4] for p in range(prompt_len, prompt_len + 2)} for s in (first, second)]
+    assert not draft_blocks[0] & draft_blocks[1], draft_blocks
+    # The first branch took a copy of the tail (its valid slots copied), the last holder writes in place.
+    copies = ledger.take_copies()
+    assert [(c.src, c.slots) for c in copies] == [(second.table.blocks[tail], prompt_len % 4)]
+    assert copies[0].dst == first.table.blocks[tail]
+    assert ledger.usage().promised == ledger.sequence("r").promised + ledger.sequence("r/1").promised
+    for rid in ("r", "r/1"):
+        ledger.release(rid)
+    ledger.check()
+    assert ledger.usage().active == 0
+
+
+def test_reserving_drafts_with_a_shared_tail_is_all_or_nothing() -> None:
+    """Refused for want of a block beyond the tail, the reservation makes no tail copy either."""
+    ledger = KVLedger(4, 4)
+    ledger.admit(Request("r", [1], 2, reserve_new_tokens=0)).raise_for_outcome()
+    ledger.fork("r", "r/1")  # one copy promised for the shared tail
+    ledger.admit(Request("x", list(range(8)), 0)).raise_for_outcome()  # the last unpromised blocks
+    before = (ledger.usage(), list(ledger.sequence("r").table.blocks), ledger.sequence("r").cow_tail)
+    with pytest.raises(OutOfBlocksError, match="lookahead"):
+        ledger.reserve_lookahead("r", 4)  # positions 1-4: a second block, which nothing can promise
+    assert (ledger.usage(), list(ledger.sequence("r").table.blocks), ledger.sequence("r").cow_tail) == before
+    assert ledger.take_copies() == []
+    ledger.reserve_lookahead("r", 2)  # within the tail: only the promised copy
+    ledger.check()
+    assert len(ledger.take_copies()) == 1
+
+
+def test_check_names_a_draft_slot_in_a_block_two_sequences_hold() -> None:
+    ledger = KVLedger(16, 4)
+    ledger.admit(Request("r", [1, 2, 3, 4, 5], 6, branches=2, lookahead=2)).raise_for_outcome()
+    ledger.check()
+    ledger.sequence("r").draft_end = 7  # what the old reserve_lookahead left: drafts in the shared tail
+    with pytest.raises(AssertionError, match="draft slot 5 lies in block .* held by 2"):
+        ledger.check()
+
+
+def test_a_fork_after_drafts_were_reserved_asks_for_them_again() -> None:
+    """Draft slots reserved in a tail that a fork then shares are no longer the parent's alone: the
+    fork withdraws them, and reserving again copies the tail first."""
+    ledger = KVLedger(16, 4)
+    ledger.admit(Request("p", list(range(6)), 8, lookahead=2)).raise_for_outcome()
+    ledger.reserve_lookahead("p", 2)
+    ledger.fork("p", "c")
+    ledger.check()
+    assert ledger.sequence("p").draft_end == 0
+    ledger.reserve_lookahead("p", 2)
+    ledger.check()
+    assert ledger.sequence("p").table.blocks[1] != ledger.sequence("c").table.blocks[1]

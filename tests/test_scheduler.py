@@ -256,6 +256,30 @@ def test_full_growth_cannot_fail_even_with_branches_and_lookahead() -> None:
     assert_drained(s)
 
 
+@pytest.mark.parametrize("policy", ["full", "incremental"])
+def test_siblings_drafting_from_a_shared_tail_read_their_own_draft_kv(policy: str) -> None:
+    """n = 2 with lookahead, reaching the last prompt token while both branches share the partial
+    tail: a one-token prompt, and a prompt cached up to its last token (its first block written by an
+    earlier request). Every draft is accepted, so each branch next reads the KV its own drafts wrote;
+    had the siblings drafted into one shared block, one would read the other's (the fake engine's
+    position check fails)."""
+    led = KVLedger(32, BS)
+    s = Scheduler(led, SchedulerConfig(policy=policy))
+    engine = FakeEngine(s)  # one fake KV memory for the whole test: the cached block must be there
+    s.add(GenRequest("one", toks(1, 10), 6, n=2, lookahead=2))
+    engine.drain()
+    s.add(GenRequest("warm", toks(4, 300), 1))
+    engine.drain()
+    s.add(GenRequest("cached", toks(4, 300) + [77], 6, n=2, lookahead=2))
+    engine.drain()
+    assert led.stats()["prefix_cache"]["hit_blocks"] >= 1  # the second case really started from a hit
+    assert reasons(s)["one"] == [("length", 6), ("length", 6)]
+    assert reasons(s)["cached"] == [("length", 6), ("length", 6)]
+    assert s.branches("cached")[1].output == expected_output("cached/1", 5, 6)
+    assert s.branches("one")[0].output == expected_output("one", 1, 6)
+    assert_drained(s)
+
+
 # ---- incremental + preempt: the victim policies -------------------------------------------------
 SHARED = toks(8, 500)  # two blocks C and D share
 

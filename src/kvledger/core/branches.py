@@ -63,6 +63,9 @@ class BranchOps:
             self._cow_promises[tail] = self._cow_promises.get(tail, 0) + 1
             self.promised += 1
             parent.cow_tail = True
+            # Draft slots the parent reserved in this tail are shared now: they must be reserved again
+            # (reserve_lookahead copies the tail first) before a step may write them.
+            parent.draft_end = 0
             cow = True
         else:
             cow = False

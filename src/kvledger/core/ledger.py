@@ -438,19 +438,26 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
     def reserve_lookahead(self, request_id: str, slots: int) -> int:
         """Make sure blocks exist for ``slots`` positions beyond the newest token (draft tokens the
         verifier may accept). They come from the sequence's promise first. Returns blocks allocated.
-        Speculative blocks are private to the sequence: a fork never shares them."""
+        Draft slots are private to the sequence: a fork never shares its speculative blocks, and a
+        partial tail still shared with a sibling is copied first (its copy-on-write happens now, not at
+        the next token), since siblings drafting into one shared block would overwrite each other's
+        draft KV in the same step. All or nothing: refused, nothing changes."""
         slots = as_count(slots, "lookahead slots")
         with self._lock:
             seq = self.sequence(request_id)
-            need = self._blocks_for(len(seq.tokens) + slots) - len(seq.table.blocks)
+            n = len(seq.tokens)
+            need = self._blocks_for(n + slots) - len(seq.table.blocks)
             pool = self.pool
             if need > seq.promised + max(pool.num_free + pool.num_evictable - self.promised, 0):
                 raise OutOfBlocksError(f"{request_id!r}: no room for {slots} lookahead slots")
+            if slots and seq.cow_tail and n % self.block_size:
+                self._copy_on_write(seq, n)  # the copy was promised when the tail became shared
             for _ in range(max(need, 0)):
                 if seq.promised:
                     seq.promised -= 1
                     self.promised -= 1
                 seq.table.blocks.append(pool.allocate())
+            seq.draft_end = n + slots
             return max(need, 0)
 
     def trim_lookahead(self, request_id: str) -> int:
@@ -466,7 +473,10 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             seq = self.sequence(request_id)
             blocks = seq.table.blocks
             keep = self._blocks_for(len(seq.tokens))
-            if len(blocks) <= keep or request_id in self._seq_leases:
+            if request_id in self._seq_leases:
+                return 0
+            seq.draft_end = 0  # the step that wrote the drafts is confirmed: no draft slot is live
+            if len(blocks) <= keep:
                 return 0
             # Speculative blocks are never shared (check() enforces it), so only a block lease can
             # keep one from being freed.
@@ -501,14 +511,17 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             else:
                 self.counters.admitted -= 1
 
-    def preempt(self, request_id: str) -> list[int]:
+    def preempt(self, request_id: str, *, counted: bool = True) -> list[int]:
         """Take a running sequence's memory away (the scheduler recovers it by recompute or from a host
         copy). Its full, written blocks stay in the prefix index as retained cache, which softens a later
-        recompute. Returns its token ids: the state a recompute must replay."""
+        recompute. Returns its token ids: the state a recompute must replay. ``counted=False`` for a
+        requeue that is no preemption (a cache reset's, or the driver's after a failed step part): the
+        scheduler does not count those either, so the two counts agree."""
         with self._lock:
             tokens = list(self.sequence(request_id).tokens)
             self._drop(request_id)
-            self.counters.preemptions += 1
+            if counted:
+                self.counters.preemptions += 1
             return tokens
 
     def cancel(self, request_id: str) -> bool:
@@ -580,6 +593,9 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                 for b in blocks[covered:]:  # speculative slots are written by this sequence alone
                     if ref[b] != 1 or digest_of[b] is not None:
                         raise InvariantError(f"{seq.request_id!r}: speculative block {b} is shared or indexed")
+                if seq.draft_end > n and n % bs and ref[blocks[n // bs]] != 1:
+                    raise InvariantError(f"{seq.request_id!r}: draft slot {n} lies in block {blocks[n // bs]}, "
+                                         f"held by {ref[blocks[n // bs]]} sequences or pins (draft slots are private)")
                 identified = max(seq.num_prompt, seq.computed_mark) // bs
                 if self.prefix_caching and len(seq.digests) != identified:
                     raise InvariantError(

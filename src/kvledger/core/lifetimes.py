@@ -42,11 +42,12 @@ class Lease:
 @dataclass(frozen=True, slots=True)
 class CacheReset:
     """The result of :meth:`LifetimeOps.reset_prefix_cache`: ``done`` (also its truth value), the
-    retained blocks evicted, and why not when refused."""
+    retained blocks evicted, why not when refused, and the tier entries forgotten."""
 
     done: bool
-    cleared_blocks: int
+    cleared_blocks: int  # device blocks
     reason: str
+    cleared_tier_entries: int = 0  # cached entries of the attached tiers (host, disk)
 
     def __bool__(self) -> bool:
         return self.done
@@ -199,9 +200,12 @@ class LifetimeOps:
     def reset_prefix_cache(self: KVLedger) -> CacheReset:
         """Forget the whole prefix cache, as vLLM's ``reset_prefix_cache`` does (after a weight update,
         say): only when no block is held -- by a sequence, a pin, a lease or a deferred release --
-        since a held block's identity is still in use. Refused, it changes nothing and says why.
-        Done, the prefix index, the retained blocks, the eviction policy's memory (priorities, expiry)
-        and the remembered digests of waiting requests are all empty, and every block is free."""
+        since a held block's identity is still in use, and no transfer to or from an attached tier is
+        in flight (a demotion still being written would land an old entry after the reset). Refused,
+        it changes nothing and says why. Done, the prefix index, the retained blocks, the eviction
+        policy's memory (priorities, expiry), the remembered digests of waiting requests, every cached
+        entry of the attached tiers (host, disk: KV of the old weights must never be promoted back)
+        and the hit-rate window are all empty, and every block is free."""
         with self._lock:
             pool = self.pool
             held = []
@@ -214,14 +218,20 @@ class LifetimeOps:
                 held.append(f"{len(self._leases)} outstanding leases")
             if pool.deferred:
                 held.append(f"{pool.deferred} deferred releases")
+            moving = self.tiers.transfers_in_flight() if self.tiers is not None else 0
+            if moving:
+                held.append(f"{moving} tier transfers in flight")
             if held:
                 return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
             cleared = pool.drop_cache()
+            tier_cleared = self.tiers.clear_cache() if self.tiers is not None else 0
             self._digest_cache.clear()
             self._copies.clear()
             self.counters.cleared += cleared
             self.counters.cache_resets += 1
-            return CacheReset(True, cleared, f"{cleared} cached blocks cleared")
+            self.counters.window.clear()  # the hit rate restarts with the cache, as vLLM's metrics do
+            where = f" and {tier_cleared} tier entries" if self.tiers is not None else ""
+            return CacheReset(True, cleared, f"{cleared} cached blocks{where} cleared", tier_cleared)
 
     # ---- statistics -----------------------------------------------------------------------------
     def token_usage(self: KVLedger) -> dict[str, int]:

@@ -454,6 +454,11 @@ class TierLedger:
                     n += 1
             return n
 
+    def transfers_in_flight(self) -> int:
+        """Slots a transfer handed out is still writing or reading (until :meth:`complete`)."""
+        with self._lock:
+            return len(self._pending) + len(self._draining)
+
     def clear_cache(self) -> int:
         """Forget every readable cached entry (a prefix-cache reset). Held slots stay. Returns the count."""
         with self._lock:

@@ -224,6 +224,9 @@ class SequenceState:
     retention: tuple[Retention, ...] = ()
     reserved_blocks: int = 0  # blocks this branch may hold at its reserved length (incl. lookahead)
     readmitted: bool = False  # admitted again after a preemption (counted apart in statistics)
+    # End of the draft slots the last reserve_lookahead made (positions len(tokens)..draft_end - 1). They
+    # are private to this sequence: check() names one that lies in a block another sequence holds.
+    draft_end: int = 0
 
     def __post_init__(self) -> None:
         self.limit = self.num_prompt + self.max_new_tokens

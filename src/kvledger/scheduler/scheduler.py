@@ -759,10 +759,9 @@ class Scheduler(AdmissionOps, TierPlanning):
                 return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
             for rid in sorted(self.running, key=lambda r: -self.running[r][0].admitted_order):
                 self._requeue(rid)
-        reset = ledger.reset_prefix_cache()
-        if reset and self.host is not None:
-            self.host.clear_cache()  # the cache below the device goes too; swapped requests keep their slots
-        return reset
+        # The ledger clears the tiers attached to it (the cache below the device goes too); swapped
+        # requests keep their host slots.
+        return ledger.reset_prefix_cache()
 
     def requeue(self, request_id: str) -> bool:
         """Send a running request back to the front of its priority in the waiting queue: its memory is
@@ -780,7 +779,7 @@ class Scheduler(AdmissionOps, TierPlanning):
         """Send a running request back to the front of its priority in the waiting queue."""
         branches = self.running.pop(rid)
         for br in branches:
-            self.ledger.preempt(br.seq_id)  # its written blocks become plain cache, reset next
+            self.ledger.preempt(br.seq_id, counted=False)  # its written blocks become plain cache
             br.status = Status.WAITING
             br.computed = 0
             br.in_ledger = 0

@@ -335,7 +335,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--slo-tpot", type=Float(0.0, 1e9, lo_open=True), default=None,
               help="Sweep: TPOT target in milliseconds.")
 @click.option("--slo-percentile", type=click.Choice(["50", "90", "99"]), default="90", show_default=True,
-              help="Sweep: the percentile the SLO targets apply to.")
+              help="Sweep: the percentile the SLO targets apply to (a run meets the SLO only if it also serves "
+                   ">= 95% of the offered rate).")
 @click.option("--prefix-bound", is_flag=True, help="Also print (and plot) the hit rate an unbounded cache allows.")
 @click.option("--fragmentation", is_flag=True, help="Run the fragmentation study on the trace's lengths instead "
               "of a simulation.")
@@ -463,7 +464,7 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         for note in summary["notes"]:
             console.print(f"[dim]note: {note}[/dim]")
     else:
-        from ..sim.report import best_under_slo, comparison_row, write_sweep
+        from ..sim.report import SLO_MIN_SERVED_RATIO, best_under_slo, comparison_row, meets_latency, write_sweep
         from ..sim.workloads import transform_workload
 
         runs = []
@@ -482,14 +483,15 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         keys = list(runs[0][0])
         pct = int(slo_percentile)
         slo = None
+        short_of_offered: list[dict[str, Any]] = []  # latency targets met, throughput not
         if slo_ttft is not None or slo_tpot is not None:
+            targets = {"ttft_s": None if slo_ttft is None else slo_ttft / 1e3,
+                       "tpot_s": None if slo_tpot is None else slo_tpot / 1e3}
             numeric_key = keys[0] if len(keys) == 1 and isinstance(rows[0][keys[0]], int | float) else None
-            best = best_under_slo(rows, numeric_key, ttft_s=None if slo_ttft is None else slo_ttft / 1e3,
-                                  tpot_s=None if slo_tpot is None else slo_tpot / 1e3, pct=pct) \
-                if numeric_key else None
-            slo = {"ttft_s": None if slo_ttft is None else slo_ttft / 1e3,
-                   "tpot_s": None if slo_tpot is None else slo_tpot / 1e3, "percentile": pct, "key": numeric_key,
+            best = best_under_slo(rows, numeric_key, **targets, pct=pct) if numeric_key else None
+            slo = {**targets, "percentile": pct, "min_served_ratio": SLO_MIN_SERVED_RATIO, "key": numeric_key,
                    "best": None if best is None else best[numeric_key]}
+            short_of_offered = [r for r in rows if not r["keeps_up"] and meets_latency(r, **targets, pct=pct)]
         if folder is not None:
             write_sweep(runs, folder, slo=slo, rows=rows)
         if as_json:
@@ -503,12 +505,20 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         if slo is not None:
             target = " and ".join(x for x in (f"TTFT <= {slo_ttft:g} ms" if slo_ttft else "",
                                               f"TPOT <= {slo_tpot:g} ms" if slo_tpot else "") if x)
+            rule = f"p{pct} {target}, served >= {SLO_MIN_SERVED_RATIO:.0%} of the offered rate"
             if slo["key"] is None:
                 console.print("SLO: sweep one numeric key (e.g. rate) to find the highest value meeting it")
             elif slo["best"] is None:
-                console.print(f"SLO (p{pct} {target}): no swept {slo['key']} meets it")
+                console.print(f"SLO ({rule}): no swept {slo['key']} meets it")
             else:
-                console.print(f"SLO (p{pct} {target}): the highest {slo['key']} that meets it is {slo['best']}")
+                console.print(f"SLO ({rule}): the highest {slo['key']} that meets it is {slo['best']}")
+            for r in short_of_offered:
+                console.print(f"{', '.join(f'{k}={r[k]}' for k in keys)} meets the latency targets but served "
+                              f"{r['served_req_s']:,.2f} of {r['offered_req_s']:,.2f} req/s offered, below "
+                              f"{SLO_MIN_SERVED_RATIO:.0%}", markup=False, highlight=False)
+            if short_of_offered:
+                console.print("[dim](served runs from the first arrival to the last finish, the drain after the "
+                              "last arrival included: more requests measure a sustainable rate more closely)[/dim]")
     if bound is not None:
         console.print(f"prefix-hit bound with an unbounded cache ({bound['block_size']}-token blocks): "
                       f"{_pct(bound['bound'])} of {bound['prompt_tokens']:,} prompt tokens")

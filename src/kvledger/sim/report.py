@@ -6,8 +6,10 @@
     write_fragmentation(results, folder)    the fragmentation study: fragmentation.csv/json and a stacked bar
     compare_reports(a, b)                   headline metrics of two report folders side by side
 
-Latency-throughput answers live here too: `saturation` (is a run overloaded), `curve_row` (one point of
-a throughput-latency curve) and `best_under_slo` (the highest load that meets a TTFT/TPOT target).
+Latency-throughput answers live here too: `saturation` (is a run overloaded), `comparison_row` (one point
+of a throughput-latency curve), `keeps_up` (did a run serve what was offered) and `best_under_slo` (the
+highest load that meets a TTFT/TPOT target while keeping up). Every percentile is the scheduler's
+(`kvledger.scheduler.metrics.percentile` / `distribution`): one definition for every report.
 Plots are drawn by `kvledger.sim.plots` (matplotlib, imported only when drawing).
 """
 
@@ -22,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..scheduler.metrics import distribution, percentile  # the one definition of both
 from .fragmentation import FragResult
-from .simulator import SimResult, Timeline, percentile
+from .simulator import SimResult, Timeline
 
 # Kwon et al., "Efficient Memory Management for Large Language Model Serving with PagedAttention",
 # SOSP 2023, Figure 2 (arXiv:2309.06180, page 2): average share of KV cache memory, in %, for Orca with
@@ -43,6 +46,10 @@ COMPARISON_COLUMNS = ("throughput_tok_s", "throughput_req_s", "ttft_p50_s", "ttf
                       "completed", "requests", "pool_blocks", "wall_s")
 SATURATION_SERVED_RATIO = 0.95  # served below 95% of offered ...
 SATURATION_TTFT_GROWTH = 2.0  # ... while late requests wait over twice as long for a first token as early ones
+# A load meets an SLO only if the run served at least this share of the offered rate. Served counts the drain
+# after the last arrival, so a short run understates it: the rule errs towards naming a lower rate, never one
+# the deployment did not serve.
+SLO_MIN_SERVED_RATIO = 0.95
 REQUEST_COLUMNS = ("request_id", "trust_group", "arrival_s", "prompt_len", "output_len", "n", "admitted_s",
                    "first_token_s", "finish_s", "generated", "preemptions", "hit_tokens", "finish_reason",
                    "ttft_s", "tpot_s", "e2e_s")
@@ -93,11 +100,6 @@ def _write_csv(path: Path, rows: Sequence[dict[str, Any]], columns: Sequence[str
 # ---- load answers ----------------------------------------------------------------------------------
 
 
-def _stats(values: list[float]) -> dict[str, float | None]:
-    return {"mean": (sum(values) / len(values)) if values else None, "p50": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99), "max": max(values) if values else None}
-
-
 def saturation(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Is a run overloaded? From its per-request rows (arrival_s, first_token_s, finish_s, finish_reason).
 
@@ -146,26 +148,45 @@ def comparison_row(values: dict[str, Any], result: SimResult) -> dict[str, Any]:
             "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p90_s": s["ttft_s"]["p90"], "ttft_p99_s": s["ttft_s"]["p99"],
             "tpot_p50_s": s["tpot_s"]["p50"], "tpot_p90_s": s["tpot_s"]["p90"], "tpot_p99_s": s["tpot_s"]["p99"],
             "e2e_p99_s": s["e2e_s"]["p99"], "saturated": sat["saturated"], "saturation": sat["reason"],
+            "keeps_up": keeps_up(sat),
             "preemptions": sum(s["preemptions"].values()), "prefix_hit_rate": s["prefix_hit_rate"],
             "token_states": s["memory_time_avg"]["tokens"], "peak_running": s["peak_running"],
             "completed": s["completed"], "requests": s["requests"], "pool_blocks": s["pool_blocks"],
             "wall_s": s["wall_s"]}
 
 
+def keeps_up(row: dict[str, Any]) -> bool:
+    """Whether a run served at least ``SLO_MIN_SERVED_RATIO`` of the rate offered to it (``served_req_s`` and
+    ``offered_req_s`` as :func:`saturation` computes them). A run without an offered rate (one request, or
+    every request arriving at once) has none to keep up with."""
+    offered, served = row.get("offered_req_s"), row.get("served_req_s")
+    if offered is None:
+        return True
+    return served is not None and served >= SLO_MIN_SERVED_RATIO * offered
+
+
+def meets_latency(row: dict[str, Any], *, ttft_s: float | None = None, tpot_s: float | None = None,
+                  pct: int = 90) -> bool:
+    """Whether a sweep row's p``pct`` TTFT and TPOT meet the targets (seconds; None: no target)."""
+    if pct not in (50, 90, 99):
+        raise ConfigError(f"SLO percentile must be 50, 90 or 99, got {pct!r}")
+    for target, col in ((ttft_s, f"ttft_p{pct}_s"), (tpot_s, f"tpot_p{pct}_s")):
+        if target is not None and (row.get(col) is None or row[col] > target):
+            return False
+    return True
+
+
 def best_under_slo(rows: Sequence[dict[str, Any]], key: str, *, ttft_s: float | None = None,
                    tpot_s: float | None = None, pct: int = 90) -> dict[str, Any] | None:
-    """The row with the highest `key` value that is not saturated and whose p`pct` TTFT and TPOT meet the
+    """The row with the highest `key` value that meets the SLO: not saturated, serving at least
+    ``SLO_MIN_SERVED_RATIO`` of the offered rate (:func:`keeps_up`), and with p`pct` TTFT and TPOT within the
     targets (seconds); None when no row does."""
     if pct not in (50, 90, 99):
         raise ConfigError(f"SLO percentile must be 50, 90 or 99, got {pct!r}")
 
     def ok(row: dict[str, Any]) -> bool:
-        if row.get("saturated"):
-            return False
-        for target, col in ((ttft_s, f"ttft_p{pct}_s"), (tpot_s, f"tpot_p{pct}_s")):
-            if target is not None and (row.get(col) is None or row[col] > target):
-                return False
-        return True
+        return not row.get("saturated") and keeps_up(row) and meets_latency(row, ttft_s=ttft_s, tpot_s=tpot_s,
+                                                                             pct=pct)
 
     good = [r for r in rows if ok(r) and isinstance(r.get(key), int | float)]
     return max(good, key=lambda r: r[key]) if good else None
@@ -224,9 +245,9 @@ def run_summary(rows: Sequence[dict[str, Any]], *, wall_s: float, extra: dict[st
     return {
         "requests": len(rows), "completed": len(done), "finish_reasons": reasons, "duration_s": span,
         "throughput_tok_s": out_tokens / span, "throughput_req_s": len(done) / span, "output_tokens": out_tokens,
-        "ttft_s": _stats([r["ttft_s"] for r in rows if r.get("ttft_s") is not None]),
-        "tpot_s": _stats([r["tpot_s"] for r in rows if r.get("tpot_s") is not None]),
-        "e2e_s": _stats([r["e2e_s"] for r in done if r.get("e2e_s") is not None]),
+        "ttft_s": distribution([r["ttft_s"] for r in rows if r.get("ttft_s") is not None]),
+        "tpot_s": distribution([r["tpot_s"] for r in rows if r.get("tpot_s") is not None]),
+        "e2e_s": distribution([r["e2e_s"] for r in done if r.get("e2e_s") is not None]),
         "prompt_tokens": prompt, "prefix_hit_tokens": hit, "prefix_hit_rate": hit / prompt if prompt else 0.0,
         "saturation": saturation(rows), "wall_s": wall_s, **(extra or {}),
     }
@@ -321,6 +342,6 @@ def write_fragmentation(results: Sequence[FragResult], folder: str | Path, *, pl
     return files
 
 
-__all__ = ["COMPARISON_COLUMNS", "PAPER_FIG2", "PAPER_FIG2_SOURCE", "REQUEST_COLUMNS", "best_under_slo",
-           "compare_reports", "comparison_row", "run_summary", "saturation", "write_fragmentation", "write_report",
-           "write_run_report", "write_sweep"]
+__all__ = ["COMPARISON_COLUMNS", "PAPER_FIG2", "PAPER_FIG2_SOURCE", "REQUEST_COLUMNS", "SLO_MIN_SERVED_RATIO",
+           "best_under_slo", "compare_reports", "comparison_row", "keeps_up", "meets_latency", "run_summary",
+           "saturation", "write_fragmentation", "write_report", "write_run_report", "write_sweep"]

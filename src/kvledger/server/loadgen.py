@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError
-from ..scheduler.metrics import percentile  # the one definition (scheduler, simulator, engine)
+from ..scheduler.metrics import distribution, percentile  # the one definition (scheduler, simulator, engine)
 
 _MASK64 = (1 << 64) - 1
 _FIRST_ID = 1000  # prompt ids start here: clear of the special tokens most vocabularies put first
@@ -305,8 +305,7 @@ async def _drive(spec: LoadSpec, items: list[Item], progress: Any) -> tuple[list
 
 
 def _dist(values: list[float]) -> dict[str, float | None]:
-    return {"mean": sum(values) / len(values) if values else None, "p50": percentile(values, 50),
-            "p90": percentile(values, 90), "p99": percentile(values, 99), "count": len(values)}
+    return {**distribution(values), "count": len(values)}  # the one definition, plus the sample size
 
 
 def summarize(spec: LoadSpec, outcomes: list[Outcome], wall_s: float, model: str) -> dict[str, Any]:

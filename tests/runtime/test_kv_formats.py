@@ -119,7 +119,9 @@ def test_int4_keys_share_a_scale_and_minimum_per_channel_over_the_block() -> Non
     p = store.parts(0)
     codes, scale, low = quant_kivi_k(k[None])
     assert torch.equal(p["k.codes"][1], codes[0]) and torch.equal(p["k.scale"][1], scale[0])
-    assert torch.equal(p["k.min"][1], low[0]) and torch.equal(low[0], k.amin(0).half())
+    assert torch.equal(p["k.min"][1], low[0])
+    # The minimum is rounded down to fp16 (the whole group stays on the code grid): at most one fp16 step.
+    assert bool((low[0].float() <= k.amin(0)).all()) and bool((low[0].float() >= k.amin(0).half().float() - 2e-3).all())
     assert p["k.codes"].shape[-1] == 8  # two 4-bit values per byte
     assert store.open_blocks() == 0
 

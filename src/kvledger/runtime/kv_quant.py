@@ -8,6 +8,8 @@ stored code always means ``code * scale (+ minimum)`` with the stored scale.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -47,12 +49,30 @@ def _unpack(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((lo, hi), dim=-1).flatten(-2)
 
 
+def _fp16_down(x: torch.Tensor) -> torch.Tensor:
+    """The largest fp16 value <= ``x`` (fp32)."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() > x, torch.nextafter(h, torch.full_like(h, -math.inf)), h)
+
+
+def _fp16_up(x: torch.Tensor) -> torch.Tensor:
+    """The smallest fp16 value >= ``x`` (fp32)."""
+    h = x.to(torch.float16)
+    return torch.where(h.float() < x, torch.nextafter(h, torch.full_like(h, math.inf)), h)
+
+
 def _asym(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Asymmetric 4-bit over ``dim``: ``code = round((x - min) / s)``, ``s = (max - min) / 15``."""
-    mn = x.amin(dim=dim, keepdim=True)
-    mx = x.amax(dim=dim, keepdim=True)
-    scale = ((mx - mn) / 15.0).to(torch.float16)
-    low = mn.to(torch.float16)
+    """Asymmetric 4-bit over ``dim``: ``code = round((x - low) / s)``, ``s = (max - low) / 15``.
+
+    ``low`` is the group's minimum rounded *down* to fp16 and ``s`` is rounded *up*, so the whole group
+    lies on the 16-code grid ``low + s * [0, 15]`` and every element is within ``s / 2`` of its code.
+    (Rounded to nearest, a minimum whose rounding exceeds ``s / 2`` -- a channel whose spread is small
+    against its magnitude, common for keys -- pushed the group's top off the grid: errors of several
+    steps after the clamp.)"""
+    mn = x.amin(dim=dim, keepdim=True).float()
+    mx = x.amax(dim=dim, keepdim=True).float()
+    low = _fp16_down(mn)
+    scale = _fp16_up((mx - low.float()) / 15.0)
     codes = ((x - low.float()) / scale.float().clamp_min(_TINY)).round().clamp(0, 15)
     return _pack(codes), scale.squeeze(dim), low.squeeze(dim)
 

@@ -51,6 +51,19 @@ def torch_dtype(kv_dtype: str) -> torch.dtype:
         raise ConfigError(f"KV dtype {kv_dtype!r} has no plain torch storage (plain: {known})") from None
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` cast to ``dtype``; the fp8 formats saturate at their largest finite value (as
+    ``core.kv_formats`` documents): torch's e5m2 cast makes inf of what lies past it, and an inf key
+    turns attention into NaN."""
+    if dtype in _FP8:
+        top = torch.finfo(dtype).max
+        x = x.clamp(-top, top)
+    return x.to(dtype)
+
+
 def _index(ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.as_tensor(ids, dtype=torch.long).to(device)
 
@@ -300,8 +313,8 @@ class KVStore:
         if self.plain:
             kc, vc = self.layer(layer)
             # Index assignment (not index_copy_) because CPU has no index_copy for float8 dtypes.
-            kc[idx] = k.to(self.dtype)
-            vc[idx] = v.to(self.dtype)
+            kc[idx] = _saturate(k, self.dtype)
+            vc[idx] = _saturate(v, self.dtype)
             return
         p = self.parts(layer)
         if self.format.scales == "token-head":

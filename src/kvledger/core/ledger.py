@@ -514,9 +514,10 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
     def preempt(self, request_id: str, *, counted: bool = True) -> list[int]:
         """Take a running sequence's memory away (the scheduler recovers it by recompute or from a host
         copy). Its full, written blocks stay in the prefix index as retained cache, which softens a later
-        recompute. Returns its token ids: the state a recompute must replay. ``counted=False`` for a
-        requeue that is no preemption (a cache reset's, or the driver's after a failed step part): the
-        scheduler does not count those either, so the two counts agree."""
+        recompute. Returns its token ids: the state a recompute must replay. Counted once per sequence
+        (a family of n live branches preempted together: n; the scheduler and the request count the
+        family once). ``counted=False`` for a requeue that is no preemption (a cache reset's, or the
+        driver's after a failed step part), which the scheduler does not count either."""
         with self._lock:
             tokens = list(self.sequence(request_id).tokens)
             self._drop(request_id)

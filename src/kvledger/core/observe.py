@@ -80,7 +80,7 @@ class Counters:
     cancelled: int = 0
     forks: int = 0
     copies: int = 0
-    preemptions: int = 0
+    preemptions: int = 0  # sequences preempted (a family of n branches preempted together counts n)
     cleared: int = 0
     cache_resets: int = 0
     read_skipped: int = 0  # admissions that wrote the cache without reading it (read_prefix_cache=False)

@@ -207,14 +207,14 @@ def spy_preempt(s: Scheduler, engine: FakeEngine) -> dict[str, list[Snapshot]]:
     led = s.ledger
     original = led.preempt
 
-    def preempt(seq_id: str) -> list[int]:
+    def preempt(seq_id: str, *, counted: bool = True) -> list[int]:
         seq = led.sequence(seq_id)
         br = next(b for b in s.branches(seq.family) if b.seq_id == seq_id)
         snaps.setdefault(seq_id, []).append(Snapshot(
             list(br.tokens), list(seq.digests), list(seq.table.blocks),
             {d: list(engine.block(b)) for d, b in zip(seq.digests, seq.table.blocks, strict=False)},
             len(seq.tokens)))
-        return original(seq_id)
+        return original(seq_id, counted=counted)
 
     led.preempt = preempt  # type: ignore[method-assign]
     return snaps

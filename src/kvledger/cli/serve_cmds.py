@@ -69,6 +69,9 @@ def _prepare_torch(threads: int | None) -> None:
               help="Prompt + output tokens of one sequence [the model's context, cut to the pool].")
 @click.option("--max-queue", type=int, default=256, show_default=True,
               help="Requests that may wait before new ones get 429.")
+@click.option("--max-request-body-bytes", default=None,
+              help="Largest request body, e.g. 4MiB (413 past it) [64 bytes per token of the model length "
+                   "+ 1 MiB].")
 @click.option("--tenants", "tenants_path", default=None,
               help="TOML file mapping API keys to tenants (trust groups); without it, single-tenant mode.")
 @click.option("--api-key", default=None, help="Single-tenant mode with one required key (instead of --tenants).")
@@ -82,12 +85,14 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
               kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str,
               recovery: str,
               host_blocks: int, max_num_seqs: int | None, max_num_batched_tokens: int | None,
-              max_model_len: int | None, max_queue: int, tenants_path: str | None, api_key: str | None,
-              served_model_name: str | None, drain_timeout: float, threads: int | None, log_level: str) -> None:
+              max_model_len: int | None, max_queue: int, max_request_body_bytes: str | None,
+              tenants_path: str | None, api_key: str | None, served_model_name: str | None, drain_timeout: float,
+              threads: int | None, log_level: str) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
     _need("fastapi", "uvicorn", "prometheus_client")
     from ..scheduler import SchedulerConfig
     from ..server.tenants import Tenants
+    from ..units import format_bytes, parse_bytes
 
     if tenants_path is not None and api_key is not None:
         raise ConfigError("give --tenants or --api-key, not both")
@@ -99,6 +104,12 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
         raise ConfigError(f"--max-model-len must be >= 2, got {max_model_len}")
     if pool_blocks is not None and pool is not None:
         raise ConfigError("give --pool-blocks or --pool, not both")
+    body_limit = None
+    if max_request_body_bytes is not None:
+        try:
+            body_limit = parse_bytes(max_request_body_bytes)
+        except ConfigError as exc:
+            raise ConfigError(f"--max-request-body-bytes: {exc}") from None
     tenants = Tenants.from_file(tenants_path) if tenants_path else Tenants.single_tenant(api_key)
     sched: dict[str, Any] = {"policy": policy, "on_growth_failure": on_growth_failure, "recovery": recovery}
     if max_num_seqs is not None:
@@ -116,7 +127,6 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
         from ..server.app import ServerSettings, create_app
         from ..server.backend import EngineBackend, build_engine
         from ..server.text import TextCodec
-        from ..units import format_bytes
 
         engine = build_engine(model, pool_blocks=pool_blocks if pool is not None or pool_blocks is not None
                               else 1024, pool=pool, block_size=block_size, kv_dtype=kv_dtype, dtype=dtype,
@@ -133,7 +143,8 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
         if max_model_len is not None and max_model_len > capacity:
             raise ConfigError(f"--max-model-len {max_model_len} exceeds the KV pool ({backend.pool_blocks} blocks "
                               f"x {backend.block_size} = {capacity} tokens): give a larger --pool-blocks")
-        settings = ServerSettings(served_model_name or model, length, max_queue)
+        settings = ServerSettings(served_model_name or model, length, max_queue,
+                                  max_request_body_bytes=body_limit)
         app = create_app(backend, codec, tenants, settings)
         spec = engine.spec
         say(f"kvledger serve: model {model} ({settings.served_model_name}); KV pool {backend.pool_blocks} blocks x "
@@ -141,7 +152,8 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
             f"policy {scheduler_config.policy}, on growth failure {scheduler_config.on_growth_failure}, "
             f"recovery {scheduler_config.recovery}")
         note = " (cut to what the KV pool holds)" if max_model_len is None and capacity < context else ""
-        say(f"kvledger serve: max model length {length} tokens{note}; up to {max_queue} requests wait, then 429")
+        say(f"kvledger serve: max model length {length} tokens{note}; up to {max_queue} requests wait, then 429; "
+            f"request bodies up to {format_bytes(settings.body_limit)}, then 413")
         say(f"kvledger serve: {tenants.describe()}")
         backend.start()
     except BaseException:

@@ -4,10 +4,16 @@ Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/complet
 events with ``stream``), ``GET /health``, ``GET /metrics`` and ``GET /admin/ledger`` (operator only).
 
 Order of checks for a generation request, each answered before anything changes state:
-401 unknown key -> 503 draining -> 400 malformed or unsupported -> 404 unknown model -> 400 "never"
-(longer than the model's length, larger than the pool, larger than the tenant's cap, more samples than
-run at once) -> 429 queue full (with ``Retry-After``) -> queued in the engine ("not now": the pool, or the
-tenant at its cap) -> running.
+401 unknown key -> 503 draining -> 413 body too large (from ``Content-Length`` before reading, and while
+reading) -> 400 malformed or unsupported -> 404 unknown model -> 400 "never" (longer than the model's
+length, larger than the pool, larger than the tenant's cap, more samples than run at once) -> 429 queue
+full (with ``Retry-After``) -> queued in the engine ("not now": the pool, or the tenant at its cap) ->
+running.
+
+The event loop only routes: a large body's parsing, the chat template and the tokenizer run on a small
+pool of request workers (:class:`RequestWorkers`), and a text prompt whose length in characters already
+proves it longer than the model's length is refused before it is tokenized, so one client's huge prompt
+never stalls ``/health`` or another tenant's stream.
 
 A tenant's ``max_blocks`` is its trust group's quota in the engine's ledger (``Engine.set_quota``): what
 its requests hold, are promised and may still grow into never passes it, the decision is taken with the
@@ -23,13 +29,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from ..errors import AdmissionError, ConfigError, KVLedgerError, QuotaError
 from .backend import Backend
@@ -37,16 +45,21 @@ from .gate import AdmissionGate, QueueFull
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_PROMPTS,
+    BadRequestBody,
     ChatCompletionRequest,
     CompletionRequest,
     ResponseShape,
+    default_max_body_bytes,
     error_body,
+    read_request,
     usage_body,
-    validation_message,
 )
 from .serving import EngineFailed, Job, Run
 from .tenants import Principal, Tenant, Tenants
 from .text import TextCodec
+
+_T = TypeVar("_T")
+INLINE_WORK_BYTES = 8 * 1024  # a body this small is parsed and tokenized in a few milliseconds at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +68,45 @@ class ServerSettings:
     max_model_len: int  # prompt + output tokens of one sequence
     max_queue: int = 256  # requests that may wait before new ones get 429
     retry_after_s: int = 1
+    max_request_body_bytes: int | None = None  # None: default_max_body_bytes(max_model_len)
+    request_threads: int = 2  # workers for CPU-heavy request work (parsing, chat template, tokenizer)
+
+    @property
+    def body_limit(self) -> int:
+        """The largest request body accepted (413 past it)."""
+        if self.max_request_body_bytes is not None:
+            return self.max_request_body_bytes
+        return default_max_body_bytes(self.max_model_len)
+
+
+class RequestWorkers:
+    """CPU-heavy request work off the event loop: parsing a large body, the chat template, the tokenizer.
+
+    A small fixed pool of threads, so the work of any number of requests costs a bounded number of threads;
+    a tenant has at most ``threads - 1`` of them at once (at least one), so a burst of one tenant's large
+    requests leaves a worker for the others. Work on a small body runs inline (a few
+    milliseconds at most), so it never waits behind large requests for a worker."""
+
+    def __init__(self, threads: int, inline_bytes: int = INLINE_WORK_BYTES) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"request_threads must be an integer >= 1, got {threads!r}")
+        self.inline_bytes = inline_bytes
+        self.per_tenant = max(1, threads - 1)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvledger-request")
+        self._slots: dict[str, asyncio.Semaphore] = {}  # one per tenant: the key table bounds them
+
+    async def run(self, tenant: str, size: int, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)`` for a request of ``size`` body bytes from ``tenant``; its exceptions propagate."""
+        if size <= self.inline_bytes:
+            return fn(*args)
+        slots = self._slots.get(tenant)
+        if slots is None:
+            slots = self._slots[tenant] = asyncio.Semaphore(self.per_tenant)
+        async with slots:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, partial(fn, *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class ApiError(Exception):
@@ -78,6 +130,7 @@ class ServerContext:
                                      lambda: sorted(tenants.by_name))
         self.draining = False
         self.runs: set[Run] = set()
+        self.workers = RequestWorkers(settings.request_threads)
         for tenant in tenants.by_name.values():  # a tenant's block cap is its trust group's quota
             if tenant.max_blocks is not None:
                 backend.set_quota(tenant.name, tenant.max_blocks)
@@ -86,6 +139,10 @@ class ServerContext:
         """Shutdown: cancel every request in flight (they end with finish_reason abort)."""
         for run in list(self.runs):
             run.cancel()
+
+    def close(self) -> None:
+        """After serving: let the request workers go."""
+        self.workers.close()
 
     # ---- checks -----------------------------------------------------------------------------------
     def principal(self, request: Request) -> Principal:
@@ -115,21 +172,50 @@ class ServerContext:
         self.metrics.refused.labels(reason).inc()
         return ApiError(400, message, param=param)
 
+    def too_large(self) -> ApiError:
+        self.metrics.refused.labels("invalid").inc()
+        return ApiError(413, f"the request body is larger than the {self.settings.body_limit} bytes this server "
+                        "accepts", code="request_too_large")
+
+    async def read_body(self, request: Request) -> bytes:
+        """The body, at most ``body_limit`` bytes: refused from its ``Content-Length`` before a byte is
+        read, and while reading when it has none (chunked) or sends more than it said."""
+        limit = self.settings.body_limit
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise self.too_large()
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise self.too_large()
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     # ---- building the engine requests -------------------------------------------------------------
-    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
+    def prompt_ids(self, body: CompletionRequest | ChatCompletionRequest, asked: int | None) -> list[list[int]]:
+        """The prompts as token ids. CPU-heavy for a long text (the chat template, the tokenizer): the
+        route runs it on the request workers. A text whose length alone proves it too long for the
+        model is refused before it is tokenized."""
         codec = self.codec
         if isinstance(body, ChatCompletionRequest):
             messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                         for m in body.messages]
             try:
-                return [codec.chat_prompt(messages, body.add_generation_prompt)]
+                text = codec.chat_text(messages, body.add_generation_prompt)
             except ConfigError as exc:
                 raise self.invalid(str(exc)) from None
+            self.refuse_long_text(text, asked, "messages")
+            return [codec.encode_chat(text)]
         prompts = body.prompts()
         if not prompts:
             raise self.invalid("prompt is empty", param="prompt")
         if len(prompts) > MAX_PROMPTS:
             raise self.invalid(f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        for p in prompts:  # every text checked before any is tokenized
+            if isinstance(p, str):
+                self.refuse_long_text(p, asked, "prompt")
         out = []
         for p in prompts:
             ids = codec.encode(p) if isinstance(p, str) else list(p)
@@ -139,6 +225,21 @@ class ServerContext:
                 raise self.invalid(f"prompt token ids must be in [0, {self.backend.vocab_size})", param="prompt")
             out.append(ids)
         return out
+
+    def refuse_long_text(self, text: str, asked: int | None, param: str) -> None:
+        """400 "never" for a text prompt the tokenizer's floor (no token covers more than so many
+        characters) already puts past the model's length: it is never tokenized."""
+        limit = self.settings.max_model_len
+        floor = self.codec.min_tokens(text)
+        if floor >= limit:
+            raise self.invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                               f"has {len(text)} characters, at least {floor} tokens: nothing is left for the "
+                               "completion.", "never_fits", param)
+        if asked is not None and floor + asked > limit:
+            raise self.invalid(f"This model's maximum context length is {limit} tokens. However, your prompt "
+                               f"has {len(text)} characters, at least {floor} tokens, and you requested {asked} "
+                               "in the completion. Please reduce the length of the prompt or completion.",
+                               "never_fits", param)
 
     def sampling(self, body: CompletionRequest | ChatCompletionRequest) -> Any:
         from ..runtime.sampling import SamplingParams
@@ -248,6 +349,11 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _json(exc.status, error_body(exc.message, exc.kind, exc.code, exc.param), exc.headers)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # A bug, not the client's input: still the documented shape (Starlette logs the traceback).
+        return _json(500, error_body("internal server error", "server_error", "internal_error"))
+
     @app.get("/health")
     async def health() -> Response:
         if backend.error is not None:
@@ -287,13 +393,14 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
     async def _generate(request: Request, chat: bool) -> Response:
         tenant = ctx.tenant(request)
         try:
-            raw = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ctx.invalid("the body is not valid JSON") from None
+            raw = await ctx.read_body(request)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        work = partial(ctx.workers.run, tenant.name, len(raw))  # large bodies: off the event loop
         try:
-            body = (ChatCompletionRequest if chat else CompletionRequest).model_validate(raw)
-        except ValidationError as exc:
-            raise ctx.invalid(validation_message(exc)) from None
+            body = await work(read_request, raw, chat)
+        except BadRequestBody as exc:
+            raise ctx.invalid(str(exc)) from None
         problem = body.unsupported()
         if problem:
             raise ctx.invalid(problem)
@@ -308,7 +415,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         stop_ids = [] if body.ignore_eos else sorted(codec.turn_end_ids if chat else codec.eos_ids)
         jobs: list[Job] = []
         shape = ResponseShape(chat, settings.served_model_name)
-        for i, ids in enumerate(ctx.prompt_ids(body)):
+        for i, ids in enumerate(await work(ctx.prompt_ids, body, asked)):
             max_tokens = ctx.budget(ids, asked, sampling, group)
             jobs.append(Job(f"{shape.id}-{i}", ids, max_tokens, sampling, stop_ids, group, tenant.priority,
                             body.cache_salt))

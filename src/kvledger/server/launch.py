@@ -82,6 +82,7 @@ def serve(app: FastAPI, sock: socket.socket, *, drain_timeout: float = 30.0, log
             asyncio.run(server.serve(sockets=[sock]))
         finally:
             sock.close()
+            ctx.close()
         say("kvledger serve: stopped accepting; cancelling what did not finish and draining the engine")
         for run in list(ctx.runs):
             run.cancel()

@@ -1,12 +1,19 @@
-"""The OpenAI wire format: request bodies (validated, bounded) and response/chunk builders.
+"""The OpenAI wire format: request bodies (read, validated, bounded) and response/chunk builders.
 
 Fields we do not implement are refused with a clear 400 when set to anything but their default, so a
 client never silently gets something other than what it asked for. Unknown fields are ignored, as the
 OpenAI API and vLLM do.
+
+A body is bytes until :func:`read_request` has made it a request: every way a body can be malformed --
+not JSON, not UTF-8, nested past the parser's depth, an integer past CPython's digit bound, a string
+with a lone UTF-16 surrogate, a field of the wrong type -- is one :class:`BadRequestBody` (a 400), so
+no route ever meets a half-read body.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
@@ -17,6 +24,59 @@ MAX_N = 16  # samples per prompt
 MAX_PROMPTS = 32  # prompts in one /v1/completions batch
 MAX_STOP = 16  # stop strings
 MAX_STOP_CHARS = 256
+# The default bound on a request body: a generous BODY_BYTES_PER_TOKEN per token of the model's length
+# (English text is ~4 bytes a token, a token id ~7 with its separator, \uXXXX-escaped text ~12) plus
+# BODY_OVERHEAD_BYTES for the rest of the JSON (fields, chat messages, stop strings).
+BODY_BYTES_PER_TOKEN = 64
+BODY_OVERHEAD_BYTES = 2**20
+MAX_TOKENS_FIELD = 2**63 - 1  # max_tokens past any model's length still gets the length message, in figures
+
+
+def default_max_body_bytes(max_model_len: int) -> int:
+    """The largest request body accepted by default: ample for a prompt of the model's whole length."""
+    return max_model_len * BODY_BYTES_PER_TOKEN + BODY_OVERHEAD_BYTES
+
+
+class BadRequestBody(ValueError):
+    """The body is not a request this server can read: one line for the client (400)."""
+
+
+# A JSON escape of a surrogate code unit: only a body with one can decode to a lone surrogate.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # after decoding, a paired escape is one astral character
+
+
+def parse_json(raw: bytes) -> Any:
+    """The body as JSON, or :class:`BadRequestBody`. Strings must be valid Unicode: a lone surrogate
+    (``"\\ud800"``) decodes in Python but can reach neither the tokenizer nor a UTF-8 response."""
+    try:
+        text = raw.decode(json.detect_encoding(raw))
+        value = json.loads(text)
+    except RecursionError:
+        raise BadRequestBody("the body is not valid JSON: it nests arrays or objects too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise BadRequestBody("the body is not valid JSON") from None
+    except ValueError:  # CPython's bound on the digits of an integer (sys.get_int_max_str_digits)
+        raise BadRequestBody("the body is not valid JSON here: it has an integer with too many digits") from None
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):
+        raise BadRequestBody("the body has a string with a lone UTF-16 surrogate (\\ud800-\\udfff without its "
+                             "pair): not valid Unicode")
+    return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    stack = [value]  # iterative: the document may nest as deep as the parser allowed
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 class StreamOptions(BaseModel):
@@ -84,7 +144,7 @@ class SamplingFields(BaseModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16  # the OpenAI default for completions
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)] | None = 16  # the OpenAI default for completions
     echo: bool = False
     suffix: str | None = None
 
@@ -129,8 +189,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # None: up to the model's length
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)] | None = None  # None: up to the model's length
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -155,6 +215,15 @@ def validation_message(exc: ValidationError) -> str:
     where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
     msg = err.get("msg", "invalid value").removeprefix("Value error, ")
     return f"{where}: {msg}" if where else msg
+
+
+def read_request(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
+    """A request body, parsed and validated; :class:`BadRequestBody` for anything else."""
+    value = parse_json(raw)
+    try:
+        return (ChatCompletionRequest if chat else CompletionRequest).model_validate(value)
+    except ValidationError as exc:
+        raise BadRequestBody(validation_message(exc)) from None
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -217,5 +286,6 @@ class ResponseShape:
         return {**self._head(obj), "choices": [], "usage": usage}
 
 
-__all__ = ["MAX_N", "MAX_PROMPTS", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ResponseShape",
-           "error_body", "new_id", "usage_body", "validation_message"]
+__all__ = ["MAX_N", "MAX_PROMPTS", "BadRequestBody", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
+           "ResponseShape", "default_max_body_bytes", "error_body", "new_id", "parse_json", "read_request",
+           "usage_body", "validation_message"]

@@ -7,10 +7,51 @@ before the stop string, and the request is cancelled so its blocks go back at th
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from ..errors import ConfigError
+
+# Tokenizer pieces that never drop or merge text, so a prompt of C characters is at least
+# ceil(C / longest token) tokens. Anything else (a normaliser that strips or composes, a pre-tokenizer that
+# drops whitespace, an unknown-token that swallows a word) leaves the bound unknown.
+_KEEPS_TEXT_NORMALIZERS = {"Prepend", "NFD", "NFKD"}
+_KEEPS_TEXT_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
+
+
+def _keeps_text(part: dict[str, Any] | None, kinds: set[str]) -> bool:
+    if part is None:
+        return True
+    kind = part.get("type")
+    if kind == "Sequence":
+        inner = part.get("normalizers", part.get("pretokenizers", []))
+        return all(_keeps_text(p, kinds) for p in inner)
+    if kind == "Replace":  # a fixed string by another at least as long (" " -> "\u2581")
+        pattern = part.get("pattern", {})
+        return "String" in pattern and len(part.get("content", "")) >= len(pattern["String"])
+    if kind in ("Split", "Punctuation"):
+        return part.get("behavior") != "Removed"
+    return kind in kinds
+
+
+def longest_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token can stand for, when the tokenizer provably never drops or merges
+    text (see above); None when that is not known. A vocabulary entry's length bounds its text: a
+    byte-level entry has one character per byte, a SentencePiece entry one per character (its byte
+    fallbacks, ``<0xE3>``, six for one byte)."""
+    try:
+        spec = json.loads(tokenizer.backend_tokenizer.to_str())
+        model = spec["model"]
+        if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")
+                                          and not model.get("byte_fallback")):
+            return None
+        if not (_keeps_text(spec.get("normalizer"), _KEEPS_TEXT_NORMALIZERS)
+                and _keeps_text(spec.get("pre_tokenizer"), _KEEPS_TEXT_PRE_TOKENIZERS)):
+            return None
+        return max(len(token) for token in tokenizer.get_vocab()) or None  # added tokens included
+    except Exception:  # noqa: BLE001 -- a slow or unusual tokenizer: no bound, the body limit still holds
+        return None
 
 
 class TextCodec:
@@ -18,6 +59,7 @@ class TextCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tok = tokenizer
+        self.max_token_chars = longest_token_chars(tokenizer)
         self.eos_ids = frozenset(t for t in (tokenizer.eos_token_id,) if isinstance(t, int))
         end = None
         if getattr(tokenizer, "chat_template", None):
@@ -44,20 +86,34 @@ class TextCodec:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on the tokens of ``text`` that costs nothing (0 when no bound is known): no
+        token covers more than ``max_token_chars`` characters. A prompt this bound already puts past
+        the model's length is refused without tokenizing it."""
+        if self.max_token_chars is None:
+            return 0
+        return -(-len(text) // self.max_token_chars)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tok(text).input_ids)
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def chat_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation through the model's chat template, as text (``encode_chat`` tokenizes it)."""
         if not self.has_chat_template:
             raise ConfigError("this model has no chat template: use /v1/completions")
         try:
-            text = self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            return self.tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                                 tokenize=False)
         except Exception as exc:  # noqa: BLE001 -- a template error (e.g. role order) is the client's input
             raise ConfigError(f"the chat template refused these messages: {str(exc).splitlines()[0][:200]}") \
                 from None
+
+    def encode_chat(self, text: str) -> list[int]:
         # The template already wrote every special token it wants.
         return list(self.tok(text, add_special_tokens=False).input_ids)
+
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode_chat(self.chat_text(messages, add_generation_prompt))
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
@@ -132,4 +188,4 @@ class StopMatcher:
         return out
 
 
-__all__ = ["Detokenizer", "StopMatcher", "TextCodec"]
+__all__ = ["Detokenizer", "StopMatcher", "TextCodec", "longest_token_chars"]

@@ -6,7 +6,11 @@ One :meth:`TorchExecutor.execute` hands the plan's transfers to and from the tie
 pass over every prefill chunk and decode, and token selection beside them -- waiting for the demotions
 before anything writes a device block, for the incoming blocks before a forward pass that reads one, and
 for everything before the step ends (the rule of :mod:`kvledger.scheduler.transfers`); each step reports
-the transfer time it waited for (exposed) and the time that ran beside its compute (hidden). The single
+the transfer time it waited for (exposed) and the time that ran beside its compute (hidden). A transfer of
+the prefix cache that fails loses only its block (:mod:`kvledger.runtime.transfer`): the executor hands the
+lost transfers to ``on_transfer_error`` (the scheduler drops those tier entries and sends a request whose
+promoted prefix did not arrive back to recompute it), skips the works that would read a block that did not
+arrive, and the step goes on. The single
 forward pass is what the executor contract asks for: in each layer the attention backend writes the new
 K/V of the whole batch before any sequence attends, so a work may read prefix blocks another work of the
 same plan writes (``StepPlan.shared_reads``). It reads nothing but the plan: each ``Work`` names its
@@ -50,8 +54,14 @@ class Sampling:
 
 class TorchExecutor:
     """Executes plans against ``runner``'s KV store (and ``transfers`` for the tiers); counts into ``stats``.
-    ``on_transfer_error(plan)`` is called before a failed transfer's error is raised (the engine wires it to
-    ``Scheduler.transfers_failed``, so no tier entry or promoted block keeps bytes that never arrived)."""
+
+    ``on_transfer_error(plan)`` (the engine wires it to ``Scheduler.transfers_failed``) is told the transfers
+    whose bytes must not be trusted, as a plan of the step holding only them: the prefix cache's transfers
+    that raised, as soon as they are known, and -- when the step fails (a swap, the forward pass or sampling
+    raised) -- every cache entry the step wrote, because a rerun of the step's transfers could copy blocks the
+    failed attempt has overwritten. It must drop those tier entries and take the promoted blocks' identity,
+    and send every request holding such a block back to recompute (this executor does not run their works).
+    Without it a lost cache transfer fails the step, as a swap does."""
 
     def __init__(self, runner: ModelRunner, transfers: TransferEngine | None, stats: EngineStats,
                  on_transfer_error: TransferErrorHook | None = None) -> None:
@@ -71,23 +81,28 @@ class TorchExecutor:
             # Demotions (and incoming blocks a work reads) now; the rest beside the compute.
             batch = self.transfers.start(plan, inbound_needed=reads_inbound(plan, self.block_size))
         try:
+            works = [*plan.prefills, *plan.decodes]
             if batch is not None:
                 self._check(batch)
+                missing = self._settle(batch)  # promoted blocks that did not arrive: nobody reads them
+                if missing:
+                    works = [w for w in works if missing.isdisjoint(w.blocks)]
             if plan.copies:
                 self.runner.store.copy_blocks(plan.copies)
                 stats.copies += len(plan.copies)
             out = StepOutput()
-            works = [*plan.prefills, *plan.decodes]
             if works:
                 logits, rows = self._forward(works)
                 self._select(works, logits, rows, out)
         except BaseException:
             if batch is not None:
                 batch.done.wait()  # nothing outlives the step, even a failing one
+                self._write_off(batch)
             raise
         if batch is not None:
             batch.wait()
             self._check(batch)
+            self._settle(batch)  # lost on the worker: no work of this step read those blocks
             out.transfer_s = batch.busy_s
             out.transfer_exposed_s = batch.exposed_s
             out.transfer_hidden_s = batch.hidden_s
@@ -96,20 +111,45 @@ class TorchExecutor:
             stats.transfer_hidden_s += batch.hidden_s
             stats.swapped_out_blocks += len(plan.swap_out)
             stats.swapped_in_blocks += len(plan.swap_in)
-            stats.demoted_blocks += len(plan.demote)
-            stats.promoted_blocks += len(plan.promote)
-            stats.moved_blocks += len(plan.tier_moves)
-            stats.written_back_blocks += len(plan.writeback)
+            # The blocks that arrived (failures are counted by the transfer engine).
+            stats.demoted_blocks += len(plan.demote) - batch.lost_count("demote")
+            stats.promoted_blocks += len(plan.promote) - batch.lost_count("promote")
+            stats.moved_blocks += len(plan.tier_moves) - batch.lost_count("tier_moves")
+            stats.written_back_blocks += len(plan.writeback) - batch.lost_count("writeback")
         out.elapsed_s = time.perf_counter() - t0
         return out
 
     def _check(self, batch: StepTransfers) -> None:
+        """A swap failed: the step fails (the driver finds its request)."""
         if batch.error is None:
             return
         batch.done.wait()
-        if self.on_transfer_error is not None:
-            self.on_transfer_error(batch.plan)
         raise batch.error
+
+    def _settle(self, batch: StepTransfers) -> set[int]:
+        """Hand the cache transfers lost so far to ``on_transfer_error``; returns the device blocks of the
+        lost promotions (their requests recompute them). Without a hook the loss fails the step."""
+        lost = batch.take_lost()
+        if lost is None:
+            return set()
+        if self.on_transfer_error is None:
+            raise batch.lost_error  # type: ignore[misc]
+        self.on_transfer_error(lost)
+        return {d for _, d in lost.promote}
+
+    def _write_off(self, batch: StepTransfers) -> None:
+        """The step failed after its transfers ran: the driver may run them again, one part at a time,
+        after this attempt's forward pass wrote blocks a demotion or move reads -- so no entry this step
+        wrote is trusted. Promotions are read again from slots that drain only at ``confirm``: the
+        promoted blocks keep their identity unless their own read failed."""
+        if self.on_transfer_error is None:
+            return
+        plan = batch.plan
+        lost = batch.take_lost()
+        written = StepPlan(plan.step, demote=list(plan.demote), tier_moves=list(plan.tier_moves),
+                           writeback=list(plan.writeback), promote=lost.promote if lost is not None else [])
+        if written.tier_transfers:
+            self.on_transfer_error(written)
 
     def _forward(self, works: list[Work]) -> tuple[torch.Tensor, list[int]]:
         """Run every work in one batch; sibling branches with identical work (same positions through

@@ -20,6 +20,14 @@ bytes, allocated once, counted by the diagnostics as ``staging``): a batch large
 several rounds. On CUDA every device copy runs on a dedicated copy stream, which first waits for the
 compute stream's work so far (the blocks a demotion reads were written by earlier steps), and the stream is
 synchronised before a phase is reported done, so a forward pass never reads a half-copied block.
+
+Failures. The prefix cache's transfers (demotions, write-backs, moves, promotions) belong to no request and
+copy blocks nobody needs to be there: one that raises (a full disk's ``OSError``, say) loses only its own
+block. It is recorded in the step's :attr:`StepTransfers.lost` (the executor hands it to the scheduler,
+which drops the tier entry or sends the promoted prefix's request back to recompute) and counted
+(``failures`` in :meth:`TransferEngine.stats`), and every other transfer of the step goes on. A swap is a
+request's only copy of its KV: a swap that raises stops the step's transfers (``StepTransfers.error``) and
+fails its request.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -38,6 +47,11 @@ from ..scheduler import StepPlan
 from .host_store import FileTier, MemoryTier, TierStores
 
 MAX_STAGING_BLOCKS = 4096
+# The prefix cache's transfers, by the StepPlan field that lists them: a failure loses only that block.
+CACHE_KINDS = ("demote", "tier_moves", "writeback", "promote")
+DEMOTION_KINDS = ("demote", "tier_moves", "writeback")  # writes of a cached entry into a tier slot
+
+Pair = tuple[int, int]
 
 
 @dataclass(slots=True)
@@ -61,7 +75,34 @@ class StepTransfers:
     inline_s: float = 0.0
     worker_s: float = 0.0
     waited_s: float = 0.0
-    error: BaseException | None = None
+    error: BaseException | None = None  # a swap failed: the step fails its request
+    # The prefix cache's transfers that raised, by plan field (CACHE_KINDS), and the first such error.
+    lost: dict[str, list[Pair]] = field(init=False, default_factory=lambda: {k: [] for k in CACHE_KINDS})
+    lost_error: BaseException | None = field(init=False, default=None)
+    _reported: dict[str, int] = field(init=False, repr=False, default_factory=lambda: dict.fromkeys(CACHE_KINDS, 0))
+    _lock: threading.Lock = field(init=False, repr=False, default_factory=threading.Lock)
+
+    def lose(self, kind: str, pair: Pair, error: BaseException) -> None:
+        """A transfer of the prefix cache raised (called by the thread that ran it)."""
+        with self._lock:
+            self.lost[kind].append(pair)
+            if self.lost_error is None:
+                self.lost_error = error
+
+    def take_lost(self) -> StepPlan | None:
+        """The transfers lost since the last call, as a plan of the same step holding only them (the shape
+        ``Scheduler.transfers_failed`` takes); None when nothing new was lost."""
+        with self._lock:
+            new = {k: self.lost[k][self._reported[k]:] for k in CACHE_KINDS}
+            if not any(new.values()):
+                return None
+            for k in CACHE_KINDS:
+                self._reported[k] = len(self.lost[k])
+        return StepPlan(self.plan.step, **new)
+
+    def lost_count(self, kind: str) -> int:
+        with self._lock:
+            return len(self.lost[kind])
 
     def wait(self) -> float:
         """Wait for the worker's part; returns the seconds waited (also added to ``waited_s``)."""
@@ -109,6 +150,7 @@ class TransferEngine:
         self.staging = torch.empty((rows, self.blocks.nbytes), dtype=torch.uint8, pin_memory=self.cuda and rows > 0)
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.counters: dict[tuple[str, str], LinkCounters] = {}
+        self.failures = dict.fromkeys(CACHE_KINDS, 0)  # blocks whose transfer raised, by kind
         self._queue: queue.Queue[tuple[StepTransfers, tuple[str, ...]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -161,7 +203,8 @@ class TransferEngine:
         return batch
 
     def run_now(self, plan: StepPlan) -> StepTransfers:
-        """Every transfer of ``plan`` in the calling thread (measurements, baselines); raises on error."""
+        """Every transfer of ``plan`` in the calling thread (measurements, baselines); raises on any
+        error, a lost cache transfer's included (after the rest ran)."""
         batch = StepTransfers(plan)
         t0 = time.perf_counter()
         self._phases(batch, PHASES)
@@ -169,6 +212,8 @@ class TransferEngine:
         batch.done.set()
         if batch.error is not None:
             raise batch.error
+        if batch.lost_error is not None:
+            raise batch.lost_error
         return batch
 
     @staticmethod
@@ -199,16 +244,16 @@ class TransferEngine:
             ctx = torch.cuda.stream(self.stream) if self.stream is not None else _nullcontext()
             with ctx:
                 if "A" in phases:
-                    self._out(plan.demote, "demote")
+                    self._out(plan.demote, batch, "demote")
                     self._sync()
                 if "B" in phases:
-                    self._in(plan.promote, "promote")
-                    self._in(plan.swap_in, "swap_in")
+                    self._in(plan.promote, batch, "promote")
+                    self._in(plan.swap_in, None, "swap_in")
                     self._sync()
                 if "C" in phases:
-                    self._moves(plan.tier_moves)  # before the write-backs: one may reuse a moved entry's slot
-                    self._out(plan.writeback, "writeback")
-                    self._out(plan.swap_out, "swap_out")
+                    self._moves(plan.tier_moves, batch)  # before the write-backs: one may reuse a moved entry's slot
+                    self._out(plan.writeback, batch, "writeback")
+                    self._out(plan.swap_out, None, "swap_out")
                     self._sync()
         except Exception as exc:  # noqa: BLE001 -- handed to the executor, which raises it in its thread
             batch.error = exc
@@ -231,17 +276,35 @@ class TransferEngine:
             groups.setdefault(id(tier), []).append(pair)
         return groups
 
-    def _out(self, pairs: list[tuple[int, int]], kind: str) -> None:
+    def _attempt(self, batch: StepTransfers | None, kind: str, pair: Pair, move: Callable[[], None]) -> bool:
+        """Run one block's transfer. A swap's error propagates (``batch`` None: it fails the step); a cache
+        transfer's is recorded in ``batch`` and counted, and the step's other transfers go on."""
+        if batch is None:
+            move()
+            return True
+        try:
+            move()
+        except Exception as exc:  # noqa: BLE001 -- only this cache entry is lost; the scheduler drops it
+            batch.lose(kind, pair, exc)
+            with self._lock:
+                self.failures[kind] += 1
+            return False
+        return True
+
+    def _out(self, pairs: list[Pair], batch: StepTransfers | None, kind: str) -> None:
         """Device block -> tier slot, for each ``(device block, slot)``."""
         if not pairs:
             return
-        blocks, nb = self.blocks, self.blocks.nbytes
+        blocks, nb, stores = self.blocks, self.blocks.nbytes, self.stores
         for group in self._by_tier(pairs, 1).values():
             t0 = time.perf_counter()
-            tier, _ = self.stores.locate(group[0][1])
+            tier, _ = stores.locate(group[0][1])
+            moved = 0
             if isinstance(tier, MemoryTier):
-                for b, slot in group:
-                    blocks.read(b, tier.row(self.stores.locate(slot)[1]), non_blocking=self.cuda)
+                for pair in group:
+                    b, slot = pair
+                    row = tier.row(stores.locate(slot)[1])
+                    moved += self._attempt(batch, kind, pair, partial(blocks.read, b, row, non_blocking=self.cuda))
                 self._sync()
             else:
                 for start in range(0, len(group), self.staging_blocks):  # one staging round
@@ -249,51 +312,58 @@ class TransferEngine:
                     for i, (b, _) in enumerate(chunk):
                         blocks.read(b, self.staging[i], non_blocking=self.cuda)
                     self._sync()
-                    for i, (_, slot) in enumerate(chunk):
-                        tier.write(self.stores.locate(slot)[1], self.staging[i])
-            self._count(tier.kind, "out", len(group), len(group) * nb, time.perf_counter() - t0)
+                    for i, pair in enumerate(chunk):
+                        local, row = stores.locate(pair[1])[1], self.staging[i]
+                        moved += self._attempt(batch, kind, pair, partial(tier.write, local, row))
+            self._count(tier.kind, "out", moved, moved * nb, time.perf_counter() - t0)
 
-    def _in(self, pairs: list[tuple[int, int]], kind: str) -> None:
+    def _in(self, pairs: list[Pair], batch: StepTransfers | None, kind: str) -> None:
         """Tier slot -> device block, for each ``(slot, device block)``."""
         if not pairs:
             return
-        blocks, nb = self.blocks, self.blocks.nbytes
+        blocks, nb, stores = self.blocks, self.blocks.nbytes, self.stores
         for group in self._by_tier(pairs, 0).values():
             t0 = time.perf_counter()
-            tier, _ = self.stores.locate(group[0][0])
+            tier, _ = stores.locate(group[0][0])
+            moved = 0
             if isinstance(tier, MemoryTier):
-                for slot, d in group:
-                    blocks.write(d, tier.row(self.stores.locate(slot)[1]), non_blocking=self.cuda)
+                for pair in group:
+                    slot, d = pair
+                    row = tier.row(stores.locate(slot)[1])
+                    moved += self._attempt(batch, kind, pair, partial(blocks.write, d, row, non_blocking=self.cuda))
                 self._sync()
             else:
                 for start in range(0, len(group), self.staging_blocks):
                     chunk = group[start:start + self.staging_blocks]
                     self._sync()  # the previous round's copies out of staging are done
-                    for i, (slot, _) in enumerate(chunk):
-                        tier.read(self.stores.locate(slot)[1], self.staging[i])
-                    for i, (_, d) in enumerate(chunk):
-                        blocks.write(d, self.staging[i], non_blocking=self.cuda)
+                    for i, pair in enumerate(chunk):
+                        local, row = stores.locate(pair[0])[1], self.staging[i]
+                        # A block whose read failed is not copied up: its device block keeps no bytes of it.
+                        if self._attempt(batch, kind, pair, partial(tier.read, local, row)):
+                            blocks.write(pair[1], row, non_blocking=self.cuda)
+                            moved += 1
                 self._sync()
-            self._count(tier.kind, "in", len(group), len(group) * nb, time.perf_counter() - t0)
+            self._count(tier.kind, "in", moved, moved * nb, time.perf_counter() - t0)
 
-    def _moves(self, pairs: list[tuple[int, int]]) -> None:
+    def _moves(self, pairs: list[Pair], batch: StepTransfers | None) -> None:
         """Tier slot -> slot of a slower tier (run before the write-backs: one may reuse a source slot)."""
         if not pairs:
             return
         t0 = time.perf_counter()
-        stores = self.stores
-        for src, dst in pairs:
-            s_tier, s_local = stores.locate(src)
-            d_tier, d_local = stores.locate(dst)
-            if isinstance(s_tier, MemoryTier):
-                d_tier.write(d_local, s_tier.row(s_local))
-            elif isinstance(d_tier, MemoryTier):
-                s_tier.read(s_local, d_tier.row(d_local))
-            else:  # file to file: through one staging row (there is staging whenever a file tier exists)
-                s_tier.read(s_local, self.staging[0])
-                d_tier.write(d_local, self.staging[0])
-        dst_kind = stores.locate(pairs[0][1])[0].kind
-        self._count(dst_kind, "move", len(pairs), len(pairs) * self.blocks.nbytes, time.perf_counter() - t0)
+        moved = sum(self._attempt(batch, "tier_moves", pair, partial(self._move, *pair)) for pair in pairs)
+        dst_kind = self.stores.locate(pairs[0][1])[0].kind
+        self._count(dst_kind, "move", moved, moved * self.blocks.nbytes, time.perf_counter() - t0)
+
+    def _move(self, src: int, dst: int) -> None:
+        s_tier, s_local = self.stores.locate(src)
+        d_tier, d_local = self.stores.locate(dst)
+        if isinstance(s_tier, MemoryTier):
+            d_tier.write(d_local, s_tier.row(s_local))
+        elif isinstance(d_tier, MemoryTier):
+            s_tier.read(s_local, d_tier.row(d_local))
+        else:  # file to file: through one staging row (there is staging whenever a file tier exists)
+            s_tier.read(s_local, self.staging[0])
+            d_tier.write(d_local, self.staging[0])
 
     # ---- reporting --------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -301,8 +371,12 @@ class TransferEngine:
                                          "batches": c.batches,
                                          "bandwidth_Bps": c.bytes / c.seconds if c.seconds else None}
                  for (tier, direction), c in sorted(self.counters.items())}
+        with self._lock:
+            failures = dict(self.failures)
         return {"staging_blocks": self.staging.shape[0], "staging_bytes": self.staging_bytes, "overlap": self.overlap,
-                "links": links, "tiers": self.stores.stats()}
+                "links": links, "tiers": self.stores.stats(), "failures": failures,
+                "demotion_failures": sum(failures[k] for k in DEMOTION_KINDS),
+                "promotion_failures": failures["promote"]}
 
 
 class _nullcontext:
@@ -315,4 +389,4 @@ class _nullcontext:
 
 TransferErrorHook = Callable[[StepPlan], None]
 
-__all__ = ["LinkCounters", "StepTransfers", "TransferEngine", "TransferErrorHook"]
+__all__ = ["CACHE_KINDS", "DEMOTION_KINDS", "LinkCounters", "StepTransfers", "TransferEngine", "TransferErrorHook"]

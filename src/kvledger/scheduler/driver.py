@@ -21,10 +21,13 @@ A failing step: if ``execute`` raises, the driver runs the plan again one reques
 its own copies and transfers) to find the culprit; a request whose part fails ends with
 ``"error: <exception>"``, every other request's part completes normally, and ``confirm`` releases
 everything the step took. Sampling keyed by (seed, branch, position) makes the others' tokens exactly
-those of an undisturbed run. A failure that belongs to no request (a transfer nobody owns) fails every
-request of the step. Anything else raised between ``schedule`` and ``confirm`` (a hook, an interrupt)
-ends the step's requests with the error and confirms the step -- so no lease, swap copy or host block
-outlives it -- before it propagates.
+those of an undisturbed run. The prefix cache's transfers (demotions, write-backs, moves, promotions)
+belong to no request and run first, as one part: when it raises, only cache entries are lost --
+``Scheduler.transfers_failed`` drops the tier entries it was writing and sends each request holding a
+promoted block back to the waiting queue to recompute it -- and every other part of the step runs.
+Anything else raised between ``schedule`` and ``confirm`` (a hook, an interrupt) ends the step's requests
+with the error and confirms the step -- so no lease, swap copy or host block outlives it -- before it
+propagates.
 
 Thread safety: :meth:`submit` and :meth:`cancel` may be called from any thread; :meth:`step` and
 :meth:`run` from one thread at a time.
@@ -435,18 +438,19 @@ class Driver:
                 writers.setdefault(reader, set()).add(writer)
         merged = StepOutput()
         failed: list[tuple[str, Exception]] = []
-        if not orphan.empty:
-            try:
-                merged.elapsed_s += self.executor.execute(orphan).elapsed_s
-            except Exception as exc:  # noqa: BLE001 -- belongs to no request: the whole step fails
-                for rid in parts:
-                    failed.append((rid, exc))
-                    sched.cancel(rid, f"error: {type(exc).__name__}: {exc}")
-                return merged, failed
         done: set[str] = set()
         lost: set[str] = set()  # parts that failed or did not run
         requeue: list[str] = []
         pending = list(parts)
+        if not orphan.empty:
+            try:
+                merged.elapsed_s += self.executor.execute(orphan).elapsed_s
+            except Exception:  # noqa: BLE001 -- only cache entries are lost; nobody's request fails
+                # Which of them failed is unknown: none is trusted. The requests reading a promoted block
+                # recompute it (requeued by the scheduler), so their parts do not run.
+                recompute = sched.transfers_failed(orphan)
+                lost.update(recompute)
+                pending = [rid for rid in pending if rid not in lost]
         while pending:
             # Writers come before their readers in the plan, so this settles in a pass or two.
             ready = [rid for rid in pending if writers.get(rid, set()) <= done | lost]

@@ -21,7 +21,9 @@ frees the drained ones (:meth:`TierLedger.complete`). ``restore_ahead`` keeps a 
 this step from computing until the next one (see :mod:`kvledger.scheduler.transfers` for why that lets
 the transfer hide). A failed transfer (:meth:`TierPlanning.transfers_failed`) drops the tier entries it was
 writing and takes the identity of the device blocks it was filling, so no tenant is ever served bytes that
-did not arrive.
+did not arrive. It fails no request: a lost demotion only loses a cache entry, and a request holding a
+promoted block that did not arrive goes back to the waiting queue and recomputes those tokens
+(:meth:`Scheduler.requeue`), as a prefix miss would have.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ class TierPlanning:
             raise ConfigError(f"the scheduler's host tier must be a TierLedger or HostPool, got {type(host).__name__}")
         self._arriving: set[str] = set()  # requests whose blocks arrive from a tier this step
         self.promoted_tokens = 0
+        # Tier entries dropped because the transfer writing them failed (or could not be trusted: its step
+        # failed), and promoted blocks that did not arrive (their requests recomputed them).
+        self.demotion_failures = 0
+        self.promotion_failures = 0
         if self.config.offload_prefixes:
             if host is None or host.num_blocks == 0:
                 raise ConfigError("offload_prefixes needs tiers below the device pool (a host or disk tier)")
@@ -113,19 +119,37 @@ class TierPlanning:
             self.host.complete()
         self._arriving.clear()
 
-    def transfers_failed(self: Scheduler, plan: StepPlan) -> None:
-        """The executor could not complete ``plan``'s tier transfers: the entries they were writing are
-        dropped, and the promoted device blocks lose their identity (their requests fail with the step)."""
+    def transfers_failed(self: Scheduler, plan: StepPlan) -> list[str]:
+        """The executor could not complete these tier transfers of the step in flight (``plan`` names
+        them: the whole step's, or only the ones that failed). The tier entries they were writing are
+        dropped -- only those cache entries are lost. The promoted device blocks lose their identity, and
+        every running request holding one goes back to the front of the waiting queue to recompute it
+        (:meth:`Scheduler.requeue`: its work in the step in flight is ignored). No request fails. Returns
+        the requests sent back, in admission order."""
         if self.host is not None:
-            self.host.discard([s for _, s in (*plan.demote, *plan.tier_moves, *plan.writeback)])
-        if plan.promote:
-            self.ledger.invalidate([d for _, d in plan.promote])
+            written = [s for _, s in (*plan.demote, *plan.tier_moves, *plan.writeback)]
+            if written:
+                self.demotion_failures += self.host.discard(written)
+        if not plan.promote:
+            return []
+        missing = [d for _, d in plan.promote]
+        self.ledger.invalidate(missing)
+        self.promotion_failures += len(missing)
+        self.promoted_tokens -= len(missing) * self.ledger.block_size  # they were not served from a tier
+        lost = set(missing)
+        readers = [rid for rid, branches in self.running.items()
+                   if any(not lost.isdisjoint(br.blocks) for br in branches)]
+        for rid in reversed(readers):  # each goes to the front: the last first keeps their order
+            self.requeue(rid)
+        return readers
 
     def tier_stats(self: Scheduler) -> dict[str, Any]:
-        """Slots by tier and state, the flow of cached entries, and promoted prefix tokens."""
+        """Slots by tier and state, the flow of cached entries, promoted prefix tokens, and the tier
+        entries and promoted blocks lost to failed transfers."""
         if self.host is None:
             return {}
-        return {**self.host.stats(), "promoted_tokens": self.promoted_tokens, "offload_prefixes": self.offloading}
+        return {**self.host.stats(), "promoted_tokens": self.promoted_tokens, "offload_prefixes": self.offloading,
+                "demotion_failures": self.demotion_failures, "promotion_failures": self.promotion_failures}
 
 
 __all__ = ["TierPlanning"]

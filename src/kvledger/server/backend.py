@@ -49,6 +49,7 @@ class Backend(Protocol):
     def num_running(self) -> int: ...
     def state(self) -> BackendState: ...
     def audit(self) -> dict[str, Any]: ...
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> Any: ...  # a CacheReset
     def start(self) -> None: ...
     def drain(self, timeout: float) -> bool: ...
     def stop(self) -> None: ...
@@ -73,6 +74,9 @@ class BackendState:
     # trust group -> its ledger (active, promised, growth, charged, cap), prefix-cache figures (query_tokens,
     # hit_tokens) and quota_refusals: KVLedger.group_stats()
     groups: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    # blocks whose copy into a tier below the device pool ("demotion") or back ("promotion") raised: each
+    # lost only a cache entry, or had its request recompute it (TransferEngine.stats())
+    tier_failures: dict[str, int] = field(default_factory=dict)
 
 
 class EngineBackend:
@@ -119,6 +123,7 @@ class EngineBackend:
     def state(self) -> BackendState:
         snap = self.engine.snapshot()
         u, stats = snap.blocks, snap.stats
+        transfers = self.engine.transfers.stats() if self.engine.transfers is not None else None
         return BackendState(
             running=snap.running,
             blocks={"free": u["free"], "active": u["active"], "retained": u["retained"],
@@ -128,7 +133,9 @@ class EngineBackend:
             admissions=dict(snap.admissions), evictions=snap.evictions, preemptions=snap.preemptions,
             swapped_blocks={"out": stats["swapped_out_blocks"], "in": stats["swapped_in_blocks"]},
             prefix_queries_tokens=snap.prefix_query_tokens, prefix_hits_tokens=snap.prefix_hit_tokens,
-            cancelled=stats["cancelled"], groups=snap.groups)
+            cancelled=stats["cancelled"], groups=snap.groups,
+            tier_failures={"demotion": transfers["demotion_failures"], "promotion": transfers["promotion_failures"]}
+            if transfers is not None else {})
 
     def audit(self) -> dict[str, Any]:
         """Check every conservation law now (between steps) and report whether the ledger is clean:
@@ -142,6 +149,11 @@ class EngineBackend:
                 "groups": {g: {k: v for k, v in entry.items() if k in ("active", "promised", "growth", "charged",
                                                                        "cap")}
                            for g, entry in s.groups.items()}}
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> Any:
+        """The engine's reset between steps (device pool, every tier, the hit-rate window): a
+        ``CacheReset``, refused while blocks are held unless running requests are requeued."""
+        return self.engine.reset_prefix_cache(requeue_running=reset_running_requests)
 
     def start(self) -> None:
         self.engine.start()

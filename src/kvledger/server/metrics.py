@@ -2,7 +2,10 @@
 ``kvledger:``. One registry per app (no global state): two apps in one process never mix counts.
 
 Latencies and token counts are observed by the server as requests stream; pool state (blocks by state,
-queue lengths, ledger counters) is read from the backend at scrape time, so it is never stale.
+queue lengths, ledger counters) is read from the backend at scrape time, so it is never stale. A failed
+transfer to or from a tier below the device pool fails no request (it loses a cache entry, or its request
+recomputes a prefix): ``kvledger:tier_demotion_failures`` and ``kvledger:tier_promotion_failures`` are where
+a failing disk shows.
 ``/metrics`` is the operator's view: it carries every tenant's usage, so in multi-tenant mode only an
 operator key may read it.
 """
@@ -26,7 +29,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                480.0, 960.0, 1920.0, 7680.0)
 
 BLOCK_STATES = ("free", "active", "retained", "evictable", "promised", "pinned", "leased")
-REFUSALS = ("unauthorized", "forbidden", "invalid", "never_fits", "tenant_cap", "queue_full", "draining")
+REFUSALS = ("unauthorized", "forbidden", "invalid", "too_large", "never_fits", "tenant_cap", "queue_full",
+            "draining")
 GROUP_STATES = ("active", "promised", "growth")  # a trust group's ledger (kvledger.core.quota)
 
 
@@ -136,6 +140,13 @@ class _StateCollector:
         for direction, value in sorted(s.swapped_blocks.items()):
             sw.add_metric([direction], value)
         yield sw
+        # BackendState.tier_failures: {"demotion": blocks, "promotion": blocks}; empty without tiers.
+        tier_failures = s.tier_failures
+        yield counter("kvledger:tier_demotion_failures", "Prefix-cache blocks whose copy into a tier below the "
+                      "device pool (host, disk) raised; each lost only its cache entry.",
+                      tier_failures.get("demotion", 0))
+        yield counter("kvledger:tier_promotion_failures", "Prefix-cache blocks whose read back from a tier "
+                      "raised; their requests recomputed those tokens.", tier_failures.get("promotion", 0))
 
         names = sorted(set(self.tenant_names()) | set(self.gate.tenants()) | set(s.groups))
         flight = GaugeMetricFamily("kvledger:tenant_requests_in_flight", "Engine requests in flight, per tenant.",

@@ -1,0 +1,146 @@
+"""The driver and the scheduler when the prefix cache's transfers fail: an executor whose tier writes or
+reads raise (a full disk, a bad sector) costs cache entries, never requests. On fake KV memory that checks
+every position a step reads, so a block that never arrived cannot go unnoticed."""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvledger.core.ledger import KVLedger
+from kvledger.core.tiers import TierLedger
+from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
+
+
+def _scheduler_helpers():
+    """The fake KV memory of tests/test_scheduler.py (tests run with --import-mode=importlib)."""
+    name = "kvledger_test_scheduler_helpers"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_scheduler.py"))
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return sys.modules[name]
+
+
+_h = _scheduler_helpers()
+BS, FakeEngine, toks = _h.BS, _h.FakeEngine, _h.toks
+assert_drained, expected_output = _h.assert_drained, _h.expected_output
+
+
+class FlakyTierExecutor(FakeEngine):
+    """An executor on fake KV memory with tiers whose writes (demotions, write-backs, moves) or reads
+    (promotions) raise ``OSError`` -- for the whole plan, before anything of it ran, as an executor that
+    does not tell its transfers apart would. Tier slots hold what the device block held, so a promotion
+    that never happened shows up as a read of KV that was never written there."""
+
+    def __init__(self, s: Scheduler) -> None:
+        super().__init__(s)
+        self.fail_writes = self.fail_reads = False
+        self.raised = 0
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        writes = plan.demote or plan.tier_moves or plan.writeback
+        if (self.fail_writes and writes) or (self.fail_reads and plan.promote):
+            self.raised += 1
+            raise OSError(errno.ENOSPC if self.fail_writes else errno.EIO, "the disk tier failed")
+        for b, slot in plan.demote:
+            self.host[slot] = list(self.block(b))
+        for slot, d in plan.promote:
+            self.dev[d] = list(self.host[slot])
+        for src, dst in plan.tier_moves:
+            self.host[dst] = list(self.host[src])
+        for b, slot in plan.writeback:
+            self.host[slot] = list(self.block(b))
+        return StepOutput(sampled=self.run(plan))
+
+
+def offload(pool: int = 8, host: int = 8, disk: int = 0, **cfg: object) -> tuple[Scheduler, FlakyTierExecutor]:
+    tiers = TierLedger([(n, b) for n, b in (("host", host), ("disk", disk)) if b])
+    s = Scheduler(KVLedger(pool, BS), SchedulerConfig(offload_prefixes=True, **cfg), host=tiers)  # type: ignore[arg-type]
+    return s, FlakyTierExecutor(s)
+
+
+def run(driver: Driver, *requests: GenRequest) -> dict[str, tuple[list[str], list[list[int]]]]:
+    """Submit the requests, step until all are done; each request's finish reasons and outputs."""
+    for r in requests:
+        driver.submit(r)
+    out: dict[str, tuple[list[str], list[list[int]]]] = {}
+    steps = 0
+    while driver.has_work():
+        steps += 1
+        assert steps < 500, "the driver did not finish its work"
+        result = driver.step()
+        assert result.failed == [], result.failed
+        for f in result.finished:
+            out[f.request.request_id] = (f.finish_reasons, f.outputs)
+    return out
+
+
+def assert_clean(s: Scheduler) -> None:
+    """Nothing running, nothing leaked; the tiers hold cache entries only."""
+    u = s.ledger.usage()
+    assert (u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), u
+    assert s.ledger.outstanding_leases() == 0
+    assert s.host.counts["held"] == s.host.counts["draining"] == 0 and not any(s.host.in_flight)
+    s.check()
+
+
+def done(rid: str, prompt: int, new: int) -> tuple[list[str], list[list[int]]]:
+    return ["length"], [expected_output(rid, prompt, new)]
+
+
+@pytest.mark.parametrize("disk", [0, 16])
+def test_a_failing_tier_write_only_loses_cache_entries(disk: int) -> None:
+    """Regression (defect 3): the driver ran the prefix cache's transfers as a part of the step that
+    belongs to nobody, and when it raised it failed every request of the step -- the request whose
+    admission evicted someone else's idle block, and each one after it while the disk kept failing."""
+    s, ex = offload(host=4 if disk else 8, disk=disk, writeback_blocks=2)
+    driver = Driver(s, ex, check_every=1)
+    assert run(driver, GenRequest("A", toks(16, 0), 2)) == {"A": done("A", 16, 2)}
+    ex.fail_writes = True
+    got = {}
+    for i, rid in enumerate("BCDEFGHI"):  # each evicts the retained blocks of the one before
+        evictions = s.ledger.pool.evictions
+        got.update(run(driver, GenRequest(rid, toks(20, 1000 * (i + 1)), 2)))
+        assert s.ledger.pool.evictions > evictions
+    assert got == {rid: done(rid, 20, 2) for rid in "BCDEFGHI"}
+    stats = s.tier_stats()
+    assert ex.raised > 0 and stats["demotion_failures"] == stats["flow"]["discarded"] > 0
+    assert s.host.index == {} and stats["promotion_failures"] == 0
+    assert_drained(s)
+    # The tier works again: A's prompt is computed (nothing of it was kept), then cached below as usual.
+    ex.fail_writes = False
+    assert run(driver, GenRequest("A2", toks(16, 0) + toks(3, 900), 2)) == {"A2": done("A2", 19, 2)}
+    assert run(driver, GenRequest("J", toks(24, 500), 2)) == {"J": done("J", 24, 2)}
+    assert s.host.index
+    assert_clean(s)
+
+
+@pytest.mark.parametrize("restore_ahead", [False, True])
+def test_a_failing_promotion_sends_its_request_back_to_recompute(restore_ahead: bool) -> None:
+    s, ex = offload(writeback_blocks=0, restore_ahead=restore_ahead)
+    driver = Driver(s, ex, check_every=1)
+    run(driver, GenRequest("A", toks(16, 0), 2))  # 4 full prompt blocks cached on the device
+    run(driver, GenRequest("B", toks(24, 500), 2))  # evicts 3 of A's: demoted to the host tier
+    assert len(s.host.index) == 3
+    ex.fail_reads = True
+    seen: list[StepPlan] = []
+    driver.on_planned = lambda plan, t: seen.append(plan)
+    got = run(driver, GenRequest("C", toks(16, 0) + toks(3, 900), 2), GenRequest("D", toks(6, 700), 2))
+    assert got == {"C": done("C", 19, 2), "D": done("D", 6, 2)}  # the fake KV checks every position C read
+    promoting = [p for p in seen if p.promote]
+    assert len(promoting) == 1 and len(promoting[0].promote) == 3
+    stats = s.tier_stats()
+    assert stats["promotion_failures"] == 3 and stats["promoted_tokens"] == 0
+    assert s.ledger.counters.preemptions == 0 and s.preemptions == 0  # a requeue, not a preemption
+    # C came back without its head from the tier: it computed the 12 tokens the promotion would have served.
+    after = seen[seen.index(promoting[0]) + 1:]
+    again = next(p for p in after if "C" in p.admitted)
+    assert again.promote == [] and again.admissions[0].cached_tokens == 4
+    assert sum(w.end - w.start for p in after for w in p.prefills if w.request_id == "C") == 15
+    assert_drained(s)

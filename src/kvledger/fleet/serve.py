@@ -679,6 +679,12 @@ class FleetBackend:
         return {"clean": self.running == 0 and not self._handles, "running": self.running, "sequences": 0,
                 "leases": 0, "blocks": {}, "total_blocks": 0, "checked": False, "fleet": dict(self.counters)}
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> Any:
+        """Refused: the ingress holds no cache; each replica's engine resets its own."""
+        from ..core.lifetimes import CacheReset
+
+        return CacheReset(False, 0, "the fleet's ingress holds no prefix cache: reset each replica's engine")
+
     def start(self) -> None:
         pass
 

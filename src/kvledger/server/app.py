@@ -173,7 +173,7 @@ class ServerContext:
         return ApiError(400, message, param=param)
 
     def too_large(self) -> ApiError:
-        self.metrics.refused.labels("invalid").inc()
+        self.metrics.refused.labels("too_large").inc()
         return ApiError(413, f"the request body is larger than the {self.settings.body_limit} bytes this server "
                         "accepts", code="request_too_large")
 
@@ -381,6 +381,20 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         ctx.gate.check()
         report["gate"] = {"in_flight": ctx.gate.in_flight, "waiting": ctx.gate.waiting()}
         return _json(200, report)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        # vLLM's endpoint (operator only here: it empties every tenant's cache). Between steps; refused
+        # (409, nothing changed) while blocks are held, unless ?reset_running_requests=true requeues them.
+        ctx.operator(request)
+        flag = request.query_params.get("reset_running_requests", "false").lower()
+        if flag not in ("true", "false", "1", "0"):
+            raise ctx.invalid("reset_running_requests must be true or false", param="reset_running_requests")
+        reset = await asyncio.to_thread(backend.reset_prefix_cache, flag in ("true", "1"))
+        if not reset:
+            raise ApiError(409, f"prefix cache not reset: {reset.reason}", code="cache_reset_refused")
+        return _json(200, {"reset": True, "cleared_blocks": reset.cleared_blocks,
+                           "cleared_tier_entries": reset.cleared_tier_entries, "reason": reset.reason})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from kvledger.core.identity import CacheContext
 from kvledger.errors import ConfigError
-from kvledger.lab import LabSpec, lab_requests, run_lab
+from kvledger.lab import LabSpec, growth_bound, lab_requests, run_growth, run_lab
+from kvledger.scheduler import Scheduler
 
 
 def seed(**overrides) -> LabSpec:
@@ -236,6 +237,48 @@ def lab_specs(draw) -> LabSpec:
 @given(lab_specs())
 def test_every_lab_result_is_internally_consistent(spec):
     assert_consistent(spec, run_lab(spec))
+
+
+# ---- the growth run's bound, worked out before it runs ----------------------------------------------
+
+@st.composite
+def growth_specs(draw) -> LabSpec:
+    block_size = draw(st.sampled_from([1, 2, 4, 16]))
+    requests = draw(st.integers(1, 12))
+    branches = draw(st.sampled_from([1, 1, 2, 3]))
+    prompt = draw(st.integers(1, 80))
+    max_new = draw(st.integers(1, 30))
+    per_request = -(-(prompt + max_new) // block_size) * branches
+    return LabSpec(
+        pool_blocks=draw(st.integers(max(1, per_request // 2), per_request * requests + 4)),
+        block_size=block_size, requests=requests, prompt=prompt,
+        shared_prefix=draw(st.sampled_from([prompt, prompt // 2, 0])), max_new=max_new,
+        groups=draw(st.sampled_from([1, 1, requests, max(1, requests // 2)])),
+        prefix_caching=draw(st.booleans()), branches=branches,
+        policy=draw(st.sampled_from(["full", "incremental", "predicted"])),
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(growth_specs())
+def test_growth_bound_covers_the_real_run(spec):
+    """The web lab refuses controls by `growth_bound` before running them: the run never takes more
+    steps, nor has its per-step audits visit more blocks, than the bound says."""
+    audited = 0
+    check = Scheduler.check
+
+    def counting_check(sched: Scheduler) -> None:
+        nonlocal audited
+        ledger = sched.ledger
+        audited += ledger.pool.num_blocks + sum(len(ledger.sequence(r).table.blocks) for r in ledger.sequences())
+        check(sched)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Scheduler, "check", counting_check)
+        growth = run_growth(spec)
+    bound = growth_bound(spec)
+    assert growth["steps"] <= bound.steps
+    assert audited <= bound.audited_blocks
 
 
 def test_run_lab_is_deterministic():

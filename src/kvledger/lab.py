@@ -87,6 +87,45 @@ def _growth_is_cheap(spec: LabSpec) -> bool:
     return spec.requests * spec.branches * (spec.max_new + spec.prompt // spec.block_size) <= 2_000_000
 
 
+def request_blocks(spec: LabSpec) -> int:
+    """Blocks one request's prompt and whole output allowance cover (one branch)."""
+    return -(-(spec.prompt + spec.max_new) // spec.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthBound:
+    """At most what `run_growth` does for a spec, worked out from the spec alone (nothing admitted), so
+    that a caller can refuse a run before starting it."""
+
+    steps: int  # scheduler steps
+    audited_blocks: int  # blocks the audit after every step visits: the pool, and every table in it
+
+
+def growth_bound(spec: LabSpec) -> GrowthBound:
+    """Steps: while a request waits, the requests running hold or are promised more than the pool's
+    admissible blocks less what the waiting one needs (else it would be admitted), and none holds more
+    than a whole request with all its branches; so at least ``at_once`` of them run, each producing a
+    token every step for at most ``max_new + 1`` steps. With nothing waiting every request left finishes
+    within ``max_new + 1`` steps. In one trust group the running requests hold the common prefix's full
+    blocks once, and a waiting request needs only its private blocks; across groups nothing is counted as
+    shared. Audit: every step checks the whole pool and every running branch's table, which covers at
+    most ``request_blocks`` blocks, on each of its steps."""
+    if not _growth_is_cheap(spec):
+        return GrowthBound(0, 0)
+    per_branch = request_blocks(spec)
+    per_request = per_branch + (spec.branches - 1) * (per_branch - spec.prompt // spec.block_size)
+    admissible = spec.pool_blocks - _config(spec).keep_free(spec.pool_blocks)
+    at_once = admissible // per_request
+    shared = spec.shared_prefix // spec.block_size if spec.prefix_caching else 0
+    if spec.groups == 1 and 0 < shared < per_request:
+        at_once = max(at_once, (admissible - shared) // (per_request - shared))
+    at_once = max(1, at_once)
+    lifetime = spec.max_new + 1
+    steps = lifetime if spec.requests <= at_once else spec.requests * lifetime // at_once + lifetime
+    tables = spec.requests * spec.branches * lifetime * per_branch
+    return GrowthBound(steps, steps * spec.pool_blocks + tables)
+
+
 def run_growth(spec: LabSpec) -> dict:
     """Run the requests to completion through the real scheduler (each generates its whole allowance)
     and report what growth does under the policy: how many start at once, preemptions, steps. It is
@@ -128,7 +167,7 @@ def run_lab(spec: LabSpec) -> dict:
     """Admit every request in order into the real pool; then measure what all of them would need
     together (with and without sharing) by admitting them into a pool large enough for everyone."""
     bs = spec.block_size
-    blocks_per_request = -(-(spec.prompt + spec.max_new) // bs)
+    blocks_per_request = request_blocks(spec)
     # Each extra branch: its own output allowance plus one copy of the prompt's partial tail.
     per_branch = blocks_per_request - spec.prompt // bs
     branch_blocks = (spec.branches - 1) * per_branch

@@ -258,7 +258,7 @@ BAD = [
     ({"pool": "1000TiB"}, 400, "at most 65,536 blocks"),
     ({"requests": 64, "prompt": 65536}, 422, "the lab runs at most 262,144 tokens"),
     ({"requests": 64, "prompt": 100, "max_new": 1000}, 422, "decode steps"),
-    ({"pool": "64GiB", "max_new": 2000}, 400, "use a smaller pool or a shorter output allowance"),
+    ({"pool": "64GiB", "max_new": 2000}, 422, "use a smaller pool or a shorter output allowance"),
     ({"requests": "8"}, 422, "requests: must be a whole number"),
     ({"requests": 2.5}, 422, "requests: must be a whole number"),
     ({"prefix_cache": "yes"}, 422, "prefix_cache: must be true or false"),

@@ -1,14 +1,18 @@
 """The web lab's FastAPI app: JSON endpoints over the library, and the static page that views them.
 
 Every error reaches the page as one JSON object ``{"error": "<one line>"}``: 422 for input that fails
-validation, 400 for input the core refuses (a pool below one block, a prefix longer than the prompt),
-500 with no traceback for a kvledger bug. The page loads nothing from elsewhere (a strict
+validation (a body the JSON parser refuses included: too deeply nested, an integer past Python's digit
+limit, bytes that are not UTF-8; and controls past the work bound), 400 for input the core refuses (a
+pool below one block, a prefix longer than the prompt), 404 / 405 for a path or method the lab does not
+serve, 500 with no traceback for a kvledger bug. The page loads nothing from elsewhere (a strict
 Content-Security-Policy says so to the browser too).
 """
 
 from __future__ import annotations
 
 import logging
+import reprlib
+import sys
 from importlib import resources
 from typing import Any
 
@@ -17,6 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse
 from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
 
 from ..errors import KVLedgerError
 from . import evict, lesson, quiz, views
@@ -53,6 +58,30 @@ class QuizCheckInput(BaseModel):
     answer: str = Field(min_length=1, max_length=4000)
 
 
+# What an error message shows of a value it was sent: short, and bounded in depth and length, so that
+# writing the message about a deeply nested or huge value costs little and cannot exhaust the stack.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 4, 60, 60, 60
+
+
+def _error(message: str, status: int, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The one error shape. A lone surrogate the client sent is escaped, so writing the answer as UTF-8
+    can never fail."""
+    safe = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    return JSONResponse({"error": safe}, status_code=status, headers=headers)
+
+
+def _unparsable(cause: BaseException) -> str:
+    """One line for a body the JSON parser raised on with something other than a syntax error."""
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to read"
+    if isinstance(cause, UnicodeError):
+        return "the request body is not UTF-8 text"
+    if "digits" in str(cause):
+        return f"the request body has an integer of more than {sys.get_int_max_str_digits():,} digits"
+    return "the request body is not valid JSON"
+
+
 def _describe(err: dict[str, Any]) -> str:
     """One line for one pydantic error: where, what, and what was sent."""
     loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
@@ -67,6 +96,7 @@ def _describe(err: dict[str, Any]) -> str:
         "extra_forbidden": lambda: "is not a known field",
         "string_too_long": lambda: f"is longer than {ctx.get('max_length')} characters",
         "string_too_short": lambda: "must not be empty",
+        "string_unicode": lambda: "is not valid Unicode text (it holds a lone surrogate)",
         "too_long": lambda: f"has more than {ctx.get('max_length')} items",
         "too_short": lambda: f"needs at least {ctx.get('min_length')} item(s)",
         "json_invalid": lambda: "the request body is not valid JSON",
@@ -79,7 +109,7 @@ def _describe(err: dict[str, Any]) -> str:
     else:
         text = messages.get(kind, lambda: str(err.get("msg", "is not valid")))()
     shown = "" if kind in ("missing", "json_invalid", "value_error") or "input" not in err else \
-        f" (got {err['input']!r:.60})"
+        f" (got {_SHOWN.repr(err['input']):.60})"
     if kind == "json_invalid":
         return text
     if not loc:
@@ -99,17 +129,26 @@ def create_app() -> FastAPI:
         message = _describe(errors[0]) if errors else "invalid input"
         if len(errors) > 1:
             message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-        return JSONResponse({"error": message}, status_code=422)
+        return _error(message, 422)
+
+    @app.exception_handler(HTTPException)
+    async def _http(_req: Request, exc: HTTPException) -> JSONResponse:
+        # FastAPI answers a body its JSON parser raised on (RecursionError, the integer digit limit's
+        # ValueError, UnicodeDecodeError) with a 400 of its own, raised from the parser's exception:
+        # that body is invalid input like any other, so it gets the same 422 as a syntax error.
+        cause = exc.__cause__
+        if exc.status_code == 400 and isinstance(cause, (RecursionError, ValueError)):
+            return _error(_unparsable(cause), 422)
+        return _error(str(exc.detail), exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(KVLedgerError)
     async def _refused(_req: Request, exc: KVLedgerError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=400)
+        return _error(str(exc), 400)
 
     @app.exception_handler(Exception)
     async def _bug(_req: Request, exc: Exception) -> JSONResponse:
         log.exception("kvledger lab: internal error")  # the traceback goes to the server's log only
-        return JSONResponse({"error": f"internal error ({type(exc).__name__}); this is a kvledger bug"},
-                            status_code=500)
+        return _error(f"internal error ({type(exc).__name__}); this is a kvledger bug", 500)
 
     @app.middleware("http")
     async def _headers(request: Request, call_next: Any) -> Any:

@@ -41,7 +41,7 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import AdmissionError, ConfigError, KVLedgerError, QuotaError
 from .backend import Backend
-from .gate import AdmissionGate, QueueFull
+from .gate import AdmissionGate, NeverFits, QueueFull
 from .metrics import ServerMetrics
 from .protocol import (
     MAX_PROMPTS,
@@ -436,6 +436,8 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [])
         try:
             run.ticket = ctx.gate.enter(tenant, len(jobs))
+        except NeverFits as exc:
+            raise ctx.invalid(str(exc), "tenant_cap", "prompt") from None
         except QueueFull as exc:
             ctx.metrics.refused.labels("queue_full").inc()
             raise ApiError(429, str(exc), kind="rate_limit_error", code="queue_full",

@@ -30,6 +30,11 @@ class QueueFull(Exception):
     """Too many requests are waiting: answer 429."""
 
 
+class NeverFits(Exception):
+    """A request of more engine requests than the queue or the tenant's limit can ever hold: a retry
+    never helps, so answer 400 (not 429)."""
+
+
 @dataclass(slots=True)
 class Ticket:
     """One HTTP request's share: one entry per engine request (a prompt of a batch)."""
@@ -75,9 +80,15 @@ class AdmissionGate:
 
     def enter(self, tenant: Tenant, count: int) -> Ticket:
         """A ticket for a request's ``count`` engine requests (all or none), live at once. Raises
-        :class:`QueueFull` when the server's queue or the tenant's request limit is full."""
+        :class:`QueueFull` when the server's queue or the tenant's request limit is full now, and
+        :class:`NeverFits` when ``count`` alone exceeds either (nothing changes then)."""
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"a ticket is for at least one engine request, got {count!r}")
+        if count > self.max_queue:
+            raise NeverFits(f"{count} prompts are more than this server's queue of {self.max_queue} can hold")
+        if tenant.max_requests is not None and count > tenant.max_requests:
+            raise NeverFits(f"{count} prompts are more than your tenant's limit of {tenant.max_requests} "
+                            "requests in flight at once")
         book = self._book(tenant.name)
         if self.waiting() + count > self.max_queue:
             raise QueueFull("too many requests are waiting; retry later")
@@ -113,4 +124,4 @@ class AdmissionGate:
             raise InvariantError("gate: in-flight requests disagree with the tenants' books")
 
 
-__all__ = ["AdmissionGate", "QueueFull", "Ticket"]
+__all__ = ["AdmissionGate", "NeverFits", "QueueFull", "Ticket"]

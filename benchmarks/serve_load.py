@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from kvledger.server import loadgen
+from kvledger import loadgen
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE = next((p / "shared" / "traces" / "sharegpt_8k_filtered_lengths_llama2.csv"

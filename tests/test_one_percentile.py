@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from kvledger import loadgen
 from kvledger.scheduler import metrics
-from kvledger.server import loadgen
 from kvledger.sim import plots, simulator
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvledger"

@@ -26,12 +26,12 @@ SPEC = KVSpec.from_hf_config(CFG, kv_dtype="fp32", block_size=4)
 def test_first_fit_places_first_and_merges_holes():
     fit = FirstFit(100)
     a, b, c = fit.allocate(30), fit.allocate(30), fit.allocate(30)
-    assert (a, b, c) == (0, 30, 60) and fit.free == 10
-    fit.release(a, 30)
-    fit.release(c, 30)
+    assert (a, b, c) == (0, 30, 60) and fit.free_total == 10
+    fit.free(a, 30)
+    fit.free(c, 30)
     assert fit.holes == [(0, 30), (60, 40)]
-    assert fit.allocate(50) is None and fit.free == 70  # 70 free, no hole of 50: a contiguous-hole failure
-    fit.release(b, 30)
+    assert fit.allocate(50) is None and fit.free_total == 70  # 70 free, no hole of 50: a contiguous-hole failure
+    fit.free(b, 30)
     assert fit.holes == [(0, 100)]
 
 

@@ -223,7 +223,7 @@ def bench_serve_cmd(url: str, trace_path: str | None, workload: str | None, rate
     """Drive an OpenAI-compatible server with open-loop arrivals and report throughput, TTFT, TPOT,
     end-to-end latency percentiles and errors (a table, then one JSON line)."""
     _need("httpx")
-    from ..server import loadgen
+    from .. import loadgen
 
     if (trace_path is None) == (workload is None):
         raise ConfigError("give --trace FILE or --workload synthetic")

@@ -30,12 +30,12 @@ averaged over the steps in which the queue was not empty (memory-bound steady st
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.contiguous import FirstFit
 from ..core.ledger import KVLedger
 from ..core.types import Outcome, Request
 from ..errors import ConfigError, OutOfBlocksError
@@ -51,57 +51,6 @@ FIG2_KEYS = ("token_states", "reservation", "internal", "external")
 # before citing them.
 PAPER_TOKEN_STATES = {"max": 0.204, "pow2": 0.268, "oracle": 0.382, "paged": 0.963}
 PAPER_CERTAIN = {"max": True, "pow2": False, "oracle": True, "paged": False}
-
-
-# ---- a first-fit allocator over a linear address space ---------------------------------------------
-
-
-class FirstFit:
-    """Contiguous ranges in ``[0, capacity)``: first fit on allocation, holes merged on free."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ConfigError(f"capacity must be >= 1 slot, got {capacity}")
-        self.capacity = capacity
-        self._starts: list[int] = [0]  # holes, sorted by start
-        self._sizes: list[int] = [capacity]
-        self.free_total = capacity
-
-    @property
-    def holes(self) -> list[tuple[int, int]]:
-        return list(zip(self._starts, self._sizes, strict=True))
-
-    def largest_hole(self) -> int:
-        return max(self._sizes, default=0)
-
-    def allocate(self, size: int) -> int | None:
-        """Start address of a new range of ``size`` slots, or None if no hole is large enough."""
-        for i, hole in enumerate(self._sizes):
-            if hole >= size:
-                start = self._starts[i]
-                if hole == size:
-                    del self._starts[i], self._sizes[i]
-                else:
-                    self._starts[i] += size
-                    self._sizes[i] -= size
-                self.free_total -= size
-                return start
-        return None
-
-    def free(self, start: int, size: int) -> None:
-        i = bisect.bisect_left(self._starts, start)
-        if i < len(self._starts) and self._starts[i] < start + size or \
-                i > 0 and self._starts[i - 1] + self._sizes[i - 1] > start:
-            raise ConfigError(f"range [{start}, {start + size}) overlaps a free hole (double free?)")
-        self._starts.insert(i, start)
-        self._sizes.insert(i, size)
-        self.free_total += size
-        if i + 1 < len(self._starts) and start + size == self._starts[i + 1]:  # merge right
-            self._sizes[i] += self._sizes.pop(i + 1)
-            self._starts.pop(i + 1)
-        if i > 0 and self._starts[i - 1] + self._sizes[i - 1] == start:  # merge left
-            self._sizes[i - 1] += self._sizes.pop(i)
-            self._starts.pop(i)
 
 
 # ---- results ---------------------------------------------------------------------------------------

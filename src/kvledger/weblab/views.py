@@ -8,9 +8,9 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..core.contiguous import FirstFit
 from ..core.ledger import KVLedger, Request
 from ..errors import ConfigError
-from ..sim.fragmentation import FirstFit
 
 _PROMPT_BASE = 1_000
 _BRANCH_BASE = 100_000

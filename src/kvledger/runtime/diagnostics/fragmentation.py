@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from ...core import CacheContext, KVLedger, KVSpec, Request
+from ...core.contiguous import FirstFit
 from ...errors import ConfigError
 from .providers import Providers
 
@@ -90,39 +91,6 @@ class WayResult:
     def as_dict(self) -> dict[str, Any]:
         return {k: (round(v, 1) if isinstance(v, float) else v) for k in self.__slots__  # type: ignore[attr-defined]
                 if k != "series" for v in [getattr(self, k)]}
-
-
-class FirstFit:
-    """Contiguous byte ranges in ``[0, capacity)``: first fit, holes merged on free."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.holes: list[tuple[int, int]] = [(0, capacity)]  # (start, size), sorted by start
-
-    @property
-    def free(self) -> int:
-        return sum(size for _, size in self.holes)
-
-    def allocate(self, size: int) -> int | None:
-        for i, (start, hole) in enumerate(self.holes):
-            if hole >= size:
-                if hole == size:
-                    del self.holes[i]
-                else:
-                    self.holes[i] = (start + size, hole - size)
-                return start
-        return None
-
-    def release(self, start: int, size: int) -> None:
-        self.holes.append((start, size))
-        self.holes.sort()
-        merged: list[tuple[int, int]] = []
-        for s, n in self.holes:
-            if merged and merged[-1][0] + merged[-1][1] == s:
-                merged[-1] = (merged[-1][0], merged[-1][1] + n)
-            else:
-                merged.append((s, n))
-        self.holes = merged
 
 
 @dataclass(slots=True)
@@ -202,9 +170,9 @@ def run_way(way: str, requests: Sequence[FragRequest], spec: KVSpec, capacity_by
                 size = need * bpt
                 start = fit.allocate(size)
                 if start is None:
-                    if fit.free >= size:
+                    if fit.free_total >= size:
                         res.hole_failures += 1
-                        hole_free.append(fit.free)
+                        hole_free.append(fit.free_total)
                     break
                 view = arena[start:start + size].view(need, bpt)
                 view[: r.prompt + 1] = 1
@@ -259,7 +227,7 @@ def run_way(way: str, requests: Sequence[FragRequest], spec: KVSpec, capacity_by
             held = sum((lv.req.prompt + lv.req.max_new) * bpt for lv in running.values())
             sums["held"] += held
             sums["unused"] += held - tok
-            sums["arena"] += fit.free
+            sums["arena"] += fit.free_total
         a, d = providers.allocator.read(), providers.device.read()
         cache = (a.reserved - a.allocated) - (a0.reserved - a0.allocated)
         res.allocator_cache_max = max(res.allocator_cache_max, cache)
@@ -280,7 +248,7 @@ def run_way(way: str, requests: Sequence[FragRequest], spec: KVSpec, capacity_by
                 lv.kv = None
             else:
                 assert fit is not None
-                fit.release(lv.kv[0], need * bpt)
+                fit.free(lv.kv[0], need * bpt)
                 lv.kv = None
     n = max(1, res.steps)
     res.token_state_bytes = sums["tok"] / n

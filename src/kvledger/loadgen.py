@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError
-from ..scheduler.metrics import distribution, percentile  # the one definition (scheduler, simulator, engine)
+from .errors import ConfigError
+from .scheduler.metrics import distribution, percentile  # the one definition (scheduler, simulator, engine)
 
 _MASK64 = (1 << 64) - 1
 _FIRST_ID = 1000  # prompt ids start here: clear of the special tokens most vocabularies put first
@@ -131,7 +131,7 @@ def trace_workload(path: str, spec: LoadSpec, *, scale: float = 1.0, max_prompt:
                    max_tokens: int = 256, vocab: int = 32000) -> list[Item]:
     """Lengths from a trace (``scale``d, then cut to ``max_prompt`` / ``max_tokens``); arrivals from the
     trace itself, or Poisson at ``spec.rate`` (needed for length tables, which have no times)."""
-    from ..sim.workloads import Poisson, load_trace
+    from .sim.workloads import Poisson, load_trace
 
     _check_vocab(vocab)
     if not (math.isfinite(scale) and 0 < scale <= 1):

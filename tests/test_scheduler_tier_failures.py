@@ -5,9 +5,6 @@ every position a step reads, so a block that never arrived cannot go unnoticed."
 from __future__ import annotations
 
 import errno
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -15,21 +12,10 @@ from kvledger.core.ledger import KVLedger
 from kvledger.core.tiers import TierLedger
 from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 
-
-def _scheduler_helpers():
-    """The fake KV memory of tests/test_scheduler.py (tests run with --import-mode=importlib)."""
-    name = "kvledger_test_scheduler_helpers"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_scheduler.py"))
-        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-        sys.modules[name] = module
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return sys.modules[name]
-
-
-_h = _scheduler_helpers()
-BS, FakeEngine, toks = _h.BS, _h.FakeEngine, _h.toks
-assert_drained, expected_output = _h.assert_drained, _h.expected_output
+try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
+    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
+except ImportError:  # pragma: no cover
+    from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 
 
 class FlakyTierExecutor(FakeEngine):

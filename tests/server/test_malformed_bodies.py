@@ -71,3 +71,17 @@ def test_malformed_bodies_are_400_json_on_every_post_endpoint(server, path: str,
     error = assert_error_shape(resp)
     json.dumps(error, ensure_ascii=False).encode()  # the answer itself is valid Unicode
     assert httpx.get(f"{server.url}/health", trust_env=False).json() == {"status": "ok"}
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("method, path, status", [("DELETE", "/health", 405), ("GET", "/v1/completions", 405),
+                                                  ("PUT", "/v1/chat/completions", 405), ("GET", "/v1/nowhere", 404)])
+def test_an_unknown_path_or_method_is_the_documented_error(server, method: str, path: str, status: int) -> None:
+    """Found by the schema fuzz: Starlette's own {"detail": ...} answered these."""
+    resp = httpx.request(method, f"{server.url}{path}", trust_env=False, timeout=60,
+                         headers={"Authorization": f"Bearer {server.keys['acme']}"})
+    assert resp.status_code == status
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] in ("not_found", "method_not_allowed")
+    if status == 405:
+        assert resp.headers.get("allow")

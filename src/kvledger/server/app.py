@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import AdmissionError, ConfigError, KVLedgerError, QuotaError
@@ -348,6 +349,13 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return _json(exc.status, error_body(exc.message, exc.kind, exc.code, exc.param), exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _routing(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # An unknown path (404) or method (405, with its Allow header): the documented shape too.
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return _json(exc.status_code, error_body(str(exc.detail), kind, code), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

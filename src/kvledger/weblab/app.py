@@ -68,7 +68,22 @@ def _error(message: str, status: int, headers: dict[str, str] | None = None) -> 
     """The one error shape. A lone surrogate the client sent is escaped, so writing the answer as UTF-8
     can never fail."""
     safe = message.encode("utf-8", "backslashreplace").decode("utf-8")
+    if not safe.isprintable():  # one line: a field name or value the client sent may hold a newline
+        safe = "".join(c if c.isprintable() else repr(c)[1:-1] for c in safe)
     return JSONResponse({"error": safe}, status_code=status, headers=headers)
+
+
+class ErrorBody(BaseModel):
+    """What every refusal of the lab's API looks like: one line, ``{"error": "..."}``."""
+
+    error: str
+
+
+# Declared for every route, so the published OpenAPI document says what the API really answers.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorBody, "description": "the ledger or the planner refused the controls"},
+    422: {"model": ErrorBody, "description": "invalid input, or more work than one request may cause"},
+}
 
 
 def _unparsable(cause: BaseException) -> str:
@@ -120,7 +135,8 @@ def _describe(err: dict[str, Any]) -> str:
 
 
 def create_app() -> FastAPI:
-    app = FastAPI(title="kvledger lab", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json")
+    app = FastAPI(title="kvledger lab", docs_url=None, redoc_url=None, openapi_url="/api/openapi.json",
+                  responses=_ERRORS)
     static = resources.files("kvledger.weblab").joinpath("static")
 
     @app.exception_handler(RequestValidationError)

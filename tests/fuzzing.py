@@ -21,9 +21,12 @@ so a failure is replayed exactly with one command (printed with the failure)::
 * ``scheduler`` -- random workloads through the one step loop (``Driver``) over every admission
   policy x growth action x victim x recovery mode x eviction policy, prefix caching on and off,
   a host tier (swap), ``n > 1``, lookahead with random draft acceptance, beam search, priorities,
-  stop tokens, cancellations and failing requests. The executor checks every KV position a step reads
-  (``FakeEngine``); ``Scheduler.check`` runs after every step. At the end nothing leaked and every
-  request ended for a reason that is true of it.
+  stop tokens, cancellations and failing requests; in a fraction of the episodes, failing transfers
+  (``TransferFaults``: demotions, moves, write-backs, promotions, swap-outs and swap-ins). The executor
+  checks every KV position a step reads (``FakeEngine``); ``Scheduler.check`` runs after every step. At
+  the end nothing leaked, every request ended for a reason that is true of it (an error only for its
+  own fault or failed swap), and with failed transfers every request that completed produced what the
+  same workload produces without them.
 
 ``KVLEDGER_NATIVE=0`` runs the pure-Python core only (``make fuzz`` runs both).
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import re
 import sys
 import threading
 import time
@@ -700,24 +704,117 @@ def beam_candidates(tokens: list[int], k: int) -> list[tuple[float, int]]:
     return [(-0.1 * (i + 1) - (h % 97) / 1000 - i * 0.013, 10 + (h >> (i % 16)) % 50 + 60 * i) for i in range(k)]
 
 
-class FuzzExecutor(FakeEngine):
-    """FakeEngine's KV model (every read checked), beam candidates, random draft acceptance, and a
-    request whose part of a step always raises (the driver must fail it alone)."""
+# Transfer kinds the fuzz can fail, by the StepPlan field that lists them. Writes of a cached entry into a
+# tier slot (demotions, moves, write-backs) may only lose that entry; a failed promotion sends the request
+# holding its block back to recompute; a swap is a request's only copy of its KV and fails that request.
+CACHE_WRITES = ("demote", "tier_moves", "writeback")
+FAULT_FIELDS = (*CACHE_WRITES, "promote", "swap_out", "swap_in")
+FAULT_KINDS = {"demote": "write", "tier_moves": "write", "writeback": "write", "promote": "promote",
+               "swap_out": "swap_out", "swap_in": "swap_in"}
+FAULT_MODES = ("block", "part")
+POISON = ("lost",)  # what a failed transfer leaves at its destination: never the KV a read expects
 
-    def __init__(self, s: Scheduler, rng: random.Random, failing: str | None) -> None:
+
+@dataclass(frozen=True, slots=True)
+class TransferFaults:
+    """Which of an episode's transfers fail: each transfer ``(step, plan field, pair)`` fails when a hash of
+    it and ``seed`` falls under its kind's rate -- so the same transfer fails again when the driver runs
+    the step again one part at a time, unless ``transient`` (then each attempt draws anew, and a rerun may
+    succeed).
+
+    ``mode`` is how the executor reports it. ``block``: as the torch executor does -- a failed cache
+    transfer loses only its block, handed to ``Scheduler.transfers_failed`` at once (the works of the
+    requests it sends back are skipped) and the step goes on; a failed swap fails the step, after handing
+    over every cache entry the step wrote (a rerun could copy blocks this attempt overwrote). ``part``: as
+    an executor that does not tell its transfers apart -- the plan (or the driver's part of it) raises
+    whole, before anything of it ran, and the driver isolates the step."""
+
+    seed: int
+    mode: str
+    transient: bool
+    rates: tuple[tuple[str, float], ...]  # (write | promote | swap_out | swap_in, probability)
+
+    def rate(self, field_name: str) -> float:
+        return dict(self.rates)[FAULT_KINDS[field_name]]
+
+    def fails(self, field_name: str, step: int, pair: tuple[int, int], attempt: int) -> bool:
+        rate = self.rate(field_name)
+        if rate <= 0.0:
+            return False
+        key = f"{self.seed}|{field_name}|{step}|{pair[0]}|{pair[1]}|{attempt if self.transient else 0}"
+        return zlib.crc32(key.encode()) < rate * 2**32
+
+    def describe(self) -> str:
+        rates = ",".join(f"{k}={v:g}" for k, v in self.rates if v)
+        return f"faults({self.mode}{' transient' if self.transient else ''}: {rates})"
+
+
+def draw_faults(rng: random.Random) -> TransferFaults:
+    rates = {k: rng.choice([0.0, 0.0, 0.05, 0.2, 0.5, 1.0]) for k in ("write", "promote", "swap_out", "swap_in")}
+    if not any(rates.values()):
+        rates[rng.choice(sorted(rates))] = 0.3
+    return TransferFaults(rng.getrandbits(32), rng.choice(FAULT_MODES), rng.random() < 0.25, tuple(rates.items()))
+
+
+class InjectedTransferError(OSError):
+    """A transfer the fuzz failed on purpose (its message names the transfer)."""
+
+
+class FuzzExecutor(FakeEngine):
+    """FakeEngine's KV model (every read checked), beam candidates, random draft acceptance, a request
+    whose part of a step always raises (the driver must fail it alone), and transfers that fail
+    (``faults``): a failed transfer leaves garbage where it was to write, so a tier entry or promoted
+    block the scheduler keeps trusting is caught by the next read of it."""
+
+    def __init__(self, s: Scheduler, rng: random.Random, failing: str | None,
+                 faults: TransferFaults | None = None) -> None:
         super().__init__(s, accept=lambda w: rng.randint(1, w.lookahead + 1))
         self.failing = failing
         self.rng = rng
+        self.faults = faults
         self.tier_blocks: Counter[str] = Counter()  # blocks each kind of tier transfer moved
+        self.injected: Counter[str] = Counter()  # transfers failed, by plan field (each transfer once)
+        self.planned: Counter[str] = Counter()  # transfers the scheduler planned, by plan field
+        self.swap_failed: dict[str, list[str]] = {}  # request -> the failed swaps of its own (messages)
+        self.violations: list[str] = []  # what the fake KV memory caught, even where a rerun then passed
+        self._failed_once: set[tuple[str, int, tuple[int, int]]] = set()
+        self._attempts: Counter[tuple[str, int, tuple[int, int]]] = Counter()
+        self._step = -1
+        self._slot_owner: dict[int, str] = {}  # this step: swapped-out / restored tier slot -> request
+        self._sent_back: set[str] = set()  # this step: requests transfers_failed sent back to recompute
+        self.reported_promotions: set[tuple[int, tuple[int, int]]] = set()  # (step, pair) told as lost
+        if faults is not None:  # whoever reports a failure (this executor or the driver), note what
+            told = s.transfers_failed
+
+            def transfers_failed(plan: StepPlan) -> list[str]:
+                self.reported_promotions.update((plan.step, pair) for pair in plan.promote)
+                return told(plan)
+
+            s.transfers_failed = transfers_failed  # type: ignore[method-assign]
 
     def execute(self, plan: StepPlan) -> StepOutput:
         self.s.check()  # the in-flight state keeps every law too
+        whole = plan is self.s.in_flight
+        if plan.step != self._step:
+            self._new_step(plan)
         for kind in ("demote", "promote", "writeback", "tier_moves"):
             self.tier_blocks[kind] += len(getattr(plan, kind))
+        if whole:
+            self.planned.update({f: len(getattr(plan, f)) for f in FAULT_FIELDS})
         works = [*plan.prefills, *plan.decodes]
         if self.failing is not None and any(w.request_id == self.failing for w in works):
             raise RuntimeError(f"injected fault in {self.failing}")
-        sampled = self.run(plan)
+        try:
+            if self.faults is not None:
+                plan = self._transfers(plan)  # or raises
+            sampled = self.run(plan)
+        except AssertionError as exc:
+            # The fake KV memory (or a check here) caught a wrong plan. The driver takes it for a failing
+            # step and runs the plan again one request at a time, which may pass (the first attempt moved
+            # the blocks the rerun reads): so it is recorded, and the episode fails at its end.
+            self.violations.append(str(exc))
+            raise
+        works = [*plan.prefills, *plan.decodes]
         out = StepOutput(elapsed_s=0.01 + 0.001 * len(works))
         for w in works:
             if w.sample and w.request is not None and w.request.beam:
@@ -725,6 +822,106 @@ class FuzzExecutor(FakeEngine):
                 sampled.pop(w.seq_id, None)
         out.sampled = sampled
         return out
+
+    # ---- injected transfer failures -------------------------------------------------------------------
+    def _new_step(self, plan: StepPlan) -> None:
+        """The first execution of a step is the whole plan: note whose swap each tier slot carries (from the
+        branches' own host copies, not from the driver's attribution that the fuzz checks)."""
+        self._step = plan.step
+        self._sent_back = set()
+        owner: dict[int, str] = {}
+        for unit in (*self.s.swapped, *self.s.running.values()):
+            for br in unit:
+                owner.update(dict.fromkeys(br.host_blocks, br.request.request_id))
+        self._slot_owner = owner
+
+    def _failures(self, plan: StepPlan) -> dict[str, list[tuple[int, int]]]:
+        """The transfers of ``plan`` that fail in this attempt, by plan field."""
+        faults = self.faults
+        assert faults is not None
+        failed: dict[str, list[tuple[int, int]]] = {}
+        for f in FAULT_FIELDS:
+            for pair in getattr(plan, f):
+                key = (f, plan.step, pair)
+                attempt = self._attempts[key]
+                self._attempts[key] += 1
+                if faults.fails(f, plan.step, pair, attempt):
+                    failed.setdefault(f, []).append(pair)
+                    if key not in self._failed_once:
+                        self._failed_once.add(key)
+                        self.injected[f] += 1
+        return failed
+
+    def _transfers(self, plan: StepPlan) -> StepPlan:
+        """Carry out the plan's transfers, failing the chosen ones, and report the failures the way the
+        episode's executor does; returns the rest of the plan to run (its works), or raises."""
+        assert self.faults is not None
+        failed = self._failures(plan)
+        swaps = [(f, pair) for f in ("swap_out", "swap_in") for pair in failed.get(f, ())]
+        for f, (src, dst) in swaps:
+            slot = dst if f == "swap_out" else src
+            rid = self._slot_owner.get(slot)
+            require(rid is not None, f"step {plan.step}: {f} of tier slot {slot} belongs to no swapped request")
+            own = self.swap_failed.setdefault(rid, [])
+            if f"{f} {src}->{dst}" not in own:
+                own.append(f"{f} {src}->{dst}")
+        error = InjectedTransferError(
+            "injected transfer failure ({}) in step {}".format(
+                "; ".join(f"{f} {src}->{dst}" for f, pairs in failed.items() for src, dst in pairs), plan.step))
+        if failed and self.faults.mode == "part":
+            raise error  # before anything of the plan ran
+        self._move_blocks(plan, failed)
+        if swaps:
+            # The step fails. None of the cache entries it wrote is trusted (the driver runs its transfers
+            # again, after this attempt may have overwritten what they copy), nor a promotion that failed.
+            written = StepPlan(plan.step, demote=list(plan.demote), tier_moves=list(plan.tier_moves),
+                               writeback=list(plan.writeback), promote=list(failed.get("promote", ())))
+            if written.tier_transfers:
+                self._sent_back.update(self.s.transfers_failed(written))
+            raise error
+        if failed:  # per block: the lost cache transfers go to the scheduler now; the rest of the step runs
+            lost = StepPlan(plan.step, **{f: list(failed.get(f, ())) for f in (*CACHE_WRITES, "promote")})
+            self._sent_back.update(self.s.transfers_failed(lost))
+            missing = {d for _, d in lost.promote}
+            for w in (*plan.prefills, *plan.decodes):
+                require(w.request_id in self._sent_back or missing.isdisjoint(w.blocks),
+                        f"step {plan.step}: {w.seq_id} reads promoted block(s) {sorted(missing & set(w.blocks))} "
+                        "that did not arrive, and its request was not sent back to recompute")
+        # The fake checks works against the ledger, which no longer holds the requests sent back to recompute:
+        # their works are skipped (the torch executor skips those reading a lost block, and confirm ignores
+        # the rest), in the step's later parts too.
+        sent_back = self._sent_back
+        return StepPlan(plan.step, prefills=[w for w in plan.prefills if w.request_id not in sent_back],
+                        decodes=[w for w in plan.decodes if w.request_id not in sent_back],
+                        shared_reads=list(plan.shared_reads))
+
+    def _move_blocks(self, plan: StepPlan, failed: dict[str, list[tuple[int, int]]]) -> None:
+        """FakeEngine's transfers, in its order; a failed one leaves garbage at its destination (a partial
+        write), never the KV a read expects."""
+        pool = self.s.ledger.pool
+        unwritten = [None] * BS
+        poison = [POISON] * BS
+
+        def moves(f: str) -> list[tuple[tuple[int, int], bool]]:
+            bad = failed.get(f, ())
+            return [(pair, pair in bad) for pair in getattr(plan, f)]
+
+        for (d, t), bad in moves("demote"):
+            self.host[t] = list(poison if bad else self.block(d))
+        for (src, dst), bad in moves("tier_moves"):
+            self.host[dst] = list(poison if bad else self.host.get(src, unwritten))
+        for (d, t), bad in moves("writeback"):
+            self.host[t] = list(poison if bad else self.block(d))
+        for c in plan.copies:
+            self.block(c.dst)[: c.slots] = self.block(c.src)[: c.slots]
+        for (d, h), bad in moves("swap_out"):
+            assert pool.leased[d], f"step {plan.step}: device block {d} swapped out but not leased"
+            self.host[h] = list(poison if bad else self.block(d))
+        for (t, d), bad in moves("promote"):
+            self.dev[d] = list(poison if bad else self.host.get(t, unwritten))
+        for (h, d), bad in moves("swap_in"):
+            assert h in self.host, f"step {plan.step}: host block {h} read back but never written"
+            self.dev[d] = list(poison if bad else self.host[h])
 
 
 @dataclass
@@ -741,6 +938,11 @@ class SchedulerScenario:
     accept_seed: int = 0
     quotas: dict[str, int] = field(default_factory=dict)  # trust group -> cap (blocks)
     disk_blocks: int = 0  # a second tier below the host (a TierLedger of two tiers) when > 0
+    faults: TransferFaults | None = None  # transfers the executor fails
+
+    def undisturbed(self) -> SchedulerScenario:
+        """The same workload with no transfer failing."""
+        return replace(self, faults=None)
 
     def describe(self) -> str:
         c = self.config
@@ -749,10 +951,17 @@ class SchedulerScenario:
             if c.offload_prefixes else ""
         return (f"{c.policy}/{c.on_growth_failure}/{c.victim}/{c.recovery}/{self.eviction} caching={self.caching} "
                 f"pool={self.num_blocks} host={self.host_blocks}{tiers}{offload} requests={len(self.requests)} "
-                f"quotas={self.quotas}")
+                f"quotas={self.quotas}" + (f" {self.faults.describe()}" if self.faults else ""))
 
 
-def draw_scenario(rng: random.Random) -> SchedulerScenario:
+FAULTS_CHOICES = ("drawn", "always", "off")  # which episodes fail transfers (the --faults option)
+FAULT_EPISODES = 0.4  # the fraction of the episodes with a tier below the pool that fail transfers ("drawn")
+FAULTS = "drawn"  # what the scheduler part's episodes draw (--faults)
+
+
+def draw_scenario(rng: random.Random, faults: str = "off") -> SchedulerScenario:
+    """One scenario from ``rng``. ``faults``: ``off`` (the golden transcripts' scenarios), ``drawn`` (in a
+    fraction of the episodes with a tier below the pool, transfers fail) or ``always``."""
     cfg = SchedulerConfig(
         policy=rng.choice(ADMISSION_POLICIES.names()),
         on_growth_failure=rng.choice(GROWTH_ACTIONS.names()),
@@ -806,15 +1015,52 @@ def draw_scenario(rng: random.Random) -> SchedulerScenario:
         if sc.caching:
             sc.config = replace(cfg, offload_prefixes=True, restore_ahead=tier_rng.random() < 0.5,
                                 writeback_blocks=tier_rng.choice([0, 1, 4, 32]))
+    if faults != "off" and sc.host_blocks:
+        # Also drawn last, from a generator of its own: the scenario above is the one without faults.
+        fault_rng = random.Random(rng.getrandbits(64))
+        if faults == "always" or fault_rng.random() < FAULT_EPISODES:
+            add_transfer_faults(sc, fault_rng)
     return sc
+
+
+def add_transfer_faults(sc: SchedulerScenario, rng: random.Random) -> None:
+    """Fail transfers in ``sc``, and make it move blocks to fail: swaps more often, prefix offload to the
+    host tier too, and requests that come back later for an earlier request's prompt (promotions)."""
+    cfg = sc.config
+    if rng.random() < 0.5:  # preemptions, recovered by swapping
+        cfg = replace(cfg, policy=rng.choice(["incremental", "incremental", "predicted"]), on_growth_failure="preempt",
+                      recovery=rng.choice(["swap", "swap", "auto"]), max_running=max(cfg.max_running, 4),
+                      watermark=0.0, headroom_blocks=0)
+    if sc.caching and not cfg.offload_prefixes and rng.random() < 0.6:
+        cfg = replace(cfg, offload_prefixes=True, restore_ahead=rng.random() < 0.5,
+                      writeback_blocks=rng.choice([0, 1, 4, 32]))
+    sc.config = cfg
+    if cfg.offload_prefixes and rng.random() < 0.8:
+        # Later waves: a request with a long prompt of its own evicts (demotes) what the pool caches, then
+        # one comes back for an earlier request's prompt and finds it in the tiers.
+        t = max(r.arrival_s for r in sc.requests)
+        base = list(sc.requests)
+        for k in range(rng.randint(1, 3)):
+            t += rng.uniform(0.05, 0.5)
+            if rng.random() < 0.8 and sc.num_blocks > 1:
+                flush = [60_000 + 1000 * k + j for j in range(BS * (sc.num_blocks - 1))]
+                sc.requests.append(GenRequest(f"f{k}", flush, 1, context=rng.choice(base).context,
+                                              arrival_s=t))
+                t += rng.uniform(0.2, 0.6)  # mostly after it is done
+            src = max(base, key=lambda r: len(r.prompt)) if rng.random() < 0.6 else rng.choice(base)
+            prompt = list(src.prompt) + [50_000 + 10 * k + j for j in range(rng.randint(0, 3))]
+            sc.requests.append(GenRequest(f"e{k}", prompt, rng.randint(1, 8), context=src.context,
+                                          n=rng.choice([1, 1, min(2, cfg.max_running)]), arrival_s=t))
+    sc.faults = draw_faults(rng)
 
 
 MAX_STEPS = 3000
 
 
 def scheduler_episode(seed: int, ops: int = 0) -> Counter[str]:
-    """One random workload through the Driver; ``ops`` is unused (episodes size themselves)."""
-    sc = draw_scenario(random.Random(seed))
+    """One random workload through the Driver; ``ops`` is unused (episodes size themselves). With
+    transfer faults, the requests that completed must have produced what an undisturbed run produces."""
+    sc = draw_scenario(random.Random(seed), FAULTS)
     counts: Counter[str] = Counter()
     outcomes = {}
     for name, fast in cores():
@@ -825,7 +1071,30 @@ def scheduler_episode(seed: int, ops: int = 0) -> Counter[str]:
         require(outcomes["native"] == outcomes["python"],
                 f"the native and the Python core ran the workload differently:\n{outcomes['native']}\n"
                 f"{outcomes['python']}")
+    if sc.faults is not None:
+        counts["fault episodes"] += 1
+        compare_undisturbed(sc, next(iter(outcomes.values())))
     return counts
+
+
+COMPLETED = ("length", "stop", "pruned")
+
+
+def compare_undisturbed(sc: SchedulerScenario, disturbed: list[tuple]) -> None:
+    """Every request that completed despite failed transfers produced exactly the tokens (beam search:
+    the hypotheses) of a run of the same workload where every transfer succeeds."""
+    try:
+        calm = {o[0]: o for o in run_scenario(sc.undisturbed(), Counter())}
+    except FuzzFailure as exc:
+        raise FuzzFailure(f"the same workload without failed transfers: {exc}") from None
+    for rid, outputs, reasons, *_ in disturbed:
+        if rid == "faults":
+            continue
+        _, calm_outputs, calm_reasons, *_ = calm[rid]
+        if all(r in COMPLETED for r in reasons) and all(r in COMPLETED for r in calm_reasons):
+            require((outputs, reasons) == (calm_outputs, calm_reasons),
+                    f"{rid} completed with {reasons} {outputs}, but without failed transfers with {calm_reasons} "
+                    f"{calm_outputs} ({sc.describe()})")
 
 
 def run_scenario(sc: SchedulerScenario, counts: Counter[str],
@@ -841,7 +1110,7 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str],
     costs = RecoveryCosts(flops_per_token=1e9, flops_per_s=1e12, block_bytes=1_000_000,
                           transfer=TransferModel(link_Bps=sc.link_Bps, staging_blocks=2))
     s = Scheduler(led, cfg, host=host, costs=costs)
-    executor = FuzzExecutor(s, random.Random(sc.accept_seed), sc.failing)
+    executor = FuzzExecutor(s, random.Random(sc.accept_seed), sc.failing, sc.faults)
     driver = Driver(s, executor, check_every=1, stall_steps=200)
     for req in sc.requests:
         driver.submit(req)
@@ -865,6 +1134,8 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str],
     counts["disk tier"] += bool(sc.disk_blocks)
     counts["offload"] += cfg.offload_prefixes
     counts.update({f"tier:{k}": v for k, v in executor.tier_blocks.items() if v})
+    require(not executor.violations, f"the fake KV memory caught a wrong plan ({sc.describe()}): "
+                                     + "; ".join(executor.violations[:3]))
     s.check()
     u = led.usage()
     require((u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), f"leaked: {u} ({sc.describe()})")
@@ -907,7 +1178,10 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str],
                 require(not cfg.exact, f"{where}: a full reservation was rejected")
                 require(len(out) < req.max_new_tokens, f"{where}: rejected after all its tokens")
             elif reason.startswith("error"):
-                require(rid == sc.failing, f"{where}: failed without a fault")
+                require(rid == sc.failing and f"injected fault in {rid}" in reason
+                        or owns_failed_swap(reason, executor.swap_failed.get(rid, [])),
+                        f"{where}: failed without a fault of its own (failed swaps by request: "
+                        f"{executor.swap_failed})")
             elif reason == "pruned":
                 require(req.beam, f"{where}: pruned but not a beam")
             else:
@@ -917,8 +1191,49 @@ def run_scenario(sc: SchedulerScenario, counts: Counter[str],
                 and req.n <= cfg.max_running:
             require(all(r in ("length", "stop", "pruned") for r in f.finish_reasons),
                     f"{rid}: fits the pool under full reservation, yet ended {f.finish_reasons} ({sc.describe()})")
+        if sc.faults is not None and rid in executor.swap_failed and not sc.faults.transient:
+            # Its only copy of some KV is lost: it cannot have gone on as if nothing happened (a branch
+            # that ended before the swap keeps its reason).
+            require(any(r.startswith("error") or r == "cancelled" for r in f.finish_reasons),
+                    f"{rid}: its swap failed ({executor.swap_failed[rid]}), yet it ended {f.finish_reasons} "
+                    f"({sc.describe()})")
         outcome.append((rid, tuple(map(tuple, f.outputs)), tuple(f.finish_reasons), f.metrics.preemptions))
+    if sc.faults is not None:
+        outcome.append(check_transfer_faults(sc, s, executor, counts))
     return outcome
+
+
+def owns_failed_swap(reason: str, own: list[str]) -> bool:
+    """``reason`` is an injected transfer failure that names only swaps of the request's own."""
+    m = re.search(r"injected transfer failure \((.*)\) in step", reason)
+    return m is not None and all(item in own for item in m.group(1).split("; "))
+
+
+def check_transfer_faults(sc: SchedulerScenario, s: Scheduler, executor: FuzzExecutor,
+                          counts: Counter[str]) -> tuple:
+    """The books on failed transfers agree with what failed; returns them (both cores must agree)."""
+    assert sc.faults is not None
+    stats = s.tier_stats()
+    planned, injected = executor.planned, executor.injected
+    lost_d, lost_p = stats["demotion_failures"], stats["promotion_failures"]
+    where = f"({sc.describe()})"
+    require(lost_d <= sum(planned[f] for f in CACHE_WRITES),
+            f"{lost_d} tier entries lost of {sum(planned[f] for f in CACHE_WRITES)} written {where}")
+    require(lost_p <= planned["promote"], f"{lost_p} promotions failed of {planned['promote']} planned {where}")
+    reported = len(executor.reported_promotions)
+    require(lost_p == reported, f"{reported} promoted blocks were reported lost, {lost_p} counted {where}")
+    require(stats["promoted_tokens"] == BS * (planned["promote"] - lost_p) >= 0,
+            f"promoted_tokens {stats['promoted_tokens']}: {planned['promote']} blocks promoted, {lost_p} lost {where}")
+    if not sc.faults.transient:
+        require(lost_p >= injected["promote"],
+                f"{injected['promote']} promotions failed, {lost_p} counted {where}")
+    counts["faults"] += sum(injected.values())
+    counts.update({f"faults:{k}": v for k, v in injected.items() if v})
+    counts["lost:demotions"] += lost_d
+    counts["lost:promotions"] += lost_p
+    if executor.swap_failed:
+        counts["faults:swap owners"] += len(executor.swap_failed)
+    return ("faults", tuple(sorted(injected.items())), lost_d, lost_p, stats["promoted_tokens"])
 
 
 # ==== the runner =========================================================================================
@@ -939,8 +1254,10 @@ class PartResult:
 
     def line(self) -> str:
         rate = self.ops / self.seconds if self.seconds > 0 else 0.0
+        faults = f"; {self.counts['faults']:,} transfer failures injected in {self.counts['fault episodes']:,} " \
+            "episodes" if self.part == "scheduler" else ""
         return (f"fuzz {self.part:9s} seed={self.base_seed} episodes={self.episodes} ops={self.ops:,} "
-                f"in {self.seconds:.1f} s ({rate:,.0f} ops/s) {cores_label(self.part)}")
+                f"in {self.seconds:.1f} s ({rate:,.0f} ops/s) {cores_label(self.part)}{faults}")
 
 
 def cores_label(part: str) -> str:
@@ -955,7 +1272,8 @@ def episode_seed(base: int, i: int) -> int:
 
 def replay_command(part: str, seed: int, ops: int) -> str:
     env = "KVLEDGER_NATIVE=0 " if native.MODULE is None and native.REASON.startswith("disabled") else ""
-    return f"{env}.venv/bin/python tests/fuzzing.py --part {part} --seed {seed} --episodes 1 --ops {ops}"
+    faults = f" --faults {FAULTS}" if part == "scheduler" and FAULTS != "drawn" else ""
+    return f"{env}.venv/bin/python tests/fuzzing.py --part {part} --seed {seed} --episodes 1 --ops {ops}{faults}"
 
 
 def run_part(part: str, base_seed: int, seconds: float, max_episodes: int | None = None,
@@ -997,7 +1315,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="time per part (default 60)")
     ap.add_argument("--episodes", type=int, default=None, help="stop after this many episodes per part")
     ap.add_argument("--ops", type=int, default=None, help="operations per ledger / threads episode")
+    ap.add_argument("--faults", choices=FAULTS_CHOICES, default="drawn",
+                    help="scheduler episodes whose transfers fail: drawn (a fraction of those with a tier\n"
+                         "below the pool; the default), always (every such episode) or off")
     args = ap.parse_args(argv)
+    global FAULTS
+    FAULTS = args.faults
     seed = random.SystemRandom().randrange(2**32) if args.seed is None else args.seed
     parts = PARTS if args.part == "all" else (args.part,)
     print(f"kvledger fuzz: seed {seed}; {native.status()}", flush=True)

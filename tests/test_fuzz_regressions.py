@@ -5,16 +5,29 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from dataclasses import replace
+
+import pytest
 
 from kvledger.core.ledger import KVLedger
-from kvledger.scheduler import ConstantExecutor, Driver, GenRequest, HostPool, Scheduler, SchedulerConfig
+from kvledger.core.tiers import TierLedger
+from kvledger.scheduler import (
+    ConstantExecutor,
+    Driver,
+    GenRequest,
+    HostPool,
+    Scheduler,
+    SchedulerConfig,
+    StepOutput,
+    StepPlan,
+)
 
 try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
     from tests import fuzzing
-    from tests.test_scheduler import FakeEngine, sample_token, toks
+    from tests.test_scheduler import FakeEngine, assert_drained, expected_output, sample_token, toks
 except ImportError:  # pragma: no cover
     import fuzzing
-    from test_scheduler import FakeEngine, sample_token, toks
+    from test_scheduler import FakeEngine, assert_drained, expected_output, sample_token, toks
 
 
 def test_a_beam_whose_one_beam_is_deferred_does_not_stall_the_scheduler() -> None:
@@ -134,3 +147,94 @@ def test_a_beam_wider_than_the_token_budget_is_refused_rather_than_stalling() ->
     assert finished["wide"].outputs == [[]]
     assert finished["fits"].finish_reasons == ["length", "length"]
     assert [len(o) for o in finished["fits"].outputs] == [3, 3]
+
+
+def test_a_restored_familys_copy_on_write_reads_its_block_after_the_swap_in() -> None:
+    """Found by the fuzz with transfer failures (scheduler seed 11000792 with ``--faults always``: its
+    undisturbed run). Pool of 4 blocks of 4, host of 8; ``incremental`` / ``preempt`` / ``latest`` /
+    ``swap``, prefill chunk 5, token budget 8. A (n=2, 6-token prompt, lookahead 1) is admitted at step 3:
+    branch A prefills 5 tokens -- position 4 into the shared partial block 2 -- and A/1 two. At step 4
+    G needs a block and A, the latest, is swapped out. When G is done A comes back: its full prompt
+    block is still cached on the device, and the partial block returns from the host into block 3,
+    shared by both branches; A's draft slot must not land in A/1's block, so the same plan copies block
+    3 into A's own block 2 (copy-on-write). Copies execute first (``StepPlan.copies``; the executor
+    order is copies, swap-out, swap-in, forward): the copy reads block 3 before the swap-in has filled
+    it, and A then reads position 4 as KV that was never written (a real engine whose swap-in does not
+    run before its copies decodes from garbage)."""
+    s = Scheduler(KVLedger(4, 4), SchedulerConfig(policy="incremental", on_growth_failure="preempt",
+                                                  victim="latest", recovery="swap", watermark=0.0,
+                                                  prefill_chunk=5, token_budget=8), host=HostPool(8))
+    engine = FakeEngine(s)  # checks every KV position each step reads
+    s.add(GenRequest("G", toks(1, 100), 11))
+    for _ in range(3):
+        engine.step()
+    s.add(GenRequest("A", toks(6, 0), 1, n=2, lookahead=1))
+    plans = engine.drain()
+    (restore,) = [p for p in plans if p.swap_in]
+    arriving = {d for _, d in restore.swap_in}
+    assert not [c for c in restore.copies if c.src in arriving], "a copy reads a block that arrives in its step"
+    for rid, prompt, n_out in (("A", 6, 1), ("A/1", 6, 1), ("G", 1, 11)):
+        br = next(b for b in s.branches(rid.split("/")[0]) if b.seq_id == rid)
+        assert br.finish_reason == "length" and br.output[:n_out] == expected_output(rid, prompt, n_out)
+    assert_drained(s)
+
+
+class UnreadableTier(FakeEngine):
+    """Every promotion read fails, told to the scheduler at once as the torch executor does (the step goes
+    on; the requests sent back to recompute are skipped); in that step request X's part raises too."""
+
+    promotion_step: int | None = None
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        if plan.promote:
+            self.promotion_step = plan.step
+            self.s.transfers_failed(StepPlan(plan.step, promote=list(plan.promote)))
+        if plan.step == self.promotion_step and any(w.request_id == "X" for w in plan.works):
+            raise RuntimeError("X's sampling failed")
+        running = self.s.running
+        rest = replace(plan, promote=[], prefills=[w for w in plan.prefills if w.request_id in running],
+                       decodes=[w for w in plan.decodes if w.request_id in running])
+        return StepOutput(sampled=self.run(rest))
+
+
+def test_a_lost_promotion_is_counted_once_when_its_step_is_run_again() -> None:
+    """Found by the fuzz with transfer failures (scheduler seed 9007021 with ``--faults always``: "3
+    promotions failed of 2 planned"). A's 4 prompt blocks are cached, B's admission demotes 3 of them to
+    the host tier, and C comes for A's prompt: its admission promotes the 3 blocks, whose reads fail --
+    the executor tells ``Scheduler.transfers_failed`` at once and C goes back to recompute. In the same
+    step X's part raises, so the driver runs the step again one part at a time, the prefix cache's
+    transfers first: the promotions are read again, fail again and are told again. The scheduler counted
+    them again: 6 promotion failures of 3 promoted blocks, and ``promoted_tokens`` -12 (in /metrics:
+    ``kvledger:tier_promotion_failures_total``)."""
+    s = Scheduler(KVLedger(8, 4), SchedulerConfig(offload_prefixes=True, writeback_blocks=0),
+                  host=TierLedger([("host", 8)]))
+    driver = Driver(s, UnreadableTier(s), check_every=1)
+
+    def run(*requests: GenRequest) -> dict[str, list[str]]:
+        for r in requests:
+            driver.submit(r)
+        out = {}
+        while driver.has_work():
+            out.update({f.request.request_id: f.finish_reasons for f in driver.step().finished})
+        return out
+
+    run(GenRequest("A", toks(16, 0), 2))
+    run(GenRequest("B", toks(24, 500), 2))
+    assert len(s.host.index) == 3
+    driver.submit(GenRequest("X", toks(2, 900), 4))
+    driver.step()  # X runs: it has a part in C's promotion step
+    assert run(GenRequest("C", toks(16, 0) + toks(3, 700), 2)) == {
+        "X": ["error: RuntimeError: X's sampling failed"], "C": ["length"]}
+    stats = s.tier_stats()
+    assert (stats["promotion_failures"], stats["promoted_tokens"]) == (3, 0)
+    u = s.ledger.usage()
+    assert (u.active, u.promised, u.sequences, s.ledger.outstanding_leases()) == (0, 0, 0, 0)
+    s.check()
+
+
+def test_the_fuzz_episode_that_counted_a_lost_promotion_twice() -> None:
+    """The fuzz episode itself: a swap-in and a promotion of the same step fail; the executor writes the
+    step's cache entries off (the lost promotion among them) and the step fails; the driver's rerun of the
+    prefix cache's transfers fails the promotion again, and it was counted again."""
+    sc = fuzzing.draw_scenario(random.Random(9007021), "always")
+    fuzzing.run_scenario(sc, Counter())

@@ -2,7 +2,8 @@
 derandomised. Each run draws a new base seed (or takes ``KVLEDGER_FUZZ_SEED``), runs each part of
 ``tests/fuzzing.py`` for a few seconds (``KVLEDGER_FUZZ_SECONDS``, default 4; or a fixed number of
 episodes with ``KVLEDGER_FUZZ_EPISODES``), and reports its seed and operation counts at the end of the
-session. A failure names the failing episode's seed and the one command that replays it, e.g.::
+session (the scheduler's line also counts the transfers it failed on purpose and in how many episodes).
+A failure names the failing episode's seed and the one command that replays it, e.g.::
 
     .venv/bin/python tests/fuzzing.py --part scheduler --seed 8812734411 --episodes 1 --ops 0
 
@@ -52,3 +53,7 @@ def test_short_randomised_fuzz(part: str) -> None:
         pytest.fail(str(exc), pytrace=False)
     SUMMARY.append(result.line())
     assert result.episodes >= 1 and result.ops > 0
+    if part == "scheduler" and result.episodes >= 60:
+        # About 3 in 10 scheduler episodes fail transfers: 60 without one would be a fuzz that stopped
+        # drawing them (odds 0.7**60, about 5e-10).
+        assert result.counts["fault episodes"] > 0, "no scheduler episode failed a transfer"

@@ -195,6 +195,24 @@ class Scheduler(AdmissionOps, TierPlanning):
                 [restored_owner.get(h) for h, _ in plan.swap_in])
 
     # ---- planning -------------------------------------------------------------------------------
+    @staticmethod
+    def _copies_from_host(plan: StepPlan) -> None:
+        """A copy-on-write whose source block this very plan swaps in would read it before it is filled
+        (executors copy before they swap in): it becomes a second swap-in of the same host copy into
+        the destination instead. A restored family whose branches still share a partial tail, one of
+        which writes it in the step that brings it back, needs this."""
+        if not plan.copies or not plan.swap_in:
+            return
+        arriving = {d: h for h, d in plan.swap_in}
+        kept = []
+        for op in plan.copies:
+            host = arriving.get(op.src)
+            if host is None:
+                kept.append(op)
+            else:
+                plan.swap_in.append((host, op.dst))
+        plan.copies[:] = kept
+
     def schedule(self) -> StepPlan:
         if self._in_flight is not None:
             raise LedgerError(f"step {self._in_flight.step} is still in flight: confirm it first")
@@ -212,6 +230,7 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._admit(plan, budget)
         self._liveness(plan)
         plan.copies.extend(self.ledger.take_copies())
+        self._copies_from_host(plan)
         self._take_tier_ops(plan)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).

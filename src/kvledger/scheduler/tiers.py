@@ -51,6 +51,9 @@ class TierPlanning:
         # failed), and promoted blocks that did not arrive (their requests recomputed them).
         self.demotion_failures = 0
         self.promotion_failures = 0
+        # Promoted blocks of the step in flight already known lost: the driver's rerun of a failed step
+        # runs its transfers again and may report the same loss twice.
+        self._lost_promotions: set[int] = set()
         if self.config.offload_prefixes:
             if host is None or host.num_blocks == 0:
                 raise ConfigError("offload_prefixes needs tiers below the device pool (a host or disk tier)")
@@ -118,6 +121,7 @@ class TierPlanning:
         if self.host is not None:
             self.host.complete()
         self._arriving.clear()
+        self._lost_promotions.clear()
 
     def transfers_failed(self: Scheduler, plan: StepPlan) -> list[str]:
         """The executor could not complete these tier transfers of the step in flight (``plan`` names
@@ -132,7 +136,10 @@ class TierPlanning:
                 self.demotion_failures += self.host.discard(written)
         if not plan.promote:
             return []
-        missing = [d for _, d in plan.promote]
+        missing = [d for _, d in plan.promote if d not in self._lost_promotions]
+        if not missing:
+            return []
+        self._lost_promotions.update(missing)
         self.ledger.invalidate(missing)
         self.promotion_failures += len(missing)
         self.promoted_tokens -= len(missing) * self.ledger.block_size  # they were not served from a tier

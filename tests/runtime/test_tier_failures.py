@@ -242,3 +242,38 @@ def test_a_request_failing_in_a_step_that_demotes_leaves_no_wrong_entry_below(ti
     other, again, reasons = run()
     assert reasons == ["error: ValueError: probabilities contain NaN"]
     assert (other, again) == want[:2]
+
+
+def test_a_swap_failing_on_the_worker_after_the_forward_pass_writes_the_steps_cache_entries_off() -> None:
+    """A swap that fails on the transfer worker fails the step only once the step's compute ran: the
+    entries its demotions wrote can no longer be trusted (the driver's rerun could copy blocks that
+    compute overwrote), so they are handed to the write-off hook exactly as when the compute raises.
+    Before the fix the second swap check sat outside the write-off."""
+    from types import SimpleNamespace
+
+    from kvledger.runtime.executor import TorchExecutor
+    from kvledger.runtime.transfer import StepTransfers
+    from kvledger.scheduler import StepPlan
+
+    plan = StepPlan(7, demote=[(3, 11)], swap_out=[(4, 12)])
+
+    class FailsOnTheWorker(StepTransfers):
+        def wait(self) -> float:  # the worker's part ends in error after the compute
+            self.error = OSError(errno.EIO, "swap-out failed on the worker")
+            self.done.set()
+            return 0.0
+
+    class WorkerFails:
+        """Starts the step's transfers; the swap-out on the worker raises only after the compute."""
+
+        @staticmethod
+        def start(p: StepPlan, inbound_needed: bool = True) -> StepTransfers:
+            return FailsOnTheWorker(p)
+
+    written: list[StepPlan] = []
+    runner = SimpleNamespace(spec=SimpleNamespace(block_size=4), store=None)
+    stats = SimpleNamespace(copies=0)
+    executor = TorchExecutor(runner, WorkerFails(), stats, on_transfer_error=written.append)  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="swap-out failed on the worker"):
+        executor.execute(plan)
+    assert [(p.step, p.demote) for p in written] == [(7, [(3, 11)])]

@@ -101,8 +101,12 @@ class TorchExecutor:
             raise
         if batch is not None:
             batch.wait()
-            self._check(batch)
-            self._settle(batch)  # lost on the worker: no work of this step read those blocks
+            try:
+                self._check(batch)  # a swap that failed on the worker fails the step here ...
+                self._settle(batch)  # lost on the worker: no work of this step read those blocks
+            except BaseException:
+                self._write_off(batch)  # ... after this attempt's forward pass: no entry it wrote is trusted
+                raise
             out.transfer_s = batch.busy_s
             out.transfer_exposed_s = batch.exposed_s
             out.transfer_hidden_s = batch.hidden_s

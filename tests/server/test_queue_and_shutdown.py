@@ -91,9 +91,14 @@ def test_sigterm_lets_running_requests_finish(spawn) -> None:
         try:
             r = httpx.post(f"{server.v1}/completions", json={"prompt": "x", "max_tokens": 1}, trust_env=False,
                            headers={"Authorization": f"Bearer {server.keys['acme']}"}, timeout=10)
-            return r.status_code == 503
         except httpx.TransportError:
             return True
+        if r.status_code != 503:
+            return False
+        if r.headers.get("content-type", "").startswith("application/json"):  # ours (not uvicorn's own)
+            error = r.json()["error"]  # the documented shape, typed as the server's state, not the client's
+            assert (error["type"], error["code"]) == ("server_error", "draining"), error
+        return True
 
     until(refused)
     # ... while the running request streams to its end.

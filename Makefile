@@ -35,22 +35,30 @@ test: install
 # The long randomised search (docs/testing.md). `make test` runs a few seconds of the same fuzz on a new
 # seed; this runs FUZZ_SECONDS per part (ledger operations, 16-32 threads, scheduler episodes) with the
 # C part (each episode also run on the pure-Python core, the two compared) and again with
-# KVLEDGER_NATIVE=0, then the Hypothesis properties under the randomised `fuzz` profile. FUZZ_SEED=N
-# replays a run; a failure prints the one command that replays its episode.
+# KVLEDGER_NATIVE=0, then the Hypothesis properties under the randomised `fuzz` profile, then the HTTP
+# APIs' schema fuzz (schemathesis: the server's and the lab's; `make test` runs a short derandomised pass)
+# with HTTP_FUZZ_EXAMPLES examples per operation and generation mode. FUZZ_SEED=N replays a run; a failure
+# prints the one command (or, for the HTTP fuzz, the seed and the request) that replays it.
 FUZZ_SECONDS ?= 120
 FUZZ_SEED    ?=
 FUZZ_ARGS     = --seconds $(FUZZ_SECONDS) $(if $(FUZZ_SEED),--seed $(FUZZ_SEED))
+HTTP_FUZZ_EXAMPLES ?= 200
 fuzz: install
 	@status=0; \
 	$(PY) tests/fuzzing.py $(FUZZ_ARGS) || status=1; \
 	KVLEDGER_NATIVE=0 $(PY) tests/fuzzing.py $(FUZZ_ARGS) || status=1; \
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/test_ledger_state_machine.py \
 	  tests/test_ledger_family.py tests/test_lifetimes.py tests/test_native_core.py || status=1; \
+	KVLEDGER_HTTP_FUZZ_EXAMPLES=$(HTTP_FUZZ_EXAMPLES) $(if $(FUZZ_SEED),KVLEDGER_HTTP_FUZZ_SEED=$(FUZZ_SEED)) \
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_lab_schema_fuzz.py tests/server/test_schema_fuzz.py \
+	  || status=1; \
 	exit $$status
 
-# Mutation testing of core/ and scheduler/ (docs/testing.md): mutmut, pinned here, one worker at low
-# priority, module by module, with KVLEDGER_NATIVE=0; then the kill rate per module. MUTATE picks
-# modules, e.g. `make mutation MUTATE=kvledger.scheduler.victims` (default: both packages, a few hours).
+# Mutation testing of core/, scheduler/, sim/, server/, fleet/ and the runtime's KV storage (docs/testing.md):
+# mutmut, pinned here, one worker at low priority, module by module, with KVLEDGER_NATIVE=0; then the kill
+# rate per module. MUTATE picks modules or packages, e.g. `make mutation MUTATE=kvledger.scheduler.victims`
+# (default: every package, about 30,000 mutants: weeks of one core; `tests/mutation.py sample` estimates
+# the kill rate per package from a seeded sample instead).
 # The same pin as pyproject.toml's `mutation` extra.
 MUTMUT ?= mutmut==3.8.1
 MUTATE ?=

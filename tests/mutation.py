@@ -1,23 +1,32 @@
-"""``make mutation``: mutation testing of the ledger core and the scheduler with mutmut (pinned in the
-Makefile; configured in pyproject.toml's ``[tool.mutmut]``), module by module, and the kill rates.
+"""``make mutation``: mutation testing with mutmut (pinned in the Makefile; configured in pyproject.toml's
+``[tool.mutmut]``) of the ledger core, the scheduler, the simulator, the server, the fleet and the runtime's
+KV storage (``kv_store``, ``kv_quant``, ``host_store``, ``transfer``, ``attention``), module by module,
+and the kill rates.
 
     .venv/bin/python tests/mutation.py run [MODULE ...]    # mutmut on each module, then the report
     .venv/bin/python tests/mutation.py report [MODULE ...] # the report of what the last runs found
     .venv/bin/python tests/mutation.py rerun [MODULE ...]  # the survivors again, after adding tests
-    .venv/bin/python tests/mutation.py sample [--count N] [--seed S] [--jobs J] [MODULE ...]
+    .venv/bin/python tests/mutation.py sample [--count N] [--per-package] [--seed S] [--jobs J] [--no-fresh]
+                                              [MODULE ...]
 
-``sample`` estimates the kill rate over every mutant of the modules (all of ``core/`` and ``scheduler/``
-by default: about 13,600 mutants, days of one core) from a uniform random sample of them, seeded: it
-runs only the sampled mutants (with ``KVLEDGER_NATIVE=0``; each survivor again with the C part loaded,
-as ``make test`` runs; then in a fresh interpreter, for code that runs at import) and prints the
-sample's kill rate with its 95% (Wilson) interval. Equivalent mutants met in the sample are listed in
+``sample`` estimates the kill rate over every mutant of the modules (every package above by default:
+days of one core) from a uniform random sample of them, seeded (``--per-package``: ``--count`` mutants of
+each package, each package's drawn on its own generator, so that its rate has its own interval and its
+draw does not depend on which other packages are asked; ``--no-fresh`` skips the last, fresh-interpreter
+pass, and the report says so): it runs only the sampled
+mutants (with ``KVLEDGER_NATIVE=0``; each survivor of the packages with a C path again with the C part
+loaded, as ``make test`` runs; then in a fresh interpreter: the core's and the scheduler's over the
+planner's quick tests, for code that runs at import, the server's over the live-server tests, whose
+server process then runs the mutant) and prints the kill rate per package and over the sample, each
+with its 95% (Wilson) interval. Equivalent mutants met in the sample are listed in
 ``mutation_equivalent.txt`` like any other and drop out of the denominator. The first ``sample`` on a
 fresh checkout makes mutmut generate every mutant and map the tests (a run whose pattern matches no
 mutant: about six minutes here). A sample whose survivors then got kill tests no longer estimates
 anything: draw the next estimate with a new ``--seed``.
 
 A MODULE is a dotted name (``kvledger.scheduler.victims``) or a package (``kvledger.scheduler``); the
-default is every module of ``kvledger.core`` and ``kvledger.scheduler``. The run is one mutmut worker
+default is every module of every package in ``PACKAGES`` (which follows ``[tool.mutmut]``'s
+``only_mutate`` and ``do_not_mutate``). The run is one mutmut worker
 (``--max-children 1``) per module, under ``nice``, with ``KVLEDGER_NATIVE=0`` so the Python code being
 mutated is the code the tests run, and the short fuzz on a fixed seed and episode count (so that a
 mutant is killed or not the same way every run, but for thread interleavings).
@@ -32,6 +41,7 @@ as survived.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 import os
 import random
@@ -39,6 +49,7 @@ import re
 import subprocess
 import sys
 import time
+import tomllib
 from collections import Counter
 from pathlib import Path
 
@@ -50,21 +61,49 @@ ENV = {
     "KVLEDGER_FUZZ_SEED": "20261201",
     "KVLEDGER_FUZZ_EPISODES": "ledger=20,threads=1,scheduler=40",
 }
-PACKAGES = {"kvledger.core": REPO / "src/kvledger/core", "kvledger.scheduler": REPO / "src/kvledger/scheduler"}
-SKIP = {"kvledger.core.native", "kvledger.core.__init__", "kvledger.scheduler.__init__"}
+# The packages mutated, in report order; of the runtime only the modules [tool.mutmut] names.
+PACKAGES = ("kvledger.core", "kvledger.scheduler", "kvledger.sim", "kvledger.server", "kvledger.fleet",
+            "kvledger.runtime")
 KILLED = {"killed", "timeout"}
-# The fresh-interpreter pass of ``sample`` (see there): tensor-free tests of what the core computes at import.
-FRESH_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_geometry.py",
-               "tests/test_identity_known_answers.py", "tests/test_golden.py")
+# The fresh-interpreter pass of ``sample`` (see there), per package: for the core and the scheduler,
+# tensor-free tests of what the core computes at import; for the server, the live-server tests, whose
+# `kvledger serve` child process inherits the mutant (PYTHONPATH and MUTANT_UNDER_TEST), which mutmut's
+# own run cannot give it (mutmut maps a test to the functions it calls in the test process only).
+PLANNER_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_geometry.py",
+                 "tests/test_identity_known_answers.py", "tests/test_golden.py")
+LIVE_SERVER_TESTS = ("tests/server/test_openai_api.py", "tests/server/test_tenants.py",
+                     "tests/server/test_metrics.py", "tests/server/test_malformed_bodies.py")
+FRESH_TESTS = {"kvledger.core": PLANNER_TESTS, "kvledger.scheduler": PLANNER_TESTS,
+               "kvledger.server": LIVE_SERVER_TESTS}
+FRESH_TIMEOUT_S = {"kvledger.server": 900}
+# Packages whose code takes another path with the C parts loaded (the core's, the runtime's kernels).
+NATIVE_PACKAGES = {"kvledger.core", "kvledger.scheduler", "kvledger.runtime"}
+
+
+def _mutmut_config() -> dict:
+    with (REPO / "pyproject.toml").open("rb") as fh:
+        return tomllib.load(fh)["tool"]["mutmut"]
+
+
+def package_modules(package: str) -> list[str]:
+    """The modules of ``package`` that mutmut mutates (``only_mutate`` less ``do_not_mutate``), sorted;
+    a package's ``__init__`` is left out (its mutants would be named as the package's)."""
+    cfg = _mutmut_config()
+    folder = REPO / "src" / package.replace(".", "/")
+    out = []
+    for path in sorted(folder.glob("*.py")):
+        rel = path.relative_to(REPO).as_posix()
+        if path.stem == "__init__" or any(fnmatch.fnmatch(rel, p) for p in cfg.get("do_not_mutate", [])):
+            continue
+        if any(fnmatch.fnmatch(rel, p) for p in cfg.get("only_mutate", [])):
+            out.append(f"{package}.{path.stem}")
+    return out
 
 
 def modules(names: list[str]) -> list[str]:
     out: list[str] = []
     for name in names or list(PACKAGES):
-        if name in PACKAGES:
-            out += [f"{name}.{p.stem}" for p in sorted(PACKAGES[name].glob("*.py")) if f"{name}.{p.stem}" not in SKIP]
-        else:
-            out.append(name)
+        out += package_modules(name) if name in PACKAGES else [name]
     return out
 
 
@@ -98,12 +137,18 @@ PLANNER = frozenset(f"kvledger.core.{m}" for m in ("params", "inventory", "engin
                                                     "models", "kv_formats"))
 
 
-def part_of(mutant: str) -> str:
-    """``kvledger.scheduler``, ``kvledger.core (planner)`` or ``kvledger.core (ledger)``."""
+def package_of(mutant: str) -> str:
+    """The package of ``PACKAGES`` a mutant belongs to (``kvledger.sim``, ``kvledger.runtime``, ...)."""
     mod = module_of(mutant)
-    if mod.startswith("kvledger.scheduler."):
-        return "kvledger.scheduler"
-    return "kvledger.core (planner)" if mod in PLANNER else "kvledger.core (ledger)"
+    return next((p for p in PACKAGES if mod.startswith(p + ".")), mod.rsplit(".", 1)[0])
+
+
+def part_of(mutant: str) -> str:
+    """The package, with ``kvledger.core`` split into ``(planner)`` and ``(ledger)``."""
+    pkg = package_of(mutant)
+    if pkg != "kvledger.core":
+        return pkg
+    return "kvledger.core (planner)" if module_of(mutant) in PLANNER else "kvledger.core (ledger)"
 
 
 def module_of(mutant: str) -> str:
@@ -202,10 +247,14 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def sample(argv: list[str]) -> int:
     """Run a seeded uniform sample of the modules' mutants and report the kill rate it estimates."""
-    count, seed, jobs, names = 200, 1, 1, []
+    count, seed, jobs, names, per_package, fresh = 200, 1, 1, [], False, True
     it = iter(argv)
     for arg in it:
-        if arg in ("--count", "--seed", "--jobs"):
+        if arg == "--per-package":
+            per_package = True
+        elif arg == "--no-fresh":  # the live-server pass is a minute or more per server survivor
+            fresh = False
+        elif arg in ("--count", "--seed", "--jobs"):
             value = next(it, None)
             if value is None or not value.isdigit() or int(value) < (0 if arg == "--seed" else 1):
                 print(f"mutation.py sample: {arg} needs a {'non-negative' if arg == '--seed' else 'positive'} "
@@ -236,7 +285,14 @@ def sample(argv: list[str]) -> int:
     if not population:
         print(f"mutation.py sample: no mutants of {' '.join(sorted(wanted)) or 'those modules'}", file=sys.stderr)
         return 2
-    chosen = sorted(random.Random(seed).sample(population, min(count, len(population))))
+    if per_package:  # ``count`` of each package, each drawn on its own generator: the same whichever are asked
+        chosen = []
+        for pkg in PACKAGES:
+            mine = [k for k in population if package_of(k) == pkg]
+            chosen += random.Random(f"{seed}/{pkg}").sample(mine, min(count, len(mine)))
+        chosen.sort()
+    else:
+        chosen = sorted(random.Random(seed).sample(population, min(count, len(population))))
     # Every sampled mutant runs again: a result from before a change of the tests or the code is stale.
     todo = chosen
     t0 = time.perf_counter()
@@ -253,10 +309,10 @@ def sample(argv: list[str]) -> int:
     # `make test` runs with the C part loaded: a mutant that survives the pure-Python run gets a second
     # chance with it loaded (its path may be one only the C part takes), and is killed if either run
     # kills it.
-    survivors = [k for k in chosen if status[k] not in KILLED]
+    survivors = [k for k in chosen if status[k] not in KILLED and package_of(k) in NATIVE_PACKAGES]
     if survivors:
         t0 = time.perf_counter()
-        print(f"== mutmut: the {len(survivors)} survivors again with the C part loaded", flush=True)
+        print(f"== mutmut: the {len(survivors)} survivors with a C path again with the C part loaded", flush=True)
         cmd = ["nice", "-n", "10", *MUTMUT, "run", "--max-children", str(jobs), *survivors]
         proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, **ENV, "KVLEDGER_NATIVE": "1"},
                               capture_output=True, text=True)
@@ -269,20 +325,20 @@ def sample(argv: list[str]) -> int:
     # import (the GPU catalogue, the weight formats) runs unmutated. A survivor gets a last chance in a
     # fresh interpreter with the mutant active from the start, over the planner's quick tests.
     fresh_kills: set[str] = set()
-    survivors = [k for k in chosen if status[k] not in KILLED]
+    survivors = [k for k in chosen if status[k] not in KILLED and package_of(k) in FRESH_TESTS and fresh]
     if survivors:
         t0 = time.perf_counter()
-        print(f"== the {len(survivors)} survivors again, each in a fresh interpreter ({' '.join(FRESH_TESTS)})",
-              flush=True)
+        print(f"== the {len(survivors)} survivors again, each in a fresh interpreter", flush=True)
+        clean: set[str] = set()
         for k in survivors:
-            env = dict(os.environ, **ENV, MUTANT_UNDER_TEST=k, PYTHONPATH=str(REPO / "mutants" / "src"))
-            try:
-                proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
-                                       *FRESH_TESTS], cwd=REPO, env=env, capture_output=True, timeout=300)
-                if proc.returncode != 0:
-                    fresh_kills.add(k)
-            except subprocess.TimeoutExpired:
-                fresh_kills.add(k)  # as mutmut counts a timeout
+            pkg = package_of(k)
+            if pkg not in clean:  # the tests must pass with no mutant, or a failure would kill nothing
+                if fresh_run(pkg, "") is not True:
+                    print(f"   {pkg}: the fresh-interpreter tests fail without a mutant; pass skipped", flush=True)
+                    continue
+                clean.add(pkg)
+            if fresh_run(pkg, k) is not True:
+                fresh_kills.add(k)
         print(f"   {time.perf_counter() - t0:.0f} s; {len(fresh_kills)} killed there")
     eq = equivalents()
     c: Counter[str] = Counter()
@@ -301,18 +357,36 @@ def sample(argv: list[str]) -> int:
         by_part.setdefault(part_of(k), Counter())[kind] += 1
     for pkg, pc in sorted(by_part.items()):
         pn = pc["killed"] + pc["survived"]
-        print(f"   {pkg}: {pn and 100 * pc['killed'] / pn:.1f}% of {sum(pc.values())} sampled, {pc['killed']} killed, "
+        plo, phi = wilson(pc["killed"], pn)
+        print(f"   {pkg}: {pc['killed']} / {pn} = {pn and 100 * pc['killed'] / pn:.1f}% "
+              f"(95% interval {100 * plo:.1f}-{100 * phi:.1f}%) of {sum(pc.values())} sampled; "
               f"{pc['equivalent']} equivalent, {pc['native']} native, {pc['survived']} survived")
     n = c["killed"] + c["survived"]
     lo, hi = wilson(c["killed"], n)
     rate = f"{100 * c['killed'] / n:.1f}%" if n else "-"
     print(f"sampled kill rate of non-equivalent mutants: {c['killed']} / {n} = {rate} "
           f"(95% interval {100 * lo:.1f}-{100 * hi:.1f}%); {c['equivalent']} equivalent, {c['native']} native")
+    if not fresh:
+        print("   (--no-fresh: no fresh-interpreter pass, so no live-server run of the server's survivors)")
     if left:
         print(f"\n{len(left)} surviving non-equivalent mutants of the sample (mutmut show NAME shows one):")
         for k in left:
             print(f"  {k}: {status[k]}")
     return 0
+
+
+def fresh_run(package: str, mutant: str) -> bool | None:
+    """``package``'s fresh-interpreter tests with ``mutant`` active from the start (no mutant: ``""``), with
+    ``mutants/src`` first on the path of this process and of any it starts: True if they pass, False if
+    they fail, None on a timeout (counted as killed, as mutmut counts one)."""
+    env = dict(os.environ, **ENV, MUTANT_UNDER_TEST=mutant, PYTHONPATH=str(REPO / "mutants" / "src"))
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+           *FRESH_TESTS[package]]
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, timeout=FRESH_TIMEOUT_S.get(package, 300))
+    except subprocess.TimeoutExpired:
+        return None
+    return proc.returncode == 0
 
 
 COMMANDS = {"run": run, "report": report, "rerun": rerun, "sample": sample}

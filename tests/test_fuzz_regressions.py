@@ -7,8 +7,6 @@ import random
 from collections import Counter
 from dataclasses import replace
 
-import pytest
-
 from kvledger.core.ledger import KVLedger
 from kvledger.core.tiers import TierLedger
 from kvledger.scheduler import (

@@ -45,9 +45,11 @@ from kvledger.scheduler import (
 )
 from kvledger.scheduler.driver import FinishedRequest
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
+try:  # the module names pytest gives tests/test_*.py depend on its import mode
+    from tests.test_driver import assert_clean
     from tests.test_scheduler import BS, FakeEngine, expected_output, sample_token, toks
 except ImportError:  # pragma: no cover
+    from test_driver import assert_clean
     from test_scheduler import BS, FakeEngine, expected_output, sample_token, toks
 
 STOP = 7  # sample_token never returns it (its tokens are >= 10): only a script samples it
@@ -103,16 +105,6 @@ def finish(driver: Driver, on_step: Callable[[StepPlan], None] | None = None,
             out[f.request.request_id] = f
     assert_clean(driver)
     return out
-
-
-def assert_clean(driver: Driver) -> None:
-    s = driver.scheduler
-    s.check()
-    u = s.ledger.usage()
-    assert (u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), u
-    assert s.ledger.outstanding_leases() == 0
-    if s.host is not None:
-        assert s.host.num_used == 0
 
 
 def ledger_preemptions(driver: Driver) -> int:

@@ -9,6 +9,10 @@ Order inside ``schedule``: (1) hand tokens sampled last step to the ledger -- th
 requests grow, and where growth failures are handled by the policy; (2) restore swapped requests;
 (3) decode and prefill chunks for running requests under the token budget; (4) admit waiting requests
 in priority order; (5) the liveness rule: a request that can no longer make progress ends with a reason.
+
+The module is long (past 800 lines) because ``schedule`` and ``confirm`` must see one step's whole state;
+admission and tier planning already live in their own modules, and composing them as objects rather than
+mixins is the planned split.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ draw does not depend on which other packages are asked; ``--no-fresh`` skips the
 pass, and the report says so): it runs only the sampled
 mutants (with ``KVLEDGER_NATIVE=0``; each survivor of the packages with a C path again with the C part
 loaded, as ``make test`` runs; then in a fresh interpreter: the core's and the scheduler's over the
-planner's quick tests, for code that runs at import, the server's over the live-server tests, whose
-server process then runs the mutant) and prints the kill rate per package and over the sample, each
+planner's quick tests, for code that runs at import, the server's over its in-process server tests,
+whose server module state is then built with the mutant active) and prints the kill rate per package and over the sample, each
 with its 95% (Wilson) interval. Equivalent mutants met in the sample are listed in
 ``mutation_equivalent.txt`` like any other and drop out of the denominator. The first ``sample`` on a
 fresh checkout makes mutmut generate every mutant and map the tests (a run whose pattern matches no
@@ -66,15 +66,15 @@ PACKAGES = ("kvledger.core", "kvledger.scheduler", "kvledger.sim", "kvledger.ser
             "kvledger.runtime")
 KILLED = {"killed", "timeout"}
 # The fresh-interpreter pass of ``sample`` (see there), per package: for the core and the scheduler,
-# tensor-free tests of what the core computes at import; for the server, the live-server tests, whose
-# `kvledger serve` child process inherits the mutant (PYTHONPATH and MUTANT_UNDER_TEST), which mutmut's
-# own run cannot give it (mutmut maps a test to the functions it calls in the test process only).
+# tensor-free tests of what the core computes at import; for the server, the in-process server tests
+# (tests/server/inproc.py: the app `kvledger serve` assembles, run in the test process, so mutmut maps them
+# too), for what the server builds at import.
 PLANNER_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_geometry.py",
                  "tests/test_identity_known_answers.py", "tests/test_golden.py")
-LIVE_SERVER_TESTS = ("tests/server/test_openai_api.py", "tests/server/test_tenants.py",
-                     "tests/server/test_metrics.py", "tests/server/test_malformed_bodies.py")
+INPROC_SERVER_TESTS = ("tests/server/test_inproc_openai_surface.py", "tests/server/test_inproc_errors.py",
+                       "tests/server/test_inproc_admin_and_metrics.py", "tests/server/test_inproc_lifecycle.py")
 FRESH_TESTS = {"kvledger.core": PLANNER_TESTS, "kvledger.scheduler": PLANNER_TESTS,
-               "kvledger.server": LIVE_SERVER_TESTS}
+               "kvledger.server": INPROC_SERVER_TESTS}
 FRESH_TIMEOUT_S = {"kvledger.server": 900}
 # Packages whose code takes another path with the C parts loaded (the core's, the runtime's kernels).
 NATIVE_PACKAGES = {"kvledger.core", "kvledger.scheduler", "kvledger.runtime"}
@@ -252,7 +252,7 @@ def sample(argv: list[str]) -> int:
     for arg in it:
         if arg == "--per-package":
             per_package = True
-        elif arg == "--no-fresh":  # the live-server pass is a minute or more per server survivor
+        elif arg == "--no-fresh":  # the server's pass is a minute or more per server survivor
             fresh = False
         elif arg in ("--count", "--seed", "--jobs"):
             value = next(it, None)
@@ -367,7 +367,7 @@ def sample(argv: list[str]) -> int:
     print(f"sampled kill rate of non-equivalent mutants: {c['killed']} / {n} = {rate} "
           f"(95% interval {100 * lo:.1f}-{100 * hi:.1f}%); {c['equivalent']} equivalent, {c['native']} native")
     if not fresh:
-        print("   (--no-fresh: no fresh-interpreter pass, so no live-server run of the server's survivors)")
+        print("   (--no-fresh: no fresh-interpreter pass of the survivors)")
     if left:
         print(f"\n{len(left)} surviving non-equivalent mutants of the sample (mutmut show NAME shows one):")
         for k in left:

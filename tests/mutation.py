@@ -17,8 +17,8 @@ pass, and the report says so): it runs only the sampled
 mutants (with ``KVLEDGER_NATIVE=0``; each survivor of the packages with a C path again with the C part
 loaded, as ``make test`` runs; then in a fresh interpreter: the core's and the scheduler's over the
 planner's quick tests, for code that runs at import, the server's over its in-process server tests,
-whose server module state is then built with the mutant active) and prints the kill rate per package and over the sample, each
-with its 95% (Wilson) interval. Equivalent mutants met in the sample are listed in
+whose server module state is then built with the mutant active) and prints the kill rate per package
+and over the sample, each with its 95% (Wilson) interval. Equivalent mutants met in the sample are listed in
 ``mutation_equivalent.txt`` like any other and drop out of the denominator. The first ``sample`` on a
 fresh checkout makes mutmut generate every mutant and map the tests (a run whose pattern matches no
 mutant: about six minutes here). A sample whose survivors then got kill tests no longer estimates

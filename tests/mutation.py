@@ -35,8 +35,11 @@ The kill rate counts only mutants that are not equivalent: ``tests/mutation_equi
 per line, each mutant judged equivalent (no behaviour a user could notice changes) with a one-line
 reason. A reason starting ``[native]`` marks a mutant on the C part's path only, which this run (with
 ``KVLEDGER_NATIVE=0``) cannot reach; it was planted by hand with the C part loaded and killed, and is
-counted apart ("native"). A timeout counts as killed (the mutant made a test hang); "no tests" counts
-as survived.
+counted apart ("native"). A reason starting ``[cuda]`` marks a mutant that only a CUDA device can tell
+apart (a copy stream, pinned memory, a device-side index): it is *not* equivalent, only unreachable on
+this CPU machine, and is counted apart ("cuda"); ``sample`` prints the rate with those counted as
+survived beside the rate over what a CPU can reach. A timeout counts as killed (the mutant made a test
+hang); "no tests" counts as survived.
 """
 
 from __future__ import annotations
@@ -73,8 +76,15 @@ PLANNER_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_ge
                  "tests/test_identity_known_answers.py", "tests/test_golden.py")
 INPROC_SERVER_TESTS = ("tests/server/test_inproc_openai_surface.py", "tests/server/test_inproc_errors.py",
                        "tests/server/test_inproc_admin_and_metrics.py", "tests/server/test_inproc_lifecycle.py")
+# The runtime's: its KV-storage tests with the C kernels loaded (as ``make test`` runs them), for the
+# kernels' path (``NativePagedAttention``), which mutmut maps with ``KVLEDGER_NATIVE=0`` to no test at all.
+RUNTIME_KV_TESTS = ("tests/runtime/test_attention_scale_and_dtype.py",
+                    "tests/runtime/test_kv_storage_formats_roundtrip.py",
+                    "tests/runtime/test_kv_storage_tiers_and_transfers.py", "tests/runtime/test_runtime_attention.py",
+                    "tests/runtime/test_runtime_kv_store.py", "tests/runtime/test_kv_formats.py")
 FRESH_TESTS = {"kvledger.core": PLANNER_TESTS, "kvledger.scheduler": PLANNER_TESTS,
-               "kvledger.server": INPROC_SERVER_TESTS}
+               "kvledger.server": INPROC_SERVER_TESTS, "kvledger.runtime": RUNTIME_KV_TESTS}
+FRESH_ENV = {"kvledger.runtime": {"KVLEDGER_NATIVE": "1"}}
 FRESH_TIMEOUT_S = {"kvledger.server": 900}
 # Packages whose code takes another path with the C parts loaded (the core's, the runtime's kernels).
 NATIVE_PACKAGES = {"kvledger.core", "kvledger.scheduler", "kvledger.runtime"}
@@ -117,6 +127,14 @@ def equivalents() -> dict[str, str]:
                 name, _, why = line.partition(" ")
                 out[name] = why.strip()
     return out
+
+
+def apart_kind(reason: str) -> str:
+    """How a listed mutant is counted apart: ``native`` (killed by hand with the C part loaded), ``cuda``
+    (only a CUDA device tells it apart: not equivalent, unreachable here) or ``equivalent``."""
+    if reason.startswith("[native]"):
+        return "native"
+    return "cuda" if reason.startswith("[cuda]") else "equivalent"
 
 
 def results() -> dict[str, str]:
@@ -170,7 +188,7 @@ def report(names: list[str]) -> int:
             if st == "not checked":
                 c["unchecked"] += 1
             elif name in eq and st not in KILLED:
-                c["native" if eq[name].startswith("[native]") else "equivalent"] += 1
+                c[apart_kind(eq[name])] += 1
             elif st in KILLED:
                 c["killed"] += 1
             else:
@@ -349,7 +367,7 @@ def sample(argv: list[str]) -> int:
         if st in KILLED or k in fresh_kills:
             kind = "killed"
         elif k in eq:
-            kind = "native" if eq[k].startswith("[native]") else "equivalent"
+            kind = apart_kind(eq[k])
         else:
             kind = "survived"
             left.append(k)
@@ -360,12 +378,15 @@ def sample(argv: list[str]) -> int:
         plo, phi = wilson(pc["killed"], pn)
         print(f"   {pkg}: {pc['killed']} / {pn} = {pn and 100 * pc['killed'] / pn:.1f}% "
               f"(95% interval {100 * plo:.1f}-{100 * phi:.1f}%) of {sum(pc.values())} sampled; "
-              f"{pc['equivalent']} equivalent, {pc['native']} native, {pc['survived']} survived")
+              f"{pc['equivalent']} equivalent, {pc['native']} native, {pc['survived']} survived"
+              + (f"; {pc['cuda']} need a GPU (counted as survived: {pc['killed']} / {pn + pc['cuda']} = "
+                 f"{100 * pc['killed'] / (pn + pc['cuda']):.1f}%)" if pc["cuda"] else ""))
     n = c["killed"] + c["survived"]
     lo, hi = wilson(c["killed"], n)
     rate = f"{100 * c['killed'] / n:.1f}%" if n else "-"
     print(f"sampled kill rate of non-equivalent mutants: {c['killed']} / {n} = {rate} "
-          f"(95% interval {100 * lo:.1f}-{100 * hi:.1f}%); {c['equivalent']} equivalent, {c['native']} native")
+          f"(95% interval {100 * lo:.1f}-{100 * hi:.1f}%); {c['equivalent']} equivalent, {c['native']} native, "
+          f"{c['cuda']} need a GPU")
     if not fresh:
         print("   (--no-fresh: no fresh-interpreter pass of the survivors)")
     if left:
@@ -379,7 +400,8 @@ def fresh_run(package: str, mutant: str) -> bool | None:
     """``package``'s fresh-interpreter tests with ``mutant`` active from the start (no mutant: ``""``), with
     ``mutants/src`` first on the path of this process and of any it starts: True if they pass, False if
     they fail, None on a timeout (counted as killed, as mutmut counts one)."""
-    env = dict(os.environ, **ENV, MUTANT_UNDER_TEST=mutant, PYTHONPATH=str(REPO / "mutants" / "src"))
+    env = dict(os.environ, **ENV, **FRESH_ENV.get(package, {}), MUTANT_UNDER_TEST=mutant,
+               PYTHONPATH=str(REPO / "mutants" / "src"))
     cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
            *FRESH_TESTS[package]]
     try:

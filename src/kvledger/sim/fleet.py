@@ -153,7 +153,11 @@ class _Router:
                  placement: Placement) -> None:
         self.index = index
         self.view = RouterView(block_size, config.score, seed=config.seed * 1000 + index, placement=placement)
-        self.view.set_replicas(names)
+        # One name at a time: set_replicas iterates a set, whose order follows the per-process string hash
+        # salt, and the view's order decides ranking ties and round-robin. Adding r0, r1, ... one by one
+        # keeps that order, so a fixed-seed fleet run gives the same answer in every process.
+        for k in range(1, len(names) + 1):
+            self.view.set_replicas(names[:k])
         self.queue: deque[_Req] = deque()
         self.rr = index  # round-robin position
         self.retry_armed = False

@@ -470,9 +470,32 @@ def _open_text(path: Path, binary: bool = False):
             raise ConfigError(f"no trace file at {path}")
         if path.stat().st_size > MAX_TRACE_BYTES:
             raise ConfigError(f"trace {path} is larger than {MAX_TRACE_BYTES // 2**20} MiB")
-        return path.open("rb") if binary else path.open(encoding="utf-8", newline="")
+        # utf-8-sig: a byte order mark (spreadsheets write one) is not part of the first column's name.
+        return path.open("rb") if binary else path.open(encoding="utf-8-sig", newline="")
     except OSError as exc:
         raise ConfigError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+
+
+def _not_utf8(path: Path) -> ConfigError:
+    """The refusal of a text trace holding a byte that is not UTF-8, naming the line that holds it (a text
+    reader decodes ahead of the lines it has returned, so its own line count is not that line)."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    line = 1
+    try:
+        with path.open("rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                try:
+                    decoder.decode(chunk)
+                except UnicodeDecodeError as exc:  # exc.object: the bytes held back from the last chunk + this one
+                    bad = exc.object
+                    line += bad[: exc.start].count(b"\n")
+                    return ConfigError(f"{path}:{line}: not UTF-8 text (byte 0x{bad[exc.start]:02x})")
+                line += chunk.count(b"\n")
+    except OSError as exc:
+        return ConfigError(f"cannot read trace {path}: {exc.strerror or exc}")
+    return ConfigError(f"{path}:{line}: not UTF-8 text (a multi-byte character cut at the end)")
 
 
 def _short(value: Any) -> str:
@@ -576,7 +599,9 @@ def _csv_rows(path: Path, required: Sequence[str]) -> Iterator[tuple[int, tuple[
         reader = csv.reader(fh)
         try:
             header = next(reader, None)
-        except (csv.Error, UnicodeDecodeError) as exc:
+        except UnicodeDecodeError:
+            raise _not_utf8(path) from None
+        except csv.Error as exc:
             raise ConfigError(f"{path}:1: cannot parse the CSV header ({exc})") from None
         if header is None:
             raise ConfigError(f"{path}: empty file (expected a header {','.join(required)})")
@@ -592,7 +617,9 @@ def _csv_rows(path: Path, required: Sequence[str]) -> Iterator[tuple[int, tuple[
                 row = next(reader)
             except StopIteration:
                 return
-            except (csv.Error, UnicodeDecodeError) as exc:
+            except UnicodeDecodeError:
+                raise _not_utf8(path) from None
+            except csv.Error as exc:
                 raise ConfigError(f"{path}:{reader.line_num}: cannot parse CSV ({exc})") from None
             if not row:
                 continue  # blank line
@@ -804,7 +831,9 @@ def load_kvledger(path: str | Path, *, id_prefix: str | None = None) -> list[Sim
                     clean = {k.strip(): v for k, v in rec.items() if v not in (None, "")}
                     req, next_id = _kvledger_request(clean, where, len(out), prefix_ids, next_id, prefix)
                     out.append(req)
-            except (csv.Error, UnicodeDecodeError) as exc:
+            except UnicodeDecodeError:
+                raise _not_utf8(path) from None
+            except csv.Error as exc:
                 raise ConfigError(f"{path}:{reader.line_num}: cannot parse CSV ({str(exc)[:80]})") from None
     return _by_arrival(out)
 

@@ -27,9 +27,9 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
     lengths x ``scale`` (clipped to the model's context), Mooncake block ids -> shared token prefixes."""
     from ..runtime.corpus import block_keys
     from ..runtime.diagnostics.workload import workload_from_lengths
-    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace
+    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace, trace_has_arrivals
 
-    timed = not path.endswith(".csv") or _has_timestamps(path)
+    timed = trace_has_arrivals(path)
     requests = (load_trace(path) if timed else load_trace(path, arrivals=Poisson(1.0)))[:limit]
     if not requests:
         raise ConfigError(f"{path} holds no requests")
@@ -44,14 +44,6 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
         keys = block_keys(r.prompt_tokens, MOONCAKE_BLOCK_TOKENS)
         rows.append((int((r.arrival_s - first) / step_seconds), plen, out, r.trust_group, keys))
     return workload_from_lengths(Path(path).name, rows, vocab=vocab)
-
-
-def _has_timestamps(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.readline().startswith("TIMESTAMP")
-    except OSError:
-        return True
 
 
 @click.command("diagnose", epilog=epilog(

@@ -889,6 +889,16 @@ def sniff_trace_format(path: str | Path) -> TraceFormat:
     raise ConfigError(f"{path}: unknown trace format ({kind} {shown!r}); accepted: {accepted_formats()}")
 
 
+def trace_has_arrivals(path: str | Path) -> bool:
+    """Whether a trace file carries its own arrival times: its sniffed format needs no arrival process
+    (``TraceFormat.needs_arrivals``). The one answer every trace reader asks (the load client, diagnose);
+    a file that cannot be read or sniffed counts as timed, so that loading it says what is wrong."""
+    try:
+        return not sniff_trace_format(path).needs_arrivals
+    except (ConfigError, OSError):
+        return True
+
+
 def load_trace(path: str | Path, format: str | None = None, **kwargs: Any) -> list[SimRequest]:  # noqa: A002
     """Load a trace of any registered format (`TRACE_FORMATS`), named or sniffed from the file.
 

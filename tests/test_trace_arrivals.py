@@ -19,7 +19,8 @@ KVLEDGER_CSV = "arrival_s,prompt_len,output_len\n0.0,12,3\n0.5,20,4\n2.0,8,2\n"
 AZURE_CSV = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" \
             "2023-11-16 18:15:50.9951690,396,109\n"
 LENGTHS_CSV = "num_prefill_tokens,num_decode_tokens\n12,3\n20,4\n"
-KVLEDGER_JSONL = '{"arrival_s": 0.0, "prompt_len": 12, "output_len": 3}\n{"arrival_s": 1.5, "prompt_len": 9, "output_len": 2}\n'
+KVLEDGER_JSONL = ('{"arrival_s": 0.0, "prompt_len": 12, "output_len": 3}\n'
+                  '{"arrival_s": 1.5, "prompt_len": 9, "output_len": 2}\n')
 
 
 def _write(tmp_path: Path, name: str, text: str) -> str:

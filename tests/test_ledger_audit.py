@@ -35,7 +35,7 @@ def healthy() -> KVLedger:
     ledger.lease(blocks=[ledger.sequence("r").table.blocks[0]], owner="transfer-1")
     ledger.check()
     u = ledger.usage()
-    assert u.free and u.retained and u.deferred and u.pinned and ledger._cow_promises and lease
+    assert u.free and u.retained and u.deferred and u.pinned and ledger.promises.copies and lease
     return ledger
 
 
@@ -52,7 +52,7 @@ def retained_block(ledger: KVLedger) -> int:
 
 
 def shared_tail(ledger: KVLedger) -> int:
-    return next(iter(ledger._cow_promises))
+    return next(iter(ledger.promises.copies))
 
 
 def speculative(ledger: KVLedger) -> int:
@@ -116,12 +116,12 @@ def _overcommit(ledger: KVLedger) -> None:
     extra = ledger.pool.num_free + ledger.pool.num_evictable - ledger.promised + 1
     s.promised += extra
     s.reserved_blocks += extra
-    ledger.promised += extra
+    ledger.promises.total += extra
 
 
 def _promise_more_than_reserved(ledger: KVLedger) -> None:
     seq(ledger).promised += 1
-    ledger.promised += 1
+    ledger.promises.total += 1
 
 
 def _share_speculative(ledger: KVLedger) -> None:
@@ -129,12 +129,12 @@ def _share_speculative(ledger: KVLedger) -> None:
     seq(ledger, "r/1").table.blocks.append(block)
     ledger.pool.ref[block] += 1
     seq(ledger, "r/1").promised -= 1
-    ledger.promised -= 1
+    ledger.promises.total -= 1
 
 
 def _extra_cow_promise(ledger: KVLedger) -> None:
-    ledger._cow_promises[shared_tail(ledger)] += 1
-    ledger.promised += 1
+    ledger.promises.copies[shared_tail(ledger)] += 1
+    ledger.promises.total += 1
 
 
 LEDGER_CORRUPTIONS: dict[str, tuple[Callable[[KVLedger], object], str]] = {
@@ -151,7 +151,7 @@ LEDGER_CORRUPTIONS: dict[str, tuple[Callable[[KVLedger], object], str]] = {
     "lease-stale-id": (lambda led: led._seq_leases.__setitem__("r", {999}), "lease bookkeeping"),
     "lease-count": (lambda led: _lease_block(led, seq(led).table.blocks[1]), "lease counts disagree"),
     "cow-promises": (_extra_cow_promise, "copy promises"),
-    "promise-ledger": (lambda led: setattr(led, "promised", led.promised + 1), "promise ledger"),
+    "promise-ledger": (lambda led: setattr(led.promises, "total", led.promises.total + 1), "promise ledger"),
     "overcommitted": (_overcommit, "overcommitted"),
 }
 

@@ -67,7 +67,7 @@ def test_check_catches_a_shared_speculative_block() -> None:
     ledger.sequence("c").table.blocks.append(draft)  # what the old fork did
     ledger.pool.ref[draft] += 1
     ledger.sequence("c").promised -= 1
-    ledger.promised -= 1
+    ledger.promises.total -= 1
     with pytest.raises(AssertionError, match="speculative block"):
         ledger.check()
 

@@ -74,7 +74,7 @@ def _check_four_way_fork(ledger: KVLedger, rids: list[str]) -> None:
         assert table(ledger, rid) == [0, 1, 2, 3]
         assert ledger.sequence(rid).promised == 1
     assert [ledger.pool.ref[b] for b in range(4)] == [4, 4, 4, 4]
-    assert ledger._cow_promises == {3: 3}
+    assert ledger.promises.copies == {3: 3}
     assert ledger.usage().promised == 7
     assert ledger.usage().active == 4
 
@@ -85,7 +85,7 @@ def _check_four_way_fork(ledger: KVLedger, rids: list[str]) -> None:
     assert ledger.take_copies() == []
     assert [table(ledger, rid) for rid in rids] == [[0, 1, 2, 4], [0, 1, 2, 5], [0, 1, 2, 6], [0, 1, 2, 3]]
     assert [ledger.pool.ref[b] for b in range(7)] == [4, 4, 4, 1, 1, 1, 1]
-    assert ledger._cow_promises == {}
+    assert ledger.promises.copies == {}
     assert ledger.usage().promised == 4  # the copy promises are spent; each branch's allowance remains
     assert ledger.stats()["lifetimes"]["copies"] == 3
 
@@ -122,7 +122,7 @@ def test_repeated_fork_equals_request_branches() -> None:
         assert ledger.fork("r", child) == 2  # its allowance block + one tail copy
         audit(ledger)
         assert ledger.usage().promised == 1 + 2 * i
-        assert ledger._cow_promises == {3: i}
+        assert ledger.promises.copies == {3: i}
     _check_four_way_fork(ledger, ["r", "a", "b", "c"])
 
 
@@ -131,7 +131,7 @@ def test_block_aligned_prompt_fork_never_copies() -> None:
     d = admit(ledger, "r", tokens(48), 20, branches=4)
     # 68 tokens = 5 blocks; 3 prompt blocks shared; 2 allowance blocks per branch, no tail copies.
     assert (d.blocks_new, d.blocks_promised, d.blocks_branches) == (3, 8, 6)
-    assert ledger._cow_promises == {}
+    assert ledger.promises.copies == {}
     assert ledger.fork("r", "r/x") == 2
     audit(ledger)
     assert ledger.usage().promised == 10
@@ -149,11 +149,11 @@ def test_fork_beyond_capacity_raises_and_changes_nothing() -> None:
     admit(ledger, "r", tokens(40), 20).raise_for_outcome()  # 3 blocks + 1 promised (60 -> 4 blocks)
     assert ledger.fork("r", "f") == 2
     audit(ledger)
-    before = (ledger.usage(), dict(ledger._cow_promises), list(ledger.pool.ref))
+    before = (ledger.usage(), dict(ledger.promises.copies), list(ledger.pool.ref))
     with pytest.raises(AdmissionError):
         ledger.fork("r", "g")  # needs 2, only 6 - 3 - 3 = 0 available
     audit(ledger)
-    assert (ledger.usage(), dict(ledger._cow_promises), list(ledger.pool.ref)) == before
+    assert (ledger.usage(), dict(ledger.promises.copies), list(ledger.pool.ref)) == before
 
 
 # ---- beam search ----------------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def test_beam_search_width_four_prunes_only_dead_exclusive_blocks() -> None:
     assert ledger.pool.ref[4] == 0 and ledger.pool.leased[4] == 1  # beam/2's: deferred by the lease
     assert ledger.usage().deferred == 1 and 4 not in ledger.pool.free_blocks()
     assert ledger.pool.ref[2] == 2 and ledger.pool.ref[3] == 2  # forked tails (31 tokens, partial)
-    assert ledger._cow_promises == {2: 1, 3: 1}
+    assert ledger.promises.copies == {2: 1, 3: 1}
     # 4 beams x 3 allowance blocks + 2 tail copies.
     assert ledger.usage().promised == 14
     ledger.end_lease(lease)
@@ -192,7 +192,7 @@ def test_beam_search_width_four_prunes_only_dead_exclusive_blocks() -> None:
     for step in range(2):
         for i, rid in enumerate(live):
             append(ledger, rid, 100 * step + i)
-    assert ledger._cow_promises == {}
+    assert ledger.promises.copies == {}
     assert ledger.usage().promised == 4 * 2 + 0
     heads = {tuple(table(ledger, r)[:2]) for r in live}
     assert len(heads) == 4  # every beam now owns its block 1 (distinct tokens)
@@ -234,11 +234,11 @@ def test_beam_step_rejects_a_child_name_twice() -> None:
     (otherwise the second fork overwrites the first child and its references and promises leak)."""
     ledger = KVLedger(32, BS)
     admit(ledger, "b", tokens(55), 20).raise_for_outcome()
-    before = (ledger.usage(), list(ledger.pool.ref), dict(ledger._cow_promises))
+    before = (ledger.usage(), list(ledger.pool.ref), dict(ledger.promises.copies))
     with pytest.raises(LedgerError):
         ledger.beam_step([("b", "x"), ("b", "x")], [])
     audit(ledger)
-    assert (ledger.usage(), list(ledger.pool.ref), dict(ledger._cow_promises)) == before
+    assert (ledger.usage(), list(ledger.pool.ref), dict(ledger.promises.copies)) == before
 
 
 def test_beam_step_rejects_a_drop_named_twice() -> None:
@@ -248,11 +248,11 @@ def test_beam_step_rejects_a_drop_named_twice() -> None:
     sequence"): the caller gets an error although beam "b/1" is already gone."""
     ledger = KVLedger(32, BS)
     admit(ledger, "b", tokens(55), 20, branches=2).raise_for_outcome()
-    before = (ledger.usage(), list(ledger.pool.ref), dict(ledger._cow_promises), ledger.sequences())
+    before = (ledger.usage(), list(ledger.pool.ref), dict(ledger.promises.copies), ledger.sequences())
     with pytest.raises(LedgerError):
         ledger.beam_step([], ["b/1", "b/1"])
     audit(ledger)
-    assert (ledger.usage(), list(ledger.pool.ref), dict(ledger._cow_promises), ledger.sequences()) == before
+    assert (ledger.usage(), list(ledger.pool.ref), dict(ledger.promises.copies), ledger.sequences()) == before
 
 
 # ---- leases and cancellation ------------------------------------------------------------------------
@@ -379,7 +379,7 @@ def test_cancel_frees_promises_at_once() -> None:
     assert ledger.cancel("r") is True
     audit(ledger)
     assert ledger.usage().promised == 0
-    assert ledger._cow_promises == {}
+    assert ledger.promises.copies == {}
     assert admit(ledger, "x", tokens(32, 9000), 0).admitted
 
 
@@ -442,7 +442,7 @@ def test_cancel_family_mid_fork_drops_every_branch() -> None:
     audit(ledger)
     assert sorted(ledger.sequences()) == ["a", "a/2"]
     assert 4 in ledger.pool.free_blocks()
-    assert ledger._cow_promises == {3: 1}
+    assert ledger.promises.copies == {3: 1}
     assert ledger.usage().promised == 3
     # Parent cancelled while its children copy: forks made with fork() belong to the family too.
     assert ledger.fork("a", "child") == 2
@@ -452,7 +452,7 @@ def test_cancel_family_mid_fork_drops_every_branch() -> None:
     audit(ledger)
     u = ledger.usage()
     assert (u.sequences, u.active, u.promised) == (0, 0, 0)
-    assert ledger._cow_promises == {}
+    assert ledger.promises.copies == {}
     assert ledger.pool.retained.blocks() == [2, 1, 0]  # the written full prompt blocks
     assert ledger.cancel("a") is False
     assert ledger.cancel("a/2") is False
@@ -795,7 +795,7 @@ class LifetimeMachine(RuleBasedStateMachine):
         audit(ledger)
         u = ledger.usage()
         assert (u.active, u.promised, u.deferred, u.sequences, u.pinned) == (0, 0, 0, 0, 0)
-        assert ledger._cow_promises == {}
+        assert ledger.promises.copies == {}
         assert ledger.outstanding_leases() == 0
         assert u.free + u.retained == u.total
 

@@ -290,7 +290,7 @@ def _snapshot(ledger: KVLedger) -> dict:
         "usage": ledger.usage(), "ref": list(pool.ref), "leased": list(pool.leased), "digest": list(pool.digest),
         "group": list(pool.group), "written": list(pool.written), "free": pool.free_blocks(),
         "retained": pool.retained.blocks(), "index": dict(pool.index), "deferred": pool.deferred,
-        "evictions": pool.evictions, "promised": ledger.promised, "cow": dict(ledger._cow_promises),
+        "evictions": pool.evictions, "promised": ledger.promised, "cow": dict(ledger.promises.copies),
         "copies": list(ledger._copies), "seqs": seqs, "counters": asdict(ledger.counters),
         "stats": ledger.stats(), "memo": list(ledger._digest_cache), "leases": ledger.leases(),
         "pins": ledger.pins(), "order": list(ledger.sequences()),

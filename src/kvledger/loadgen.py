@@ -131,14 +131,14 @@ def trace_workload(path: str, spec: LoadSpec, *, scale: float = 1.0, max_prompt:
                    max_tokens: int = 256, vocab: int = 32000) -> list[Item]:
     """Lengths from a trace (``scale``d, then cut to ``max_prompt`` / ``max_tokens``); arrivals from the
     trace itself, or Poisson at ``spec.rate`` (needed for length tables, which have no times)."""
-    from .sim.workloads import Poisson, load_trace
+    from .sim.workloads import Poisson, load_trace, trace_has_arrivals
 
     _check_vocab(vocab)
     if not (math.isfinite(scale) and 0 < scale <= 1):
         raise ConfigError(f"--scale must be in (0, 1], got {scale}")
     if max_prompt < 1 or max_tokens < 1:
         raise ConfigError("--max-prompt and --max-tokens must be >= 1")
-    timed = not str(path).endswith(".csv") or _csv_has_times(path)
+    timed = trace_has_arrivals(path)
     if not timed and spec.rate is None:
         raise ConfigError(f"{path} has no arrival times: give --rate")
     requests = load_trace(path) if timed else load_trace(path, arrivals=Poisson(spec.rate or 1.0), seed=spec.seed)
@@ -179,14 +179,6 @@ def synthetic_workload(spec: LoadSpec, *, prompt_len: int = 128, output_len: int
         items.append(Item(t, to_vocab(system + own, vocab, spec.seed), output_len))
     return items or [Item(0.0, to_vocab(system + list(range(next_id, next_id + prompt_len)), vocab, spec.seed),
                             output_len)]
-
-
-def _csv_has_times(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.readline().startswith("TIMESTAMP")
-    except OSError:
-        return True  # load_trace reports the missing file
 
 
 # ---- the client -------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import click
 
 from ..errors import ConfigError
 from .common import emit_json as _emit_json
+from .common import prepare_torch
 from .options import Int, epilog
 from .runtime_cmds import TierCompressionChoice
 
@@ -40,11 +41,9 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
     """Time real forward steps of the torch runtime on the bundled SmolLM2 (CPU, fp32) for every
     calibration shape, and each tier's link (host memory, a disk file) by transfer size through the engine's
     own transfer path. Returns the measurements and what the fit needs."""
-    import os
     import statistics
 
-    # Before torch starts OpenMP: spinning worker threads distort timings on shared cores.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    prepare_torch()  # before torch starts OpenMP: spinning worker threads distort timings on shared cores
     import torch
 
     from ..core.types import Request

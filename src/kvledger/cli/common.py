@@ -11,6 +11,22 @@ from typing import Any
 MAX_INPUT_BYTES = 256 * 2**20  # the largest requests file, trace or config a command reads
 
 
+def prepare_torch(threads: int | None = None) -> None:
+    """Set up torch for a command that runs the engine, before torch starts OpenMP: passive OpenMP
+    waits (on shared cores, spinning worker threads wait for each other's time slices and a small
+    matmul can take 100x longer), quiet profiler and transformers logs, then ``threads`` CPU threads.
+    The environment settings have no effect once torch is running; the thread count always does."""
+    import os
+
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
 def emit_json(data: Any) -> None:
     """One JSON object on stdout (non-finite floats become null)."""
     sys.stdout.write(json.dumps(_finite(data), indent=2, default=str) + "\n")

@@ -6,7 +6,6 @@ The top level stays light (click only): torch and the runtime are imported insid
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,8 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from .options import BLOCK_SIZE, Float, Int, epilog
+from .common import prepare_torch
+from .options import BLOCK_SIZE, Float, Int, epilog, model_option, threads_option
 
 # The names the runtime's injection registry (kvledger.runtime.diagnostics.INJECTIONS) knows; listed here
 # so that help stays torch-free. tests/diagnostics checks the two agree.
@@ -27,9 +27,9 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
     lengths x ``scale`` (clipped to the model's context), Mooncake block ids -> shared token prefixes."""
     from ..runtime.corpus import block_keys
     from ..runtime.diagnostics.workload import workload_from_lengths
-    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace
+    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace, trace_has_arrivals
 
-    timed = not path.endswith(".csv") or _has_timestamps(path)
+    timed = trace_has_arrivals(path)
     requests = (load_trace(path) if timed else load_trace(path, arrivals=Poisson(1.0)))[:limit]
     if not requests:
         raise ConfigError(f"{path} holds no requests")
@@ -46,21 +46,12 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
     return workload_from_lengths(Path(path).name, rows, vocab=vocab)
 
 
-def _has_timestamps(path: str) -> bool:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return fh.readline().startswith("TIMESTAMP")
-    except OSError:
-        return True
-
-
 @click.command("diagnose", epilog=epilog(
     "kvledger diagnose                                   # a clean run: nothing should be named",
     "kvledger diagnose --inject pool-leak,peak --json    # inject two pathologies; findings as JSON",
     "kvledger diagnose --trace azure_conv.csv --limit 24 --out diag/",
 ))
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@model_option()
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="Weights and KV dtype of the engine.")
 @click.option("--requests", type=Int(1, 10_000), default=12, show_default=True,
@@ -92,7 +83,7 @@ def _has_timestamps(path: str) -> bool:
               help="Smallest jump between two samples (cache, external) or step excess (peak) to report.")
 @click.option("--out", "out_dir", default="kvledger-diagnosis", show_default=True,
               help="Folder for diagnosis.json and timeline.png.")
-@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@threads_option()
 @click.option("--fail-on-findings", is_flag=True, help="Exit with code 1 when anything is found.")
 @click.option("--json", "as_json", is_flag=True, help="Print the diagnosis document (findings, ledgers, series).")
 def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new: int, trace_path: str | None,
@@ -130,15 +121,7 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out_dir} exists and is not a folder")
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
+    prepare_torch(threads)
     from rich.console import Console
 
     from ..runtime.diagnostics.reconcile import Thresholds

@@ -22,7 +22,8 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Float, Int, epilog
+from .common import prepare_torch
+from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Float, Int, epilog, model_option
 from .serve_cmds import _say, _url_host
 
 APP_NAME = "kvledger-fleet"
@@ -46,8 +47,7 @@ def fleet_group() -> None:
     "kvledger fleet serve --tenants tenants.toml --pool-blocks 256 --block-size 16 --port 0   # URL printed",
     "kvledger fleet serve --replicas 1 --ingress-replicas 1 --num-cpus 2 --stats-period 5",
 ))
-@click.option("--model", default=DEFAULTS["model"], show_default=True,
-              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@model_option(DEFAULTS["model"])
 @click.option("--replicas", type=Int(1, 64), default=DEFAULTS["engine_replicas"], show_default=True,
               help="Engine replicas, each with its own KV pool, ledger and admission door.")
 @click.option("--ingress-replicas", type=Int(1, 64), default=DEFAULTS["ingress_replicas"], show_default=True,
@@ -179,10 +179,7 @@ def _free_port(address: str, port: int) -> int:
 
 
 def _resolve_model(model: str) -> None:
-    import os
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads: see `kvledger serve`
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    prepare_torch()  # before torch loads: see `kvledger serve`
     from ..runtime.engine import resolve_model
 
     resolve_model(model)

@@ -105,3 +105,16 @@ def epilog(*examples: str) -> str:
 
 __all__ = ["BLOCK_SIZE", "MAX_COUNT", "MAX_TOKENS", "POSITIVE_TOKENS", "SEED", "TOKENS", "TP", "UTILIZATION",
            "Float", "Int", "Size", "epilog"]
+
+
+# ---- options every command that builds an engine shares: one name, type, default and help each ----
+def threads_option(default: int | None = None) -> Any:
+    """``--threads``: torch CPU threads (``prepare_torch`` applies it)."""
+    return click.option("--threads", type=Int(1, 1024), default=default, show_default=default is not None,
+                        help="torch CPU threads.")
+
+
+def model_option(default: str = "smollm2-135m") -> Any:
+    """``--model`` of the commands that run the torch engine."""
+    return click.option("--model", default=default, show_default=True,
+                        help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")

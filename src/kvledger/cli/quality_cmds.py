@@ -16,7 +16,8 @@ import click
 
 from ..core.kv_formats import quantized_formats
 from ..errors import ConfigError
-from .options import BLOCK_SIZE, Int, epilog
+from .common import prepare_torch
+from .options import BLOCK_SIZE, Int, epilog, model_option, threads_option
 
 MAX_CONTEXT = 8192
 
@@ -61,8 +62,7 @@ def _table(report: dict[str, Any]) -> Any:
     "kvledger quality --kv-dtype int4 --block-size 64 --out reports/int4",
     "kvledger quality --kv-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
 ))
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@model_option()
 @click.option("--kv-dtype", required=True, type=click.Choice(quantized_formats()),
               help="The quantised KV format to measure (the baseline is the compute dtype, unquantised).")
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True,
@@ -79,7 +79,7 @@ def _table(report: dict[str, Any]) -> Any:
               help="Attention implementation for both runs (auto, torch, native).")
 @click.option("--out", default=None, help="Folder for the JSON report and the plot [the kvledger cache's reports].")
 @click.option("--no-record", is_flag=True, help="Do not record a passing report.")
-@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@threads_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_tokens: int, kinds: str,
                 contract_path: str | None, attention_backend: str, out: str | None, no_record: bool,
@@ -88,11 +88,10 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     perplexity and its change, next-token KL, per-layer attention error, greedy agreement. A report that
     meets the format's contract on the full protocol is recorded; the engine serves a quantised format only
     with such a record (or --allow-untested-kv)."""
-    from .runtime_cmds import _prepare_torch
 
     ctx = _contexts(contexts)
     kind_list = _kinds(kinds)
-    _prepare_torch(threads)
+    prepare_torch(threads)
     from rich.console import Console
 
     from ..runtime.attention import attention_backends

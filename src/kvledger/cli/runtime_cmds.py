@@ -7,7 +7,6 @@ commands, so `kvledger plan` never pays for them.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,8 @@ from ..core.eviction import policy_names
 from ..core.kv_formats import KV_FORMATS
 from ..errors import ConfigError
 from ..scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES
-from .options import BLOCK_SIZE, SEED, Float, Int, Size, epilog
+from .common import prepare_torch
+from .options import BLOCK_SIZE, SEED, Float, Int, Size, epilog, model_option, threads_option
 
 _POLICIES = ADMISSION_POLICIES.names()
 MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mistake, not a plan
@@ -74,17 +74,6 @@ def kv_format_options(fn: Any) -> Any:
 _attention_backend_option = click.option(
     "--attention-backend", type=_AttentionBackendChoice(), default="auto", show_default=True,
     help="Attention implementation (auto: the native CPU kernels when built, else torch).")
-
-
-def _prepare_torch(threads: int | None) -> None:
-    # Before torch starts OpenMP: on shared cores, spinning worker threads wait for each other's time
-    # slices and a small matmul can take 100x longer. No effect if torch is already running.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
 
 
 def _load_tokenizer(ckpt: Any) -> Any:
@@ -160,8 +149,7 @@ def _tier_lines(summary: dict[str, Any]) -> list[str]:
     "kvledger generate 'Once upon a time' --beam-width 4 --max-new 24 --json",
 ))
 @click.argument("prompt")
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@model_option()
 @click.option("--max-new", type=Int(1, 100_000), default=64, show_default=True, help="Most tokens to generate.")
 @click.option("--temperature", type=Float(0.0, 100.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=Float(0.0, 1.0, lo_open=True), default=1.0, show_default=True,
@@ -176,7 +164,7 @@ def _tier_lines(summary: dict[str, Any]) -> list[str]:
               help="KV pool size in blocks [enough for the request].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
 @click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@threads_option()
 @_attention_backend_option
 @kv_format_options
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -185,7 +173,7 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
                  block_size: int, threads: int | None, attention_backend: str, kv_dtype: str | None,
                  allow_untested_kv: bool, as_json: bool) -> None:
     """Generate text for PROMPT with the real runtime and print a memory summary."""
-    _prepare_torch(threads)
+    prepare_torch(threads)
     from ..runtime.engine import Engine, resolve_model
     from ..runtime.sampling import SamplingParams
 
@@ -282,8 +270,7 @@ def _trace_formats() -> list[str]:
 @click.option("--rate", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
               help="Arrivals per second for traces without arrival times (length tables).")
 @click.option("--limit", type=Int(1, 10_000), default=16, show_default=True, help="Replay the first N requests.")
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@model_option()
 @click.option("--policy", type=click.Choice(_POLICIES), default="incremental", show_default=True,
               help="Admission policy of the scheduler.")
 @click.option("--on-growth-failure", type=click.Choice(GROWTH_ACTIONS.names()),
@@ -312,7 +299,7 @@ def _trace_formats() -> list[str]:
 @click.option("--speedup", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
               help="Replay arrivals this many times faster than the trace.")
 @click.option("--burst", is_flag=True, help="Submit every request at once (ignore arrival times).")
-@click.option("--threads", type=Int(1, 1024), default=None, help="torch CPU threads.")
+@threads_option()
 @click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
 @_attention_backend_option
 @kv_format_options
@@ -346,7 +333,7 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     # shared blocks (simulate --scale applies the same transform).
     requests = scale_lengths(requests, scale, block_size=block_size)
     chunk = max(1, round(MOONCAKE_BLOCK_TOKENS * scale / block_size)) * block_size
-    _prepare_torch(threads)
+    prepare_torch(threads)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -15,7 +15,8 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from .options import epilog
+from .common import prepare_torch
+from .options import epilog, model_option, threads_option
 
 
 def _need(*modules: str) -> None:
@@ -27,25 +28,12 @@ def _need(*modules: str) -> None:
         raise ConfigError(f"this command needs {', '.join(missing)}: pip install 'kvledger[serve]'")
 
 
-def _prepare_torch(threads: int | None) -> None:
-    # Before torch starts OpenMP: spinning workers on shared cores make small steps 10-100x slower.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    if threads is not None:
-        if threads < 1:
-            raise ConfigError(f"--threads must be >= 1, got {threads}")
-        torch.set_num_threads(threads)
-
-
 @click.command("serve", epilog=epilog(
     "kvledger serve --model smollm2-135m --port 8000             # single tenant, announced at startup",
     "kvledger serve --tenants tenants.toml --pool-blocks 2048    # API keys -> trust groups",
     "kvledger serve --policy full --max-queue 64 --port 0        # any free port; the URL is printed",
 ))
-@click.option("--model", default="smollm2-135m", show_default=True,
-              help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+@model_option()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=int, default=8000, show_default=True, help="Port (0: any free port, printed).")
 @click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [1024].")
@@ -78,7 +66,7 @@ def _prepare_torch(threads: int | None) -> None:
 @click.option("--served-model-name", default=None, help="Model id clients use [--model].")
 @click.option("--drain-timeout", type=float, default=30.0, show_default=True,
               help="On SIGTERM, seconds running requests get to finish before they are cancelled.")
-@click.option("--threads", type=int, default=None, help="torch CPU threads.")
+@threads_option()
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
 def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: str | None, block_size: int,
@@ -123,7 +111,7 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
 
     sock = bind(host, port)  # fail on a taken port before loading anything
     try:
-        _prepare_torch(threads)
+        prepare_torch(threads)
         from ..server.app import ServerSettings, create_app
         from ..server.backend import EngineBackend, build_engine
         from ..server.text import TextCodec

@@ -231,10 +231,7 @@ class AdmissionOps(QuotaOps):
                                            branch_blocks)
                 if refused is not None:
                     return refused, hits, ready
-        available = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
-        detail = (f"{max(available, 0)} can be promised now ({pool.num_free} free + {pool.num_evictable} "
-                  f"evictable - {self.promised} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
-                  + (f" - {keep_free} kept free" if keep_free else "") + ")")
+        available, detail = self.promises.room(retained_hits, keep_free)
         if need > available:
             reason = f"needs {need} new blocks ({len(hits)} of {total} shared); the pool cannot promise them now"
             return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
@@ -257,18 +254,18 @@ class AdmissionOps(QuotaOps):
         if request.retention:
             self._apply_retention(request.retention, blocks, 0, len(digests))
         own_promise = decision.blocks_promised - decision.blocks_branches
-        self.promised += own_promise
         prompt = list(request.prompt)
         rid = request.request_id
         seq = SequenceState(
             request_id=rid, context=request.context,
             root=request.context.root_digest() if self.prefix_caching else b"",
             tokens=prompt, num_prompt=len(prompt), max_new_tokens=request.max_new_tokens,
-            table=BlockTable(self.block_size, blocks), promised=own_promise, digests=digests,
+            table=BlockTable(self.block_size, blocks), promised=0, digests=digests,
             computed_mark=min(ready * self.block_size, len(prompt)), written_blocks=ready,
             hit_blocks=len(hits), retention=request.retention, family=request.family or rid,
             reserved_blocks=decision.blocks_total, readmitted=request.readmission,
         )
+        self.promises.promise(seq, own_promise)
         self._seqs[rid] = seq
         # Each fork charges its parent's promise plus a tail copy: exactly what _decide counted per branch.
         for i in range(1, request.branches):
@@ -475,10 +472,7 @@ class AdmissionOps(QuotaOps):
                                            branches)
                 if refused is not None:
                     return refused, hit_of
-        available = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
-        detail = (f"{max(available, 0)} can be promised now ({pool.num_free} free + {pool.num_evictable} "
-                  f"evictable - {self.promised} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
-                  + (f" - {keep_free} kept free" if keep_free else "") + ")")
+        available, detail = self.promises.room(retained_hits, keep_free)
         if need > available:
             reason = (f"family of {len(reqs)} branches needs {need} new blocks ({len(hits)} of {total} shared); "
                       f"the pool cannot promise them now")
@@ -540,15 +534,14 @@ class AdmissionOps(QuotaOps):
             reserved = self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead)
             own = reserved - self._blocks_for(len(r.prompt))
             prompt = list(r.prompt)
-            self._seqs[r.request_id] = SequenceState(
+            seq = self._seqs[r.request_id] = SequenceState(
                 request_id=r.request_id, context=head.context, root=root, tokens=prompt, num_prompt=len(prompt),
-                max_new_tokens=r.max_new_tokens, table=BlockTable(bs, blocks), promised=own, digests=list(ds),
+                max_new_tokens=r.max_new_tokens, table=BlockTable(bs, blocks), promised=0, digests=list(ds),
                 computed_mark=min(ready * bs, len(prompt)), written_blocks=ready, hit_blocks=hits,
                 cow_tail=tail >= 0 and layout.tail_holders[tail] > 1, family=family, retention=r.retention,
                 reserved_blocks=reserved, readmitted=r.readmission,
             )
-            self.promised += own
+            self.promises.promise(seq, own)
         for group_id, holders in enumerate(layout.tail_holders):
             if holders > 1:
-                self._cow_promises[tail_blocks[group_id]] = holders - 1
-                self.promised += holders - 1
+                self.promises.promise_copies(tail_blocks[group_id], holders - 1)

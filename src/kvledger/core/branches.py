@@ -4,7 +4,7 @@ A fork shares every block of its parent. Full blocks are immutable and stay shar
 branches live. The partial tail block is the only writable shared block: the first branch that writes
 into it while another still holds it gets a private copy (a :class:`CopyOp` the runtime executes before
 the write); the last holder writes in place. So a tail shared by k branches is copied at most k - 1
-times, and exactly that many copies are promised when the fork happens: ``_cow_promises[tail]`` always
+times, and exactly that many copies are promised when the fork happens: ``promises.copies[tail]`` always
 equals ``ref[tail] - 1`` (checked by :meth:`KVLedger.check`).
 
 Under full reservation each branch is charged its own output allowance, because any branch may diverge
@@ -41,7 +41,7 @@ class BranchOps:
             if child_id in self._seqs:
                 raise LedgerError(f"request id {child_id!r} is already running")
             need = self._fork_need(parent)
-            available = self.pool.num_free + self.pool.num_evictable - self.promised
+            available = self.promises.unpromised()
             if need > available:
                 raise AdmissionError(
                     f"cannot fork {parent_id!r}: the branch needs {need} blocks, {max(available, 0)} available")
@@ -60,8 +60,7 @@ class BranchOps:
         self.pool.share_many(blocks)
         if len(parent.tokens) % self.block_size:
             tail = blocks[len(parent.tokens) // self.block_size]
-            self._cow_promises[tail] = self._cow_promises.get(tail, 0) + 1
-            self.promised += 1
+            self.promises.promise_copies(tail)
             parent.cow_tail = True
             # Draft slots the parent reserved in this tail are shared now: they must be reserved again
             # (reserve_lookahead copies the tail first) before a step may write them.
@@ -70,16 +69,16 @@ class BranchOps:
         else:
             cow = False
         promise = max(0, parent.reserved_blocks - covered)
-        self.promised += promise
         child = SequenceState(
             request_id=child_id, context=parent.context, root=parent.root, tokens=list(parent.tokens),
             num_prompt=parent.num_prompt, max_new_tokens=parent.max_new_tokens,
-            table=BlockTable(self.block_size, blocks), promised=promise,
+            table=BlockTable(self.block_size, blocks), promised=0,
             digests=list(parent.digests), computed_mark=parent.computed_mark,
             written_blocks=parent.written_blocks, hit_blocks=parent.hit_blocks, cow_tail=cow,
             family=parent.family, retention=parent.retention, reserved_blocks=parent.reserved_blocks,
             readmitted=parent.readmitted,
         )
+        self.promises.promise(child, promise)
         self._seqs[child_id] = child
         self.counters.forks += 1
 
@@ -92,14 +91,8 @@ class BranchOps:
         pool = self.pool
         if pool.ref[tail] == 1:
             return  # every sibling has copied away or left: write in place
-        promised = self._cow_promises.get(tail, 0)
-        if promised:
-            if promised == 1:
-                del self._cow_promises[tail]
-            else:
-                self._cow_promises[tail] = promised - 1
-            self.promised -= 1
-        elif pool.num_free + pool.num_evictable - self.promised <= 0:
+        promises = self.promises
+        if not promises.redeem_copy(tail) and promises.unpromised() <= 0:
             seq.cow_tail = True
             raise OutOfBlocksError(f"{seq.request_id!r} needs a copy of its shared tail and no block is left")
         copy = pool.allocate()
@@ -110,17 +103,6 @@ class BranchOps:
         self.counters.copies += 1
         if self.events is not None:
             self.events.emit("copied", copy, None, seq.context.trust_group, source_block=tail)
-
-    def _trim_cow_promise(self: KVLedger, tail: int) -> None:
-        """A holder of a shared tail leaves without copying: one copy fewer will ever be needed."""
-        promised = self._cow_promises.get(tail, 0)
-        if not promised:
-            return
-        if promised == 1:
-            del self._cow_promises[tail]
-        else:
-            self._cow_promises[tail] = promised - 1
-        self.promised -= 1
 
     def beam_step(self: KVLedger, forks: list[tuple[str, str]], drops: list[str]) -> None:
         """One beam-search step: drop the pruned beams, then fork the survivors that spawn more than one
@@ -152,8 +134,7 @@ class BranchOps:
                     raise LedgerError(f"request id {child!r} is already running")
             # Decide before changing anything: the drops give back at least their promises.
             need = sum(self._fork_need(self._seqs[p]) for p, _ in forks)
-            available = (self.pool.num_free + self.pool.num_evictable - self.promised
-                         + sum(self._seqs[rid].promised for rid in drops))
+            available = self.promises.unpromised() + sum(self._seqs[rid].promised for rid in drops)
             if need > available:
                 raise AdmissionError(f"beam step needs {need} blocks for its forks, {max(available, 0)} available")
             for rid in drops:

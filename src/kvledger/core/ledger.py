@@ -38,6 +38,7 @@ from .lifetimes import Lease, LifetimeOps
 from .observe import Counters, EventLog
 from .offload import OffloadOps
 from .pool import BlockPool
+from .promises import PromiseBook
 from .tiers import TierLedger
 from .types import (
     MAX_TOKEN_ID,
@@ -98,7 +99,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks, as_policy(policy, clock))
-        self.promised = 0
+        self.promises = PromiseBook(self.pool)  # the only writer of every promise
         self.events = events
         if events is not None:
             self.pool.on_event = events.emit
@@ -106,7 +107,6 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         self.max_pinned_fraction = float(max_pinned_fraction)
         self.clock = clock
         self._seqs: dict[str, SequenceState] = {}
-        self._cow_promises: dict[int, int] = {}  # shared partial tail -> copies still promised for it
         self._copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
         self._leases: dict[int, Lease] = {}  # outstanding accesses by lease id
         self._seq_leases: dict[str, set[int]] = {}  # sequence -> its outstanding leases
@@ -124,6 +124,11 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         return self.pool.num_blocks
 
     @property
+    def promised(self) -> int:
+        """Blocks promised and not yet materialised (read-only: :class:`PromiseBook` writes them)."""
+        return self.promises.total
+
+    @property
     def policy_name(self) -> str:
         return getattr(self.pool.retained, "name", type(self.pool.retained).__name__)
 
@@ -139,7 +144,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         with self._lock:
             p = self.pool
             return Usage(p.num_blocks, p.num_free, p.num_active, p.num_retained, p.num_evictable,
-                         self.promised, len(self._seqs), sum(len(b) for b in self._pins.values()),
+                         self.promises.total, len(self._seqs), sum(len(b) for b in self._pins.values()),
                          p.deferred)
 
     def sequence(self, request_id: str) -> SequenceState:
@@ -391,8 +396,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                     promise -= 1
                 elif fits < 0:
                     if room is None:
-                        pool = self.pool
-                        room = pool.num_free + pool.num_evictable - self.promised
+                        room = self.promises.unpromised()
                     if room <= 0:
                         fits = len(out)
                     room -= 1
@@ -420,20 +424,16 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         blocks = seq.table.blocks
         if n < len(blocks) * self.block_size:
             return  # the block already exists (the prompt's allocation, or a speculative slot)
-        pool = self.pool
-        if seq.promised:
-            seq.promised -= 1
-            self.promised -= 1
-        elif pool.num_free + pool.num_evictable - self.promised <= 0:  # _check_growth rules this out
+        promises = self.promises
+        if not promises.redeem(seq) and promises.unpromised() <= 0:  # _check_growth rules this out
             raise OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
-        blocks.append(pool.allocate())
+        blocks.append(self.pool.allocate())
 
     def _open_block(self, seq: SequenceState, n: int, token: int) -> None:
         """:meth:`_grow` for a checked token ``n`` that opens a new block the sequence was promised."""
         self._computed(seq, n)
         seq.cow_tail = False
-        seq.promised -= 1
-        self.promised -= 1
+        self.promises.redeem(seq)
         seq.table.blocks.append(self.pool.allocate())
         seq.tokens.append(token)
 
@@ -450,15 +450,13 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             seq = self.sequence(request_id)
             n = len(seq.tokens)
             need = self._blocks_for(n + slots) - len(seq.table.blocks)
-            pool = self.pool
-            if need > seq.promised + max(pool.num_free + pool.num_evictable - self.promised, 0):
+            pool, promises = self.pool, self.promises
+            if need > seq.promised + max(promises.unpromised(), 0):
                 raise OutOfBlocksError(f"{request_id!r}: no room for {slots} lookahead slots")
             if slots and seq.cow_tail and n % self.block_size:
                 self._copy_on_write(seq, n)  # the copy was promised when the tail became shared
             for _ in range(max(need, 0)):
-                if seq.promised:
-                    seq.promised -= 1
-                    self.promised -= 1
+                promises.redeem(seq)
                 seq.table.blocks.append(pool.allocate())
             seq.draft_end = n + slots
             return max(need, 0)
@@ -493,8 +491,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             del blocks[cut:]
             self.pool.release_many(extra[::-1])
             repromise = max(0, min(len(extra), seq.reserved_blocks - len(blocks) - seq.promised))
-            seq.promised += repromise
-            self.promised += repromise
+            self.promises.promise(seq, repromise)
             return len(extra)
 
     # ---- release --------------------------------------------------------------------------------
@@ -553,15 +550,14 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             raise LedgerError(f"unknown sequence {show(request_id)} (already released?)")
         blocks = seq.table.blocks
         if seq.cow_tail:
-            self._trim_cow_promise(blocks[len(seq.tokens) // self.block_size])
+            self.promises.redeem_copy(blocks[len(seq.tokens) // self.block_size])  # it leaves without copying
         if self._copies:  # a copy into a block that is about to be released must never run
             mine = set(blocks)
             self._copies = [op for op in self._copies if op.dst not in mine]
         if self._seq_leases:
             self._lease_blocks_of_dropped(request_id, blocks)
         self.pool.release_many(blocks[::-1])
-        self.promised -= seq.promised
-        seq.promised = 0
+        self.promises.cancel(seq)
         return seq
 
     def take_copies(self) -> list[CopyOp]:
@@ -578,7 +574,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             pool = self.pool
             pool.check()
             refs = [0] * pool.num_blocks
-            promised = sum(self._cow_promises.values())
+            promised = 0  # the sequences' promises
             bs = self.block_size
             ref, digest_of = pool.ref, pool.digest
             for seq in self._seqs.values():
@@ -624,15 +620,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                     raise InvariantError(f"lease bookkeeping for {rid!r} is stale")
             if leases != pool.leased:
                 raise InvariantError("lease counts disagree with outstanding leases")
-            for block, count in self._cow_promises.items():
-                if count <= 0 or count != pool.ref[block] - 1:
-                    raise InvariantError(f"shared tail {block}: {count} copy promises for ref {pool.ref[block]}")
-            if promised != self.promised:
-                raise InvariantError(f"promise ledger {self.promised} != sequence and copy promises {promised}")
-            if self.promised > pool.num_free + pool.num_evictable:
-                raise InvariantError(
-                    f"overcommitted: {self.promised} promised > {pool.num_free} free + "
-                    f"{pool.num_evictable} evictable")
+            self.promises.check(promised)
             if self.tiers is not None:
                 if pool.on_evict is None:
                     raise InvariantError("tiers are attached but the pool's evictions are not demoted")

@@ -169,7 +169,7 @@ class LifetimeOps:
                 raise AdmissionError(f"pinning {len(blocks)} blocks would exceed the pin limit of {limit} "
                                      f"({self.max_pinned_fraction:g} of the pool; {pinned} pinned)")
             retained = sum(1 for b in blocks if pool.ref[b] == 0 and not pool.leased[b])
-            if retained > pool.num_free + pool.num_evictable - self.promised:
+            if retained > self.promises.unpromised():
                 raise AdmissionError("pinning now would break promises already made to running requests")
             for b in blocks:
                 pool.share(b)
@@ -286,7 +286,7 @@ class LifetimeOps:
                               "copies": c.copies, "preemptions": c.preemptions,
                               "evictions": self.pool.evictions, "cleared": c.cleared, "cache_resets": c.cache_resets,
                               "pending_releases": self.pool.deferred, "leases": len(self._leases)},
-                "promises": {"promised": self.promised, "materialised_block_refs": materialised},
+                "promises": {"promised": self.promises.total, "materialised_block_refs": materialised},
                 "usage": self.usage().as_dict(),
                 "tokens": self.token_usage(),
                 "eviction_policy": self.policy_name,

@@ -82,7 +82,7 @@ class OffloadOps:
             if not slots:
                 return [], None
             retained_hits = sum(1 for b in hits if ref[b] == 0 and not leased[b])
-            room = pool.num_free + pool.num_evictable - self.promised - retained_hits - keep_free
+            room = self.promises.unpromised() - retained_hits - keep_free
             slots = slots[:max(room, 0)]
             if not slots:
                 return [], None

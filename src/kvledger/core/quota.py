@@ -184,7 +184,7 @@ class QuotaOps:
         with self._lock:
             if trust_group is not None:
                 return {trust_group: self._group_usage_locked(trust_group)}
-            ledgers = group_ledgers(self._seqs.values(), self._pins.values(), self._cow_promises, self.pool.group,
+            ledgers = group_ledgers(self._seqs.values(), self._pins.values(), self.promises.copies, self.pool.group,
                                     self.block_size)
             out = {g: GroupUsage(u.active, u.promised, u.growth, self._quotas.get(g)) for g, u in ledgers.items()}
             for g, cap in self._quotas.items():
@@ -208,7 +208,7 @@ class QuotaOps:
             return out
 
     def _group_usage_locked(self: KVLedger, group: str) -> GroupUsage:
-        u = group_ledgers(self._seqs.values(), self._pins.values(), self._cow_promises, self.pool.group,
+        u = group_ledgers(self._seqs.values(), self._pins.values(), self.promises.copies, self.pool.group,
                           self.block_size, only=group).get(group)
         cap = self._quotas.get(group)
         return GroupUsage(0, 0, 0, cap) if u is None else GroupUsage(u.active, u.promised, u.growth, cap)
@@ -216,9 +216,9 @@ class QuotaOps:
     def _check_groups(self: KVLedger) -> None:
         """The group ledgers' conservation law (:func:`~kvledger.core.quota.check_group_ledgers`)."""
         pool = self.pool
-        ledgers = group_ledgers(self._seqs.values(), self._pins.values(), self._cow_promises, pool.group,
+        ledgers = group_ledgers(self._seqs.values(), self._pins.values(), self.promises.copies, pool.group,
                                 self.block_size, strict=True)
-        check_group_ledgers(ledgers, pool.num_active - pool.deferred, self.promised)
+        check_group_ledgers(ledgers, pool.num_active - pool.deferred, self.promises.total)
 
 
 __all__ = ["MAX_QUOTA", "GroupUsage", "QuotaOps", "check_group_ledgers", "group_ledgers", "max_blocks"]

@@ -440,8 +440,7 @@ class Engine:
             raise ConfigError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         if type(trust_group) is not str or not trust_group:
             raise ConfigError(f"trust_group must be a non-empty string, got {trust_group!r}")
-        context = CacheContext(trust_group=trust_group, model=self.model_name, kv_dtype=self.spec.kv_format_id,
-                               extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
+        context = self.spec.cache_context(trust_group, self.model_name, cache_salt)
         # Larger than the whole pool (or the group's quota) is known now; say so instead of queueing a
         # request that never runs.
         decision = self.ledger.can_admit(Request(request_id, prompt, max_new_tokens, context, branches=branches))

@@ -55,7 +55,7 @@ class AdmissionOps:
         keep_free = self._keep_free if self.running else 0
         if fresh:
             request = self._ledger_request(first, True, False)
-            self._promote(unit, plan, request, keep_free)
+            self.tier_planner.promote(unit, plan, request, keep_free)
             decision = ledger.admit(request, keep_free)
         else:
             # A preempted family comes back whole or not at all (gang semantics), in one ledger decision
@@ -63,7 +63,7 @@ class AdmissionOps:
             # did before (with or without prefix caching), so a family that fitted fits again.
             requests = [self._ledger_request(br, False, readmission) for br in unit]
             if first.status is not Status.SWAPPED:  # a recomputed family may find its prefix below the device
-                self._promote(unit, plan, requests[0], keep_free)
+                self.tier_planner.promote(unit, plan, requests[0], keep_free)
             decision = ledger.admit_family(requests, keep_free)
         if not decision.admitted:
             return decision.outcome, decision.over_quota
@@ -108,7 +108,7 @@ class AdmissionOps:
         if restored_blocks:
             plan.transfer_wait_s += self.costs.transfer.time_s(len(restored_blocks), self.costs.block_bytes, "in")
             if self.config.restore_ahead:
-                self._arriving.add(rid)
+                self.tier_planner.arriving.add(rid)
         self._order += 1
         self.running[rid] = list(unit)
         plan.admitted.append(rid)
@@ -209,7 +209,7 @@ class AdmissionOps:
             else:
                 waiting.remove(unit)
             live += len(unit)
-            if unit[0].request.request_id in self._arriving:
+            if unit[0].request.request_id in self.tier_planner.arriving:
                 continue  # its promoted blocks arrive this step: it computes from the next one
             for br in unit:
                 budget = self._schedule_branch(br, plan, budget)

@@ -31,11 +31,11 @@ from .plan import Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, 
 from .policies import OutputLengthTracker
 from .queue import WaitingQueue
 from .recovery import RECOVERY_MODES, RecoveryCosts
-from .tiers import TierPlanning
+from .tiers import TierPlanner
 from .victims import VictimQueue, pick_victim, replay_tokens
 
 
-class Scheduler(AdmissionOps, TierPlanning):
+class Scheduler(AdmissionOps):
     """Plans engine steps on one ledger; see the module docstring and docs/scheduler.md."""
 
     def __init__(self, ledger: KVLedger, config: SchedulerConfig | None = None, *,
@@ -75,7 +75,25 @@ class Scheduler(AdmissionOps, TierPlanning):
         # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
         # its step from one somebody else holds.
         self.lease_owner = f"scheduler-{id(self):x}"
-        self._setup_tiers()
+        self.tier_planner = TierPlanner(ledger, host, self.config, lease_owner=self.lease_owner,
+                                        swap_leases=self._swap_leases, running=self.running, requeue=self.requeue)
+
+    # ---- tiers (planned by the tier planner) ------------------------------------------------------
+    @property
+    def offloading(self) -> bool:
+        """Whether evicted prefix blocks go to the tiers below the pool (``offload_prefixes``)."""
+        return self.tier_planner.offloading
+
+    @property
+    def promoted_tokens(self) -> int:
+        return self.tier_planner.promoted_tokens
+
+    def transfers_failed(self, plan: StepPlan) -> list[str]:
+        """See :meth:`TierPlanner.transfers_failed`: the requests sent back to recompute."""
+        return self.tier_planner.transfers_failed(plan)
+
+    def tier_stats(self) -> dict:
+        return self.tier_planner.tier_stats()
 
     # ---- requests -------------------------------------------------------------------------------
     def add(self, request: GenRequest) -> None:
@@ -226,7 +244,7 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._writes.clear()
         self._writes_seen = 0
         self._swapped_now.clear()
-        self._arriving.clear()
+        self.tier_planner.arriving.clear()
         self._grow(plan)
         self._swap_in(plan)
         budget = self.config.token_budget
@@ -235,7 +253,7 @@ class Scheduler(AdmissionOps, TierPlanning):
         self._liveness(plan)
         plan.copies.extend(self.ledger.take_copies())
         self._copies_from_host(plan)
-        self._take_tier_ops(plan)
+        self.tier_planner.take_ops(plan)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
         # (A sequence has at most one work per plan; a restored one may also have none.)
@@ -486,7 +504,7 @@ class Scheduler(AdmissionOps, TierPlanning):
                     continue
                 req = br.request
                 if admitted and req.request_id in admitted and (br.seq_id not in restored
-                                                                 or req.request_id in self._arriving):
+                                                                 or req.request_id in self.tier_planner.arriving):
                     continue  # admitted now (scheduled by _admit), or its blocks arrive this step
                 c = br.computed
                 if n - c == 1 and not req.lookahead:
@@ -709,7 +727,7 @@ class Scheduler(AdmissionOps, TierPlanning):
         for lease in self._swap_leases:
             ledger.end_lease(lease)
         self._swap_leases.clear()
-        self._complete_tiers()  # every transfer of the step is done: written slots readable, drained free
+        self.tier_planner.complete()  # every transfer of the step is done: written slots readable, drained free
         if plan.lease is not None:
             ledger.end_lease(plan.lease)
         self._in_flight = None

@@ -1,6 +1,6 @@
 """Tier planning: the scheduler's side of demotion, promotion and swapping to the tiers below the pool.
 
-Mixed into :class:`~kvledger.scheduler.scheduler.Scheduler`. The scheduler's ``host`` is a
+Composed into :class:`~kvledger.scheduler.scheduler.Scheduler` as its ``tier_planner``. The scheduler's ``host`` is a
 :class:`~kvledger.core.tiers.TierLedger` (a :class:`~kvledger.scheduler.host.HostPool` is one with a
 single ``host`` tier). Swapped requests take *held* slots of it (:meth:`Scheduler.preempt`). With
 ``SchedulerConfig.offload_prefixes`` the ledger is attached to it, so that:
@@ -19,7 +19,7 @@ single ``host`` tier). Swapped requests take *held* slots of it (:meth:`Schedule
 Every transfer of a step completes within that step; ``confirm`` makes the written slots readable and
 frees the drained ones (:meth:`TierLedger.complete`). ``restore_ahead`` keeps a request whose blocks arrive
 this step from computing until the next one (see :mod:`kvledger.scheduler.transfers` for why that lets
-the transfer hide). A failed transfer (:meth:`TierPlanning.transfers_failed`) drops the tier entries it was
+the transfer hide). A failed transfer (:meth:`TierPlanner.transfers_failed`) drops the tier entries it was
 writing and takes the identity of the device blocks it was filling, so no tenant is ever served bytes that
 did not arrive. It fails no request: a lost demotion only loses a cache entry, and a request holding a
 promoted block that did not arrive goes back to the waiting queue and recomputes those tokens
@@ -28,24 +28,35 @@ promoted block that did not arrive goes back to the waiting queue and recomputes
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
+from ..core.ledger import KVLedger
 from ..core.tiers import TierLedger
 from ..errors import ConfigError
+from .config import SchedulerConfig
 from .plan import Branch, StepPlan
 
-if TYPE_CHECKING:
-    from .scheduler import Scheduler
 
+class TierPlanner:
+    """The scheduler's tier planning. It owns the promotion and failure figures and the requests whose
+    blocks arrive this step; it shares the scheduler's ledger, tiers (``host``), configuration, its
+    list of swap leases (ended at ``confirm``) and running table, and sends a request back to the
+    waiting queue through ``requeue`` when a promoted block it holds did not arrive."""
 
-class TierPlanning:
-    """Mixed into the Scheduler (its ``ledger``, ``host``, ``config`` and swap leases)."""
-
-    def _setup_tiers(self: Scheduler) -> None:
-        host = self.host
+    def __init__(self, ledger: KVLedger, host: TierLedger | None, config: SchedulerConfig, *, lease_owner: str,
+                 swap_leases: list[int], running: dict[str, list[Branch]],
+                 requeue: Callable[[str], Any]) -> None:
         if host is not None and not isinstance(host, TierLedger):
             raise ConfigError(f"the scheduler's host tier must be a TierLedger or HostPool, got {type(host).__name__}")
-        self._arriving: set[str] = set()  # requests whose blocks arrive from a tier this step
+        self.ledger = ledger
+        self.host = host
+        self.config = config
+        self.lease_owner = lease_owner
+        self._swap_leases = swap_leases
+        self._running = running
+        self._requeue = requeue
+        self.arriving: set[str] = set()  # requests whose blocks arrive from a tier this step
         self.promoted_tokens = 0
         # Tier entries dropped because the transfer writing them failed (or could not be trusted: its step
         # failed), and promoted blocks that did not arrive (their requests recomputed them).
@@ -60,10 +71,10 @@ class TierPlanning:
             self.ledger.attach_tiers(host)  # ConfigError without prefix caching
 
     @property
-    def offloading(self: Scheduler) -> bool:
+    def offloading(self) -> bool:
         return self.host is not None and self.ledger.tiers is self.host
 
-    def _promote(self: Scheduler, unit: list[Branch], plan: StepPlan, request: Any, keep_free: int) -> None:
+    def promote(self, unit: list[Branch], plan: StepPlan, request: Any, keep_free: int) -> None:
         """Before ``unit``'s admission: promote the prompt blocks the tiers hold for it, if it fits now."""
         if not self.offloading or not self.host.index:
             return
@@ -77,9 +88,9 @@ class TierPlanning:
         plan.promote.extend(pairs)
         self.promoted_tokens += len(pairs) * ledger.block_size
         if self.config.restore_ahead:
-            self._arriving.add(unit[0].request.request_id)
+            self.arriving.add(unit[0].request.request_id)
 
-    def _plan_writeback(self: Scheduler) -> None:
+    def _plan_writeback(self) -> None:
         """Copy down, ahead of their eviction, the retained blocks the next ``writeback_blocks`` allocations
         beyond the free list would evict (only those not below already). Planned after everything else
         of the step: these blocks are nobody's in this plan, so nothing writes them while they are read."""
@@ -107,7 +118,7 @@ class TierPlanning:
             if need <= 0:
                 return
 
-    def _take_tier_ops(self: Scheduler, plan: StepPlan) -> None:
+    def take_ops(self, plan: StepPlan) -> None:
         """Demotions, write-backs and moves the ledger decided since the last step go into this plan."""
         if not self.offloading:
             return
@@ -117,13 +128,14 @@ class TierPlanning:
         for op in self.host.take_ops():
             lists[op.kind].append((op.src, op.dst))
 
-    def _complete_tiers(self: Scheduler) -> None:
+    def complete(self) -> None:
+        """Every transfer of the step is done: written slots readable, drained ones free."""
         if self.host is not None:
             self.host.complete()
-        self._arriving.clear()
+        self.arriving.clear()
         self._lost_promotions.clear()
 
-    def transfers_failed(self: Scheduler, plan: StepPlan) -> list[str]:
+    def transfers_failed(self, plan: StepPlan) -> list[str]:
         """The executor could not complete these tier transfers of the step in flight (``plan`` names
         them: the whole step's, or only the ones that failed). The tier entries they were writing are
         dropped -- only those cache entries are lost. The promoted device blocks lose their identity, and
@@ -144,13 +156,13 @@ class TierPlanning:
         self.promotion_failures += len(missing)
         self.promoted_tokens -= len(missing) * self.ledger.block_size  # they were not served from a tier
         lost = set(missing)
-        readers = [rid for rid, branches in self.running.items()
+        readers = [rid for rid, branches in self._running.items()
                    if any(not lost.isdisjoint(br.blocks) for br in branches)]
         for rid in reversed(readers):  # each goes to the front: the last first keeps their order
-            self.requeue(rid)
+            self._requeue(rid)
         return readers
 
-    def tier_stats(self: Scheduler) -> dict[str, Any]:
+    def tier_stats(self) -> dict[str, Any]:
         """Slots by tier and state, the flow of cached entries, promoted prefix tokens, and the tier
         entries and promoted blocks lost to failed transfers."""
         if self.host is None:
@@ -159,4 +171,4 @@ class TierPlanning:
                 "demotion_failures": self.demotion_failures, "promotion_failures": self.promotion_failures}
 
 
-__all__ = ["TierPlanning"]
+__all__ = ["TierPlanner"]

@@ -312,8 +312,7 @@ class FleetSimulator:
         ctx = self._contexts.get(r.trust_group)
         sim = self.config.sim
         if ctx is None:
-            ctx = self._contexts[r.trust_group] = CacheContext(trust_group=r.trust_group, model=str(sim.model),
-                                                               kv_dtype=self.dep.spec.kv_dtype)
+            ctx = self._contexts[r.trust_group] = self.dep.spec.cache_context(r.trust_group, str(sim.model))
         tokens = r.prompt_tokens.tolist()
         bs = self.dep.spec.block_size
         digests = prompt_digests(ctx.root_digest(), tokens, bs) if sim.prefix_cache else []

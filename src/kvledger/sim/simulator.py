@@ -552,8 +552,7 @@ class Simulator:
         for r in workload:
             ctx = contexts.get(r.trust_group)
             if ctx is None:
-                ctx = contexts[r.trust_group] = CacheContext(trust_group=r.trust_group, model=str(cfg.model),
-                                                             kv_dtype=dep.spec.kv_dtype)
+                ctx = contexts[r.trust_group] = dep.spec.cache_context(r.trust_group, str(cfg.model))
             if declared is None:
                 yield GenRequest(r.request_id, r.prompt_tokens.tolist(), r.output_len, ctx, n=r.n,
                                  priority=r.priority, arrival_s=r.arrival_s)

@@ -520,6 +520,20 @@ def _json_line(loads: Any, line: bytes | str, where: str) -> Any:
         raise ConfigError(f"{where}: not usable JSON ({str(exc)[:80]})") from None
 
 
+def _jsonl_objects(path: Path) -> Iterator[tuple[dict, str]]:
+    """Each non-blank line of a JSON Lines trace as a JSON object, with its ``file:line`` for messages."""
+    loads = json.loads
+    with _open_text(path, binary=True) as fh:  # bytes: json.loads decodes, so bad UTF-8 has a line
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            rec = _json_line(loads, line, where)
+            if not isinstance(rec, dict):
+                raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+            yield rec, where
+
+
 def _head(path: Path, size: int = 65536) -> str:
     """The first bytes of a trace as text, for sniffing its format: binary or non-UTF-8 files are refused."""
     with _open_text(path, binary=True) as fh:
@@ -559,36 +573,28 @@ def load_mooncake(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS, *
     _check_int(token_base, "token_base", 0)
     prefix = _prefix(path, id_prefix)
     out: list[SimRequest] = []
-    loads = json.loads
-    with _open_text(path, binary=True) as fh:  # bytes: json.loads decodes, so bad UTF-8 has a line
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            rec = _json_line(loads, line, where)
-            if not isinstance(rec, dict):
-                raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-            try:
-                ts, n_in = rec["timestamp"], rec["input_length"]
-                n_out, ids = rec["output_length"], rec["hash_ids"]
-            except KeyError as exc:
-                raise ConfigError(f"{where}: missing key {exc.args[0]!r}") from None
-            if not _is_int(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS:
-                raise ConfigError(f"{where}: timestamp must be an integer in [0, {MAX_TIMESTAMP_MS}] (ms), "
-                                  f"got {_short(ts)}")
-            if not _is_int(n_in) or not 1 <= n_in <= MAX_LENGTH:
-                raise ConfigError(f"{where}: input_length must be an integer in [1, {MAX_LENGTH:,}], "
-                                  f"got {_short(n_in)}")
-            if not _is_int(n_out) or not 0 <= n_out <= MAX_LENGTH:
-                raise ConfigError(f"{where}: output_length must be an integer in [0, {MAX_LENGTH:,}], "
-                                  f"got {_short(n_out)}")
-            if not isinstance(ids, list):
-                raise ConfigError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
-            try:
-                prompt = Prompt.from_blocks(ids, block_tokens, n_in, token_base)
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: hash_ids: {exc}") from None
-            out.append(SimRequest(f"{prefix}{len(out)}", ts / 1000.0, prompt, n_out, trust_group))
+    for rec, where in _jsonl_objects(path):
+        try:
+            ts, n_in = rec["timestamp"], rec["input_length"]
+            n_out, ids = rec["output_length"], rec["hash_ids"]
+        except KeyError as exc:
+            raise ConfigError(f"{where}: missing key {exc.args[0]!r}") from None
+        if not _is_int(ts) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+            raise ConfigError(f"{where}: timestamp must be an integer in [0, {MAX_TIMESTAMP_MS}] (ms), "
+                              f"got {_short(ts)}")
+        if not _is_int(n_in) or not 1 <= n_in <= MAX_LENGTH:
+            raise ConfigError(f"{where}: input_length must be an integer in [1, {MAX_LENGTH:,}], "
+                              f"got {_short(n_in)}")
+        if not _is_int(n_out) or not 0 <= n_out <= MAX_LENGTH:
+            raise ConfigError(f"{where}: output_length must be an integer in [0, {MAX_LENGTH:,}], "
+                              f"got {_short(n_out)}")
+        if not isinstance(ids, list):
+            raise ConfigError(f"{where}: hash_ids must be a list, got {type(ids).__name__}")
+        try:
+            prompt = Prompt.from_blocks(ids, block_tokens, n_in, token_base)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: hash_ids: {exc}") from None
+        out.append(SimRequest(f"{prefix}{len(out)}", ts / 1000.0, prompt, n_out, trust_group))
     return _by_arrival(out)
 
 
@@ -803,17 +809,9 @@ def load_kvledger(path: str | Path, *, id_prefix: str | None = None) -> list[Sim
     next_id = 512 * _PREFIX_SPAN  # private tokens above every named prefix's range
     out: list[SimRequest] = []
     if path.suffix == ".jsonl":
-        loads = json.loads
-        with _open_text(path, binary=True) as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{lineno}"
-                rec = _json_line(loads, line, where)
-                if not isinstance(rec, dict):
-                    raise ConfigError(f"{where}: expected a JSON object, got {type(rec).__name__}")
-                req, next_id = _kvledger_request(rec, where, len(out), prefix_ids, next_id, prefix)
-                out.append(req)
+        for rec, where in _jsonl_objects(path):
+            req, next_id = _kvledger_request(rec, where, len(out), prefix_ids, next_id, prefix)
+            out.append(req)
     else:
         with _open_text(path) as fh:
             reader = csv.DictReader(fh)
@@ -916,6 +914,16 @@ def sniff_trace_format(path: str | Path) -> TraceFormat:
     shown = first.strip()[:80]
     kind = "JSON keys of the first line" if suffix == ".jsonl" else "CSV header"
     raise ConfigError(f"{path}: unknown trace format ({kind} {shown!r}); accepted: {accepted_formats()}")
+
+
+def trace_has_arrivals(path: str | Path) -> bool:
+    """Whether a trace file carries its own arrival times: its sniffed format needs no arrival process
+    (``TraceFormat.needs_arrivals``). The one answer every trace reader asks (the load client, diagnose);
+    a file that cannot be read or sniffed counts as timed, so that loading it says what is wrong."""
+    try:
+        return not sniff_trace_format(path).needs_arrivals
+    except (ConfigError, OSError):
+        return True
 
 
 def load_trace(path: str | Path, format: str | None = None, **kwargs: Any) -> list[SimRequest]:  # noqa: A002

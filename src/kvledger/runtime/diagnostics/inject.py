@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ...core import CacheContext, Request
+from ...core import Request
 from ...errors import ConfigError
 
 MiB = 1 << 20
@@ -115,7 +115,7 @@ class PoolLeak(Injection):
             return
         rid = f"leaked-{result.plan.step}"
         tokens = [16 + (result.plan.step * 7919 + i * 104729) % 40000 for i in range(blocks * spec.block_size)]
-        ctx = CacheContext(trust_group="tenant-leak", model=engine.model_name, kv_dtype=spec.kv_dtype)
+        ctx = spec.cache_context("tenant-leak", engine.model_name)
         decision = ledger.admit(Request(rid, tokens, 1, ctx))
         if not decision.admitted:
             self.step = None

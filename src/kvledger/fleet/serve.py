@@ -521,8 +521,14 @@ class FleetBackend:
         reasons: list[str] = ["cancelled"]
         cached = 0
         replica = None
-        counted = False
+        counted = False  # a replica accepted it: counted in ``running`` until it ends, however it ends
         waiting = False  # every replica has said "not now" to it at least once
+
+        def accepted() -> None:
+            nonlocal counted
+            self._count_running(True)
+            counted = True
+
         try:
             while True:
                 attempts += 1
@@ -530,17 +536,17 @@ class FleetBackend:
                 try:
                     if waiting:
                         outcome, replica, cached, reasons = await self._gated_attempt(
-                            job, emitted, prompt_len, on_token, lambda: self._count_running(True))
+                            job, emitted, prompt_len, on_token, accepted)
                     else:
                         outcome, replica, cached, reasons = await self._attempt(
-                            job, emitted, prompt_len, on_token, lambda: self._count_running(True))
-                    counted = outcome == ACCEPTED or counted
+                            job, emitted, prompt_len, on_token, accepted)
                 except _ReplicaFailed as exc:
                     self.counters["replica_failures"] += 1
                     if exc.replica:
                         job["avoid"] = [exc.replica]
                     if exc.counted:
                         self._count_running(False)
+                        counted = False
                     await asyncio.sleep(self.spec.retry_s)
                     continue
                 if outcome == ACCEPTED:
@@ -560,6 +566,9 @@ class FleetBackend:
                     await asyncio.sleep(self.spec.retry_s)
                 else:
                     self.counters["retries"] += 1
+        except asyncio.CancelledError:
+            reasons = ["cancelled"]  # not an earlier attempt's refusal: the request itself was cancelled
+            raise
         finally:
             if counted:
                 self._count_running(False)

@@ -214,8 +214,10 @@ class RouterView:
     # ---- membership ---------------------------------------------------------------------------------
     @_locked
     def set_replicas(self, replicas: Iterable[str]) -> None:
-        """The replicas that exist now: new ones are added, gone ones forgotten (with their prefixes)."""
-        now = set(replicas)
+        """The replicas that exist now: new ones are added in the order given, gone ones forgotten (with
+        their prefixes). The view's order breaks ranking ties and drives round-robin, so it follows the
+        caller's order, never a set's (whose order changes with the process's string-hash salt)."""
+        now = dict.fromkeys(replicas)
         for r in list(self.replicas):
             if r not in now:
                 self.drop(r)

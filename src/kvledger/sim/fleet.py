@@ -153,11 +153,7 @@ class _Router:
                  placement: Placement) -> None:
         self.index = index
         self.view = RouterView(block_size, config.score, seed=config.seed * 1000 + index, placement=placement)
-        # One name at a time: set_replicas iterates a set, whose order follows the per-process string hash
-        # salt, and the view's order decides ranking ties and round-robin. Adding r0, r1, ... one by one
-        # keeps that order, so a fixed-seed fleet run gives the same answer in every process.
-        for k in range(1, len(names) + 1):
-            self.view.set_replicas(names[:k])
+        self.view.set_replicas(names)  # in order: the view's order breaks ties, whatever the hash salt
         self.queue: deque[_Req] = deque()
         self.rr = index  # round-robin position
         self.retry_armed = False

@@ -323,14 +323,14 @@ def fleet_spec(model: str, **overrides: Any) -> Any:
 
 def backend_for(handle: Any, spec: Any) -> Any:
     """The ingress's backend, built with the arguments :class:`~kvledger.fleet.serve.FleetIngress` gives it
-    (vocabulary and context from the checkpoint, the KV dtype named as the engines name it)."""
-    from kvledger.core.geometry import canonical_dtype
+    (vocabulary and context from the checkpoint, the engines' KV spec)."""
     from kvledger.fleet.serve import FleetBackend
-    from kvledger.runtime.engine import model_context, resolve_model
+    from kvledger.runtime.engine import kv_spec_for, model_context, resolve_model
+    from kvledger.server.backend import compute_dtype
 
     ckpt = resolve_model(spec.model)
     return FleetBackend(handle, spec, vocab_size=int(ckpt.config["vocab_size"]), max_context=model_context(ckpt),
-                        kv_dtype=canonical_dtype(spec.dtype))
+                        kv_spec=kv_spec_for(ckpt, compute_dtype(spec.dtype), None, spec.block_size))
 
 
 @contextlib.asynccontextmanager

@@ -11,6 +11,7 @@ from typing import Any
 
 from ray import serve
 
+from kvledger.core.geometry import KVSpec
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.fleet.score import ReplicaLoad
 from kvledger.fleet.serve import FleetBackend, FleetSpec
@@ -65,7 +66,8 @@ def fleet(key: str, **spec: Any) -> tuple[InprocDeployment, FleetBackend, list[s
               "request_router_kwargs": {"view_key": key, "block_size": BS, "min_match_tokens": BS}}
     deployment = InprocDeployment(serve.deployment(Scripted, name="engine", num_replicas=2,
                                                    request_router_config=config).bind()._bound_deployment)
-    backend = FleetBackend(deployment.handle(), spec_, vocab_size=100, max_context=None, kv_dtype="fp32")
+    backend = FleetBackend(deployment.handle(), spec_, vocab_size=100, max_context=None,
+                           kv_spec=KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="fp32", block_size=BS))
     return deployment, backend, [r.name for r in deployment.replicas]
 
 

@@ -46,7 +46,12 @@ def test_the_ingress_serves_completions_over_the_fleet_and_shows_the_operator_it
         try:
             assert type(ingress) is FleetIngress and ingress.spec is spec and ingress.max_queue == 7
             backend = ingress.backend
-            assert (backend.vocab_size, backend.max_context, backend.kv_dtype) == (256, 256, "fp32")
+            assert (backend.vocab_size, backend.max_context) == (256, 256)
+            # The router's cache identities are built from the engines' own KV spec (the exact format id).
+            replica_spec = engines.replicas[0].servable.engine.spec
+            assert backend.kv_spec.kv_format_id == replica_spec.kv_format_id == "fp32"
+            assert backend._context("acme", "s").root_digest() == \
+                replica_spec.cache_context("acme", model, "s").root_digest()
             assert (backend.block_size, backend.pool_blocks, backend.model_name, backend.max_num_seqs) == (
                 4, 16, model, 8)
             assert backend.retries == 1 and backend.handle is not None

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from kvledger.core.geometry import KVSpec
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.core.ledger import KVLedger
 from kvledger.core.types import Request
@@ -219,7 +220,8 @@ def test_the_ingress_answers_never_itself_and_salts_digests_like_the_engine():
     from kvledger.runtime.sampling import SamplingParams
 
     spec = FleetSpec(pool_blocks=8, block_size=BS, max_running=4, view_key="never-test")
-    backend = FleetBackend(None, spec, vocab_size=100, max_context=200, kv_dtype="fp32")
+    backend = FleetBackend(None, spec, vocab_size=100, max_context=200,
+                           kv_spec=KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="fp32", block_size=BS))
     backend.set_quota("small", 3)
     ids, max_new, ctx = backend.check_request([1, 2, 3], 10, trust_group="t")
     assert (ids, max_new) == ([1, 2, 3], 10)

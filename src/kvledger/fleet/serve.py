@@ -35,6 +35,7 @@ from fastapi import Request as HttpRequest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
+from ..core.geometry import KVSpec
 from ..core.identity import CacheContext, prompt_digests
 from ..core.types import Request
 from ..errors import AdmissionError, ConfigError, QuotaError
@@ -353,7 +354,7 @@ class FleetBackend:
     replica's event loop."""
 
     def __init__(self, handle: Any, spec: FleetSpec, *, vocab_size: int, max_context: int | None,
-                 kv_dtype: str) -> None:
+                 kv_spec: KVSpec) -> None:
         self.handle = handle
         self.spec = spec
         self.model_name = spec.model
@@ -362,7 +363,7 @@ class FleetBackend:
         self.max_context = max_context
         self.vocab_size = vocab_size
         self.max_num_seqs = spec.max_running
-        self.kv_dtype = kv_dtype
+        self.kv_spec = kv_spec  # the engines' KV spec: requests' cache identities are built from it, as theirs
         self.error: BaseException | None = None
         self.view: RouterView = shared_view(spec.view_key, block_size=spec.block_size, score=spec.score())
         self.retries = spec.engine_replicas - 1 if spec.retries is None else spec.retries
@@ -445,9 +446,7 @@ class FleetBackend:
         key = (trust_group, cache_salt)
         ctx = self._contexts.get(key)
         if ctx is None:
-            ctx = self._contexts[key] = CacheContext(
-                trust_group=trust_group, model=self.model_name, kv_dtype=self.kv_dtype,
-                extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
+            ctx = self._contexts[key] = self.kv_spec.cache_context(trust_group, self.model_name, cache_salt)
         return ctx
 
     def set_quota(self, trust_group: str, max_blocks: int | None) -> None:
@@ -723,8 +722,8 @@ class FleetIngress:
 
     def __init__(self, engine: Any, spec: FleetSpec, tenants: dict[str, Any] | None = None,
                  max_queue: int = 256) -> None:
-        from ..core.geometry import canonical_dtype
-        from ..runtime.engine import model_context, resolve_model
+        from ..runtime.engine import kv_spec_for, model_context, resolve_model
+        from ..server.backend import compute_dtype
         from ..server.tenants import Tenants
         from ..server.text import TextCodec
 
@@ -733,7 +732,7 @@ class FleetIngress:
         self.codec = TextCodec.from_pretrained(str(ckpt.path))
         vocab = int(ckpt.config.get("vocab_size") or len(self.codec.tok))
         self.backend = FleetBackend(engine, spec, vocab_size=vocab, max_context=model_context(ckpt),
-                                    kv_dtype=canonical_dtype(spec.dtype))  # the engines' name for it
+                                    kv_spec=kv_spec_for(ckpt, compute_dtype(spec.dtype), None, spec.block_size))
         self.tenants = Tenants.from_dict(tenants) if tenants else Tenants.single_tenant()
         self.max_queue = max_queue
         self.spec = spec

@@ -171,28 +171,34 @@ class EngineBackend:
         self.engine.stop(timeout=10)
 
 
+def compute_dtype(name: str) -> Any:
+    """The torch dtype an engine computes in, from its ``--dtype`` name (fp32, bf16, fp16)."""
+    import torch
+
+    from ..core.geometry import canonical_dtype
+
+    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(canonical_dtype(name))
+    if compute is None:
+        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {name!r}")
+    return compute
+
+
 def build_engine(model: str, *, pool_blocks: int | None = None, pool: str | None = None, block_size: int = 16,
                  kv_dtype: str | None = None, dtype: str = "fp32", host_blocks: int = 0,
                  scheduler_config: Any = None, allow_untested_kv: bool = False) -> Any:
     """An :class:`Engine` for ``model`` with a KV pool of ``pool_blocks`` (or ``pool`` bytes) in
     ``kv_dtype`` (default: the compute dtype)."""
-    import torch
-
-    from ..core.geometry import KVSpec, canonical_dtype
-    from ..runtime.engine import Engine, load_decoder, model_context, resolve_model
+    from ..runtime.engine import Engine, kv_spec_for, load_decoder, model_context, resolve_model
     from ..runtime.model import ModelRunner
 
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(canonical_dtype(dtype))
-    if compute is None:
-        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {dtype!r}")
+    compute = compute_dtype(dtype)
     if (pool_blocks is None) == (pool is None):
         raise ConfigError("give exactly one of --pool-blocks or --pool")
     ckpt = resolve_model(model)
     from ..runtime.config import DecoderConfig
 
     DecoderConfig.from_hf(ckpt.config)  # an unsupported model fails here, before any weight is read
-    spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(kv_dtype or dtype), block_size=block_size,
-                                 residual_dtype=canonical_dtype(dtype))
+    spec = kv_spec_for(ckpt, compute, kv_dtype, block_size)
     from ..runtime.engine import residual_slots_for
 
     slots = residual_slots_for(spec, scheduler_config, pool_blocks if pool is None else None)
@@ -206,4 +212,4 @@ def build_engine(model: str, *, pool_blocks: int | None = None, pool: str | None
                   model_name=model, checkpoint=ckpt, allow_untested_kv=allow_untested_kv)
 
 
-__all__ = ["Backend", "BackendState", "EngineBackend", "Handle", "build_engine"]
+__all__ = ["Backend", "BackendState", "EngineBackend", "Handle", "build_engine", "compute_dtype"]

@@ -13,7 +13,7 @@ api_keys = ["sk-acme-1", "sk-acme-2"]
 max_blocks = 256                    # optional: cap on the KV blocks its requests may hold, be promised or
                                     # grow into (its trust group's quota in the engine's ledger)
 max_requests = 32                   # optional: its requests in flight or waiting at once (then 429)
-priority = 0                        # optional: scheduler priority of its requests (lower runs first)
+priority = 0                        # optional: scheduler priority of its requests (larger runs first)
 
 [tenants.globex]
 api_keys = ["sk-globex"]

@@ -6,14 +6,15 @@ and the kill rates.
     .venv/bin/python tests/mutation.py run [MODULE ...]    # mutmut on each module, then the report
     .venv/bin/python tests/mutation.py report [MODULE ...] # the report of what the last runs found
     .venv/bin/python tests/mutation.py rerun [MODULE ...]  # the survivors again, after adding tests
-    .venv/bin/python tests/mutation.py sample [--count N] [--per-package] [--seed S] [--jobs J] [--no-fresh]
+    .venv/bin/python tests/mutation.py sample [--count N] [--per-package] [--seed S] [--jobs J] [--no-fresh] [--reuse]
                                               [MODULE ...]
 
 ``sample`` estimates the kill rate over every mutant of the modules (every package above by default:
 days of one core) from a uniform random sample of them, seeded (``--per-package``: ``--count`` mutants of
 each package, each package's drawn on its own generator, so that its rate has its own interval and its
 draw does not depend on which other packages are asked; ``--no-fresh`` skips the last, fresh-interpreter
-pass, and the report says so): it runs only the sampled
+pass, and the report says so; ``--reuse`` takes the statuses of the last run of the same sample and runs only
+the fresh-interpreter pass, after that pass was interrupted): it runs only the sampled
 mutants (with ``KVLEDGER_NATIVE=0``; each survivor of the packages with a C path again with the C part
 loaded, as ``make test`` runs; then in a fresh interpreter: the core's and the scheduler's over the
 planner's quick tests, for code that runs at import, the server's over its in-process server tests,
@@ -54,6 +55,7 @@ import sys
 import time
 import tomllib
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -265,13 +267,15 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 def sample(argv: list[str]) -> int:
     """Run a seeded uniform sample of the modules' mutants and report the kill rate it estimates."""
-    count, seed, jobs, names, per_package, fresh = 200, 1, 1, [], False, True
+    count, seed, jobs, names, per_package, fresh, reuse = 200, 1, 1, [], False, True, False
     it = iter(argv)
     for arg in it:
         if arg == "--per-package":
             per_package = True
         elif arg == "--no-fresh":  # the server's pass is a minute or more per server survivor
             fresh = False
+        elif arg == "--reuse":  # the statuses of the last run of this very sample (after an interrupted pass)
+            reuse = True
         elif arg in ("--count", "--seed", "--jobs"):
             value = next(it, None)
             if value is None or not value.isdigit() or int(value) < (0 if arg == "--seed" else 1):
@@ -312,7 +316,10 @@ def sample(argv: list[str]) -> int:
     else:
         chosen = sorted(random.Random(seed).sample(population, min(count, len(population))))
     # Every sampled mutant runs again: a result from before a change of the tests or the code is stale.
-    todo = chosen
+    # ``--reuse`` keeps the statuses of the last run of this very sample (its mutmut and C-part passes
+    # done, its last pass interrupted): only the fresh-interpreter pass runs.
+    reused = reuse and all(status[k] != "not checked" for k in chosen)
+    todo = [] if reused else chosen
     t0 = time.perf_counter()
     print(f"== mutmut: {len(chosen)} of {len(population)} mutants (seed {seed}), "
           f"{jobs} worker(s); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}", flush=True)
@@ -328,7 +335,7 @@ def sample(argv: list[str]) -> int:
     # chance with it loaded (its path may be one only the C part takes), and is killed if either run
     # kills it.
     survivors = [k for k in chosen if status[k] not in KILLED and package_of(k) in NATIVE_PACKAGES]
-    if survivors:
+    if survivors and not reused:
         t0 = time.perf_counter()
         print(f"== mutmut: the {len(survivors)} survivors with a C path again with the C part loaded", flush=True)
         cmd = ["nice", "-n", "10", *MUTMUT, "run", "--max-children", str(jobs), *survivors]
@@ -347,16 +354,17 @@ def sample(argv: list[str]) -> int:
     if survivors:
         t0 = time.perf_counter()
         print(f"== the {len(survivors)} survivors again, each in a fresh interpreter", flush=True)
-        clean: set[str] = set()
-        for k in survivors:
-            pkg = package_of(k)
-            if pkg not in clean:  # the tests must pass with no mutant, or a failure would kill nothing
-                if fresh_run(pkg, "") is not True:
-                    print(f"   {pkg}: the fresh-interpreter tests fail without a mutant; pass skipped", flush=True)
-                    continue
+        clean = set()
+        for pkg in sorted({package_of(k) for k in survivors}):  # the tests must pass with no mutant, or a
+            if fresh_run(pkg, "") is True:                        # failure would kill nothing
                 clean.add(pkg)
-            if fresh_run(pkg, k) is not True:
-                fresh_kills.add(k)
+            else:
+                print(f"   {pkg}: the fresh-interpreter tests fail without a mutant; pass skipped", flush=True)
+        runnable = [k for k in survivors if package_of(k) in clean]
+        with ThreadPoolExecutor(max_workers=jobs) as pool:  # each run is a process of its own
+            for k, passed in zip(runnable, pool.map(lambda k: fresh_run(package_of(k), k), runnable), strict=True):
+                if passed is not True:
+                    fresh_kills.add(k)
         print(f"   {time.perf_counter() - t0:.0f} s; {len(fresh_kills)} killed there")
     eq = equivalents()
     c: Counter[str] = Counter()
@@ -400,8 +408,8 @@ def fresh_run(package: str, mutant: str) -> bool | None:
     """``package``'s fresh-interpreter tests with ``mutant`` active from the start (no mutant: ``""``), with
     ``mutants/src`` first on the path of this process and of any it starts: True if they pass, False if
     they fail, None on a timeout (counted as killed, as mutmut counts one)."""
-    env = dict(os.environ, **ENV, **FRESH_ENV.get(package, {}), MUTANT_UNDER_TEST=mutant,
-               PYTHONPATH=str(REPO / "mutants" / "src"))
+    env = {**os.environ, **ENV, **FRESH_ENV.get(package, {}), "MUTANT_UNDER_TEST": mutant,
+           "PYTHONPATH": str(REPO / "mutants" / "src")}
     cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
            *FRESH_TESTS[package]]
     try:

@@ -20,6 +20,10 @@ OpenAI-compatible server of :mod:`kvledger.server` running as the ingress deploy
 Tenants: the trust group is the authenticated tenant's (``kvledger.server.tenants``), never the body's; it
 salts every digest, so one tenant's prefix never scores as affinity for another, and the replicas'
 routing stats are tenant-free aggregates (:class:`~kvledger.fleet.score.ReplicaLoad`).
+
+The module runs past 600 lines because it holds every Ray face of the fleet in one place (the loopback
+setup, the engine replica, the ingress backend, the application); the Ray-free placement logic (score,
+view, door) already lives beside it, and moving the four faces into modules of their own is planned.
 """
 
 from __future__ import annotations

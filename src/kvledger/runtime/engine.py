@@ -24,6 +24,10 @@ flight gives its blocks back when the step's lease ends, never earlier.
 Faults stay with their request: an exception in the forward pass or in sampling fails only the request
 whose part of the step raises (the driver reruns the step one request at a time), and an exception in a
 request's ``on_token`` callback fails that request; every other request, of every tenant, goes on.
+
+The module runs past 600 lines because it holds both the loading of a model (checkpoint, KV spec, decoder
+cache) and :class:`Engine`; one torch-free engine configuration with one loader of its own is the split
+planned (the KV spec is already built in one place, :func:`kv_spec_for`).
 """
 
 from __future__ import annotations

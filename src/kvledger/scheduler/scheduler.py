@@ -10,9 +10,10 @@ requests grow, and where growth failures are handled by the policy; (2) restore 
 (3) decode and prefill chunks for running requests under the token budget; (4) admit waiting requests
 in priority order; (5) the liveness rule: a request that can no longer make progress ends with a reason.
 
-The module is long (past 800 lines) because ``schedule`` and ``confirm`` must see one step's whole state;
-admission and tier planning already live in their own modules, and composing them as objects rather than
-mixins is the planned split.
+The module is long (past 800 lines) because ``schedule`` and ``confirm`` must see one step's whole state.
+Tier planning is a collaborator it composes (:class:`~kvledger.scheduler.tiers.TierPlanner`); admission
+still lives in its own module as a mixin, whose composition (with the waiting and swapped queues it owns)
+is the split still planned.
 """
 
 from __future__ import annotations

@@ -33,3 +33,18 @@ def test_the_audit_is_clean_only_with_nothing_running() -> None:
     backend.running = 1  # a replica accepted a request that has not ended
     audit = backend.audit()
     assert audit["clean"] is False and audit["running"] == 1
+
+
+def test_the_ingress_names_a_quantised_kv_format_as_the_engines_do() -> None:
+    """The router's digests must equal the replicas' ledgers', so the ingress builds each context from the
+    engines' KV spec: the exact format id (scales and groups included), not the format's bare name."""
+    from kvledger.core.identity import CacheContext
+
+    spec = FleetSpec(pool_blocks=64, block_size=BS, max_running=4, view_key="int8-identity")
+    kv = KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="int8", block_size=BS)
+    backend = FleetBackend(None, spec, vocab_size=100, max_context=200, kv_spec=kv)
+    ctx = backend.check_request([1, 2, 3], 1, trust_group="t", cache_salt="s")[2]
+    assert ctx.kv_dtype == kv.kv_format_id != "int8"
+    assert ctx.root_digest() == kv.cache_context("t", spec.model, "s").root_digest()
+    assert ctx.root_digest() != CacheContext(trust_group="t", model=spec.model, kv_dtype="int8",
+                                             extra=(("cache_salt", "s"),)).root_digest()

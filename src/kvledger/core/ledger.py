@@ -14,9 +14,10 @@ Admission is one atomic decision under the ledger's lock, so concurrent admissio
 Branches (forks, beam search), leases, pins and statistics live in :mod:`.branches` and
 :mod:`.lifetimes`, demotion to and promotion from lower tiers in :mod:`.offload`, mixed into
 :class:`KVLedger`; they share its lock and its state. This module keeps what every per-token operation
-touches together (the pool, the tables, the promise rule, growth, speculative slots, release and the
-audit), which is why it runs past 600 lines; moving promises, leases and quotas into objects that own
-their state is the planned split, not a further mixin.
+touches together (the pool, the tables, growth, speculative slots, release and the audit), which is why
+it runs past 600 lines. Promises already have their owner (:class:`~kvledger.core.promises.PromiseBook`,
+which every one of those paths asks); moving leases and quotas into objects that own their state is the
+split still planned, not a further mixin.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, LedgerError
 from .identity import check_tokens, prompt_digests
+from .promises import declared_blocks, largest_allowance
 from .quota import QuotaOps
 from .table import BlockTable
 from .types import Decision, Outcome, Request, Retention, SequenceState, as_count
@@ -78,10 +79,9 @@ class AdmissionOps(QuotaOps):
     def _never(self: KVLedger, request: Request) -> Decision | None:
         """The "never" rule, O(1): the declared maximum -- every branch's whole output allowance and
         speculative slots, the prompt's full blocks shared once -- exceeds the whole pool."""
-        prompt_len, bs, pool_blocks = len(request.prompt), self.block_size, self.pool.num_blocks
+        prompt_len, pool_blocks = len(request.prompt), self.pool.num_blocks
         k = request.branches
-        longest = -(-(prompt_len + request.max_new_tokens + request.lookahead) // bs)
-        need = longest + (k - 1) * (longest - prompt_len // bs)
+        need = declared_blocks(prompt_len, request.max_new_tokens, self.block_size, k, request.lookahead)
         cap = self._quotas.get(request.context.trust_group) if self._quotas else None
         branches = f" for {k} branches" if k > 1 else ""
         if need <= pool_blocks and k <= pool_blocks:
@@ -133,6 +133,19 @@ class AdmissionOps(QuotaOps):
                 memo.popitem(last=False)
 
     # ---- one request ----------------------------------------------------------------------------
+    def largest_allowance(self: KVLedger, request: Request) -> int:
+        """The largest output allowance (``max_new_tokens``) that ``request`` -- its prompt, branches,
+        speculative slots and trust group, its own ``max_new_tokens`` ignored -- could ever be
+        promised here: the most whose declaration fits the whole pool and its trust group's quota.
+        0 when not even one token could. A request asking for it is never told "never" (it may still
+        wait for room); one token more is."""
+        request = self._request(request)
+        limit = self.pool.num_blocks
+        cap = self._quotas.get(request.context.trust_group) if self._quotas else None
+        if cap is not None:
+            limit = min(limit, cap)
+        return largest_allowance(len(request.prompt), limit, self.block_size, request.branches, request.lookahead)
+
     def can_admit(self: KVLedger, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
         keep_free = as_count(keep_free, "keep_free")

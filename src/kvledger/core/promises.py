@@ -9,6 +9,12 @@ The promise rule: ``total <= free + evictable``. Every decision that hands out c
 :meth:`PromiseBook.unpromised` (``free + evictable - total``) -- admission, forks, growth past a
 reservation, lookahead, pins and promotions from lower tiers -- so the rule is written once, here.
 
+What a request declares -- every branch's whole output allowance and speculative slots, the prompt's full
+blocks shared once -- is :func:`declared_blocks`; :func:`largest_allowance` inverts it: the largest output
+allowance whose declaration fits a given number of blocks (the whole pool, a trust group's quota). Both are
+pure arithmetic, the one statement of that charge for the ledger's "never" rule, the fleet's ingress and
+the server's default ``max_tokens``.
+
 The book has no lock of its own: the :class:`~kvledger.core.ledger.KVLedger` that owns it calls it under
 the ledger's lock. Every operation is O(1).
 """
@@ -18,6 +24,24 @@ from __future__ import annotations
 from ..errors import InvariantError
 from .pool import BlockPool
 from .types import SequenceState
+
+
+def declared_blocks(prompt_len: int, max_new_tokens: int, block_size: int, branches: int = 1,
+                    lookahead: int = 0) -> int:
+    """Blocks a request declares under full reservation: its longest branch covers the prompt, the whole
+    output allowance and the speculative slots, and every other branch adds its own blocks past the
+    prompt's full blocks (a partial prompt tail is copied on write, so each branch pays for it)."""
+    longest = -(-(prompt_len + max_new_tokens + lookahead) // block_size)
+    return longest + (branches - 1) * (longest - prompt_len // block_size)
+
+
+def largest_allowance(prompt_len: int, limit_blocks: int, block_size: int, branches: int = 1,
+                      lookahead: int = 0) -> int:
+    """The largest ``max_new_tokens`` whose :func:`declared_blocks` is at most ``limit_blocks``; 0 when
+    not even one token fits. O(1): ``declared_blocks`` is ``longest * branches`` less a constant, so the
+    longest branch may cover ``(limit + (branches - 1) * full_prompt_blocks) // branches`` blocks."""
+    longest = (limit_blocks + (branches - 1) * (prompt_len // block_size)) // branches
+    return max(longest * block_size - prompt_len - lookahead, 0)
 
 
 class PromiseBook:

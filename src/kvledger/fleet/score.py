@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core.promises import declared_blocks
 from ..errors import ConfigError
 
 # The fleet simulator's arms: "A" the router decides on its view and the replica commits whatever it is
@@ -128,10 +129,8 @@ def request_blocks(prompt_len: int, max_new_tokens: int, block_size: int, n: int
         if _count(value, what) < 1:
             raise ConfigError(f"{what} must be at least 1")
     prompt_blocks = -(-prompt_len // block_size)
-    total = -(-(prompt_len + max_new_tokens) // block_size)
-    per_branch = total - prompt_blocks + (1 if prompt_len % block_size else 0)
-    decode = total - prompt_blocks + (n - 1) * per_branch
-    return prompt_blocks, decode, prompt_blocks + decode
+    charge = declared_blocks(prompt_len, max_new_tokens, block_size, n)
+    return prompt_blocks, charge - prompt_blocks, charge
 
 
 def make_route_request(request_id: str, trust_group: str, digests: Sequence[bytes], prompt_len: int,

@@ -41,6 +41,7 @@ from ray.serve.config import RequestRouterConfig
 
 from ..core.geometry import KVSpec
 from ..core.identity import CacheContext, prompt_digests
+from ..core.promises import largest_allowance
 from ..core.types import Request
 from ..errors import AdmissionError, ConfigError, QuotaError
 from .door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
@@ -490,6 +491,19 @@ class FleetBackend:
             raise QuotaError(f"this request is larger than its trust group's quota: it needs {charge} blocks and "
                              f"the quota is {quota}")
         return ids, max_new_tokens, self._context(trust_group, cache_salt)
+
+    def largest_allowance(self, prompt: Sequence[int], sampling: Any = None, *, trust_group: str = "default",
+                          cache_salt: str | None = None) -> int:
+        """The largest ``max_new_tokens`` :meth:`check_request` accepts: what the context leaves, cut by a
+        replica's pool and the tenant's cap (the ledger's own arithmetic). Raises as :meth:`check_request`
+        does when not even one token could run."""
+        ids, _, _ = self.check_request(prompt, 1, sampling, trust_group=trust_group, cache_salt=cache_salt)
+        limit = self.pool_blocks
+        quota = self.quotas.get(trust_group)
+        if quota is not None:
+            limit = min(limit, quota)
+        most = largest_allowance(len(ids), limit, self.block_size, _branches(sampling) if sampling is not None else 1)
+        return most if self.max_context is None else min(most, self.max_context - len(ids))
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
                stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,

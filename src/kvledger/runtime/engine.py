@@ -454,6 +454,21 @@ class Engine:
             raise AdmissionError(f"the KV pool is too small for this request: it {decision.reason}")
         return prompt, max_new_tokens, context
 
+    def largest_allowance(
+        self, prompt: Sequence[int], sampling: SamplingParams | None = None, *, trust_group: str = "default",
+        cache_salt: str | None = None,
+    ) -> int:
+        """The largest ``max_new_tokens`` :meth:`check_request` accepts for this prompt: what the model's
+        context leaves, cut by the ledger's own answer (:meth:`KVLedger.largest_allowance`: the pool and
+        the trust group's quota). Raises as :meth:`check_request` does when not even one token could run."""
+        params = sampling or SamplingParams()
+        prompt, _, context = self.check_request(prompt, 1, params, trust_group=trust_group, cache_salt=cache_salt)
+        branches = params.beam_width if params.beam else params.n
+        most = self.ledger.largest_allowance(Request("check", prompt, 1, context, branches=branches))
+        if self.max_context is not None:
+            most = min(most, self.max_context - len(prompt))
+        return most
+
     def cancel(self, request_id: str) -> bool:
         """Cancel a queued or running request (applied at the next safe point of the engine loop).
         Returns False if the request is unknown or already finished."""

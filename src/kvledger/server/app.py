@@ -29,8 +29,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -272,27 +273,19 @@ class ServerContext:
                                    "never_fits")
             self.check(ids, asked, sampling, group)
             return asked
-        hi = limit - plen  # the engine's own rule (pool, tenant's cap) cuts it below, by binary search
-        if self.fits(ids, hi, sampling, group):
-            return hi
-        if not self.fits(ids, 1, sampling, group):
-            self.check(ids, 1, sampling, group)  # raises with the engine's reason
-        lo = 1  # fits; hi does not: binary search on the engine's own rule
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.fits(ids, mid, sampling, group) else (lo, mid)
-        return lo
-
-    def fits(self, ids: list[int], max_tokens: int, sampling: Any, group: str) -> bool:
-        try:
-            self.backend.check_request(ids, max_tokens, sampling, trust_group=group)
-        except (AdmissionError, ConfigError):
-            return False
-        return True
+        with self.refusals():  # the engine's own answer (pool, tenant's cap), or its reason for "never"
+            most = self.backend.largest_allowance(ids, sampling, trust_group=group)
+        return min(limit - plen, most)
 
     def check(self, ids: list[int], max_tokens: int, sampling: Any, group: str) -> None:
-        try:
+        with self.refusals():
             self.backend.check_request(ids, max_tokens, sampling, trust_group=group)
+
+    @contextmanager
+    def refusals(self) -> Iterator[None]:
+        """The engine's refusals as the client's 400s."""
+        try:
+            yield
         except QuotaError as exc:  # the tenant's own cap: the only figures it names are the tenant's own
             raise self.invalid(f"Your tenant's KV block cap can never hold this request ({exc}). Lower "
                                "max_tokens or n.", "tenant_cap") from None

@@ -39,6 +39,9 @@ class Backend(Protocol):
                       trust_group: str = "default", request_id: str = "check",
                       cache_salt: str | None = None) -> tuple[list[int], int, Any]: ...
 
+    def largest_allowance(self, prompt: Sequence[int], sampling: Any = None, *, trust_group: str = "default",
+                          cache_salt: str | None = None) -> int: ...
+
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
                stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,
                request_id: str | None = None, on_token: Callable[[Any], None] | None = None,
@@ -102,6 +105,10 @@ class EngineBackend:
                       cache_salt: str | None = None) -> tuple[list[int], int, Any]:
         return self.engine.check_request(prompt, max_new_tokens, sampling, trust_group=trust_group,
                                          request_id=request_id, cache_salt=cache_salt)
+
+    def largest_allowance(self, prompt: Sequence[int], sampling: Any = None, *, trust_group: str = "default",
+                          cache_salt: str | None = None) -> int:
+        return self.engine.largest_allowance(prompt, sampling, trust_group=trust_group, cache_salt=cache_salt)
 
     def submit(self, prompt: Sequence[int], max_new_tokens: int, sampling: Any = None, *,
                stop_token_ids: Sequence[int] = (), trust_group: str = "default", priority: int = 0,

@@ -128,10 +128,15 @@ def test_a_bad_host_is_one_line_in_the_console_script():
 
 
 def test_the_defaults_are_fleetspecs():
+    from kvledger.cli.engine_options import FLAGS
     from kvledger.fleet.serve import FleetSpec
 
     spec = FleetSpec()
     assert {k: getattr(spec, k) for k in fleet_serve_cmds.DEFAULTS} == fleet_serve_cmds.DEFAULTS
+    # the engine's knobs default as every other command's do
+    for field, flag in (("block_size", "block_size"), ("dtype", "dtype"), ("host_blocks", "host_blocks"),
+                        ("max_running", "max_num_seqs")):
+        assert getattr(spec, field) == FLAGS[flag][1]["default"], field
 
 
 def _alive(procs: list) -> list:

@@ -33,7 +33,7 @@ def one_error_line(err: str) -> str:
     (["serve", "--tenants", "/nonexistent/tenants.toml"], "no tenants file"),
     (["serve", "--tenants", "x.toml", "--api-key", "k"], "not both"),
     (["serve", "--max-queue", "0"], "--max-queue"),
-    (["serve", "--policy", "greedy"], "policy must be one of"),
+    (["serve", "--policy", "greedy"], "'greedy' is not one of 'full', 'incremental', 'predicted'"),
     (["serve", "--recovery", "swap"], "--host-blocks"),
     (["serve", "--port", "70000"], "--port"),
     (["bench", "serve", "--workload", "synthetic"], "needs --rate"),

@@ -17,8 +17,8 @@ import click
 from ..errors import ConfigError
 from .common import emit_json as _emit_json
 from .common import prepare_torch
+from .engine_options import engine_option
 from .options import Int, epilog
-from .runtime_cmds import TierCompressionChoice
 
 # ---- calibrate -------------------------------------------------------------------------------------
 
@@ -122,9 +122,8 @@ def fit_measured(data: dict[str, Any], *, source: str, measurements: list[Any] |
               "~/.cache/kvledger/cpu-local.json, where `--gpu cpu-local` reads it].")
 @click.option("--repeats", type=Int(1, 50), default=2, show_default=True, help="Timed repetitions per shape.")
 @click.option("--model-path", default=None, help="A HF folder or .gguf instead of the bundled SmolLM2.")
-@click.option("--disk-dir", default=None, help="Folder for the disk tier's measurement file [the system temp dir].")
-@click.option("--tier-compression", type=TierCompressionChoice(), default="none", show_default=True,
-              help="Lossless compression of disk-tier blocks while measuring its link.")
+@engine_option("disk_dir", help="Folder for the disk tier's measurement file [the system temp dir].")
+@engine_option("tier_compression", help="Lossless compression of disk-tier blocks while measuring its link.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, disk_dir: str | None,
                   tier_compression: str, as_json: bool) -> None:

@@ -14,7 +14,8 @@ import click
 
 from ..errors import ConfigError
 from .common import prepare_torch
-from .options import BLOCK_SIZE, Float, Int, epilog, model_option, threads_option
+from .engine_options import MAX_RUNTIME_BLOCKS, engine_option
+from .options import Float, Int, epilog, model_option, threads_option
 
 # The names the runtime's injection registry (kvledger.runtime.diagnostics.INJECTIONS) knows; listed here
 # so that help stays torch-free. tests/diagnostics checks the two agree.
@@ -52,8 +53,7 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
     "kvledger diagnose --trace azure_conv.csv --limit 24 --out diag/",
 ))
 @model_option()
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
-              help="Weights and KV dtype of the engine.")
+@engine_option("dtype", help="Weights and KV dtype of the engine: fp32, bf16, fp16 (or vLLM's names).")
 @click.option("--requests", type=Int(1, 10_000), default=12, show_default=True,
               help="Requests of the built-in workload (waves of 4 every 12 steps, varied lengths, two tenants).")
 @click.option("--max-prompt", type=Int(1, 32_768), default=320, show_default=True,
@@ -68,8 +68,9 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
               help="With --trace: cap output lengths.")
 @click.option("--step-seconds", type=Float(0.0, 3600.0, lo_open=True), default=0.05, show_default=True,
               help="With --trace: trace seconds per engine step (arrivals are counted in steps).")
-@click.option("--pool-blocks", type=Int(1, 1 << 22), default=160, show_default=True, help="KV pool size in blocks.")
-@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@click.option("--pool-blocks", "--num-gpu-blocks-override", "pool_blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=160,
+              show_default=True, help="KV pool size in blocks.")
+@engine_option("block_size")
 @click.option("--every", type=Int(1, 1_000_000), default=1, show_default=True,
               help="Sample the four ledgers every N steps.")
 @click.option("--no-peaks", is_flag=True, help="Do not measure per-step transient peaks.")

@@ -23,15 +23,17 @@ import click
 
 from ..errors import ConfigError
 from .common import prepare_torch
-from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Float, Int, epilog, model_option
+from .engine_options import engine_option, engine_options
+from .options import MAX_COUNT, MAX_TOKENS, Float, Int, epilog, model_option
 from .serve_cmds import _say, _url_host
 
 APP_NAME = "kvledger-fleet"
 STOP_WAIT_S = 30.0  # after ray.shutdown(): how long Ray's processes get to exit before they are killed
-# The defaults of FleetSpec, repeated so that `--help` needs no Ray import (a test keeps them equal).
-DEFAULTS = {"model": "smollm2-135m", "pool_blocks": 64, "block_size": 16, "dtype": "fp32", "max_running": 256,
-            "engine_replicas": 2, "ingress_replicas": 2, "stats_period_s": 10.0, "min_match_tokens": 64,
-            "queue_weight": 0.1, "torch_threads": 1, "news_period_s": 0.25, "host_blocks": 0}
+# The defaults of FleetSpec, repeated so that `--help` needs no Ray import (a test keeps them equal); the
+# engine's own knobs (block size, dtype, host tier, max_num_seqs) are engine_options', as for every command.
+DEFAULTS = {"model": "smollm2-135m", "pool_blocks": 64, "engine_replicas": 2, "ingress_replicas": 2,
+            "stats_period_s": 10.0, "min_match_tokens": 64, "queue_weight": 0.1, "torch_threads": 1,
+            "news_period_s": 0.25}
 
 
 @click.group("fleet", epilog=epilog(
@@ -54,15 +56,10 @@ def fleet_group() -> None:
               help="Ingress replicas: the OpenAI-compatible server, each with its own router.")
 @click.option("--pool-blocks", type=Int(1, MAX_COUNT), default=DEFAULTS["pool_blocks"], show_default=True,
               help="KV pool of each engine replica, in blocks.")
-@click.option("--block-size", type=BLOCK_SIZE, default=DEFAULTS["block_size"], show_default=True,
-              help="Tokens per KV block.")
-@click.option("--dtype", default=DEFAULTS["dtype"], show_default=True,
-              help="Compute dtype of the weights (and the KV cache): fp32, bf16, fp16.")
-@click.option("--host-blocks", type=Int(0, MAX_COUNT), default=DEFAULTS["host_blocks"], show_default=True,
-              help="Host-memory tier below each replica's pool, in blocks: evicted prefix blocks are demoted to it "
-                   "and promoted back on a hit, and the routers keep counting them as that replica's.")
-@click.option("--max-num-seqs", type=Int(1, MAX_COUNT), default=DEFAULTS["max_running"], show_default=True,
-              help="Most sequences running at once in each engine replica.")
+@engine_options("block_size", "dtype")
+@engine_option("host_blocks", help="Host-memory tier below each replica's pool, in blocks: evicted prefix blocks are "
+               "demoted to it and promoted back on a hit, and the routers keep counting them as that replica's.")
+@engine_option("max_num_seqs", help="Most sequences running at once in each engine replica.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Loopback address the HTTP proxy listens on (no other is accepted).")
 @click.option("--port", type=Int(0, 65535), default=8000, show_default=True,
@@ -92,11 +89,7 @@ def fleet_serve_cmd(model: str, replicas: int, ingress_replicas: int, pool_block
                     stats_period: float, news_period: float, retries: int | None, min_match: int,
                     queue_weight: float, threads: int, num_cpus: int | None, ray_logs: bool) -> None:
     """Serve a model from a fleet of engine replicas on Ray Serve, over an OpenAI-compatible HTTP API."""
-    from ..core.geometry import canonical_dtype
-
     address = _loopback(host)
-    if canonical_dtype(dtype) not in ("fp32", "bf16", "fp16"):
-        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {dtype!r}")
     tenants, describe = _read_tenants(tenants_path)
     _need_fleet()
     port = _free_port(address, port)  # a taken port fails here, not as a proxy that never comes up

@@ -12,8 +12,8 @@ from typing import Any
 import click
 
 from ..core.engines import ENGINES
-from ..core.kv_formats import KV_FORMATS
-from .options import BLOCK_SIZE, MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
+from .engine_options import engine_option
+from .options import MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
 
 
 def geometry_options(fn: Any) -> Any:
@@ -24,10 +24,10 @@ def geometry_options(fn: Any) -> Any:
         click.option("--layers", type=Int(1, 10_000), default=None, help="Decoder layers (instead of --model)."),
         click.option("--kv-heads", type=Int(1, 100_000), default=None, help="Total KV heads (instead of --model)."),
         click.option("--head-dim", type=Int(1, 100_000), default=None, help="Head dimension (instead of --model)."),
-        click.option("--kv-dtype", default=None, help=f"KV format: {', '.join(KV_FORMATS)} (fp8, int8 and int4 "
-                     "count their scales; see docs/kv_formats.md) [the model's dtype]."),
+        engine_option("kv_dtype", help="KV cache format (fp8, int8 and int4 count their scales; see "
+                      "docs/kv_formats.md) [auto: the model's dtype]."),
         click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree."),
-        click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block."),
+        engine_option("block_size"),
     ]
     for opt in reversed(opts):
         fn = opt(fn)

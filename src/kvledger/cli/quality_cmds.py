@@ -17,7 +17,8 @@ import click
 from ..core.kv_formats import quantized_formats
 from ..errors import ConfigError
 from .common import prepare_torch
-from .options import BLOCK_SIZE, Int, epilog, model_option, threads_option
+from .engine_options import DtypeName, engine_option
+from .options import Int, epilog, model_option, threads_option
 
 MAX_CONTEXT = 8192
 
@@ -63,9 +64,9 @@ def _table(report: dict[str, Any]) -> Any:
     "kvledger quality --kv-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
 ))
 @model_option()
-@click.option("--kv-dtype", required=True, type=click.Choice(quantized_formats()),
+@engine_option("kv_dtype", required=True, type=DtypeName(lambda: list(quantized_formats())),
               help="The quantised KV format to measure (the baseline is the compute dtype, unquantised).")
-@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True,
+@engine_option("block_size",
               help="Tokens per KV block (int4 quantises keys per channel over a block).")
 @click.option("--contexts", default="256,2048", show_default=True,
               help="Context lengths in tokens, comma-separated (the full protocol needs <= 512 and >= 2048).")
@@ -75,7 +76,7 @@ def _table(report: dict[str, Any]) -> Any:
               help="Text kinds: prose (bundled corpus), code (Python's stdlib), chat (Debian FAQs as a chat).")
 @click.option("--contract", "contract_path", default=None,
               help="A contract JSON file of thresholds [the one shipped for the format].")
-@click.option("--attention-backend", default="auto", show_default=True,
+@engine_option("attention_backend",
               help="Attention implementation for both runs (auto, torch, native).")
 @click.option("--out", default=None, help="Folder for the JSON report and the plot [the kvledger cache's reports].")
 @click.option("--no-record", is_flag=True, help="Do not record a passing report.")

@@ -14,66 +14,12 @@ from typing import Any
 
 import click
 
-from ..core.eviction import policy_names
-from ..core.kv_formats import KV_FORMATS
 from ..errors import ConfigError
-from ..scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES
 from .common import prepare_torch
-from .options import BLOCK_SIZE, SEED, Float, Int, Size, epilog, model_option, threads_option
+from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
+from .options import SEED, Float, Int, Size, epilog, model_option, threads_option
 
-_POLICIES = ADMISSION_POLICIES.names()
-MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mistake, not a plan
 MAX_RUNTIME_POOL = 64 * 2**30
-
-
-class _AttentionBackendChoice(click.Choice):
-    """The attention-backend registry's names, read when the option is parsed or shown (the registry
-    lives in the runtime, which imports torch; other commands never load it)."""
-
-    def __init__(self) -> None:
-        self.case_sensitive = True
-
-    @property
-    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
-        from ..runtime.attention import attention_backends
-
-        return tuple(attention_backends())
-
-    @choices.setter
-    def choices(self, value: object) -> None:  # click never sets it after __init__
-        pass
-
-
-class TierCompressionChoice(click.Choice):
-    """The lossless codecs of the disk tier (``kvledger.runtime.host_store.CODECS``), read when the option is
-    parsed or shown, as the attention backends are."""
-
-    def __init__(self) -> None:
-        self.case_sensitive = True
-
-    @property
-    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
-        from ..runtime.host_store import CODECS
-
-        return tuple(CODECS)
-
-    @choices.setter
-    def choices(self, value: object) -> None:  # click never sets it after __init__
-        pass
-
-
-def kv_format_options(fn: Any) -> Any:
-    """--kv-dtype (choices from the format registry) and --allow-untested-kv, for every engine command."""
-    fn = click.option("--allow-untested-kv", is_flag=True,
-                      help="Serve a quantised KV format that has no passing quality record for the model.")(fn)
-    return click.option("--kv-dtype", type=click.Choice(list(KV_FORMATS)), default=None,
-                        help="KV cache format [the compute dtype]; fp8, int8 and int4 are quantised and need a "
-                             "passing `kvledger quality` record for the model (see docs/kv_formats.md).")(fn)
-
-
-_attention_backend_option = click.option(
-    "--attention-backend", type=_AttentionBackendChoice(), default="auto", show_default=True,
-    help="Attention implementation (auto: the native CPU kernels when built, else torch).")
 
 
 def _load_tokenizer(ckpt: Any) -> Any:
@@ -163,10 +109,9 @@ def _tier_lines(summary: dict[str, Any]) -> list[str]:
 @click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None,
               help="KV pool size in blocks [enough for the request].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
-@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@engine_option("block_size")
 @threads_option()
-@_attention_backend_option
-@kv_format_options
+@engine_options("attention_backend", "kv_dtype", "allow_untested_kv")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_p: float, top_k: int,
                  seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: int | None,
@@ -271,26 +216,13 @@ def _trace_formats() -> list[str]:
               help="Arrivals per second for traces without arrival times (length tables).")
 @click.option("--limit", type=Int(1, 10_000), default=16, show_default=True, help="Replay the first N requests.")
 @model_option()
-@click.option("--policy", type=click.Choice(_POLICIES), default="incremental", show_default=True,
-              help="Admission policy of the scheduler.")
-@click.option("--on-growth-failure", type=click.Choice(GROWTH_ACTIONS.names()),
-              default="preempt", show_default=True, help="What the scheduler does when a running request cannot grow.")
-@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
-              show_default=True, help="How preempted requests come back (swap needs --host-blocks or --disk-blocks).")
-@click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
-              help="Eviction policy for cached prefix blocks.")
+@engine_options("policy", "on_growth_failure", "recovery", "eviction")
 @click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None, help="KV pool size in blocks [128].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
-@click.option("--host-blocks", type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
-              help="Host-memory tier below the pool (swaps, offloaded prefixes), in blocks.")
-@click.option("--disk-blocks", type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
-              help="Disk tier below the host tier (a file in --disk-dir), in blocks.")
-@click.option("--disk-dir", default=None, help="Folder of the disk tier's file [the system temp dir].")
-@click.option("--tier-compression", type=TierCompressionChoice(), default="none", show_default=True,
-              help="Lossless compression of disk-tier blocks (exact bytes come back).")
+@engine_options("host_blocks", "disk_blocks", "disk_dir", "tier_compression")
 @click.option("--offload-prefixes", is_flag=True,
               help="Demote evicted prefix blocks to the tiers instead of forgetting them; promote them on a hit.")
-@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@engine_option("block_size")
 @click.option("--scale", type=Float(0.0, 1.0, lo_open=True), default=1 / 64, show_default=True,
               help="Multiply the trace's lengths (fits a small model's context and a CPU). Prompts scale by whole "
                    "KV blocks per 512-token trace block, so the effective prompt scale is printed (1/64 with "
@@ -301,8 +233,7 @@ def _trace_formats() -> list[str]:
 @click.option("--burst", is_flag=True, help="Submit every request at once (ignore arrival times).")
 @threads_option()
 @click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
-@_attention_backend_option
-@kv_format_options
+@engine_options("attention_backend", "kv_dtype", "allow_untested_kv")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
                     on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,

@@ -16,7 +16,8 @@ import click
 
 from ..errors import ConfigError
 from .common import prepare_torch
-from .options import epilog, model_option, threads_option
+from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
+from .options import MAX_COUNT, Float, Int, epilog, model_option, threads_option
 
 
 def _need(*modules: str) -> None:
@@ -35,27 +36,14 @@ def _need(*modules: str) -> None:
 ))
 @model_option()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", type=int, default=8000, show_default=True, help="Port (0: any free port, printed).")
-@click.option("--pool-blocks", type=int, default=None, help="KV pool size in blocks [1024].")
+@click.option("--port", type=Int(0, 65535), default=8000, show_default=True, help="Port (0: any free port, printed).")
+@click.option("--pool-blocks", "--num-gpu-blocks-override", "pool_blocks", type=Int(1, MAX_RUNTIME_BLOCKS),
+              default=None, help="KV pool size in blocks [1024].")
 @click.option("--pool", default=None, help="KV pool size in bytes, e.g. 512MiB (instead of --pool-blocks).")
-@click.option("--block-size", type=int, default=16, show_default=True, help="Tokens per KV block.")
-@click.option("--kv-dtype", default=None, help="KV cache format (fp32, bf16, fp16, fp8, int8, int4, fp8_e4m3, ...) "
-              "[--dtype]; a quantised one needs a passing `kvledger quality` record for the model.")
-@click.option("--allow-untested-kv", is_flag=True,
-              help="Serve a quantised KV format that has no passing quality record for the model.")
-@click.option("--dtype", default="fp32", show_default=True, help="Compute dtype of the weights: fp32, bf16, fp16.")
-@click.option("--policy", default="incremental", show_default=True,
-              help="Admission policy: what a request reserves when it is admitted.")
-@click.option("--on-growth-failure", default="preempt", show_default=True,
-              help="What happens when a running request cannot grow.")
-@click.option("--recovery", default="recompute", show_default=True,
-              help="How preempted requests come back (swap needs --host-blocks).")
-@click.option("--host-blocks", type=int, default=0, show_default=True, help="Host tier for swapping, in blocks.")
-@click.option("--max-num-seqs", type=int, default=None, help="Most sequences running at once [scheduler's].")
-@click.option("--max-num-batched-tokens", type=int, default=None, help="Tokens per engine step [scheduler's].")
-@click.option("--max-model-len", type=int, default=None,
-              help="Prompt + output tokens of one sequence [the model's context, cut to the pool].")
-@click.option("--max-queue", type=int, default=256, show_default=True,
+@engine_options("block_size", "kv_dtype", "allow_untested_kv", "dtype", "policy", "on_growth_failure", "recovery",
+                "host_blocks", "max_num_seqs", "max_num_batched_tokens")
+@engine_option("max_model_len", help="Prompt + output tokens of one sequence [the model's context, cut to the pool].")
+@click.option("--max-queue", type=Int(1, MAX_COUNT), default=256, show_default=True,
               help="Requests that may wait before new ones get 429.")
 @click.option("--max-request-body-bytes", default=None,
               help="Largest request body, e.g. 4MiB (413 past it) [64 bytes per token of the model length "
@@ -64,7 +52,7 @@ def _need(*modules: str) -> None:
               help="TOML file mapping API keys to tenants (trust groups); without it, single-tenant mode.")
 @click.option("--api-key", default=None, help="Single-tenant mode with one required key (instead of --tenants).")
 @click.option("--served-model-name", default=None, help="Model id clients use [--model].")
-@click.option("--drain-timeout", type=float, default=30.0, show_default=True,
+@click.option("--drain-timeout", type=Float(0.0, 86_400.0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running requests get to finish before they are cancelled.")
 @threads_option()
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),

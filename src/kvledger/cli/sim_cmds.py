@@ -13,13 +13,13 @@ from typing import Any
 
 import click
 
-from ..core.eviction import policy_names
 from ..errors import ConfigError
 from ..fleet.score import ARMS, ROUTINGS
-from ..scheduler import ADMISSION_POLICIES, RECOVERY_MODES, VICTIM_POLICIES
+from ..scheduler import ADMISSION_POLICIES, VICTIM_POLICIES
 from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
 from .common import emit_json as _emit_json
-from .options import BLOCK_SIZE, MAX_COUNT, SEED, TP, UTILIZATION, Float, Int, Size, epilog
+from .engine_options import engine_option, engine_options
+from .options import MAX_COUNT, SEED, TP, UTILIZATION, Float, Int, Size, epilog
 
 DEFAULT_FRAG_CAPACITY = 131072  # token slots of KV memory in the fragmentation study
 MAX_POOL_BLOCKS = 2**22  # the largest pool a simulation allocates (its per-block state is Python lists)
@@ -276,11 +276,10 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree.")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy (what is reserved at admission).")
-@click.option("--block-size", type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")
+@engine_option("block_size")
 @click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True,
               help="Share identical prefixes within a trust group.")
-@click.option("--eviction", type=click.Choice(policy_names()), default=policy_names()[0], show_default=True,
-              help="Eviction policy for cached prefix blocks.")
+@engine_option("eviction")
 @click.option("--isolate-groups", is_flag=True, help="Every request its own trust group (no sharing across "
               "requests); without it the trace's groups are used.")
 @click.option("--trust-groups", default=None, help="trace | request | N (spread requests over N tenants).")
@@ -294,16 +293,13 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="KV pool size in blocks (overrides the inventory).")
 @click.option("--device-memory", type=Size(), default=None,
               help="Device memory per rank when --gpu has none (cpu-local), as the driver reports it.")
-@click.option("--max-running", type=Int(1, 100_000), default=256, show_default=True,
-              help="Most sequences running at once.")
-@click.option("--token-budget", type=Int(1, 10**7), default=8192, show_default=True, help="Tokens per step.")
+@engine_options("max_num_seqs", "max_num_batched_tokens")
 @click.option("--prefill-chunk", type=Int(1, 10**7), default=2048, show_default=True,
               help="Most prompt tokens of one request per step.")
 @click.option("--victim", type=click.Choice(VICTIM_POLICIES.names()),
               default="latest", show_default=True, help="Which running request is preempted first.")
-@click.option("--recovery", type=click.Choice(RECOVERY_MODES.names()), default="recompute",
-              show_default=True, help="How a preempted request comes back (swap needs --host-pool).")
-@click.option("--kv-dtype", default=None, help="KV dtype [model's dtype].")
+@engine_option("recovery", help="How a preempted request comes back (swap needs --host-pool).")
+@engine_option("kv_dtype", help="KV cache format [auto: the model's dtype].")
 @click.option("--weight-dtype", default=None, help="Weight format [the checkpoint's].")
 @click.option("--max-model-len", type=Int(2, 10**8), default=None,
               help="Clamp prompts/outputs [max_position_embeddings].")
@@ -368,7 +364,8 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                  policy: str, block_size: int, prefix_cache: str, eviction: str, isolate_groups: bool,
                  trust_groups: str | None,
                  host_pool: int, offload_prefixes: bool, utilization: float, pool_blocks: int | None,
-                 device_memory: int | None, max_running: int, token_budget: int, prefill_chunk: int, victim: str,
+                 device_memory: int | None, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
+                 victim: str,
                  recovery: str,
                  kv_dtype: str | None, weight_dtype: str | None, max_model_len: int | None,
                  declared_max_new: int | None, start_s: float | None, duration_s: float | None, limit: int | None,
@@ -409,7 +406,7 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                      prefix_cache=prefix_cache == "on", eviction=eviction, trust_groups=groups,
                      host_pool_bytes=host_pool, offload_prefixes=offload_prefixes,
                      utilization=utilization, pool_blocks=pool_blocks, device_memory=device_memory,
-                     max_running=max_running, token_budget=token_budget, prefill_chunk=prefill_chunk,
+                     max_running=max_num_seqs, token_budget=max_num_batched_tokens, prefill_chunk=prefill_chunk,
                      victim=victim, recovery=recovery, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
                      max_model_len=max_model_len, declared_max_new=declared_max_new, seed=seed)
     if trace is not None:

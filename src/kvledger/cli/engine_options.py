@@ -1,0 +1,193 @@
+"""The engine's command-line knobs, each declared once: its name, its vLLM name, its type, its default, its help.
+
+Every command that builds an engine or a scheduler (``generate``, ``serve-trace``, ``serve``, ``fleet serve``,
+``diagnose``, ``quality``, ``calibrate``, ``simulate``, ``plan``) takes a knob it shares from here, so a flag
+is spelled, bounded and defaulted the same everywhere. Where vLLM has the knob, vLLM's flag name is
+accepted too (``--kv-cache-dtype``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
+``--num-gpu-blocks-override``) and our earlier name stays as an alias; ``--dtype`` and ``--kv-cache-dtype``
+take vLLM's spellings (``float32``, ``bfloat16``, ``half``, ``auto``) as well as ours.
+
+Defaults: one per knob, stated here. The pool size is the exception: how many blocks a run needs
+depends on its work, so each command states its own pool default in its help.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ..core.eviction import policy_names
+from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Int
+
+MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mistake, not a plan
+
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+
+
+class DtypeName(click.ParamType):
+    """A dtype by any of its names (ours or vLLM's: ``bf16`` / ``bfloat16``, ``fp16`` / ``half``), returned as
+    ours; ``auto`` (where allowed) is the command's own choice, returned as None."""
+
+    name = "dtype"
+
+    def __init__(self, allowed: Callable[[], list[str]], auto: bool = False) -> None:
+        self._allowed, self.auto = allowed, auto
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> str | None:
+        if value is None:
+            return None
+        from ..core.geometry import canonical_dtype
+        from ..errors import ConfigError
+
+        text = str(value).strip()
+        allowed = self._allowed()
+        shown = text if len(text) <= 24 else text[:20] + "..."
+        if self.auto and text.lower() == "auto":
+            return None
+        try:
+            name = canonical_dtype(text) if len(text) <= 24 else ""
+        except ConfigError:
+            name = ""
+        if name not in allowed:
+            self.fail(f"unknown dtype {shown!r}: give one of {', '.join(allowed + (['auto'] if self.auto else []))}",
+                      param, ctx)
+        return name
+
+    def get_metavar(self, param: Any, ctx: Any = None) -> str:
+        return "[" + "|".join(self._allowed() + (["auto"] if self.auto else [])) + "]"
+
+
+def _kv_formats() -> list[str]:
+    from ..core.kv_formats import KV_FORMATS
+
+    return list(KV_FORMATS)
+
+
+def _admission_policies() -> list[str]:
+    from ..scheduler import ADMISSION_POLICIES
+
+    return list(ADMISSION_POLICIES.names())
+
+
+class _Registry(click.Choice):
+    """A choice read from a registry when the option is parsed or shown, so a name registered later is
+    offered too, and a registry that lives in the runtime (which imports torch) is loaded only by the
+    commands that use it."""
+
+    def __init__(self, names: Callable[[], list[str]]) -> None:
+        self.case_sensitive = True
+        self._names = names
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        return tuple(self._names())
+
+    @choices.setter
+    def choices(self, value: object) -> None:  # click never sets it after __init__
+        pass
+
+
+def _attention_backends() -> list[str]:
+    from ..runtime.attention import attention_backends
+
+    return list(attention_backends())
+
+
+def _tier_codecs() -> list[str]:
+    from ..runtime.host_store import CODECS
+
+    return list(CODECS)
+
+
+def _growth_actions() -> list[str]:
+    from ..scheduler import GROWTH_ACTIONS
+
+    return list(GROWTH_ACTIONS.names())
+
+
+def _recovery_modes() -> list[str]:
+    from ..scheduler import RECOVERY_MODES
+
+    return list(RECOVERY_MODES.names())
+
+
+def _eviction_policies() -> list[str]:
+    return list(policy_names())
+
+
+# name -> (flag names, click keyword arguments). The first flag name is the one help shows first.
+FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    "dtype": (("--dtype",), dict(
+        type=DtypeName(lambda: list(COMPUTE_DTYPES)), default="fp32", show_default=True,
+        help="Compute dtype of the weights (and of the KV cache unless --kv-cache-dtype says otherwise): fp32, "
+             "bf16, fp16 (vLLM's float32, bfloat16, float16 / half too).")),
+    "kv_dtype": (("--kv-cache-dtype", "--kv-dtype", "kv_dtype"), dict(
+        type=DtypeName(_kv_formats, auto=True), default=None,
+        help="KV cache format [auto: the compute dtype]. fp8 is kvledger's scaled e4m3 (a scale per token "
+             "and head; vLLM's unscaled fp8 is fp8_e4m3); fp8, int8 and int4 are quantised and need a passing "
+             "`kvledger quality` record for the model (docs/kv_formats.md).")),
+    "allow_untested_kv": (("--allow-untested-kv",), dict(
+        is_flag=True, help="Serve a quantised KV format that has no passing quality record for the model.")),
+    "block_size": (("--block-size",), dict(
+        type=BLOCK_SIZE, default=16, show_default=True, help="Tokens per KV block.")),
+    "policy": (("--policy",), dict(
+        type=_Registry(_admission_policies), default="incremental", show_default=True,
+        help="Admission policy: what a request reserves when it is admitted (full: prompt + max_tokens as "
+             "one decision, never preempted; incremental: the prompt, growing as it goes, as vLLM does).")),
+    "on_growth_failure": (("--on-growth-failure",), dict(
+        type=_Registry(_growth_actions), default="preempt", show_default=True,
+        help="What happens when a running request cannot grow.")),
+    "recovery": (("--recovery",), dict(
+        type=_Registry(_recovery_modes), default="recompute", show_default=True,
+        help="How a preempted request comes back (swap needs a host tier).")),
+    "eviction": (("--eviction",), dict(
+        type=_Registry(_eviction_policies), default=policy_names()[0], show_default=True,
+        help="Eviction policy for cached prefix blocks.")),
+    "max_num_seqs": (("--max-num-seqs", "--max-running", "max_num_seqs"), dict(
+        type=Int(1, MAX_COUNT), default=256, show_default=True, help="Most sequences running at once.")),
+    "max_num_batched_tokens": (("--max-num-batched-tokens", "--token-budget", "max_num_batched_tokens"), dict(
+        type=Int(1, MAX_COUNT * 16), default=8192, show_default=True,
+        help="Tokens per engine step (prefill chunks + decodes).")),
+    "attention_backend": (("--attention-backend",), dict(
+        type=_Registry(_attention_backends), default="auto", show_default=True,
+        help="Attention implementation (auto: the native CPU kernels when built, else torch).")),
+    "host_blocks": (("--host-blocks",), dict(
+        type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
+        help="Host-memory tier below the KV pool, in blocks (swapped requests, offloaded prefixes).")),
+    "disk_blocks": (("--disk-blocks",), dict(
+        type=Int(0, MAX_RUNTIME_BLOCKS), default=0, show_default=True,
+        help="Disk tier below the host tier, in blocks (a file in --disk-dir).")),
+    "disk_dir": (("--disk-dir",), dict(default=None, help="Folder of the disk tier's file [the system temp dir].")),
+    "tier_compression": (("--tier-compression",), dict(
+        type=_Registry(_tier_codecs), default="none", show_default=True,
+        help="Lossless compression of disk-tier blocks (exact bytes back).")),
+    "max_model_len": (("--max-model-len",), dict(
+        type=Int(2, MAX_TOKENS), default=None,
+        help="Prompt + output tokens of one sequence [the model's context].")),
+}
+
+
+def engine_option(name: str, **override: Any) -> Callable[[Any], Any]:
+    """The click option of the engine knob ``name`` (a key of :data:`FLAGS`). ``override`` may narrow it
+    for one command -- a stricter ``type``, ``required`` or a ``help`` saying what the command does with
+    it -- but never changes its names or its default."""
+    if "default" in override:
+        raise ValueError(f"{name}: an engine knob has one default, declared in FLAGS")
+    names, kwargs = FLAGS[name]
+    return click.option(*names, **{**kwargs, **override})
+
+
+def engine_options(*names: str) -> Callable[[Any], Any]:
+    """Several engine knobs, in the order given (help lists them in that order)."""
+
+    def apply(fn: Any) -> Any:
+        for name in reversed(names):
+            fn = engine_option(name)(fn)
+        return fn
+
+    return apply
+
+
+__all__ = ["COMPUTE_DTYPES", "FLAGS", "MAX_RUNTIME_BLOCKS", "DtypeName", "engine_option", "engine_options"]

@@ -1,0 +1,143 @@
+"""The engine's knobs on the command line: one name, one vLLM name, one type and one default each, on every
+command that takes them (``kvledger.cli.engine_options.FLAGS``).
+
+Pinned here: a vLLM user's flags and spellings parse to the same values ours do on every command; a knob
+declared by hand in a command (a restated name, type or default, the defect this module removed) fails
+the walk over the whole CLI; bad values are one usage line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import pytest
+
+from kvledger.cli.engine_options import FLAGS
+from kvledger.cli.main import app, main
+
+# Options that share a knob's name on purpose, with why: not restatements of the engine's knob.
+APART = {
+    # The planner's and the simulator's admission default is full reservation: they teach what a request
+    # costs when its whole output is reserved; the engine commands default to vLLM's incremental growth.
+    ("simulate", "policy"), ("admit", "policy"),
+    # The planner's step sizes default to the chosen engine's own (vLLM's per GPU class, or ours).
+    ("plan", "max_seqs"), ("plan", "max_batched_tokens"),
+}
+
+
+def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Command]]:
+    out = []
+    for name, cmd in sorted(group.commands.items()):
+        full = f"{prefix}{name}"
+        if isinstance(cmd, click.Group):
+            out += _commands(cmd, full + " ")
+        else:
+            out.append((full, cmd))
+    return out
+
+
+def _knob_of(option: click.Option) -> str | None:
+    for key, (names, _) in FLAGS.items():
+        flags = {n for n in names if n.startswith("--")}
+        if flags & set(option.opts) or option.name == key:
+            return key
+    return None
+
+
+def _reference(key: str) -> click.Option:
+    from kvledger.cli.engine_options import engine_option
+
+    return engine_option(key)(lambda: None).__click_params__[0]
+
+
+def test_every_command_takes_each_knob_from_the_one_declaration() -> None:
+    seen: dict[str, list[str]] = {}
+    for name, cmd in _commands(app):
+        for param in cmd.params:
+            if not isinstance(param, click.Option):
+                continue
+            key = _knob_of(param)
+            if key is None or (name, param.name) in APART:
+                continue
+            names, _ = FLAGS[key]
+            reference = _reference(key)
+            assert param.opts == [n for n in names if n.startswith("--")], (name, param.opts)
+            assert param.name == key, (name, param.name)
+            assert param.default == reference.default, (name, param.name, param.default)
+            assert type(param.type) is type(reference.type), (name, param.name, param.type)
+            seen.setdefault(key, []).append(name)
+    # the knobs reach the commands that build an engine or a scheduler
+    assert {"generate", "serve-trace", "serve", "fleet serve", "diagnose", "quality"} <= {
+        c for cmds in seen.values() for c in cmds}
+    assert set(seen["kv_dtype"]) >= {"generate", "serve-trace", "serve", "quality", "simulate", "plan", "admit"}
+    assert set(seen["max_num_seqs"]) >= {"serve", "fleet serve", "simulate"}
+    assert set(seen["block_size"]) >= {"generate", "serve-trace", "serve", "fleet serve", "diagnose", "quality",
+                                       "simulate", "plan"}
+
+
+def _parsed(command: str, *args: str) -> dict[str, Any]:
+    cmd: click.Command = app
+    words = command.split()
+    for word in words:
+        cmd = cmd.commands[word]  # type: ignore[attr-defined]
+    with cmd.make_context(command, list(args), resilient_parsing=False) as ctx:
+        return dict(ctx.params)
+
+
+@pytest.mark.parametrize("command", ["serve", "simulate"])
+def test_vllm_and_kvledger_names_of_the_step_knobs_are_one_option(command: str) -> None:
+    ours = _parsed(command, "--max-running", "7", "--token-budget", "512")
+    vllm = _parsed(command, "--max-num-seqs", "7", "--max-num-batched-tokens", "512")
+    assert (ours["max_num_seqs"], ours["max_num_batched_tokens"]) == (vllm["max_num_seqs"],
+                                                                      vllm["max_num_batched_tokens"]) == (7, 512)
+    default = _parsed(command)
+    assert (default["max_num_seqs"], default["max_num_batched_tokens"]) == (256, 8192)
+
+
+@pytest.mark.parametrize("command", ["generate x", "serve-trace --trace t.csv", "serve", "simulate", "plan"])
+def test_vllm_spellings_of_the_dtypes(command: str) -> None:
+    words = command.split()
+    cmd, extra = words[0], words[1:]
+    assert _parsed(cmd, *extra, "--kv-cache-dtype", "int8")["kv_dtype"] == "int8"
+    assert _parsed(cmd, *extra, "--kv-dtype", "int8")["kv_dtype"] == "int8"
+    assert _parsed(cmd, *extra, "--kv-cache-dtype", "auto")["kv_dtype"] is None
+    assert _parsed(cmd, *extra, "--kv-cache-dtype", "float16")["kv_dtype"] == "fp16"
+    assert _parsed(cmd, *extra, "--kv-cache-dtype", "fp8_e4m3")["kv_dtype"] == "fp8_e4m3"
+    assert _parsed(cmd, *extra)["kv_dtype"] is None
+
+
+@pytest.mark.parametrize("spelling, ours", [("bfloat16", "bf16"), ("half", "fp16"), ("float32", "fp32"),
+                                            ("bf16", "bf16")])
+def test_compute_dtype_spellings(spelling: str, ours: str) -> None:
+    for command in ("serve", "diagnose"):
+        assert _parsed(command, "--dtype", spelling)["dtype"] == ours
+    assert _parsed("serve")["dtype"] == "fp32"
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["serve", "--dtype", "int8"], "unknown dtype 'int8': give one of fp32, bf16, fp16"),
+    (["serve", "--kv-cache-dtype", "fp7"], "unknown dtype 'fp7'"),
+    (["serve", "--dtype", "auto"], "unknown dtype 'auto'"),  # the compute dtype has no "auto" here
+    (["quality", "--kv-cache-dtype", "bf16"], "unknown dtype 'bf16': give one of fp8_e4m3"),
+    (["serve", "--block-size", "0"], "0 is not in [1, 4,096]"),
+    (["serve", "--max-num-seqs", "0"], "0 is not in [1, 1,000,000]"),
+    (["serve", "--pool-blocks", "10000000"], "10000000 is not in [1, 65,536]"),
+    (["serve", "--port", "70000"], "70000 is not in [0, 65,535]"),
+    (["serve", "--eviction", "lru"], "No such option"),
+    (["simulate", "--max-model-len", "1"], "1 is not in [2,"),
+    (["generate", "x", "--attention-backend", "flash"], "'flash' is not one of"),
+    (["fleet", "serve", "--dtype", "fp8"], "unknown dtype 'fp8'"),
+])
+def test_bad_values_are_one_usage_line(capsys: pytest.CaptureFixture[str], args: list[str], fragment: str) -> None:
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("kvledger: error: "), err
+    assert fragment in err, err
+
+
+def test_an_engine_knob_has_one_default() -> None:
+    from kvledger.cli.engine_options import engine_option
+
+    with pytest.raises(ValueError, match="one default"):
+        engine_option("block_size", default=32)

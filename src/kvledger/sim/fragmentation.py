@@ -212,7 +212,7 @@ def run_paged(requests: Sequence[SimRequest | tuple[int, int]], capacity_tokens:
     for i, (p, o) in enumerate(lengths):
         base[i] = nxt
         nxt += p + o
-    if nxt >= 2**32:
+    if nxt > 2**32:  # ids 0 .. nxt - 1 must all be 32-bit token ids
         raise ConfigError("workload too large for distinct 32-bit token ids")
     head: tuple[int, int, Request] | None = None  # the queue head's request, kept while it waits
     while waiting or running:

@@ -267,18 +267,24 @@ def write_run_report(summary: dict[str, Any], rows: Sequence[dict[str, Any]], fo
     return files
 
 
+_METRICS_LIMIT = 64 * 2**20  # bytes of a report's metrics.json that compare_reports reads
+
+
 def compare_reports(a: str | Path, b: str | Path) -> list[tuple[str, Any, Any]]:
     """(metric, value in a, value in b) for the headline metrics of two report folders."""
     data = []
     for folder in (a, b):
         path = Path(folder) / "metrics.json"
-        try:
-            raw = path.read_text(encoding="utf-8")
-            if len(raw) > 64 * 2**20:
-                raise ConfigError(f"{path} is larger than 64 MiB")
-            data.append(json.loads(raw))
+        try:  # the size first: a huge file is refused before it is read, and named as too large
+            raw = path.read_text(encoding="utf-8") if path.stat().st_size <= _METRICS_LIMIT else None
         except OSError:
             raise ConfigError(f"no report at {folder} (metrics.json is missing)") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{path} is not a kvledger report (not UTF-8 text)") from None
+        if raw is None:
+            raise ConfigError(f"{path} is larger than 64 MiB")
+        try:
+            data.append(json.loads(raw))
         except (ValueError, RecursionError):
             raise ConfigError(f"{path} is not a kvledger report (not valid JSON)") from None
         if not isinstance(data[-1], dict):

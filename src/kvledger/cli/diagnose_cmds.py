@@ -127,12 +127,12 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
 
     from ..runtime.diagnostics.reconcile import Thresholds
     from ..runtime.diagnostics.report import attribution_table, findings_table, timeline_png
-    from ..runtime.diagnostics.run import DTYPES, run_diagnosis
+    from ..runtime.diagnostics.run import run_diagnosis
     from ..runtime.diagnostics.workload import default_workload
     from ..runtime.engine import Engine, model_context, resolve_model
 
     ckpt = resolve_model(model)
-    engine = Engine.from_model(ckpt, num_blocks=pool_blocks, block_size=block_size, dtype=DTYPES[dtype],
+    engine = Engine.from_model(ckpt, num_blocks=pool_blocks, block_size=block_size, dtype=dtype,
                                model_name=model)
     vocab = engine.runner.config.vocab_size
     if trace_path is not None:

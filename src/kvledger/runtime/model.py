@@ -16,7 +16,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import KVLedger, KVSpec, SequenceState
-from ..core.geometry import canonical_dtype
 from ..errors import ConfigError
 from .attention import AttentionBackend, AttentionBatch, BackendFactory, attention_backend_factory
 from .config import DecoderConfig
@@ -295,22 +294,16 @@ class ModelRunner:
         kernels: LayerKernels | None = None,
         residual_slots: int | None = None,
     ) -> ModelRunner:
-        """Load a HF folder or GGUF file. Give the pool as ``num_blocks`` or ``pool_bytes`` (whole
-        blocks that fit); the KV format defaults to the compute ``dtype`` (a quantised format's residual
-        pages, if it keeps any, are in the compute dtype)."""
+        """Load a HF folder or GGUF file (a decoder of its own, not the engines' shared one). Give the pool
+        as ``num_blocks`` or ``pool_bytes`` (whole blocks that fit); the KV format defaults to the compute
+        ``dtype`` (a quantised format's residual pages, if it keeps any, are in the compute dtype). The
+        loader's narrow door: :func:`kvledger.runtime.loading.load_runner` decides everything."""
+        from .loading import load_runner
+
         ckpt = path if isinstance(path, Checkpoint) else resolve_checkpoint(path)
-        cfg = DecoderConfig.from_hf(ckpt.config)
-        compute = canonical_dtype(str(dtype))
-        kv_dtype = canonical_dtype(compute if kv_dtype is None else kv_dtype)
-        spec = KVSpec.from_hf_config(ckpt.config, kv_dtype=kv_dtype, block_size=block_size, residual_dtype=compute)
-        if (num_blocks is None) == (pool_bytes is None):
-            raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
-        blocks = spec.pool_blocks(pool_bytes, residual_slots or 0) if num_blocks is None else num_blocks
-        with torch.device("meta"):  # no throwaway random init: the checkpoint overwrites everything
-            model = Decoder(cfg)
-        model.load_hf_state(ckpt.tensors(), dtype, device)
-        model.eval()
-        return cls(model, spec, blocks, backend=backend, kernels=kernels, residual_slots=residual_slots)
+        return load_runner(ckpt, num_blocks=num_blocks, pool_bytes=pool_bytes, block_size=block_size, dtype=dtype,
+                           device=device, backend=backend, kv_dtype=kv_dtype, residual_slots=residual_slots,
+                           kernels=kernels, cached=False)
 
     def new_ledger(self, *, prefix_caching: bool = True) -> KVLedger:
         """A ledger whose block ids address exactly this runner's KV store."""

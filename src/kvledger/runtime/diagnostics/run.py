@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ...errors import ConfigError
+from ..loading import compute_dtype
 from .inject import Injection, make_injections
 from .reconcile import Diagnosis, Thresholds
 from .report import document
@@ -23,7 +24,6 @@ from .sampler import MemorySampler
 from .workload import Workload, run_workload
 
 MiB = 1 << 20
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -43,14 +43,13 @@ def run_diagnosis(
 ) -> DiagnosisRun:
     """Run ``workload`` on ``engine`` (or a fresh engine of ``model`` in ``dtype`` with ``num_blocks``
     blocks) under a sampler, with the named injections, and reconcile."""
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    compute = compute_dtype(dtype)  # refuses anything but fp32, bf16, fp16 (or vLLM's names)
     if engine is None:
         from ..engine import Engine
 
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"the KV pool needs at least one block, got {num_blocks!r}")
-        engine = Engine.from_model(model, num_blocks=num_blocks, block_size=block_size, dtype=DTYPES[dtype])
+        engine = Engine.from_model(model, num_blocks=num_blocks, block_size=block_size, dtype=compute)
     injections = make_injections(list(inject) if not isinstance(inject, str) else inject, inject_bytes, inject_at)
     for item in workload.items:  # refuse what cannot run before anything is sampled
         engine.check_request(list(item.prompt), item.max_new_tokens, trust_group=item.trust_group,
@@ -92,4 +91,4 @@ def _fields(th: Thresholds) -> dict[str, Any]:
     return {name: getattr(th, name) for name in th.__dataclass_fields__}
 
 
-__all__ = ["DTYPES", "DiagnosisRun", "run_diagnosis"]
+__all__ = ["DiagnosisRun", "run_diagnosis"]

@@ -25,12 +25,12 @@ def engine_registry(engine: Any) -> TensorRegistry:
     decoders the process keeps loaded) and their packed oneDNN copies on CPU, the device KV store, the host
     tier, the transfers' staging buffer, the attention backend's per-step workspace (index tensors and masks it
     keeps between steps)."""
-    from .. import engine as engine_module
+    from .. import loading
 
     reg = TensorRegistry()
     reg.register("weights/packed", lambda: _packed(engine.runner.model), call=True)
     reg.register("weights", engine.runner.model)
-    reg.register("weights", lambda: list(engine_module._DECODERS.values()), call=True)
+    reg.register("weights", lambda: list(loading._DECODERS.values()), call=True)
     reg.register("kv/device", engine.runner.store)
     if engine.host_store is not None:
         reg.register("kv/host", engine.host_store)

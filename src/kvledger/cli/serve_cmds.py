@@ -55,7 +55,7 @@ def _need(*modules: str) -> None:
 @click.option("--drain-timeout", type=Float(0.0, 86_400.0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running requests get to finish before they are cancelled.")
 @threads_option()
-@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
 def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: str | None, block_size: int,
               kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str,

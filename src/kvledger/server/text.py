@@ -15,7 +15,8 @@ from ..errors import ConfigError
 
 # Tokenizer pieces that never drop or merge text, so a prompt of C characters is at least
 # ceil(C / longest token) tokens. Anything else (a normaliser that strips or composes, a pre-tokenizer that
-# drops whitespace, an unknown-token that swallows a word) leaves the bound unknown.
+# drops whitespace, an unknown-token that swallows a word, a BPE without an unknown token or byte fallback,
+# whose unknown characters vanish) leaves the bound unknown.
 _KEEPS_TEXT_NORMALIZERS = {"Prepend", "NFD", "NFKD"}
 _KEEPS_TEXT_PRE_TOKENIZERS = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts"}
 
@@ -35,6 +36,15 @@ def _keeps_text(part: dict[str, Any] | None, kinds: set[str]) -> bool:
     return kind in kinds
 
 
+def _byte_level(part: dict[str, Any] | None) -> bool:
+    """Whether a pre-tokenizer maps the text to byte symbols (GPT-2's ByteLevel, alone or in a Sequence)."""
+    if part is None:
+        return False
+    if part.get("type") == "Sequence":
+        return any(_byte_level(p) for p in part.get("pretokenizers", []))
+    return part.get("type") == "ByteLevel"
+
+
 def longest_token_chars(tokenizer: Any) -> int | None:
     """The most characters one token can stand for, when the tokenizer provably never drops or merges
     text (see above); None when that is not known. A vocabulary entry's length bounds its text: a
@@ -46,6 +56,8 @@ def longest_token_chars(tokenizer: Any) -> int | None:
         if model.get("type") != "BPE" or (model.get("unk_token") and model.get("fuse_unk")
                                           and not model.get("byte_fallback")):
             return None
+        if not (model.get("unk_token") or model.get("byte_fallback") or _byte_level(spec.get("pre_tokenizer"))):
+            return None  # a character outside the vocabulary is dropped without a token
         if not (_keeps_text(spec.get("normalizer"), _KEEPS_TEXT_NORMALIZERS)
                 and _keeps_text(spec.get("pre_tokenizer"), _KEEPS_TEXT_PRE_TOKENIZERS)):
             return None

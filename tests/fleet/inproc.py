@@ -325,8 +325,7 @@ def backend_for(handle: Any, spec: Any) -> Any:
     """The ingress's backend, built with the arguments :class:`~kvledger.fleet.serve.FleetIngress` gives it
     (vocabulary and context from the checkpoint, the engines' KV spec)."""
     from kvledger.fleet.serve import FleetBackend
-    from kvledger.runtime.engine import kv_spec_for, model_context, resolve_model
-    from kvledger.server.backend import compute_dtype
+    from kvledger.runtime.loading import compute_dtype, kv_spec_for, model_context, resolve_model
 
     ckpt = resolve_model(spec.model)
     return FleetBackend(handle, spec, vocab_size=int(ckpt.config["vocab_size"]), max_context=model_context(ckpt),

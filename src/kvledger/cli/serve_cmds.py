@@ -17,7 +17,7 @@ import click
 from ..errors import ConfigError
 from .common import prepare_torch
 from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
-from .options import MAX_COUNT, Float, Int, epilog, model_option, threads_option
+from .options import MAX_COUNT, Float, Int, Size, epilog, model_option, threads_option
 
 
 def _need(*modules: str) -> None:
@@ -39,7 +39,8 @@ def _need(*modules: str) -> None:
 @click.option("--port", type=Int(0, 65535), default=8000, show_default=True, help="Port (0: any free port, printed).")
 @click.option("--pool-blocks", "--num-gpu-blocks-override", "pool_blocks", type=Int(1, MAX_RUNTIME_BLOCKS),
               default=None, help="KV pool size in blocks [1024].")
-@click.option("--pool", default=None, help="KV pool size in bytes, e.g. 512MiB (instead of --pool-blocks).")
+@click.option("--pool", type=Size(), default=None,
+              help="KV pool size in bytes, e.g. 512MiB (instead of --pool-blocks).")
 @engine_options("block_size", "kv_dtype", "allow_untested_kv", "dtype", "policy", "on_growth_failure", "recovery",
                 "host_blocks", "max_num_seqs", "max_num_batched_tokens")
 @engine_option("max_model_len", help="Prompt + output tokens of one sequence [the model's context, cut to the pool].")
@@ -57,7 +58,7 @@ def _need(*modules: str) -> None:
 @threads_option()
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
-def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: str | None, block_size: int,
+def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: int | None, block_size: int,
               kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str,
               recovery: str,
               host_blocks: int, max_num_seqs: int | None, max_num_batched_tokens: int | None,
@@ -100,14 +101,16 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: s
     sock = bind(host, port)  # fail on a taken port before loading anything
     try:
         prepare_torch(threads)
+        from ..engine_config import EngineConfig
+        from ..runtime.engine import Engine
         from ..server.app import ServerSettings, create_app
-        from ..server.backend import EngineBackend, build_engine
+        from ..server.backend import EngineBackend
         from ..server.text import TextCodec
 
-        engine = build_engine(model, pool_blocks=pool_blocks if pool is not None or pool_blocks is not None
-                              else 1024, pool=pool, block_size=block_size, kv_dtype=kv_dtype, dtype=dtype,
-                              host_blocks=host_blocks, scheduler_config=scheduler_config,
+        config = EngineConfig(model=model, dtype=dtype, kv_dtype=kv_dtype, num_blocks=pool_blocks, pool_bytes=pool,
+                              block_size=block_size, host_blocks=host_blocks, scheduler=scheduler_config,
                               allow_untested_kv=allow_untested_kv)
+        engine = Engine.from_config(config)
         codec = TextCodec.from_pretrained(str(engine.checkpoint.path))
         backend = EngineBackend(engine)
         say = _say

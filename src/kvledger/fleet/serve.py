@@ -43,6 +43,7 @@ from ..core.geometry import KVSpec
 from ..core.identity import CacheContext, prompt_digests
 from ..core.promises import largest_allowance
 from ..core.types import Request
+from ..engine_config import EngineConfig
 from ..errors import AdmissionError, ConfigError, QuotaError
 from .door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
 from .score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
@@ -88,6 +89,16 @@ class FleetSpec:
 
     def score(self) -> ScoreConfig:
         return ScoreConfig(min_match_tokens=self.min_match_tokens, queue_weight=self.queue_weight)
+
+    def engine_config(self) -> EngineConfig:
+        """What each engine replica runs: full reservation (the router's door books a request's whole
+        declaration), and evicted prefixes demoted to the host tier when there is one."""
+        from ..scheduler import SchedulerConfig
+
+        scheduler = SchedulerConfig(policy="full", max_running=self.max_running,
+                                    offload_prefixes=self.host_blocks > 0)
+        return EngineConfig(model=self.model, dtype=self.dtype, num_blocks=self.pool_blocks,
+                            block_size=self.block_size, host_blocks=self.host_blocks, scheduler=scheduler)
 
 
 def local_ray(num_cpus: int | None = None, **kwargs: Any) -> Any:
@@ -183,15 +194,12 @@ class EngineReplica:
     def __init__(self, spec: FleetSpec, quotas: dict[str, int] | None = None) -> None:
         import torch
 
-        from ..scheduler import SchedulerConfig
-        from ..server.backend import build_engine
+        from ..runtime.engine import Engine
 
         serve_on_loopback()
         torch.set_num_threads(spec.torch_threads)
         self.spec = spec
-        config = SchedulerConfig(policy="full", max_running=spec.max_running, offload_prefixes=spec.host_blocks > 0)
-        self.engine = build_engine(spec.model, pool_blocks=spec.pool_blocks, block_size=spec.block_size,
-                                   dtype=spec.dtype, host_blocks=spec.host_blocks, scheduler_config=config)
+        self.engine = Engine.from_config(spec.engine_config())
         ledger = self.engine.ledger
         # Cache events for the routers: the ledger's event sink (and the host tier's), set before any
         # request is admitted.
@@ -740,17 +748,18 @@ class FleetIngress:
 
     def __init__(self, engine: Any, spec: FleetSpec, tenants: dict[str, Any] | None = None,
                  max_queue: int = 256) -> None:
-        from ..runtime.engine import kv_spec_for, model_context, resolve_model
-        from ..server.backend import compute_dtype
+        from ..runtime.loading import compute_dtype, kv_spec_for, model_context, resolve_model
         from ..server.tenants import Tenants
         from ..server.text import TextCodec
 
         serve_on_loopback()
-        ckpt = resolve_model(spec.model)
+        config = spec.engine_config()  # what the replicas run: the ingress's digests must equal theirs
+        ckpt = resolve_model(config.model)
         self.codec = TextCodec.from_pretrained(str(ckpt.path))
         vocab = int(ckpt.config.get("vocab_size") or len(self.codec.tok))
         self.backend = FleetBackend(engine, spec, vocab_size=vocab, max_context=model_context(ckpt),
-                                    kv_spec=kv_spec_for(ckpt, compute_dtype(spec.dtype), None, spec.block_size))
+                                    kv_spec=kv_spec_for(ckpt, compute_dtype(config.dtype), config.kv_dtype,
+                                                        config.block_size))
         self.tenants = Tenants.from_dict(tenants) if tenants else Tenants.single_tenant()
         self.max_queue = max_queue
         self.spec = spec

@@ -14,8 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ..errors import ConfigError
-
 
 class Handle(Protocol):
     request_id: str
@@ -178,45 +176,4 @@ class EngineBackend:
         self.engine.stop(timeout=10)
 
 
-def compute_dtype(name: str) -> Any:
-    """The torch dtype an engine computes in, from its ``--dtype`` name (fp32, bf16, fp16)."""
-    import torch
-
-    from ..core.geometry import canonical_dtype
-
-    compute = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(canonical_dtype(name))
-    if compute is None:
-        raise ConfigError(f"--dtype must be fp32, bf16 or fp16, got {name!r}")
-    return compute
-
-
-def build_engine(model: str, *, pool_blocks: int | None = None, pool: str | None = None, block_size: int = 16,
-                 kv_dtype: str | None = None, dtype: str = "fp32", host_blocks: int = 0,
-                 scheduler_config: Any = None, allow_untested_kv: bool = False) -> Any:
-    """An :class:`Engine` for ``model`` with a KV pool of ``pool_blocks`` (or ``pool`` bytes) in
-    ``kv_dtype`` (default: the compute dtype)."""
-    from ..runtime.engine import Engine, kv_spec_for, load_decoder, model_context, resolve_model
-    from ..runtime.model import ModelRunner
-
-    compute = compute_dtype(dtype)
-    if (pool_blocks is None) == (pool is None):
-        raise ConfigError("give exactly one of --pool-blocks or --pool")
-    ckpt = resolve_model(model)
-    from ..runtime.config import DecoderConfig
-
-    DecoderConfig.from_hf(ckpt.config)  # an unsupported model fails here, before any weight is read
-    spec = kv_spec_for(ckpt, compute, kv_dtype, block_size)
-    from ..runtime.engine import residual_slots_for
-
-    slots = residual_slots_for(spec, scheduler_config, pool_blocks if pool is None else None)
-    blocks = spec.pool_blocks(pool, slots or 0) if pool is not None else pool_blocks
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ConfigError(f"the KV pool needs at least one block, got {blocks!r}")
-    if host_blocks < 0:
-        raise ConfigError(f"--host-blocks must be >= 0, got {host_blocks}")
-    runner = ModelRunner(load_decoder(ckpt, compute), spec, blocks, residual_slots=slots)
-    return Engine(runner, scheduler_config=scheduler_config, host_blocks=host_blocks, max_context=model_context(ckpt),
-                  model_name=model, checkpoint=ckpt, allow_untested_kv=allow_untested_kv)
-
-
-__all__ = ["Backend", "BackendState", "EngineBackend", "Handle", "build_engine", "compute_dtype"]
+__all__ = ["Backend", "BackendState", "EngineBackend", "Handle"]

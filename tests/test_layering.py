@@ -20,17 +20,19 @@ ALLOWED: dict[str, set[str] | None] = {
     "units": {"errors"},
     "core": {"errors", "units"},
     "scheduler": {"core", "errors", "units"},
-    "runtime": {"core", "scheduler", "errors", "units"},
+    # How an engine is built (torch-free): read by the runtime, the server, the fleet and the CLI.
+    "engine_config": {"core", "scheduler", "errors", "units"},
+    "runtime": {"core", "scheduler", "engine_config", "errors", "units"},
     # The fleet simulator scores with the fleet's own placement functions (score, view, door: no Ray).
     "sim": {"core", "scheduler", "errors", "units", "fleet.score", "fleet.view", "fleet.door"},
     "lab": {"core", "scheduler", "errors", "units"},
     "weblab": {"lab", "core", "scheduler", "errors", "units"},
-    "server": {"core", "scheduler", "runtime", "errors", "units"},
+    "server": {"core", "scheduler", "runtime", "engine_config", "errors", "units"},
     "loadgen": {"core", "scheduler", "sim", "errors", "units"},
     "fleet.score": {"core", "scheduler", "errors", "units"},
     "fleet.view": {"core", "scheduler", "errors", "units", "fleet.score"},
     "fleet.door": {"core", "scheduler", "errors", "units", "fleet.score"},
-    "fleet": {"core", "scheduler", "runtime", "server", "errors", "units", "fleet.score", "fleet.view",
+    "fleet": {"core", "scheduler", "runtime", "server", "engine_config", "errors", "units", "fleet.score", "fleet.view",
               "fleet.door", "fleet"},
     "cli": None,
     "__main__": None,
@@ -39,6 +41,7 @@ ALLOWED: dict[str, set[str] | None] = {
 # Third-party packages a part must never import.
 FORBIDDEN = {  # (the core: anything outside the standard library, checked apart)
     "scheduler": {"torch", "numpy", "ray", "fastapi", "click", "rich", "transformers"},
+    "engine_config": {"torch", "numpy", "ray", "fastapi", "click", "rich", "transformers"},
     "sim": {"torch", "ray", "fastapi", "transformers"},
     "fleet.score": {"ray", "torch"},
     "fleet.view": {"ray", "torch"},

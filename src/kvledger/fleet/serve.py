@@ -45,6 +45,7 @@ from ..core.promises import largest_allowance
 from ..core.types import Request
 from ..engine_config import EngineConfig
 from ..errors import AdmissionError, ConfigError, QuotaError
+from ..scheduler.intake import check_request_shape
 from .door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
 from .score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
 from .view import RouterView, shared_view
@@ -474,22 +475,11 @@ class FleetBackend:
                       trust_group: str = "default", request_id: str = "check",
                       cache_salt: str | None = None) -> tuple[list[int], int, Any]:
         """The ingress's own "never": answered here, at once, without asking (or retrying) any replica."""
-        ids = [int(t) for t in prompt]
-        if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ConfigError(f"prompt token ids must be in [0, {self.vocab_size})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if self.max_context is not None:
-            if len(ids) >= self.max_context:
-                raise AdmissionError(f"the prompt has {len(ids)} tokens but the model's context is "
-                                     f"{self.max_context} tokens: it does not fit")
-            max_new_tokens = min(max_new_tokens, self.max_context - len(ids))
-        if cache_salt is not None and (type(cache_salt) is not str or not cache_salt):
-            raise ConfigError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
         n = _branches(sampling) if sampling is not None else 1
-        if n > self.max_num_seqs:
-            raise AdmissionError(f"{n} sequences can never run at once here: at most {self.max_num_seqs} sequences "
-                                 "run at a time")
+        ids, max_new_tokens = check_request_shape(
+            prompt, max_new_tokens, vocab_size=self.vocab_size, max_context=self.max_context, branches=n,
+            max_running=self.max_num_seqs, beam=bool(getattr(sampling, "beam", False)), trust_group=trust_group,
+            cache_salt=cache_salt, request_id=request_id)
         _, _, charge = request_blocks(len(ids), max_new_tokens, self.block_size, n)
         if charge > self.pool_blocks:
             raise AdmissionError(f"the KV pool of a replica is too small for this request: it needs {charge} "

@@ -62,6 +62,7 @@ from ..scheduler import (
     TransferModel,
     WallClock,
 )
+from ..scheduler.intake import check_request_shape
 from .executor import Sampling, TorchExecutor
 from .handles import RequestHandle, RequestResult, TokenCallback, TokenEvent
 from .host_store import TierStores
@@ -370,34 +371,11 @@ class Engine:
         model's context, larger than the whole pool or than its trust group's quota, or asking for more
         sequences (``n``, beam width) than the scheduler runs at once."""
         params = sampling or SamplingParams()
-        try:
-            prompt = [operator.index(t) for t in prompt]
-        except TypeError:
-            raise ConfigError("the prompt must be a sequence of integer token ids (tokenize text first)") from None
-        vocab = self.runner.config.vocab_size
-        if not prompt:
-            raise ConfigError("the prompt is empty")
-        if min(prompt) < 0 or max(prompt) >= vocab:
-            raise ConfigError(f"prompt token ids must be in [0, {vocab})")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise ConfigError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-        if not isinstance(request_id, str) or not request_id or "/" in request_id:
-            raise ConfigError(f"request id must be a non-empty string without '/', got {request_id!r}")
-        if self.max_context is not None:
-            if len(prompt) >= self.max_context:
-                raise AdmissionError(f"the prompt has {len(prompt)} tokens but the model's context is "
-                                     f"{self.max_context} tokens: it does not fit")
-            max_new_tokens = min(max_new_tokens, self.max_context - len(prompt))
         branches = params.beam_width if params.beam else params.n
-        max_running = self.scheduler.config.max_running
-        if branches > max_running:
-            what = f"beam width {branches}" if params.beam else f"n={branches}"
-            raise AdmissionError(f"{what} sequences can never run at once here: at most {max_running} sequences "
-                                 "run at a time")
-        if cache_salt is not None and (type(cache_salt) is not str or not cache_salt):
-            raise ConfigError(f"cache_salt must be a non-empty string or None, got {cache_salt!r}")
-        if type(trust_group) is not str or not trust_group:
-            raise ConfigError(f"trust_group must be a non-empty string, got {trust_group!r}")
+        prompt, max_new_tokens = check_request_shape(
+            prompt, max_new_tokens, vocab_size=self.runner.config.vocab_size, max_context=self.max_context,
+            branches=branches, max_running=self.scheduler.config.max_running, beam=params.beam,
+            trust_group=trust_group, cache_salt=cache_salt, request_id=request_id)
         context = self.spec.cache_context(trust_group, self.model_name, cache_salt)
         # Larger than the whole pool (or the group's quota) is known now; say so instead of queueing a
         # request that never runs.

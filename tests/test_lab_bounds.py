@@ -152,7 +152,10 @@ def test_the_heaviest_accepted_controls_stay_within_the_estimate_and_answer_prom
     same work). For the heaviest controls the bound accepts in each direction, the steps they plan and the
     blocks their per-step audits visit stay within the estimate the bound was checked against, and the
     answer comes promptly: measured at about 1 s of CPU at most on a 2-core machine, where the controls
-    the earlier bounds accepted took 4 to 10 s. CPU time, not wall time, so that load cannot flake it."""
+    the earlier bounds accepted took 4 to 10 s. CPU time, not wall time, so that load cannot flake it; the
+    process's CPU time, since the test client answers in a thread of its own, which also counts threads
+    earlier tests left running (2.05 s was seen once in the whole suite at load 4), hence 3 s. The work
+    counts above are the exact guard; the time only catches a slowdown of the old kind.)"""
     controls = largest_accepted(FAMILIES[family], 131_072 if "seed" in family else 65_536)
     assert controls is not None
     work = LabWork.of(LabInput(**controls).resolve()[2])
@@ -165,7 +168,7 @@ def test_the_heaviest_accepted_controls_stay_within_the_estimate_and_answer_prom
         took = time.process_time() - start
         assert got.status_code == 200, got.text
         assert counted.steps <= work.steps and counted.audited_blocks <= work.audited_blocks, path
-        assert took < 2.0, f"{path} took {took:.1f} s of CPU for {controls}"
+        assert took < 3.0, f"{path} took {took:.1f} s of CPU for {controls}"
 
 
 @pytest.mark.parametrize("path", SIMULATING)

@@ -155,7 +155,7 @@ def test_the_heaviest_accepted_controls_stay_within_the_estimate_and_answer_prom
     the earlier bounds accepted took 4 to 10 s. CPU time, not wall time, so that load cannot flake it; the
     process's CPU time, since the test client answers in a thread of its own, which also counts threads
     earlier tests left running (2.05 s was seen once in the whole suite at load 4), hence 3 s. The work
-    counts above are the exact guard; the time only catches a slowdown of the old kind.)"""
+    counts above are the exact guard; the time only catches a slowdown of the old kind."""
     controls = largest_accepted(FAMILIES[family], 131_072 if "seed" in family else 65_536)
     assert controls is not None
     work = LabWork.of(LabInput(**controls).resolve()[2])

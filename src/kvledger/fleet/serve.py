@@ -270,6 +270,13 @@ class EngineReplica:
             handle = engine.submit(prompt, max_new, sampling, stop_token_ids=job["stop_token_ids"],
                                    trust_group=job["trust_group"], priority=job.get("priority", 0), request_id=rid,
                                    on_token=on_token, cache_salt=job.get("cache_salt"))
+        except (AdmissionError, ConfigError) as exc:
+            # The engine's own refusal (a request id it has seen): an answer, not a failure of this replica,
+            # or the ingress would blame the replica and retry the same refusal for ever.
+            self.door.finished(rid)
+            yield {"type": NEVER, "replica": self.name, "reason": str(exc), "load": self._load().to_dict(),
+                   "seq": self.door.seq}
+            return
         except Exception:
             self.door.finished(rid)
             raise
@@ -516,6 +523,9 @@ class FleetBackend:
         ids, max_new, ctx = self.check_request(prompt, max_new_tokens, params, trust_group=trust_group,
                                                cache_salt=cache_salt)
         rid = request_id or f"fleet-{secrets.token_hex(8)}"
+        held = self._handles.get(rid)
+        if held is not None and not held.done():
+            raise ConfigError(f"request id {rid!r} is already in flight")
         if params.seed is None and not params.greedy:
             # One seed for every attempt: a resubmission after a replica died samples the same tokens.
             params = SamplingParams(**{**asdict(params), "seed": secrets.randbits(63)})

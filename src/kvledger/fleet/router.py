@@ -53,8 +53,11 @@ class LedgerRequestRouter(RequestRouter):
     # ---- Ray's hooks ------------------------------------------------------------------------------
     def _sync(self, candidates: list[RunningReplica]) -> None:
         names = frozenset(replica_key(r.replica_id) for r in candidates)
-        if names != self._known:
-            self.view.set_replicas(names)
+        # Ray's list is the membership. The ingress drops a replica from the (shared) view when a call to it
+        # fails; while Ray still lists it, it comes back here, or a view emptied that way would rank nothing
+        # and Ray's routing loop would ask again at once, for ever.
+        if names != self._known or not names <= self.view.replicas.keys():
+            self.view.set_replicas(replica_key(r.replica_id) for r in candidates)
             self._known = names
         now = time.time()
         for r in candidates:
@@ -96,7 +99,10 @@ class LedgerRequestRouter(RequestRouter):
             ranking = self.view.rank(route, time.time())
         self.decisions += 1
         self._matched[route.request_id] = {c.replica: c.matched for c in ranking}
-        return [[by_name[c.replica]] for c in ranking if c.replica in by_name]
+        ranks = [[by_name[c.replica]] for c in ranking if c.replica in by_name]
+        # Never an empty answer while replicas exist (Ray would ask again at once, with no backoff): any
+        # replica decides for itself.
+        return ranks or [[r] for r in candidate_replicas]
 
     async def _select_from_candidate_replicas(self, candidates: list[RunningReplica],
                                               backoff_index: int) -> RunningReplica | None:

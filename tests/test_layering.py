@@ -18,13 +18,14 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "kvledger"
 ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
     "units": {"errors"},
+    "jsonsafe": set(),
     "core": {"errors", "units"},
     "scheduler": {"core", "errors", "units"},
     # How an engine is built (torch-free): read by the runtime, the server, the fleet and the CLI.
     "engine_config": {"core", "scheduler", "errors", "units"},
     "runtime": {"core", "scheduler", "engine_config", "errors", "units"},
     # The fleet simulator scores with the fleet's own placement functions (score, view, door: no Ray).
-    "sim": {"core", "scheduler", "errors", "units", "fleet.score", "fleet.view", "fleet.door"},
+    "sim": {"core", "scheduler", "errors", "units", "jsonsafe", "fleet.score", "fleet.view", "fleet.door"},
     "lab": {"core", "scheduler", "errors", "units"},
     "weblab": {"lab", "core", "scheduler", "errors", "units"},
     "server": {"core", "scheduler", "runtime", "engine_config", "errors", "units"},

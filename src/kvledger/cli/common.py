@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,17 +28,9 @@ def prepare_torch(threads: int | None = None) -> None:
 
 def emit_json(data: Any) -> None:
     """One JSON object on stdout (non-finite floats become null)."""
-    sys.stdout.write(json.dumps(_finite(data), indent=2, default=str) + "\n")
+    from ..jsonsafe import finite
 
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_finite(v) for v in obj]
-    return obj
+    sys.stdout.write(json.dumps(finite(data), indent=2, default=str) + "\n")
 
 
 def console(stderr: bool = False) -> Any:

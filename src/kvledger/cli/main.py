@@ -117,17 +117,11 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
         return
     con = Console()
     con.print(_kv_table(spec))
-    t = Table(title=f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
-                    f"pool {data['pool_blocks']} blocks")
-    for col in ("request", "group", "outcome", "shared", "new", "promised"):
-        t.add_column(col, justify="left" if col in ("request", "group", "outcome") else "right")
+    con.print(_decisions_table(f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
+                               f"pool {data['pool_blocks']} blocks", data["decisions"], lengths=False))
     reasons: dict[str, str] = {}
     for d in data["decisions"]:
-        style = {"admitted": "green", "not_now": "yellow", "never": "red"}[d["outcome"]]
-        t.add_row(d["request"], d["group"], f"[{style}]{d['outcome']}[/{style}]", str(d["blocks_shared"]),
-                  str(d["blocks_new"]), str(d["blocks_promised"]))
         reasons.setdefault(d["outcome"], f"{d['request']}: {d['reason']}")
-    con.print(t)
     for outcome, reason in reasons.items():
         con.print(f"[bold]{outcome}[/bold] e.g. {reason}")
     u = data["usage"]
@@ -152,6 +146,20 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
+def _decisions_table(title: str, decisions: list[dict[str, Any]], lengths: bool) -> Any:
+    """One row per admission decision, its outcome coloured; ``lengths`` adds the prompt and max_new columns."""
+    t = Table(title=title)
+    cols = ("request", "group", *(("prompt", "max new") if lengths else ()), "outcome", "shared", "new", "promised")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("request", "group", "outcome") else "right")
+    for d in decisions:
+        style = {"admitted": "green", "not_now": "yellow", "never": "red"}[d["outcome"]]
+        sizes = (f"{d['prompt']:,}", f"{d['max_new']:,}") if lengths else ()
+        t.add_row(d["request"], d["group"], *sizes, f"[{style}]{d['outcome']}[/{style}]", str(d["blocks_shared"]),
+                  str(d["blocks_new"]), str(d["blocks_promised"]))
+    return t
+
+
 def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: str | None, prefix_cache: bool,
                 model: str | None, as_json: bool) -> None:
     from .admit_file import admit_requests, load_requests_file
@@ -165,16 +173,9 @@ def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: 
         return
     con = Console()
     con.print(_kv_table(spec))
-    t = Table(title=f"Admission (full reservation) of {path}: {data['requests']} requests, {data['groups']} "
-                    f"trust group(s), pool {pool_blocks:,} blocks")
-    for col in ("request", "group", "prompt", "max new", "outcome", "shared", "new", "promised"):
-        t.add_column(col, justify="left" if col in ("request", "group", "outcome") else "right")
-    for d in data["decisions"][:200]:
-        style = {"admitted": "green", "not_now": "yellow", "never": "red"}[d["outcome"]]
-        t.add_row(d["request"], d["group"], f"{d['prompt']:,}", f"{d['max_new']:,}",
-                  f"[{style}]{d['outcome']}[/{style}]", str(d["blocks_shared"]), str(d["blocks_new"]),
-                  str(d["blocks_promised"]))
-    con.print(t)
+    con.print(_decisions_table(f"Admission (full reservation) of {path}: {data['requests']} requests, "
+                               f"{data['groups']} trust group(s), pool {pool_blocks:,} blocks",
+                               data["decisions"][:200], lengths=True))
     if len(data["decisions"]) > 200:
         con.print(f"[dim]... {len(data['decisions']) - 200} more (use --json for all)[/dim]")
     u = data["usage"]

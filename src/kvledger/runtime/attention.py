@@ -21,7 +21,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -127,6 +127,16 @@ class _Plan:
     masks: dict[tuple[int, int | None], torch.Tensor | None] = field(default_factory=dict)
 
 
+_P = TypeVar("_P")
+
+
+def _planned(plan: _P | None, backend: object) -> _P:
+    """The step's plan, or the error of a ``forward`` called before ``plan``."""
+    if plan is None:
+        raise RuntimeError(f"{type(backend).__name__}.forward called before plan()")
+    return plan
+
+
 class TorchPagedAttention:
     """Reference backend for any device: gathers each context through its block table into a
     contiguous tensor and calls ``scaled_dot_product_attention``. Exact, simple, memory-hungry for long
@@ -188,9 +198,7 @@ class TorchPagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("TorchPagedAttention.forward called before plan()")
+        plan = _planned(self._plan, self)
         batch = plan.batch
         self.store.write(layer, batch.slot_mapping, k, v)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -357,9 +365,7 @@ class NativePagedAttention:
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
-        plan = self._plan
-        if plan is None:
-            raise RuntimeError("NativePagedAttention.forward called before plan()")
+        plan = _planned(self._plan, self)
         store = self.store
         if not store.plain:
             return self._forward_quantised(plan, layer, q, k, v, scale, window)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..jsonsafe import finite
 from ..scheduler.metrics import distribution, percentile  # the one definition of both
 from .fragmentation import FragResult
 from .simulator import SimResult, Timeline
@@ -70,19 +71,9 @@ def _json_default(obj: Any) -> Any:
     return str(obj)
 
 
-def _clean(obj: Any) -> Any:
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_clean(v) for v in obj]
-    return obj
-
-
 def _write_json(path: Path, data: Any) -> None:
     try:
-        path.write_text(json.dumps(_clean(data), indent=2, default=_json_default) + "\n", encoding="utf-8")
+        path.write_text(json.dumps(finite(data), indent=2, default=_json_default) + "\n", encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc.strerror or exc}") from None
 

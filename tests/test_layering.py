@@ -129,3 +129,15 @@ def test_the_check_sees_a_forbidden_import(source: str, expected: str, tmp_path,
     planted.write_text(expected, encoding="utf-8")
     monkeypatch.setattr(sys.modules[__name__], "SRC", root)
     assert len(violations()) == 1, violations()
+
+
+def test_no_two_public_classes_share_a_name() -> None:
+    """A class name says what a thing is, once: two public classes of one name in two modules (a routing
+    ``Choice`` and a workload's ``Choice``, the ledger's ``Outcome`` and the load client's) read the same in
+    a traceback and mean different things."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                seen.setdefault(node.name, []).append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert {name: where for name, where in seen.items() if len(where) > 1} == {}

@@ -70,7 +70,7 @@ class Item:
 
 
 @dataclass(slots=True)
-class Outcome:
+class RequestOutcome:
     ok: bool
     error: str | None = None
     prompt_tokens: int = 0
@@ -202,11 +202,11 @@ def check_loopback(url: str) -> str:
 
 
 async def _one(client: Any, base: str, model: str, item: Item, slots: asyncio.Semaphore, headers: dict[str, str],
-               timeout_s: float) -> Outcome:
+               timeout_s: float) -> RequestOutcome:
     arrived = time.perf_counter()
     async with slots:
         sent = time.perf_counter()
-        outcome = Outcome(False, slot_wait_s=sent - arrived, prompt_tokens=len(item.prompt))
+        outcome = RequestOutcome(False, slot_wait_s=sent - arrived, prompt_tokens=len(item.prompt))
         body = {"model": model, "prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0.0,
                 "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
         last = None
@@ -255,7 +255,7 @@ async def _one(client: Any, base: str, model: str, item: Item, slots: asyncio.Se
         return outcome
 
 
-async def _drive(spec: LoadSpec, items: list[Item], progress: Any) -> tuple[list[Outcome], float, str]:
+async def _drive(spec: LoadSpec, items: list[Item], progress: Any) -> tuple[list[RequestOutcome], float, str]:
     import httpx
 
     base = check_loopback(spec.url)
@@ -273,7 +273,7 @@ async def _drive(spec: LoadSpec, items: list[Item], progress: Any) -> tuple[list
                 raise ConfigError(f"{base}/v1/models answered {resp.status_code}: {resp.text[:200]}")
             model = resp.json()["data"][0]["id"]
         slots = asyncio.Semaphore(spec.concurrency)
-        tasks: list[asyncio.Task[Outcome]] = []
+        tasks: list[asyncio.Task[RequestOutcome]] = []
         start = time.perf_counter()
         for item in items:
             if spec.num_requests is not None and len(tasks) >= spec.num_requests:
@@ -292,7 +292,7 @@ async def _drive(spec: LoadSpec, items: list[Item], progress: Any) -> tuple[list
         for task in pending:
             task.cancel()
         wall = time.perf_counter() - start
-        outcomes = [t.result() if t in done and not t.cancelled() else Outcome(False, "timeout") for t in tasks]
+        outcomes = [t.result() if t in done and not t.cancelled() else RequestOutcome(False, "timeout") for t in tasks]
         return outcomes, wall, model
 
 
@@ -300,7 +300,7 @@ def _dist(values: list[float]) -> dict[str, float | None]:
     return {**distribution(values), "count": len(values)}  # the one definition, plus the sample size
 
 
-def summarize(spec: LoadSpec, outcomes: list[Outcome], wall_s: float, model: str) -> dict[str, Any]:
+def summarize(spec: LoadSpec, outcomes: list[RequestOutcome], wall_s: float, model: str) -> dict[str, Any]:
     ok = [o for o in outcomes if o.ok]
     errors: dict[str, int] = {}
     for o in outcomes:

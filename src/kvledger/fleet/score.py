@@ -140,7 +140,7 @@ def make_route_request(request_id: str, trust_group: str, digests: Sequence[byte
 
 
 @dataclass(frozen=True, slots=True)
-class Choice:
+class RouteChoice:
     """One replica in a ranking: its cost, whether the router's view says the request fits there, the
     prefix blocks it is believed to hold, and how old the view of it is (None: never heard of it)."""
 
@@ -159,12 +159,12 @@ def replica_cost(request: RouteRequest, matched: int, decode: int, backlog: int,
     return uncached + config.decode_weight * decode + config.queue_weight * backlog
 
 
-def rank(choices: Iterable[Choice], rng: random.Random) -> list[Choice]:
+def rank(choices: Iterable[RouteChoice], rng: random.Random) -> list[RouteChoice]:
     """Replicas that fit first, then the rest; cheapest first within each; ties broken at random."""
     keyed = [(not c.fits, c.cost, rng.random(), c) for c in choices]
     keyed.sort(key=lambda k: k[:3])
     return [k[3] for k in keyed]
 
 
-__all__ = ["ARMS", "LOAD_FIELDS", "ROUTINGS", "Choice", "ReplicaLoad", "RouteRequest", "ScoreConfig",
+__all__ = ["ARMS", "LOAD_FIELDS", "ROUTINGS", "RouteChoice", "ReplicaLoad", "RouteRequest", "ScoreConfig",
            "make_route_request", "rank", "replica_cost", "request_blocks"]

@@ -27,7 +27,7 @@ from functools import wraps
 from typing import Any, TypeVar
 
 from ..errors import ConfigError
-from .score import Choice, ReplicaLoad, RouteRequest, ScoreConfig, rank, replica_cost
+from .score import ReplicaLoad, RouteChoice, RouteRequest, ScoreConfig, rank, replica_cost
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -276,7 +276,7 @@ class RouterView:
         return [r for r in self.placement.allowed(trust_group, self.replicas) if r not in skip]
 
     @_locked
-    def rank(self, request: RouteRequest, now: float, avoid: Iterable[str] = ()) -> list[Choice]:
+    def rank(self, request: RouteRequest, now: float, avoid: Iterable[str] = ()) -> list[RouteChoice]:
         """Every allowed replica not in ``avoid``, best first (see :func:`kvledger.fleet.score.rank`)."""
         names = self.candidates(request.trust_group, avoid)
         if not names:
@@ -295,7 +295,7 @@ class RouterView:
                 avail = load.available + st.delta_available
                 age = max(0.0, now - load.stamp)
             fits = avail is None or avail >= request.charge
-            choices.append(Choice(r, replica_cost(request, matched[r], decode, backlog, bs, cfg), fits,
+            choices.append(RouteChoice(r, replica_cost(request, matched[r], decode, backlog, bs, cfg), fits,
                                   matched[r], age))
         return rank(choices, self.rng)
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 
-class AdmissionOps:
+class SchedulerAdmission:
     # ---- restoring and admitting ----------------------------------------------------------------
     def _ledger_request(self: Scheduler, br: Branch, fresh: bool, readmission: bool) -> Request:
         req = br.request

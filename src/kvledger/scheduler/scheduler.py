@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from ..core.ledger import KVLedger
 from ..core.lifetimes import CacheReset
 from ..errors import InvariantError, LedgerError, OutOfBlocksError
-from .admission import AdmissionOps
+from .admission import SchedulerAdmission
 from .config import SchedulerConfig
 from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
 from .host import HostPool, TierLedger
@@ -36,7 +36,7 @@ from .tiers import TierPlanner
 from .victims import VictimQueue, pick_victim, replay_tokens
 
 
-class Scheduler(AdmissionOps):
+class Scheduler(SchedulerAdmission):
     """Plans engine steps on one ledger; see the module docstring and docs/scheduler.md."""
 
     def __init__(self, ledger: KVLedger, config: SchedulerConfig | None = None, *,

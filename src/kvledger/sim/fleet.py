@@ -44,7 +44,7 @@ from ..core.ledger import KVLedger
 from ..core.types import Request
 from ..errors import ConfigError, InvariantError
 from ..fleet.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap, DoorAnswer
-from ..fleet.score import ARMS, ROUTINGS, Choice, ReplicaLoad, RouteRequest, ScoreConfig, make_route_request
+from ..fleet.score import ARMS, ROUTINGS, ReplicaLoad, RouteChoice, RouteRequest, ScoreConfig, make_route_request
 from ..fleet.view import Placement, RouterView
 from ..scheduler import Driver, GenRequest, Scheduler, StepOutput, StepPlan, VirtualClock, percentile
 from ..scheduler.policies import ADMISSION_POLICIES
@@ -232,7 +232,7 @@ class _Replica:
 
 
 @dataclass(slots=True)
-class FleetResult:
+class FleetSimResult:
     config: FleetConfig
     deployment: Deployment
     summary: dict[str, Any]
@@ -241,7 +241,7 @@ class FleetResult:
 
 
 class FleetSimulator:
-    """``FleetSimulator(config).run(requests)`` -> :class:`FleetResult`."""
+    """``FleetSimulator(config).run(requests)`` -> :class:`FleetSimResult`."""
 
     def __init__(self, config: FleetConfig, deployment: Deployment | None = None) -> None:
         self.config = config
@@ -249,7 +249,7 @@ class FleetSimulator:
 
     # ---- the run ----------------------------------------------------------------------------------
     def run(self, requests: Sequence[SimRequest], *, progress: Callable[[float, int, int], None] | None = None
-            ) -> FleetResult:
+            ) -> FleetSimResult:
         cfg, dep = self.config, self.dep
         wall0 = time.perf_counter()
         workload, notes = prepare_workload(requests, cfg.sim, dep.max_model_len)
@@ -358,7 +358,7 @@ class FleetSimulator:
         self._push(t + cfg.transit_s, _DELIVER, (req, int(choice[1:])))
 
     @staticmethod
-    def _worth_waiting(ranking: list[Choice], fresh_s: float) -> bool:
+    def _worth_waiting(ranking: list[RouteChoice], fresh_s: float) -> bool:
         """Whether the replica with the lowest cost (ties: the ranking's order, fitting ones first) does not
         fit by a view younger than ``fresh_s``: then waiting for it saves more prefill than the cheapest
         replica that fits now would."""
@@ -549,7 +549,7 @@ class FleetSimulator:
         return self.reqs[self._index_of[rid]]
 
     # ---- results ----------------------------------------------------------------------------------
-    def _result(self, workload: Sequence[SimRequest], notes: list[str], wall_s: float) -> FleetResult:
+    def _result(self, workload: Sequence[SimRequest], notes: list[str], wall_s: float) -> FleetSimResult:
         cfg = self.config
         recs = self.finished_metrics
         end = max((m.finish_s for _, m in recs if m.finish_s is not None), default=0.0)
@@ -609,11 +609,11 @@ class FleetSimulator:
         }
         if len(recs) + self.rejected < n:
             raise InvariantError(f"{n - len(recs) - self.rejected} requests never finished: a fleet simulator bug")
-        return FleetResult(cfg, self.dep, summary, per_replica, wall_s)
+        return FleetSimResult(cfg, self.dep, summary, per_replica, wall_s)
 
 
-def simulate_fleet(requests: Sequence[SimRequest], config: FleetConfig) -> FleetResult:
+def simulate_fleet(requests: Sequence[SimRequest], config: FleetConfig) -> FleetSimResult:
     return FleetSimulator(config).run(requests)
 
 
-__all__ = ["ARMS", "ROUTINGS", "FleetConfig", "FleetResult", "FleetSimulator", "simulate_fleet"]
+__all__ = ["ARMS", "ROUTINGS", "FleetConfig", "FleetSimResult", "FleetSimulator", "simulate_fleet"]

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from .core.identity import CacheContext
 from .core.ledger import Decision, KVLedger, Request
 from .errors import ConfigError
-from .scheduler import ConstantExecutor, Driver, GenRequest, Scheduler, SchedulerConfig, StepPlan
+from .scheduler import ConstantExecutor, GenRequest, SchedulerConfig, StepPlan
 from .scheduler.policies import OutputLengthTracker, reserve_tokens
+from .scheduler.replica import Replica
 
 _SHARED_TOKEN_BASE = 1_000  # the common prefix: the same token ids in every group (only trust separates)
 _PRIVATE_TOKEN_BASE = 1_000_000  # private suffixes: distinct per request
@@ -130,8 +131,8 @@ def run_growth(spec: LabSpec) -> dict:
     """Run the requests to completion through the real scheduler (each generates its whole allowance)
     and report what growth does under the policy: how many start at once, preemptions, steps. It is
     the scheduler's one step loop (a :class:`Driver`) with a constant-token executor."""
-    ledger = KVLedger(spec.pool_blocks, spec.block_size, prefix_caching=spec.prefix_caching)
-    sched = Scheduler(ledger, _config(spec))
+    replica = Replica.assemble(spec.pool_blocks, spec.block_size, _config(spec), prefix_caching=spec.prefix_caching)
+    sched = replica.scheduler
     started: list[int] = []
     running_peak = 0
 
@@ -141,7 +142,7 @@ def run_growth(spec: LabSpec) -> dict:
             started.append(len(plan.admitted))
         running_peak = max(running_peak, len(sched.running))
 
-    driver = Driver(sched, ConstantExecutor(), check_every=1, on_planned=planned, keep_records=True)
+    driver = replica.drive(ConstantExecutor(), check_every=1, on_planned=planned, keep_records=True)
     for r in lab_requests(spec):
         driver.submit(GenRequest(r.request_id, list(r.prompt), spec.max_new, r.context, n=spec.branches))
     driver.run(max_steps=100 * (spec.prompt + spec.max_new) * spec.requests)

@@ -44,17 +44,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core import CacheContext, KVLedger, Outcome, Request
-from ..core.eviction import make_policy
+from ..core import CacheContext, Outcome, Request
 from ..core.geometry import canonical_dtype
-from ..core.tiers import TierLedger
 from ..errors import AdmissionError, ConfigError, QuotaError
 from ..scheduler import (
-    Driver,
     FinishedRequest,
     GenRequest,
     RecoveryCosts,
-    Scheduler,
     SchedulerConfig,
     StepOutput,
     StepPlan,
@@ -63,6 +59,7 @@ from ..scheduler import (
     WallClock,
 )
 from ..scheduler.intake import check_request_shape
+from ..scheduler.replica import Replica
 from .executor import Sampling, TorchExecutor
 from .handles import RequestHandle, RequestResult, TokenCallback, TokenEvent
 from .host_store import TierStores
@@ -201,10 +198,7 @@ class Engine:
             require_record(runner.spec, checkpoint, model_name)
         self.runner = runner
         self.spec = runner.spec
-        self.ledger = KVLedger(runner.store.num_blocks, self.spec.block_size, prefix_caching=prefix_caching,
-                               policy=make_policy(eviction))
         specs = [(name, n) for name, n in (("host", host_blocks), ("disk", disk_blocks)) if n]
-        host = TierLedger(specs) if specs else None
         self.host_store = TierStores(runner.store, [n for n, _ in specs], [b for _, b in specs], disk_dir=disk_dir,
                                      compression=tier_compression) if specs else None
         self.transfers = TransferEngine(self.host_store, staging_blocks=staging_blocks,
@@ -216,14 +210,18 @@ class Engine:
                                   transfer=TransferModel(link_Bps=10e9, overhead_s=20e-6))
         store = runner.store
         if store.residual_slots:
-            # int4: one residual page per running sequence, so never run more sequences than pages; pages of
-            # blocks the ledger freed are reclaimed by asking it.
+            # int4: one residual page per running sequence, so never run more sequences than pages.
             cfg = scheduler_config or SchedulerConfig()
             if cfg.max_running > store.residual_slots:
                 scheduler_config = SchedulerConfig(**{**cfg.to_dict(), "max_running": store.residual_slots})
+        self.replica = Replica.assemble(store.num_blocks, self.spec.block_size, scheduler_config, eviction=eviction,
+                                        prefix_caching=prefix_caching, host_blocks=host_blocks,
+                                        disk_blocks=disk_blocks, costs=costs)
+        self.ledger = self.replica.ledger
+        self.scheduler = self.replica.scheduler
+        if store.residual_slots:  # pages of blocks the ledger freed are reclaimed by asking it
             pool = self.ledger.pool
             store.block_in_use = lambda b: pool.ref[b] > 0 or pool.leased[b] > 0
-        self.scheduler = Scheduler(self.ledger, scheduler_config, host=host, costs=costs)
         self.max_context = max_context
         self.model_name = model_name
         self.clock = clock
@@ -231,7 +229,7 @@ class Engine:
         self.checkpoint: Checkpoint | None = checkpoint
         self.executor = TorchExecutor(runner, self.transfers, self.stats,
                                       on_transfer_error=self.scheduler.transfers_failed)
-        self.driver = Driver(self.scheduler, self.executor, clock=WallClock(clock), on_executed=self._executed)
+        self.driver = self.replica.drive(self.executor, clock=WallClock(clock), on_executed=self._executed)
         self._lock = threading.Lock()  # guards _live and _submitted
         self._step_lock = threading.RLock()
         self._live: dict[str, _Live] = {}

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from ..core import KVLedger
 from ..errors import AdmissionError, ConfigError
-from ..scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
+from ..scheduler import GenRequest, SchedulerConfig, StepOutput, StepPlan
+from ..scheduler.replica import Replica
 from .executor import Sampling, TorchExecutor
 from .model import ModelRunner
 from .sampling import SamplingParams
@@ -61,7 +62,7 @@ def generate_greedy(
         stats.max_batch = max(stats.max_batch, works)
         stats.mixed_steps += bool(plan.decodes) and any(w.end - w.start > 1 for w in plan.prefills)
 
-    driver = Driver(Scheduler(ledger, config), executor, on_executed=count)
+    driver = Replica.around(ledger, config).drive(executor, on_executed=count)
     # Ids unique per call, so one ledger can serve several calls (and other users) side by side.
     ids = [f"greedy-{next(_CALLS)}-{i}" for i in range(len(prompts))]
     payload = Sampling(SamplingParams(), 0)

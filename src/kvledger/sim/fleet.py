@@ -38,16 +38,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..core.eviction import make_policy
 from ..core.identity import CacheContext, prompt_digests
-from ..core.ledger import KVLedger
 from ..core.types import Request
 from ..errors import ConfigError, InvariantError
 from ..fleet.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap, DoorAnswer
 from ..fleet.score import ARMS, ROUTINGS, ReplicaLoad, RouteChoice, RouteRequest, ScoreConfig, make_route_request
 from ..fleet.view import Placement, RouterView
-from ..scheduler import Driver, GenRequest, Scheduler, StepOutput, StepPlan, VirtualClock, percentile
+from ..scheduler import GenRequest, StepOutput, StepPlan, VirtualClock, percentile
 from ..scheduler.policies import ADMISSION_POLICIES
+from ..scheduler.replica import Replica
 from .simulator import (
     CostModelExecutor,
     Deployment,
@@ -165,23 +164,22 @@ class _Replica:
         self.index = index
         self.name = f"r{index}"
         self.tap = CacheEventTap(maxlen=1 << 20)
-        self.ledger = KVLedger(dep.pool_blocks, dep.spec.block_size, prefix_caching=cfg.prefix_cache,
-                               policy=make_policy(cfg.eviction), events=self.tap)
         # Tiers below the device pool (host memory, disk), each replica its own, as the single simulator
         # builds them: swapped requests and, with the scheduler's offload_prefixes, demoted prefix blocks,
         # which the tap keeps publishing as the replica's (a hit there is promoted, not recomputed).
-        self.host = dep.tiers()
+        self.replica = Replica.assemble(dep.pool_blocks, dep.spec.block_size, cfg.scheduler, eviction=cfg.eviction,
+                                        prefix_caching=cfg.prefix_cache, tiers=dep.tiers(), events=self.tap,
+                                        costs=recovery_costs(dep, cfg.staging_blocks))
+        self.ledger, self.host, self.sched = self.replica.ledger, self.replica.tiers, self.replica.scheduler
         if self.host is not None and cfg.scheduler.offload_prefixes:
             self.tap.attach_tiers(self.host)
         links = tier_links(dep, self.host, cfg.staging_blocks)
-        self.sched = Scheduler(self.ledger, cfg.scheduler, host=self.host,
-                               costs=recovery_costs(dep, cfg.staging_blocks))
         self.clock = VirtualClock()
         self.door = AdmissionDoor(self.ledger, enforce=config.arm == "B", clock=self.clock.now)
         executor = CostModelExecutor(dep.cost.step_time, links=links, block_bytes=dep.block_bytes,
                                      block_size=dep.spec.block_size)
-        self.driver = Driver(self.sched, executor, clock=self.clock,
-                             feed_window=cfg.feed_window, on_planned=self._planned, on_executed=self._executed)
+        self.driver = self.replica.drive(executor, clock=self.clock, feed_window=cfg.feed_window,
+                                         on_planned=self._planned, on_executed=self._executed)
         self.fleet = fleet
         self.busy = False  # a step is scheduled (deliveries wait for its end)
         self.inbox: list[_Req] = []

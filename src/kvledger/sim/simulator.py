@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..core.eviction import make_policy, policy_names
+from ..core.eviction import policy_names
 from ..core.geometry import KVSpec, config_int, text_config
 from ..core.identity import CacheContext
 from ..core.inventory import GPUS, build_inventory, count_parameters_per_rank
@@ -49,7 +49,6 @@ from ..core.tiers import TierLedger
 from ..errors import ConfigError
 from ..scheduler import (
     SCHEDULER_KEYS,
-    Driver,
     GenRequest,
     RecoveryCosts,
     RequestMetrics,
@@ -63,6 +62,7 @@ from ..scheduler import (
     summarize_requests,
 )
 from ..scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
+from ..scheduler.replica import Replica, tier_ledger
 from ..scheduler.transfers import step_transfer_timing
 from ..units import parse_bytes
 from .cost_model import CPU_LOCAL, CostModel, DeviceProfile, get_profile
@@ -290,8 +290,7 @@ class Deployment:
 
     def tiers(self) -> TierLedger | None:
         """A fresh ledger of the tiers below the device pool (None without any)."""
-        specs = [(n, b) for n, b in (("host", self.host_blocks), ("disk", self.disk_blocks)) if b]
-        return TierLedger(specs) if specs else None
+        return tier_ledger(self.host_blocks, self.disk_blocks)
 
 
 def build_deployment(config: SimConfig) -> Deployment:
@@ -569,9 +568,10 @@ class Simulator:
         wall0 = time.perf_counter()
         workload, notes = prepare_workload(requests, cfg, dep.max_model_len)
         bs = dep.spec.block_size
-        ledger = KVLedger(dep.pool_blocks, bs, prefix_caching=cfg.prefix_cache, policy=make_policy(cfg.eviction))
-        host = dep.tiers()
-        sched = Scheduler(ledger, cfg.scheduler, host=host, costs=recovery_costs(dep, cfg.staging_blocks))
+        replica = Replica.assemble(dep.pool_blocks, bs, cfg.scheduler, eviction=cfg.eviction,
+                                   prefix_caching=cfg.prefix_cache, tiers=dep.tiers(),
+                                   costs=recovery_costs(dep, cfg.staging_blocks))
+        ledger, host, sched = replica.ledger, replica.tiers, replica.scheduler
         self.scheduler = sched  # kept for inspection after the run
         tl = Timeline()
         preempt = {"recompute": 0, "swap": 0}
@@ -598,9 +598,9 @@ class Simulator:
         links = tier_links(dep, host, cfg.staging_blocks)
         transfers = {"transfer_s": 0.0, "hidden_s": 0.0, "exposed_s": 0.0, "steps_with_transfers": 0}
         executor = CostModelExecutor(dep.cost.step_time, links=links, block_bytes=dep.block_bytes, block_size=bs)
-        driver = Driver(sched, executor, clock=VirtualClock(),
-                        feed_window=cfg.feed_window, check_every=cfg.check_every, on_planned=planned,
-                        on_executed=executed, keep_records=True)
+        driver = replica.drive(executor, clock=VirtualClock(), feed_window=cfg.feed_window,
+                               check_every=cfg.check_every, on_planned=planned, on_executed=executed,
+                               keep_records=True)
         total = len(workload)
         report = None if progress is None else (
             lambda d: progress(d.clock.now(), len(d.records), total))  # noqa: E731

@@ -103,7 +103,7 @@ def test_a_metrics_row_carries_every_field_and_the_derived_times() -> None:
     assert set(row) == set(RequestMetrics.__slots__) | {"ttft_s", "tpot_s", "e2e_s"}
 
 
-# ---- scheduler/registry.py --------------------------------------------------------------------------
+# ---- core/registry.py -------------------------------------------------------------------------------
 
 def test_a_registry_refuses_bad_or_duplicate_names_and_lists_in_order() -> None:
     reg: Registry[int] = Registry("widget")

@@ -254,7 +254,7 @@ def test_auto_keeps_a_store_off_the_cpu_on_the_reference(monkeypatch: pytest.Mon
 
 
 def test_the_registry_refuses_a_nameless_backend_and_lists_the_known_ones(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(attention_module, "_BACKENDS", dict(attention_module._BACKENDS))
+    monkeypatch.setattr(attention_module, "_BACKENDS", attention_module._BACKENDS.copy())
     for bad in ("", None, 3):
         with pytest.raises(ConfigError, match=r"^an attention backend needs a non-empty name, got "):
             register_attention_backend(bad, TorchPagedAttention, "x")  # type: ignore[arg-type]
@@ -264,7 +264,9 @@ def test_the_registry_refuses_a_nameless_backend_and_lists_the_known_ones(monkey
     assert listed["auto"].description == "native on the CPU when its kernels are built, else torch"
     listed.pop("torch")  # a copy: the caller cannot unregister anything
     assert "torch" in attention_backends()
-    register_attention_backend("torch", NativePagedAttention, "replaced")  # re-registering replaces
+    with pytest.raises(ConfigError, match=r"^attention backend 'torch' is already registered$"):
+        register_attention_backend("torch", NativePagedAttention, "replaced")  # the registries' one rule
+    register_attention_backend("torch", NativePagedAttention, "replaced", replace=True)
     replaced = attention_backends()["torch"]
     assert (replaced.name, replaced.factory, replaced.description) == ("torch", NativePagedAttention, "replaced")
     with pytest.raises(ConfigError, match=r"^unknown attention backend 'flash' \(known: auto, torch, native\)$"):

@@ -291,7 +291,7 @@ def test_registry_names_and_errors(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_a_registered_backend_is_selectable_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a CUDA backend does: register a factory; the runner, engine and CLI then accept its name."""
-    monkeypatch.setattr(attention_module, "_BACKENDS", dict(attention_module._BACKENDS))
+    monkeypatch.setattr(attention_module, "_BACKENDS", attention_module._BACKENDS.copy())
     made: list[KVStore] = []
 
     def factory(store: KVStore) -> TorchPagedAttention:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import heapq
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from itertools import islice
-from types import MappingProxyType
 from typing import Any, Protocol
 
 from ..errors import ConfigError
 from . import native
+from .registry import Registry
 
 DEFAULT_PRIORITY = 35  # the level of a block nobody gave a priority (TensorRT-LLM uses 35 of 0..100)
 MAX_PRIORITY = 100
@@ -256,10 +256,9 @@ PolicyFactory = Callable[[Callable[[], float]], EvictionPolicy]
 
 # The one list of eviction policies: name -> factory(clock). CLI choices, the engine, the simulator and
 # KVLedger(policy="name") all read it; adding a policy here makes it selectable everywhere.
-EVICTION_POLICIES: Mapping[str, PolicyFactory] = MappingProxyType({
-    LRUPolicy.name: lambda clock: LRUPolicy(),
-    PriorityPolicy.name: PriorityPolicy,
-})
+EVICTION_POLICIES: Registry[PolicyFactory] = Registry("eviction policy")
+EVICTION_POLICIES.register(LRUPolicy.name, lambda clock: LRUPolicy(), "least recently used first")
+EVICTION_POLICIES.register(PriorityPolicy.name, PriorityPolicy, "lowest priority first, LRU among equals")
 DEFAULT_POLICY = LRUPolicy.name
 
 

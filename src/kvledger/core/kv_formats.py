@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .registry import Registry
 
 # Bytes per element of the element types a part may hold.
 ELEMENT_BYTES: dict[str, int] = {
@@ -138,7 +139,8 @@ def _fmt(name: str, summary: str, bits: int, quantized: bool, scales: str, eleme
     return KVFormat(name, summary, bits, quantized, scales, element)
 
 
-KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
+KV_FORMATS: Registry[KVFormat] = Registry("KV format")
+for _format in (
     _fmt("fp32", "plain fp32", 32, False, "none", "fp32"),
     _fmt("bf16", "plain bf16", 16, False, "none", "bf16"),
     _fmt("fp16", "plain fp16", 16, False, "none", "fp16"),
@@ -148,14 +150,15 @@ KV_FORMATS: dict[str, KVFormat] = {f.name: f for f in (
     _fmt("int8", "symmetric int8 with an fp16 scale per token and KV head", 8, True, "token-head", "int8"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
          "unquantised residual for the partly written block", 4, True, "kivi", "uint8"),
-)}
+):
+    KV_FORMATS.register(_format.name, _format, _format.summary)
 
 
 def get_kv_format(name: str) -> KVFormat:
-    try:
-        return KV_FORMATS[name]
-    except KeyError:
-        raise ConfigError(f"unknown KV format {name!r} (known: {', '.join(KV_FORMATS)})") from None
+    found = KV_FORMATS.get(name)
+    if found is None:
+        raise ConfigError(f"unknown KV format {name!r} (known: {', '.join(KV_FORMATS)})")
+    return found
 
 
 def quantized_formats() -> list[str]:

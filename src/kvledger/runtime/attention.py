@@ -26,6 +26,7 @@ from typing import Protocol, TypeVar
 import torch
 import torch.nn.functional as F
 
+from ..core.registry import Registry
 from ..errors import ConfigError
 from . import native
 from .kv_store import KVStore
@@ -437,27 +438,29 @@ class BackendInfo:
     description: str
 
 
-_BACKENDS: dict[str, BackendInfo] = {}
+_BACKENDS: Registry[BackendInfo] = Registry("attention backend")
 
 
-def register_attention_backend(name: str, factory: BackendFactory, description: str) -> None:
-    """Make ``factory`` selectable as ``name`` (engine, runner and CLI). Re-registering replaces it."""
+def register_attention_backend(name: str, factory: BackendFactory, description: str, *,
+                               replace: bool = False) -> None:
+    """Make ``factory`` selectable as ``name`` (engine, runner and CLI); a name already registered is
+    refused unless ``replace=True`` (the registries' one rule)."""
     if not name or not isinstance(name, str):
         raise ConfigError(f"an attention backend needs a non-empty name, got {name!r}")
-    _BACKENDS[name] = BackendInfo(name, factory, description)
+    _BACKENDS.register(name, BackendInfo(name, factory, description), description, replace=replace)
 
 
 def attention_backends() -> dict[str, BackendInfo]:
     """Every registered backend by name (the CLI's choices)."""
-    return dict(_BACKENDS)
+    return dict(_BACKENDS.items())
 
 
 def attention_backend_factory(name: str) -> BackendFactory:
-    try:
-        return _BACKENDS[name].factory
-    except KeyError:
+    info = _BACKENDS.get(name)
+    if info is None:
         known = ", ".join(_BACKENDS)
-        raise ConfigError(f"unknown attention backend {name!r} (known: {known})") from None
+        raise ConfigError(f"unknown attention backend {name!r} (known: {known})")
+    return info.factory
 
 
 def make_attention_backend(name: str, store: KVStore) -> AttentionBackend:

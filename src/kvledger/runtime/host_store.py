@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..core.registry import Registry
 from ..errors import ConfigError
 from .kv_store import BlockBytes, KVStore
 
@@ -122,19 +123,18 @@ class Codec:
     help: str
 
 
-CODECS: dict[str, Codec] = {
-    "none": Codec("none", bytes, bytes, "store the block's bytes as they are"),
-    # Level 1: KV is mostly high-entropy mantissa bits; higher levels cost far more CPU for little gain.
-    "zlib": Codec("zlib", lambda b: zlib.compress(b, 1), zlib.decompress,
-                  "zlib (deflate, level 1) from the standard library"),
-}
+CODECS: Registry[Codec] = Registry("tier compression")
+CODECS.register("none", Codec("none", bytes, bytes, "store the block's bytes as they are"))
+# Level 1: KV is mostly high-entropy mantissa bits; higher levels cost far more CPU for little gain.
+CODECS.register("zlib", Codec("zlib", lambda b: zlib.compress(b, 1), zlib.decompress,
+                              "zlib (deflate, level 1) from the standard library"))
 
 
 def codec(name: str) -> Codec:
-    try:
-        return CODECS[name]
-    except (KeyError, TypeError):
-        raise ConfigError(f"unknown tier compression {name!r}; known: {', '.join(CODECS)}") from None
+    found = CODECS.get(name)
+    if found is None:
+        raise ConfigError(f"unknown tier compression {name!r}; known: {', '.join(CODECS)}")
+    return found
 
 
 # ---- tiers -------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ preemption by recompute or swap, a host tier, speculative slots, beam search, an
 
 from __future__ import annotations
 
+from ..core.registry import Registry
 from .config import SCHEDULER_KEYS, SchedulerConfig
 from .driver import Driver, FinishedRequest, StepResult
 from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
@@ -13,7 +14,6 @@ from .metrics import RequestMetrics, distribution, percentile, summarize_request
 from .plan import Admission, Branch, GenRequest, Preemption, SharedRead, Status, StepPlan, Work, validate_request
 from .policies import ADMISSION_POLICIES
 from .recovery import RECOVERY_MODES, RecoveryCosts
-from .registry import Registry
 from .scheduler import Scheduler
 from .victims import VICTIM_POLICIES
 

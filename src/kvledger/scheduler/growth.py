@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from ..core.registry import Registry
 from .plan import Branch, StepPlan
-from .registry import Registry
 
 if TYPE_CHECKING:
     from .scheduler import Scheduler

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .registry import Registry
+from ..core.registry import Registry
 
 if TYPE_CHECKING:
     from .config import SchedulerConfig

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core.registry import Registry
 from .host import TransferModel
-from .registry import Registry
 
 
 @dataclass(frozen=True, slots=True)

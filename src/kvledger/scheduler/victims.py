@@ -16,8 +16,8 @@ import heapq
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+from ..core.registry import Registry
 from .plan import Branch
-from .registry import Registry
 
 if TYPE_CHECKING:
     from ..core.ledger import KVLedger

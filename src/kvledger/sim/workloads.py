@@ -31,6 +31,7 @@ from operator import itemgetter
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..core.registry import Registry
 from ..errors import ConfigError
 
 TOKEN_ID_LIMIT = 2**32  # token ids are hashed as little-endian uint32 by the ledger
@@ -869,15 +870,12 @@ class TraceFormat:
         return set(self.columns) <= set(header)
 
 
-TRACE_FORMATS: dict[str, TraceFormat] = {}
+TRACE_FORMATS: Registry[TraceFormat] = Registry("trace format")
 
 
-def register_trace_format(fmt: TraceFormat) -> TraceFormat:
+def register_trace_format(fmt: TraceFormat, *, replace: bool = False) -> TraceFormat:
     """Add a format to the registry (the CLI's --trace-format choices come from it)."""
-    if fmt.name in TRACE_FORMATS:
-        raise ConfigError(f"trace format {fmt.name!r} is already registered")
-    TRACE_FORMATS[fmt.name] = fmt
-    return fmt
+    return TRACE_FORMATS.register(fmt.name, fmt, fmt.description, replace=replace)
 
 
 for _fmt in (

@@ -1,7 +1,12 @@
-"""Named choices: one registry per kind of policy, the single source of every choice list.
+"""Named choices: one registry type for every kind of choice, the single source of each choice list.
 
-Configuration validates against a registry, the CLI builds its ``click.Choice`` from ``names()``, and a
-new policy is added by registering it -- no list elsewhere has to learn its name.
+Admission, victim and eviction policies, recovery modes, growth actions, KV formats, trace formats,
+attention backends and tier codecs are each one :class:`Registry`. Configuration validates against it,
+the CLI builds its choices from ``names()``, and a new entry is added by registering it -- no list
+elsewhere has to learn its name. One rule for re-registration: a name already registered is refused
+unless the caller says ``replace=True``. A registry reads like a read-only mapping (``reg[name]``,
+``get``, ``in``, ``items``), and an unknown name is one :class:`~kvledger.errors.ConfigError` naming the
+choices.
 """
 
 from __future__ import annotations
@@ -29,13 +34,32 @@ class Registry(Generic[T]):
         self.kind = kind
         self._entries: dict[str, Entry[T]] = {}
 
-    def register(self, name: str, value: T, help: str = "") -> T:
+    def register(self, name: str, value: T, help: str = "", *, replace: bool = False) -> T:
         if not isinstance(name, str) or not name or name != name.strip():
             raise ConfigError(f"a {self.kind} needs a non-empty name without surrounding spaces, got {name!r}")
-        if name in self._entries:
+        if name in self._entries and not replace:
             raise ConfigError(f"{self.kind} {name!r} is already registered")
         self._entries[name] = Entry(name, value, help)
         return value
+
+    def get(self, name: object, default: T | None = None) -> T | None:
+        entry = self._entries.get(name) if isinstance(name, str) else None
+        return default if entry is None else entry.value
+
+    def keys(self) -> tuple[str, ...]:
+        return self.names()
+
+    def values(self) -> list[T]:
+        return [e.value for e in self._entries.values()]
+
+    def items(self) -> list[tuple[str, T]]:
+        return [(n, e.value) for n, e in self._entries.items()]
+
+    def copy(self) -> Registry[T]:
+        """A registry of the same entries (a test registers into it without touching this one)."""
+        other: Registry[T] = Registry(self.kind)
+        other._entries = dict(self._entries)
+        return other
 
     def __getitem__(self, name: str) -> T:
         entry = self._entries.get(name) if isinstance(name, str) else None

@@ -132,7 +132,13 @@ def test_the_defaults_are_fleetspecs():
     from kvledger.fleet.serve import FleetSpec
 
     spec = FleetSpec()
-    assert {k: getattr(spec, k) for k in fleet_serve_cmds.DEFAULTS} == fleet_serve_cmds.DEFAULTS
+    assert fleet_serve_cmds.SPEC == spec
+    defaults = {p.name: p.default for p in fleet_serve_cmds.fleet_serve_cmd.params}
+    for option, field in (("model", "model"), ("replicas", "engine_replicas"), ("ingress_replicas", "ingress_replicas"),
+                          ("pool_blocks", "pool_blocks"), ("stats_period", "stats_period_s"),
+                          ("news_period", "news_period_s"), ("min_match", "min_match_tokens"),
+                          ("queue_weight", "queue_weight"), ("threads", "torch_threads")):
+        assert defaults[option] == getattr(spec, field), option
     # the engine's knobs default as every other command's do
     for field, flag in (("block_size", "block_size"), ("dtype", "dtype"), ("host_blocks", "host_blocks"),
                         ("max_running", "max_num_seqs")):

@@ -22,6 +22,7 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
+from ..fleet.spec import FleetSpec
 from .common import prepare_torch
 from .engine_options import engine_option, engine_options
 from .options import MAX_COUNT, MAX_TOKENS, Float, Int, epilog, model_option
@@ -29,11 +30,8 @@ from .serve_cmds import _say, _url_host
 
 APP_NAME = "kvledger-fleet"
 STOP_WAIT_S = 30.0  # after ray.shutdown(): how long Ray's processes get to exit before they are killed
-# The defaults of FleetSpec, repeated so that `--help` needs no Ray import (a test keeps them equal); the
-# engine's own knobs (block size, dtype, host tier, max_num_seqs) are engine_options', as for every command.
-DEFAULTS = {"model": "smollm2-135m", "pool_blocks": 64, "engine_replicas": 2, "ingress_replicas": 2,
-            "stats_period_s": 10.0, "min_match_tokens": 64, "queue_weight": 0.1, "torch_threads": 1,
-            "news_period_s": 0.25}
+# The fleet's defaults are FleetSpec's (Ray-free: --help imports no Ray).
+SPEC = FleetSpec()
 
 
 @click.group("fleet", epilog=epilog(
@@ -49,12 +47,12 @@ def fleet_group() -> None:
     "kvledger fleet serve --tenants tenants.toml --pool-blocks 256 --block-size 16 --port 0   # URL printed",
     "kvledger fleet serve --replicas 1 --ingress-replicas 1 --num-cpus 2 --stats-period 5",
 ))
-@model_option(DEFAULTS["model"])
-@click.option("--replicas", type=Int(1, 64), default=DEFAULTS["engine_replicas"], show_default=True,
+@model_option(SPEC.model)
+@click.option("--replicas", type=Int(1, 64), default=SPEC.engine_replicas, show_default=True,
               help="Engine replicas, each with its own KV pool, ledger and admission door.")
-@click.option("--ingress-replicas", type=Int(1, 64), default=DEFAULTS["ingress_replicas"], show_default=True,
+@click.option("--ingress-replicas", type=Int(1, 64), default=SPEC.ingress_replicas, show_default=True,
               help="Ingress replicas: the OpenAI-compatible server, each with its own router.")
-@click.option("--pool-blocks", type=Int(1, MAX_COUNT), default=DEFAULTS["pool_blocks"], show_default=True,
+@click.option("--pool-blocks", type=Int(1, MAX_COUNT), default=SPEC.pool_blocks, show_default=True,
               help="KV pool of each engine replica, in blocks.")
 @engine_options("block_size", "dtype")
 @engine_option("host_blocks", help="Host-memory tier below each replica's pool, in blocks: evicted prefix blocks are "
@@ -69,17 +67,17 @@ def fleet_group() -> None:
                    "JSON of the same shape, *.json); without it, single-tenant mode.")
 @click.option("--max-queue", type=Int(1, MAX_COUNT), default=256, show_default=True,
               help="Requests that may wait in each ingress before new ones get 429.")
-@click.option("--stats-period", type=Float(0.0, 3600.0, lo_open=True), default=DEFAULTS["stats_period_s"],
+@click.option("--stats-period", type=Float(0.0, 3600.0, lo_open=True), default=SPEC.stats_period_s,
               show_default=True, help="Seconds between the routing stats Ray Serve collects from each replica.")
-@click.option("--news-period", type=Float(0.0, 3600.0, lo_open=True), default=DEFAULTS["news_period_s"],
+@click.option("--news-period", type=Float(0.0, 3600.0, lo_open=True), default=SPEC.news_period_s,
               show_default=True, help="Seconds between an ingress's polls of the replicas' cache events and load.")
 @click.option("--retries", type=Int(0, 1000), default=None,
               help="Other replicas tried after a refusal before the request waits [replicas - 1].")
-@click.option("--min-match", type=Int(0, MAX_TOKENS), default=DEFAULTS["min_match_tokens"], show_default=True,
+@click.option("--min-match", type=Int(0, MAX_TOKENS), default=SPEC.min_match_tokens, show_default=True,
               help="Prefix tokens below which a cached match is not affinity.")
-@click.option("--queue-weight", type=Float(0.0, 1e6), default=DEFAULTS["queue_weight"], show_default=True,
+@click.option("--queue-weight", type=Float(0.0, 1e6), default=SPEC.queue_weight, show_default=True,
               help="Weight of a replica's prefill backlog in the routing cost.")
-@click.option("--threads", type=Int(1, 1024), default=DEFAULTS["torch_threads"], show_default=True,
+@click.option("--threads", type=Int(1, 1024), default=SPEC.torch_threads, show_default=True,
               help="torch CPU threads of each engine replica.")
 @click.option("--num-cpus", type=Int(1, 1024), default=None, help="CPUs the local Ray may use [all].")
 @click.option("--ray-logs", is_flag=True, help="Show Ray's and the replicas' own log lines too.")
@@ -95,7 +93,6 @@ def fleet_serve_cmd(model: str, replicas: int, ingress_replicas: int, pool_block
     port = _free_port(address, port)  # a taken port fails here, not as a proxy that never comes up
     _resolve_model(model)  # a bad model fails here; a .gguf is converted once, not by every replica at once
     from .. import fleet  # noqa: F401 -- sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported
-    from ..fleet.serve import FleetSpec
 
     spec = FleetSpec(model=model, pool_blocks=pool_blocks, block_size=block_size, dtype=dtype,
                      max_running=max_num_seqs, engine_replicas=replicas, ingress_replicas=ingress_replicas,
@@ -273,4 +270,4 @@ def _wait_gone(procs: list[Any], timeout: float) -> int:
     return len(alive)
 
 
-__all__ = ["APP_NAME", "DEFAULTS", "fleet_group", "fleet_serve_cmd"]
+__all__ = ["APP_NAME", "SPEC", "fleet_group", "fleet_serve_cmd"]

@@ -373,7 +373,6 @@ def test_check_notices_leases_nobody_owns() -> None:
 def test_the_stall_guard_names_a_scheduler_that_makes_no_progress() -> None:
     driver = make(stall_steps=3)
     driver.submit(GenRequest("a", toks(4, 1), 2))
-    driver.scheduler._liveness = lambda plan: None  # type: ignore[method-assign]
     driver.scheduler.schedule = lambda: StepPlan(0)  # type: ignore[method-assign]
     driver.scheduler.confirm = lambda plan, sampled: []  # type: ignore[method-assign]
     with pytest.raises(InvariantError, match="no progress in 3 steps"):

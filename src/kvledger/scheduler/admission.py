@@ -1,6 +1,7 @@
 """Restoring swapped requests, admitting waiting ones, and the liveness rule for queued requests.
 
-Mixed into :class:`~kvledger.scheduler.scheduler.Scheduler` (its state, its ledger). A fresh request is
+:class:`Admitter` is the scheduler's collaborator for it: it reads and changes the scheduler's queues and
+running set (``Scheduler.admitter``; the scheduler composes it rather than inheriting it). A fresh request is
 one ledger admission with ``branches=n``; a preempted family -- recomputed or swapped -- comes back in one
 ``KVLedger.admit_family`` decision, all-or-nothing, changing nothing when refused.
 
@@ -27,12 +28,20 @@ if TYPE_CHECKING:
     from .scheduler import Scheduler
 
 
-class SchedulerAdmission:
+class Admitter:
+    """Restores swapped units and admits waiting ones for its scheduler ``s`` (see the module docstring)."""
+
+    __slots__ = ("s",)
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
     # ---- restoring and admitting ----------------------------------------------------------------
-    def _ledger_request(self: Scheduler, br: Branch, fresh: bool, readmission: bool) -> Request:
+    def ledger_request(self, br: Branch, fresh: bool, readmission: bool) -> Request:
+        s = self.s
         req = br.request
         remaining = req.max_new_tokens - br.num_generated
-        reserve = reserve_tokens(self.config, self.lengths, req.max_new_tokens, remaining)
+        reserve = reserve_tokens(s.config, s.lengths, req.max_new_tokens, remaining)
         n = br.in_ledger if br.status is Status.SWAPPED else len(br.tokens)
         # The same prompt object on every attempt while the unit waits: the ledger then remembers its
         # digests instead of hashing the prompt again each step.
@@ -44,26 +53,27 @@ class SchedulerAdmission:
                        lookahead=req.lookahead, family=req.request_id, read_prefix_cache=req.read_prefix_cache,
                        readmission=readmission)
 
-    def _admit_unit(self: Scheduler, unit: list[Branch], plan: StepPlan) -> tuple[Outcome, bool]:
+    def admit_unit(self, unit: list[Branch], plan: StepPlan) -> tuple[Outcome, bool]:
         """Admit one unit. Returns the outcome and whether a refusal came from its group's quota."""
+        s = self.s
         first = unit[0]
         readmission = first.admitted_order >= 0
         fresh = not readmission and len(unit) == first.request.n and all(br.num_generated == 0 for br in unit)
-        ledger = self.ledger
+        ledger = s.ledger
         # The watermark protects running requests' growth; with nothing running it would only stop a
         # request that fits the pool from ever starting.
-        keep_free = self._keep_free if self.running else 0
+        keep_free = s._keep_free if s.running else 0
         if fresh:
-            request = self._ledger_request(first, True, False)
-            self.tier_planner.promote(unit, plan, request, keep_free)
+            request = self.ledger_request(first, True, False)
+            s.tier_planner.promote(unit, plan, request, keep_free)
             decision = ledger.admit(request, keep_free)
         else:
             # A preempted family comes back whole or not at all (gang semantics), in one ledger decision
             # that changes nothing when it refuses; its branches share their common full blocks as they
             # did before (with or without prefix caching), so a family that fitted fits again.
-            requests = [self._ledger_request(br, False, readmission) for br in unit]
+            requests = [self.ledger_request(br, False, readmission) for br in unit]
             if first.status is not Status.SWAPPED:  # a recomputed family may find its prefix below the device
-                self.tier_planner.promote(unit, plan, requests[0], keep_free)
+                s.tier_planner.promote(unit, plan, requests[0], keep_free)
             decision = ledger.admit_family(requests, keep_free)
         if not decision.admitted:
             return decision.outcome, decision.over_quota
@@ -74,7 +84,7 @@ class SchedulerAdmission:
         restored_blocks: set[int] = set()
         hit_ready = ledger.ready_tokens(first.seq_id) if fresh else None
         for i, br in enumerate(unit):
-            br.admitted_order = self._order
+            br.admitted_order = s._order
             seq = ledger.sequence(br.seq_id)
             br.blocks = blocks = seq.table.blocks
             br.ledger_prompt = None
@@ -96,7 +106,7 @@ class SchedulerAdmission:
                 if len(br.tokens) > br.in_ledger and (ready < seq.hit_blocks or br.computed < br.in_ledger - 1):
                     br.refill_end = br.in_ledger
                 br.hits_counted = max(br.computed, cached)
-                self._restored.append(br)
+                s._restored.append(br)
             else:
                 br.in_ledger = len(br.tokens)
                 br.computed = hit_ready if hit_ready is not None else ledger.ready_tokens(br.seq_id)
@@ -106,64 +116,67 @@ class SchedulerAdmission:
                 br.hits_counted = br.computed
             br.status = Status.RUNNING
         if restored_blocks:
-            plan.transfer_wait_s += self.costs.transfer.time_s(len(restored_blocks), self.costs.block_bytes, "in")
-            if self.config.restore_ahead:
-                self.tier_planner.arriving.add(rid)
-        self._order += 1
-        self.running[rid] = list(unit)
+            plan.transfer_wait_s += s.costs.transfer.time_s(len(restored_blocks), s.costs.block_bytes, "in")
+            if s.config.restore_ahead:
+                s.tier_planner.arriving.add(rid)
+        s._order += 1
+        s.running[rid] = list(unit)
         plan.admitted.append(rid)
         plan.admissions.append(Admission(rid, cached, readmission))
         return Outcome.ADMITTED, False
 
-    def _swap_in(self: Scheduler, plan: StepPlan) -> None:
-        if not self.swapped:
+    def swap_in(self, plan: StepPlan) -> None:
+        s = self.s
+        if not s.swapped:
             return
-        live = self.num_live()
+        live = s.num_live()
         held: set[str] = set()  # trust groups at their quota this step
         rest: Iterator[list[Branch]] | None = None  # past a unit its quota holds: the units behind it
-        while self.swapped:
+        while s.swapped:
             if rest is None:
-                unit = self.swapped[0]
+                unit = s.swapped[0]
             else:
                 unit = next(rest, None)
                 if unit is None:
                     break
                 if unit[0].request.context.trust_group in held:
                     continue
-            if live + len(unit) > self.config.max_running:
+            if live + len(unit) > s.config.max_running:
                 break
-            if unit[0].request.request_id in self._swapped_now:
+            if unit[0].request.request_id in s._swapped_now:
                 break  # its blocks come free only when this step's transfer is done
-            outcome, over_quota = self._admit_unit(unit, plan)
+            outcome, over_quota = self.admit_unit(unit, plan)
             if outcome is Outcome.NEVER:
-                self._end_unit(self.swapped, unit, NEVER_QUOTA if over_quota else REJECTED_OUTGREW, plan)
+                self.end_unit(s.swapped, unit, NEVER_QUOTA if over_quota else REJECTED_OUTGREW, plan)
                 continue
             if outcome is not Outcome.ADMITTED:
                 if not over_quota:
                     break
                 held.add(unit[0].request.context.trust_group)
                 if rest is None:
-                    rest = iter(list(self.swapped)[1:])
+                    rest = iter(list(s.swapped)[1:])
                 continue
-            self.swapped.remove(unit)
+            s.swapped.remove(unit)
             live += len(unit)
 
-    def _end_unit(self: Scheduler, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
+    def end_unit(self, queue: WaitingQueue | deque[list[Branch]], unit: list[Branch], why: str,
                   plan: StepPlan) -> None:
         """End a queued unit (waiting or swapped) that will never run, freeing its host copies."""
+        s = self.s
         queue.remove(unit)
-        self._free_host_blocks(unit)
+        s._free_host_blocks(unit)
         for br in unit:
             br.status = Status.FINISHED
             br.finish_reason = why
             br.ledger_prompt = None
             plan.ended.append((br.seq_id, why))
-        self._finish_request(unit[0].request.request_id, why)
+        s._finish_request(unit[0].request.request_id, why)
 
-    def _admit(self: Scheduler, plan: StepPlan, budget: int) -> None:
-        waiting = self.waiting
-        max_running = self.config.max_running
-        live = self.num_live() if waiting else 0
+    def admit(self, plan: StepPlan, budget: int) -> None:
+        s = self.s
+        waiting = s.waiting
+        max_running = s.config.max_running
+        live = s.num_live() if waiting else 0
         held: set[str] = set()  # trust groups at their quota this step
         rest: Iterator[list[Branch]] | None = None  # past a unit its quota holds: the units behind it
         while budget > 0:
@@ -180,22 +193,22 @@ class SchedulerAdmission:
             over_quota = False
             if len(unit) > max_running:
                 outcome = Outcome.NEVER  # more branches than may ever run at once
-            elif len(unit) > self.config.token_budget and unit[0].request.beam:
+            elif len(unit) > s.config.token_budget and unit[0].request.beam:
                 outcome = Outcome.NEVER  # a beam step decodes every beam at once: it could never run
             elif live + len(unit) > max_running:
                 break
             else:
-                outcome, over_quota = self._admit_unit(unit, plan)
+                outcome, over_quota = self.admit_unit(unit, plan)
             if outcome is Outcome.NEVER:
                 if len(unit) > max_running:
                     why = NEVER_BRANCHES
-                elif unit[0].request.beam and len(unit) > self.config.token_budget:
+                elif unit[0].request.beam and len(unit) > s.config.token_budget:
                     why = NEVER_BEAMS
                 elif over_quota:
                     why = NEVER_QUOTA
                 else:  # a preempted family that no longer fits even the empty pool outgrew it
                     why = REJECTED_OUTGREW if unit[0].admitted_order >= 0 else NEVER_POOL
-                self._end_unit(waiting, unit, why, plan)
+                self.end_unit(waiting, unit, why, plan)
                 continue
             if outcome is not Outcome.ADMITTED:
                 if not over_quota:
@@ -209,19 +222,20 @@ class SchedulerAdmission:
             else:
                 waiting.remove(unit)
             live += len(unit)
-            if unit[0].request.request_id in self.tier_planner.arriving:
+            if unit[0].request.request_id in s.tier_planner.arriving:
                 continue  # its promoted blocks arrive this step: it computes from the next one
             for br in unit:
-                budget = self._schedule_branch(br, plan, budget)
+                budget = s._schedule_branch(br, plan, budget)
 
-    def _liveness(self: Scheduler, plan: StepPlan) -> None:
+    def liveness(self, plan: StepPlan) -> None:
         """The liveness rule for queued requests. When a step does nothing at all while nothing runs and
         no memory is in transit, the pool is as empty as this scheduler can make it: a swapped or
         waiting unit at the head of its queue that still does not fit never will. It ends with
         ``REJECTED_NO_ROOM`` instead of blocking every later request. (Running requests that cannot
         grow are handled in ``_grow``; a request that can never fit even an empty pool ends ``never``.)"""
-        if self.running or plan.progressed or self.ledger.pool.deferred:
+        s = self.s
+        if s.running or plan.progressed or s.ledger.pool.deferred:
             return
-        queue: WaitingQueue | deque[list[Branch]] = self.swapped if self.swapped else self.waiting
+        queue: WaitingQueue | deque[list[Branch]] = s.swapped if s.swapped else s.waiting
         if queue:
-            self._end_unit(queue, queue[0], REJECTED_NO_ROOM, plan)
+            self.end_unit(queue, queue[0], REJECTED_NO_ROOM, plan)

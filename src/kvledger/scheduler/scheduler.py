@@ -11,9 +11,8 @@ requests grow, and where growth failures are handled by the policy; (2) restore 
 in priority order; (5) the liveness rule: a request that can no longer make progress ends with a reason.
 
 The module is long (past 800 lines) because ``schedule`` and ``confirm`` must see one step's whole state.
-Tier planning is a collaborator it composes (:class:`~kvledger.scheduler.tiers.TierPlanner`); admission
-still lives in its own module as a mixin, whose composition (with the waiting and swapped queues it owns)
-is the split still planned.
+Tier planning and admission are collaborators it composes (:class:`~kvledger.scheduler.tiers.TierPlanner`,
+:class:`~kvledger.scheduler.admission.Admitter`), not mixins: the scheduler is one class in one file.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from ..core.ledger import KVLedger
 from ..core.lifetimes import CacheReset
 from ..errors import InvariantError, LedgerError, OutOfBlocksError
-from .admission import SchedulerAdmission
+from .admission import Admitter
 from .config import SchedulerConfig
 from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
 from .host import HostPool, TierLedger
@@ -36,7 +35,7 @@ from .tiers import TierPlanner
 from .victims import VictimQueue, pick_victim, replay_tokens
 
 
-class Scheduler(SchedulerAdmission):
+class Scheduler:
     """Plans engine steps on one ledger; see the module docstring and docs/scheduler.md."""
 
     def __init__(self, ledger: KVLedger, config: SchedulerConfig | None = None, *,
@@ -76,6 +75,7 @@ class Scheduler(SchedulerAdmission):
         # Every lease this scheduler takes is named after it, so check() can tell a lease that outlived
         # its step from one somebody else holds.
         self.lease_owner = f"scheduler-{id(self):x}"
+        self.admitter = Admitter(self)  # restores swapped units and admits waiting ones
         self.tier_planner = TierPlanner(ledger, host, self.config, lease_owner=self.lease_owner,
                                         swap_leases=self._swap_leases, running=self.running, requeue=self.requeue)
 
@@ -247,11 +247,11 @@ class Scheduler(SchedulerAdmission):
         self._swapped_now.clear()
         self.tier_planner.arriving.clear()
         self._grow(plan)
-        self._swap_in(plan)
+        self.admitter.swap_in(plan)
         budget = self.config.token_budget
         budget = self._schedule_running(plan, budget)
-        self._admit(plan, budget)
-        self._liveness(plan)
+        self.admitter.admit(plan, budget)
+        self.admitter.liveness(plan)
         plan.copies.extend(self.ledger.take_copies())
         self._copies_from_host(plan)
         self.tier_planner.take_ops(plan)

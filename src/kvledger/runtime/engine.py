@@ -25,9 +25,11 @@ Faults stay with their request: an exception in the forward pass or in sampling 
 whose part of the step raises (the driver reruns the step one request at a time), and an exception in a
 request's ``on_token`` callback fails that request; every other request, of every tenant, goes on.
 
-The module runs past 600 lines because it holds both the loading of a model (checkpoint, KV spec, decoder
-cache) and :class:`Engine`; one torch-free engine configuration with one loader of its own is the split
-planned (the KV spec is already built in one place, :func:`kv_spec_for`).
+An engine is built from one :class:`~kvledger.engine_config.EngineConfig` (:meth:`Engine.from_config`; the
+loader is :mod:`kvledger.runtime.loading`) around one replica assembly
+(:class:`~kvledger.scheduler.replica.Replica`). The module runs past 600 lines (about 680) because
+:class:`Engine` is one cohesive class: request intake, the step under its lock, streaming, cancellation,
+the background thread and the operator's snapshot share its lock and its live-request table.
 """
 
 from __future__ import annotations

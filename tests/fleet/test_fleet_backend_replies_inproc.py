@@ -168,7 +168,10 @@ def test_news_skips_a_replica_that_fails_to_answer_and_asks_again_later():
             heard = sum(r.servable.news_calls - 1 for r in deployment.replicas)  # each failed once
             assert heard - 1 <= backend.counters["news"] <= heard  # one per answer (the last may be cut short)
             assert {n: backend.view.available(n) for n in names} == dict.fromkeys(names, 16)
-            assert [c[0] for c in deployment.sent][:1] == ["pid"]  # the first call builds the router
+            # With an empty view the poll's first call builds the router; if Ray told the router who the
+            # replicas are before the poll began (a busy machine), the poll goes straight to the news.
+            methods = [c[0] for c in deployment.sent]
+            assert set(methods) <= {"pid", "news"} and "pid" not in methods[1:]
             polled = [name for method, name, _ in deployment.sent if method == "news"]
             assert sorted(polled[:2]) == sorted(names)  # one failure did not end the first round
         finally:

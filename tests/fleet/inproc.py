@@ -358,3 +358,24 @@ async def inproc_fleet(spec: Any, *, tenants: dict[str, Any] | None = None,
 __all__ = ["HANG_S", "InprocDeployment", "InprocHandle", "InprocReplica", "ReplicaDied", "backend_for",
            "engine_deployment", "fleet_spec", "inproc_fleet", "replica_context", "run_fleet", "shared_tiny_model",
            "tiny_model"]
+
+
+def scripted_fleet(servable: type, key: str, block_size: int = 4, **spec: Any) -> tuple[InprocDeployment, Any]:
+    """Two replicas of ``servable`` (a scripted stand-in for an engine replica) behind the real router, and
+    an ingress backend, over the view ``key`` (views are shared per process by key: use a fresh one)."""
+    from ray import serve
+
+    from kvledger.core.geometry import KVSpec
+    from kvledger.fleet.serve import FleetBackend, FleetSpec
+    from kvledger.fleet.view import shared_view
+
+    spec_ = FleetSpec(**{"block_size": block_size, "pool_blocks": 16, "view_key": key, "min_match_tokens": block_size,
+                         "retry_s": 0.001, "news_period_s": 3600.0, **spec})
+    shared_view(key, block_size=block_size, score=spec_.score(), seed=0)
+    config = {"request_router_class": "kvledger.fleet.router:LedgerRequestRouter",
+              "request_router_kwargs": {"view_key": key, "block_size": block_size, "min_match_tokens": block_size}}
+    deployment = InprocDeployment(serve.deployment(servable, name="engine", num_replicas=2,
+                                                   request_router_config=config).bind()._bound_deployment)
+    backend = FleetBackend(deployment.handle(), spec_, vocab_size=100, max_context=None,
+                           kv_spec=KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="fp32", block_size=block_size))
+    return deployment, backend

@@ -18,14 +18,13 @@ from typing import Any
 import pytest
 from ray import serve
 
-from kvledger.core.geometry import KVSpec
 from kvledger.errors import ConfigError
 from kvledger.fleet.score import ReplicaLoad
-from kvledger.fleet.serve import FleetBackend, FleetSpec
-from kvledger.fleet.view import shared_view
+from kvledger.fleet.serve import FleetBackend
 from kvledger.runtime.sampling import SamplingParams
 
 from .inproc import InprocDeployment, fleet_spec, inproc_fleet, run_fleet, shared_tiny_model
+from .inproc import scripted_fleet as routed_fleet
 
 BS = 4
 LOAD = ReplicaLoad(16, 16, 0, 0, seq=1, stamp=0.0).to_dict()
@@ -54,19 +53,8 @@ class Replying:
 
 
 def scripted_fleet(name: str) -> tuple[InprocDeployment, FleetBackend]:
-    """Two scripted replicas behind the real router, and an ingress backend, over a view of their own (views
-    are shared per process by key: a fresh key each time)."""
-    key = f"{name}-{next(_keys)}"
-    spec = FleetSpec(block_size=BS, pool_blocks=16, view_key=key, min_match_tokens=BS, retry_s=0.001,
-                     news_period_s=3600.0)
-    shared_view(key, block_size=BS, score=spec.score(), seed=0)
-    config = {"request_router_class": "kvledger.fleet.router:LedgerRequestRouter",
-              "request_router_kwargs": {"view_key": key, "block_size": BS, "min_match_tokens": BS}}
-    deployment = InprocDeployment(serve.deployment(Replying, name="engine", num_replicas=2,
-                                                   request_router_config=config).bind()._bound_deployment)
-    backend = FleetBackend(deployment.handle(), spec, vocab_size=100, max_context=None,
-                           kv_spec=KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="fp32", block_size=BS))
-    return deployment, backend
+    """Two ``Replying`` replicas behind the real router, and an ingress backend, over a fresh view."""
+    return routed_fleet(Replying, f"{name}-{next(_keys)}", block_size=BS)
 
 
 def last_events(events: list[Any]) -> list[tuple[str, int, int | None, int, bool, str | None]]:

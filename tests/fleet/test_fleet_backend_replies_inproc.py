@@ -11,13 +11,11 @@ from typing import Any
 
 from ray import serve
 
-from kvledger.core.geometry import KVSpec
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.fleet.score import ReplicaLoad
-from kvledger.fleet.serve import FleetBackend, FleetSpec
-from kvledger.fleet.view import shared_view
+from kvledger.fleet.serve import FleetBackend
 
-from .inproc import InprocDeployment, run_fleet
+from .inproc import InprocDeployment, run_fleet, scripted_fleet
 
 BS = 4
 SCRIPTS: list[list[Any]] = []  # the replies of the next generate calls, whichever replica they reach
@@ -58,16 +56,8 @@ run = run_fleet
 
 
 def fleet(key: str, **spec: Any) -> tuple[InprocDeployment, FleetBackend, list[str]]:
-    spec_ = FleetSpec(**{"block_size": BS, "pool_blocks": 16, "view_key": key, "min_match_tokens": BS,
-                         "retry_s": 0.001, "news_period_s": 3600.0, **spec})
     SCRIPTS.clear()
-    shared_view(key, block_size=BS, score=spec_.score(), seed=0)
-    config = {"request_router_class": "kvledger.fleet.router:LedgerRequestRouter",
-              "request_router_kwargs": {"view_key": key, "block_size": BS, "min_match_tokens": BS}}
-    deployment = InprocDeployment(serve.deployment(Scripted, name="engine", num_replicas=2,
-                                                   request_router_config=config).bind()._bound_deployment)
-    backend = FleetBackend(deployment.handle(), spec_, vocab_size=100, max_context=None,
-                           kv_spec=KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="fp32", block_size=BS))
+    deployment, backend = scripted_fleet(Scripted, key, block_size=BS, **spec)
     return deployment, backend, [r.name for r in deployment.replicas]
 
 

@@ -141,3 +141,13 @@ def test_no_two_public_classes_share_a_name() -> None:
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 seen.setdefault(node.name, []).append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert {name: where for name, where in seen.items() if len(where) > 1} == {}
+
+
+def test_no_lesson_numbers_in_code() -> None:
+    """Names and docstrings say what a thing is; the course's lesson numbers belong to the course."""
+    import re
+
+    found = [f"{p.relative_to(SRC)}:{i}" for p in sorted(SRC.rglob("*.py"))
+             for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
+             if re.search(r"\blesson\s*0?\d+\b", line, re.IGNORECASE)]
+    assert found == []

@@ -1,4 +1,4 @@
-"""Lesson 06: where KV memory goes under contiguous reservation versus paged blocks.
+"""Fragmentation: where KV memory goes under contiguous reservation versus paged blocks.
 
 The same workload (prompt and output lengths, all queued at t = 0 so memory is the binding constraint)
 runs on a KV memory of ``capacity_tokens`` token slots under two kinds of allocator:

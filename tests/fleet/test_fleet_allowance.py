@@ -43,3 +43,17 @@ def test_the_allowance_is_the_boundary_of_the_ingress_never(prompt_len: int, poo
         return  # the context, not the pool, is the bound: one more is cut, not refused
     with pytest.raises((AdmissionError, QuotaError)):
         backend.check_request(prompt, most + 1, params, trust_group="t")
+
+
+def test_refusals_name_what_is_wrong() -> None:
+    from kvledger.errors import ConfigError
+    from kvledger.fleet.score import request_blocks
+
+    for args, what in (((0, 1, 4), "prompt length"), ((1, 0, 4), "max_new_tokens"), ((1, 1, 0), "block size"),
+                       ((1, 1, 4, 0), "n")):
+        with pytest.raises(ConfigError, match=rf"^{what} must be at least 1$"):
+            request_blocks(*args)
+    backend = _backend(16, None)
+    with pytest.raises(ConfigError, match="cache_salt must be a non-empty string or None"):
+        backend.largest_allowance([1, 2, 3], None, trust_group="t", cache_salt="")
+    assert backend.largest_allowance([1, 2, 3], None, trust_group="t", cache_salt="s") == 16 * BS - 3

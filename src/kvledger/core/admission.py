@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, LedgerError
 from .identity import check_tokens, prompt_digests
-from .promises import declared_blocks, largest_allowance
+from .promises import declared_blocks
 from .quota import QuotaOps
 from .table import BlockTable
 from .types import Decision, Outcome, Request, Retention, SequenceState, as_count
@@ -133,19 +133,6 @@ class AdmissionOps(QuotaOps):
                 memo.popitem(last=False)
 
     # ---- one request ----------------------------------------------------------------------------
-    def largest_allowance(self: KVLedger, request: Request) -> int:
-        """The largest output allowance (``max_new_tokens``) that ``request`` -- its prompt, branches,
-        speculative slots and trust group, its own ``max_new_tokens`` ignored -- could ever be
-        promised here: the most whose declaration fits the whole pool and its trust group's quota.
-        0 when not even one token could. A request asking for it is never told "never" (it may still
-        wait for room); one token more is."""
-        request = self._request(request)
-        limit = self.pool.num_blocks
-        cap = self._quotas.get(request.context.trust_group) if self._quotas else None
-        if cap is not None:
-            limit = min(limit, cap)
-        return largest_allowance(len(request.prompt), limit, self.block_size, request.branches, request.lookahead)
-
     def can_admit(self: KVLedger, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
         keep_free = as_count(keep_free, "keep_free")

@@ -39,7 +39,7 @@ from .lifetimes import Lease, LifetimeOps
 from .observe import Counters, EventLog
 from .offload import OffloadOps
 from .pool import BlockPool
-from .promises import PromiseBook
+from .promises import PromiseBook, largest_allowance
 from .tiers import TierLedger
 from .types import (
     MAX_TOKEN_ID,
@@ -140,6 +140,19 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
     def _blocks_for(self, num_tokens: int) -> int:
         # The ledger's own callers pass token counts it computed: no check on the per-step paths.
         return -(-num_tokens // self.block_size)
+
+    def largest_allowance(self, request: Request) -> int:
+        """The largest output allowance (``max_new_tokens``) that ``request`` -- its prompt, branches,
+        speculative slots and trust group, its own ``max_new_tokens`` ignored -- could ever be promised
+        here: the most whose declaration (:func:`~kvledger.core.promises.declared_blocks`) fits the whole
+        pool and its trust group's quota; 0 when not even one token could. Asking for it is never
+        "never" (it may still wait for room); one token more is."""
+        request = self._request(request)
+        limit = self.pool.num_blocks
+        cap = self._quotas.get(request.context.trust_group) if self._quotas else None
+        if cap is not None:
+            limit = min(limit, cap)
+        return largest_allowance(len(request.prompt), limit, self.block_size, request.branches, request.lookahead)
 
     def usage(self) -> Usage:
         with self._lock:

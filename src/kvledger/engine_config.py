@@ -25,6 +25,7 @@ from .scheduler import SchedulerConfig
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 DEFAULT_MODEL = "smollm2-135m"
 MAX_POOL_BYTES = 64 * 2**30  # real KV tensors on this machine's memory: beyond this is a mistake, not a plan
+MAX_RUNTIME_BLOCKS = 65_536  # the most blocks a command lets the runtime allocate (a CPU pool beyond is a mistake)
 
 
 def _count(value: Any, what: str, minimum: int) -> int:
@@ -102,10 +103,6 @@ class EngineConfig:
         return canonical_dtype(value)
 
     @property
-    def compute_dtype(self) -> str:
-        return self.dtype
-
-    @property
     def pool(self) -> dict[str, int]:
         """The pool as the loader takes it: ``{"num_blocks": n}`` or ``{"pool_bytes": b}``."""
         if self.pool_bytes is not None:
@@ -136,4 +133,4 @@ class EngineConfig:
         return cls(**values)
 
 
-__all__ = ["COMPUTE_DTYPES", "DEFAULT_MODEL", "MAX_POOL_BYTES", "EngineConfig"]
+__all__ = ["COMPUTE_DTYPES", "DEFAULT_MODEL", "MAX_POOL_BYTES", "MAX_RUNTIME_BLOCKS", "EngineConfig"]

@@ -19,11 +19,8 @@ from typing import Any
 import click
 
 from ..core.eviction import policy_names
+from ..engine_config import COMPUTE_DTYPES, MAX_RUNTIME_BLOCKS
 from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Int
-
-MAX_RUNTIME_BLOCKS = 65_536  # real KV tensors: a CPU pool beyond this is a mistake, not a plan
-
-COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 
 
 class DtypeName(click.ParamType):

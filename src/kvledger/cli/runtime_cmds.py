@@ -14,12 +14,11 @@ from typing import Any
 
 import click
 
+from ..engine_config import MAX_POOL_BYTES
 from ..errors import ConfigError
 from .common import prepare_torch
 from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
 from .options import SEED, Float, Int, Size, epilog, model_option, threads_option
-
-MAX_RUNTIME_POOL = 64 * 2**30
 
 
 def _load_tokenizer(ckpt: Any) -> Any:
@@ -43,8 +42,8 @@ def _pool_args(pool_blocks: int | None, pool: int | None, default_blocks: int) -
     if pool_blocks is not None and pool is not None:
         raise ConfigError("give --pool-blocks or --pool, not both")
     if pool is not None:
-        if pool > MAX_RUNTIME_POOL:
-            raise ConfigError(f"--pool {pool:,} B is more than the runtime allocates ({MAX_RUNTIME_POOL // 2**30} GiB)")
+        if pool > MAX_POOL_BYTES:
+            raise ConfigError(f"--pool {pool:,} B is more than the runtime allocates ({MAX_POOL_BYTES // 2**30} GiB)")
         return {"pool_bytes": pool}
     blocks = default_blocks if pool_blocks is None else pool_blocks
     if not 1 <= blocks <= MAX_RUNTIME_BLOCKS:

@@ -47,10 +47,10 @@ fuzz: install
 	@status=0; \
 	$(PY) tests/fuzzing.py $(FUZZ_ARGS) || status=1; \
 	KVLEDGER_NATIVE=0 $(PY) tests/fuzzing.py $(FUZZ_ARGS) || status=1; \
-	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/test_ledger_state_machine.py \
-	  tests/test_ledger_family.py tests/test_lifetimes.py tests/test_native_core.py || status=1; \
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -q -p no:cacheprovider tests/core/test_ledger_state_machine.py \
+	  tests/core/test_ledger_family.py tests/core/test_lifetimes.py tests/core/test_native_core.py || status=1; \
 	KVLEDGER_HTTP_FUZZ_EXAMPLES=$(HTTP_FUZZ_EXAMPLES) $(if $(FUZZ_SEED),KVLEDGER_HTTP_FUZZ_SEED=$(FUZZ_SEED)) \
-	  $(PY) -m pytest -q -s -p no:cacheprovider tests/test_lab_schema_fuzz.py tests/server/test_schema_fuzz.py \
+	  $(PY) -m pytest -q -s -p no:cacheprovider tests/lab/test_lab_schema_fuzz.py tests/server/test_schema_fuzz.py \
 	  || status=1; \
 	exit $$status
 

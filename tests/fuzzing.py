@@ -78,10 +78,10 @@ from kvledger.scheduler import (
     TransferModel,
 )
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, sample_token
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, sample_token
 except ImportError:  # pragma: no cover - run as a script, or pytest's importlib mode
-    from test_scheduler import BS, FakeEngine, sample_token
+    from scheduler.test_scheduler import BS, FakeEngine, sample_token
 
 PARTS = ("ledger", "threads", "scheduler")
 

@@ -74,8 +74,8 @@ KILLED = {"killed", "timeout"}
 # tensor-free tests of what the core computes at import; for the server, the in-process server tests
 # (tests/server/inproc.py: the app `kvledger serve` assembles, run in the test process, so mutmut maps them
 # too), for what the server builds at import.
-PLANNER_TESTS = ("tests/test_inventory.py", "tests/test_plan.py", "tests/test_geometry.py",
-                 "tests/test_identity_known_answers.py", "tests/test_golden.py")
+PLANNER_TESTS = ("tests/core/test_inventory.py", "tests/core/test_plan.py", "tests/core/test_geometry.py",
+                 "tests/core/test_identity_known_answers.py", "tests/test_golden.py")
 INPROC_SERVER_TESTS = ("tests/server/test_inproc_openai_surface.py", "tests/server/test_inproc_errors.py",
                        "tests/server/test_inproc_admin_and_metrics.py", "tests/server/test_inproc_lifecycle.py")
 # The runtime's: its KV-storage tests with the C kernels loaded (as ``make test`` runs them), for the

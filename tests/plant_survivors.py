@@ -66,14 +66,15 @@ PLANTS = (
 )
 
 TESTS = [
-    "tests/test_ledger.py", "tests/test_ledger_audit.py", "tests/test_ledger_cache_controls.py",
-    "tests/test_ledger_defects.py", "tests/test_ledger_family.py", "tests/test_ledger_state_machine.py",
-    "tests/test_lifetimes.py", "tests/test_eviction.py", "tests/test_identity.py",
-    "tests/test_identity_known_answers.py", "tests/test_isolation.py", "tests/test_scheduler.py",
-    "tests/test_scheduler_defects.py", "tests/test_scheduler_props.py", "tests/test_scheduler_beam.py",
-    "tests/test_scheduler_victims.py", "tests/test_scheduler_shared_prefill.py", "tests/test_ledger_quota.py",
-    "tests/test_scheduler_quota.py",
-    "tests/test_driver.py", "tests/test_fuzz_regressions.py", "tests/test_mutation_kills.py",
+    "tests/core/test_ledger.py", "tests/core/test_ledger_audit.py", "tests/core/test_ledger_cache_controls.py",
+    "tests/core/test_ledger_defects.py", "tests/core/test_ledger_family.py",
+    "tests/core/test_ledger_state_machine.py", "tests/core/test_lifetimes.py", "tests/core/test_eviction.py",
+    "tests/core/test_identity.py", "tests/core/test_identity_known_answers.py", "tests/core/test_isolation.py",
+    "tests/scheduler/test_scheduler.py", "tests/scheduler/test_scheduler_defects.py",
+    "tests/scheduler/test_scheduler_props.py", "tests/scheduler/test_scheduler_beam.py",
+    "tests/scheduler/test_scheduler_victims.py", "tests/scheduler/test_scheduler_shared_prefill.py",
+    "tests/core/test_ledger_quota.py", "tests/scheduler/test_scheduler_quota.py", "tests/scheduler/test_driver.py",
+    "tests/test_fuzz_regressions.py", "tests/scheduler/test_mutation_kills.py",
 ]
 
 

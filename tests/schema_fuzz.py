@@ -8,7 +8,7 @@ schemathesis (never a 5xx, a documented status code and content type, a body tha
 schema) and by the API's own rule for errors (every 4xx is JSON in the documented error shape). A failure is
 reported with a curl command that replays it (a random one first shrunk to a small request).
 
-`make test` runs a short derandomised pass (the same requests on every run): `tests/test_lab_schema_fuzz.py`
+`make test` runs a short derandomised pass (the same requests on every run): `tests/lab/test_lab_schema_fuzz.py`
 and `tests/server/test_schema_fuzz.py`. `make fuzz` runs them with many more examples on a new seed:
 
     KVLEDGER_HTTP_FUZZ_EXAMPLES=N   examples per operation and generation mode (set: the randomised run)

@@ -20,12 +20,12 @@ from kvledger.scheduler import (
     StepPlan,
 )
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
     from tests import fuzzing
-    from tests.test_scheduler import FakeEngine, assert_drained, expected_output, sample_token, toks
+    from tests.scheduler.test_scheduler import FakeEngine, assert_drained, expected_output, sample_token, toks
 except ImportError:  # pragma: no cover
     import fuzzing
-    from test_scheduler import FakeEngine, assert_drained, expected_output, sample_token, toks
+    from scheduler.test_scheduler import FakeEngine, assert_drained, expected_output, sample_token, toks
 
 
 def test_a_beam_whose_one_beam_is_deferred_does_not_stall_the_scheduler() -> None:

@@ -46,11 +46,11 @@ from kvledger.scheduler import (
 from kvledger.scheduler.driver import FinishedRequest
 
 try:  # the module names pytest gives tests/test_*.py depend on its import mode
-    from tests.test_driver import assert_clean
-    from tests.test_scheduler import BS, FakeEngine, expected_output, sample_token, toks
+    from tests.scheduler.test_driver import assert_clean
+    from tests.scheduler.test_scheduler import BS, FakeEngine, expected_output, sample_token, toks
 except ImportError:  # pragma: no cover
-    from test_driver import assert_clean
-    from test_scheduler import BS, FakeEngine, expected_output, sample_token, toks
+    from scheduler.test_driver import assert_clean
+    from scheduler.test_scheduler import BS, FakeEngine, expected_output, sample_token, toks
 
 STOP = 7  # sample_token never returns it (its tokens are >= 10): only a script samples it
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from kvledger.cli.main import main
 from kvledger.core.engines import find_peak, load_measured_peaks
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "workspace_peaks_smollm2_cpu.json"
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "workspace_peaks_smollm2_cpu.json"
 
 
 def test_every_bundled_row_is_the_worst_measured_step_it_covers() -> None:

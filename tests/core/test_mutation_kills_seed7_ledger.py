@@ -110,7 +110,7 @@ def test_the_drain_list_check_says_exactly_what_disagrees() -> None:
     """The InvariantError of a lost drain list reads "draining slots and the drain list disagree"."""
     tiers, slots = _tiers_with_cached(1)
     tiers.take(slots)
-    tiers._draining.clear()  # the corruption this check exists for (as in tests/test_tiers.py)
+    tiers._draining.clear()  # the corruption this check exists for (as in tests/core/test_tiers.py)
     with pytest.raises(InvariantError, match=r"^draining slots and the drain list disagree$"):
         tiers.check()
 

@@ -1,7 +1,7 @@
 """The scheduler with trust-group quotas: a group at its cap waits for its own requests, first come first
 served within the group, while other groups' requests behind it are admitted (one tenant at its cap never
 holds up another); a request its group's quota can never hold ends with a clear reason. Runs on
-``FakeEngine`` (tests/test_scheduler.py), which checks every KV position a step reads."""
+``FakeEngine`` (tests/scheduler/test_scheduler.py), which checks every KV position a step reads."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from kvledger.core.ledger import KVLedger
 from kvledger.scheduler import GenRequest, HostPool, Scheduler, SchedulerConfig
 from kvledger.scheduler.growth import NEVER_QUOTA
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 

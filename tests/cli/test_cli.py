@@ -342,12 +342,12 @@ def test_entry_points_run_in_a_subprocess():
 
 
 def test_readme_quotes_the_acceptance_command():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     assert " ".join(["kvledger", *SEED_ADMIT]) in readme
 
 
 def test_demo_script_runs_and_shows_the_seed_numbers():
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     exe = Path(sys.executable).with_name("kvledger")
     if not exe.exists():
         pytest.fail(f"no kvledger console script beside {sys.executable}; run `make install`")

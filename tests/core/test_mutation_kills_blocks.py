@@ -24,10 +24,10 @@ from kvledger.scheduler import (
 from kvledger.scheduler.beam import fork_beams
 from kvledger.scheduler.growth import REJECTED_OUTGREW
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import FakeEngine
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import FakeEngine
 except ImportError:  # pragma: no cover
-    from test_scheduler import FakeEngine
+    from scheduler.test_scheduler import FakeEngine
 
 BS = 4
 ACME = CacheContext(trust_group="acme")

@@ -12,8 +12,8 @@ from kvledger.core.ledger import KVLedger
 from kvledger.core.tiers import TierLedger
 from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 

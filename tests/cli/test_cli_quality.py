@@ -146,7 +146,7 @@ def test_generate_refuses_an_unrecorded_format_in_one_line(capsys: pytest.Captur
 
 @needs_smol
 def test_serve_trace_runs_on_a_compressed_pool(capsys: pytest.CaptureFixture[str], no_records: Path) -> None:
-    trace = str(Path(__file__).resolve().parent / "data" / "traces" / "mooncake_conversation_head300.jsonl")
+    trace = str(Path(__file__).resolve().parents[1] / "data" / "traces" / "mooncake_conversation_head300.jsonl")
     args = ["serve-trace", "--trace", trace, "--limit", "4", "--burst", "--scale", "0.01", "--max-new-cap", "3",
             "--kv-dtype", "int4", "--json"]
     rc, out, err = run(capsys, *args)

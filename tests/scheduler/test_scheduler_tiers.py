@@ -27,7 +27,7 @@ from kvledger.scheduler.transfers import reads_inbound
 
 
 def _scheduler_helpers():
-    """The fake KV memory of tests/test_scheduler.py (tests run with --import-mode=importlib)."""
+    """The fake KV memory of tests/scheduler/test_scheduler.py (tests run with --import-mode=importlib)."""
     name = "kvledger_test_scheduler_helpers"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_scheduler.py"))

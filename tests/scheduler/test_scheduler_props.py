@@ -2,7 +2,7 @@
 
 Each example draws a configuration, a small pool (4-token blocks), a host tier, prompts built from two
 shared prefixes, ``max_new_tokens``, ``n`` in 1..3, optional speculative lookahead, arrival steps and
-at most one cancellation mid-flight, and drives them through ``FakeEngine`` (tests/test_scheduler.py),
+at most one cancellation mid-flight, and drives them through ``FakeEngine`` (tests/scheduler/test_scheduler.py),
 which checks every KV position a step reads. After every schedule and confirm: ``Scheduler.check``
 (ledger and host conservation). At the end: nothing leaked, and every branch ended with a reason --
 exactly ``max_new_tokens`` tokens for ``length``, the model's deterministic tokens in any case.
@@ -30,8 +30,8 @@ from kvledger.scheduler import (
     TransferModel,
 )
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, sample_token
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, sample_token
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, sample_token
 

@@ -4,7 +4,7 @@ A hit block is *pending* from the moment its filler is admitted (it is indexed t
 writes it is confirmed. A request that finds such hits reads them in the step its filler's prefill writes
 them (the executor contract: every work's K/V of a layer is written before any work reads that layer),
 waits for a filler admitted before it that will write them in a later step, and computes them itself only
-when nobody will. Every plan is carried out by ``FakeEngine`` (tests/test_scheduler.py), which checks the
+when nobody will. Every plan is carried out by ``FakeEngine`` (tests/scheduler/test_scheduler.py), which checks the
 value of every position a work reads and that every read of a slot written in the same step is declared
 in ``StepPlan.shared_reads``; counted prefill tokens are the sum of the works' lengths.
 """
@@ -25,8 +25,8 @@ from kvledger.scheduler import (
     StepPlan,
 )
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 

@@ -30,8 +30,8 @@ from kvledger.scheduler.growth import REJECTED_OUTGREW
 from kvledger.scheduler.policies import OutputLengthTracker, reserve_tokens
 from kvledger.scheduler.victims import VICTIM_POLICIES, held_blocks, replay_tokens
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
 

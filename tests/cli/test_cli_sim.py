@@ -14,7 +14,7 @@ from kvledger.errors import ConfigError
 from kvledger.sim.calibrate import CALIBRATION_SHAPES, Measurement, fit_quality
 from kvledger.sim.cost_model import CostModel, DeviceProfile, get_profile
 
-TRACES = Path(__file__).resolve().parent / "data" / "traces"  # committed slices (see README there)
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # committed slices (see README there)
 AZURE = TRACES / "azure_conv_head500.csv"
 SHAREGPT = TRACES / "sharegpt_lengths_head1000.csv"
 MOONCAKE = TRACES / "mooncake_conversation_head300.jsonl"

@@ -13,8 +13,8 @@ from kvledger.core.ledger import KVLedger
 from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from kvledger.scheduler.beam import BeamSearch, select_beams
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, toks
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, toks
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, toks
 

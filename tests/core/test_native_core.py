@@ -37,7 +37,7 @@ from kvledger.errors import ConfigError
 
 NATIVE = native.MODULE  # the C part as this process loaded it (None: not built, or KVLEDGER_NATIVE=0)
 needs_native = pytest.mark.skipif(NATIVE is None, reason=f"the native core is not in use: {native.REASON}")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @contextmanager
@@ -144,7 +144,7 @@ def test_the_chain_matches_the_python_chain(root: bytes, tokens: list[int], bs: 
 
 
 def test_known_answers_on_both_cores(fast: object) -> None:
-    """tests/test_identity_known_answers.py's chain, through the ledger entry points of each core."""
+    """tests/core/test_identity_known_answers.py's chain, through the ledger entry points of each core."""
     root = CacheContext().root_digest()
     expected = ["c14b50c699854eb168d871cb8fcc9da7", "ccbddeee6cb13b348597c3f7cf149088"]
     chain = identity.prompt_digests(root, tuple(range(8)), 4, fast)
@@ -564,7 +564,7 @@ def test_the_core_test_modules_pass_on_the_pure_python_core() -> None:
                "test_lifetimes.py", "test_eviction.py", "test_identity.py", "test_identity_known_answers.py",
                "test_isolation.py", "test_table.py", "test_ledger_quota.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *[str(REPO / "tests" / m) for m in modules]],
+                           *[str(REPO / "tests" / "core" / m) for m in modules]],
                           env={**os.environ, "KVLEDGER_NATIVE": "0"}, cwd=REPO, capture_output=True, text=True,
                           timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -13,8 +13,8 @@ from kvledger.core.ledger import KVLedger
 from kvledger.scheduler import GenRequest, HostPool, RecoveryCosts, Scheduler, SchedulerConfig, TransferModel
 from kvledger.scheduler.victims import VICTIM_POLICIES, pick_victim
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, assert_drained
 

@@ -24,7 +24,7 @@ HUGE = "9" * 23  # 99999999999999999999999
 ENORMOUS = "7" * 5000  # past Python's 4,300-digit int conversion limit
 SIZE_300 = "9" * 300 + "MiB"
 SEED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
-TRACES = Path(__file__).resolve().parent / "data" / "traces"
+TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"
 AZURE = str(TRACES / "azure_conv_head500.csv")
 SHAREGPT = str(TRACES / "sharegpt_lengths_head1000.csv")
 

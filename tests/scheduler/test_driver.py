@@ -37,7 +37,7 @@ from kvledger.scheduler import (
 from kvledger.scheduler.metrics import RequestMetrics
 
 BS = 4
-SRC = Path(__file__).resolve().parents[1] / "src" / "kvledger"
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvledger"
 
 
 def toks(n: int, start: int) -> list[int]:

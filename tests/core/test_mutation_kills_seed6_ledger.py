@@ -23,10 +23,10 @@ from kvledger.scheduler import (
 BS = 4
 
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests import test_scheduler as _sched_h
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler import test_scheduler as _sched_h
 except ImportError:  # pragma: no cover - run from inside tests/
-    import test_scheduler as _sched_h
+    from scheduler import test_scheduler as _sched_h
 toks = _sched_h.toks  # toks(n, start): n consecutive token ids from start
 
 
@@ -115,7 +115,7 @@ def test_run_stops_after_max_steps() -> None:
 
 
 try:  # the fault-injecting executor of the shared-prefill tests: FakeEngine behind the executor protocol
-    from tests.test_scheduler_shared_prefill import FakeExecutor as _PartExecutor
+    from tests.scheduler.test_scheduler_shared_prefill import FakeExecutor as _PartExecutor
 except ImportError:  # pragma: no cover - run from inside tests/
     from test_scheduler_shared_prefill import FakeExecutor as _PartExecutor
 

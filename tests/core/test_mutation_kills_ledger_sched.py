@@ -15,10 +15,10 @@ from kvledger.errors import ConfigError, OutOfBlocksError
 from kvledger.scheduler import GenRequest, Scheduler, SchedulerConfig
 from kvledger.scheduler.victims import pick_victim
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import FakeEngine
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import FakeEngine
 except ImportError:  # pragma: no cover
-    from test_scheduler import FakeEngine
+    from scheduler.test_scheduler import FakeEngine
 
 BS = 4
 

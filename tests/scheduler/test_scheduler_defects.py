@@ -1,6 +1,6 @@
 """Regression tests for scheduler defects of issue 9 (each failed before its fix), the liveness rule,
 priority-ordered admission, the prefix-cache reset and write-only requests, and victim / growth
-scenarios with ties and counted outcomes. Every scenario runs on ``FakeEngine`` (tests/test_scheduler.py),
+scenarios with ties and counted outcomes. Every scenario runs on ``FakeEngine`` (tests/scheduler/test_scheduler.py),
 which checks every KV position a step reads, so a wrong restore or a wrong share fails here too."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kvledger.scheduler import (
 from kvledger.scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
 from kvledger.scheduler.queue import WaitingQueue
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import (
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import (
         BS,
         SHARED,
         FakeEngine,
@@ -265,7 +265,7 @@ def _keys_at_first_preemption(victim: str) -> dict[str, dict[str, float]]:
 
 
 def test_victim_keys_are_the_documented_formulas() -> None:
-    """The victim table of tests/test_scheduler.py: min_waste = held blocks x replay tokens."""
+    """The victim table of tests/scheduler/test_scheduler.py: min_waste = held blocks x replay tokens."""
     keys = _keys_at_first_preemption("latest")
     assert keys["min_waste"] == {"B": 3 * 13, "A": 2 * 9, "C": 3 * 5, "D": 4 * 8}
     assert keys["least_computed"] == {"B": 12, "A": 8, "C": 12, "D": 15}

@@ -28,14 +28,14 @@ from kvledger.scheduler import (
 from kvledger.scheduler.beam import PRUNED, BeamChoice, end_beams, fork_beams, prune_beams, select_beams
 from kvledger.scheduler.config import SCHEDULER_KEYS
 
-try:  # the module name pytest gives tests/test_scheduler.py depends on its import mode
-    from tests.test_scheduler import BS, FakeEngine, assert_drained, swap_scenario, toks
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, swap_scenario, toks
 except ImportError:  # pragma: no cover
     from test_scheduler import BS, FakeEngine, assert_drained, swap_scenario, toks
 
 
 class _TierEngine(FakeEngine):
-    """FakeEngine plus the tier transfers (tests/test_scheduler_tiers.py has the full one): a tier slot
+    """FakeEngine plus the tier transfers (tests/scheduler/test_scheduler_tiers.py has the full one): a tier slot
     holds what its device block held, so a wrong promotion shows up as a read of KV never written."""
 
     def run(self, plan: StepPlan) -> dict[str, list[int]]:
@@ -266,7 +266,7 @@ def test_a_readmitted_family_leaves_the_headroom_free_while_others_run() -> None
 
 @pytest.mark.parametrize("clear_cache", [False, True])
 def test_a_swap_restore_counts_its_prefix_hits_and_resumes_at_the_pending_token(clear_cache: bool) -> None:
-    """tests/test_scheduler.py's swap scenario: V (12 tokens in the ledger, 3 full blocks) comes back in
+    """tests/scheduler/test_scheduler.py's swap scenario: V (12 tokens in the ledger, 3 full blocks) comes back in
     step 12, with 2 blocks still cached on the device (or none, cache cleared): those are counted as
     cached and need no transfer, the rest is swapped in (and timed), and V computes only its pending
     position 11 and the sampled token after it -- nothing before is recomputed."""
@@ -396,7 +396,7 @@ def test_a_swap_restore_is_timed_on_the_inbound_link() -> None:
 
 
 # ---- scheduler/beam.py ------------------------------------------------------------------------------
-# (tests/test_scheduler_beam.py compares the scheduler's search with a reference built on select_beams
+# (tests/scheduler/test_scheduler_beam.py compares the scheduler's search with a reference built on select_beams
 # itself, so select_beams's own ranking needs hand-computed answers.)
 
 def _choices(cs: list[BeamChoice]) -> list[tuple[str, int, float]]:

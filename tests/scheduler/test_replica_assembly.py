@@ -12,7 +12,7 @@ from kvledger.core.observe import EventLog
 from kvledger.scheduler import ConstantExecutor, GenRequest, SchedulerConfig
 from kvledger.scheduler.replica import Replica, tier_ledger
 
-SRC = Path(__file__).resolve().parent.parent / "src" / "kvledger"
+SRC = Path(__file__).resolve().parents[2] / "src" / "kvledger"
 
 
 def test_the_pieces_are_wired_to_each_other() -> None:

@@ -136,8 +136,8 @@ def test_a_tier_spec_with_bad_slots_quotes_them() -> None:
 # ---- the scheduler and the step loop -------------------------------------------------------------------
 
 def _helpers():
-    """The fake KV memory of tests/test_scheduler.py and the scripted executors of tests/test_driver.py
-    (tests run with --import-mode=importlib)."""
+    """The fake KV memory of tests/scheduler/test_scheduler.py and the scripted executors of
+    tests/scheduler/test_driver.py (tests run with --import-mode=importlib)."""
     import importlib.util
     import sys
     from pathlib import Path

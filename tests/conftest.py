@@ -1,5 +1,15 @@
 """Test-wide settings: the Hypothesis profiles.
 
+The tests are filed by subject, one folder per layer of docs/architecture.md: ``core/`` (the ledger, the
+pool, tables, identity, eviction, tiers, the sizing planner, the C core), ``scheduler/`` (the scheduler, the
+driver, replica assembly, request intake), ``cli/``, ``lab/`` (the admission lab and the web lab), ``sim/``,
+``runtime/``, ``server/``, ``fleet/`` and ``diagnostics/``. What stays at this level checks several layers at
+once: the layering of the source (test_layering.py), the known answers (test_golden.py), the named behaviours
+the golden transcripts pin only as digests (test_named_behaviour.py), the randomised fuzz and its regressions
+(test_fuzz_short.py, test_fuzz_regressions.py, over the ledger and the scheduler together) and the one
+percentile definition every report uses (test_one_percentile.py). Helpers shared across folders stay here too
+(fuzzing.py, mutation.py, plant_survivors.py, schema_fuzz.py, golden/, data/).
+
 * ``deterministic`` (the default, what ``make test`` runs): derandomised -- the same examples on every
   run and every machine, so a failure is reproducible and never intermittent -- with a bounded number
   of examples, no example database, and bounded shrinking, so a failing property reports in seconds.

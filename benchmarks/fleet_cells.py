@@ -32,8 +32,8 @@ from fleet_grid import DEFAULT_GPU, TRACE, load, offered_rate, replica_sim, run_
 from kvledger.errors import KVLedgerError
 from kvledger.sim.cost_model import GPU_PROFILES
 from kvledger.sim.fleet import ARMS
-from kvledger.sim.workloads import load_mooncake, slice_requests
 from kvledger.units import parse_bytes
+from kvledger.workloads import load_mooncake, slice_requests
 
 FIGURES = ("hit_rate", "ttft_mean_s", "deferral_p99_s", "refusals_per_request", "overcommits", "mean_use",
            "ttft_routing_mean_s", "ttft_replica_wait_mean_s", "ttft_prefill_mean_s", "ttft_alone_mean_s")

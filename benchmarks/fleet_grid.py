@@ -48,8 +48,8 @@ from kvledger.errors import KVLedgerError
 from kvledger.sim.cost_model import GPU_PROFILES
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
 from kvledger.sim.simulator import SimConfig, Simulator, build_deployment, prefix_hit_bound
-from kvledger.sim.workloads import load_mooncake, slice_requests
 from kvledger.units import parse_bytes
+from kvledger.workloads import load_mooncake, slice_requests
 
 TRACE = "../shared/traces/mooncake_fast25_conversation_trace.jsonl"
 KEYS = ("overcommits", "max_overshoot", "refusals_per_request", "deferred_requests", "deferral_p50_s",

@@ -37,8 +37,8 @@ import torch  # noqa: E402
 from kvledger.core.geometry import KVSpec  # noqa: E402
 from kvledger.core.identity import CacheContext  # noqa: E402
 from kvledger.core.ledger import KVLedger, Request  # noqa: E402
-from kvledger.runtime.corpus import corpus_tokens  # noqa: E402
 from kvledger.runtime.engine import Engine, kv_spec_for, resolve_model  # noqa: E402
+from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
 
 SEED_POOL = 512 * 2**20
 SEED_PROMPT, SEED_NEW, SEED_REQUESTS = 2048, 257, 8
@@ -124,8 +124,8 @@ def main() -> None:
 
     run = None
     if not args.skip_quality:
-        from kvledger.runtime.quality import QualityRun, judge
-        from kvledger.runtime.quality_records import load_contract, save_record
+        from kvledger.runtime.measure.quality import QualityRun, judge
+        from kvledger.runtime.measure.quality_records import load_contract, save_record
 
         run = QualityRun(ckpt, args.model, block_size=bs)
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -24,7 +24,7 @@ import torch
 torch.set_num_threads(1)
 from kvledger.core import KVSpec
 from kvledger.core.models import load_model_config
-from kvledger.runtime.diagnostics.fragmentation import run_way, variable_workload
+from kvledger.runtime.measure.diagnostics.fragmentation import run_way, variable_workload
 a = json.loads(sys.argv[1])
 cfg = load_model_config(a["model"])
 spec = KVSpec.from_hf_config(cfg, kv_dtype=a["dtype"], block_size=a["block_size"])
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     args = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
-    from kvledger.runtime.diagnostics.fragmentation import WAYS, WayResult, table_rows
+    from kvledger.runtime.measure.diagnostics.fragmentation import WAYS, WayResult, table_rows
     from kvledger.units import format_bytes, parse_bytes
 
     capacity = parse_bytes(args.capacity)

@@ -5,7 +5,7 @@ a slice of the Mooncake trace.
 1. **Links.** For each tier (host memory, a disk file, the disk file with zlib) whole SmolLM2-135M fp32
    blocks (737,280 bytes) are moved device -> tier and back through the engine's own transfer path, 1 to 32
    blocks at a time; ``fixed + bytes / bandwidth`` is fitted per direction with its rms error
-   (:func:`kvledger.runtime.links.measure_links`, :func:`kvledger.sim.calibrate.fit_link`).
+   (:func:`kvledger.runtime.measure.links.measure_links`, :func:`kvledger.sim.calibrate.fit_link`).
 2. **Lossless compression of real KV.** The engine computes the KV of real text (the bundled corpus) in fp32
    and in bf16; every written block is compressed with zlib (level 1): ratio and MB/s of each.
 3. **Hidden vs exposed.** SmolLM2 on the real engine, a 48-block pool, 24 requests each opening with one of
@@ -53,7 +53,7 @@ def load() -> list[float]:
 
 
 def links_section(args: argparse.Namespace, runner) -> dict:
-    from kvledger.runtime.links import measure_links
+    from kvledger.runtime.measure.links import measure_links
     from kvledger.sim.calibrate import fit_links
 
     out = {}
@@ -123,8 +123,8 @@ CONFIGS = {
 
 
 def engine_section(args: argparse.Namespace, ckpt, tokens: list[int]) -> dict:
-    from kvledger.runtime.corpus import PromptSynth
     from kvledger.runtime.engine import Engine
+    from kvledger.runtime.measure.corpus import PromptSynth
     from kvledger.runtime.sampling import SamplingParams
     from kvledger.scheduler import SchedulerConfig, summarize_requests
 
@@ -183,8 +183,8 @@ def engine_section(args: argparse.Namespace, ckpt, tokens: list[int]) -> dict:
 
 
 def mooncake_section(args: argparse.Namespace) -> dict:
-    from kvledger.sim import load_trace, scale_time
     from kvledger.sim.simulator import SimConfig, Simulator, prefix_hit_bound
+    from kvledger.workloads import load_trace, scale_time
 
     path = Path(args.trace) if args.trace else (FULL_TRACE if FULL_TRACE.is_file() else MOONCAKE_SLICE)
     reqs = scale_time(load_trace(path)[: args.mooncake_requests], args.speedup)
@@ -245,8 +245,8 @@ def main() -> None:
         import torch
         from transformers import AutoTokenizer
 
-        from kvledger.runtime.corpus import PromptSynth, corpus_tokens
         from kvledger.runtime.engine import load_runner, resolve_model
+        from kvledger.runtime.measure.corpus import PromptSynth, corpus_tokens
 
         ckpt = resolve_model("smollm2-135m")
         tok = AutoTokenizer.from_pretrained(str(ckpt.path))

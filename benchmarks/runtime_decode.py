@@ -31,8 +31,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from kvledger.runtime.corpus import PromptSynth, corpus_tokens  # noqa: E402
 from kvledger.runtime.engine import Engine, resolve_model  # noqa: E402
+from kvledger.runtime.measure.corpus import PromptSynth, corpus_tokens  # noqa: E402
 
 
 def make_prompts(tokens: list[int], batch: int, length: int, shared: int) -> list[list[int]]:

@@ -54,8 +54,8 @@ import sys
 import time
 
 from kvledger.scheduler import SchedulerConfig, summarize_requests
-from kvledger.sim import Poisson, Uniform, synthetic
 from kvledger.sim.simulator import SimConfig, Simulator
+from kvledger.workloads import Poisson, Uniform, synthetic
 
 MODEL = "smollm2-135m"
 VOCAB_SAFE = 40000  # token ids below SmolLM2's 49,152-entry vocabulary

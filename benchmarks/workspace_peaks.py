@@ -32,7 +32,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 
-from kvledger.runtime.diagnostics.peaks import measure_forward_peaks, peak_rows  # noqa: E402
+from kvledger.runtime.measure.diagnostics.peaks import measure_forward_peaks, peak_rows  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 CONTEXT = 2048  # planner rows keep decode shapes at this context or less (the torch backend gathers them)

@@ -67,8 +67,8 @@ ENV = {
     "KVLEDGER_FUZZ_EPISODES": "ledger=20,threads=1,scheduler=40",
 }
 # The packages mutated, in report order; of the runtime only the modules [tool.mutmut] names.
-PACKAGES = ("kvledger.core", "kvledger.scheduler", "kvledger.sim", "kvledger.server", "kvledger.fleet",
-            "kvledger.runtime")
+PACKAGES = ("kvledger.core", "kvledger.scheduler", "kvledger.workloads", "kvledger.placement", "kvledger.sim",
+            "kvledger.server", "kvledger.fleet", "kvledger.runtime")
 KILLED = {"killed", "timeout"}
 # The fresh-interpreter pass of ``sample`` (see there), per package: for the core and the scheduler,
 # tensor-free tests of what the core computes at import; for the server, the in-process server tests

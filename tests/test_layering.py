@@ -1,8 +1,9 @@
 """The layers of docs/architecture.md, read from the source: a lower layer never imports a higher one,
 the core imports only the standard library (and kvledger's errors and units), the scheduler no tensors,
-the runtime and the simulator never each other, the server and the web lab never the simulator, and the
-fleet's placement logic (score, view, door) needs no Ray. Every import counts, lazy ones inside functions
-too."""
+the runtime and the simulator never each other, the server and the web lab never the simulator, the
+placement package (score, view, door) needs no Ray and nothing of the Ray fleet, workloads sit below the
+simulator and the server, and the runtime's measuring room sits on top of the rest of the runtime. Every
+import counts, lazy ones inside functions too."""
 
 from __future__ import annotations
 
@@ -23,33 +24,38 @@ ALLOWED: dict[str, set[str] | None] = {
     "scheduler": {"core", "errors", "units"},
     # How an engine is built (torch-free): read by the runtime, the server, the fleet and the CLI.
     "engine_config": {"core", "scheduler", "errors", "units"},
+    # Requests with arrival times (trace readers, the one sniffer, generators): below the simulator and the server.
+    "workloads": {"core", "errors", "units"},
+    # Where a request goes in a fleet (score, view, door): beside the scheduler, no Ray, nothing of fleet/.
+    "placement": {"core", "errors", "units"},
     "runtime": {"core", "scheduler", "engine_config", "errors", "units"},
-    # The fleet simulator scores with the fleet's own placement functions (score, view, door: no Ray).
-    "sim": {"core", "scheduler", "errors", "units", "jsonsafe", "fleet.score", "fleet.view", "fleet.door"},
+    # The measuring room (diagnostics, quality, links, corpus) on top of the rest of the runtime.
+    "runtime.measure": {"core", "scheduler", "engine_config", "errors", "units", "runtime"},
+    # The fleet simulator scores with the placement package, as the live fleet does.
+    "sim": {"core", "scheduler", "errors", "units", "jsonsafe", "placement", "workloads"},
     "lab": {"core", "scheduler", "errors", "units"},
     "weblab": {"lab", "core", "scheduler", "errors", "units"},
-    "server": {"core", "scheduler", "runtime", "engine_config", "errors", "units"},
-    "loadgen": {"core", "scheduler", "sim", "errors", "units"},
-    "fleet.score": {"core", "scheduler", "errors", "units"},
-    "fleet.view": {"core", "scheduler", "errors", "units", "fleet.score"},
-    "fleet.door": {"core", "scheduler", "errors", "units", "fleet.score"},
-    "fleet": {"core", "scheduler", "runtime", "server", "engine_config", "errors", "units", "fleet.score", "fleet.view",
-              "fleet.door", "fleet"},
+    "server": {"core", "scheduler", "runtime", "engine_config", "workloads", "errors", "units"},
+    "loadgen": {"core", "scheduler", "workloads", "errors", "units"},
+    # The Ray faces: Ray Serve deployments and request router over the placement package.
+    "fleet": {"core", "scheduler", "runtime", "server", "engine_config", "errors", "units", "placement"},
     "cli": None,
     "__main__": None,
     "__init__": None,
 }
 # Third-party packages a part must never import.
-FORBIDDEN = {  # (the core: anything outside the standard library, checked apart)
+FORBIDDEN = {  # (the core, workloads and placement: anything outside the standard library, checked apart)
     "scheduler": {"torch", "numpy", "ray", "fastapi", "click", "rich", "transformers"},
     "engine_config": {"torch", "numpy", "ray", "fastapi", "click", "rich", "transformers"},
     "sim": {"torch", "ray", "fastapi", "transformers"},
-    "fleet.score": {"ray", "torch"},
-    "fleet.view": {"ray", "torch"},
-    "fleet.door": {"ray", "torch"},
     "weblab": {"torch", "ray"},
     "lab": {"torch", "ray", "fastapi"},
 }
+# Parts that import the standard library only.
+STDLIB_ONLY = {"core", "workloads", "placement"}
+# What the rest of the runtime may import from its measuring room: the engine checks a quantised KV format's
+# quality record before it runs one. (file, kvledger module)
+MEASURE_READERS = {("runtime/engine.py", ("runtime", "measure", "quality_records"))}
 
 
 def part_of(module: tuple[str, ...]) -> str:
@@ -57,8 +63,8 @@ def part_of(module: tuple[str, ...]) -> str:
     if not module:
         return "__init__"
     head = module[0].removesuffix(".py")
-    if head == "fleet" and len(module) > 1 and module[1].removesuffix(".py") in ("score", "view", "door"):
-        return f"fleet.{module[1].removesuffix('.py')}"
+    if head == "runtime" and len(module) > 1 and module[1].removesuffix(".py") == "measure":
+        return "runtime.measure"
     return head
 
 
@@ -102,10 +108,13 @@ def violations() -> list[str]:
                 other = part_of(module)
                 if other != me and other not in allowed and other.split(".")[0] != me:
                     found.append(f"{where}: {me} imports {'.'.join(module) or 'kvledger'} ({other})")
+                elif me == "runtime" and other == "runtime.measure" \
+                        and (path.relative_to(SRC).as_posix(), module) not in MEASURE_READERS:
+                    found.append(f"{where}: the runtime imports its measuring room ({'.'.join(module)})")
             if third is not None and third in FORBIDDEN.get(me, set()):
                 found.append(f"{where}: {me} imports {third}")
-            if third is not None and me == "core" and third not in sys.stdlib_module_names:
-                found.append(f"{where}: the core imports {third}, which is not the standard library")
+            if third is not None and me in STDLIB_ONLY and third not in sys.stdlib_module_names:
+                found.append(f"{where}: {me} imports {third}, which is not the standard library")
     return found
 
 
@@ -114,11 +123,20 @@ def test_no_layer_imports_above_itself() -> None:
 
 
 @pytest.mark.parametrize("source,expected", [
-    ("src/kvledger/server/x.py", "from ..sim.workloads import load_trace\n"),
+    ("src/kvledger/server/x.py", "from ..sim.simulator import Simulator\n"),
     ("src/kvledger/weblab/x.py", "def f():\n    from kvledger.sim import fragmentation\n"),
     ("src/kvledger/core/x.py", "import torch\n"),
     ("src/kvledger/scheduler/x.py", "from ..runtime import engine\n"),
-    ("src/kvledger/fleet/score.py", "import ray\n"),
+    ("src/kvledger/placement/score.py", "import ray\n"),
+    ("src/kvledger/placement/view.py", "from ..fleet import serve\n"),
+    ("src/kvledger/placement/door.py", "import numpy\n"),
+    ("src/kvledger/workloads/x.py", "def f():\n    from kvledger.sim import simulator\n"),
+    ("src/kvledger/workloads/x.py", "from ..runtime import engine\n"),
+    ("src/kvledger/sim/x.py", "from ..fleet import spec\n"),
+    ("src/kvledger/loadgen.py", "from .sim import simulator\n"),
+    ("src/kvledger/runtime/x.py", "from .measure import corpus\n"),
+    ("src/kvledger/runtime/engine.py", "from .measure.diagnostics import run\n"),
+    ("src/kvledger/runtime/measure/x.py", "from ...sim import simulator\n"),
     ("src/kvledger/runtime/x.py", "from ..sim import simulator\n"),
 ])
 def test_the_check_sees_a_forbidden_import(source: str, expected: str, tmp_path, monkeypatch) -> None:
@@ -129,6 +147,29 @@ def test_the_check_sees_a_forbidden_import(source: str, expected: str, tmp_path,
     planted.write_text(expected, encoding="utf-8")
     monkeypatch.setattr(sys.modules[__name__], "SRC", root)
     assert len(violations()) == 1, violations()
+
+
+def test_the_engine_may_read_its_quality_records() -> None:
+    """The one import the runtime makes from its measuring room is allowed (and only it)."""
+    assert MEASURE_READERS == {("runtime/engine.py", ("runtime", "measure", "quality_records"))}
+    assert all((SRC / path).is_file() and (SRC.joinpath(*module[:-1]) / f"{module[-1]}.py").is_file()
+               for path, module in MEASURE_READERS)
+
+
+def test_a_simulation_touches_neither_ray_nor_its_environment() -> None:
+    """The fleet simulator places requests with the placement package: importing it loads no Ray, no torch and
+    not the Ray fleet, whose import sets Ray's environment."""
+    import os
+    import subprocess
+
+    code = ("import os, sys, kvledger.placement.score, kvledger.placement.view, kvledger.placement.door, "
+            "kvledger.sim.fleet, kvledger.workloads; "
+            "print(sorted(m for m in ('ray', 'torch', 'kvledger.fleet') if m in sys.modules), "
+            "os.environ.get('RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER'))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[] None"
 
 
 def test_no_two_public_classes_share_a_name() -> None:

@@ -15,8 +15,8 @@ from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.core.ledger import KVLedger
 from kvledger.core.types import Request
 from kvledger.errors import ConfigError
-from kvledger.fleet.door import NOT_NOW, AdmissionDoor
-from kvledger.fleet.score import (
+from kvledger.placement.door import NOT_NOW, AdmissionDoor
+from kvledger.placement.score import (
     ReplicaLoad,
     RouteRequest,
     ScoreConfig,
@@ -24,13 +24,13 @@ from kvledger.fleet.score import (
     replica_cost,
     request_blocks,
 )
-from kvledger.fleet.view import PrefixIndex, RouterView
+from kvledger.placement.view import PrefixIndex, RouterView
 from kvledger.server.backend import BackendState
 from kvledger.server.gate import AdmissionGate
 from kvledger.server.metrics import ServerMetrics
 from kvledger.server.tenants import Tenant, Tenants
 from kvledger.server.text import StopMatcher
-from kvledger.sim.workloads import (
+from kvledger.workloads import (
     LogNormal,
     SimRequest,
     at_rate,

@@ -131,7 +131,7 @@ def trace_workload(path: str, spec: LoadSpec, *, scale: float = 1.0, max_prompt:
                    max_tokens: int = 256, vocab: int = 32000) -> list[Item]:
     """Lengths from a trace (``scale``d, then cut to ``max_prompt`` / ``max_tokens``); arrivals from the
     trace itself, or Poisson at ``spec.rate`` (needed for length tables, which have no times)."""
-    from .sim.workloads import Poisson, load_trace, trace_has_arrivals
+    from .workloads import Poisson, load_trace, trace_has_arrivals
 
     _check_vocab(vocab)
     if not (math.isfinite(scale) and 0 < scale <= 1):

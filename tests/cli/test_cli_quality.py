@@ -39,7 +39,7 @@ def one_error_line(err: str) -> str:
 @pytest.fixture
 def no_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Neither the user's nor the shipped records: every quantised format is untested."""
-    from kvledger.runtime import quality_records
+    from kvledger.runtime.measure import quality_records
 
     monkeypatch.setattr(quality_records, "user_records", lambda: tmp_path / "user-records")
     monkeypatch.setattr(quality_records, "SHIPPED_RECORDS", tmp_path / "shipped-records")
@@ -120,7 +120,7 @@ def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.Capt
 @needs_smol
 def test_int4_loses_more_than_int8_on_the_same_text() -> None:
     from kvledger.runtime.engine import resolve_model
-    from kvledger.runtime.quality import QualityRun
+    from kvledger.runtime.measure.quality import QualityRun
 
     run_ = QualityRun(resolve_model("smollm2-135m"), "smollm2-135m", block_size=16)
     kw = dict(kinds=["prose"], contexts=[40], new_tokens=4)

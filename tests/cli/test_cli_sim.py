@@ -125,7 +125,7 @@ def test_simulate_scales_a_trace_like_serve_trace(capsys, tmp_path):
                            "--model", "smollm2-135m", "--out", str(tmp_path / "sim"), "--json")
     assert rc == 0, err
     data = json.loads(out)
-    from kvledger.sim.workloads import load_mooncake, scale_lengths
+    from kvledger.workloads import load_mooncake, scale_lengths
 
     expected = scale_lengths(load_mooncake(MOONCAKE)[:6], 0.015625, block_size=16)
     assert data["prompt_tokens"] == sum(r.prompt_len for r in expected)
@@ -266,7 +266,7 @@ def test_calibration_interleaves_the_shapes_so_a_drifting_machine_bends_no_shape
     """Each shape's repetitions are spread over the whole measurement (every shape once per round): on a
     machine whose speed drifts, every shape's median then samples the same stretch of time, and the fit
     is not bent by whichever shape happened to run while the machine was slow."""
-    import kvledger.runtime.links as links
+    import kvledger.runtime.measure.links as links
     from kvledger.runtime import ModelRunner
 
     clock = [0.0]

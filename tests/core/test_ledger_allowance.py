@@ -18,7 +18,7 @@ from kvledger.core.ledger import KVLedger
 from kvledger.core.promises import declared_blocks, largest_allowance
 from kvledger.core.types import Outcome, Request
 from kvledger.errors import ConfigError
-from kvledger.fleet.score import request_blocks
+from kvledger.placement.score import request_blocks
 
 
 def _never(ledger: KVLedger, prompt_len: int, max_new: int, branches: int, lookahead: int, group: str) -> bool:

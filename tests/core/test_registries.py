@@ -13,7 +13,7 @@ from kvledger.errors import ConfigError
 from kvledger.runtime import attention
 from kvledger.runtime.host_store import CODECS
 from kvledger.scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES, VICTIM_POLICIES
-from kvledger.sim.workloads import TRACE_FORMATS
+from kvledger.workloads import TRACE_FORMATS
 
 ALL = {"admission policy": ADMISSION_POLICIES, "growth action": GROWTH_ACTIONS, "recovery": RECOVERY_MODES,
        "victim": VICTIM_POLICIES, "eviction": EVICTION_POLICIES, "KV format": KV_FORMATS, "trace": TRACE_FORMATS,

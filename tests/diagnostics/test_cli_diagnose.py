@@ -8,7 +8,7 @@ import pytest
 
 from kvledger.cli.diagnose_cmds import INJECTION_NAMES
 from kvledger.cli.main import main
-from kvledger.runtime.diagnostics import FINDING_KINDS, INJECTIONS
+from kvledger.runtime.measure.diagnostics import FINDING_KINDS, INJECTIONS
 
 SMALL = ["--requests", "3", "--max-prompt", "64", "--max-new", "8"]
 

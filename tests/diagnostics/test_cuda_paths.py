@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import ConfigError
-from kvledger.runtime.diagnostics import (
+from kvledger.runtime.engine import Engine
+from kvledger.runtime.measure.diagnostics import (
     FakeCuda,
     MemorySampler,
     Providers,
@@ -16,8 +17,7 @@ from kvledger.runtime.diagnostics import (
     reconcile,
     run_workload,
 )
-from kvledger.runtime.diagnostics.peaks import CudaPeak
-from kvledger.runtime.engine import Engine
+from kvledger.runtime.measure.diagnostics.peaks import CudaPeak
 
 MiB = 1 << 20
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvledger.core import KVSpec
 from kvledger.errors import ConfigError
-from kvledger.runtime.diagnostics.fragmentation import (
+from kvledger.runtime.measure.diagnostics.fragmentation import (
     WAYS,
     FirstFit,
     FragRequest,

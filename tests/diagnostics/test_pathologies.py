@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.runtime.diagnostics import INJECTIONS, default_workload, run_diagnosis
+from kvledger.runtime.measure.diagnostics import INJECTIONS, default_workload, run_diagnosis
 
 pytestmark = pytest.mark.model
 MiB = 1 << 20

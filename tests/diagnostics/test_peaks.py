@@ -8,7 +8,7 @@ import torch
 
 from kvledger.core.inventory import workspace_peak_bytes
 from kvledger.errors import ConfigError
-from kvledger.runtime.diagnostics.peaks import (
+from kvledger.runtime.measure.diagnostics.peaks import (
     CpuProfilerPeak,
     CudaPeak,
     ForwardPeak,

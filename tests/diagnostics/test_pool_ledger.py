@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from kvledger.core import CacheContext, Request
 from kvledger.core.ledger import KVLedger
-from kvledger.runtime.diagnostics.pool import pool_sample
+from kvledger.runtime.measure.diagnostics.pool import pool_sample
 from kvledger.scheduler import ConstantExecutor, Driver, GenRequest, HostPool, Scheduler
 
 BS = 4

@@ -8,7 +8,7 @@ import types
 import pytest
 
 from kvledger.errors import ConfigError
-from kvledger.runtime.diagnostics.providers import (
+from kvledger.runtime.measure.diagnostics.providers import (
     CudaAllocator,
     CudaMemGetInfo,
     FakeCuda,

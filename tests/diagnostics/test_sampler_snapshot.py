@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvledger.errors import ConfigError
-from kvledger.runtime.diagnostics import MemorySampler, default_workload, diff, run_workload, take_snapshot
 from kvledger.runtime.engine import Engine
+from kvledger.runtime.measure.diagnostics import MemorySampler, default_workload, diff, run_workload, take_snapshot
 
 
 def partition_holds(snapshot) -> None:

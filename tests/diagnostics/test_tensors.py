@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from kvledger.errors import ConfigError
-from kvledger.runtime.diagnostics.tensors import (
+from kvledger.runtime.measure.diagnostics.tensors import (
     CreationSites,
     TensorRegistry,
     describe_holders,

@@ -338,7 +338,7 @@ async def inproc_fleet(spec: Any, *, tenants: dict[str, Any] | None = None,
     """``fleet_app(spec)``'s engine deployment in this process and one ingress's backend over it; stops
     both on the way out."""
     from kvledger.fleet.serve import fleet_app
-    from kvledger.fleet.view import shared_view
+    from kvledger.placement.view import shared_view
 
     # The process's view of this fleet, created first with a seed: ties between equal replicas are broken
     # the same way every run (the router and the backend both find it by the spec's view key).
@@ -367,7 +367,7 @@ def scripted_fleet(servable: type, key: str, block_size: int = 4, **spec: Any) -
 
     from kvledger.core.geometry import KVSpec
     from kvledger.fleet.serve import FleetBackend, FleetSpec
-    from kvledger.fleet.view import shared_view
+    from kvledger.placement.view import shared_view
 
     spec_ = FleetSpec(**{"block_size": block_size, "pool_blocks": 16, "view_key": key, "min_match_tokens": block_size,
                          "retry_s": 0.001, "news_period_s": 3600.0, **spec})

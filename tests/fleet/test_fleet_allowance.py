@@ -47,7 +47,7 @@ def test_the_allowance_is_the_boundary_of_the_ingress_never(prompt_len: int, poo
 
 def test_refusals_name_what_is_wrong() -> None:
     from kvledger.errors import ConfigError
-    from kvledger.fleet.score import request_blocks
+    from kvledger.placement.score import request_blocks
 
     for args, what in (((0, 1, 4), "prompt length"), ((1, 0, 4), "max_new_tokens"), ((1, 1, 0), "block size"),
                        ((1, 1, 4, 0), "n")):

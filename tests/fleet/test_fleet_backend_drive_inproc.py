@@ -19,8 +19,8 @@ import pytest
 from ray import serve
 
 from kvledger.errors import ConfigError
-from kvledger.fleet.score import ReplicaLoad
 from kvledger.fleet.serve import FleetBackend
+from kvledger.placement.score import ReplicaLoad
 from kvledger.runtime.sampling import SamplingParams
 
 from .inproc import InprocDeployment, fleet_spec, inproc_fleet, run_fleet, shared_tiny_model

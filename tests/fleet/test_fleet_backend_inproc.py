@@ -14,7 +14,7 @@ import pytest
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.core.lifetimes import CacheReset
 from kvledger.errors import AdmissionError, ConfigError, QuotaError
-from kvledger.fleet.score import make_route_request
+from kvledger.placement.score import make_route_request
 from kvledger.runtime.sampling import SamplingParams
 
 from .inproc import backend_for, fleet_spec, inproc_fleet, run_fleet, shared_tiny_model

@@ -12,8 +12,8 @@ from typing import Any
 from ray import serve
 
 from kvledger.core.identity import CacheContext, prompt_digests
-from kvledger.fleet.score import ReplicaLoad
 from kvledger.fleet.serve import FleetBackend
+from kvledger.placement.score import ReplicaLoad
 
 from .inproc import InprocDeployment, run_fleet, scripted_fleet
 

@@ -1,8 +1,8 @@
 """The admission door's whole answers and the cache-event tap's windows, as a router reads them.
 
-A router takes every field of a :class:`~kvledger.fleet.door.DoorAnswer` at face value: the outcome and
+A router takes every field of a :class:`~kvledger.placement.door.DoorAnswer` at face value: the outcome and
 its reason (shown to the client), the blocks booked for the request, the overshoot, the decision counter
-and the fresh :class:`~kvledger.fleet.score.ReplicaLoad` (its ``waiting``/``running``/``backlog`` feed
+and the fresh :class:`~kvledger.placement.score.ReplicaLoad` (its ``waiting``/``running``/``backlog`` feed
 the router's queue cost). So each outcome -- accepted, "not now", "never" -- is pinned here as one whole
 known answer, not field by field. The tap's ``since(seq, upto, limit)`` is the catch-up a router (and
 the fleet simulator) does after the tap dropped its oldest events: the window must be numbered from the
@@ -16,8 +16,8 @@ from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger
 from kvledger.core.types import Request
 from kvledger.errors import ConfigError
-from kvledger.fleet.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap, DoorAnswer
-from kvledger.fleet.score import ReplicaLoad
+from kvledger.placement.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap, DoorAnswer
+from kvledger.placement.score import ReplicaLoad
 
 BS = 4
 CTX = CacheContext(trust_group="acme", model="m")

@@ -17,13 +17,13 @@ from kvledger.core.ledger import KVLedger
 from kvledger.core.tiers import TierLedger
 from kvledger.core.types import Request
 from kvledger.errors import ConfigError, InvariantError
-from kvledger.fleet.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap
-from kvledger.fleet.score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
-from kvledger.fleet.view import Placement, PrefixIndex, RouterView
+from kvledger.placement.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap
+from kvledger.placement.score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
+from kvledger.placement.view import Placement, PrefixIndex, RouterView
 from kvledger.sim.cost_model import DeviceProfile
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
 from kvledger.sim.simulator import SimConfig
-from kvledger.sim.workloads import Poisson, synthetic
+from kvledger.workloads import Poisson, synthetic
 
 BS = 16
 STUB = DeviceProfile(name="stub", peak_flops=1e30, mem_bandwidth_Bps=1e30, flops_efficiency=1.0,
@@ -483,8 +483,8 @@ def test_cli_simulates_a_fleet(tmp_path):
 
 
 def test_the_policy_imports_neither_ray_nor_torch():
-    code = ("import sys, kvledger.fleet.score, kvledger.fleet.view, kvledger.fleet.door, kvledger.sim.fleet; "
-            "print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
+    code = ("import sys, kvledger.placement.score, kvledger.placement.view, kvledger.placement.door, "
+            "kvledger.sim.fleet; print(sorted(m for m in ('ray', 'torch') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"

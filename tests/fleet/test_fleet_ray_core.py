@@ -14,9 +14,9 @@ from kvledger.core.geometry import KVSpec
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.core.ledger import KVLedger
 from kvledger.core.types import Request
-from kvledger.fleet.door import AdmissionDoor, CacheEventTap
-from kvledger.fleet.score import ReplicaLoad, make_route_request
-from kvledger.fleet.view import RouterView
+from kvledger.placement.door import AdmissionDoor, CacheEventTap
+from kvledger.placement.score import ReplicaLoad, make_route_request
+from kvledger.placement.view import RouterView
 
 from .conftest import is_loopback, listeners, ray_processes
 
@@ -170,11 +170,11 @@ def test_the_live_router_and_the_simulator_rank_with_one_cost_function(monkeypat
     import asyncio
     from types import SimpleNamespace
 
-    from kvledger.fleet import view as view_module
     from kvledger.fleet.router import LedgerRequestRouter
+    from kvledger.placement import view as view_module
     from kvledger.sim.fleet import FleetConfig, FleetSimulator
     from kvledger.sim.simulator import SimConfig
-    from kvledger.sim.workloads import Poisson, synthetic
+    from kvledger.workloads import Poisson, synthetic
 
     calls = {"n": 0}
     real = view_module.replica_cost

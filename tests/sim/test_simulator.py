@@ -12,7 +12,6 @@ import pytest
 from kvledger.core.ledger import KVLedger
 from kvledger.errors import ConfigError
 from kvledger.scheduler import GenRequest, Scheduler, SchedulerConfig
-from kvledger.sim import SimRequest, Uniform, synthetic
 from kvledger.sim.cost_model import DeviceProfile
 from kvledger.sim.report import write_fragmentation, write_report, write_sweep
 from kvledger.sim.simulator import (
@@ -26,6 +25,7 @@ from kvledger.sim.simulator import (
     run_sweep,
     simulate,
 )
+from kvledger.workloads import SimRequest, Uniform, synthetic
 
 STEP = 0.01  # the stub device: every step costs its fixed overhead and (almost) nothing else
 STUB = DeviceProfile(name="stub", peak_flops=1e30, mem_bandwidth_Bps=1e30, flops_efficiency=1.0,

@@ -13,7 +13,7 @@ import pytest
 
 from kvledger.errors import ConfigError
 from kvledger.loadgen import LoadSpec, trace_workload
-from kvledger.sim.workloads import trace_has_arrivals
+from kvledger.workloads import trace_has_arrivals
 
 KVLEDGER_CSV = "arrival_s,prompt_len,output_len\n0.0,12,3\n0.5,20,4\n2.0,8,2\n"
 AZURE_CSV = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n" \

@@ -8,9 +8,9 @@ import pytest
 from kvledger.core.tiers import TierLedger
 from kvledger.scheduler import GenRequest, StepPlan, TransferModel, Work
 from kvledger.scheduler.transfers import reads_inbound, split, step_transfer_timing
-from kvledger.sim import Poisson, Uniform, synthetic
 from kvledger.sim.cost_model import DeviceProfile
 from kvledger.sim.simulator import CostModelExecutor, SimConfig, Simulator
+from kvledger.workloads import Poisson, Uniform, synthetic
 
 MIB2 = 2 * 2**20
 # The case: 100 blocks of 2 MiB over a 25 GB/s link, 64-block staging, 20 us per round.

@@ -10,7 +10,7 @@ import pytest
 
 from kvledger.errors import ConfigError
 from kvledger.sim.calibrate import step_measurements
-from kvledger.sim.workloads import LogNormal, Uniform, load_trace
+from kvledger.workloads import LogNormal, Uniform, load_trace
 
 
 def test_a_distributions_bounds_are_named_in_its_refusal() -> None:

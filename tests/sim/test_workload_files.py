@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from kvledger.errors import ConfigError
-from kvledger.sim.workloads import (
+from kvledger.workloads import (
     Choice,
     Fixed,
     Gamma,

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvledger.errors import ConfigError
-from kvledger.sim.workloads import (
+from kvledger.workloads import (
     Choice,
     Fixed,
     Gamma,
@@ -485,7 +485,7 @@ def test_synthetic_distributions_and_errors():
 
 
 def test_registry_names_every_format_and_sniffs_each_slice():
-    from kvledger.sim.workloads import TRACE_FORMATS, sniff_trace_format
+    from kvledger.workloads import TRACE_FORMATS, sniff_trace_format
 
     assert list(TRACE_FORMATS) == ["mooncake", "azure", "lengths", "kvledger-jsonl", "kvledger-csv"]
     expected = {CONV: "mooncake", SYNTH: "mooncake", AZ_CODE: "azure", AZ_CONV: "azure", SHAREGPT: "lengths",
@@ -521,7 +521,7 @@ def test_an_unknown_csv_header_lists_the_accepted_ones(tmp_path):
 
 
 def test_kvledger_schema_in_jsonl_and_csv_gives_the_same_requests(tmp_path):
-    from kvledger.sim.workloads import load_kvledger
+    from kvledger.workloads import load_kvledger
 
     rows = [{"arrival_s": 0.5, "prompt_len": 100, "output_len": 8, "group": "a", "prefix": "sys", "prefix_len": 64},
             {"arrival_s": 0.0, "prompt_len": 80, "output_len": 4, "group": "a", "prefix": "sys", "prefix_len": 64,
@@ -556,7 +556,7 @@ def test_kvledger_schema_errors_name_the_line(tmp_path, line, match):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"arrival_s": 0, "prompt_len": 5, "output_len": 1}\n' + line + "\n")
     with pytest.raises(ConfigError, match=match) as info:
-        from kvledger.sim.workloads import load_kvledger
+        from kvledger.workloads import load_kvledger
 
         load_kvledger(path)
     assert f"{path}:2" in str(info.value)
@@ -582,7 +582,7 @@ def test_hostile_traces_are_one_config_error(tmp_path):
 
 
 def test_at_rate_rescales_arrivals_to_the_offered_rate():
-    from kvledger.sim.workloads import at_rate, offered_rate, transform_workload
+    from kvledger.workloads import at_rate, offered_rate, transform_workload
 
     reqs = synthetic(200, arrivals=Poisson(3.0), prompt_len=10, output_len=2, seed=4)
     for rate in (0.5, 2.0, 64.0):
@@ -603,7 +603,7 @@ def test_at_rate_rescales_arrivals_to_the_offered_rate():
 
 def test_scaled_prefixes_are_whole_blocks():
     """A shared 512-token trace block becomes whole 16-token KV blocks at any scale, so sharing stays exact."""
-    from kvledger.sim.workloads import scale_lengths
+    from kvledger.workloads import scale_lengths
 
     reqs = load_mooncake(TRACES / CONV)[:150]
     for scale in (0.01, 1 / 64, 0.05, 0.3):

@@ -88,7 +88,7 @@ def measure_runtime(repeats: int = 2, *, model_path: str | None = None, log=None
         for m in measurements:
             log(f"{m.shape.name}: {m.seconds * 1e3:.2f} ms")
     # Each tier's link: whole blocks of this KV store moved by the engine's transfer path, by size.
-    from ..runtime.links import measure_links
+    from ..runtime.measure.links import measure_links
 
     links = measure_links(runner.store, repeats=max(3, repeats), disk_dir=disk_dir, compression=tier_compression,
                           log=log)

@@ -17,7 +17,7 @@ from .common import prepare_torch
 from .engine_options import MAX_RUNTIME_BLOCKS, engine_option
 from .options import Float, Int, epilog, model_option, threads_option
 
-# The names the runtime's injection registry (kvledger.runtime.diagnostics.INJECTIONS) knows; listed here
+# The names the runtime's injection registry (kvledger.runtime.measure.diagnostics.INJECTIONS) knows; listed here
 # so that help stays torch-free. tests/diagnostics checks the two agree.
 INJECTION_NAMES = ("retained-tensor", "pool-leak", "external-alloc", "peak", "cache-growth")
 
@@ -26,9 +26,9 @@ def _trace_workload(path: str, limit: int, scale: float, max_new_cap: int | None
                     vocab: int, context: int) -> Any:
     """A trace slice as a step-clocked workload: arrival seconds / ``step_seconds`` -> arrival steps,
     lengths x ``scale`` (clipped to the model's context), Mooncake block ids -> shared token prefixes."""
-    from ..runtime.corpus import block_keys
-    from ..runtime.diagnostics.workload import workload_from_lengths
-    from ..sim.workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace, trace_has_arrivals
+    from ..runtime.measure.corpus import block_keys
+    from ..runtime.measure.diagnostics.workload import workload_from_lengths
+    from ..workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace, trace_has_arrivals
 
     timed = trace_has_arrivals(path)
     requests = (load_trace(path) if timed else load_trace(path, arrivals=Poisson(1.0)))[:limit]
@@ -125,11 +125,11 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
     prepare_torch(threads)
     from rich.console import Console
 
-    from ..runtime.diagnostics.reconcile import Thresholds
-    from ..runtime.diagnostics.report import attribution_table, findings_table, timeline_png
-    from ..runtime.diagnostics.run import run_diagnosis
-    from ..runtime.diagnostics.workload import default_workload
     from ..runtime.engine import Engine, model_context, resolve_model
+    from ..runtime.measure.diagnostics.reconcile import Thresholds
+    from ..runtime.measure.diagnostics.report import attribution_table, findings_table, timeline_png
+    from ..runtime.measure.diagnostics.run import run_diagnosis
+    from ..runtime.measure.diagnostics.workload import default_workload
 
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, num_blocks=pool_blocks, block_size=block_size, dtype=dtype,

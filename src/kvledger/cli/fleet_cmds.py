@@ -13,7 +13,7 @@ from ..errors import ConfigError
 def run_fleet(base: Any, requests: list[Any], *, replicas: int, routers: int, staleness: float, arm: str,
               routing: str, transit_ms: float, retries: int | None, min_match: int, queue_weight: float,
               label: str, as_json: bool, emit_json: Any, console: Any, sweep: bool) -> None:
-    from ..fleet.score import ScoreConfig
+    from ..placement.score import ScoreConfig
     from ..sim.fleet import FleetConfig, FleetSimulator
 
     if sweep:

@@ -34,7 +34,7 @@ def _contexts(text: str) -> list[int]:
 
 
 def _kinds(text: str) -> list[str]:
-    from ..runtime.quality import KINDS
+    from ..runtime.measure.quality import KINDS
 
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
@@ -97,8 +97,8 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
 
     from ..runtime.attention import attention_backends
     from ..runtime.engine import resolve_model
-    from ..runtime.quality import QualityRun, judge, plot_report
-    from ..runtime.quality_records import load_contract, save_record
+    from ..runtime.measure.quality import QualityRun, judge, plot_report
+    from ..runtime.measure.quality_records import load_contract, save_record
     from ..runtime.weights import cache_root
     from .common import console, emit_json
 

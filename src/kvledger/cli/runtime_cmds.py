@@ -16,6 +16,7 @@ import click
 
 from ..engine_config import MAX_POOL_BYTES
 from ..errors import ConfigError
+from ..workloads import trace_format_choices
 from .common import prepare_torch
 from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
 from .options import SEED, Float, Int, Size, epilog, model_option, threads_option
@@ -196,12 +197,6 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 
 
 # ---- serve-trace -----------------------------------------------------------------------------------
-def _trace_formats() -> list[str]:
-    from ..sim.workloads import TRACE_FORMATS
-
-    return ["auto", *TRACE_FORMATS]
-
-
 @click.command("serve-trace", epilog=epilog(
     "kvledger serve-trace --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl --limit 16",
     "kvledger serve-trace --trace trace.jsonl --limit 32 --burst --pool-blocks 96 --out reports/real",
@@ -209,7 +204,7 @@ def _trace_formats() -> list[str]:
 ))
 @click.option("--trace", "trace_path", required=True, help="A trace file (Mooncake JSONL, Azure CSV, a length table "
               "or kvledger's JSONL/CSV schema).")
-@click.option("--trace-format", type=click.Choice(_trace_formats()), default="auto", show_default=True,
+@click.option("--trace-format", type=click.Choice(trace_format_choices()), default="auto", show_default=True,
               help="Trace format; auto recognises it from the suffix and the first line.")
 @click.option("--rate", type=Float(0.0, 1e6, lo_open=True), default=1.0, show_default=True,
               help="Arrivals per second for traces without arrival times (length tables).")
@@ -243,20 +238,12 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
     prompt tokens from the bundled corpus. A request that can never fit the pool is refused ("never") and
     the replay goes on."""
-    from ..sim.workloads import (
-        MOONCAKE_BLOCK_TOKENS,
-        TRACE_FORMATS,
-        Poisson,
-        load_trace,
-        scale_lengths,
-        sniff_trace_format,
-    )
+    from ..workloads import MOONCAKE_BLOCK_TOKENS, Poisson, load_trace, scale_lengths
 
     if (recovery == "swap" or offload_prefixes) and not (host_blocks or disk_blocks):
         raise ConfigError(("--recovery swap" if recovery == "swap" else "--offload-prefixes")
                           + " needs a tier below the pool: give --host-blocks N or --disk-blocks N")
-    fmt = sniff_trace_format(trace_path) if trace_format == "auto" else TRACE_FORMATS[trace_format]
-    requests = load_trace(trace_path, format=fmt.name, arrivals=Poisson(rate))[:limit]
+    requests = load_trace(trace_path, format=trace_format, arrivals=Poisson(rate))[:limit]
     if not requests:
         raise ConfigError(f"{trace_path} holds no requests")
     # Each trace block becomes a whole number of KV blocks, so a shared trace prefix stays a run of whole
@@ -268,8 +255,8 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..errors import KVLedgerError
-    from ..runtime.corpus import PromptSynth, block_keys, corpus_tokens
     from ..runtime.engine import Engine, model_context, resolve_model
+    from ..runtime.measure.corpus import PromptSynth, block_keys, corpus_tokens
     from ..runtime.sampling import SamplingParams
     from ..sim.report import run_summary, write_run_report
 

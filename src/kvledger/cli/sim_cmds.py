@@ -2,7 +2,7 @@
 
 The top level imports only click: the simulator, rich and matplotlib are imported inside the commands, so
 `kvledger plan` stays fast. Workload-level sweeps (`--sweep rate=...`, `--sweep speedup=...`) transform the
-requests here (`kvledger.sim.workloads.transform_workload`); the other sweep keys are simulator settings.
+requests here (`kvledger.workloads.transform_workload`); the other sweep keys are simulator settings.
 The module runs just past 600 lines because `simulate` has some forty options (workload, deployment, policy,
 sweep, SLO, fleet), each declared once here or in `engine_options`, and its one function turns them into a
 `SimConfig`; splitting the options from their use would only move the list.
@@ -17,8 +17,9 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from ..fleet.score import ARMS, ROUTINGS
+from ..placement.score import ARMS, ROUTINGS
 from ..scheduler import ADMISSION_POLICIES, VICTIM_POLICIES
+from ..workloads import trace_format_choices
 from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
 from .common import emit_json as _emit_json
 from .engine_options import engine_option, engine_options
@@ -38,27 +39,14 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
-def _trace_formats() -> list[str]:
-    from ..sim.workloads import TRACE_FORMATS
-
-    return ["auto", *TRACE_FORMATS]
-
-
 def _load_requests(trace: str, *, start_s: float | None, duration_s: float | None, limit: int | None,
                    speedup: float | None, rate: float, arrival_cv: float, seed: int, block_tokens: int,
                    shuffle: bool = False, trace_format: str = "auto") -> list[Any]:
-    from ..sim.workloads import (
-        TRACE_FORMATS,
-        Gamma,
-        Poisson,
-        load_trace,
-        scale_time,
-        slice_requests,
-        sniff_trace_format,
-    )
+    from ..workloads import Gamma, Poisson, load_trace, scale_time, slice_requests
+    from ..workloads import trace_format as format_of
 
     path = Path(trace)
-    fmt = sniff_trace_format(path) if trace_format == "auto" else TRACE_FORMATS[trace_format]
+    fmt = format_of(path, trace_format)
     kwargs: dict[str, Any] = {"block_tokens": block_tokens}
     if fmt.needs_arrivals:
         kwargs.update(arrivals=Poisson(rate) if arrival_cv == 1 else Gamma(rate, arrival_cv), seed=seed,
@@ -79,7 +67,7 @@ def _load_requests(trace: str, *, start_s: float | None, duration_s: float | Non
 
 def _synthetic(count: int, input_len: int, output_len: int, prefix_len: int, prefixes: int, length_cv: float,
                rate: float, arrival_cv: float, seed: int) -> list[Any]:
-    from ..sim.workloads import Gamma, LogNormal, Poisson, synthetic
+    from ..workloads import Gamma, LogNormal, Poisson, synthetic
 
     def dist(mean: int) -> Any:
         return mean if length_cv == 0 or mean == 0 else LogNormal(mean, length_cv, low=1, high=10 * mean)
@@ -202,7 +190,7 @@ def _default_out(kind: str) -> Path:
 
 def _split_sweep(specs: tuple[str, ...]) -> tuple[list[tuple[str, list[float]]], list[str]]:
     """Workload sweep keys (rate, speedup) with their values, and the remaining simulator sweep specs."""
-    from ..sim.workloads import WORKLOAD_TRANSFORMS
+    from ..workloads import WORKLOAD_TRANSFORMS
 
     workload: list[tuple[str, list[float]]] = []
     rest = []
@@ -257,7 +245,7 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 ))
 @click.option("--trace", default=None, help="Trace file: Mooncake .jsonl, Azure CSV, a length table, or kvledger's "
               "JSONL/CSV schema (see --trace-format).")
-@click.option("--trace-format", type=click.Choice(_trace_formats()), default="auto", show_default=True,
+@click.option("--trace-format", type=click.Choice(trace_format_choices()), default="auto", show_default=True,
               help="Trace format; auto recognises it from the suffix and the first line.")
 @click.option("--workload", type=click.Choice(["trace", "synthetic"]), default=None,
               help="Where requests come from [trace with --trace, else synthetic needs saying].")
@@ -417,14 +405,14 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                               arrival_cv=arrival_cv, seed=seed, block_tokens=block_tokens, trace_format=trace_format)
         label = Path(trace).name
         if scale != 1:
-            from ..sim.workloads import scale_lengths
+            from ..workloads import scale_lengths
 
             reqs = scale_lengths(reqs, scale, block_size=block_size, trace_block=block_tokens)
             label += f" (lengths x {scale:g})"
     else:
         reqs = _synthetic(requests, input_len, output_len, prefix_len, prefixes, length_cv, rate, arrival_cv, seed)
         if speedup is not None and speedup != 1:
-            from ..sim.workloads import scale_time
+            from ..workloads import scale_time
 
             reqs = scale_time(reqs, speedup)
         label = f"a synthetic workload ({input_len} + {output_len} tokens, prefix {prefix_len}, {rate:g} req/s)"
@@ -465,7 +453,7 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
             console.print(f"[dim]note: {note}[/dim]")
     else:
         from ..sim.report import SLO_MIN_SERVED_RATIO, best_under_slo, comparison_row, meets_latency, write_sweep
-        from ..sim.workloads import transform_workload
+        from ..workloads import transform_workload
 
         runs = []
         rows = []

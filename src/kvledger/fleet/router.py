@@ -1,4 +1,4 @@
-"""kvledger's Ray Serve request router: the fleet's :class:`~kvledger.fleet.view.RouterView` behind Ray's
+"""kvledger's Ray Serve request router: the fleet's :class:`~kvledger.placement.view.RouterView` behind Ray's
 ``RequestRouter`` API (``ray.serve.request_router``, alpha in Ray 2.60).
 
 Ray builds one router per deployment handle, inside the calling process (each ingress replica has its
@@ -17,7 +17,7 @@ own), and asks it to rank replicas for every call. This one:
   answers with an empty ranking while replicas exist (Ray would ask again at once, in a tight loop).
 
 The router and the ingress code of one process share the view through
-:func:`kvledger.fleet.view.shared_view` (Ray constructs the router itself, from ``request_router_kwargs``,
+:func:`kvledger.placement.view.shared_view` (Ray constructs the router itself, from ``request_router_kwargs``,
 so it cannot be handed a live object; and Ray ships this module by value, so the registry lives there).
 """
 
@@ -29,8 +29,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from ..errors import ConfigError
-from .score import ReplicaLoad, ScoreConfig
-from .view import shared_view
+from ..placement.score import ReplicaLoad, ScoreConfig
+from ..placement.view import shared_view
 
 
 def replica_key(replica_id: ReplicaID) -> str:

@@ -19,11 +19,11 @@ OpenAI-compatible server of :mod:`kvledger.server` running as the ingress deploy
 
 Tenants: the trust group is the authenticated tenant's (``kvledger.server.tenants``), never the body's; it
 salts every digest, so one tenant's prefix never scores as affinity for another, and the replicas'
-routing stats are tenant-free aggregates (:class:`~kvledger.fleet.score.ReplicaLoad`).
+routing stats are tenant-free aggregates (:class:`~kvledger.placement.score.ReplicaLoad`).
 
 The module runs past 600 lines because it holds every Ray face of the fleet in one place (the loopback
 setup, the engine replica, the ingress backend, the application); the Ray-free placement logic (score,
-view, door) already lives beside it, and moving the four faces into modules of their own is planned.
+view, door) is :mod:`kvledger.placement`, and moving the four faces into modules of their own is planned.
 """
 
 from __future__ import annotations
@@ -44,11 +44,11 @@ from ..core.identity import CacheContext, prompt_digests
 from ..core.promises import largest_allowance
 from ..core.types import Request
 from ..errors import AdmissionError, ConfigError, QuotaError
+from ..placement.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
+from ..placement.score import ReplicaLoad, make_route_request, request_blocks
+from ..placement.view import RouterView, shared_view
 from ..scheduler.intake import check_request_shape
-from .door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
-from .score import ReplicaLoad, make_route_request, request_blocks
 from .spec import FleetSpec
-from .view import RouterView, shared_view
 
 ROUTER_CLASS = "kvledger.fleet.router:LedgerRequestRouter"
 MAX_ONGOING = 4096  # far above any pool's requests: the ledger decides, not Ray's request cap

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ..engine_config import EngineConfig
 from ..errors import ConfigError
-from .score import ScoreConfig
+from ..placement.score import ScoreConfig
 
 
 @dataclass(frozen=True)

@@ -195,7 +195,7 @@ class Engine:
         allow_untested_kv: bool = False,
     ) -> None:
         if runner.spec.format.quantized and not allow_untested_kv:
-            from .quality_records import require_record
+            from .measure.quality_records import require_record
 
             require_record(runner.spec, checkpoint, model_name)
         self.runner = runner

@@ -2,9 +2,9 @@
 
 ``create_app(backend, codec, tenants, settings)`` builds the app over any engine-like
 :class:`~kvledger.server.backend.Backend`; ``kvledger serve`` runs it over one local engine, and
-``kvledger bench serve`` (:mod:`kvledger.loadgen`: a client beside the server package, which may replay
-the simulator's traces; the server itself never imports the simulator) measures any OpenAI-compatible
-server.
+``kvledger bench serve`` (:mod:`kvledger.loadgen`: a client beside the server package, which replays
+traces read by :mod:`kvledger.workloads`; the server itself never imports the simulator) measures any
+OpenAI-compatible server.
 Imports stay lazy: importing this package does not load FastAPI or torch.
 """
 

@@ -18,7 +18,7 @@ lives in the CLI face (``kvledger.cli.sim_cmds``), so that this layer never impo
   the fit's rms error was 16-17% (a 64-token chunk over 256 cached tokens 30% slower than fitted, big
   mixed batches 20% faster), with it about 4%;
 * ``fit_link``: one tier's link, per direction, from transfers of several sizes timed on the real
-  transfer path (``kvledger.runtime.links``)::
+  transfer path (``kvledger.runtime.measure.links``)::
 
       t(n blocks) ~= fixed_s + n x block_bytes / bandwidth
 
@@ -277,7 +277,7 @@ def fit_link(points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
 
 
 def fit_links(measured: dict[str, Any]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """Per tier of a :func:`kvledger.runtime.links.measure_links` result: the profile's ``links`` entry
+    """Per tier of a :func:`kvledger.runtime.measure.links.measure_links` result: the profile's ``links`` entry
     (``out_Bps``, ``out_overhead_s``, ``in_Bps``, ``in_overhead_s`` and each direction's fit error) and a
     report with every point, measured against fitted."""
     block_bytes = int(measured["block_bytes"])

@@ -1,13 +1,13 @@
 """The fleet simulator: N replicas, each the real ledger + scheduler + one step loop timed by the cost
-model, behind R routers that rank replicas with the live router's own code (:mod:`kvledger.fleet.score`,
-:mod:`kvledger.fleet.view`) on views that are ``staleness_s`` old.
+model, behind R routers that rank replicas with the live router's own code (:mod:`kvledger.placement.score`,
+:mod:`kvledger.placement.view`) on views that are ``staleness_s`` old.
 
 Two arms answer the seed's question -- can a stale metric sent to a router keep admission sound?
 
 * **arm A** ("the router decides"): a router sends a request only where its view says it fits, and the
   replica commits whatever arrives (its door does not enforce);
 * **arm B** ("placement is advice, admission is local"): the router sends to its best-ranked replica;
-  the replica's door decides with its own ledger (:mod:`kvledger.fleet.door`) and a refusal ("not now")
+  the replica's door decides with its own ledger (:mod:`kvledger.placement.door`) and a refusal ("not now")
   comes back with a fresh load; the router retries the next replica (``avoid``), at most
   ``max_retries`` times, then queues the request and tries again later, and past ``max_queue`` waiting
   requests answers 429. When its view says no replica fits, the router waits for news (a reply, a
@@ -41,12 +41,13 @@ from typing import Any
 from ..core.identity import CacheContext, prompt_digests
 from ..core.types import Request
 from ..errors import ConfigError, InvariantError
-from ..fleet.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap, DoorAnswer
-from ..fleet.score import ARMS, ROUTINGS, ReplicaLoad, RouteChoice, RouteRequest, ScoreConfig, make_route_request
-from ..fleet.view import Placement, RouterView
+from ..placement.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap, DoorAnswer
+from ..placement.score import ARMS, ROUTINGS, ReplicaLoad, RouteChoice, RouteRequest, ScoreConfig, make_route_request
+from ..placement.view import Placement, RouterView
 from ..scheduler import GenRequest, StepOutput, StepPlan, VirtualClock, percentile
 from ..scheduler.policies import ADMISSION_POLICIES
 from ..scheduler.replica import Replica
+from ..workloads import SimRequest
 from .simulator import (
     CostModelExecutor,
     Deployment,
@@ -56,7 +57,6 @@ from .simulator import (
     recovery_costs,
     tier_links,
 )
-from .workloads import SimRequest
 
 _ARRIVE, _DELIVER, _STEP, _REPLY, _SNAPSHOT, _RETRY = range(6)
 

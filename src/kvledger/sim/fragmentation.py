@@ -39,7 +39,7 @@ from ..core.contiguous import FirstFit
 from ..core.ledger import KVLedger
 from ..core.types import Outcome, Request
 from ..errors import ConfigError, OutOfBlocksError
-from .workloads import SimRequest
+from ..workloads import SimRequest
 
 CONTIGUOUS_MODES = ("max", "pow2", "oracle")
 FIG2_KEYS = ("token_states", "reservation", "internal", "external")

@@ -65,8 +65,8 @@ from ..scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
 from ..scheduler.replica import Replica, tier_ledger
 from ..scheduler.transfers import step_transfer_timing
 from ..units import parse_bytes
+from ..workloads import SimRequest, assign_trust_groups
 from .cost_model import CPU_LOCAL, CostModel, DeviceProfile, get_profile
-from .workloads import SimRequest, assign_trust_groups
 
 SAMPLED_TOKEN = 0  # the synthetic token every sampling sequence gets
 STOP_TOKEN = 1  # with declared_max_new: the last token of a request's trace output (a stop token)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 
 StorageKey = tuple[str, int, int]  # (device type, device index or -1, data pointer) or ("opaque", id, 0)
 

@@ -28,11 +28,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ..core.geometry import KVSpec
-from ..errors import ConfigError
-from .weights import Checkpoint, cache_root
+from ...core.geometry import KVSpec
+from ...errors import ConfigError
+from ..weights import Checkpoint, cache_root
 
-DATA = Path(__file__).resolve().parents[1] / "data" / "quality"
+DATA = Path(__file__).resolve().parents[2] / "data" / "quality"
 SHIPPED_RECORDS = DATA / "records"
 CONTRACTS = DATA / "contracts"
 AGGREGATIONS = ("max", "mean", "min")

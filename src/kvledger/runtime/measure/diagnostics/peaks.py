@@ -25,8 +25,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ...core.inventory import workspace_peak_bytes
-from ...errors import ConfigError
+from ....core.inventory import workspace_peak_bytes
+from ....errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +180,7 @@ def synthetic_steps(kind: str, tokens: int, seqs: int, context: int, block_size:
     new token each at position ``context - 1``. Every sequence uses the same block table: what a step
     allocates (activations, gathered contexts, logits) does not depend on which blocks it reads, and a
     long-context decode shape then fits a small store. Token ids are arbitrary."""
-    from ..model import SeqStep
+    from ...model import SeqStep
 
     if kind not in ("prefill", "decode"):
         raise ConfigError(f"step kind must be prefill or decode, got {kind!r}")
@@ -212,7 +212,7 @@ def measure_forward_peaks(
     one warm-up, so one-off allocations do not count) and compute the formula for the same shape.
     ``backend`` names the attention backend (default ``auto``: the native kernels where they are built);
     each row records the one that ran."""
-    from ..engine import load_runner, resolve_model
+    from ...engine import load_runner, resolve_model
 
     ckpt = resolve_model(model)
     out: list[ForwardPeak] = []

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
-CORPUS_DIR = Path(__file__).resolve().parents[1] / "data" / "corpus"
+CORPUS_DIR = Path(__file__).resolve().parents[2] / "data" / "corpus"
 _MASK64 = (1 << 64) - 1
 
 

@@ -277,7 +277,7 @@ class RouterView:
 
     @_locked
     def rank(self, request: RouteRequest, now: float, avoid: Iterable[str] = ()) -> list[RouteChoice]:
-        """Every allowed replica not in ``avoid``, best first (see :func:`kvledger.fleet.score.rank`)."""
+        """Every allowed replica not in ``avoid``, best first (see :func:`kvledger.placement.score.rank`)."""
         names = self.candidates(request.trust_group, avoid)
         if not names:
             return []

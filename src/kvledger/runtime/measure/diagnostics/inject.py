@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from ...core import Request
-from ...errors import ConfigError
+from ....core import Request
+from ....errors import ConfigError
 
 MiB = 1 << 20
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +78,7 @@ def run_workload(engine: Any, workload: Workload, *, max_steps: int = 100_000,
                  on_step: Callable[[int], None] | None = None) -> list[Any]:
     """Submit each request when the engine reaches its arrival step (greedy sampling), step until every
     request has finished, and return the results in workload order."""
-    from ..sampling import SamplingParams
+    from ...sampling import SamplingParams
 
     pending = sorted(workload.items, key=lambda i: i.arrival_step)
     handles = []

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
-from ...units import format_bytes
+from ....errors import ConfigError
+from ....units import format_bytes
 from .peaks import StepShape
 from .snapshot import MemorySnapshot
 

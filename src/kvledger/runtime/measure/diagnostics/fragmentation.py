@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from ...core import CacheContext, KVLedger, KVSpec, Request
-from ...core.contiguous import FirstFit
-from ...errors import ConfigError
+from ....core import CacheContext, KVLedger, KVSpec, Request
+from ....core.contiguous import FirstFit
+from ....errors import ConfigError
 from .providers import Providers
 
 WAYS = ("paged", "grow", "max")
@@ -103,7 +103,7 @@ class _Live:
 def _workspace_bytes(cfg: dict[str, Any], tokens: int, seqs: int, act_bytes: int) -> int:
     """The step's activations as the runtime lays them out: (4 I + H) per token (gate and up, their
     product, the MLP output) in the compute dtype, plus fp32 logits per sequence."""
-    from ...core.geometry import text_config
+    from ....core.geometry import text_config
 
     c = text_config(cfg)
     return tokens * (4 * int(c["intermediate_size"]) + int(c["hidden_size"])) * act_bytes \
@@ -116,7 +116,7 @@ def run_way(way: str, requests: Sequence[FragRequest], spec: KVSpec, capacity_by
     """Run the workload one way and measure it (see the module docstring)."""
     if way not in WAYS:
         raise ConfigError(f"way must be one of {', '.join(WAYS)}, got {way!r}")
-    from ..kv_store import KVStore, torch_dtype
+    from ...kv_store import KVStore, torch_dtype
 
     dev = torch.device(device)
     providers = providers or Providers.for_device(dev)
@@ -269,7 +269,7 @@ def run_way(way: str, requests: Sequence[FragRequest], spec: KVSpec, capacity_by
 
 def table_rows(results: Sequence[WayResult]) -> list[tuple[str, list[str]]]:
     """The comparison table: one row per measurement, one column per way (formatted)."""
-    from ...units import format_bytes
+    from ....units import format_bytes
 
     def b(x: float) -> str:
         return format_bytes(int(x))

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 
 
 @dataclass(frozen=True, slots=True)

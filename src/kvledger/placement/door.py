@@ -12,7 +12,7 @@ as it is *now* and every request it has already accepted that its scheduler has 
     booked += worst
 
 A refused request never held a block: the answer is a cheap, normal "not now" with a fresh
-:class:`~kvledger.fleet.score.ReplicaLoad`, and the router tries elsewhere. "never" (larger than the whole
+:class:`~kvledger.placement.score.ReplicaLoad`, and the router tries elsewhere. "never" (larger than the whole
 pool) is final. The scheduler then admits accepted requests in order through ``KVLedger.admit`` -- the one
 place memory is committed -- and :meth:`AdmissionDoor.admitted` takes them off the book.
 

@@ -16,11 +16,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..errors import ConfigError
-from ..scheduler import StepPlan
-from .host_store import TierStores
-from .kv_store import KVStore
-from .transfer import TransferEngine
+from ...errors import ConfigError
+from ...scheduler import StepPlan
+from ..host_store import TierStores
+from ..kv_store import KVStore
+from ..transfer import TransferEngine
 
 DEFAULT_SIZES = (1, 2, 4, 8, 16, 32)
 

@@ -10,7 +10,7 @@
 
 Library use::
 
-    from kvledger.runtime.diagnostics import MemorySampler, take_snapshot, diff
+    from kvledger.runtime.measure.diagnostics import MemorySampler, take_snapshot, diff
 
     before = take_snapshot(engine)
     ...                                   # run something

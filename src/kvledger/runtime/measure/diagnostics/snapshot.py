@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...units import format_bytes
+from ....units import format_bytes
 from .pool import PoolSample, pool_sample
 from .providers import AllocatorStats, DeviceStats, Providers
 from .tensors import CreationSites, StorageKey, TensorRegistry, TensorSample, scan
@@ -25,7 +25,7 @@ def engine_registry(engine: Any) -> TensorRegistry:
     decoders the process keeps loaded) and their packed oneDNN copies on CPU, the device KV store, the host
     tier, the transfers' staging buffer, the attention backend's per-step workspace (index tensors and masks it
     keeps between steps)."""
-    from .. import loading
+    from ... import loading
 
     reg = TensorRegistry()
     reg.register("weights/packed", lambda: _packed(engine.runner.model), call=True)

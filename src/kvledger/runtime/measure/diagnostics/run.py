@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ...errors import ConfigError
-from ..loading import compute_dtype
+from ....errors import ConfigError
+from ...loading import compute_dtype
 from .inject import Injection, make_injections
 from .reconcile import Diagnosis, Thresholds
 from .report import document
@@ -45,7 +45,7 @@ def run_diagnosis(
     blocks) under a sampler, with the named injections, and reconcile."""
     compute = compute_dtype(dtype)  # refuses anything but fp32, bf16, fp16 (or vLLM's names)
     if engine is None:
-        from ..engine import Engine
+        from ...engine import Engine
 
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ConfigError(f"the KV pool needs at least one block, got {num_blocks!r}")

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...core.ledger import KVLedger
+from ....core.ledger import KVLedger
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import ConfigError
+from ....errors import ConfigError
 from .peaks import PeakMeter, StepShape, meter_for
 from .providers import Providers
 from .snapshot import MemorySnapshot, engine_registry, take_snapshot

@@ -37,12 +37,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..errors import ConfigError
-from .attention import AttentionBatch
+from ...errors import ConfigError
+from ..attention import AttentionBatch
+from ..engine import kv_spec_for, load_decoder, resolve_model
+from ..model import ModelRunner, SeqStep
+from ..weights import Checkpoint
 from .corpus import CORPUS_DIR, corpus_text
-from .engine import kv_spec_for, load_decoder, resolve_model
-from .model import ModelRunner, SeqStep
-from .weights import Checkpoint
 
 KINDS = ("prose", "code", "chat")
 DEFAULT_CONTEXTS = (256, 2048)

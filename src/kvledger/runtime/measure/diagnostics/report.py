@@ -21,7 +21,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ...units import format_bytes
+from ....units import format_bytes
 from .reconcile import Diagnosis
 from .snapshot import MemorySnapshot
 

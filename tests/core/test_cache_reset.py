@@ -86,3 +86,19 @@ def test_a_reset_that_requeues_running_requests_counts_no_preemption_anywhere() 
     assert s.preemptions == 0 and led.stats()["lifetimes"]["preemptions"] == 0
     assert not s.running and len(s.waiting) == 2
     s.check()
+
+
+def toks(n: int, start: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def test_a_done_prefix_cache_reset_says_how_many_blocks_it_cleared() -> None:
+    """An 8-token prompt, computed and released, leaves its 2 full blocks cached: the reset clears them
+    and its explanation says so."""
+    led = KVLedger(8, BS)
+    led.admit(Request("a", toks(8, 10), 1)).raise_for_outcome()
+    led.mark_computed("a", 8)
+    led.release("a")
+    reset = led.reset_prefix_cache()
+    assert reset.done and reset.cleared_blocks == 2
+    assert reset.reason == "2 cached blocks cleared"

@@ -3,11 +3,16 @@ eviction statistics and explicit cache clearing. Block size 16; ``check()`` afte
 
 from __future__ import annotations
 
-from kvledger.core.eviction import DEFAULT_PRIORITY, PriorityPolicy
+from collections.abc import Callable
+
+import pytest
+
+from kvledger.core.eviction import DEFAULT_PRIORITY, LRUPolicy, PriorityPolicy
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
 from kvledger.core.observe import EventLog
 from kvledger.core.types import Retention
+from kvledger.errors import ConfigError
 
 BS = 16
 
@@ -271,3 +276,190 @@ def test_clear_cache_emits_one_event_per_block() -> None:
     release(ledger, "a")
     assert ledger.clear_cache() == 1
     assert [e.kind for e in events.all()] == ["stored", "cleared"]
+
+
+SMALL_BS = 4  # the block size of the small hand-worked pools (the rest of test_eviction uses 16)
+
+
+class _PlainPolicy(LRUPolicy):
+    """A user's policy with every method KVLedger requires, and no optional ``clear``."""
+
+    def __getattribute__(self, name: str) -> object:
+        if name == "clear":
+            raise AttributeError(name)
+        return super().__getattribute__(name)
+
+
+def _retained_order(led: KVLedger, blocks: list[int]) -> list[int]:
+    """The eviction order of the retained blocks, first victim first, as positions in ``blocks``."""
+    return [blocks.index(b) for b in led.pool.retained.blocks()]
+
+
+def test_a_block_evicted_for_a_new_prompt_forgets_the_priority_of_its_old_content(
+    run_once: Callable[..., None],
+) -> None:
+    """Priority policy: a's two blocks are kept at 90; b (the whole pool) evicts them and reuses them as its
+    deepest blocks. Those now hold b's content, at the default level like the rest of b, so a later prompt
+    that needs two blocks evicts b's deepest (released first), and b's head is still a prefix hit."""
+    led = KVLedger(4, SMALL_BS, policy="priority", clock=lambda: 0.0)
+    run_once(led, "a", tokens(8, 100), retention=(Retention(0, 8, 90),))
+    run_once(led, "b", tokens(16, 200))
+    run_once(led, "c", tokens(8, 300))
+    again = led.admit(Request("b2", tokens(16, 200), 0))
+    assert again.admitted and again.blocks_hit == 2
+    led.check()
+
+
+def test_a_prefix_cache_reset_works_with_a_policy_that_has_no_clear(run_once: Callable[..., None]) -> None:
+    led = KVLedger(4, SMALL_BS, policy=_PlainPolicy())
+    run_once(led, "a", tokens(8, 1))
+    reset = led.reset_prefix_cache()
+    assert reset.done and reset.cleared_blocks == 2
+    assert led.usage().free == 4
+    led.check()
+
+
+def test_a_block_evicted_by_decode_growth_forgets_the_priority_of_its_old_content(
+    run_once: Callable[..., None], grow_into_a_full_pool: Callable[[KVLedger], None],
+) -> None:
+    """As the prompt case above, for the one-block ``allocate`` of a decode step: the two blocks x took
+    from a (kept at 90) hold x's generated tokens now, at the default level, so after x ends they are
+    evicted by LRU order (x's tail first), not kept while x's prompt head goes."""
+    led = KVLedger(4, SMALL_BS, policy="priority", clock=lambda: 0.0)
+    run_once(led, "a", tokens(8, 100), retention=(Retention(0, 8, 90),))
+    grow_into_a_full_pool(led)
+    led.release("x")
+    led.check()
+    run_once(led, "c", tokens(8, 300))  # evicts two blocks: x's tail (released first), not its head
+    again = led.admit(Request("x2", tokens(8, 500), 0))
+    assert again.admitted and again.blocks_hit == 2
+
+
+def test_decode_growth_into_a_full_lru_pool_counts_its_evictions_and_opens_an_unwritten_block(
+    run_once: Callable[..., None],
+) -> None:
+    """The inlined eviction of ``allocate`` (LRU, no events, no tiers): the operator's eviction count, and
+    the block it opens holds no computed KV yet, so only the computed tokens are ready."""
+    led = KVLedger(4, SMALL_BS)
+    run_once(led, "a", tokens(8, 100))
+    assert led.admit(Request("x", tokens(8, 500), 8)).admitted
+    led.append_token("x", 600)
+    assert led.stats()["lifetimes"]["evictions"] == 1
+    assert led.ready_tokens("x") == 8  # the ninth token's KV is written by the next step
+    for t in range(1, 8):
+        led.append_token("x", 600 + t)
+    assert led.stats()["lifetimes"]["evictions"] == 2 and led.usage().retained == 0
+    led.check()
+
+
+def test_a_freed_block_forgets_the_priority_its_request_gave_it(run_once: Callable[..., None]) -> None:
+    """a marks its last two prompt blocks 90 but is released before they are computed: they are freed,
+    and b, which reuses them as its own last two blocks, must not inherit the 90."""
+    led = KVLedger(4, SMALL_BS, policy="priority", clock=lambda: 0.0)
+    assert led.admit(Request("a", tokens(16, 100), 0, retention=(Retention(8, 16, 90),))).admitted
+    led.release("a")
+    assert led.usage().free == 4
+    run_once(led, "b", tokens(16, 200))
+    run_once(led, "c", tokens(8, 300))  # evicts b's last two blocks (released first, all at 35)
+    again = led.admit(Request("b2", tokens(16, 200), 0))
+    assert again.admitted and again.blocks_hit == 2
+    led.check()
+
+
+def test_a_retention_range_covers_exactly_the_blocks_it_overlaps() -> None:
+    """Ranges ending or starting on a block boundary give their priority to the blocks holding their
+    tokens only; within a block the highest priority wins, the first of equal ones (with its duration)."""
+    now = [0.0]
+    led = KVLedger(8, SMALL_BS, policy="priority", clock=lambda: now[0])
+    ranges = (Retention(0, 4, 90),  # block 0 only (ends on the boundary)
+              Retention(12, 13, 80),  # block 3 only (starts on its boundary)
+              Retention(16, 20, 10, duration_s=100.0), Retention(16, 20, 10, duration_s=1.0))  # block 4: 100 s
+    assert led.admit(Request("a", tokens(20, 1), 0, retention=ranges)).admitted
+    blocks = list(led.sequence("a").table.blocks)
+    led.mark_computed("a", 20)
+    led.release("a")  # tail first: 4, 3, 2, 1, 0
+    now[0] = 5.0  # the 1 s duration would have expired by now; the 100 s one has not
+    assert _retained_order(led, blocks) == [4, 2, 1, 3, 0]  # 10; 35: 2, 1 (released in that order); 80; 90
+    led.check()
+
+
+def test_generated_blocks_do_not_renew_the_expiry_of_the_prompt_blocks() -> None:
+    """A prompt block kept at 90 for 10 s from admission (t=0): when generation completes a later block at
+    t=5, the prompt blocks' priorities are not set again, so they still expire at t=10."""
+    now = [0.0]
+    led = KVLedger(8, SMALL_BS, policy="priority", clock=lambda: now[0])
+    assert led.admit(Request("a", tokens(8, 1), 4, retention=(Retention(0, 8, 90, duration_s=10.0),))).admitted
+    now[0] = 5.0
+    led.append_tokens("a", [50, 51, 52, 53])
+    led.mark_computed("a", 12)  # block 2 is written: it gets its identity (and no priority: no range covers it)
+    blocks = list(led.sequence("a").table.blocks)
+    led.release("a")
+    assert _retained_order(led, blocks) == [2, 1, 0]
+    now[0] = 12.0  # past t=10: both prompt blocks are back at the default level, after block 2
+    assert _retained_order(led, blocks) == [2, 0, 1]
+    led.check()
+
+
+def test_a_retention_range_past_the_prompt_covers_the_generated_blocks_too() -> None:
+    led = KVLedger(8, SMALL_BS, policy="priority", clock=lambda: 0.0)
+    assert led.admit(Request("a", tokens(8, 1), 4, retention=(Retention(4, 100, 90),))).admitted
+    led.append_tokens("a", [50, 51, 52, 53])
+    led.mark_computed("a", 12)
+    blocks = list(led.sequence("a").table.blocks)
+    led.release("a")
+    assert _retained_order(led, blocks) == [0, 2, 1]  # 35: block 0; 90: blocks 2 and 1, released in that order
+    led.check()
+
+
+@pytest.mark.parametrize("prompt", ["abcd", b"abcd"])
+def test_pin_rejects_a_text_prompt(prompt: object) -> None:
+    """A str or bytes prompt is not a sequence of token ids: ConfigError naming the prompt."""
+    led = KVLedger(8, SMALL_BS, prefix_caching=True)
+    with pytest.raises(ConfigError, match="the prompt must be a sequence of token ids"):
+        led.pin("p", prompt, CacheContext())  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("frac", [2, 1.5, -0.5])
+def test_max_pinned_fraction_outside_zero_one_is_rejected(frac: float) -> None:
+    """``max_pinned_fraction`` must lie in [0, 1]: a finite value outside is a ConfigError."""
+    with pytest.raises(ConfigError, match=r"max_pinned_fraction must be in \[0, 1\]"):
+        KVLedger(8, SMALL_BS, max_pinned_fraction=frac)
+
+
+def test_a_retention_given_whole_seconds_keeps_them_as_float_seconds() -> None:
+    """``duration_s=5`` is 5.0 seconds, not forever (None)."""
+    r = Retention(0, 8, 90, 5)
+    assert r.duration_s == 5.0 and type(r.duration_s) is float
+    assert (r.start, r.end, r.priority) == (0, 8, 90)
+
+
+def test_a_bad_retention_end_names_the_field() -> None:
+    """The message says which field of the Retention is wrong, spelt as the caller wrote it."""
+    with pytest.raises(ConfigError, match=r"^Retention\.end must be an integer, got 'x'$"):
+        Retention(0, "x", 1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^Retention\.end must be >= 0, got -1$"):
+        Retention(0, -1, 1)
+
+
+def test_a_retention_of_zero_seconds_is_accepted() -> None:
+    """``duration_s`` must be finite and >= 0 (its own message says so): zero is allowed, negative not."""
+    r = Retention(0, 4, 50, duration_s=0)
+    assert r.duration_s == 0.0 and type(r.duration_s) is float
+    with pytest.raises(ConfigError, match=r"finite and >= 0, got -1\.0"):
+        Retention(0, 4, 50, duration_s=-1)
+
+
+def test_invalidate_frees_a_retained_block_and_drops_it_from_the_cache() -> None:
+    """A finished 8-token request leaves its 2 blocks retained (6 free of 8). Invalidating its first block
+    frees it (7 free, 1 retained), and the same prompt then hits nothing: the chain starts there."""
+    led = KVLedger(8, SMALL_BS)
+    assert led.admit(Request("a", tokens(8, 1), 1)).admitted
+    led.mark_computed("a", 8)
+    first = led.sequence("a").table.blocks[0]
+    led.release("a")
+    assert (led.usage().free, led.usage().retained) == (6, 2)
+    led.invalidate([first])
+    assert (led.usage().free, led.usage().retained) == (7, 1)
+    assert first in led.pool.free_blocks()
+    assert led.admit(Request("b", tokens(8, 1), 1)).blocks_hit == 0
+    led.check()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from kvledger.core.geometry import KV_DTYPE_BYTES, KVSpec, dtype_bytes
+from kvledger.core.geometry import KV_DTYPE_BYTES, KVSpec, default_dtype, dtype_bytes, text_config
+from kvledger.core.inventory import kv_layout
 from kvledger.core.models import list_models, load_model_config, model_source
 from kvledger.errors import ConfigError
 
@@ -229,3 +231,98 @@ def test_malformed_or_non_object_config_is_a_config_error(tmp_path):
         load_model_config(bad)
     with pytest.raises(ConfigError, match="no model config"):
         load_model_config(tmp_path / "missing.json")
+
+
+# ---- exact per-token figures, KV layouts, config edge cases, the default dtype ------------------
+
+def layout(dtype: str) -> list[tuple[str, str, list[int]]]:
+    spec = KVSpec(layers=1, kv_heads=2, head_dim=8, kv_dtype=dtype, block_size=4)
+    return [(p["kv"], p["part"], p["shape"]) for p in kv_layout(spec)]
+
+
+def test_bytes_per_token_is_an_int_when_the_block_divides_evenly() -> None:
+    """bf16, 1 layer, 1 KV head of 64: K and V are 2 * 64 * 2 = 256 bytes per token, an int (a report
+    prints 256, not 256.0)."""
+    spec = KVSpec(layers=1, kv_heads=1, head_dim=64)
+    assert spec.bytes_per_token == 256 and type(spec.bytes_per_token) is int
+    assert spec.layer_bytes_per_token == 256 and type(spec.layer_bytes_per_token) is int
+
+
+def test_bytes_per_token_keeps_the_fraction_when_the_block_does_not_divide() -> None:
+    """int4 (KIVI), block of 3 tokens, 1 head of 4: codes 2 * 3 * 2 = 12 bytes, K scale+min per channel
+    2 * 4 * 2 = 16, V scale+min per token 2 * 3 * 2 = 12: 40 bytes per block, 40 / 3 per token (a
+    remainder of 1 must not be floored to 13)."""
+    spec = KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="int4", block_size=3)
+    assert spec.block_bytes == 40
+    assert spec.bytes_per_token == 40 / 3
+    assert spec.layer_bytes_per_token == 40 / 3
+
+
+def test_fp8_and_int8_layouts_name_their_codes_and_scales() -> None:
+    """`kv_layout` (the report of one block's parts) names fp8/int8 values `codes`, each with a `scale`."""
+    for dtype in ("fp8", "int8"):
+        layout = kv_layout(KVSpec(layers=1, kv_heads=2, head_dim=8, kv_dtype=dtype, block_size=4))
+        assert [(p["kv"], p["part"], p["shape"]) for p in layout] == [
+            ("k", "codes", [4, 2, 8]), ("k", "scale", [4, 2]), ("v", "codes", [4, 2, 8]), ("v", "scale", [4, 2])]
+
+
+def test_text_config_unwraps_a_multimodal_config(tiny_dense: dict) -> None:
+    """A Gemma-3-style config nests the decoder under `text_config`: its keys are what plans read."""
+    inner = text_config({"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": dict(tiny_dense)})
+    assert inner["num_hidden_layers"] == 2 and inner["model_type"] == "gemma3"
+
+
+def test_a_bad_residual_dtype_lists_the_allowed_ones() -> None:
+    with pytest.raises(ConfigError, match=r"residual_dtype must be one of fp32, bf16, fp16, got "):
+        KVSpec(layers=1, kv_heads=1, head_dim=4, kv_dtype="int4", residual_dtype="fp8")
+
+
+def test_mla_layout_stores_one_latent_head() -> None:
+    """MLA caches one latent (kv_lora_rank 4 + rope 2 = 6 wide) per token, not one per attention head."""
+    cfg = {"hidden_size": 8, "num_hidden_layers": 2, "vocab_size": 10, "num_attention_heads": 2,
+           "kv_lora_rank": 4, "qk_nope_head_dim": 2, "qk_rope_head_dim": 2, "v_head_dim": 2,
+           "intermediate_size": 12}
+    spec = KVSpec.from_hf_config(cfg, block_size=4)
+    assert [p["shape"] for p in kv_layout(spec)] == [[4, 1, 6]]
+
+
+@pytest.mark.parametrize("rope_dim", [2.0, True])
+def test_mla_rope_dim_must_be_an_integer(rope_dim: object) -> None:
+    """An MLA spec with a float or boolean rope_dim is refused with a message naming rope_dim."""
+    with pytest.raises(ConfigError, match="rope_dim must be a non-negative integer"):
+        KVSpec(2, 1, 6, attention="mla", kv_lora_rank=4, rope_dim=rope_dim)  # type: ignore[arg-type]
+
+
+def test_hybrid_attention_defaults_to_every_other_layer_sliding() -> None:
+    """attention='hybrid' without sliding_layers slides layers 0, 2, 4 of 5: (5 + 1) // 2 = 3."""
+    spec = KVSpec(5, 2, 4, attention="hybrid", sliding_window=8)
+    assert spec.sliding_layers == 3
+
+
+def test_a_deeply_nested_model_config_says_so(tmp_path: Path) -> None:
+    """A config.json nested 100,000 deep is refused with a message naming the file and the nesting."""
+    path = tmp_path / "config.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ConfigError, match="config.json is nested too deeply to be a model config"):
+        load_model_config(path)
+
+
+def test_default_dtype_reads_either_key() -> None:
+    """A config with only `torch_dtype` or only the newer `dtype` key is served in that dtype."""
+    assert default_dtype({"torch_dtype": "float16"}) == "fp16"
+    assert default_dtype({"dtype": "float16"}) == "fp16"
+    assert default_dtype({}) == "bf16"
+
+
+def test_plain_layout_names_k_and_v_values_in_lower_case() -> None:
+    """`kv_layout` of a plain fp16 cache lists K's values then V's, tagged 'k' and 'v' (block 4, 2 heads
+    of 8: each [4, 2, 8])."""
+    assert layout("fp16") == [("k", "values", [4, 2, 8]), ("v", "values", [4, 2, 8])]
+
+
+def test_int4_layout_names_every_part_of_k_and_v() -> None:
+    """int4 (KIVI), block 4, 2 heads of 8: packed codes [4, 2, 8 // 2] for K and V; K's scale and min per
+    channel [2, 8]; V's scale and min per token [4, 2] -- tagged 'v' and named 'min'."""
+    assert layout("int4") == [
+        ("k", "codes", [4, 2, 4]), ("k", "scale", [2, 8]), ("k", "min", [2, 8]),
+        ("v", "codes", [4, 2, 4]), ("v", "scale", [4, 2]), ("v", "min", [4, 2])]

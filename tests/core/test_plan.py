@@ -4,10 +4,14 @@ capacity answers, fit hints, the matrix and our own runtime's measured peaks."""
 from __future__ import annotations
 
 import json
+import re
+from importlib import resources
 
 import pytest
 
 from kvledger.cli.main import main
+from kvledger.core import gpus
+from kvledger.core.capacity import fit_hints
 from kvledger.core.engines import find_peak, load_measured_peaks, vllm_batch_defaults
 from kvledger.core.geometry import KVSpec
 from kvledger.core.inventory import build_inventory
@@ -257,3 +261,66 @@ def test_kvledger_engine_uses_a_measured_peak_when_one_exists(capsys, tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text('{"peaks": [{"model": "x"}]}')
     assert "lacks or mistypes" in one_line_error(capsys, *base, "--peaks", str(bad))
+
+
+# ---- fit hints and the GPU catalogue's refusals -------------------------------------------------------
+
+H100_VLLM = {"gpu": "h100-80gb", "engine": "vllm"}
+
+
+def test_no_fp8_weight_hint_for_int4_weights() -> None:
+    """int4 weights are already smaller than fp8: fit_hints never suggests `--weight-dtype fp8` for them."""
+    cfg = load_model_config("smollm2-135m")
+    spec = KVSpec.from_hf_config(cfg)
+    hints = fit_hints(spec, cfg, {"device_bytes": "8GiB", "weight_dtype": "int4"})
+    assert not any(h.startswith("--weight-dtype") for h in hints)
+    # bf16 weights do get the hint, so the check above is not vacuous
+    assert any(h.startswith("--weight-dtype fp8") for h in fit_hints(spec, cfg, {"device_bytes": "8GiB"}))
+
+
+def test_a_bad_nvidia_smi_total_in_the_gpu_catalogue_names_the_field() -> None:
+    """A catalogue row whose nvidia-smi total is not positive is refused with a message naming
+    ``nvidia_smi_total_mib``."""
+    rows = json.loads(resources.files("kvledger").joinpath("data", "gpus.json").read_text(encoding="utf-8"))["gpus"]
+    h100 = next(r for r in rows if r["name"] == "h100-80gb")
+    with pytest.raises(ConfigError, match=r"^GPU catalogue: nvidia_smi_total_mib must be a positive number, got 0$"):
+        gpus._gpu(dict(h100, nvidia_smi_total_mib=0))
+
+
+def test_tp_hint_keeps_the_block_size_of_the_plan() -> None:
+    """A --tp hint for a plan with 32-token blocks counts 32-token blocks: its token figure is its block
+    count x 32, and both are what the plan at that TP degree (same block size) would say."""
+    cfg = load_model_config("llama-3.1-8b")
+    spec = KVSpec.from_hf_config(cfg, block_size=32)
+    hint = fit_hints(spec, cfg, H100_VLLM)[0]
+    m = re.fullmatch(r"--tp 2 \(([\d,]+) blocks = ([\d,]+) tokens\)", hint)
+    assert m, hint
+    blocks, tokens = (int(g.replace(",", "")) for g in m.groups())
+    assert tokens == blocks * 32
+    at_tp2 = build_inventory(KVSpec.from_hf_config(cfg, tp=2, block_size=32), cfg, **H100_VLLM)
+    assert (blocks, tokens) == (at_tp2.pool_blocks, at_tp2.capacity_tokens)
+
+
+def test_tp_hint_suggests_the_smallest_degree_that_fits() -> None:
+    """Llama-3.1-8B at tp 1 on an H100: the first hint is the next TP degree, 2 (not a larger one)."""
+    cfg = load_model_config("llama-3.1-8b")
+    hints = fit_hints(KVSpec.from_hf_config(cfg), cfg, H100_VLLM)
+    assert hints[0].startswith("--tp 2 (")
+
+
+def test_fp8_kv_hint_says_how_many_tokens_fp8_kv_gives() -> None:
+    """The fp8-KV hint is a line of text with the capacity the plan with --kv-dtype fp8 gives."""
+    cfg = load_model_config("llama-3.1-8b")
+    hints = fit_hints(KVSpec.from_hf_config(cfg), cfg, H100_VLLM)
+    fp8 = build_inventory(KVSpec.from_hf_config(cfg, kv_dtype="fp8"), cfg, **H100_VLLM)
+    assert f"--kv-dtype fp8 ({fp8.capacity_tokens:,} tokens)" in hints
+    assert all(isinstance(h, str) for h in hints)
+
+
+def test_fp8_weights_hint_is_offered_for_a_bf16_checkpoint() -> None:
+    """A bf16 checkpoint gets a --weight-dtype fp8 hint with the capacity fp8 weights give."""
+    cfg = load_model_config("llama-3.1-8b")
+    spec = KVSpec.from_hf_config(cfg)
+    hints = fit_hints(spec, cfg, H100_VLLM)
+    fp8w = build_inventory(spec, cfg, weight_dtype="fp8", **H100_VLLM)
+    assert f"--weight-dtype fp8 ({fp8w.capacity_tokens:,} tokens)" in hints

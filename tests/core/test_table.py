@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvledger.core.identity import CacheContext
 from kvledger.core.table import BlockTable
 
 
@@ -96,3 +97,23 @@ def test_block_size_one() -> None:
     assert [t.slot(p) for p in range(3)] == [(4, 0), (2, 0), (8, 0)]
     assert t.slot_mapping(0, 3) == [4, 2, 8]
     assert t.tail_slack(3) == 0
+
+
+BS = 4
+
+
+def test_sequence_state_without_a_family_belongs_to_its_own_request() -> None:
+    """A ``SequenceState`` built without ``family`` is its own family (the request id), as documented."""
+    from kvledger.core.table import BlockTable  # noqa: PLC0415
+    from kvledger.core.types import SequenceState  # noqa: PLC0415
+    seq = SequenceState(request_id="r", context=CacheContext(), root=b"", tokens=[1, 2], num_prompt=2,
+                        max_new_tokens=3, table=BlockTable(BS, []), promised=0)
+    assert seq.family == "r" and seq.limit == 5  # 2 prompt + 3 new
+
+
+def test_slot_mapping_past_the_table_names_the_position_and_the_blocks() -> None:
+    """Two blocks of 4 cover positions 0..7; asking for [0, 9) names position 8 and the 2 blocks."""
+    table = BlockTable(BS, [3, 5])
+    assert table.slot_mapping(0, 2) == [12, 13]
+    with pytest.raises(IndexError, match=r"^token position 8 is beyond the table's 2 blocks$"):
+        table.slot_mapping(0, 9)

@@ -10,8 +10,12 @@ import pytest
 
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Request
-from kvledger.core.tiers import CACHED, DRAINING, FREE, HELD, TierLedger, TierOp
+from kvledger.core.tiers import CACHED, DRAINING, FREE, HELD, TierLedger, TierOp, TierSpec
 from kvledger.errors import ConfigError, InvariantError, LedgerError
+from kvledger.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+)
 
 BS = 4
 
@@ -446,3 +450,125 @@ def test_freeing_a_slot_not_held_is_the_callers_mistake_not_a_broken_law(slot) -
     assert not isinstance(raised.value, InvariantError)
     assert _state(t) == before
     t.check()
+
+
+def toks(n: int, start: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def _tiers_with_cached(n: int) -> tuple[TierLedger, list[int]]:
+    tiers = TierLedger([("host", 8)])
+    slots = [tiers.demote(i, bytes([i + 1]) * 32, "g") for i in range(n)]
+    tiers.complete()
+    return tiers, slots  # type: ignore[return-value]
+
+
+def test_a_block_evicted_by_decode_growth_is_demoted_to_the_attached_tier(
+    run_once: Callable[..., None], grow_into_a_full_pool: Callable[[KVLedger], None],
+) -> None:
+    from kvledger.core.tiers import TierLedger
+
+    led = KVLedger(4, BS)
+    tiers = TierLedger([("host", 8)])
+    led.attach_tiers(tiers)
+    run_once(led, "a", toks(8, 100))
+    grow_into_a_full_pool(led)
+    assert led.pool.evictions == 2
+    assert tiers.flow["demoted"] == 2 and tiers.num_used == 2  # both of a's blocks, one per decode block
+    led.check()
+
+
+def test_check_reports_tiers_without_demotion_in_exact_words() -> None:
+    """With tiers attached but the pool's eviction hook gone, ``check`` names exactly that fault."""
+    from kvledger.core.tiers import TierLedger  # noqa: PLC0415
+    from kvledger.errors import InvariantError  # noqa: PLC0415
+    led = KVLedger(8, BS, prefix_caching=True)
+    led.attach_tiers(TierLedger([("host", 8)]))
+    led.check()
+    led.pool.on_evict = None
+    with pytest.raises(InvariantError, match=r"^tiers are attached but the pool's evictions are not demoted$"):
+        led.check()
+
+
+def test_write_back_copies_only_what_the_free_list_is_short_of() -> None:
+    """``writeback_blocks=7`` with 5 free blocks and 3 retained prefix blocks: only 7 - 5 = 2 retained
+    blocks (the two coldest) are written back, not all 3."""
+    from kvledger.core.tiers import TierLedger  # noqa: PLC0415
+    led = KVLedger(8, BS, prefix_caching=True)
+    for k, rid in enumerate("abc"):  # each leaves one full, indexed block retained; 8 - 3 = 5 free
+        led.admit(Request(rid, toks(4, 100 * (k + 1)), 1)).raise_for_outcome()
+        led.mark_computed(rid, 4)
+        led.release(rid)
+    assert (led.pool.num_free, led.pool.num_retained) == (5, 3)
+    s = Scheduler(led, SchedulerConfig(offload_prefixes=True, writeback_blocks=7), host=TierLedger([("host", 8)]))
+    plan = s.schedule()
+    assert len(plan.writeback) == 2
+
+
+def test_two_tiers_of_one_name_are_refused_with_its_message() -> None:
+    with pytest.raises(ConfigError, match="^tier names must be distinct$"):
+        TierLedger([("host", 2), ("host", 4)])
+
+
+def test_tier_usage_counts_the_slots_in_flight() -> None:
+    """Two slots held for a swap-out are in flight until the transfer completes."""
+    tiers = TierLedger([("host", 4)])
+    tiers.hold(2)
+    assert tiers.usage()["host"]["in_flight"] == 2
+    tiers.complete()
+    assert tiers.usage()["host"]["in_flight"] == 0
+
+
+def test_spill_counts_the_entries_it_moved_down() -> None:
+    """Two cached host entries spilled to the disk tier: two moves in the tier ledger's flow."""
+    tiers = TierLedger([("host", 2), ("disk", 3)])
+    for i in range(2):
+        tiers.demote(i, bytes([i + 1]), "g")
+    tiers.complete()
+    assert tiers.spill(0, 2) == 2
+    assert tiers.flow["moved"] == 2
+
+
+def test_tier_usage_reports_each_tiers_size_under_slots() -> None:
+    tiers = TierLedger([("host", 2), ("disk", 3)])
+    tiers.demote(0, b"\x01", "g")
+    usage = tiers.usage()
+    assert usage["host"]["slots"] == 2 and usage["disk"]["slots"] == 3
+    assert usage["host"] == {"slots": 2, "free": 1, "held": 0, "cached": 1, "draining": 0, "in_flight": 1}
+
+
+@pytest.mark.parametrize("name", ["a-b", "1st", "host disk"])
+def test_a_tier_name_that_is_not_an_identifier_is_refused(name: str) -> None:
+    with pytest.raises(ConfigError, match="a tier name is an identifier such as 'host' or 'disk'"):
+        TierSpec(name, 3)
+
+
+def test_demote_quotes_the_trust_group_it_refuses() -> None:
+    """The error shows the value that was given as the trust group, not some other value."""
+    tiers = TierLedger([("host", 8)])
+    with pytest.raises(ConfigError, match=r"^demote: the trust group must be a string, got 5$"):
+        tiers.demote(0, b"d" * 32, 5)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"got b'g'$"):
+        tiers.demote(0, b"d" * 32, b"g")  # type: ignore[arg-type]
+
+
+def test_two_takes_in_one_step_count_both_slots_as_draining() -> None:
+    """Promoting one entry, then another before ``complete``: 2 slots drain, the counter says 2 and the
+    tier ledger still checks; after ``complete`` none drains."""
+    tiers, slots = _tiers_with_cached(2)
+    tiers.take([slots[0]])
+    tiers.take([slots[1]])
+    assert tiers.counts["draining"] == 2 and tiers.usage()["host"]["draining"] == 2
+    tiers.check()
+    tiers.complete()
+    assert tiers.counts["draining"] == 0
+    tiers.check()
+
+
+def test_the_drain_list_check_says_exactly_what_disagrees() -> None:
+    """The InvariantError of a lost drain list reads "draining slots and the drain list disagree"."""
+    tiers, slots = _tiers_with_cached(1)
+    tiers.take(slots)
+    tiers._draining.clear()  # the corruption this check exists for (as in tests/core/test_tiers.py)
+    with pytest.raises(InvariantError, match=r"^draining slots and the drain list disagree$"):
+        tiers.check()

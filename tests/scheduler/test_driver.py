@@ -451,3 +451,28 @@ def test_a_feed_window_of_one_still_finishes_every_request() -> None:
     d = Driver(s, ConstantExecutor(7, 0.01), feed_window=1)
     out = d.run([GenRequest(f"q{i}", [1, 2, 3, i], 3) for i in range(3)])
     assert sorted(m.request_id for m in out) == ["q0", "q1", "q2"] and all(m.generated == 3 for m in out)
+
+
+def test_run_stops_after_max_steps() -> None:
+    """A request of 3 prompt tokens and 20 new tokens needs 20 steps; ``run(max_steps=3)`` returns after
+    exactly 3 with the request still running (nothing finished), and the next run finishes it."""
+    driver = Driver(Scheduler(KVLedger(16, BS)), ConstantExecutor())
+    driver.submit(GenRequest("a", toks(3, 100), 20))
+    assert driver.run(max_steps=3) == []
+    assert driver.steps == 3 and driver.has_work()
+    assert len(driver.scheduler.branches("a")[0].output) == 3  # one token per step
+    seen: list[int] = []
+    done = driver.run(progress=lambda d: seen.append(d.steps), progress_every=5)
+    assert [m.request_id for m in done] == ["a"] and driver.steps == 20
+    assert seen == [8, 13, 18, 20]  # every 5th step of this run (its steps 5, 10, 15), then at the end
+
+
+def test_a_driver_step_returns_the_executors_output() -> None:
+    """``StepResult.output`` is the executor's output of that step: the prefill of a 3-token prompt
+    samples one token for "a", and the step took the output's elapsed time."""
+    driver = Driver(Scheduler(KVLedger(16, BS)), ConstantExecutor())
+    driver.submit(GenRequest("a", toks(3, 100), 4))
+    result = driver.step()
+    assert result.output is not None
+    assert list(result.output.sampled) == ["a"]
+    assert result.end_s - result.start_s == pytest.approx(result.output.elapsed_s)

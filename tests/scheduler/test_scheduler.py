@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from kvledger.core.ledger import KVLedger
+from kvledger.errors import LedgerError
 from kvledger.scheduler import (
     GenRequest,
     HostPool,
@@ -32,6 +33,7 @@ from kvledger.scheduler import (
     TransferModel,
     Work,
 )
+from kvledger.scheduler.queue import WaitingQueue
 
 BS = 4  # block size of every pool in this file
 
@@ -989,3 +991,71 @@ def test_kept_free_blocks_do_not_starve_a_request_that_fits_the_pool(cfg: Schedu
     assert not s.has_work(), "a request that fits the empty pool is waiting forever"
     assert s.branches("wide")[0].finish_reason is not None
     assert_drained(s)
+
+
+def sample_all(plan: StepPlan, token: int) -> dict[str, list[int]]:
+    return {w.seq_id: [token] for w in (*plan.prefills, *plan.decodes) if w.sample}
+
+
+def test_waiting_queue_empty_popleft_message_and_index_one_is_the_second_unit() -> None:
+    """``q[1]`` is the second unit, not the head; popping an empty queue says it is empty."""
+    q = WaitingQueue()
+    with pytest.raises(IndexError, match=r"^the waiting queue is empty$"):
+        q.popleft()
+
+    def unit(rid: str) -> list:
+        return [type("B", (), {"request": GenRequest(rid, [1], 1)})()]
+
+    a, b, c = unit("a"), unit("b"), unit("c")
+    for u in (a, b, c):
+        q.append(u)
+    assert q[0] is a and q[1] is b and q[2] is c
+
+
+def test_a_decode_with_one_draft_slot_spends_two_tokens_of_the_budget() -> None:
+    """token_budget=4. X (3-token prompt, lookahead=1) decodes in step 2: its token plus one draft slot,
+    2 tokens. Y, admitted that step, gets the 4 - 2 = 2 tokens left as its first prefill chunk."""
+    s = Scheduler(KVLedger(32, BS), SchedulerConfig(policy="full", token_budget=4))
+    s.add(GenRequest("X", toks(3, 100), 8, lookahead=1))
+    engine = FakeEngine(s)
+    engine.step()
+    s.add(GenRequest("Y", toks(8, 200), 4))
+    plan = engine.step()
+    assert plan.admitted == ["Y"]
+    assert [(w.seq_id, w.start, w.end, w.lookahead) for w in plan.works] == [("Y", 0, 2, 0), ("X", 3, 4, 1)]
+    assert plan.num_tokens == 4
+
+
+def test_forget_of_an_unfinished_request_says_it_is_not_finished() -> None:
+    s = Scheduler(KVLedger(8, BS))
+    with pytest.raises(LedgerError, match=r"^request 'nope' is not finished$"):
+        s.forget("nope")
+    s.add(GenRequest("a", toks(3, 100), 2))
+    with pytest.raises(LedgerError, match=r"request 'a' is not finished"):
+        s.forget("a")
+
+
+def test_decodes_keep_running_order_when_one_branch_finished_its_prefill_without_sampling() -> None:
+    """With ``prefill_chunk=4``, "a" (5 prompt tokens) computes 4 in step 0 and "b" (3 tokens) all 3 and
+    samples. In step 1 both decode one token; the plan lists them in running order, "a" first."""
+    s = Scheduler(KVLedger(16, BS), SchedulerConfig(prefill_chunk=4))
+    s.add(GenRequest("a", toks(5, 100), 3))
+    s.add(GenRequest("b", toks(3, 200), 3))
+    plan = s.schedule()
+    assert [(w.request_id, w.start, w.end) for w in plan.prefills] == [("a", 0, 4), ("b", 0, 3)]
+    s.confirm(plan, sample_all(plan, 7))
+    plan = s.schedule()
+    assert [(w.request_id, w.start, w.end) for w in plan.decodes] == [("a", 4, 5), ("b", 3, 4)]
+    assert plan.prefills == []
+
+
+def test_a_copy_on_write_copy_of_a_running_request_is_owned_by_it() -> None:
+    """Two branches share the partial tail of a 7-token prompt; their first decode copies it once (3
+    tokens) for branch "A": ``transfer_owners`` names "A" as the owner of that copy."""
+    s = Scheduler(KVLedger(16, BS))
+    s.add(GenRequest("A", toks(7, 10), 2, n=2))
+    plan = s.schedule()
+    s.confirm(plan, sample_all(plan, 7))
+    plan = s.schedule()
+    assert len(plan.copies) == 1 and plan.copies[0].slots == 3
+    assert s.transfer_owners(plan) == (["A"], [], [])

@@ -10,8 +10,16 @@ import zlib
 import pytest
 
 from kvledger.core.ledger import KVLedger
-from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
-from kvledger.scheduler.beam import BeamSearch, select_beams
+from kvledger.scheduler import (
+    Driver,
+    GenRequest,
+    Scheduler,
+    SchedulerConfig,
+    StepOutput,
+    StepPlan,
+)
+from kvledger.scheduler.beam import BeamSearch, fork_beams, select_beams
+from kvledger.scheduler.growth import REJECTED_OUTGREW
 
 try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
     from tests.scheduler.test_scheduler import BS, FakeEngine, toks
@@ -161,3 +169,19 @@ def assert_clean(driver: Driver) -> None:
     assert (u.active, u.promised, u.deferred, u.sequences) == (0, 0, 0, 0), u
     assert s.ledger.outstanding_leases() == 0
     assert not driver.has_work()
+
+
+def test_a_requeued_family_that_outgrew_the_pool_ends_as_outgrown_not_as_never() -> None:
+    """A request admitted alone (4 + 20 tokens = 6 blocks of an 8-block pool, incremental reservation) and
+    forked after its first token comes back as a family of two branches of 24 tokens each: 1 shared block
+    + 2 x 5 = 11 blocks > 8. It was admitted once, so it ends 'outgrew the whole pool', not 'never'."""
+    s = Scheduler(KVLedger(8, BS), SchedulerConfig(policy="incremental", watermark=0.0))
+    s.add(GenRequest("r", toks(4, 1), 20))
+    engine = FakeEngine(s)
+    assert engine.step().admitted == ["r"]
+    (child,) = fork_beams(s, "r", [("r", 99)])
+    assert child is not None and child.seq_id == "r/1"
+    assert s.requeue("r")
+    plan = engine.step()
+    assert plan.ended == [("r", REJECTED_OUTGREW), ("r/1", REJECTED_OUTGREW)]
+    assert [br.finish_reason for br in s.branches("r")] == [REJECTED_OUTGREW] * 2

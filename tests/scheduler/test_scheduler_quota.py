@@ -97,3 +97,33 @@ def test_swapped_requests_of_a_group_at_its_cap_let_others_come_back() -> None:
         assert (br.finish_reason, br.output) == ("length", expected_output(rid, 4, 12)), rid
     assert s.preemptions > 0
     assert_drained(s)
+
+
+def test_a_swapped_request_of_another_group_comes_back_past_one_held_by_its_quota() -> None:
+    """Pool of 6 blocks, swap recovery, the latest request is the victim: acme's a0 and a2 and globex's
+    b1 run until a2 and then b1 are swapped out (swapped queue: a2, b1; a0 runs). acme's quota is then
+    set to 3 blocks: a0 holds 3 of them and a2 needs 2 more, so a2 is refused for its group's quota
+    (not "never": 2 <= 3), and b1, behind it, comes back in the next step; a2 waits, then finishes.
+    Every output is the fake model's own."""
+    acme, globex = CacheContext(trust_group="acme"), CacheContext(trust_group="globex")
+    led = KVLedger(6, BS)
+    cfg = SchedulerConfig(policy="incremental", watermark=0.0, recovery="swap", victim="latest")
+    s = Scheduler(led, cfg, host=HostPool(64))
+    for i, g in enumerate("aba"):
+        s.add(GenRequest(f"{g}{i}", toks(4, 100 + 10 * i), 8, acme if g == "a" else globex))
+    eng = FakeEngine(s)
+    for _ in range(20):
+        eng.step()
+        if [u[0].request.request_id for u in s.swapped] == ["a2", "b1"]:
+            break
+    assert [u[0].request.request_id for u in s.swapped] == ["a2", "b1"]
+    assert list(s.running) == ["a0"]
+    led.set_quota("acme", 3)
+    plan = eng.step()
+    assert plan.admitted == ["b1"] and plan.swap_in and not plan.ended
+    assert [u[0].request.request_id for u in s.swapped] == ["a2"]
+    eng.drain()
+    for rid in ("a0", "b1", "a2"):
+        (br,) = s.branches(rid)
+        assert (br.finish_reason, br.output) == ("length", expected_output(rid, 4, 8)), rid
+    assert_drained(s)

@@ -296,3 +296,24 @@ def test_the_peer_workload_shape_computes_a_shared_header_once() -> None:
     assert sum(ex.tokens) == sum(len(p) for p in prompts) - 15 * 64 + 32  # + one decode each
     assert sum(m.hit_tokens for m in driver.records) == 15 * 64
     assert_drained(s)
+
+
+def test_after_a_part_fails_the_other_ready_parts_run_before_the_readers_that_waited() -> None:
+    """Step 1 admits W, X, R, Y (in that order); R's prompt opens with W's 12-token head, which it reads
+    from W's work of the same step. X's part raises, so the driver runs the step again one request at a
+    time: a pass runs every part that is ready, in plan order -- W, X (fails), Y -- and R, which waited
+    for its writer W, runs in the next pass. X ends with the error; W, R and Y finish normally."""
+    head = toks(12, 500)  # 3 full blocks of 4
+    s = Scheduler(KVLedger(64, BS), SchedulerConfig(policy="full"))
+    ex = FakeExecutor(s, fail={"X"})
+    driver = Driver(s, ex, check_every=1, keep_records=True)
+    prompts = {"W": head + toks(5, 100), "X": toks(7, 300), "R": head + toks(3, 200), "Y": toks(6, 400)}
+    for rid, p in prompts.items():
+        driver.submit(GenRequest(rid, p, 4))
+    result = driver.step()
+    assert [rid for rid, _ in result.failed] == ["X"]
+    assert ex.calls == [["R", "W", "X", "Y"], ["W"], ["X"], ["Y"], ["R"]]
+    driver.run()
+    reasons = {m.request_id: m.finish_reason for m in driver.records}
+    assert reasons == {"X": "error: RuntimeError: part of ['X'] failed", "W": "length", "R": "length",
+                       "Y": "length"}

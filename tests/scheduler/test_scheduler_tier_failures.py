@@ -10,7 +10,15 @@ import pytest
 
 from kvledger.core.ledger import KVLedger
 from kvledger.core.tiers import TierLedger
-from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
+from kvledger.scheduler import (
+    Driver,
+    GenRequest,
+    HostPool,
+    Scheduler,
+    SchedulerConfig,
+    StepOutput,
+    StepPlan,
+)
 
 try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
     from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, expected_output, toks
@@ -130,3 +138,63 @@ def test_a_failing_promotion_sends_its_request_back_to_recompute(restore_ahead: 
     assert again.promote == [] and again.admissions[0].cached_tokens == 4
     assert sum(w.end - w.start for p in after for w in p.prefills if w.request_id == "C") == 15
     assert_drained(s)
+
+
+def _drive(driver: Driver, requests: list[GenRequest]) -> dict[str, str]:
+    for r in requests:
+        driver.submit(r)
+    while driver.has_work():
+        driver.step()
+    return {r.request_id: r.finish_reason for r in driver.records}
+
+
+class Recording:
+    """Token = f(branch, position); records (step, requests with works, swap-ins, demotions) of every
+    call; raises on the calls ``fails`` picks."""
+
+    def __init__(self, fails) -> None:
+        self.fails = fails
+        self.calls: list[tuple[int, list[str], int, int]] = []
+        self.raised = 0
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        works = (*plan.prefills, *plan.decodes)
+        self.calls.append((plan.step, sorted({w.request_id for w in works}), len(plan.swap_in), len(plan.demote)))
+        if self.fails(self, plan):
+            self.raised += 1
+            raise RuntimeError(f"boom {self.raised}")
+        out = StepOutput(elapsed_s=0.01)
+        for w in works:
+            if w.sample:
+                out.sampled[w.seq_id] = [10 + (sum(map(ord, w.seq_id)) * 31 + w.end * 7) % 900]
+        return out
+
+
+def test_a_failing_swap_in_fails_the_request_it_restores() -> None:
+    """Pool of 6: V swaps itself out for G, and comes back once G is done. Every transfer that reads V's
+    host copy back raises: the whole step fails (boom 1), then V's own part, which carries V's swap-in
+    (boom 2), so V ends with that error -- the swap-in is V's, not a transfer of nobody's."""
+    cfg = SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0)
+    executor = Recording(lambda ex, plan: bool(plan.swap_in))
+    driver = Driver(Scheduler(KVLedger(6, BS), cfg, host=HostPool(16)), executor, check_every=1, keep_records=True)
+    reasons = _drive(driver, [GenRequest("G", toks(4, 100), 12), GenRequest("V", toks(6, 200), 9)])
+    assert reasons == {"G": "length", "V": "error: RuntimeError: boom 2"}
+    failed = [c for c in executor.calls if c[2]]
+    assert len(failed) == 2 and failed[0][0] == failed[1][0]  # the whole step, then V's part of it
+    assert driver.scheduler.host.num_used == 0
+
+
+def test_the_part_of_a_failed_step_that_belongs_to_nobody_runs_under_the_steps_number() -> None:
+    """With prefix offload, B's admission evicts A's cached blocks, demoted to the host tier in B's first
+    step (step 2). That step fails once; run again request by request, the demotions (nobody's) go first,
+    in a plan numbered like the step they belong to, then B's part."""
+    s = Scheduler(KVLedger(8, BS), SchedulerConfig(offload_prefixes=True, writeback_blocks=0),
+                  host=TierLedger([("host", 8)]))  # type: ignore[arg-type]
+    executor = Recording(lambda ex, plan: bool(plan.demote) and not ex.raised)
+    driver = Driver(s, executor, check_every=1, keep_records=True)
+    assert _drive(driver, [GenRequest("A", toks(16, 0), 2)]) == {"A": "length"}
+    assert _drive(driver, [GenRequest("B", toks(24, 500), 2)]) == {"A": "length", "B": "length"}
+    whole, orphan, b_part = executor.calls[2:5]
+    assert whole[0] == 2 and whole[1] == ["B"] and whole[3] > 0
+    assert orphan == (2, [], 0, whole[3])
+    assert b_part == (2, ["B"], 0, 0)

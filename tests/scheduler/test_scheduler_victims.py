@@ -14,9 +14,9 @@ from kvledger.scheduler import GenRequest, HostPool, RecoveryCosts, Scheduler, S
 from kvledger.scheduler.victims import VICTIM_POLICIES, pick_victim
 
 try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
-    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, toks
 except ImportError:  # pragma: no cover
-    from test_scheduler import BS, FakeEngine, assert_drained
+    from test_scheduler import BS, FakeEngine, assert_drained, toks
 
 
 def _requests(rng: random.Random, count: int) -> list[GenRequest]:
@@ -58,3 +58,22 @@ def test_every_pick_equals_a_full_scan(victim: str, recovery: str, seed: int) ->
     assert all(br.finish_reason in ("length", "rejected: the request outgrew the whole pool")
                for rid in s.finished for br in s.branches(rid))
     assert_drained(s)
+
+
+def test_pick_victim_between_steps_sees_what_the_last_step_confirmed() -> None:
+    """min_waste (held blocks x tokens a recompute replays). P and Q share an 8-token prompt (2 blocks),
+    R has a 2-token prompt (1 block). Planned but not run: P holds 2 blocks and would replay 8 tokens,
+    16; R 1 x 2 = 2: R is the victim. Once the step is confirmed P's two blocks are written and Q holds
+    them too, so P replays only its sampled token: 2 x (9 - 8) = 2, less than R's 1 x 3 = 3 -- P is now
+    the victim, as a full scan says."""
+    led = KVLedger(32, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full", victim="min_waste"))
+    s.add(GenRequest("P", toks(8, 100), 8))
+    s.add(GenRequest("Q", toks(8, 100), 8))
+    s.add(GenRequest("R", toks(2, 900), 8))
+    engine = FakeEngine(s)
+    plan = s.schedule()
+    assert s.pick_victim() == "R"
+    s.confirm(plan, engine.run(plan))
+    assert pick_victim("min_waste", led, s.running) == "P"
+    assert s.pick_victim() == "P"

@@ -34,6 +34,7 @@ import pytest
 
 from kvledger.core.ledger import KVLedger
 from kvledger.scheduler import (
+    ConstantExecutor,
     Driver,
     GenRequest,
     HostPool,
@@ -347,3 +348,33 @@ def test_a_requeued_family_counts_no_preemption_for_the_scheduler_the_request_or
     assert (driver.scheduler.preemptions, done["F"].metrics.preemptions, ledger_preemptions(driver)) == (0, 0, 0)
     assert outputs_and_reasons(done["F"]) == ([expected_output("F", 5, 6), expected_output("F/1", 5, 6)],
                                               ["length", "length"], "length")
+
+
+def run(num_blocks: int, config: SchedulerConfig, host: HostPool | None, requests: list[GenRequest]):
+    driver = Driver(Scheduler(KVLedger(num_blocks, BS), config, host=host), ConstantExecutor(7), check_every=1,
+                    keep_records=True)
+    outputs = {}
+    for r in requests:
+        driver.submit(r)
+    while driver.has_work():
+        for f in driver.step().finished:
+            outputs[f.request.request_id] = f.outputs
+    driver.scheduler.check()
+    return driver, outputs
+
+
+def three() -> list[GenRequest]:
+    return [GenRequest("G", toks(4, 100), 16), GenRequest("V", toks(6, 200), 12), GenRequest("W", toks(5, 300), 16)]
+
+
+def test_a_request_swapped_out_twice_counts_two_preemptions() -> None:
+    """Pool of 6 blocks of 4, the latest admitted is the victim, swap: W is swapped out twice, V once.
+    Each swap counts (``Scheduler.preempt`` once set the count to 1 instead of adding one), and swapping
+    changes no output."""
+    cfg = SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0)
+    driver, outputs = run(6, cfg, HostPool(64), three())
+    counts = {r.request_id: r.preemptions for r in driver.records}
+    assert counts == {"G": 0, "V": 1, "W": 2}
+    assert driver.scheduler.preemptions == 3
+    _, undisturbed = run(64, SchedulerConfig(), None, three())
+    assert outputs == undisturbed

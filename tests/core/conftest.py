@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Request
 
 
@@ -46,3 +47,17 @@ def grow_into_a_full_pool() -> Callable[[KVLedger], None]:
         assert led.usage().free == 0 and len(led.sequence("x").table.blocks) == 4
 
     return grow
+
+
+@pytest.fixture()
+def run_in_group() -> Callable[..., None]:
+    """``run_in_group(led, rid, prompt, group="default")``: admit the prompt for one output token in that
+    trust group, compute all of it and release it (no audit): its full blocks stay behind as the group's
+    retained cache."""
+
+    def run(led: KVLedger, rid: str, prompt: list[int], group: str = "default") -> None:
+        assert led.admit(Request(rid, prompt, 1, CacheContext(trust_group=group))).admitted
+        led.mark_computed(rid, len(prompt))
+        led.release(rid)
+
+    return run

@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 import pytest
 
-from kvledger.core.eviction import DEFAULT_PRIORITY, LRUPolicy, PriorityPolicy
+from kvledger.core import native
+from kvledger.core.eviction import DEFAULT_PRIORITY, LRUPolicy, PriorityPolicy, as_policy, make_policy
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
 from kvledger.core.observe import EventLog
@@ -463,3 +464,91 @@ def test_invalidate_frees_a_retained_block_and_drops_it_from_the_cache() -> None
     assert first in led.pool.free_blocks()
     assert led.admit(Request("b", tokens(8, 1), 1)).blocks_hit == 0
     led.check()
+
+
+def test_priority_policy_expiry_is_inclusive_and_stale_entries_do_not_stop_it() -> None:
+    """A manual clock. A priority that expires at t falls back to the default level (35) at t itself,
+    both when the block is retained at t and when it was retained before; entries for blocks evicted or
+    re-prioritised since are skipped, never the end of the expiry scan."""
+    now = [0.0]
+    p = PriorityPolicy(clock=lambda: now[0])
+    assert p.is_empty()
+    for bad in (True, -1, 101, 1.5, "9"):
+        with pytest.raises(ConfigError, match=r"^priority must be an integer in 0\.\.100, got "):
+            p.set_priority(1, bad, None)  # type: ignore[arg-type]
+    p.set_priority(1, 90, 3.0)  # 1: kept at 90 until t=3
+    p.set_priority(2, 90, 1.0)  # 2: evicted before its expiry (a stale heap entry)
+    p.set_priority(3, 90, 1.5)  # 3: re-prioritised for good before its expiry (stale too)
+    p.set_priority(4, 60, None)  # 4: 60 for good
+    for b in (2, 3, 1, 4):
+        p.add(b)
+    p.set_priority(3, 95, None)
+    p.remove(2)
+    assert 2 not in p and 1 in p and len(p) == 3
+    p.add(5)  # 5: the default level
+    assert p.blocks() == [5, 4, 3, 1]  # at t=0: 35, 60, 90 (3 and 1 in release order)
+    now[0] = 3.0
+    assert p.blocks() == [5, 1, 4, 3]  # 1 expired at exactly t=3 and is now the most recent at 35
+    p.set_priority(6, 90, 3.0)
+    p.add(6)  # retained at its expiry: the default level straight away, released before 7
+    p.add(7)
+    assert p.pop_victims(4) == [5, 1, 6, 7]
+    with pytest.raises(IndexError, match="^fewer retained blocks than requested victims$"):
+        p.pop_victims(3)
+    assert 6 not in p
+
+
+def test_priority_policy_is_empty_only_when_it_remembers_nothing() -> None:
+    p = PriorityPolicy(clock=lambda: 0.0)
+    p.set_priority(7, 90, None)  # a priority for a block not retained yet
+    assert not p.is_empty()
+    p.forget(7)  # its content is gone: so is its priority
+    assert p.is_empty()
+    p.set_priority(8, 90, 5.0)
+    p.add(8)
+    p.remove(8)
+    p.forget(8)
+    assert not p.is_empty()  # its expiry is still pending in the heap
+    p.clear()
+    assert p.is_empty()
+
+
+def test_lru_asked_for_more_victims_than_it_holds_takes_them_all_and_fails_like_popitem() -> None:
+    lru = LRUPolicy()
+    lru.add_many([3, 1])
+    lru.add(2)
+    lru.remove(1)
+    assert lru.blocks() == [3, 2] and 2 in lru and 1 not in lru
+    with pytest.raises(KeyError):
+        lru.pop_victims(3)
+    assert len(lru) == 0 and lru.blocks() == []
+
+
+def test_lru_keeps_block_ids_in_the_native_order_when_the_c_part_is_loaded() -> None:
+    """Block ids stay in the C part's flat order (one object per block would cost the memory it saves);
+    only a key that is not a block id moves the order to an OrderedDict, for good, with the same order."""
+    lru = LRUPolicy()
+    lru.add_many([5, 6])
+    lru.add(7)
+    lru.remove(6)
+    loaded = native.MODULE is not None
+    assert (lru.native_order is not None) == loaded
+    assert lru.pop_victims(1) == [5] and lru.blocks() == [7]
+    lru.add("not-a-block")  # type: ignore[arg-type]
+    assert lru.native_order is None and lru.blocks() == [7, "not-a-block"]
+
+
+def test_a_policy_that_is_not_one_gets_one_clear_error() -> None:
+    """What KVLedger(policy=...) says about what it cannot use (the CLI prints these lines as they are)."""
+    with pytest.raises(ConfigError) as exc:
+        make_policy(["lru"])  # type: ignore[arg-type]
+    assert str(exc.value) == "unknown eviction policy ['lru']; choose one of lru, priority"
+    with pytest.raises(ConfigError) as exc:
+        as_policy(object())  # type: ignore[arg-type]
+    assert str(exc.value) == ("policy must be an eviction policy or one of lru, priority; object lacks add, add_many, "
+                              "remove, pop_victims, set_priority, blocks, __len__, __contains__")
+    used = LRUPolicy()
+    used.add(1)
+    with pytest.raises(ConfigError) as exc:
+        as_policy(used)
+    assert str(exc.value) == "an eviction policy can serve one pool, from empty; this one already holds blocks"

@@ -3,9 +3,15 @@ wide, admission and refusal counters, leases and preemptions in ``stats()``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
+
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
 from kvledger.core.observe import EventLog
+from kvledger.core.quota import GroupUsage, check_group_ledgers
+from kvledger.errors import InvariantError
 
 BS = 4
 
@@ -91,3 +97,23 @@ def test_the_query_totals_add_up_every_groups_queried_blocks() -> None:
     assert led.admit(Request("b", toks(4, 100), 1, CacheContext(trust_group="globex"))).admitted
     t = led.counters.totals()
     assert (t.queries, t.query_blocks, t.hit_blocks, t.query_tokens, t.hit_tokens) == (2, 3, 0, 13, 0)
+
+
+def test_a_group_holding_only_promises_is_lawful() -> None:
+    """A group can hold promises and no active block (its request's blocks are another group's shared
+    ones, or all still promised): the conservation check accepts it, and refuses a negative entry."""
+    check_group_ledgers({"a": GroupUsage(0, 2, 0), "b": GroupUsage(3, 0, 0)}, referenced=3, promised=2)
+    with pytest.raises(InvariantError, match="negative ledger entry"):
+        check_group_ledgers({"a": GroupUsage(3, 2, -1)}, referenced=3, promised=2)
+
+
+def test_group_reports_show_caps_and_zero_for_groups_holding_nothing_now(run_in_group: Callable[..., None]) -> None:
+    led = KVLedger(16, BS)
+    led.set_quota("t", 10)
+    led.admit(Request("r", toks(8, 0), 4, CacheContext(trust_group="t"))).raise_for_outcome()
+    assert led.group_usage()["t"].cap == 10
+    run_in_group(led, "s", toks(8, 50), group="u")  # u holds nothing now, but has prefix-cache counters
+    stats = led.group_stats()
+    assert stats["u"]["active"] == 0 and stats["u"]["promised"] == 0 and stats["u"]["query_tokens"] == 8
+    assert stats["t"]["cap"] == 10
+    led.check()

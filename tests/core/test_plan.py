@@ -324,3 +324,40 @@ def test_fp8_weights_hint_is_offered_for_a_bf16_checkpoint() -> None:
     hints = fit_hints(spec, cfg, H100_VLLM)
     fp8w = build_inventory(spec, cfg, weight_dtype="fp8", **H100_VLLM)
     assert f"--weight-dtype fp8 ({fp8w.capacity_tokens:,} tokens)" in hints
+
+
+def test_the_gpu_catalogue_rows_parse_to_the_catalogue_and_bad_figures_are_refused() -> None:
+    import json
+    from importlib import resources
+
+    from kvledger.core import gpus
+    rows = json.loads(resources.files("kvledger").joinpath("data", "gpus.json").read_text(encoding="utf-8"))["gpus"]
+    parsed = {row["name"]: gpus._gpu(row) for row in rows}
+    assert parsed == gpus.GPUS
+    h100 = next(r for r in rows if r["name"] == "h100-80gb")
+    assert parsed[h100["name"]].datasheet_memory == str(h100["datasheet_memory"])
+    for bad in (0, -1.5, True, "80"):
+        with pytest.raises(ConfigError, match=f"host_link_Bps must be a positive number, got {bad!r}"):
+            gpus._gpu(dict(h100, host_link_Bps=bad))
+    with pytest.raises(ConfigError, match="lacks 'source'"):
+        gpus._gpu({k: v for k, v in h100.items() if k != "source"})
+
+
+def test_the_capacity_matrix_says_why_a_row_does_not_fit() -> None:
+    """A request longer than the pool gets the pool's size and the request's need; a TP degree the
+    model cannot be split by gets the first clause of the reason."""
+    from kvledger.core.capacity import capacity_matrix
+    from kvledger.core.models import load_model_config
+    rows = capacity_matrix(load_model_config("llama-3.1-8b"), prompt=2_000_000, max_new=1, concurrency=4,
+                           model_name="llama-3.1-8b", gpus=["l4"], tps=(1, 3))
+    long, odd = rows
+    assert (long.fits, long.pool_blocks, long.blocks_per_request) == (False, 1799, 125_001)
+    assert long.note == "one request needs 125,001 of 1,799 blocks"
+    assert (odd.fits, odd.pool_blocks, odd.note) == (
+        False, 0, "tp=3 must divide the 8 KV heads or be a multiple of them")
+
+
+def test_prices_that_are_not_numbers_are_named() -> None:
+    from kvledger.core.capacity import parse_prices
+    with pytest.raises(ConfigError, match=r"--prices: 'cheap' is not a number"):
+        parse_prices("l4=cheap")

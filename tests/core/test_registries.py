@@ -12,7 +12,12 @@ from kvledger.core.registry import Registry
 from kvledger.errors import ConfigError
 from kvledger.runtime import attention
 from kvledger.runtime.host_store import CODECS
-from kvledger.scheduler import ADMISSION_POLICIES, GROWTH_ACTIONS, RECOVERY_MODES, VICTIM_POLICIES
+from kvledger.scheduler import (
+    ADMISSION_POLICIES,
+    GROWTH_ACTIONS,
+    RECOVERY_MODES,
+    VICTIM_POLICIES,
+)
 from kvledger.workloads import TRACE_FORMATS
 
 ALL = {"admission policy": ADMISSION_POLICIES, "growth action": GROWTH_ACTIONS, "recovery": RECOVERY_MODES,
@@ -47,3 +52,19 @@ def test_a_name_must_be_a_clean_non_empty_string() -> None:
         with pytest.raises(ConfigError, match="a thing needs a non-empty name"):
             reg.register(bad, 1)  # type: ignore[arg-type]
     assert reg.register("x", 1, "help") == 1 and reg.help("x") == "help" and repr(reg) == "Registry('thing': x)"
+
+
+def test_a_registry_refuses_bad_or_duplicate_names_and_lists_in_order() -> None:
+    reg: Registry[int] = Registry("widget")
+    assert reg.register("b", 2, "bee") == 2 and reg.register("a", 1) == 1
+    assert reg.names() == ("b", "a") and list(reg) == ["b", "a"] and len(reg) == 2
+    assert "a" in reg and "c" not in reg and 1 not in reg
+    assert reg.help("b") == "bee" and repr(reg) == "Registry('widget': b, a)"
+    for bad in ("", " a", "a ", None, 3):
+        with pytest.raises(ConfigError, match="widget needs a non-empty name"):
+            reg.register(bad, 0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="widget 'a' is already registered"):
+        reg.register("a", 9)
+    assert reg["a"] == 1
+    with pytest.raises(ConfigError, match="unknown widget 'z'; choose one of b, a"):
+        reg["z"]

@@ -572,3 +572,40 @@ def test_the_drain_list_check_says_exactly_what_disagrees() -> None:
     tiers._draining.clear()  # the corruption this check exists for (as in tests/core/test_tiers.py)
     with pytest.raises(InvariantError, match=r"^draining slots and the drain list disagree$"):
         tiers.check()
+
+
+def test_a_write_only_request_promotes_nothing_from_the_tiers(run_in_group: Callable[..., None]) -> None:
+    """A request that writes the prefix cache but does not read it (vLLM's prompt-logprobs case) must
+    not pull its prefix back from the host tier: it would not use it."""
+    tiers = TierLedger([("host", 8)])
+    led = KVLedger(5, BS)
+    led.attach_tiers(tiers)
+    run_in_group(led, "a", toks(16, 0))
+    run_in_group(led, "b", toks(16, 100))  # evicts three of a's blocks down to the host tier
+    tiers.complete()
+    assert len(tiers.index) == 3
+    write_only = Request("c", toks(16, 0) + [7], 1, read_prefix_cache=False)
+    assert led.promote_from_tiers(write_only, owner="x") == ([], None)
+    assert tiers.flow["promoted"] == 0
+    pairs, lease = led.promote_from_tiers(Request("d", toks(16, 0) + [7], 1), owner="x")
+    assert len(pairs) == 3  # the same prompt read normally does come back
+    led.end_lease(lease)
+    led.check()
+
+
+def test_spill_moves_to_the_next_tier_with_room_not_the_last() -> None:
+    tiers = TierLedger([("host", 1), ("disk", 1), ("cold", 1)])
+    slot = tiers.demote(0, b"d" * 32, "g")
+    assert slot is not None and tiers.tier_name(slot) == "host"
+    tiers.complete()
+    assert tiers.spill(0, 1) == 1
+    moves = [op for op in tiers.take_ops() if op.kind == "move"]
+    assert [tiers.tier_name(op.dst) for op in moves] == ["disk"]
+    tiers.complete()
+    assert tiers.free_in(0) == 1 and tiers.free_in(1) == 0 and tiers.free_in(2) == 1
+    tiers.check()
+
+
+def test_a_tier_spec_with_bad_slots_quotes_them() -> None:
+    with pytest.raises(ConfigError, match=r"slots must be an integer in .*, got -3"):
+        TierSpec("host", -3)

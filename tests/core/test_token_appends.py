@@ -75,3 +75,16 @@ def test_token_id_zero_given_as_an_integer_like_is_appended() -> None:
     led.decode_step([("a", TokenId(0))])  # type: ignore[list-item]
     assert led.sequence("a").tokens == [5, 6, 7, 0, 0]
     led.check()
+
+
+def test_decode_step_takes_any_iterable_of_pairs() -> None:
+    """``decode_step`` documents ``Iterable[tuple[str, int]]``: a tuple or a generator of pairs appends
+    exactly as a list does."""
+    led = KVLedger(8, BS)
+    for rid in "ab":
+        led.admit(Request(rid, toks(3, 10), 4)).raise_for_outcome()
+        led.mark_computed(rid, 3)
+    led.decode_step((("a", 1), ("b", 2)))
+    led.decode_step((rid, 5) for rid in "ab")
+    assert led.sequence("a").tokens[-2:] == [1, 5] and led.sequence("b").tokens[-2:] == [2, 5]
+    led.check()

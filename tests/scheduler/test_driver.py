@@ -24,6 +24,7 @@ from kvledger.scheduler import (
     GenRequest,
     HostPool,
     Registry,
+    RequestMetrics,
     Scheduler,
     SchedulerConfig,
     StepOutput,
@@ -34,7 +35,6 @@ from kvledger.scheduler import (
     percentile,
     summarize_requests,
 )
-from kvledger.scheduler.metrics import RequestMetrics
 
 BS = 4
 SRC = Path(__file__).resolve().parents[2] / "src" / "kvledger"
@@ -476,3 +476,119 @@ def test_a_driver_step_returns_the_executors_output() -> None:
     assert result.output is not None
     assert list(result.output.sampled) == ["a"]
     assert result.end_s - result.start_s == pytest.approx(result.output.elapsed_s)
+
+
+def _metrics(rid: str, arrival: float, first: float | None, finish: float | None, reason: str, *,
+             prompt: int = 10, generated: int = 0, longest: int = 0, hits: int = 0, readmit: int = 0,
+             preemptions: int = 0) -> RequestMetrics:
+    m = RequestMetrics(rid, "g", arrival, prompt, 8)
+    m.first_token_s, m.finish_s, m.finish_reason = first, finish, reason
+    m.generated, m.longest, m.hit_tokens, m.readmit_hit_tokens, m.preemptions = generated, longest, hits, readmit, \
+        preemptions
+    return m
+
+
+def test_a_run_summary_counts_every_figure_by_hand() -> None:
+    """Three requests: two completed, one failed with an error (its reason has a colon). Every figure of
+    the summary is worked out here from the definitions in docs/scheduler.md."""
+    reqs = [
+        _metrics("a", 1.0, 2.0, 5.0, "length", prompt=10, generated=5, longest=5, hits=4, preemptions=1),
+        _metrics("b", 2.0, 3.0, 4.0, "stop", prompt=20, generated=3, longest=3, readmit=2),
+        _metrics("c", 3.0, None, 7.0, "error: RuntimeError: boom: twice", prompt=30),
+    ]
+    s = summarize_requests(reqs)
+    assert s["requests"] == 3 and s["completed"] == 2
+    assert s["finish_reasons"] == {"length": 1, "stop": 1, "error": 1}
+    assert s["duration_s"] == 6.0  # first arrival 1.0 .. last finish 7.0
+    assert s["output_tokens"] == 8
+    assert s["throughput_tok_s"] == pytest.approx(8 / 6)
+    assert s["throughput_req_s"] == pytest.approx(2 / 6)
+    assert s["total_tok_s"] == pytest.approx((8 + 10 + 20) / 6)  # prompts of completed requests only
+    assert s["ttft_s"]["mean"] == pytest.approx(1.0) and s["ttft_s"]["max"] == 1.0
+    assert s["tpot_s"]["p50"] == pytest.approx((3 / 4 + 1 / 2) / 2)  # (5-2)/(5-1), (4-3)/(3-1)
+    assert s["e2e_s"]["max"] == 4.0 and s["e2e_s"]["p50"] == pytest.approx(3.0)  # completed only: 4, 2
+    assert s["preempted_requests"] == 1
+    assert (s["prefix_hit_tokens"], s["readmit_hit_tokens"], s["prompt_tokens"]) == (4, 2, 60)
+    assert s["prefix_hit_rate"] == pytest.approx(4 / 60)
+
+
+def test_an_unfinished_or_empty_run_summarises_without_dividing_by_zero() -> None:
+    running = _metrics("r", 5.0, None, None, "")
+    s = summarize_requests([running])
+    assert s["finish_reasons"] == {"unfinished": 1}
+    assert s["duration_s"] == 1e-12 and s["throughput_tok_s"] == 0.0  # no finish: the span is empty
+    empty = summarize_requests([])
+    assert (empty["requests"], empty["duration_s"], empty["prefix_hit_rate"]) == (0, 1e-12, 0.0)
+    assert empty["ttft_s"] == {"mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    # One arrival at 2.0 and nothing else: the span starts at the first arrival, not at 0 or 1.
+    late = _metrics("l", 2.0, 2.5, 3.0, "length", generated=2, longest=2)
+    assert summarize_requests([late])["duration_s"] == 1.0
+
+
+def test_percentiles_accept_both_ends_and_interpolate_like_numpy() -> None:
+    xs = [4.0, 1.0, 3.0, 2.0]
+    assert percentile(xs, 0) == 1.0 and percentile(xs, 100) == 4.0
+    assert percentile(xs, 50) == 2.5 and percentile(xs, 90) == pytest.approx(3.7)
+    assert percentile([7.0], 100) == 7.0 and percentile([], 50) is None
+    for bad in (-0.5, 100.5):
+        with pytest.raises(ValueError, match=r"percentile must be in \[0, 100\]"):
+            percentile(xs, bad)
+
+
+def test_a_metrics_row_carries_every_field_and_the_derived_times() -> None:
+    m = _metrics("a", 1.0, 1.5, 3.5, "length", generated=5, longest=5)
+    row = m.to_row()
+    assert row["request_id"] == "a" and row["finish_reason"] == "length" and row["generated"] == 5
+    assert (row["ttft_s"], row["tpot_s"], row["e2e_s"]) == (0.5, 0.5, 2.5)
+    assert set(row) == set(RequestMetrics.__slots__) | {"ttft_s", "tpot_s", "e2e_s"}
+
+
+def test_driver_fail_ends_a_request_with_the_error_as_its_reason() -> None:
+    s = Scheduler(KVLedger(32, BS), SchedulerConfig(policy="full"))
+    driver = Driver(s, ConstantExecutor(step_s=0.01))
+    driver.submit(GenRequest("a", toks(4, 0), 8))
+    driver.submit(GenRequest("b", toks(4, 50), 8))
+    driver.submit(GenRequest("c", toks(4, 90), 8))
+    driver.step()
+    assert driver.metrics("a").request_id == "a" and driver.metrics("zz") is None
+    assert driver.fail("a", RuntimeError("callback blew up")) is True
+    assert driver.fail("b", "callback said no") is True
+    assert driver.fail("zz", "nobody") is False
+    done = {f.request.request_id: f for f in driver.step().finished}
+    assert done["a"].finish_reasons == ["error: RuntimeError: callback blew up"]
+    assert done["b"].finish_reasons == ["error: callback said no"]
+    rest = driver.run()
+    assert [m.request_id for m in rest] == ["c"] and rest[0].finish_reason == "length"
+
+
+def test_a_driver_keeps_no_records_unless_asked() -> None:
+    from kvledger.scheduler import Driver, GenRequest, Scheduler, SchedulerConfig
+    driver = Driver(Scheduler(KVLedger(16, BS), SchedulerConfig()), Scripted())
+    driver.submit(GenRequest("a", toks(4, 0), 2))
+    finished = []
+    while driver.has_work():
+        finished += driver.step().finished
+    assert [f.request.request_id for f in finished] == ["a"] and driver.records == []
+
+
+def test_a_finished_id_used_again_can_be_cancelled_before_it_arrives() -> None:
+    from kvledger.scheduler import GenRequest
+    driver = make()
+    driver.submit(GenRequest("a", toks(4, 0), 2))
+    while driver.has_work():
+        driver.step()
+    driver.submit(GenRequest("a", toks(4, 50), 2, arrival_s=100.0))
+    assert driver.cancel("a")
+    finished = driver.step().finished
+    assert [(f.request.request_id, f.metrics.finish_reason) for f in finished] == [("a", "cancelled")]
+    assert not driver.has_work()
+
+
+def test_a_step_run_again_request_by_request_takes_the_time_of_every_part() -> None:
+    """The whole step raised once; run again one request at a time, it took three parts of 0.01 s."""
+    driver = make(executor=Faulty(None, once=True))
+    for r in _mixed():
+        driver.submit(r)
+    result = driver.step()
+    assert len({w.request_id for w in (*result.plan.prefills, *result.plan.decodes)}) == 3
+    assert result.end_s - result.start_s == pytest.approx(0.03)

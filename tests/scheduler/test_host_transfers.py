@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvledger.core.ledger import KVLedger
+from kvledger.core.tiers import TierLedger
 from kvledger.errors import ConfigError
 from kvledger.scheduler import (
     HostPool,
@@ -13,7 +15,10 @@ from kvledger.scheduler import (
 )
 from kvledger.scheduler.transfers import step_transfer_timing
 
-BS = 4
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS, FakeEngine, toks
+except ImportError:  # pragma: no cover
+    from test_scheduler import BS, FakeEngine, toks
 
 
 def test_transfer_model_names_link_bps_in_its_error() -> None:
@@ -44,3 +49,19 @@ def test_a_writeback_costs_its_bytes_over_the_link() -> None:
     t = step_transfer_timing(plan, 0.0, lambda slot: link, 1000, BS, overlap=False)
     assert t.blocks == 1
     assert t.total_s == pytest.approx(1.5) and t.exposed_s == pytest.approx(1.5)
+
+
+def test_write_back_spills_the_fast_tier_when_it_is_one_slot_short() -> None:
+    """``writeback_blocks=1`` keeps one host slot free: a host tier of one slot holding one entry is one
+    short, so the step spills that entry to the disk tier."""
+    from kvledger.scheduler import GenRequest, Scheduler, SchedulerConfig
+    tiers = TierLedger([("host", 1), ("disk", 4)])
+    s = Scheduler(KVLedger(8, BS), SchedulerConfig(offload_prefixes=True, writeback_blocks=1), host=tiers)
+    tiers.demote(0, b"e" * 32, "default")
+    tiers.complete()
+    tiers.take_ops()
+    s.add(GenRequest("a", toks(3, 0), 1))
+    plan = s.schedule()
+    assert [tiers.tier_name(dst) for _, dst in plan.tier_moves] == ["disk"]
+    s.confirm(plan, FakeEngine(s).run(plan))
+    assert tiers.tier_name(tiers.index[b"e" * 32]) == "disk"

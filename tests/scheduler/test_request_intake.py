@@ -3,10 +3,24 @@ fleet's ingress both run, so the ingress refuses exactly what a replica would, i
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
+from kvledger.core.ledger import KVLedger
 from kvledger.errors import AdmissionError, ConfigError
+from kvledger.scheduler import (
+    GenRequest,
+    Scheduler,
+    SchedulerConfig,
+    validate_request,
+)
 from kvledger.scheduler.intake import check_request_shape
+
+try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
+    from tests.scheduler.test_scheduler import BS
+except ImportError:  # pragma: no cover
+    from test_scheduler import BS
 
 
 def _check(prompt, max_new=4, **kw):
@@ -47,3 +61,37 @@ def test_branches_trust_groups_salts_and_ids() -> None:
                         ({"request_id": "a/b"}, "request id must be a non-empty string without '/'")):
         with pytest.raises(ConfigError, match=message):
             _check([1], **kw)
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"request_id": ""}, "a request id must be a non-empty string without '/', got ''"),
+    ({"request_id": "a/b"}, "a request id must be a non-empty string without '/', got 'a/b'"),
+    ({"request_id": 7}, "a request id must be a non-empty string without '/', got 7"),
+    ({"n": 0}, "request 'r': n must be an integer >= 1, got 0"),
+    ({"n": True}, "request 'r': n must be an integer >= 1, got True"),
+    ({"max_new_tokens": 0}, "request 'r': max_new_tokens must be an integer >= 1, got 0"),
+    ({"max_new_tokens": 2.0}, "request 'r': max_new_tokens must be an integer >= 1, got 2.0"),
+    ({"lookahead": -1}, "request 'r': lookahead must be an integer >= 0, got -1"),
+    ({"priority": 1.5}, "request 'r': priority must be an integer, got 1.5"),
+    ({"priority": False}, "request 'r': priority must be an integer, got False"),
+    ({"prompt": ()}, "request 'r' needs a non-empty prompt"),
+    ({"arrival_s": "0"}, "request 'r': arrival_s must be a number, got '0'"),
+    ({"arrival_s": float("nan")}, "request 'r': arrival_s must be a number, got nan"),
+])
+def test_a_bad_request_is_refused_with_its_exact_message(changes: dict, message: str) -> None:
+    fields = {"request_id": "r", "prompt": (1, 2, 3), "max_new_tokens": 4, **changes}
+    request = GenRequest(**fields)
+    with pytest.raises(ConfigError) as err:
+        validate_request(request)
+    assert str(err.value) == message
+    s = Scheduler(KVLedger(8, BS), SchedulerConfig())
+    with pytest.raises(ConfigError, match=f"^{re.escape(message)}$"):
+        s.add(request)
+    assert not s.has_work()
+
+
+def test_the_smallest_good_requests_pass_validation() -> None:
+    validate_request(GenRequest("r", [5], 1, n=1, lookahead=0, priority=-3, arrival_s=0))
+    validate_request(GenRequest("r", (5,), 1, arrival_s=2.5))
+    with pytest.raises(ConfigError, match="^expected a GenRequest, got dict$"):
+        validate_request({"request_id": "r"})  # type: ignore[arg-type]

@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import pytest
 
 from kvledger.core.ledger import KVLedger
+from kvledger.core.tiers import TierLedger
 from kvledger.errors import LedgerError
 from kvledger.scheduler import (
+    Admission,
     GenRequest,
     HostPool,
     RecoveryCosts,
@@ -1059,3 +1061,273 @@ def test_a_copy_on_write_copy_of_a_running_request_is_owned_by_it() -> None:
     plan = s.schedule()
     assert len(plan.copies) == 1 and plan.copies[0].slots == 3
     assert s.transfer_owners(plan) == (["A"], [], [])
+
+
+def _run_one(s: Scheduler, engine: FakeEngine, request: GenRequest) -> list[StepPlan]:
+    s.add(request)
+    plans = engine.drain()
+    s.forget(request.request_id)
+    return plans
+
+
+def _offload(pool: int = 8, host: int = 8, **cfg: object) -> tuple[Scheduler, _TierEngine]:
+    s = Scheduler(KVLedger(pool, BS), SchedulerConfig(offload_prefixes=True, writeback_blocks=0, **cfg),  # type: ignore[arg-type]
+                  host=TierLedger([("host", host)]))
+    return s, _TierEngine(s)
+
+
+class _TierEngine(FakeEngine):
+    """FakeEngine plus the tier transfers (tests/scheduler/test_scheduler_tiers.py has the full one): a tier slot
+    holds what its device block held, so a wrong promotion shows up as a read of KV never written."""
+
+    def run(self, plan: StepPlan) -> dict[str, list[int]]:
+        for b, slot in (*plan.demote, *plan.writeback):
+            self.host[slot] = list(self.block(b))
+        for slot, d in plan.promote:
+            assert slot in self.host, f"step {plan.step}: tier slot {slot} promoted but never written"
+            self.dev[d] = list(self.host[slot])
+        for src, dst in plan.tier_moves:
+            self.host[dst] = list(self.host[src])
+        return super().run(plan)
+
+
+def test_sampled_tokens_must_come_back_for_every_sampling_work() -> None:
+    s = Scheduler(KVLedger(16, BS), SchedulerConfig(policy="full"))
+    s.add(GenRequest("a", toks(3, 0), 4))
+    plan = s.schedule()
+    with pytest.raises(LedgerError, match="'a' was scheduled to sample but no token came back"):
+        s.confirm(plan, {})
+
+
+def test_auto_recovery_swaps_only_when_strictly_cheaper_and_nothing_to_replay_costs_nothing() -> None:
+    """1 FLOP per token at 1 FLOP/s; blocks of 1 byte over a 1 B/s link with no per-round overhead: a
+    recompute costs its replay tokens in seconds, a swap 2 x its blocks (out and back)."""
+    costs = RecoveryCosts(flops_per_token=1.0, flops_per_s=1.0, block_bytes=1,
+                          transfer=TransferModel(link_Bps=1.0, overhead_s=0.0, staging_blocks=64))
+    assert costs.choose(4, 2) == ("recompute", 4.0, 4.0)  # a tie keeps the request off the host tier
+    assert costs.choose(5, 2) == ("swap", 5.0, 4.0)
+    assert costs.choose(3, 2) == ("recompute", 3.0, 4.0)
+    # A victim whose every token sits in blocks others keep replays nothing: recompute is free.
+    assert RecoveryCosts().recompute_s(0) == 0.0 and RecoveryCosts().recompute_s(-3) == 0.0
+    assert RecoveryCosts().choose(0, 1)[0] == "recompute"
+
+
+def test_the_first_request_admitted_comes_back_as_a_readmission() -> None:
+    """The first request ever admitted has admission order 0; requeued before it sampled anything, it is
+    still a readmission (counted apart by the ledger, reported so in the plan), not a fresh request."""
+    led = KVLedger(16, BS)
+    s = Scheduler(led, SchedulerConfig(prefill_chunk=4, token_budget=4))
+    s.add(GenRequest("a", toks(10, 100), 2))
+    engine = FakeEngine(s)
+    first = engine.step()
+    assert first.admissions == [Admission("a", 0, False)]
+    assert [(w.start, w.end, w.sample) for w in first.prefills] == [(0, 4, False)]
+    assert s.requeue("a")
+    again = engine.step()
+    assert again.admissions == [Admission("a", 4, True)]  # its one full written block is a prefix hit
+    assert [(w.start, w.end) for w in again.prefills] == [(4, 8)]
+    engine.drain()
+    assert (led.counters.admitted, led.counters.readmitted) == (1, 1)
+    assert led.stats()["prefix_cache_readmissions"]["hit_tokens"] == 4
+    assert_drained(s)
+
+
+@pytest.mark.parametrize("restore_ahead", [False, True])
+def test_a_fresh_request_gets_its_prefix_promoted_from_the_tier_below(restore_ahead: bool) -> None:
+    """With offload_prefixes, a fresh request whose prompt blocks were demoted gets them promoted back at
+    its admission, and counts them as cached; with restore_ahead it computes from the next step."""
+    s, engine = _offload(restore_ahead=restore_ahead)
+    _run_one(s, engine, GenRequest("A", toks(16, 0), 2))  # 4 full prompt blocks cached on the device
+    _run_one(s, engine, GenRequest("B", toks(24, 500), 2))  # evicts 3 of A's: demoted to the host tier
+    assert len(s.host.index) == 3
+    s.add(GenRequest("C", toks(16, 0) + toks(3, 900), 2))
+    s.add(GenRequest("D", toks(2, 950), 2))  # admitted in the same step, behind C
+    plans = engine.drain()
+    admit = plans[0]
+    assert admit.admitted == ["C", "D"]
+    assert len(admit.promote) == 3 and admit.admissions == [Admission("C", 16, False), Admission("D", 0, False)]
+    assert s.ledger.counters.promoted_blocks == 3 and s.promoted_tokens == 12
+    assert sum(w.end - w.start for p in plans for w in p.prefills if w.seq_id == "C") == 3  # only its new tokens
+    assert [w.seq_id for w in admit.works] == (["D"] if restore_ahead else ["C", "D"])
+    s.check()
+
+
+@pytest.mark.parametrize("restore_ahead", [False, True])
+def test_a_requeued_request_gets_its_demoted_prefix_promoted_when_it_comes_back(restore_ahead: bool) -> None:
+    """A recomputed family (not a swapped one) may find its prompt below the device when it comes back."""
+    s, engine = _offload(restore_ahead=restore_ahead)
+    s.add(GenRequest("A", toks(16, 0), 3))
+    assert engine.step().admissions == [Admission("A", 0, False)]
+    assert s.requeue("A")
+    s.add(GenRequest("B", toks(24, 500), 2, priority=1))  # goes first and evicts A's cached blocks
+    plans = engine.drain()
+    assert plans[0].admitted == ["B"] and len(plans[0].demote) == 2
+    back = next(p for p in plans if "A" in p.admitted)
+    assert back.admissions == [Admission("A", 16, True)] and len(back.promote) == 3
+    assert s.ledger.counters.promoted_blocks == 3 and s.promoted_tokens == 12
+    assert all(w.start >= 16 for p in plans for w in (*p.prefills, *p.decodes) if w.seq_id == "A")
+    assert [w.seq_id for w in back.works] == ([] if restore_ahead else ["A"])
+    s.check()
+
+
+def test_a_readmitted_family_leaves_the_headroom_free_while_others_run() -> None:
+    """The headroom kept for the growth of running requests also holds back a readmission."""
+    led = KVLedger(13, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", watermark=0, on_growth_failure="headroom",
+                                       headroom_blocks=3))
+    s.add(GenRequest("X", toks(4, 0), 40))
+    s.add(GenRequest("A", toks(8, 100), 20))
+    engine = FakeEngine(s)
+    assert engine.step().admitted == ["X", "A"]
+    assert s.requeue("A")
+    s.add(GenRequest("Z", toks(20, 700), 2, priority=1))  # admitted first
+    plan = engine.step()
+    assert plan.admitted == ["Z"]  # A would eat into the headroom kept for X's growth: it waits
+    u = led.usage()
+    assert u.free == 4 and u.evictable == 2
+    engine.drain()
+    assert [br.finish_reason for br in s.finished["A"]] == ["length"]
+    assert_drained(s)
+
+
+@pytest.mark.parametrize("clear_cache", [False, True])
+def test_a_swap_restore_counts_its_prefix_hits_and_resumes_at_the_pending_token(clear_cache: bool) -> None:
+    """tests/scheduler/test_scheduler.py's swap scenario: V (12 tokens in the ledger, 3 full blocks) comes back in
+    step 12, with 2 blocks still cached on the device (or none, cache cleared): those are counted as
+    cached and need no transfer, the rest is swapped in (and timed), and V computes only its pending
+    position 11 and the sampled token after it -- nothing before is recomputed."""
+    s, _engine, _snap, plans, back = swap_scenario(clear_cache)
+    restore = plans[12]
+    assert restore.admitted == ["V"]
+    hits = 0 if clear_cache else 2
+    assert back.hit_blocks == hits
+    assert restore.admissions == [Admission("V", hits * BS, True)]
+    assert len(restore.swap_in) == 3 - hits
+    assert restore.transfer_wait_s == pytest.approx(
+        TransferModel().time_s(3 - hits, RecoveryCosts().block_bytes, "in"))
+    assert [(w.seq_id, w.start, w.end) for w in plans[13].works] == [("V", 11, 13)]
+    assert_drained(s)
+
+
+def test_a_swap_restore_with_every_block_still_cached_counts_all_but_the_last_token() -> None:
+    """Same two requests, but G is cancelled right after it swapped V out: V's three full blocks stay cached,
+    so V comes back with no transfer at all and 11 cached tokens (the last one is always computed)."""
+    led = KVLedger(6, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0),
+                  host=HostPool(8))
+    s.add(GenRequest("G", toks(4, 100), 12))
+    s.add(GenRequest("V", toks(6, 200), 9))
+    engine = FakeEngine(s)
+    plans = []
+    while s.has_work():
+        plans.append(engine.step())
+        if plans[-1].swap_out:
+            assert plans[-1].step == 7 and len(plans[-1].swap_out) == 3
+            s.cancel("G")
+    restore = plans[8]
+    assert restore.admissions == [Admission("V", 11, True)] and restore.swap_in == []
+    assert restore.transfer_wait_s == 0
+    assert [(w.seq_id, w.start, w.end) for w in plans[9].works] == [("V", 12, 13)]
+    assert [br.finish_reason for br in s.finished["V"]] == ["length"]
+    assert_drained(s)
+
+
+def test_max_running_caps_the_admissions_of_a_step_and_of_later_steps() -> None:
+    s = Scheduler(KVLedger(32, BS), SchedulerConfig(max_running=2))
+    for rid in "abc":
+        s.add(GenRequest(rid, toks(3, 10 * ord(rid)), 4))
+    engine = FakeEngine(s)
+    assert engine.step().admitted == ["a", "b"]  # c waits: two run already
+    s.add(GenRequest("d", toks(3, 999), 4))
+    assert engine.step().admitted == []  # still two running
+    plans = engine.drain()
+    assert [p.admitted for p in plans if p.admitted] == [["c", "d"]]
+    assert_drained(s)
+
+
+def test_a_family_of_exactly_max_running_branches_is_admitted() -> None:
+    s = Scheduler(KVLedger(8, BS), SchedulerConfig(max_running=2))
+    s.add(GenRequest("n2", toks(2, 0), 3, n=2))
+    s.add(GenRequest("n3", toks(2, 50), 3, n=3))
+    plan = s.schedule()
+    assert plan.admitted == ["n2"]
+    assert plan.ended == [(sid, "never: more branches than max_running") for sid in ("n3", "n3/1", "n3/2")]
+
+
+def test_admission_stops_when_the_step_token_budget_is_spent() -> None:
+    s = Scheduler(KVLedger(32, BS), SchedulerConfig(token_budget=4, prefill_chunk=4))
+    s.add(GenRequest("a", toks(4, 0), 2))
+    s.add(GenRequest("b", toks(4, 100), 2))
+    engine = FakeEngine(s)
+    first = engine.step()
+    assert first.admitted == ["a"] and [(w.seq_id, w.start, w.end) for w in first.works] == [("a", 0, 4)]
+    assert engine.step().admitted == ["b"]
+    engine.drain()
+    assert_drained(s)
+
+
+def test_a_prompt_cached_whole_still_computes_its_last_token() -> None:
+    s = Scheduler(KVLedger(8, BS), SchedulerConfig())
+    engine = FakeEngine(s)
+    s.add(GenRequest("a", toks(8, 0), 2))
+    engine.drain()
+    s.add(GenRequest("b", toks(8, 0), 2))  # both prompt blocks cached and written
+    plan = engine.step()
+    assert plan.admissions == [Admission("b", 7, False)]
+    assert [(w.seq_id, w.start, w.end, w.sample) for w in plan.works] == [("b", 7, 8, True)]
+    engine.drain()
+    assert [br.finish_reason for br in s.finished["b"]] == ["length"]
+    assert_drained(s)
+
+
+def test_a_family_of_max_running_branches_too_big_for_the_pool_is_told_it_is_the_pool() -> None:
+    s = Scheduler(KVLedger(4, BS), SchedulerConfig(max_running=2))
+    s.add(GenRequest("big", toks(20, 0), 3, n=2))
+    assert s.schedule().ended == [("big", "never: larger than the whole pool"),
+                                  ("big/1", "never: larger than the whole pool")]
+
+
+def test_a_swap_restore_is_timed_on_the_inbound_link() -> None:
+    """The restore's link time uses the tier -> device rate (``in_link_Bps``), not the outbound one."""
+    link = TransferModel(link_Bps=10e9, in_link_Bps=2e9)
+    costs = RecoveryCosts(transfer=link)
+    led = KVLedger(6, BS)
+    s = Scheduler(led, SchedulerConfig(policy="incremental", victim="latest", recovery="swap", watermark=0.0),
+                  host=HostPool(8), costs=costs)
+    s.add(GenRequest("G", toks(4, 100), 12))
+    s.add(GenRequest("V", toks(6, 200), 9))
+    engine = FakeEngine(s)
+    plans = []
+    while s.has_work():
+        plans.append(engine.step())
+        if plans[-1].swap_out:
+            led.clear_cache()  # every block comes back from the host
+    (out,) = [p for p in plans if p.swap_out]
+    (back,) = [p for p in plans if p.swap_in]
+    assert out.transfer_wait_s == pytest.approx(link.time_s(3, costs.block_bytes, "out"))
+    assert back.transfer_wait_s == pytest.approx(link.time_s(3, costs.block_bytes, "in"))
+    assert link.time_s(3, costs.block_bytes, "in") > link.time_s(3, costs.block_bytes, "out")
+    assert_drained(s)
+
+
+def test_a_prefill_of_a_request_cancelled_mid_step_does_not_stop_the_others_being_confirmed() -> None:
+    from kvledger.scheduler import GenRequest, Scheduler, SchedulerConfig
+    s = Scheduler(KVLedger(16, BS), SchedulerConfig(policy="full", prefill_chunk=4, token_budget=16))
+    for rid, base in (("a", 100), ("b", 200)):
+        s.add(GenRequest(rid, toks(8, base), 2))
+    engine = FakeEngine(s)
+    plan = s.schedule()
+    assert [w.seq_id for w in plan.prefills] == ["a", "b"]
+    sampled = engine.run(plan)
+    assert s.cancel("a")  # between the executor and confirm, as the driver applies cancels
+    s.confirm(plan, sampled)
+    assert s.branches("b")[0].computed == 4
+    s.check()
+
+
+def test_a_swap_that_falls_back_to_recompute_keeps_why_it_preempted() -> None:
+    s, engine = victim_scenario("latest", recovery="swap", host=None)
+    plans = [engine.step() for _ in range(5)]
+    assert [(p.request_id, p.reason) for p in plans[4].preempted] == [
+        ("D", "B needed a block; host pool cannot hold the blocks, recomputing instead"),
+        ("C", "C needed a block; host pool cannot hold the blocks, recomputing instead")]

@@ -10,21 +10,23 @@ import zlib
 import pytest
 
 from kvledger.core.ledger import KVLedger
+from kvledger.errors import LedgerError
 from kvledger.scheduler import (
     Driver,
     GenRequest,
     Scheduler,
     SchedulerConfig,
+    Status,
     StepOutput,
     StepPlan,
 )
-from kvledger.scheduler.beam import BeamSearch, fork_beams, select_beams
+from kvledger.scheduler.beam import PRUNED, BeamChoice, BeamSearch, end_beams, fork_beams, prune_beams, select_beams
 from kvledger.scheduler.growth import REJECTED_OUTGREW
 
 try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
-    from tests.scheduler.test_scheduler import BS, FakeEngine, toks
+    from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, toks
 except ImportError:  # pragma: no cover
-    from test_scheduler import BS, FakeEngine, toks
+    from test_scheduler import BS, FakeEngine, assert_drained, toks
 
 STOP = 3
 
@@ -185,3 +187,98 @@ def test_a_requeued_family_that_outgrew_the_pool_ends_as_outgrown_not_as_never()
     plan = engine.step()
     assert plan.ended == [("r", REJECTED_OUTGREW), ("r/1", REJECTED_OUTGREW)]
     assert [br.finish_reason for br in s.branches("r")] == [REJECTED_OUTGREW] * 2
+
+
+def _choices(cs: list[BeamChoice]) -> list[tuple[str, int, float]]:
+    return [(c.parent, c.token, round(c.score, 6)) for c in cs]
+
+
+def test_a_beam_request_too_big_for_the_pool_is_told_so_not_blamed_on_the_token_budget() -> None:
+    s = Scheduler(KVLedger(4, BS), SchedulerConfig(token_budget=2))  # 2 beams == the token budget: fine
+    s.add(GenRequest("bm", toks(20, 0), 3, n=2, beam=True))  # but 20 prompt tokens > the 16-token pool
+    assert s.schedule().ended == [("bm", "never: larger than the whole pool"),
+                                  ("bm/1", "never: larger than the whole pool")]
+    s = Scheduler(KVLedger(4, BS), SchedulerConfig(token_budget=1))
+    s.add(GenRequest("bm", toks(2, 0), 3, n=2, beam=True))
+    assert s.schedule().ended == [(sid, "never: more beams than token_budget (beams decode in one step)")
+                                  for sid in ("bm", "bm/1")]
+
+
+def test_select_beams_ranks_by_summed_score_then_beam_then_candidate_rank() -> None:
+    beams = [("a", 0.0), ("b", 0.0)]
+    cands = {"a": [(-0.5, 5), (-1.0, 6)], "b": [(-1.0, 7), (-4.0, 8)]}
+    running, finished = select_beams(beams, cands, 3)  # not the first step: both beams expand
+    assert _choices(running) == [("a", 5, -0.5), ("a", 6, -1.0), ("b", 7, -1.0)] and finished == []
+    running, _ = select_beams([("a", -2.0), ("b", 0.0)], cands, 2)
+    assert _choices(running) == [("b", 7, -1.0), ("a", 5, -2.5)]
+    # The first step expands the first beam only (the others are copies of it).
+    running, _ = select_beams(beams, cands, 2, first_step=True)
+    assert _choices(running) == [("a", 5, -0.5), ("a", 6, -1.0)]
+
+
+def test_select_beams_turns_stop_tokens_among_the_best_into_hypotheses() -> None:
+    STOP = 3
+    cands = {"a": [(-0.1, STOP), (-0.2, 5), (-0.3, 6), (-0.4, 7)]}
+    running, finished = select_beams([("a", 0.0)], cands, 2, {STOP})
+    assert _choices(finished) == [("a", STOP, -0.1)]
+    assert _choices(running) == [("a", 5, -0.2), ("a", 6, -0.3)]
+    # A stop token ranked at or past the width is dropped, and only 2 * width candidates count.
+    cands = {"a": [(-0.1, STOP), (-0.2, STOP), (-0.3, 9)]}
+    running, finished = select_beams([("a", 0.0)], cands, 1, {STOP})
+    assert _choices(finished) == [("a", STOP, -0.1)] and running == []
+    with pytest.raises(LedgerError) as err:
+        select_beams([("a", 0.0)], cands, 0)
+    assert str(err.value) == "beam width must be >= 1"
+
+
+def test_beam_helpers_on_a_request_that_is_not_running_change_nothing() -> None:
+    s = Scheduler(KVLedger(16, BS), SchedulerConfig(policy="full"))
+    assert prune_beams(s, "nope", set()) == []
+    end_beams(s, "nope", "stop")
+    assert fork_beams(s, "nope", []) == []
+
+
+def test_pruned_and_ended_beams_carry_their_reasons() -> None:
+    s = Scheduler(KVLedger(64, BS), SchedulerConfig(policy="full"))
+    req = GenRequest("r", toks(5, 1), 4, n=3, beam=True)
+    s.add(req)
+    engine = FakeEngine(s)
+    engine.step()
+    with pytest.raises(LedgerError) as err:
+        prune_beams(s, "r", set())
+    assert str(err.value) == "pruning every beam of 'r': use end_beams to finish the request"
+    assert prune_beams(s, "r", {"r"}) == ["r/1", "r/2"]
+    pruned = s.branches("r")[1:]
+    assert [(br.status, br.finish_reason) for br in pruned] == [(Status.FINISHED, PRUNED)] * 2
+    assert [br.seq_id for br in s.running["r"]] == ["r"]
+    end_beams(s, "r", "stop")
+    assert "r" not in s.running and s.branches("r")[0].finish_reason == "stop"
+    s.check()
+    assert_drained(s)
+
+
+def test_fork_beams_names_places_and_checks_each_new_beam() -> None:
+    s = Scheduler(KVLedger(64, BS), SchedulerConfig(policy="full"))
+    s.add(GenRequest("r", toks(5, 1), 6, n=2, beam=True, stop_token_ids=frozenset({3})))
+    engine = FakeEngine(s)
+    plan = s.schedule()
+    with pytest.raises(LedgerError) as err:  # nothing sampled yet: no pending token to fork from
+        fork_beams(s, "r", [("r", 7)])
+    assert str(err.value) == "beam 'r' must have exactly this step's token pending to fork"
+    s.confirm(plan, engine.run(plan))
+    with pytest.raises(LedgerError) as err:
+        fork_beams(s, "r", [("r/9", 7)])
+    assert str(err.value) == "beam 'r/9' of 'r' is not running"
+    parent = s.branches("r")[1]
+    children = fork_beams(s, "r", [("r/1", 70), ("r", 71), ("r", 3)])
+    assert [c.seq_id for c in children] == ["r/2", "r/3", "r/4"]
+    assert [c.index for c in children] == [2, 3, 4]
+    assert children[0].tokens == parent.tokens[: parent.in_ledger] + [70]
+    assert (children[0].computed, children[0].admitted_order) == (parent.computed, parent.admitted_order)
+    assert children[2].status is Status.FINISHED and children[2].finish_reason == "stop"  # its token is a stop
+    assert [br.seq_id for br in s.running["r"]] == ["r", "r/1", "r/2", "r/3"]
+    nxt = engine.step()
+    assert sorted((w.seq_id, w.start, w.end) for w in nxt.works) == [
+        ("r", 5, 6), ("r/1", 5, 6), ("r/2", 5, 6), ("r/3", 5, 6)]  # the forks decode; nothing is recomputed
+    s.check()
+    assert_drained(s)

@@ -364,3 +364,80 @@ def test_check_notices_a_branch_that_lost_its_block_table() -> None:
     s.running["A"][0].blocks = s.ledger.sequence("A").table.blocks
     s.check()
     assert s.branches("A")[0].status is Status.RUNNING
+
+
+def test_reset_with_requeue_refuses_pins_and_leases_first_and_keeps_admission_order() -> None:
+    led = KVLedger(32, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full"))
+    engine = FakeEngine(s)
+    s.add(GenRequest("warm", toks(8, 100), 2))
+    engine.drain()  # its 8 prompt tokens are two written, cached blocks
+    assert led.pin("keep", toks(8, 100), CacheContext()) == 2
+    for rid, start in (("x", 0), ("y", 40), ("z", 80)):
+        s.add(GenRequest(rid, toks(5, start), 6))
+    engine.step()
+    assert list(s.running) == ["x", "y", "z"]
+    plan = s.schedule()
+    in_flight = s.reset_prefix_cache(requeue_running=True)
+    assert (in_flight.done, in_flight.cleared_blocks) == (False, 0)
+    assert in_flight.reason == f"step {plan.step} is in flight: reset between steps"
+    s.confirm(plan, engine.run(plan))
+    refused = s.reset_prefix_cache(requeue_running=True)
+    assert (refused.done, refused.cleared_blocks, refused.reason) == (False, 0, "blocks are still held: 1 pins")
+    assert list(s.running) == ["x", "y", "z"]  # nothing was requeued before refusing
+    led.unpin("keep")
+    lease = led.lease(blocks=[led.sequence("x").table.blocks[0]], owner="transfer")
+    refused = s.reset_prefix_cache(requeue_running=True)
+    assert refused.reason == "blocks are still held: 1 outstanding leases" and "x" in s.running
+    led.end_lease(lease)
+    done = s.reset_prefix_cache(requeue_running=True)
+    assert done.done and done.cleared_blocks > 0 and not s.running
+    # Requeued at the front, in their admission order, each as a fresh wait with nothing computed.
+    assert [u[0].seq_id for u in s.waiting] == ["x", "y", "z"]
+    for unit in s.waiting:
+        br = unit[0]
+        assert (br.status, br.computed, br.in_ledger, br.blocks, br.deferred) == (Status.WAITING, 0, 0, [], False)
+    engine.drain()
+    for rid in ("x", "y", "z"):
+        br = s.branches(rid)[0]
+        assert br.finish_reason == "length" and len(br.output) == 6
+
+
+@pytest.mark.parametrize("recovery", ["recompute", "swap"])
+def test_a_lone_request_that_outgrows_the_pool_is_rejected_not_preempted(recovery: str) -> None:
+    """on_growth_failure=preempt, alone in an 8-block pool with 3 blocks pinned: the request (4 + 20
+    tokens = 6 blocks, so not 'never') fills 5 blocks = 20 tokens and can grow no further. Preempting
+    itself would free nothing it could use again: it ends 'outgrew the whole pool', never preempted."""
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery=recovery, watermark=0.0)
+    led = KVLedger(8, BS, max_pinned_fraction=0.5)
+    s = Scheduler(led, cfg, host=HostPool(16))
+    engine = FakeEngine(s)
+    system = toks(3 * BS, 900)
+    s.add(GenRequest("sys", system, 1))
+    engine.drain()
+    assert led.pin("system", system, CacheContext()) == 3
+    s.add(GenRequest("r", toks(4, 100), 20))
+    plans = engine.drain(limit=40)
+    (br,) = s.branches("r")
+    assert (br.finish_reason, s.preemptions) == (REJECTED_OUTGREW, 0)
+    # The step that ended it says so (executors drop a branch's state on plan.ended).
+    assert [e for p in plans for e in p.ended] == [("r", REJECTED_OUTGREW)]
+    assert br.output == expected_output("r", 4, 20)[:17] and br.in_ledger == 5 * BS
+    s.ledger.unpin("system")
+    assert_drained(s)
+
+
+def test_a_reset_refused_for_pins_and_leases_names_both() -> None:
+    from kvledger.scheduler import GenRequest, Scheduler, SchedulerConfig
+    led = KVLedger(32, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full"))
+    engine = FakeEngine(s)
+    s.add(GenRequest("warm", toks(8, 100), 2))
+    engine.drain()
+    led.pin("keep", toks(8, 100), CacheContext())
+    s.add(GenRequest("x", toks(5, 0), 6))
+    engine.step()
+    lease = led.lease(blocks=[led.sequence("x").table.blocks[0]], owner="transfer")
+    refused = s.reset_prefix_cache(requeue_running=True)
+    assert refused.reason == "blocks are still held: 1 pins, 1 outstanding leases"
+    led.end_lease(lease)

@@ -10,8 +10,15 @@ import random
 import pytest
 
 from kvledger.core.ledger import KVLedger
-from kvledger.scheduler import GenRequest, HostPool, RecoveryCosts, Scheduler, SchedulerConfig, TransferModel
-from kvledger.scheduler.victims import VICTIM_POLICIES, pick_victim
+from kvledger.scheduler import (
+    GenRequest,
+    HostPool,
+    RecoveryCosts,
+    Scheduler,
+    SchedulerConfig,
+    TransferModel,
+)
+from kvledger.scheduler.victims import VICTIM_POLICIES, held_blocks, pick_victim, replay_tokens
 
 try:  # the module name pytest gives tests/scheduler/test_scheduler.py depends on its import mode
     from tests.scheduler.test_scheduler import BS, FakeEngine, assert_drained, toks
@@ -77,3 +84,30 @@ def test_pick_victim_between_steps_sees_what_the_last_step_confirmed() -> None:
     s.confirm(plan, engine.run(plan))
     assert pick_victim("min_waste", led, s.running) == "P"
     assert s.pick_victim() == "P"
+
+
+def test_min_waste_counts_a_family_once_and_keeps_only_blocks_others_hold() -> None:
+    """Blocks of 4. F (6-token prompt, n=2) and P (8 tokens) run a step; then Q (P's prompt: both its
+    blocks are hits) and R (P's first block, then its own) join. After the second step, by hand:
+
+    * F: its branches hold blocks {f0 shared, f1, f1'} = 3 distinct; the shared head is held only by
+      F itself, so both branches replay all 8 tokens: 3 x 16 = 48 (branch 0 alone would say 2 x 4);
+    * P: 3 blocks, its 2 written blocks are held by Q too, 10 - 8 = 2 tokens to replay: 6;
+    * Q: 2 blocks, both written and shared -- every block kept, 9 - 8 = 1 token: 2;
+    * R: 2 blocks, the first shared and written, the second its own: 9 - 4 = 5 tokens: 10."""
+    led = KVLedger(32, BS)
+    s = Scheduler(led, SchedulerConfig(policy="full", victim="min_waste"))
+    s.add(GenRequest("F", toks(6, 0), 8, n=2))
+    s.add(GenRequest("P", toks(8, 100), 8))
+    engine = FakeEngine(s)
+    engine.step()
+    s.add(GenRequest("Q", toks(8, 100), 8))
+    s.add(GenRequest("R", toks(4, 100) + toks(4, 300), 8))
+    engine.step()
+    key = VICTIM_POLICIES["min_waste"]
+    assert {rid: key(led, brs) for rid, brs in s.running.items()} == {"F": 48, "P": 6, "Q": 2, "R": 10}
+    assert {rid: held_blocks(led, brs) for rid, brs in s.running.items()} == {"F": 3, "P": 3, "Q": 2, "R": 2}
+    assert {rid: replay_tokens(led, brs) for rid, brs in s.running.items()} == {"F": 16, "P": 2, "Q": 1, "R": 5}
+    assert s.pick_victim() == "Q"
+    engine.drain()
+    assert_drained(s)

@@ -14,12 +14,11 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from ..core.engines import ENGINES
 from ..errors import ConfigError, KVLedgerError
 from ..lab import LabSpec, run_lab
 from ..scheduler import ADMISSION_POLICIES
-from .options import TOKENS, UTILIZATION, Int, Size, epilog
-from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec
+from .options import TOKENS, Int, epilog
+from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec, sizing_options
 
 MAX_LAB_REQUESTS = 100_000
 MAX_LAB_TOKENS = 50_000_000  # requests x (prompt + max_new) x branches the lab may materialise
@@ -56,13 +55,11 @@ app.add_command(plan_cmd)
     "kvledger admit --model qwen2.5-7b --gpu h100-80gb --requests-file requests.jsonl",
 ))
 @geometry_options
-@click.option("--pool", type=Size(), default=None, help="KV pool size, e.g. 512MiB (or size it with --gpu).")
-@click.option("--gpu", default=None, help="Catalogue GPU whose KV pool (as `kvledger plan` sizes it) is used.")
-@click.option("--device-memory", type=Size(), default=None, help="Device memory as the driver reports it.")
-@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
-              help="Whose memory accounting sizes the pool with --gpu/--device-memory.")
-@click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
-              help="Fraction of device memory the engine may use.")
+@sizing_options(pool="KV pool size, e.g. 512MiB (or size it with --gpu).",
+                gpu="Catalogue GPU whose KV pool (as `kvledger plan` sizes it) is used.",
+                device_memory="Device memory as the driver reports it.",
+                engine="Whose memory accounting sizes the pool with --gpu/--device-memory.",
+                utilization="Fraction of device memory the engine may use.")
 @click.option("--weight-dtype", default=None, help="Weight format for the pool's sizing [the checkpoint's].")
 @click.option("--requests", type=Int(1, MAX_LAB_REQUESTS), default=8, show_default=True,
               help="Requests arriving together.")
@@ -112,11 +109,9 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
                              max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
             "pool_bytes": pool_bytes, **({"pool_sized_by": sized} if sized else {}), **result}
-    if as_json:
-        _emit_json(data)
+    con = _admission_console(spec, data, as_json)
+    if con is None:
         return
-    con = Console()
-    con.print(_kv_table(spec))
     con.print(_decisions_table(f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
                                f"pool {data['pool_blocks']} blocks", data["decisions"], lengths=False))
     reasons: dict[str, str] = {}
@@ -146,6 +141,17 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
+def _admission_console(spec: Any, data: dict[str, Any], as_json: bool) -> Any:
+    """``admit``'s report starts one way for the lab and a requests file: with ``--json`` the whole report is
+    printed (and None returned), else a console that has printed the KV geometry."""
+    if as_json:
+        _emit_json(data)
+        return None
+    con = Console()
+    con.print(_kv_table(spec))
+    return con
+
+
 def _decisions_table(title: str, decisions: list[dict[str, Any]], lengths: bool) -> Any:
     """One row per admission decision, its outcome coloured; ``lengths`` adds the prompt and max_new columns."""
     t = Table(title=title)
@@ -168,11 +174,9 @@ def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: 
     result = admit_requests(rows, pool_blocks, spec.block_size, prefix_caching=prefix_cache, model=model or "file")
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes, "pool_bytes": pool_bytes,
             "pool_sized_by": sized or "--pool", "requests_file": path, **result}
-    if as_json:
-        _emit_json(data)
+    con = _admission_console(spec, data, as_json)
+    if con is None:
         return
-    con = Console()
-    con.print(_kv_table(spec))
     con.print(_decisions_table(f"Admission (full reservation) of {path}: {data['requests']} requests, "
                                f"{data['groups']} trust group(s), pool {pool_blocks:,} blocks",
                                data["decisions"][:200], lengths=True))

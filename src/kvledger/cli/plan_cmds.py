@@ -34,6 +34,31 @@ def geometry_options(fn: Any) -> Any:
     return fn
 
 
+def sizing_options(*, pool: str = "KV pool size directly, e.g. 512MiB (no engine accounting).",
+                   gpu: str = "Catalogue GPU (see `kvledger gpus`); its driver-reported memory is used.",
+                   device_memory: str = "Device memory as the driver reports it, e.g. 79.18GiB (instead of --gpu).",
+                   engine: str = "Whose memory accounting: vLLM's start-up profile or kvledger's runtime.",
+                   utilization: str = "Fraction of device memory the engine may use (vLLM's "
+                                      "gpu_memory_utilization).") -> Any:
+    """The flags that size a KV pool (``plan``, ``admit``): a size given directly, or a device (a catalogue GPU
+    or its memory) under an engine's memory accounting. One name, type and default each; a command words
+    the help for what it does with them."""
+    opts = [
+        click.option("--pool", type=Size(), default=None, help=pool),
+        click.option("--gpu", default=None, help=gpu),
+        click.option("--device-memory", type=Size(), default=None, help=device_memory),
+        click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True, help=engine),
+        click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True, help=utilization),
+    ]
+
+    def apply(fn: Any) -> Any:
+        for opt in reversed(opts):
+            fn = opt(fn)
+        return fn
+
+    return apply
+
+
 def resolve_spec(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
                  kv_dtype: str | None, tp: int, block_size: int) -> tuple[Any, dict[str, Any] | None]:
     from ..core.geometry import KVSpec
@@ -187,14 +212,7 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
     "kvledger plan --model mixtral-8x7b --matrix --prompt 4096 --max-new 1024 --concurrency 64",
 ))
 @geometry_options
-@click.option("--pool", type=Size(), default=None, help="KV pool size directly, e.g. 512MiB (no engine accounting).")
-@click.option("--gpu", default=None, help="Catalogue GPU (see `kvledger gpus`); its driver-reported memory is used.")
-@click.option("--device-memory", type=Size(), default=None,
-              help="Device memory as the driver reports it, e.g. 79.18GiB (instead of --gpu).")
-@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
-              help="Whose memory accounting: vLLM's start-up profile or kvledger's runtime.")
-@click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
-              help="Fraction of device memory the engine may use (vLLM's gpu_memory_utilization).")
+@sizing_options()
 @click.option("--reserve", type=Size(allow_zero=True), default=None,
               help="Extra memory to keep back [1GiB for kvledger, 0 for vllm].")
 @click.option("--weight-dtype", default=None,

@@ -157,18 +157,19 @@ def _url_host(host: str) -> str:
 
 
 # ---- bench -----------------------------------------------------------------------------------------
-@click.group("bench", epilog=epilog(
+# `bench serve` is the group's one command: the group shows its examples.
+BENCH_SERVE_EXAMPLES = epilog(
     "kvledger bench serve --url http://127.0.0.1:8000 --workload synthetic --rate 2 --duration 30",
     "kvledger bench serve --url http://127.0.0.1:8000 --trace azure_conv.csv --rate 1 --concurrency 16",
-))
+)
+
+
+@click.group("bench", epilog=BENCH_SERVE_EXAMPLES)
 def bench_group() -> None:
     """Load and measure running servers."""
 
 
-@bench_group.command("serve", epilog=epilog(
-    "kvledger bench serve --url http://127.0.0.1:8000 --workload synthetic --rate 2 --duration 30",
-    "kvledger bench serve --url http://127.0.0.1:8000 --trace azure_conv.csv --rate 1 --concurrency 16",
-))
+@bench_group.command("serve", epilog=BENCH_SERVE_EXAMPLES)
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True,
               help="Base URL of an OpenAI-compatible server (loopback only).")
 @click.option("--trace", "trace_path", default=None,

@@ -332,14 +332,8 @@ class RouterView:
 
     @_locked
     def accepted(self, request_id: str, replica: str, seq: int, load: ReplicaLoad | None, now: float) -> None:
-        state = self.replicas.get(replica)
-        if state is None:
-            return
-        sent = state.sent.get(request_id)
-        if sent is not None:
-            sent.accept_seq = seq
-        if load is None or not self.update_load(replica, load, now):
-            self._recount(state)
+        """The replica admitted the request with its decision ``seq``."""
+        self._settled(request_id, replica, seq, load, now, finished=False)
 
     @_locked
     def refused(self, request_id: str, replica: str, load: ReplicaLoad | None, now: float) -> None:
@@ -352,21 +346,31 @@ class RouterView:
             self.index.remove(replica, sent.new_digests)
         if self._where.get(request_id) == replica:
             del self._where[request_id]
-        if load is None or not self.update_load(replica, load, now):
-            self._recount(state)
+        self._take_reply_load(state, replica, load, now)
 
     @_locked
     def finished(self, request_id: str, replica: str, seq: int, load: ReplicaLoad | None, now: float) -> None:
+        """The request finished there with the replica's decision ``seq`` (admitted then too, if not heard yet)."""
+        self._settled(request_id, replica, seq, load, now, finished=True)
+
+    def _settled(self, request_id: str, replica: str, seq: int, load: ReplicaLoad | None, now: float, *,
+                 finished: bool) -> None:
         state = self.replicas.get(replica)
         if state is None:
             return
         sent = state.sent.get(request_id)
         if sent is not None:
-            sent.finish_seq = seq
-            if sent.accept_seq is None:
+            if finished:
+                sent.finish_seq = seq
+            if not finished or sent.accept_seq is None:
                 sent.accept_seq = seq
-        if self._where.get(request_id) == replica:
+        if finished and self._where.get(request_id) == replica:
             del self._where[request_id]
+        self._take_reply_load(state, replica, load, now)
+
+    def _take_reply_load(self, state: ReplicaState, replica: str, load: ReplicaLoad | None, now: float) -> None:
+        """A reply's fresh load if it carries one the view takes; else the router's own requests recounted
+        against the load it has."""
         if load is None or not self.update_load(replica, load, now):
             self._recount(state)
 

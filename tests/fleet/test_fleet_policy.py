@@ -18,7 +18,14 @@ from kvledger.core.tiers import TierLedger
 from kvledger.core.types import Request
 from kvledger.errors import ConfigError, InvariantError
 from kvledger.placement.door import ACCEPTED, NEVER, NOT_NOW, AdmissionDoor, CacheEventTap
-from kvledger.placement.score import ReplicaLoad, ScoreConfig, make_route_request, request_blocks
+from kvledger.placement.score import (
+    ReplicaLoad,
+    RouteRequest,
+    ScoreConfig,
+    make_route_request,
+    replica_cost,
+    request_blocks,
+)
 from kvledger.placement.view import Placement, PrefixIndex, RouterView
 from kvledger.sim.cost_model import DeviceProfile
 from kvledger.sim.fleet import FleetConfig, FleetSimulator
@@ -488,3 +495,53 @@ def test_the_policy_imports_neither_ray_nor_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def _route(rid: str, prompt_blocks: int, max_new: int, bs: int = 16) -> RouteRequest:
+    tokens = list(range(1000 * len(rid), 1000 * len(rid) + prompt_blocks * bs))
+    root = CacheContext(trust_group="acme", model="m").root_digest()
+    return make_route_request(rid, "acme", prompt_digests(root, tokens, bs), len(tokens), max_new, bs)
+
+
+def test_score_errors_name_the_bad_field() -> None:
+    with pytest.raises(ConfigError, match="^block size must be at least 1$"):
+        request_blocks(16, 16, 0)
+    with pytest.raises(ConfigError, match="^min_match_tokens must be a non-negative integer, got -1$"):
+        ScoreConfig(min_match_tokens=-1)
+
+
+def test_a_router_ranks_by_the_prefill_of_all_its_requests_in_flight() -> None:
+    view = RouterView(16, seed=0)
+    view.set_replicas(["r0"])
+    view.update_load("r0", ReplicaLoad(pool=100, free=100, evictable=0, promised=0, seq=5, stamp=10.0), now=10.0)
+    a, b, c = _route("a", 3, 32), _route("bb", 2, 16), _route("ccc", 1, 16)
+    view.routed(a, "r0")
+    view.routed(b, "r0")
+    (choice,) = view.rank(c, now=10.0)
+    expected = replica_cost(c, 0, a.decode_blocks + b.decode_blocks, 3 + 2, 16, view.config)
+    assert choice.cost == pytest.approx(expected)
+
+
+def test_a_request_the_load_counted_when_accepted_gives_its_blocks_back_when_it_finishes() -> None:
+    view = RouterView(16, seed=0)
+    view.set_replicas(["r0"])
+    view.update_load("r0", ReplicaLoad(pool=100, free=100, evictable=0, promised=0, seq=5, stamp=10.0), now=10.0)
+    req = _route("a", 3, 32)
+    view.routed(req, "r0")
+    view.accepted("a", "r0", seq=6, load=None, now=10.1)
+    # The replica's next load is stamped with the very decision that accepted it: it counts the request.
+    counted = ReplicaLoad(pool=100, free=100, evictable=0, promised=0, booked=req.charge, seq=6, stamp=10.2)
+    view.update_load("r0", counted, now=10.2)
+    assert view.available("r0") == counted.available
+    view.finished("a", "r0", seq=9, load=None, now=11.0)
+    assert view.available("r0") == counted.available + req.charge
+
+
+def test_a_replica_that_joins_after_another_left_does_not_inherit_a_live_replicas_prefixes() -> None:
+    index = PrefixIndex()
+    index.add("r0", [b"d0"])
+    index.add("r1", [b"d1"])
+    index.drop("r1")
+    index.add("r2", [b"d2"])  # takes the bit r1 left free, not r0's
+    assert (index.held_by("r0"), index.held_by("r2")) == (1, 1)
+    assert index.matches([b"d2"], ["r0", "r2"]) == {"r0": 0, "r2": 1}

@@ -192,3 +192,46 @@ def test_load_client_accepts_loopback() -> None:
     assert check_loopback("http://127.0.0.1:8000/v1/") == "http://127.0.0.1:8000"
     assert check_loopback("http://localhost:9") == "http://localhost:9"
     assert check_loopback("http://[::1]:9") == "http://[::1]:9"
+
+
+# ---- tenants ------------------------------------------------------------------------------------
+def test_a_tenants_file_without_an_operator_section_is_valid_and_says_metrics_are_closed() -> None:
+    tenants = Tenants.from_dict({"tenants": {"acme": {"api_keys": ["k"]}}})
+    assert not tenants.has_operator and tenants.authenticate("Bearer k").tenant.name == "acme"
+    assert tenants.describe().endswith("no [operator] keys: /metrics and /admin/ledger are closed")
+    with_ops = Tenants.from_dict({"tenants": {"acme": {"api_keys": ["k"]}}, "operator": {"api_keys": ["op"]}})
+    assert with_ops.describe().endswith("operator keys may read /metrics and /admin/ledger")
+
+
+def test_the_smallest_limits_are_one_block_and_one_request() -> None:
+    tenants = Tenants.from_dict({"tenants": {"acme": {"api_keys": ["k"], "max_blocks": 1, "max_requests": 1}}})
+    assert tenants.by_name["acme"] == Tenant("acme", max_blocks=1, max_requests=1)
+    with pytest.raises(ConfigError, match=r"\[tenants.acme\] max_requests must be an integer >= 1, got 0"):
+        Tenants.from_dict({"tenants": {"acme": {"api_keys": ["k"], "max_requests": 0}}})
+
+
+def test_config_errors_say_what_to_fix() -> None:
+    with pytest.raises(ConfigError, match=r"^tenants: \[operator\] takes only api_keys = \[\.\.\.\]$"):
+        Tenants.from_dict({"tenants": {"acme": {"api_keys": ["k"]}}, "operator": {"keys": ["op"]}})
+    with pytest.raises(ConfigError, match="^--api-key must not be empty$"):
+        Tenants.single_tenant("")
+
+
+def test_single_tenant_mode_says_whether_a_key_is_checked() -> None:
+    assert Tenants.single_tenant().describe().endswith("no API key is checked")
+    assert Tenants.single_tenant("s3cret").describe().endswith("one API key (--api-key) is required")
+
+
+# ---- the gate and the stop strings --------------------------------------------------------------
+@pytest.mark.parametrize("count", [1.5, "2", None])
+def test_a_ticket_for_a_count_that_is_not_an_integer_is_a_value_error(count: object) -> None:
+    gate = AdmissionGate(8, lambda: 0)
+    with pytest.raises(ValueError, match="at least one engine request"):
+        gate.enter(Tenant("acme"), count)  # type: ignore[arg-type]
+    assert gate.in_flight == 0
+
+
+def test_no_stop_strings_pass_the_text_through() -> None:
+    for stops in ([], [""]):
+        matcher = StopMatcher(stops)
+        assert matcher.feed("Hello") == "Hello" and matcher.feed(" world") == " world" and not matcher.stopped

@@ -10,7 +10,18 @@ import pytest
 
 from kvledger.errors import ConfigError
 from kvledger.sim.calibrate import step_measurements
-from kvledger.workloads import LogNormal, Uniform, load_trace
+from kvledger.workloads import (
+    LogNormal,
+    SimRequest,
+    Uniform,
+    at_rate,
+    load_kvledger,
+    load_lengths,
+    load_mooncake,
+    load_trace,
+    slice_requests,
+    sniff_trace_format,
+)
 
 
 def test_a_distributions_bounds_are_named_in_its_refusal() -> None:
@@ -57,3 +68,50 @@ def test_the_calibration_keeps_between_three_and_ten_thousand_steps() -> None:
     for bad in (2, 10_001, True):
         with pytest.raises(ConfigError, match=r"^step_measurements: limit must be an integer in 3\.\.10000"):
             step_measurements(steps, limit=bad)
+
+
+def _sim_request(rid: str, arrival_s: float, group: str = "g") -> SimRequest:
+    return SimRequest(rid, arrival_s, [1, 2, 3], 4, group)
+
+
+# ---- the simulator's workload files -------------------------------------------------------------------
+def test_a_bad_output_length_in_a_length_table_names_the_file_and_line(tmp_path) -> None:
+    table = tmp_path / "lengths.csv"
+    table.write_text("num_prefill_tokens,num_decode_tokens\n12,3\n7,lots\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"lengths\.csv:3: column num_decode_tokens must be an integer"):
+        load_lengths(table, arrivals=[0.0, 1.0])
+
+
+def test_a_mooncake_record_may_ask_for_no_output(tmp_path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 5, "output_length": 0, "hash_ids": [1]}\n', encoding="utf-8")
+    (req,) = load_mooncake(trace, block_tokens=8)
+    assert (req.prompt_len, req.output_len) == (5, 0)
+
+
+def test_a_window_of_requests_starts_at_its_start() -> None:
+    reqs = [_sim_request("a", 1.0), _sim_request("b", 2.0), _sim_request("c", 3.0)]
+    kept = slice_requests(reqs, start_s=2.0, end_s=3.0)
+    assert [(r.request_id, r.arrival_s) for r in kept] == [("b", 0.0)]  # [start, end): b in, c out
+
+
+def test_workload_parameters_out_of_range_are_refused_with_their_reason(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"^rate must be a number of requests per second in \(0, 1e6\]"):
+        at_rate([_sim_request("a", 0.0), _sim_request("b", 1.0)], 1e7)  # over a million a second
+    with pytest.raises(ConfigError, match=r"^LogNormal needs mean > 0 and cv > 0, got mean=0 cv=1$"):
+        LogNormal(0, 1)
+    with pytest.raises(ConfigError, match=r"^request 'a': trust_group must be a non-empty string$"):
+        _sim_request("a", 0.0, group="")
+    with pytest.raises(ConfigError, match="token_base"):
+        load_mooncake(tmp_path / "unused.jsonl", token_base=-1)
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"empty\.jsonl: empty trace \(accepted formats: "):
+        sniff_trace_format(empty)
+
+
+def test_a_kvledger_trace_takes_negative_priorities_down_to_minus_a_million(tmp_path) -> None:
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"arrival_s": 0, "prompt_len": 4, "output_len": 2, "priority": -100}\n'
+                     '{"arrival_s": 1, "prompt_len": 4, "output_len": 2, "priority": -1000000}\n', encoding="utf-8")
+    assert [r.priority for r in load_kvledger(trace)] == [-100, -1000000]

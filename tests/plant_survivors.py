@@ -74,7 +74,7 @@ TESTS = [
     "tests/scheduler/test_scheduler_props.py", "tests/scheduler/test_scheduler_beam.py",
     "tests/scheduler/test_scheduler_victims.py", "tests/scheduler/test_scheduler_shared_prefill.py",
     "tests/core/test_ledger_quota.py", "tests/scheduler/test_scheduler_quota.py", "tests/scheduler/test_driver.py",
-    "tests/test_fuzz_regressions.py", "tests/scheduler/test_mutation_kills.py",
+    "tests/test_fuzz_regressions.py", "tests/scheduler/test_admission_policies.py",
 ]
 
 

@@ -34,9 +34,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-from kvledger.core.geometry import KVSpec  # noqa: E402
 from kvledger.core.identity import CacheContext  # noqa: E402
 from kvledger.core.ledger import KVLedger, Request  # noqa: E402
+from kvledger.core.sizing.geometry import KVSpec  # noqa: E402
 from kvledger.runtime.engine import Engine, kv_spec_for, resolve_model  # noqa: E402
 from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
 

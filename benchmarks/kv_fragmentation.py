@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch
 torch.set_num_threads(1)
 from kvledger.core import KVSpec
-from kvledger.core.models import load_model_config
+from kvledger.core.sizing.models import load_model_config
 from kvledger.runtime.measure.diagnostics.fragmentation import run_way, variable_workload
 a = json.loads(sys.argv[1])
 cfg = load_model_config(a["model"])

@@ -67,8 +67,9 @@ ENV = {
     "KVLEDGER_FUZZ_EPISODES": "ledger=20,threads=1,scheduler=40",
 }
 # The packages mutated, in report order; of the runtime only the modules [tool.mutmut] names.
-PACKAGES = ("kvledger.core", "kvledger.scheduler", "kvledger.workloads", "kvledger.placement", "kvledger.sim",
-            "kvledger.server", "kvledger.fleet", "kvledger.runtime")
+# The core's two halves are reported apart: the ledger (``kvledger.core``) and its sizing (``kvledger.core.sizing``).
+PACKAGES = ("kvledger.core", "kvledger.core.sizing", "kvledger.scheduler", "kvledger.workloads", "kvledger.placement",
+            "kvledger.sim", "kvledger.server", "kvledger.fleet", "kvledger.runtime")
 KILLED = {"killed", "timeout"}
 # The fresh-interpreter pass of ``sample`` (see there), per package: for the core and the scheduler,
 # tensor-free tests of what the core computes at import; for the server, the in-process server tests
@@ -84,12 +85,13 @@ RUNTIME_KV_TESTS = ("tests/runtime/test_attention_scale_and_dtype.py",
                     "tests/runtime/test_kv_storage_formats_roundtrip.py",
                     "tests/runtime/test_kv_storage_tiers_and_transfers.py", "tests/runtime/test_runtime_attention.py",
                     "tests/runtime/test_runtime_kv_store.py", "tests/runtime/test_kv_formats.py")
-FRESH_TESTS = {"kvledger.core": PLANNER_TESTS, "kvledger.scheduler": PLANNER_TESTS,
-               "kvledger.server": INPROC_SERVER_TESTS, "kvledger.runtime": RUNTIME_KV_TESTS}
+FRESH_TESTS = {"kvledger.core": PLANNER_TESTS, "kvledger.core.sizing": PLANNER_TESTS,
+               "kvledger.scheduler": PLANNER_TESTS, "kvledger.server": INPROC_SERVER_TESTS,
+               "kvledger.runtime": RUNTIME_KV_TESTS}
 FRESH_ENV = {"kvledger.runtime": {"KVLEDGER_NATIVE": "1"}}
 FRESH_TIMEOUT_S = {"kvledger.server": 900}
 # Packages whose code takes another path with the C parts loaded (the core's, the runtime's kernels).
-NATIVE_PACKAGES = {"kvledger.core", "kvledger.scheduler", "kvledger.runtime"}
+NATIVE_PACKAGES = {"kvledger.core", "kvledger.core.sizing", "kvledger.scheduler", "kvledger.runtime"}
 
 
 def _mutmut_config() -> dict:
@@ -151,24 +153,11 @@ def results() -> dict[str, str]:
     return out
 
 
-# The planner's arithmetic (weights, workspace peaks, KV geometry and formats, the GPU catalogue): modules of
-# ``kvledger.core`` that size a deployment rather than decide about blocks; ``sample`` reports them apart.
-PLANNER = frozenset(f"kvledger.core.{m}" for m in ("params", "inventory", "engines", "geometry", "capacity", "gpus",
-                                                    "models", "kv_formats"))
-
-
 def package_of(mutant: str) -> str:
-    """The package of ``PACKAGES`` a mutant belongs to (``kvledger.sim``, ``kvledger.runtime``, ...)."""
+    """The package of ``PACKAGES`` a mutant belongs to (``kvledger.sim``, ``kvledger.runtime``, ...): the
+    innermost one, so the core's sizing half (``kvledger.core.sizing``) is reported apart from its ledger."""
     mod = module_of(mutant)
-    return next((p for p in PACKAGES if mod.startswith(p + ".")), mod.rsplit(".", 1)[0])
-
-
-def part_of(mutant: str) -> str:
-    """The package, with ``kvledger.core`` split into ``(planner)`` and ``(ledger)``."""
-    pkg = package_of(mutant)
-    if pkg != "kvledger.core":
-        return pkg
-    return "kvledger.core (planner)" if module_of(mutant) in PLANNER else "kvledger.core (ledger)"
+    return max((p for p in PACKAGES if mod.startswith(p + ".")), key=len, default=mod.rsplit(".", 1)[0])
 
 
 def module_of(mutant: str) -> str:
@@ -380,7 +369,7 @@ def sample(argv: list[str]) -> int:
             kind = "survived"
             left.append(k)
         c[kind] += 1
-        by_part.setdefault(part_of(k), Counter())[kind] += 1
+        by_part.setdefault(package_of(k), Counter())[kind] += 1
     for pkg, pc in sorted(by_part.items()):
         pn = pc["killed"] + pc["survived"]
         plo, phi = wilson(pc["killed"], pn)

@@ -50,7 +50,7 @@ def test_a_changed_answer_is_reported() -> None:
 def test_the_planner_refuses_with_typed_errors_only() -> None:
     """Every error among the planner's known answers is a ConfigError (or its DoesNotFit): what the CLI
     turns into one line on stderr. A TypeError here was a crash a user would have seen as a traceback."""
-    import kvledger.core.inventory as inventory
+    import kvledger.core.sizing.inventory as inventory
     from kvledger.errors import ConfigError
 
     module = _load("planner")

@@ -2,8 +2,9 @@
 the core imports only the standard library (and kvledger's errors and units), the scheduler no tensors,
 the runtime and the simulator never each other, the server and the web lab never the simulator, the
 placement package (score, view, door) needs no Ray and nothing of the Ray fleet, workloads sit below the
-simulator and the server, and the runtime's measuring room sits on top of the rest of the runtime. Every
-import counts, lazy ones inside functions too."""
+simulator and the server, the runtime's measuring room sits on top of the rest of the runtime, and the core's
+two halves stay apart (its sizing reads of the ledger only the registry type and the cache identity; the
+ledger never reads its sizing). Every import counts, lazy ones inside functions too."""
 
 from __future__ import annotations
 
@@ -56,6 +57,28 @@ STDLIB_ONLY = {"core", "workloads", "placement"}
 # What the rest of the runtime may import from its measuring room: the engine checks a quantised KV format's
 # quality record before it runs one. (file, kvledger module)
 MEASURE_READERS = {("runtime/engine.py", ("runtime", "measure", "quality_records"))}
+
+# The core's two halves: sizing (core/sizing/: formats, geometry, weights, engines, GPUs, models, inventory,
+# capacity, the contiguous allocator) and the ledger (the rest of core/). Of the ledger half, sizing reads only
+# the generic registry type (the KV formats' registry) and the cache identity (`KVSpec.cache_context`); the
+# ledger half reads nothing of sizing (the core's `__init__` re-exports `KVSpec`, above both).
+SIZING = ("core", "sizing")
+SIZING_READS_OF_THE_LEDGER = {("core", "registry"), ("core", "identity")}
+
+
+def core_half_violation(rel: tuple[str, ...], module: tuple[str, ...]) -> str | None:
+    """Why an import inside the core crosses between its halves, or None. ``rel`` is the importing file's
+    module path, ``module`` the imported one (both without the ``kvledger`` prefix)."""
+    if rel[:1] != ("core",) or module[:1] != ("core",) or rel == ("core", "__init__"):
+        return None
+    mine, theirs = rel[:2] == SIZING, module[:2] == SIZING
+    if mine and not theirs and module not in SIZING_READS_OF_THE_LEDGER and module != ("core",):
+        return f"the core's sizing imports its ledger ({'.'.join(module)})"
+    if mine and module == ("core",):
+        return "the core's sizing imports the core package (its ledger)"
+    if not mine and theirs:
+        return f"the core's ledger imports its sizing ({'.'.join(module)})"
+    return None
 
 
 def part_of(module: tuple[str, ...]) -> str:
@@ -111,6 +134,9 @@ def violations() -> list[str]:
                 elif me == "runtime" and other == "runtime.measure" \
                         and (path.relative_to(SRC).as_posix(), module) not in MEASURE_READERS:
                     found.append(f"{where}: the runtime imports its measuring room ({'.'.join(module)})")
+            crossing = core_half_violation(rel, module) if module is not None else None
+            if crossing:
+                found.append(f"{where}: {crossing}")
             if third is not None and third in FORBIDDEN.get(me, set()):
                 found.append(f"{where}: {me} imports {third}")
             if third is not None and me in STDLIB_ONLY and third not in sys.stdlib_module_names:
@@ -138,6 +164,10 @@ def test_no_layer_imports_above_itself() -> None:
     ("src/kvledger/runtime/engine.py", "from .measure.diagnostics import run\n"),
     ("src/kvledger/runtime/measure/x.py", "from ...sim import simulator\n"),
     ("src/kvledger/runtime/x.py", "from ..sim import simulator\n"),
+    ("src/kvledger/core/x.py", "from .sizing.geometry import KVSpec\n"),
+    ("src/kvledger/core/pool.py", "def f():\n    from kvledger.core.sizing import gpus\n"),
+    ("src/kvledger/core/sizing/x.py", "from ..ledger import KVLedger\n"),
+    ("src/kvledger/core/sizing/x.py", "from .. import KVLedger\n"),
 ])
 def test_the_check_sees_a_forbidden_import(source: str, expected: str, tmp_path, monkeypatch) -> None:
     """Each rule can fail: a planted module that breaks it is reported (lazy imports included)."""
@@ -147,6 +177,14 @@ def test_the_check_sees_a_forbidden_import(source: str, expected: str, tmp_path,
     planted.write_text(expected, encoding="utf-8")
     monkeypatch.setattr(sys.modules[__name__], "SRC", root)
     assert len(violations()) == 1, violations()
+
+
+def test_the_sizing_half_reads_of_the_ledger_just_what_the_rule_allows() -> None:
+    """The allowance states what sizing really imports of the ledger half, no more: each allowed module is
+    imported by some sizing module (an allowance nothing uses would hide a rule that could be tighter)."""
+    used = {module for path in sorted((SRC / "core" / "sizing").glob("*.py")) for _, module, _ in imports(path)
+            if module is not None and module[:1] == ("core",) and module[:2] != SIZING}
+    assert used == SIZING_READS_OF_THE_LEDGER
 
 
 def test_the_engine_may_read_its_quality_records() -> None:

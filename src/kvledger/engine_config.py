@@ -17,8 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .core.eviction import policy_names
-from .core.geometry import canonical_dtype
-from .core.kv_formats import KV_FORMATS
+from .core.sizing.geometry import canonical_dtype
+from .core.sizing.kv_formats import KV_FORMATS
 from .errors import ConfigError
 from .scheduler import SchedulerConfig
 

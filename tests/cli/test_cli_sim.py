@@ -189,8 +189,8 @@ def test_unknown_csv_header_lists_the_accepted_formats(capsys, tmp_path):
 def test_calibrate_fits_and_writes_the_profile(capsys, tmp_path, monkeypatch):
     """The measuring half is replaced by step times generated from a known profile; the fit must
     recover it and write a profile that get_profile('cpu-local') then reads."""
-    from kvledger.core.geometry import KVSpec
-    from kvledger.core.models import load_model_config
+    from kvledger.core.sizing.geometry import KVSpec
+    from kvledger.core.sizing.models import load_model_config
 
     cfg = load_model_config("smollm2-135m")
     spec = KVSpec.from_hf_config(cfg, kv_dtype="fp32")
@@ -241,8 +241,8 @@ def fake_links(block_bytes: int = 737_280, noise: float = 0.0) -> dict:
 
 
 def test_calibrate_warns_when_the_fit_is_poor(capsys, tmp_path, monkeypatch):
-    from kvledger.core.geometry import KVSpec
-    from kvledger.core.models import load_model_config
+    from kvledger.core.sizing.geometry import KVSpec
+    from kvledger.core.sizing.models import load_model_config
 
     cfg = load_model_config("smollm2-135m")
     spec = KVSpec.from_hf_config(cfg, kv_dtype="fp32")
@@ -297,8 +297,8 @@ def test_calibration_recovers_a_slow_attention_kernel(attention_efficiency):
     """Step times generated from a profile whose attention runs at a fraction of the projections' FLOP rate
     (a CPU's paged attention: about 0.08 on an AVX2 core) are fitted back to that profile. Without the
     attention term the best roofline missed a 64-token chunk over 256 cached tokens by 30%."""
-    from kvledger.core.geometry import KVSpec
-    from kvledger.core.models import load_model_config
+    from kvledger.core.sizing.geometry import KVSpec
+    from kvledger.core.sizing.models import load_model_config
     from kvledger.sim.calibrate import fit_profile
 
     cfg = load_model_config("smollm2-135m")
@@ -320,8 +320,8 @@ def test_a_profile_fitted_to_a_replays_own_steps_prices_that_replays_machine():
     prices them three times slower, which a calibration from before the slowdown cannot."""
     import random
 
-    from kvledger.core.geometry import KVSpec
-    from kvledger.core.models import load_model_config
+    from kvledger.core.sizing.geometry import KVSpec
+    from kvledger.core.sizing.models import load_model_config
     from kvledger.sim.calibrate import fit_profile, step_measurements
 
     cfg = load_model_config("smollm2-135m")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.core.geometry import KV_DTYPE_BYTES, KVSpec, default_dtype, dtype_bytes, text_config
-from kvledger.core.inventory import kv_layout
-from kvledger.core.models import list_models, load_model_config, model_source
+from kvledger.core.sizing.geometry import KV_DTYPE_BYTES, KVSpec, default_dtype, dtype_bytes, text_config
+from kvledger.core.sizing.inventory import kv_layout
+from kvledger.core.sizing.models import list_models, load_model_config, model_source
 from kvledger.errors import ConfigError
 
 MiB = 2**20

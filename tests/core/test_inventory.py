@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.core.engines import MeasuredPeak, load_measured_peaks, vllm_terms, workspace_peak_bytes
-from kvledger.core.geometry import KVSpec
-from kvledger.core.inventory import (
+from kvledger.core.sizing.engines import MeasuredPeak, load_measured_peaks, vllm_terms, workspace_peak_bytes
+from kvledger.core.sizing.geometry import KVSpec
+from kvledger.core.sizing.inventory import (
     GPUS,
     build_inventory,
     count_parameters,
@@ -17,8 +17,8 @@ from kvledger.core.inventory import (
     get_gpu,
     weights_bytes_per_rank,
 )
-from kvledger.core.models import load_model_config
-from kvledger.core.params import weight_plan
+from kvledger.core.sizing.models import load_model_config
+from kvledger.core.sizing.params import weight_plan
 from kvledger.errors import ConfigError
 
 MiB, GiB = 2**20, 2**30
@@ -39,7 +39,7 @@ PUBLISHED_ACTIVE = {"mixtral-8x7b": 12.9e9, "deepseek-v3": 37e9}
 
 
 def test_every_bundled_model_has_a_published_size():
-    from kvledger.core.models import list_models
+    from kvledger.core.sizing.models import list_models
 
     assert set(list_models()) == set(PUBLISHED_PARAMS)
 

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from kvledger.cli.main import main
-from kvledger.core.engines import find_peak, load_measured_peaks
+from kvledger.core.sizing.engines import find_peak, load_measured_peaks
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "workspace_peaks_smollm2_cpu.json"
 

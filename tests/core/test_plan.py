@@ -10,12 +10,12 @@ from importlib import resources
 import pytest
 
 from kvledger.cli.main import main
-from kvledger.core import gpus
-from kvledger.core.capacity import fit_hints
-from kvledger.core.engines import find_peak, load_measured_peaks, vllm_batch_defaults
-from kvledger.core.geometry import KVSpec
-from kvledger.core.inventory import build_inventory
-from kvledger.core.models import load_model_config
+from kvledger.core.sizing import gpus
+from kvledger.core.sizing.capacity import fit_hints
+from kvledger.core.sizing.engines import find_peak, load_measured_peaks, vllm_batch_defaults
+from kvledger.core.sizing.geometry import KVSpec
+from kvledger.core.sizing.inventory import build_inventory
+from kvledger.core.sizing.models import load_model_config
 from kvledger.errors import ConfigError
 from kvledger.units import parse_bytes
 
@@ -115,7 +115,7 @@ def test_the_old_workspace_over_promised_by_six_percent():
 
 
 def test_vllm_batch_defaults_follow_the_gpu_class():
-    from kvledger.core.gpus import get_gpu
+    from kvledger.core.sizing.gpus import get_gpu
 
     for name, expected in (("h100-80gb", (8192, 1024)), ("h200-141gb", (8192, 1024)), ("a100-80gb", (2048, 256)),
                            ("l4", (2048, 256)), ("a10", (2048, 256))):
@@ -330,7 +330,7 @@ def test_the_gpu_catalogue_rows_parse_to_the_catalogue_and_bad_figures_are_refus
     import json
     from importlib import resources
 
-    from kvledger.core import gpus
+    from kvledger.core.sizing import gpus
     rows = json.loads(resources.files("kvledger").joinpath("data", "gpus.json").read_text(encoding="utf-8"))["gpus"]
     parsed = {row["name"]: gpus._gpu(row) for row in rows}
     assert parsed == gpus.GPUS
@@ -346,8 +346,8 @@ def test_the_gpu_catalogue_rows_parse_to_the_catalogue_and_bad_figures_are_refus
 def test_the_capacity_matrix_says_why_a_row_does_not_fit() -> None:
     """A request longer than the pool gets the pool's size and the request's need; a TP degree the
     model cannot be split by gets the first clause of the reason."""
-    from kvledger.core.capacity import capacity_matrix
-    from kvledger.core.models import load_model_config
+    from kvledger.core.sizing.capacity import capacity_matrix
+    from kvledger.core.sizing.models import load_model_config
     rows = capacity_matrix(load_model_config("llama-3.1-8b"), prompt=2_000_000, max_new=1, concurrency=4,
                            model_name="llama-3.1-8b", gpus=["l4"], tps=(1, 3))
     long, odd = rows
@@ -358,6 +358,6 @@ def test_the_capacity_matrix_says_why_a_row_does_not_fit() -> None:
 
 
 def test_prices_that_are_not_numbers_are_named() -> None:
-    from kvledger.core.capacity import parse_prices
+    from kvledger.core.sizing.capacity import parse_prices
     with pytest.raises(ConfigError, match=r"--prices: 'cheap' is not a number"):
         parse_prices("l4=cheap")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from kvledger.core.eviction import EVICTION_POLICIES
-from kvledger.core.kv_formats import KV_FORMATS
 from kvledger.core.registry import Registry
+from kvledger.core.sizing.kv_formats import KV_FORMATS
 from kvledger.errors import ConfigError
 from kvledger.runtime import attention
 from kvledger.runtime.host_store import CODECS

@@ -1,12 +1,12 @@
-"""Checkpoint weights (``core/params``): the tensors a model config names, the weight format read from its
+"""Checkpoint weights (``core/sizing/params``): the tensors a model config names, the weight format read from its
 quantization_config, and the bytes each format charges per rank."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvledger.core.geometry import default_dtype
-from kvledger.core.params import (
+from kvledger.core.sizing.geometry import default_dtype
+from kvledger.core.sizing.params import (
     WeightFormat,
     get_weight_format,
     model_tensors,

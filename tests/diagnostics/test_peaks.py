@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvledger.core.inventory import workspace_peak_bytes
+from kvledger.core.sizing.inventory import workspace_peak_bytes
 from kvledger.errors import ConfigError
 from kvledger.runtime.measure.diagnostics.peaks import (
     CpuProfilerPeak,

@@ -365,7 +365,7 @@ def scripted_fleet(servable: type, key: str, block_size: int = 4, **spec: Any) -
     an ingress backend, over the view ``key`` (views are shared per process by key: use a fresh one)."""
     from ray import serve
 
-    from kvledger.core.geometry import KVSpec
+    from kvledger.core.sizing.geometry import KVSpec
     from kvledger.fleet.serve import FleetBackend, FleetSpec
     from kvledger.placement.view import shared_view
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvledger.core.geometry import KVSpec
+from kvledger.core.sizing.geometry import KVSpec
 from kvledger.errors import AdmissionError, QuotaError
 from kvledger.fleet.serve import FleetBackend, FleetSpec
 from kvledger.runtime.sampling import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvledger.core.geometry import KVSpec
+from kvledger.core.sizing.geometry import KVSpec
 from kvledger.errors import AdmissionError
 from kvledger.fleet.serve import FleetBackend, FleetSpec
 from kvledger.runtime.sampling import SamplingParams

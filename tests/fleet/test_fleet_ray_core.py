@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from kvledger.core.geometry import KVSpec
 from kvledger.core.identity import CacheContext, prompt_digests
 from kvledger.core.ledger import KVLedger
+from kvledger.core.sizing.geometry import KVSpec
 from kvledger.core.types import Request
 from kvledger.placement.door import AdmissionDoor, CacheEventTap
 from kvledger.placement.score import ReplicaLoad, make_route_request

@@ -28,7 +28,7 @@ if __package__ in (None, ""):
 
 from golden_common import Recorder, main  # noqa: E402
 
-from kvledger.core import capacity, engines, geometry, gpus, inventory, kv_formats, models, params  # noqa: E402
+from kvledger.core.sizing import capacity, engines, geometry, gpus, inventory, kv_formats, models, params  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parents[1] / "data" / "golden" / "planner.json"
 TPS = (1, 2, 3, 8)

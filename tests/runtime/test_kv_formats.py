@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvledger.core import BlockTable, KVSpec
-from kvledger.core.inventory import build_inventory
+from kvledger.core.sizing.inventory import build_inventory
 from kvledger.errors import ConfigError, InvariantError
 from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend, native
 from kvledger.runtime.host_store import HostKVStore

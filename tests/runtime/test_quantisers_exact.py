@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from kvledger.core import KVSpec
-from kvledger.core.kv_formats import KV_FORMATS
+from kvledger.core.sizing.kv_formats import KV_FORMATS
 from kvledger.runtime import KVStore
 from kvledger.runtime import kv_quant as q
 
@@ -505,7 +505,7 @@ def test_unscaled_fp8_casts_store_every_finite_code_exactly(fmt, decode, finite,
 
 
 def test_unscaled_e4m3_saturates_values_beyond_its_range() -> None:
-    """core/kv_formats.py: "Values outside the format's range saturate" (vLLM's satfinite cast)."""
+    """core/sizing/kv_formats.py: "Values outside the format's range saturate" (vLLM's satfinite cast)."""
     store = plain_store("fp8_e4m3", 4)
     x = torch.tensor([[[500.0, -1000.0, 464.0, 1.0e30]]])
     store.write(0, [0], x, x)

@@ -14,7 +14,7 @@ import pytest
 import requests
 from hypothesis import strategies as st
 
-from kvledger.core.models import load_model_config
+from kvledger.core.sizing.models import load_model_config
 
 try:  # the module name pytest gives tests/schema_fuzz.py depends on its import mode
     from tests import schema_fuzz

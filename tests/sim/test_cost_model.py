@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvledger.core.geometry import KVSpec
-from kvledger.core.inventory import GPUS
-from kvledger.core.models import load_model_config
+from kvledger.core.sizing.geometry import KVSpec
+from kvledger.core.sizing.inventory import GPUS
+from kvledger.core.sizing.models import load_model_config
 from kvledger.errors import ConfigError
 from kvledger.sim.cost_model import (
     CACHE_ENV,
@@ -134,7 +134,7 @@ def test_moe_counts_active_experts_for_flops_but_all_experts_for_bytes():
     assert b.linear_flops == 2 * (p.attention + p.mlp - idle) + 2 * p.embedding
     # fp8 matmul weights (one byte each) with fp32 scales per 128 x 128 block; the lm_head, norms and routers
     # are bf16, and the untied input embedding is not read by a decode step.
-    from kvledger.core.params import weights_bytes_per_rank
+    from kvledger.core.sizing.params import weights_bytes_per_rank
 
     assert b.weight_bytes == weights_bytes_per_rank(model.cfg, 1) - 2 * p.embedding
     assert p.attention + p.mlp < b.weight_bytes < 1.01 * (p.attention + p.mlp + 2 * (p.norms + p.embedding))

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from kvledger.core.gpus import GPUS
+from kvledger.core.sizing.gpus import GPUS
 from kvledger.errors import ConfigError
 from kvledger.sim.cost_model import (
     DEFAULT_BW_EFFICIENCY,

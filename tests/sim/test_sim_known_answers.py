@@ -564,7 +564,7 @@ def test_settings_and_refusals_equal_their_known_answers(tmp_path: Path, monkeyp
 
 
 def test_the_cost_model_on_every_bundled_model_equals_its_known_answer() -> None:
-    from kvledger.core.models import list_models
+    from kvledger.core.sizing.models import list_models
 
     shapes = [((), (1,)), (((512, 0),), ()), (((128, 4000),), (100, 5000, 9000)), ((), (4096,) * 8)]
     answer: dict[str, Any] = {}

@@ -35,7 +35,7 @@ class DtypeName(click.ParamType):
     def convert(self, value: Any, param: Any, ctx: Any) -> str | None:
         if value is None:
             return None
-        from ..core.geometry import canonical_dtype
+        from ..core.sizing.geometry import canonical_dtype
         from ..errors import ConfigError
 
         text = str(value).strip()
@@ -57,7 +57,7 @@ class DtypeName(click.ParamType):
 
 
 def _kv_formats() -> list[str]:
-    from ..core.kv_formats import KV_FORMATS
+    from ..core.sizing.kv_formats import KV_FORMATS
 
     return list(KV_FORMATS)
 

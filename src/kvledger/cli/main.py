@@ -91,7 +91,7 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
     if pool is not None:
         pool_blocks, pool_bytes, sized = spec.pool_blocks(pool), pool, None
     else:
-        from ..core.inventory import build_inventory
+        from ..core.sizing.inventory import build_inventory
 
         inv = build_inventory(spec, cfg, gpu=gpu, device_bytes=device_memory, utilization=utilization,
                               weight_dtype=weight_dtype, engine=engine, model_name=model)
@@ -197,8 +197,8 @@ def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: 
 @json_option
 def models_cmd(as_json: bool) -> None:
     """Bundled model configs, their parameter counts and where they come from."""
-    from ..core.models import list_models, load_model_config, model_source
-    from ..core.params import count_parameters
+    from ..core.sizing.models import list_models, load_model_config, model_source
+    from ..core.sizing.params import count_parameters
 
     rows = {}
     for name in list_models():
@@ -217,7 +217,7 @@ def models_cmd(as_json: bool) -> None:
 @json_option
 def gpus_cmd(as_json: bool) -> None:
     """Catalogue GPUs: memory as the driver reports it beside the datasheet, bandwidth and FLOP/s, sources."""
-    from ..core.gpus import GPUS
+    from ..core.sizing.gpus import GPUS
     from ..units import format_gib
 
     rows = {g.name: g.to_dict() for g in GPUS.values()}

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ..core.engines import ENGINES
+from ..core.sizing.engines import ENGINES
 from .engine_options import engine_option
 from .options import MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
 
@@ -61,8 +61,8 @@ def sizing_options(*, pool: str = "KV pool size directly, e.g. 512MiB (no engine
 
 def resolve_spec(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
                  kv_dtype: str | None, tp: int, block_size: int) -> tuple[Any, dict[str, Any] | None]:
-    from ..core.geometry import KVSpec
-    from ..core.models import load_model_config
+    from ..core.sizing.geometry import KVSpec
+    from ..core.sizing.models import load_model_config
     from ..errors import ConfigError
 
     explicit = (layers, kv_heads, head_dim)
@@ -96,7 +96,7 @@ def kv_table(spec: Any) -> Any:
     t.add_row("block", f"{spec.block_size} tokens = {format_bytes(spec.block_bytes)}"
               + ("" if spec.format.plain else f" ({spec.block_bytes:,} B, metadata included)"))
     if not spec.format.plain:
-        from ..core.inventory import kv_layout
+        from ..core.sizing.inventory import kv_layout
 
         parts = ", ".join(f"{p['kv'].upper()} {p['part']} {'x'.join(map(str, p['shape']))} {p['element']}"
                           for p in kv_layout(spec))
@@ -125,7 +125,7 @@ def _explain(con: Any, inv: Any) -> None:
 def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
     from rich.table import Table
 
-    from ..core.engines import VLLM_VERSION
+    from ..core.sizing.engines import VLLM_VERSION
     from ..units import format_bytes
 
     engine = f"vllm ({VLLM_VERSION})" if inv.engine == "vllm" else "kvledger (our runtime)"
@@ -168,7 +168,7 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
             weight_dtype: str | None, block_size: int, as_json: bool) -> None:
     from rich.table import Table
 
-    from ..core.capacity import capacity_matrix, parse_prices
+    from ..core.sizing.capacity import capacity_matrix, parse_prices
     from ..errors import ConfigError
     from .common import console, emit_json
 
@@ -250,12 +250,12 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
              prompt: int | None, max_new: int | None, context: int | None, matrix: bool, concurrency: int | None,
              gpus: str | None, tps: str, prices: str | None, explain: bool, as_json: bool) -> None:
     """KV geometry, the memory an engine leaves for the KV cache on one rank, and the requests that fit."""
-    from ..core.capacity import fit_hints
-    from ..core.engines import load_measured_peaks
-    from ..core.geometry import config_int, text_config
-    from ..core.inventory import DoesNotFit, build_inventory, get_gpu
-    from ..core.models import list_models, model_source
-    from ..core.params import parse_param_count
+    from ..core.sizing.capacity import fit_hints
+    from ..core.sizing.engines import load_measured_peaks
+    from ..core.sizing.geometry import config_int, text_config
+    from ..core.sizing.inventory import DoesNotFit, build_inventory, get_gpu
+    from ..core.sizing.models import list_models, model_source
+    from ..core.sizing.params import parse_param_count
     from ..errors import ConfigError
     from .common import console, emit_json
 
@@ -271,7 +271,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     if sum(x is not None for x in (pool, gpu, device_memory)) > 1:
         raise ConfigError("give one of --pool, --gpu and --device-memory")
     gpu_obj = get_gpu(gpu) if gpu is not None else None
-    from ..core.inventory import kv_layout
+    from ..core.sizing.inventory import kv_layout
 
     base: dict[str, Any] = {"model": model, "block_size": spec.block_size, "kv_dtype": spec.kv_dtype, "tp": spec.tp,
                             "attention": spec.attention, "kv_bytes_per_token": spec.bytes_per_token,

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ..core.kv_formats import quantized_formats
+from ..core.sizing.kv_formats import quantized_formats
 from ..errors import ConfigError
 from .common import prepare_torch
 from .engine_options import DtypeName, engine_option

@@ -7,10 +7,10 @@ reservations and admission. Everything above (scheduler, runtime, simulator, fac
 from __future__ import annotations
 
 from .eviction import EvictionPolicy, LRUPolicy
-from .geometry import KVSpec
 from .identity import CacheContext
 from .ledger import Decision, KVLedger, Outcome, Request, SequenceState, Usage
 from .pool import BlockPool
+from .sizing.geometry import KVSpec
 from .table import BlockTable
 
 __all__ = [

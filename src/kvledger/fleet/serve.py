@@ -39,9 +39,9 @@ from fastapi import Request as HttpRequest
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from ..core.geometry import KVSpec
 from ..core.identity import CacheContext, prompt_digests
 from ..core.promises import largest_allowance
+from ..core.sizing.geometry import KVSpec
 from ..core.types import Request
 from ..errors import AdmissionError, ConfigError, QuotaError
 from ..placement.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap

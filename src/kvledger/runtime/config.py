@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..core.geometry import config_int, text_config
+from ..core.sizing.geometry import config_int, text_config
 from ..errors import ConfigError
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..core import CacheContext, Outcome, Request
-from ..core.geometry import canonical_dtype
+from ..core.sizing.geometry import canonical_dtype
 from ..errors import AdmissionError, ConfigError, QuotaError
 from ..scheduler import (
     FinishedRequest,

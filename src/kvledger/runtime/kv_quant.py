@@ -1,4 +1,4 @@
-"""Quantise and dequantise K/V rows for the quantised KV formats (``core.kv_formats``), in torch.
+"""Quantise and dequantise K/V rows for the quantised KV formats (``core.sizing.kv_formats``), in torch.
 
 These are the reference definitions: the store writes through them (both attention paths read what they
 wrote) and the torch read path dequantises with them; the native kernels' row loaders compute the same

@@ -26,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from ..core.geometry import KVSpec
+from ..core.sizing.geometry import KVSpec
 from ..errors import ConfigError, InvariantError
 from . import kv_quant as q
 
@@ -56,7 +56,7 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 def _saturate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x`` cast to ``dtype``; the fp8 formats saturate at their largest finite value (as
-    ``core.kv_formats`` documents): torch's e5m2 cast makes inf of what lies past it, and an inf key
+    ``core.sizing.kv_formats`` documents): torch's e5m2 cast makes inf of what lies past it, and an inf key
     turns attention into NaN."""
     if dtype in _FP8:
         top = torch.finfo(dtype).max

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..core import KVSpec
-from ..core.geometry import canonical_dtype, text_config
+from ..core.sizing.geometry import canonical_dtype, text_config
 from ..errors import ConfigError
 from ..scheduler import SchedulerConfig
 from .config import DecoderConfig

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ..core.geometry import KVSpec, config_int, dtype_bytes, text_config
-from ..core.gpus import GPU, GPUS
-from ..core.models import load_model_config
-from ..core.params import count_parameters_per_rank, default_weight_dtype, weight_plan, weights_bytes_per_rank
+from ..core.sizing.geometry import KVSpec, config_int, dtype_bytes, text_config
+from ..core.sizing.gpus import GPU, GPUS
+from ..core.sizing.models import load_model_config
+from ..core.sizing.params import count_parameters_per_rank, default_weight_dtype, weight_plan, weights_bytes_per_rank
 from ..errors import ConfigError
 from ..scheduler.host import TransferModel
 

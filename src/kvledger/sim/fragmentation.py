@@ -35,8 +35,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.contiguous import FirstFit
 from ..core.ledger import KVLedger
+from ..core.sizing.contiguous import FirstFit
 from ..core.types import Outcome, Request
 from ..errors import ConfigError, OutOfBlocksError
 from ..workloads import SimRequest

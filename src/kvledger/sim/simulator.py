@@ -40,11 +40,11 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from ..core.eviction import policy_names
-from ..core.geometry import KVSpec, config_int, text_config
 from ..core.identity import CacheContext
-from ..core.inventory import GPUS, build_inventory, count_parameters_per_rank
 from ..core.ledger import KVLedger
-from ..core.models import load_model_config
+from ..core.sizing.geometry import KVSpec, config_int, text_config
+from ..core.sizing.inventory import GPUS, build_inventory, count_parameters_per_rank
+from ..core.sizing.models import load_model_config
 from ..core.tiers import TierLedger
 from ..errors import ConfigError
 from ..scheduler import (

@@ -14,8 +14,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
-from ..core.geometry import KV_DTYPE_BYTES, KVSpec, canonical_dtype
-from ..core.models import list_models, load_model_config
+from ..core.sizing.geometry import KV_DTYPE_BYTES, KVSpec, canonical_dtype
+from ..core.sizing.models import list_models, load_model_config
 from ..errors import ConfigError
 from ..lab import LabSpec, growth_bound, request_blocks
 from ..units import parse_bytes

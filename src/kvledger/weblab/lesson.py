@@ -15,7 +15,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.geometry import KVSpec
+from ..core.sizing.geometry import KVSpec
 from ..lab import LabSpec, run_lab
 from ..units import format_bytes
 from .inputs import LabInput

@@ -10,7 +10,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from ..core.geometry import KVSpec
+from ..core.sizing.geometry import KVSpec
 from ..errors import ConfigError
 from ..lab import LabSpec
 from ..units import format_bytes

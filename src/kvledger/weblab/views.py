@@ -8,8 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..core.contiguous import FirstFit
 from ..core.ledger import KVLedger, Request
+from ..core.sizing.contiguous import FirstFit
 from ..errors import ConfigError
 
 _PROMPT_BASE = 1_000

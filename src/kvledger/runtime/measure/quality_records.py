@@ -28,7 +28,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from ...core.geometry import KVSpec
+from ...core.sizing.geometry import KVSpec
 from ...errors import ConfigError
 from ..weights import Checkpoint, cache_root
 

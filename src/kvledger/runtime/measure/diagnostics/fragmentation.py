@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ....core import CacheContext, KVLedger, KVSpec, Request
-from ....core.contiguous import FirstFit
+from ....core.sizing.contiguous import FirstFit
 from ....errors import ConfigError
 from .providers import Providers
 
@@ -103,7 +103,7 @@ class _Live:
 def _workspace_bytes(cfg: dict[str, Any], tokens: int, seqs: int, act_bytes: int) -> int:
     """The step's activations as the runtime lays them out: (4 I + H) per token (gate and up, their
     product, the MLP output) in the compute dtype, plus fp32 logits per sequence."""
-    from ....core.geometry import text_config
+    from ....core.sizing.geometry import text_config
 
     c = text_config(cfg)
     return tokens * (4 * int(c["intermediate_size"]) + int(c["hidden_size"])) * act_bytes \

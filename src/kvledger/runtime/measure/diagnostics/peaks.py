@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from ....core.inventory import workspace_peak_bytes
+from ....core.sizing.inventory import workspace_peak_bytes
 from ....errors import ConfigError
 
 

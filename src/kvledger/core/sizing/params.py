@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .geometry import KVSpec, canonical_dtype, config_int, default_dtype, dtype_bytes, text_config
 
 # ---- tensors ----------------------------------------------------------------------------------------

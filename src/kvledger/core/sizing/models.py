@@ -13,7 +13,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 _SUFFIX = ".json"
 MAX_CONFIG_BYTES = 16 * 2**20  # a config.json is a few KiB; anything this large is not one

@@ -36,8 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from .registry import Registry
+from ...errors import ConfigError
+from ..registry import Registry
 
 # Bytes per element of the element types a part may hold.
 ELEMENT_BYTES: dict[str, int] = {

@@ -25,7 +25,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .geometry import KVSpec, config_int, default_dtype, dtype_bytes, text_config
 from .params import moe_layout, weight_plan, weights_bytes_per_rank
 

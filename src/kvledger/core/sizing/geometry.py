@@ -8,13 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
-from ..units import format_bytes, parse_bytes
-from .identity import CacheContext
+from ...errors import ConfigError
+from ...units import format_bytes, parse_bytes
+from ..identity import CacheContext
 from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, KVFormat
 
 # Bytes per stored K/V value, by format name (int4: half a byte). Metadata is not in this figure: a
-# format's bytes per token and per block come from its layout (`core.kv_formats`), which counts scales,
+# format's bytes per token and per block come from its layout (`core.sizing.kv_formats`), which counts scales,
 # zero points and residual pages too.
 KV_DTYPE_BYTES: dict[str, int | float] = {
     name: (f.value_bits // 8 if f.value_bits % 8 == 0 else f.value_bits / 8) for name, f in KV_FORMATS.items()
@@ -70,7 +70,7 @@ class KVSpec:
     heads, so `kv_heads` and `head_dim` are informational there (`from_hf_config` sets them to 1
     and the latent width).
 
-    `kv_dtype` names a KV format (`core.kv_formats.KV_FORMATS`): plain dtypes, or quantised formats
+    `kv_dtype` names a KV format (`core.sizing.kv_formats.KV_FORMATS`): plain dtypes, or quantised formats
     whose bytes include their scales. `residual_dtype` is the unquantised residual page of formats
     that keep one (int4; default bf16) and is None for every other format.
     """
@@ -170,7 +170,7 @@ class KVSpec:
 
     @property
     def format(self) -> KVFormat:
-        """The KV format: its byte layout, scales and residual (`core.kv_formats`)."""
+        """The KV format: its byte layout, scales and residual (`core.sizing.kv_formats`)."""
         return KV_FORMATS[self.kv_dtype]
 
     @property

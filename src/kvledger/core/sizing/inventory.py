@@ -2,10 +2,10 @@
 
 On one rank of a tensor-parallel group: how many bytes do the weights take, how much does the
 engine's profile step or workspace peak at, what else does it hold, and how many whole KV blocks fit
-in what remains? `build_inventory` answers for a named engine (`core.engines`): `vllm` reproduces
+in what remains? `build_inventory` answers for a named engine (`core.sizing.engines`): `vllm` reproduces
 vLLM's start-up accounting, `kvledger` our own runtime's (a measured workspace peak where we have one).
 
-Parameter counting and weight formats live in `core.params`, the GPU catalogue in `core.gpus`; both are
+Parameter counting and weight formats live in `core.sizing.params`, the GPU catalogue in `core.sizing.gpus`; both are
 re-exported here for callers of the old names.
 """
 
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import ConfigError
-from ..units import format_gib, parse_bytes
+from ...errors import ConfigError
+from ...units import format_gib, parse_bytes
 from .engines import (
     ENGINES,
     MeasuredPeak,
@@ -211,7 +211,7 @@ def build_inventory(
     With `pool_bytes` the pool is that size rounded down to whole blocks (weights are still reported
     when `cfg` is given). Otherwise the pool is `device x utilization - (every in-budget term of the
     engine)`, rounded down to whole blocks, with the device given as `device_bytes` or a catalogue `gpu`
-    (its driver-reported total). `engine` is `vllm` or `kvledger` (see `core.engines`); the step shape
+    (its driver-reported total). `engine` is `vllm` or `kvledger` (see `core.sizing.engines`); the step shape
     defaults to the engine's (vLLM's per GPU class; 8192 tokens / 256 sequences for kvledger) and the
     reserve to 1 GiB for kvledger, 0 for vLLM (whose non-torch term stands in for it).
 

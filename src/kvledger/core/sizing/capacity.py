@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .geometry import KVSpec
 from .gpus import GPUS
 from .inventory import Inventory, build_inventory

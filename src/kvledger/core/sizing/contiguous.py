@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 class FirstFit:

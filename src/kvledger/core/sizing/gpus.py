@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from ..errors import ConfigError
-from ..units import parse_bytes
+from ...errors import ConfigError
+from ...units import parse_bytes
 
 GiB = 2**30
 

@@ -713,10 +713,10 @@ def test_refused_requests_do_not_keep_their_digests_forever() -> None:
     ledger.admit(Request("a", list(range(8)), 8)).raise_for_outcome()
     wait = Request("wait", list(range(100, 108)), 8)
     assert ledger.admit(wait).outcome is Outcome.NOT_NOW
-    assert set(ledger._digest_cache) == {"wait"}
+    assert set(ledger._admission.remembered()) == {"wait"}
     ledger.release("a")
     ledger.admit(wait).raise_for_outcome()
-    assert ledger._digest_cache == {}
+    assert ledger._admission.remembered() == []
     ledger.check()
 
 

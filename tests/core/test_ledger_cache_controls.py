@@ -32,7 +32,7 @@ def test_reset_prefix_cache_leaves_nothing_behind(policy: str) -> None:
     ledger.admit(Request("busy", list(range(300, 400)), 0)).raise_for_outcome()
     assert ledger.admit(Request("told-not-now", list(range(500, 540)), 0)).outcome is Outcome.NOT_NOW
     ledger.release("busy")  # never written: its blocks go back to the free list, not the cache
-    assert ledger._digest_cache  # a waiting request's digests are remembered
+    assert ledger._admission.remembered()  # a waiting request's digests are remembered
     before_events = len(events)
     result = ledger.reset_prefix_cache()
     assert result and result.done and result.cleared_blocks == 3 + 2
@@ -41,7 +41,7 @@ def test_reset_prefix_cache_leaves_nothing_behind(policy: str) -> None:
     assert pool.index == {} and pool.num_retained == 0 and pool.retained.blocks() == []
     assert pool.num_free == 32 and all(d is None for d in pool.digest) and not any(pool.written)
     assert all(g is None for g in pool.group)
-    assert ledger._digest_cache == {}
+    assert ledger._admission.remembered() == []
     if isinstance(pool.retained, PriorityPolicy):
         assert pool.retained.is_empty()
     else:

@@ -176,7 +176,7 @@ def test_check_catches_a_block_held_by_two_groups() -> None:
     b_blocks = ledger.sequence("b").table.blocks
     own, b_blocks[0] = b_blocks[0], stolen
     ledger.pool.ref[stolen] += 1
-    ledger._pins["keeps-b's-block"] = [own]  # its reference moves to a pin: every count still agrees
+    ledger._pins._pins["keeps-b's-block"] = [own]  # its reference moves to a pin: every count still agrees
     with pytest.raises(InvariantError, match="trust groups 'acme' and 'globex'"):
         ledger.check()
 

@@ -34,7 +34,7 @@ def audit(ledger: KVLedger) -> None:
     assert u.promised <= u.free + u.evictable
     # Every referenced block is held by a live table or a pin: nothing is held by a dead sequence.
     held = {b for rid in ledger.sequences() for b in ledger.sequence(rid).table.blocks}
-    held |= {b for blocks in ledger._pins.values() for b in blocks}
+    held |= {b for blocks in ledger._pins.held() for b in blocks}
     assert {b for b in range(pool.num_blocks) if pool.ref[b] > 0} == held
 
 

@@ -291,8 +291,8 @@ def _snapshot(ledger: KVLedger) -> dict:
         "group": list(pool.group), "written": list(pool.written), "free": pool.free_blocks(),
         "retained": pool.retained.blocks(), "index": dict(pool.index), "deferred": pool.deferred,
         "evictions": pool.evictions, "promised": ledger.promised, "cow": dict(ledger.promises.copies),
-        "copies": list(ledger._copies), "seqs": seqs, "counters": asdict(ledger.counters),
-        "stats": ledger.stats(), "memo": list(ledger._digest_cache), "leases": ledger.leases(),
+        "copies": list(ledger._branches.copies), "seqs": seqs, "counters": asdict(ledger.counters),
+        "stats": ledger.stats(), "memo": ledger._admission.remembered(), "leases": ledger.leases(),
         "pins": ledger.pins(), "order": list(ledger.sequences()),
     }
 

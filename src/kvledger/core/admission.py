@@ -1,4 +1,4 @@
-"""Admission: one atomic decision per request, or per re-admitted family of branches.
+"""Admission: one atomic decision per request, every request admitted as a family of branches.
 
 A decision is taken in three steps, cheapest first:
 
@@ -11,37 +11,47 @@ A decision is taken in three steps, cheapest first:
 3. **decide and commit** under the ledger's lock: prefix hits, new blocks and promises are counted,
    and either everything is committed or nothing changes.
 
-A trust group may have a quota (:meth:`AdmissionOps.set_quota`; the group ledgers of
-:mod:`.quota`): the same decision, under the same lock, refuses an admission that would take the group's
-charge -- active + promised blocks + the growth its sequences may still take -- past its cap (``not_now``,
-or ``never`` when the request alone exceeds it), with ``Decision.over_quota`` set.
+A trust group may have a quota (``KVLedger.set_quota``; :class:`~kvledger.core.quota.QuotaBook`): the same
+decision, under the same lock, refuses an admission that would take the group's charge -- active +
+promised blocks + the growth its sequences may still take -- past its cap (``not_now``, or ``never`` when
+the request alone exceeds it), with ``Decision.over_quota`` set.
 
 A refused admission changes no block, index entry, promise, event or prefix-cache counter; only the
 ``not_now`` / ``never`` outcome counters move. ``Decision.reason`` is what a tenant may see: it speaks of
 the request's own blocks only. The pool-wide free / evictable / promised figures behind the outcome are
 in ``Decision.detail``, for the operator.
 
-:meth:`AdmissionOps.admit_family` re-admits the branches of one preempted request all-or-nothing. The
-branches physically share the full blocks of their common token prefixes exactly as :meth:`fork` would
-have shared them -- with or without prefix caching -- and a partial tail that several branches hold
-with identical tokens is shared copy-on-write, so a family that fitted before preemption fits again.
+There is one decision and one commit, over a *family*: a new request with ``branches=k`` is a family of
+``k`` identical branches (its blocks a single chain, shared by all; :meth:`FamilyLayout.chain`), and
+:meth:`AdmissionControl.admit_family` re-admits the branches of one preempted request all-or-nothing, whose
+tokens may have diverged (their blocks a trie, :meth:`FamilyLayout.of`). Either way the branches
+physically share the full blocks of their common token prefixes exactly as a fork would have shared them
+-- with or without prefix caching -- and a partial tail that several branches hold with identical tokens
+is shared copy-on-write, so a family that fitted before preemption fits again. What differs is only
+what the layout costs to build (a chain needs no hashing of trie keys) and how the decision is named
+and counted (a request's decision speaks of one branch's blocks and counts its forks; a family's of
+the family's distinct blocks).
+
+:class:`AdmissionControl` is a collaborator of :class:`~kvledger.core.ledger.KVLedger`: it owns the digests
+remembered for waiting requests and takes the ledger's lock, passed in, for every decision.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from types import ModuleType
 
 from ..errors import ConfigError, LedgerError
 from .identity import check_tokens, prompt_digests
-from .promises import declared_blocks
-from .quota import QuotaOps
+from .observe import Counters
+from .pool import BlockPool
+from .promises import PromiseBook, declared_blocks
+from .quota import QuotaBook
 from .table import BlockTable
 from .types import Decision, Outcome, Request, Retention, SequenceState, as_count
-
-if TYPE_CHECKING:
-    from .ledger import KVLedger
 
 _MEMO_LIMIT = 1024  # waiting requests whose digests are remembered between attempts
 
@@ -52,357 +62,36 @@ class FamilyLayout:
 
     Full blocks form a trie: ``paths[i][b]`` is the node holding full block ``b`` of branch ``i``; two
     branches hold the same node exactly when their tokens agree up to the end of that block. A partial
-    tail is shared only by branches whose whole token lists are equal (``tails[i]``, -1 for none)."""
+    tail is shared only by branches whose whole token lists are equal (``tails[i]``, -1 for none).
+    ``chain``: every branch holds the same nodes (the branches of one new request)."""
 
     paths: list[list[int]]
     parents: list[int]  # per node: the node of the previous block, -1 for the first block
-    digests: list[bytes | None]  # per node: its digest (None without prefix caching)
+    digests: Sequence[bytes | None]  # per node: its digest (None without prefix caching)
     tails: list[int]
     tail_holders: list[int]  # per tail group: how many branches hold it
+    chain: bool = False
 
     @property
     def nodes(self) -> int:
         return len(self.parents)
 
+    @classmethod
+    def chain_of(cls, prompt_len: int, digests: Sequence[bytes], block_size: int, branches: int) -> FamilyLayout:
+        """``branches`` identical branches of one prompt: one chain of its full blocks, every branch
+        holding all of them, and its partial tail (if any) held by every branch."""
+        full = prompt_len // block_size
+        path = list(range(full))
+        partial = prompt_len % block_size != 0
+        return cls([path] * branches, [-1, *path[:-1]] if full else [], digests if digests else [None] * full,
+                   [0 if partial else -1] * branches, [branches] if partial else [], chain=True)
 
-class AdmissionOps(QuotaOps):
-    """Mixed into :class:`~kvledger.core.ledger.KVLedger`; decisions run under its lock."""
-
-    # ---- preparation (no lock) ----------------------------------------------------------------
-    def _request(self: KVLedger, request: object) -> Request:
-        if not isinstance(request, Request):
-            raise ConfigError(f"admission takes a Request, got {type(request).__name__}")
-        if not request.prompt:
-            raise ConfigError(f"request {request.request_id!r} has an empty prompt")
-        return request
-
-    def _never(self: KVLedger, request: Request) -> Decision | None:
-        """The "never" rule, O(1): the declared maximum -- every branch's whole output allowance and
-        speculative slots, the prompt's full blocks shared once -- exceeds the whole pool."""
-        prompt_len, pool_blocks = len(request.prompt), self.pool.num_blocks
-        k = request.branches
-        need = declared_blocks(prompt_len, request.max_new_tokens, self.block_size, k, request.lookahead)
-        cap = self._quotas.get(request.context.trust_group) if self._quotas else None
-        branches = f" for {k} branches" if k > 1 else ""
-        if need <= pool_blocks and k <= pool_blocks:
-            if cap is None or need <= cap:
-                return None
-            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but its "
-                      f"trust group's quota is {cap} blocks")
-            return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason,
-                            over_quota=True)
-        if need > pool_blocks:
-            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but the "
-                      f"whole pool has {pool_blocks}")
-        else:
-            reason = f"asks for {k} branches but the whole pool has {pool_blocks} blocks"
-        return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason)
-
-    def _prepare(self: KVLedger, request: Request, remember: bool = False) -> Sequence[bytes]:
-        """Check the prompt's token ids and return its full-block digests ([] without prefix caching).
-        A request told "not now" is usually asked again every step, so its digests are remembered under
-        its id (:meth:`_remember`), checked against the same (immutable) prompt object and the same
-        context root."""
-        caching = self.prefix_caching
-        root = request.context.root_digest() if caching else b""
-        memo = self._digest_cache
-        if memo:  # usually empty: most requests are admitted at their first attempt
-            with self._lock:
-                hit = memo.get(request.request_id)
-            if hit is not None and hit[0] is request.prompt and hit[1] == root:
-                return hit[2]  # a tuple: never changed; _commit takes a list of it
-        if caching:
-            digests = prompt_digests(root, request.prompt, self.block_size, self._native)  # checks the ids too
-        else:
-            check_tokens(request.prompt, self._native)  # token ids in [0, 2**32), with or without caching
-            digests = []
-        if remember:
-            self._remember(request, digests)
-        return digests
-
-    def _remember(self: KVLedger, request: Request, digests: Sequence[bytes]) -> None:
-        """Keep a waiting request's digests for its next attempt (bounded; oldest forgotten first)."""
-        root = request.context.root_digest() if self.prefix_caching else b""
-        with self._lock:
-            memo = self._digest_cache
-            held = memo.get(request.request_id)
-            if held is not None and held[0] is request.prompt and held[1] == root and held[2] is digests:
-                return  # asked again with what it remembers already
-            memo[request.request_id] = (request.prompt, root, tuple(digests))
-            if len(memo) > _MEMO_LIMIT:
-                memo.popitem(last=False)
-
-    # ---- one request ----------------------------------------------------------------------------
-    def can_admit(self: KVLedger, request: Request, keep_free: int = 0) -> Decision:
-        """The decision :meth:`admit` would take now, without changing anything."""
-        keep_free = as_count(keep_free, "keep_free")
-        request = self._request(request)
-        never = self._never(request)
-        if never is not None:
-            return never
-        digests = self._prepare(request, remember=True)  # the admit that usually follows reuses them
-        with self._lock:
-            return self._decide(request, digests, keep_free)[0]
-
-    def admit(self: KVLedger, request: Request, keep_free: int = 0) -> Decision:
-        """Admit ``request`` atomically: share indexed prefix blocks, allocate the rest of the prompt,
-        and promise the reserved output allowance -- or change nothing and say why not.
-
-        ``keep_free`` blocks must stay available after the admission: the watermark or emergency
-        headroom of policies that do not reserve the whole output allowance."""
-        keep_free = as_count(keep_free, "keep_free")
-        request = self._request(request)
-        rid = request.request_id
-        never = self._never(request)  # before any per-branch or per-token work
-        if never is not None:
-            with self._lock:
-                self._digest_cache.pop(rid, None)  # it will not be asked again: keep no copy of it
-                self.counters.rejected_never += 1
-                if never.over_quota:
-                    self.counters.record_quota_refusal(request.context.trust_group)
-            return never
-        digests = self._prepare(request)  # hashing is pure: keep it outside the lock
-        with self._lock:
-            # Bounded: the never rule admits at most num_blocks branches.
-            if rid in self._seqs or any(f"{rid}/{i}" in self._seqs for i in range(1, request.branches)):
-                raise LedgerError(f"request id {rid!r} is already running")
-            decision, hits, ready = self._decide(request, digests, keep_free)
-            if decision.admitted:
-                if self._digest_cache:
-                    self._digest_cache.pop(rid, None)
-                self._commit(request, digests, hits, ready, decision)
-                self._count_admission(request.readmission)
-                self._count_query(request, len(digests), len(hits))
-            else:
-                self.counters.rejected_not_now += 1
-                if decision.over_quota:
-                    self.counters.record_quota_refusal(request.context.trust_group)
-                self._remember(request, digests)  # it will be asked again: hash it once
-            return decision
-
-    def _decide(self: KVLedger, request: Request, digests: Sequence[bytes],
-                keep_free: int) -> tuple[Decision, list[int], int]:
-        """Under the lock, for a request the never rule let through. Returns the decision, the prefix hits
-        and how many leading hits are written (readable at once)."""
-        pool, bs = self.pool, self.block_size
-        prompt_len = len(request.prompt)
-        total = self._blocks_for(prompt_len + request.reserved_new_tokens + request.lookahead)
-        prompt_blocks = self._blocks_for(prompt_len)
-        rid = request.request_id
-        # Each extra branch: its own output allowance, plus a copy of the partial prompt tail.
-        per_branch = (total - prompt_blocks) + (1 if prompt_len % bs else 0)
-        hits: list[int] = []
-        retained_hits = pending_hits = ready = 0
-        if request.read_prefix_cache:
-            index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
-            fast = self._native
-            found = fast.prefix_hits(index, digests, ref, leased, written) if fast is not None else None
-            if found is not None:
-                hits, retained_hits, pending_hits, ready = found
-            else:
-                for d in digests:
-                    block = index.get(d)
-                    if block is None:
-                        break
-                    hits.append(block)
-                    # Retained hits stop being evictable once taken, so they cannot also back a new block.
-                    if ref[block] == 0 and not leased[block]:
-                        retained_hits += 1
-                    if not written[block]:
-                        pending_hits += 1
-                    elif ready == len(hits) - 1:
-                        ready += 1  # leading hits already written: readable at once
-        new_now = prompt_blocks - len(hits)
-        branch_blocks = (request.branches - 1) * per_branch
-        promise = total - prompt_blocks + branch_blocks
-        need = new_now + promise
-        if self._quotas:
-            group = request.context.trust_group
-            cap = self._quotas.get(group)
-            if cap is not None:
-                # The group's charge grows by every block it will newly hold -- new blocks, hits nobody
-                # holds now (retained or deferred), each branch up to its declared maximum, tail copies.
-                ref = pool.ref
-                unheld_hits = sum(1 for b in hits if ref[b] == 0)
-                most = max(total, self._blocks_for(prompt_len + request.max_new_tokens))
-                adds = (new_now + unheld_hits + request.branches * (most - prompt_blocks)
-                        + (request.branches - 1) * (1 if prompt_len % bs else 0))
-                refused = self._over_quota(rid, group, cap, adds, total, len(hits), pending_hits, new_now, promise,
-                                           branch_blocks)
-                if refused is not None:
-                    return refused, hits, ready
-        available, detail = self.promises.room(retained_hits, keep_free)
-        if need > available:
-            reason = f"needs {need} new blocks ({len(hits)} of {total} shared); the pool cannot promise them now"
-            return Decision(rid, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
-                            branch_blocks, f"needs {need} new blocks but only {detail}"), hits, ready
-        reason = f"{len(hits)} shared + {new_now} new + {promise} promised = {total + branch_blocks} blocks"
-        return Decision(rid, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
-                        branch_blocks, f"{reason}; {detail}"), hits, ready
-
-    def _commit(self: KVLedger, request: Request, digests: Sequence[bytes], hits: list[int], ready: int,
-                decision: Decision) -> None:
-        pool = self.pool
-        if type(digests) is not list:
-            digests = list(digests)  # remembered as a tuple; the sequence's own list grows as it does
-        # Take the hits first, so allocating the new blocks can never evict the request's own hits.
-        if hits:
-            pool.share_many(hits)
-        blocks = hits + pool.allocate_many(decision.blocks_new)
-        group = request.context.trust_group
-        pool.register_many(blocks, digests, len(hits), group)  # the new full prompt blocks: pending until written
-        if request.retention:
-            self._apply_retention(request.retention, blocks, 0, len(digests))
-        own_promise = decision.blocks_promised - decision.blocks_branches
-        prompt = list(request.prompt)
-        rid = request.request_id
-        seq = SequenceState(
-            request_id=rid, context=request.context,
-            root=request.context.root_digest() if self.prefix_caching else b"",
-            tokens=prompt, num_prompt=len(prompt), max_new_tokens=request.max_new_tokens,
-            table=BlockTable(self.block_size, blocks), promised=0, digests=digests,
-            computed_mark=min(ready * self.block_size, len(prompt)), written_blocks=ready,
-            hit_blocks=len(hits), retention=request.retention, family=request.family or rid,
-            reserved_blocks=decision.blocks_total, readmitted=request.readmission,
-        )
-        self.promises.promise(seq, own_promise)
-        self._seqs[rid] = seq
-        # Each fork charges its parent's promise plus a tail copy: exactly what _decide counted per branch.
-        for i in range(1, request.branches):
-            self._fork_unchecked(seq, f"{rid}/{i}")
-
-    def _apply_retention(self: KVLedger, ranges: tuple[Retention, ...], blocks: list[int], start: int,
-                         end: int) -> None:
-        """Tell the eviction policy the priority of blocks ``[start, end)`` from the request's ranges
-        (validated when the :class:`Retention` was built, so this cannot fail half-way)."""
-        bs, now, policy = self.block_size, self.clock(), self.pool.retained
-        for i in range(start, end):
-            lo, hi = i * bs, (i + 1) * bs
-            best: Retention | None = None
-            for r in ranges:
-                if r.start < hi and r.end > lo and (best is None or r.priority > best.priority):
-                    best = r
-            if best is not None:
-                expires = None if best.duration_s is None else now + best.duration_s
-                policy.set_priority(blocks[i], best.priority, expires)
-
-    def _count_admission(self: KVLedger, readmission: bool) -> None:
-        if readmission:
-            self.counters.readmitted += 1
-        else:
-            self.counters.admitted += 1
-
-    def _count_query(self: KVLedger, request: Request, blocks: int, hits: int) -> None:
-        if not self.prefix_caching:
-            return
-        if request.read_prefix_cache:
-            self.counters.record_query(request.context.trust_group, blocks, hits, len(request.prompt),
-                                       hits * self.block_size, readmission=request.readmission)
-        else:
-            self.counters.read_skipped += 1
-
-    # ---- a family of branches -------------------------------------------------------------------
-    def admit_family(self: KVLedger, requests: Sequence[Request], keep_free: int = 0) -> Decision:
-        """Re-admit the branches of one preempted request together, all-or-nothing.
-
-        ``requests`` are single-branch requests (``branches == 1``) of one family: the same ``family``
-        (or, for the first, its own id), distinct ids, one context, and the same ``readmission`` and
-        ``read_prefix_cache`` switches; their tokens may have diverged. One decision is taken under
-        the lock. On refusal nothing changes -- no eviction, no prefix-cache query or hit counted, no
-        event, no index entry -- except the ``not_now`` / ``never`` outcome counter. On success the
-        branches share the full blocks of their common token prefixes as :meth:`fork` would have
-        shared them, with or without prefix caching; a partial tail held by branches with identical
-        tokens is shared copy-on-write (one promised copy per extra holder); prefix-index hits are
-        used when caching is on and the family reads the cache. A block shared by several branches
-        appears in each of their tables: whoever restores contents (a swap-in) writes it once.
-
-        The outcome is NEVER when the family could not fit even the empty pool, counting that
-        sharing and every branch's whole ``max_new_tokens`` and lookahead.
-
-        The returned decision names the family; its block figures are the family's: ``blocks_hit`` and
-        ``blocks_new`` count distinct blocks, ``blocks_promised`` every branch's reserved allowance
-        plus the tail copies, ``blocks_branches`` what the branches after the first add to it, and
-        ``blocks_total`` the family's distinct blocks at its reserved lengths."""
-        keep_free = as_count(keep_free, "keep_free")
-        reqs = self._family_members(requests)
-        head = reqs[0]
-        family = head.family or head.request_id
-        pool_blocks = self.pool.num_blocks
-        if len(reqs) > pool_blocks:  # before any per-token work
-            reason = f"asks for {len(reqs)} branches but the whole pool has {pool_blocks} blocks"
-            return self._family_never(reqs, family, reason, len(reqs))
-        digests = [self._prepare(r) for r in reqs]  # checks every token id; pure, outside the lock
-        layout = self.family_layout(reqs, digests)
-        bs = self.block_size
-        need_empty = layout.nodes + sum(
-            self._blocks_for(len(r.prompt) + r.max_new_tokens + r.lookahead) - len(r.prompt) // bs for r in reqs)
-        if need_empty > pool_blocks:
-            reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest ({layout.nodes} "
-                      f"shared full blocks) but the whole pool has {pool_blocks}")
-            return self._family_never(reqs, family, reason, need_empty)
-        cap = self._quotas.get(head.context.trust_group) if self._quotas else None
-        if cap is not None and need_empty > cap:
-            reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest but its trust "
-                      f"group's quota is {cap} blocks")
-            return self._family_never(reqs, family, reason, need_empty, over_quota=True)
-        with self._lock:
-            for r in reqs:
-                if r.request_id in self._seqs:
-                    raise LedgerError(f"request id {r.request_id!r} is already running")
-            decision, hit_of = self._decide_family(reqs, family, layout, keep_free)
-            if not decision.admitted:
-                self.counters.rejected_not_now += 1
-                if decision.over_quota:
-                    self.counters.record_quota_refusal(head.context.trust_group)
-                for r, d in zip(reqs, digests, strict=True):
-                    self._remember(r, d)  # the family will be asked again: hash it once
-                return decision
-            for r in reqs:
-                self._digest_cache.pop(r.request_id, None)
-            self._commit_family(reqs, family, layout, digests, hit_of)
-            self._count_admission(head.readmission)
-            for r, path, d in zip(reqs, layout.paths, digests, strict=True):
-                hits = 0
-                while hits < len(path) and hit_of[path[hits]] is not None:
-                    hits += 1
-                self._count_query(r, len(d), hits)
-            return decision
-
-    def _family_members(self: KVLedger, requests: Sequence[Request]) -> list[Request]:
-        if isinstance(requests, (str, bytes, Request)) or not hasattr(requests, "__iter__"):
-            raise ConfigError("admit_family takes a sequence of Request, one per branch")
-        reqs = [self._request(r) for r in requests]
-        if not reqs:
-            raise ConfigError("admit_family needs at least one request")
-        head = reqs[0]
-        family = head.family or head.request_id
-        for r in reqs:
-            if r.branches != 1:
-                raise ConfigError(f"request {r.request_id!r}: a family member is one branch (branches=1)")
-            if (r.family or r.request_id) != family:
-                raise ConfigError(f"request {r.request_id!r} is not of family {family!r}")
-            if r.context != head.context:
-                raise ConfigError(f"request {r.request_id!r}: every branch of a family has one cache context")
-            if r.readmission != head.readmission or r.read_prefix_cache != head.read_prefix_cache:
-                raise ConfigError(f"request {r.request_id!r}: readmission and read_prefix_cache are per family")
-        if len({r.request_id for r in reqs}) != len(reqs):
-            raise ConfigError(f"family {family!r} names a branch twice")
-        return reqs
-
-    def _family_never(self: KVLedger, reqs: list[Request], family: str, reason: str, need: int,
-                      over_quota: bool = False) -> Decision:
-        with self._lock:
-            for r in reqs:
-                self._digest_cache.pop(r.request_id, None)
-            self.counters.rejected_never += 1
-            if over_quota:
-                self.counters.record_quota_refusal(reqs[0].context.trust_group)
-        return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason, over_quota=over_quota)
-
-    def family_layout(self: KVLedger, requests: Sequence[Request], digests: list[list[bytes]]) -> FamilyLayout:
-        """The block-sharing trie of a family (pure; see :class:`FamilyLayout`). With prefix caching the
-        block digests are the trie's keys; without, the blocks' token tuples chained to their parent."""
-        bs, caching = self.block_size, self.prefix_caching
+    @classmethod
+    def of(cls, requests: Sequence[Request], digests: Sequence[Sequence[bytes]], block_size: int,
+           caching: bool) -> FamilyLayout:
+        """The trie of branches whose tokens may differ. With prefix caching the block digests are its
+        keys; without, the blocks' token tuples chained to their parent."""
+        bs = block_size
         node_of: dict[object, int] = {}
         parents: list[int] = []
         node_digests: list[bytes | None] = []
@@ -435,113 +124,450 @@ class AdmissionOps(QuotaOps):
                 tails.append(group)
             else:
                 tails.append(-1)
-        return FamilyLayout(paths, parents, node_digests, tails, holders)
+        return cls(paths, parents, node_digests, tails, holders)
 
-    def _decide_family(self: KVLedger, reqs: list[Request], family: str, layout: FamilyLayout,
-                       keep_free: int) -> tuple[Decision, list[int | None]]:
-        pool = self.pool
-        hit_of: list[int | None] = [None] * layout.nodes
-        if self.prefix_caching and reqs[0].read_prefix_cache:
-            index, parents = pool.index, layout.parents
-            for node, d in enumerate(layout.digests):  # a parent always precedes its children
-                if parents[node] < 0 or hit_of[parents[node]] is not None:
-                    hit_of[node] = index.get(d)  # type: ignore[arg-type]
-        hits = [b for b in hit_of if b is not None]
-        ref, leased, written = pool.ref, pool.leased, pool.written
-        retained_hits = sum(1 for b in hits if ref[b] == 0 and not leased[b])
-        pending_hits = sum(1 for b in hits if not written[b])
-        new_now = layout.nodes - len(hits) + len(layout.tail_holders)
-        own = [self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead) - self._blocks_for(len(r.prompt))
-               for r in reqs]
+
+@dataclass(slots=True)
+class _Hits:
+    """A family's prefix hits: the device block per node (None: no hit), the hit blocks, how many were
+    retained (they stop being evictable once taken) and pending (still being filled), and -- for a
+    chain -- how many leading hits are written (-1: count them at commit)."""
+
+    of_node: list[int | None]
+    blocks: list[int]
+    retained: int
+    pending: int
+    ready: int = -1
+
+
+class AdmissionControl:
+    """Decides and commits admissions for one ledger. Every argument is one of the ledger's parts (it
+    owns none of them but the digest memo); decisions run under ``lock``, hashing outside it."""
+
+    __slots__ = ("_block_size", "_caching", "_clock", "_counters", "_lock", "_memo", "_native", "_pool",
+                 "_promises", "_quotas", "_seqs")
+
+    def __init__(self, *, lock: threading.RLock, pool: BlockPool, promises: PromiseBook, quotas: QuotaBook,
+                 seqs: dict[str, SequenceState], counters: Counters, block_size: int, prefix_caching: bool,
+                 native: ModuleType | None, clock: Callable[[], float]) -> None:
+        self._lock = lock
+        self._pool = pool
+        self._promises = promises
+        self._quotas = quotas
+        self._seqs = seqs
+        self._counters = counters
+        self._block_size = block_size
+        self._caching = prefix_caching
+        self._native = native
+        self._clock = clock
+        self._memo: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now": their digests
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self._block_size)
+
+    # ---- preparation (no lock) ----------------------------------------------------------------
+    @staticmethod
+    def checked(request: object) -> Request:
+        if not isinstance(request, Request):
+            raise ConfigError(f"admission takes a Request, got {type(request).__name__}")
+        if not request.prompt:
+            raise ConfigError(f"request {request.request_id!r} has an empty prompt")
+        return request
+
+    def never(self, request: Request) -> Decision | None:
+        """The "never" rule, O(1): the declared maximum -- every branch's whole output allowance and
+        speculative slots, the prompt's full blocks shared once -- exceeds the whole pool."""
+        prompt_len, pool_blocks = len(request.prompt), self._pool.num_blocks
+        k = request.branches
+        need = declared_blocks(prompt_len, request.max_new_tokens, self._block_size, k, request.lookahead)
+        cap = self._quotas.cap(request.context.trust_group)
+        branches = f" for {k} branches" if k > 1 else ""
+        if need <= pool_blocks and k <= pool_blocks:
+            if cap is None or need <= cap:
+                return None
+            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but its "
+                      f"trust group's quota is {cap} blocks")
+            return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason,
+                            over_quota=True)
+        if need > pool_blocks:
+            reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but the "
+                      f"whole pool has {pool_blocks}")
+        else:
+            reason = f"asks for {k} branches but the whole pool has {pool_blocks} blocks"
+        return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason)
+
+    def prepare(self, request: Request, remember: bool = False) -> Sequence[bytes]:
+        """Check the prompt's token ids and return its full-block digests ([] without prefix caching).
+        A request told "not now" is usually asked again every step, so its digests are remembered under
+        its id (:meth:`_remember`), checked against the same (immutable) prompt object and the same
+        context root."""
+        caching = self._caching
+        root = request.context.root_digest() if caching else b""
+        memo = self._memo
+        if memo:  # usually empty: most requests are admitted at their first attempt
+            with self._lock:
+                hit = memo.get(request.request_id)
+            if hit is not None and hit[0] is request.prompt and hit[1] == root:
+                return hit[2]  # a tuple: never changed; the commit takes a list of it
+        if caching:
+            digests = prompt_digests(root, request.prompt, self._block_size, self._native)  # checks the ids too
+        else:
+            check_tokens(request.prompt, self._native)  # token ids in [0, 2**32), with or without caching
+            digests = []
+        if remember:
+            self._remember(request, digests)
+        return digests
+
+    def _remember(self, request: Request, digests: Sequence[bytes]) -> None:
+        """Keep a waiting request's digests for its next attempt (bounded; oldest forgotten first)."""
+        root = request.context.root_digest() if self._caching else b""
+        with self._lock:
+            memo = self._memo
+            held = memo.get(request.request_id)
+            if held is not None and held[0] is request.prompt and held[1] == root and held[2] is digests:
+                return  # asked again with what it remembers already
+            memo[request.request_id] = (request.prompt, root, tuple(digests))
+            if len(memo) > _MEMO_LIMIT:
+                memo.popitem(last=False)
+
+    def remembered(self) -> list[str]:
+        """The waiting requests whose digests are remembered, oldest first."""
+        return list(self._memo)
+
+    def forget(self) -> None:
+        """Forget every remembered digest (a prefix cache reset)."""
+        self._memo.clear()
+
+    def apply_retention(self, ranges: tuple[Retention, ...], blocks: list[int], start: int, end: int) -> None:
+        """Tell the eviction policy the priority of blocks ``[start, end)`` from the request's ranges
+        (validated when the :class:`Retention` was built, so this cannot fail half-way)."""
+        bs, now, policy = self._block_size, self._clock(), self._pool.retained
+        for i in range(start, end):
+            lo, hi = i * bs, (i + 1) * bs
+            best: Retention | None = None
+            for r in ranges:
+                if r.start < hi and r.end > lo and (best is None or r.priority > best.priority):
+                    best = r
+            if best is not None:
+                expires = None if best.duration_s is None else now + best.duration_s
+                policy.set_priority(blocks[i], best.priority, expires)
+
+    # ---- a request: a family of its branches ---------------------------------------------------
+    def _branch_ids(self, request: Request) -> list[str]:
+        rid = request.request_id
+        return [rid, *(f"{rid}/{i}" for i in range(1, request.branches))]
+
+    def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
+        """The decision :meth:`admit` would take now, without changing anything."""
+        keep_free = as_count(keep_free, "keep_free")
+        request = self.checked(request)
+        never = self.never(request)
+        if never is not None:
+            return never
+        digests = self.prepare(request, remember=True)  # the admit that usually follows reuses them
+        layout = FamilyLayout.chain_of(len(request.prompt), digests, self._block_size, request.branches)
+        with self._lock:
+            return self._decide([request] * request.branches, layout, keep_free, request.request_id, True)[0]
+
+    def admit(self, request: Request, keep_free: int = 0) -> Decision:
+        """Admit ``request`` and its branches atomically (see ``KVLedger.admit``)."""
+        keep_free = as_count(keep_free, "keep_free")
+        request = self.checked(request)
+        rid = request.request_id
+        never = self.never(request)  # before any per-branch or per-token work
+        if never is not None:
+            with self._lock:
+                self._memo.pop(rid, None)  # it will not be asked again: keep no copy of it
+                self._count_never(request, never.over_quota)
+            return never
+        digests = self.prepare(request)  # hashing is pure: keep it outside the lock
+        k = request.branches
+        layout = FamilyLayout.chain_of(len(request.prompt), digests, self._block_size, k)
+        ids = self._branch_ids(request) if k > 1 else [rid]
+        members = [request] * k
+        with self._lock:
+            seqs = self._seqs
+            if any(i in seqs for i in ids):  # bounded: the never rule admits at most num_blocks branches
+                raise LedgerError(f"request id {rid!r} is already running")
+            decision, hits = self._decide(members, layout, keep_free, rid, True)
+            if not decision.admitted:
+                self._count_not_now(request, decision.over_quota)
+                self._remember(request, digests)  # it will be asked again: hash it once
+                return decision
+            if self._memo:
+                self._memo.pop(rid, None)
+            self._commit(ids, members, layout, [digests] * k, hits, request.family or rid)
+            self._count_admission(request.readmission)
+            self._count_query(request, len(digests), len(hits.blocks))
+            self._counters.forks += k - 1  # its branches are forks of it
+            return decision
+
+    # ---- a re-admitted family -------------------------------------------------------------------
+    def admit_family(self, requests: Sequence[Request], keep_free: int = 0) -> Decision:
+        """Re-admit the branches of one preempted request together (see ``KVLedger.admit_family``)."""
+        keep_free = as_count(keep_free, "keep_free")
+        reqs = self._family_members(requests)
+        head = reqs[0]
+        family = head.family or head.request_id
+        pool_blocks = self._pool.num_blocks
+        if len(reqs) > pool_blocks:  # before any per-token work
+            reason = f"asks for {len(reqs)} branches but the whole pool has {pool_blocks} blocks"
+            return self._family_never(reqs, family, reason, len(reqs))
+        digests = [self.prepare(r) for r in reqs]  # checks every token id; pure, outside the lock
+        layout = FamilyLayout.of(reqs, digests, self._block_size, self._caching)
+        bs = self._block_size
+        need_empty = layout.nodes + sum(
+            self._blocks_for(len(r.prompt) + r.max_new_tokens + r.lookahead) - len(r.prompt) // bs for r in reqs)
+        if need_empty > pool_blocks:
+            reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest ({layout.nodes} "
+                      f"shared full blocks) but the whole pool has {pool_blocks}")
+            return self._family_never(reqs, family, reason, need_empty)
+        cap = self._quotas.cap(head.context.trust_group)
+        if cap is not None and need_empty > cap:
+            reason = (f"needs {need_empty} blocks for {len(reqs)} branches at their longest but its trust "
+                      f"group's quota is {cap} blocks")
+            return self._family_never(reqs, family, reason, need_empty, over_quota=True)
+        with self._lock:
+            for r in reqs:
+                if r.request_id in self._seqs:
+                    raise LedgerError(f"request id {r.request_id!r} is already running")
+            decision, hits = self._decide(reqs, layout, keep_free, family, False)
+            if not decision.admitted:
+                self._count_not_now(head, decision.over_quota)
+                for r, d in zip(reqs, digests, strict=True):
+                    self._remember(r, d)  # the family will be asked again: hash it once
+                return decision
+            for r in reqs:
+                self._memo.pop(r.request_id, None)
+            self._commit([r.request_id for r in reqs], reqs, layout, digests, hits, family)
+            self._count_admission(head.readmission)
+            for r, path, d in zip(reqs, layout.paths, digests, strict=True):
+                self._count_query(r, len(d), self._leading_hits(path, hits.of_node))
+            return decision
+
+    @staticmethod
+    def _family_members(requests: Sequence[Request]) -> list[Request]:
+        if isinstance(requests, (str, bytes, Request)) or not hasattr(requests, "__iter__"):
+            raise ConfigError("admit_family takes a sequence of Request, one per branch")
+        reqs = [AdmissionControl.checked(r) for r in requests]
+        if not reqs:
+            raise ConfigError("admit_family needs at least one request")
+        head = reqs[0]
+        family = head.family or head.request_id
+        for r in reqs:
+            if r.branches != 1:
+                raise ConfigError(f"request {r.request_id!r}: a family member is one branch (branches=1)")
+            if (r.family or r.request_id) != family:
+                raise ConfigError(f"request {r.request_id!r} is not of family {family!r}")
+            if r.context != head.context:
+                raise ConfigError(f"request {r.request_id!r}: every branch of a family has one cache context")
+            if r.readmission != head.readmission or r.read_prefix_cache != head.read_prefix_cache:
+                raise ConfigError(f"request {r.request_id!r}: readmission and read_prefix_cache are per family")
+        if len({r.request_id for r in reqs}) != len(reqs):
+            raise ConfigError(f"family {family!r} names a branch twice")
+        return reqs
+
+    def _family_never(self, reqs: list[Request], family: str, reason: str, need: int,
+                      over_quota: bool = False) -> Decision:
+        with self._lock:
+            for r in reqs:
+                self._memo.pop(r.request_id, None)
+            self._count_never(reqs[0], over_quota)
+        return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason, over_quota=over_quota)
+
+    # ---- the one decision and the one commit (under the lock) -----------------------------------
+    def _hits(self, layout: FamilyLayout, read: bool) -> _Hits:
+        nodes = layout.nodes
+        if not (self._caching and read):
+            return _Hits([None] * nodes, [], 0, 0)
+        pool = self._pool
+        index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
+        if layout.chain:  # one chain: its hits are the leading digests found in the index
+            fast = self._native
+            found = fast.prefix_hits(index, layout.digests, ref, leased, written) if fast is not None else None
+            if found is not None:
+                hits, retained, pending, ready = found
+            else:
+                hits = []
+                retained = pending = ready = 0
+                for d in layout.digests:
+                    block = index.get(d)
+                    if block is None:
+                        break
+                    hits.append(block)
+                    if ref[block] == 0 and not leased[block]:
+                        retained += 1
+                    if not written[block]:
+                        pending += 1
+                    elif ready == len(hits) - 1:
+                        ready += 1  # leading hits already written: readable at once
+            return _Hits(hits + [None] * (nodes - len(hits)), hits, retained, pending, ready)
+        of_node: list[int | None] = [None] * nodes
+        parents = layout.parents
+        for node, d in enumerate(layout.digests):  # a parent always precedes its children
+            if parents[node] < 0 or of_node[parents[node]] is not None:
+                of_node[node] = index.get(d)  # type: ignore[arg-type]
+        blocks = [b for b in of_node if b is not None]
+        return _Hits(of_node, blocks, sum(1 for b in blocks if ref[b] == 0 and not leased[b]),
+                     sum(1 for b in blocks if not written[b]))
+
+    def _decide(self, members: list[Request], layout: FamilyLayout, keep_free: int, name: str,
+                one_request: bool) -> tuple[Decision, _Hits]:
+        """The decision for a family the never rule let through. ``one_request``: the members are the
+        branches of one new request, whose decision speaks of one branch's blocks (``blocks_total``) and
+        of the branches apart (``blocks_branches``); otherwise of the family's distinct blocks."""
+        head = members[0]
+        hits = self._hits(layout, head.read_prefix_cache)
+        hit_count = len(hits.blocks)
+        if one_request:
+            prompt_len = len(head.prompt)
+            own = [self._blocks_for(prompt_len + head.reserved_new_tokens + head.lookahead)
+                   - self._blocks_for(prompt_len)] * len(members)
+        else:
+            own = [self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead)
+                   - self._blocks_for(len(r.prompt)) for r in members]
         copies = sum(h - 1 for h in layout.tail_holders)
+        new_now = layout.nodes - hit_count + len(layout.tail_holders)
         promise = sum(own) + copies
         need = new_now + promise
-        total = len(hits) + need
-        branches = promise - own[0]
-        if self._quotas:
-            group = reqs[0].context.trust_group
-            cap = self._quotas.get(group)
-            if cap is not None:
-                unheld_hits = sum(1 for b in hits if ref[b] == 0)
-                tables = [len(path) + (1 if tail >= 0 else 0) for path, tail in zip(layout.paths, layout.tails,
-                                                                                     strict=True)]
-                most = [max(self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead),
-                            self._blocks_for(len(r.prompt) + r.max_new_tokens)) for r in reqs]
-                adds = new_now + unheld_hits + copies + sum(max(0, m - t) for m, t in zip(most, tables, strict=True))
-                refused = self._over_quota(family, group, cap, adds, total, len(hits), pending_hits, new_now, promise,
-                                           branches)
-                if refused is not None:
-                    return refused, hit_of
-        available, detail = self.promises.room(retained_hits, keep_free)
+        total = hit_count + need
+        branches = promise - own[0]  # what the branches after the first add
+        shown_total = total - branches if one_request else total
+        cap = self._quotas.cap(head.context.trust_group)
+        if cap is not None:
+            # The group's charge grows by every block it will newly hold -- new blocks, hits nobody
+            # holds now (retained or deferred), each branch up to its declared maximum, tail copies.
+            ref = self._pool.ref
+            unheld_hits = sum(1 for b in hits.blocks if ref[b] == 0)
+            growth = 0
+            for r, path, tail in zip(members, layout.paths, layout.tails, strict=True):
+                most = max(self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead),
+                           self._blocks_for(len(r.prompt) + r.max_new_tokens))
+                growth += max(0, most - len(path) - (1 if tail >= 0 else 0))
+            refused = self._quotas.over(name, head.context.trust_group, cap, new_now + unheld_hits + copies + growth,
+                                        shown_total, hit_count, hits.pending, new_now, promise, branches)
+            if refused is not None:
+                return refused, hits
+        available, detail = self._promises.room(hits.retained, keep_free)
+        family = "" if one_request else f"family of {len(members)} branches"
         if need > available:
-            reason = (f"family of {len(reqs)} branches needs {need} new blocks ({len(hits)} of {total} shared); "
-                      f"the pool cannot promise them now")
-            return Decision(family, Outcome.NOT_NOW, reason, total, len(hits), pending_hits, new_now, promise,
-                            branches, f"needs {need} new blocks but only {detail}"), hit_of
-        reason = (f"family of {len(reqs)} branches: {len(hits)} shared + {new_now} new + {promise} promised = "
+            reason = (f"{family + ' ' if family else ''}needs {need} new blocks ({hit_count} of {shown_total} "
+                      f"shared); the pool cannot promise them now")
+            return Decision(name, Outcome.NOT_NOW, reason, shown_total, hit_count, hits.pending, new_now, promise,
+                            branches, f"needs {need} new blocks but only {detail}"), hits
+        reason = (f"{family + ': ' if family else ''}{hit_count} shared + {new_now} new + {promise} promised = "
                   f"{total} blocks")
-        return Decision(family, Outcome.ADMITTED, reason, total, len(hits), pending_hits, new_now, promise,
-                        branches, f"{reason}; {detail}"), hit_of
+        return Decision(name, Outcome.ADMITTED, reason, shown_total, hit_count, hits.pending, new_now, promise,
+                        branches, f"{reason}; {detail}"), hits
 
-    def _commit_family(self: KVLedger, reqs: list[Request], family: str, layout: FamilyLayout,
-                       digests: list[list[bytes]], hit_of: list[int | None]) -> None:
-        pool, bs = self.pool, self.block_size
-        share = pool.share
-        # One reference per branch on every hit, first, so that allocating cannot evict a hit.
-        for path in layout.paths:
-            for node in path:
-                block = hit_of[node]
-                if block is not None:
-                    share(block)
-        fresh_nodes = [node for node in range(layout.nodes) if hit_of[node] is None]
-        fresh = pool.allocate_many(len(fresh_nodes) + len(layout.tail_holders))
-        phys: list[int] = [b if b is not None else -1 for b in hit_of]
-        for node, block in zip(fresh_nodes, fresh, strict=False):
-            phys[node] = block
-        tail_blocks = fresh[len(fresh_nodes):]
-        head = reqs[0]
+    @staticmethod
+    def _leading_hits(path: list[int], of_node: list[int | None]) -> int:
+        n = 0
+        while n < len(path) and of_node[path[n]] is not None:
+            n += 1
+        return n
+
+    def _commit(self, ids: list[str], members: list[Request], layout: FamilyLayout,
+                digests: Sequence[Sequence[bytes]], hits: _Hits, family: str) -> None:
+        """Take every block the decision counted and open one sequence per branch: hits first (so that
+        allocating cannot evict them), then the new blocks of the distinct nodes and tails, each branch
+        holding one reference on each of its blocks, and the promises -- each branch its own allowance,
+        each shared partial tail one copy per holder beyond the first."""
+        pool, bs = self._pool, self._block_size
+        head = members[0]
         group = head.context.trust_group
-        if self.prefix_caching:
-            for node in fresh_nodes:  # pending until written; an identity already indexed stays canonical
-                pool.register(phys[node], layout.digests[node], group)  # type: ignore[arg-type]
-        taken: set[int] = set(fresh)  # fresh blocks carry their first reference from allocate_many
-        root = head.context.root_digest() if self.prefix_caching else b""
-        written = pool.written
-        for r, path, tail, ds in zip(reqs, layout.paths, layout.tails, digests, strict=True):
-            blocks = [phys[node] for node in path]
-            for node, block in zip(path, blocks, strict=True):
-                if hit_of[node] is not None:
-                    continue  # referenced above
-                if block in taken:
-                    taken.discard(block)  # the first holder keeps the allocation's reference
-                else:
-                    share(block)
-            if tail >= 0:
-                block = tail_blocks[tail]
-                if block in taken:
-                    taken.discard(block)
-                else:
-                    share(block)
-                blocks.append(block)
-            if r.retention:
-                self._apply_retention(r.retention, blocks, 0, len(ds))
-            hits = 0
-            while hits < len(path) and hit_of[path[hits]] is not None:
-                hits += 1
-            ready = 0
-            while ready < hits and written[blocks[ready]]:
-                ready += 1
-            reserved = self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead)
-            own = reserved - self._blocks_for(len(r.prompt))
+        of_node = hits.of_node
+        tail_count = len(layout.tail_holders)
+        if layout.chain:
+            full = layout.nodes
+            if hits.blocks:
+                pool.share_many(hits.blocks)
+            chain = hits.blocks + pool.allocate_many(full - len(hits.blocks) + tail_count)
+            if self._caching:  # the new full prompt blocks: pending until written
+                pool.register_many(chain, layout.digests, len(hits.blocks), group)  # type: ignore[arg-type]
+            for _ in range(1, len(members)):
+                pool.share_many(chain)  # each further branch: a fork of the first
+            tables = [chain] * len(members)
+            tail_blocks = chain[full:]
+            if head.retention:
+                self.apply_retention(head.retention, chain, 0, len(digests[0]))
+        else:
+            for path in layout.paths:  # one reference per branch on every hit (a prefix of its path)
+                lead = self._leading_hits(path, of_node)
+                if lead:
+                    pool.share_many([of_node[n] for n in path[:lead]])  # type: ignore[misc]
+            fresh_nodes = [n for n in range(layout.nodes) if of_node[n] is None]
+            fresh = pool.allocate_many(len(fresh_nodes) + tail_count)
+            phys: list[int] = [b if b is not None else -1 for b in of_node]
+            for node, block in zip(fresh_nodes, fresh, strict=False):
+                phys[node] = block
+            tail_blocks = fresh[len(fresh_nodes):]
+            if self._caching:  # pending until written; an identity already indexed stays canonical
+                pool.register_many([phys[n] for n in fresh_nodes],
+                                   [layout.digests[n] for n in fresh_nodes], 0, group)  # type: ignore[misc]
+            taken: set[int] = set(fresh)  # fresh blocks carry their first reference from allocate_many
+            tables = []
+            for r, path, tail, ds in zip(members, layout.paths, layout.tails, digests, strict=True):
+                blocks = [phys[node] for node in path]
+                if tail >= 0:
+                    blocks.append(tail_blocks[tail])
+                for node_block in blocks[self._leading_hits(path, of_node):]:
+                    if node_block in taken:
+                        taken.discard(node_block)  # the first holder keeps the allocation's reference
+                    else:
+                        pool.share(node_block)
+                if r.retention:
+                    self.apply_retention(r.retention, blocks, 0, len(ds))
+                tables.append(blocks)
+        root = head.context.root_digest() if self._caching else b""
+        written, seqs, promises = pool.written, self._seqs, self._promises
+        for rid, r, path, tail, blocks, ds in zip(ids, members, layout.paths, layout.tails, tables, digests,
+                                                  strict=True):
+            hit_count = self._leading_hits(path, of_node) if not layout.chain else len(hits.blocks)
+            ready = hits.ready
+            if ready < 0:
+                ready = 0
+                while ready < hit_count and written[blocks[ready]]:
+                    ready += 1
             prompt = list(r.prompt)
-            seq = self._seqs[r.request_id] = SequenceState(
-                request_id=r.request_id, context=head.context, root=root, tokens=prompt, num_prompt=len(prompt),
-                max_new_tokens=r.max_new_tokens, table=BlockTable(bs, blocks), promised=0, digests=list(ds),
-                computed_mark=min(ready * bs, len(prompt)), written_blocks=ready, hit_blocks=hits,
-                cow_tail=tail >= 0 and layout.tail_holders[tail] > 1, family=family, retention=r.retention,
-                reserved_blocks=reserved, readmitted=r.readmission,
+            reserved = self._blocks_for(len(prompt) + r.reserved_new_tokens + r.lookahead)
+            seq = seqs[rid] = SequenceState(
+                request_id=rid, context=head.context, root=root, tokens=prompt, num_prompt=len(prompt),
+                max_new_tokens=r.max_new_tokens, table=BlockTable(bs, list(blocks)), promised=0,
+                digests=list(ds), computed_mark=min(ready * bs, len(prompt)), written_blocks=ready,
+                hit_blocks=hit_count, cow_tail=tail >= 0 and layout.tail_holders[tail] > 1, family=family,
+                retention=r.retention, reserved_blocks=reserved, readmitted=r.readmission,
             )
-            self.promises.promise(seq, own)
+            promises.promise(seq, reserved - self._blocks_for(len(prompt)))
         for group_id, holders in enumerate(layout.tail_holders):
             if holders > 1:
-                self.promises.promise_copies(tail_blocks[group_id], holders - 1)
+                promises.promise_copies(tail_blocks[group_id], holders - 1)
+
+    # ---- counters --------------------------------------------------------------------------------
+    def _count_never(self, request: Request, over_quota: bool) -> None:
+        self._counters.rejected_never += 1
+        if over_quota:
+            self._counters.record_quota_refusal(request.context.trust_group)
+
+    def _count_not_now(self, request: Request, over_quota: bool) -> None:
+        self._counters.rejected_not_now += 1
+        if over_quota:
+            self._counters.record_quota_refusal(request.context.trust_group)
+
+    def _count_admission(self, readmission: bool) -> None:
+        if readmission:
+            self._counters.readmitted += 1
+        else:
+            self._counters.admitted += 1
+
+    def _count_query(self, request: Request, blocks: int, hits: int) -> None:
+        if not self._caching:
+            return
+        if request.read_prefix_cache:
+            self._counters.record_query(request.context.trust_group, blocks, hits, len(request.prompt),
+                                        hits * self._block_size, readmission=request.readmission)
+        else:
+            self._counters.read_skipped += 1
+
+
+__all__ = ["AdmissionControl", "FamilyLayout"]

@@ -11,13 +11,17 @@ The promise rule (checked by :meth:`KVLedger.check`): ``promised <= free + evict
 it true, so every promise can be turned into a block without evicting or preempting a running request.
 Admission is one atomic decision under the ledger's lock, so concurrent admissions cannot overcommit.
 
-Branches (forks, beam search), leases, pins and statistics live in :mod:`.branches` and
-:mod:`.lifetimes`, demotion to and promotion from lower tiers in :mod:`.offload`, mixed into
-:class:`KVLedger`; they share its lock and its state. This module keeps what every per-token operation
-touches together (the pool, the tables, growth, speculative slots, release and the audit), which is why
-it runs past 600 lines. Promises already have their owner (:class:`~kvledger.core.promises.PromiseBook`,
-which every one of those paths asks); moving leases and quotas into objects that own their state is the
-split still planned, not a further mixin.
+:class:`KVLedger` is the thread-safe face of collaborators that each own their state and state their
+law: the :class:`~kvledger.core.promises.PromiseBook` (every promise, and the one rule), the
+:class:`~kvledger.core.admission.AdmissionControl` (decisions and the digests of waiting requests), the
+:class:`~kvledger.core.branches.Branches` (forks, beam steps, copy-on-write and its copy queue), the
+:class:`~kvledger.core.lifetimes.LeaseBook` and :class:`~kvledger.core.lifetimes.PinBook`, the
+:class:`~kvledger.core.quota.QuotaBook` and the :class:`~kvledger.core.offload.TierHandoff`. None has a
+lock: the ledger takes its own around every call. The ledger itself keeps what every per-token operation
+touches (the pool, the tables, growth, speculative slots, release), the cache controls that span every
+collaborator, the statistics and the audit; its public methods are those of the collaborators it
+answers for, one line each. That is why the module runs past 600 lines: the per-token paths must see
+the pool and the tables without a call in between.
 """
 
 from __future__ import annotations
@@ -26,20 +30,21 @@ import math
 import operator
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
 from . import native
-from .admission import AdmissionOps
-from .branches import BranchOps
+from .admission import AdmissionControl, FamilyLayout
+from .branches import Branches, beam_arguments
 from .eviction import EvictionPolicy, as_policy
-from .identity import block_digest_at
-from .lifetimes import Lease, LifetimeOps
-from .observe import Counters, EventLog
-from .offload import OffloadOps
+from .identity import CacheContext, block_digest_at, prompt_digests
+from .lifetimes import CacheReset, LeaseBook, PinBook, lease_arguments
+from .observe import Counters, EventLog, prefix_figures
+from .offload import TierHandoff
 from .pool import BlockPool
 from .promises import PromiseBook, largest_allowance
+from .quota import GroupUsage, QuotaBook
 from .tiers import TierLedger
 from .types import (
     MAX_TOKEN_ID,
@@ -52,6 +57,7 @@ from .types import (
     Usage,
     as_count,
     as_token_id,
+    find_sequence,
     show,
 )
 
@@ -61,7 +67,7 @@ MAX_BLOCK_SIZE = 2**16  # tokens per block
 __all__ = ["CopyOp", "Decision", "KVLedger", "Outcome", "Request", "Retention", "SequenceState", "Usage"]
 
 
-class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
+class KVLedger:
     """Owns one block pool and every sequence that holds blocks of it. Thread-safe.
 
     ``policy`` is an eviction policy object or a registered name (``core.eviction.EVICTION_POLICIES``:
@@ -105,19 +111,20 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         if events is not None:
             self.pool.on_event = events.emit
         self.counters = Counters()
-        self.max_pinned_fraction = float(max_pinned_fraction)
         self.clock = clock
         self._seqs: dict[str, SequenceState] = {}
-        self._copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
-        self._leases: dict[int, Lease] = {}  # outstanding accesses by lease id
-        self._seq_leases: dict[str, set[int]] = {}  # sequence -> its outstanding leases
-        self._next_lease = 1
-        self._pins: dict[str, list[int]] = {}
-        self._digest_cache: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now"
-        self._quotas: dict[str, int] = {}  # trust group -> cap on its charged blocks (core/admission.py)
         self._lock = threading.RLock()
         self._native = native.MODULE  # the optional C part (kvledger.core.native), None: pure Python
-        self.tiers: TierLedger | None = None  # lower tiers evicted prefix blocks are demoted to (attach_tiers)
+        pool, promises = self.pool, self.promises
+        self._leases = LeaseBook(pool)
+        self._pins = PinBook(pool, promises, float(max_pinned_fraction))
+        self._quotas = QuotaBook(pool, promises, self._seqs, self._pins, block_size)
+        self._admission = AdmissionControl(lock=self._lock, pool=pool, promises=promises, quotas=self._quotas,
+                                    seqs=self._seqs, counters=self.counters, block_size=block_size,
+                                    prefix_caching=prefix_caching, native=self._native, clock=clock)
+        self._branches = Branches(pool=pool, promises=promises, seqs=self._seqs, counters=self.counters,
+                                  block_size=block_size, events=events, drop=self._drop)
+        self._handoff = TierHandoff(pool, promises, self._leases, self.counters)
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -128,6 +135,15 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
     def promised(self) -> int:
         """Blocks promised and not yet materialised (read-only: :class:`PromiseBook` writes them)."""
         return self.promises.total
+
+    @property
+    def max_pinned_fraction(self) -> float:
+        return self._pins.max_fraction
+
+    @property
+    def tiers(self) -> TierLedger | None:
+        """The lower tiers evicted prefix blocks are demoted to (:meth:`attach_tiers`), or None."""
+        return self._handoff.tiers
 
     @property
     def policy_name(self) -> str:
@@ -147,9 +163,9 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         here: the most whose declaration (:func:`~kvledger.core.promises.declared_blocks`) fits the whole
         pool and its trust group's quota; 0 when not even one token could. Asking for it is never
         "never" (it may still wait for room); one token more is."""
-        request = self._request(request)
+        request = AdmissionControl.checked(request)
         limit = self.pool.num_blocks
-        cap = self._quotas.get(request.context.trust_group) if self._quotas else None
+        cap = self._quotas.cap(request.context.trust_group)
         if cap is not None:
             limit = min(limit, cap)
         return largest_allowance(len(request.prompt), limit, self.block_size, request.branches, request.lookahead)
@@ -158,14 +174,11 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         with self._lock:
             p = self.pool
             return Usage(p.num_blocks, p.num_free, p.num_active, p.num_retained, p.num_evictable,
-                         self.promises.total, len(self._seqs), sum(len(b) for b in self._pins.values()),
+                         self.promises.total, len(self._seqs), self._pins.total(),
                          p.deferred)
 
     def sequence(self, request_id: str) -> SequenceState:
-        try:
-            return self._seqs[request_id]
-        except (KeyError, TypeError):  # TypeError: an unhashable id is no sequence's id either
-            raise LedgerError(f"unknown sequence {show(request_id)}") from None
+        return find_sequence(self._seqs, request_id)
 
     def sequences(self) -> list[str]:
         with self._lock:
@@ -232,7 +245,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                 else:
                     pool.register(blocks[i], digest, group)
             if seq.retention:
-                self._apply_retention(seq.retention, blocks, first, full)
+                self._admission.apply_retention(seq.retention, blocks, first, full)
 
     def append_token(self, request_id: str, token_id: int) -> list[CopyOp]:
         """Append one sampled token. Sampling it means the model has run over every earlier token, so
@@ -244,9 +257,10 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             checked, fits = self._check_growth([(seq, token_id)])
             if not fits:
                 raise self._no_room(seq)
-            before = len(self._copies)
+            copies = self._branches.copies
+            before = len(copies)
             self._grow(seq, checked[0][1])
-            return self._copies[before:]
+            return copies[before:]
 
     def append_tokens(self, request_id: str, token_ids: Iterable[int]) -> None:
         """Append several tokens to one sequence. A bad token id or a length past ``max_new_tokens``
@@ -427,7 +441,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         else:
             self._computed(seq, n)  # sampling this token confirms every earlier token (cheap if no new block)
             if seq.cow_tail:
-                self._copy_on_write(seq, n)
+                self._branches.copy_on_write(seq, n)
         tokens.append(token)
 
     def _boundary(self, seq: SequenceState, n: int) -> None:
@@ -468,7 +482,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             if need > seq.promised + max(promises.unpromised(), 0):
                 raise OutOfBlocksError(f"{request_id!r}: no room for {slots} lookahead slots")
             if slots and seq.cow_tail and n % self.block_size:
-                self._copy_on_write(seq, n)  # the copy was promised when the tail became shared
+                self._branches.copy_on_write(seq, n)  # the copy was promised when the tail became shared
             for _ in range(max(need, 0)):
                 promises.redeem(seq)
                 seq.table.blocks.append(pool.allocate())
@@ -488,7 +502,7 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
             seq = self.sequence(request_id)
             blocks = seq.table.blocks
             keep = self._blocks_for(len(seq.tokens))
-            if request_id in self._seq_leases:
+            if self._leases.holds(request_id):
                 return 0
             seq.draft_end = 0  # the step that wrote the drafts is confirmed: no draft slot is live
             if len(blocks) <= keep:
@@ -565,11 +579,10 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         blocks = seq.table.blocks
         if seq.cow_tail:
             self.promises.redeem_copy(blocks[len(seq.tokens) // self.block_size])  # it leaves without copying
-        if self._copies:  # a copy into a block that is about to be released must never run
-            mine = set(blocks)
-            self._copies = [op for op in self._copies if op.dst not in mine]
-        if self._seq_leases:
-            self._lease_blocks_of_dropped(request_id, blocks)
+        if self._branches.copies:  # a copy into a block that is about to be released must never run
+            self._branches.forget_copies_into(blocks)
+        if self._leases.any_sequence():
+            self._leases.hand_over(request_id, blocks)
         self.pool.release_many(blocks[::-1])
         self.promises.cancel(seq)
         return seq
@@ -578,8 +591,292 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
         """Copy-on-write instructions recorded since the last call; the runtime executes them before
         the step that writes the destination blocks."""
         with self._lock:
-            copies, self._copies = self._copies, []
-            return copies
+            return self._branches.take_copies()
+
+    # ---- admission (core/admission.py) ------------------------------------------------------------
+    def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
+        """The decision :meth:`admit` would take now, without changing anything."""
+        return self._admission.can_admit(request, keep_free)
+
+    def admit(self, request: Request, keep_free: int = 0) -> Decision:
+        """Admit ``request`` atomically: share indexed prefix blocks, allocate the rest of the prompt,
+        and promise the reserved output allowance -- or change nothing and say why not. A request with
+        ``branches=k`` opens ``k`` sequences (``id``, ``id/1`` ...), forks of one another.
+
+        ``keep_free`` blocks must stay available after the admission: the watermark or emergency
+        headroom of policies that do not reserve the whole output allowance."""
+        return self._admission.admit(request, keep_free)
+
+    def admit_family(self, requests: Sequence[Request], keep_free: int = 0) -> Decision:
+        """Re-admit the branches of one preempted request together, all-or-nothing.
+
+        ``requests`` are single-branch requests (``branches == 1``) of one family: the same ``family``
+        (or, for the first, its own id), distinct ids, one context, and the same ``readmission`` and
+        ``read_prefix_cache`` switches; their tokens may have diverged. One decision is taken under
+        the lock. On refusal nothing changes -- no eviction, no prefix-cache query or hit counted, no
+        event, no index entry -- except the ``not_now`` / ``never`` outcome counter. On success the
+        branches share the full blocks of their common token prefixes as :meth:`fork` would have
+        shared them, with or without prefix caching; a partial tail held by branches with identical
+        tokens is shared copy-on-write (one promised copy per extra holder); prefix-index hits are
+        used when caching is on and the family reads the cache. A block shared by several branches
+        appears in each of their tables: whoever restores contents (a swap-in) writes it once.
+
+        The outcome is NEVER when the family could not fit even the empty pool, counting that
+        sharing and every branch's whole ``max_new_tokens`` and lookahead.
+
+        The returned decision names the family; its block figures are the family's: ``blocks_hit`` and
+        ``blocks_new`` count distinct blocks, ``blocks_promised`` every branch's reserved allowance
+        plus the tail copies, ``blocks_branches`` what the branches after the first add to it, and
+        ``blocks_total`` the family's distinct blocks at its reserved lengths."""
+        return self._admission.admit_family(requests, keep_free)
+
+    def family_layout(self, requests: Sequence[Request], digests: list[list[bytes]]) -> FamilyLayout:
+        """The block-sharing trie of a family (pure; see :class:`~kvledger.core.admission.FamilyLayout`)."""
+        return FamilyLayout.of(requests, digests, self.block_size, self.prefix_caching)
+
+    # ---- quotas (core/quota.py) -------------------------------------------------------------------
+    def set_quota(self, trust_group: str, max_blocks: int | None) -> None:
+        """Cap what ``trust_group`` may be charged (active + promised + growth blocks, see
+        :mod:`kvledger.core.quota`) at ``max_blocks``; None removes the cap. A cap below the group's
+        charge now refuses its admissions until it is back under; nothing running is touched."""
+        with self._lock:
+            self._quotas.set(trust_group, max_blocks)
+
+    def quotas(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._quotas.caps)
+
+    def group_usage(self, trust_group: str | None = None) -> dict[str, GroupUsage]:
+        """The operator's view of the group ledgers: every group holding blocks or with a cap (or only
+        ``trust_group``), with its cap. A tenant may be shown its own group's entry, never the others."""
+        if trust_group is not None and (type(trust_group) is not str or not trust_group):
+            raise ConfigError(f"group_usage takes a trust group name (a non-empty string), got {show(trust_group)}")
+        with self._lock:
+            if trust_group is not None:
+                return {trust_group: self._quotas.usage_of(trust_group)}
+            return self._quotas.usage()
+
+    def group_stats(self) -> dict[str, dict[str, int | None]]:
+        """The operator's per-group report, read under one lock: each group's ledger (active, promised,
+        growth, charged, cap), its prefix-cache figures of first admissions (query_tokens, hit_tokens)
+        and the admissions its quota refused, for every group with blocks, a cap or counters."""
+        with self._lock:
+            return self._quotas.report(self.counters)
+
+    # ---- branches (core/branches.py) --------------------------------------------------------------
+    def fork(self, parent_id: str, child_id: str) -> int:
+        """Fork ``parent_id`` into a new sequence ``child_id``. Returns the blocks newly promised (the
+        child's output allowance plus one tail copy if the tail is partial). Raises AdmissionError when
+        the pool cannot promise them now: a fork is an admission of one more branch."""
+        with self._lock:
+            return self._branches.fork(parent_id, child_id)
+
+    def beam_step(self, forks: list[tuple[str, str]], drops: list[str]) -> None:
+        """One beam-search step: drop the pruned beams, then fork the survivors that spawn more than one
+        continuation. Dropping releases only blocks no surviving beam holds (ref counts); a dropped
+        beam's blocks that an in-flight step still reads stay until its lease ends. All or nothing."""
+        pairs, dropped = beam_arguments(forks, drops)
+        with self._lock:
+            self._branches.beam_step(pairs, dropped)
+
+    # ---- leases and pins (core/lifetimes.py) ------------------------------------------------------
+    def lease(self, request_ids: Iterable[str] = (), blocks: Iterable[int] = (), owner: str = "") -> int:
+        """Mark an outstanding access to the named sequences and to extra ``blocks``; returns a lease id.
+        ``owner`` names who took it (a step, a transfer): :meth:`leases` lists outstanding leases by
+        owner, so a caller can check that every one belongs to something still in flight.
+
+        Leasing a sequence costs O(1) however many blocks it holds (an engine leases every scheduled
+        sequence every step). Only if a leased sequence is dropped -- finished, cancelled, pruned,
+        preempted -- are its blocks leased one by one, so that their release is deferred until the
+        lease ends. A block lease marks single blocks (a transfer reading blocks directly); only a
+        block someone holds can be leased. Everything is checked before anything is leased."""
+        ids, extra = lease_arguments(request_ids, blocks, owner)
+        with self._lock:
+            for rid in ids:
+                self.sequence(rid)
+            return self._leases.take(ids, extra, owner)
+
+    def end_lease(self, lease_id: int) -> None:
+        """The access finished: the releases it deferred complete now, tail block first."""
+        with self._lock:
+            self._leases.end(lease_id)
+
+    def is_leased(self, request_id: str) -> bool:
+        """Whether a sequence has an outstanding lease (its blocks cannot be released before it ends)."""
+        return self._leases.holds(request_id)
+
+    def outstanding_leases(self) -> int:
+        return len(self._leases)
+
+    def leases(self) -> dict[int, str]:
+        """Every outstanding lease: lease id -> owner (the name given to :meth:`lease`)."""
+        with self._lock:
+            return self._leases.owners()
+
+    def pin(self, name: str, prompt: Sequence[int], context: CacheContext) -> int:
+        """Pin the cached, written full blocks of ``prompt`` (its leading chain in the prefix index) so
+        they are never evicted. Returns the number of blocks pinned (0 if nothing is cached yet)."""
+        if not self.prefix_caching:
+            raise LedgerError("pinning needs prefix caching")
+        if type(name) is not str or not name:
+            raise ConfigError(f"a pin is named by a non-empty string, got {show(name)}")
+        if not isinstance(context, CacheContext):
+            raise ConfigError(f"pin: context must be a CacheContext, got {show(context)}")
+        if prompt is None or isinstance(prompt, (str, bytes)):
+            raise ConfigError(f"pin: the prompt must be a sequence of token ids, got {show(prompt)}")
+        digests = prompt_digests(context.root_digest(), prompt, self.block_size, self._native)
+        with self._lock:
+            return self._pins.pin(name, digests)
+
+    def unpin(self, name: str) -> None:
+        with self._lock:
+            self._pins.unpin(name)
+
+    def pins(self) -> dict[str, int]:
+        with self._lock:
+            return self._pins.counts()
+
+    # ---- lower tiers (core/offload.py) ------------------------------------------------------------
+    def attach_tiers(self, tiers: TierLedger | None) -> None:
+        """Demote evicted prefix blocks into ``tiers`` from now on (None detaches). Needs prefix caching:
+        without block identities there is nothing to find again."""
+        if tiers is not None and not isinstance(tiers, TierLedger):
+            raise ConfigError(f"attach_tiers takes a TierLedger, got {type(tiers).__name__}")
+        if tiers is not None and not self.prefix_caching:
+            raise ConfigError("demoting prefix blocks to a lower tier needs prefix caching")
+        with self._lock:
+            self._handoff.attach(tiers)
+
+    def promote_from_tiers(self, request: Request, owner: str, keep_free: int = 0
+                           ) -> tuple[list[tuple[int, int]], int | None]:
+        """Bring back the request's prompt blocks the tiers hold (after its device hits, same trust group,
+        as far as unpromised capacity allows). Returns ``(pairs, lease)``: ``(tier slot, device block)`` per
+        promoted block, in prompt order, and the lease that keeps them until the transfer is done (end it
+        with ``end_lease``); ``([], None)`` when nothing is promoted. Changes nothing on a bad request."""
+        keep_free = as_count(keep_free, "keep_free")
+        if type(owner) is not str or not owner:
+            raise ConfigError("promote_from_tiers needs an owner name for its lease")
+        admission = self._admission
+        request = admission.checked(request)
+        if (self._handoff.tiers is None or not self.prefix_caching or not request.read_prefix_cache
+                or admission.never(request)):
+            return [], None
+        digests = admission.prepare(request, remember=True)  # the admission that follows reuses them
+        with self._lock:
+            return self._handoff.promote(digests, request.context.trust_group, owner, keep_free)
+
+    def invalidate(self, blocks: list[int]) -> None:
+        """A transfer into ``blocks`` failed: they lose their identity (nobody will hit them again). A
+        retained one is freed; a held or leased one is freed when its holders let go."""
+        with self._lock:
+            self._handoff.invalidate(blocks)
+
+    # ---- the prefix cache as a whole ----------------------------------------------------------------
+    def clear_cache(self) -> int:
+        """Evict every retained block (running requests and pins are untouched). Returns the count."""
+        with self._lock:
+            victims = self.pool.retained.blocks()
+            for block in victims:
+                self.pool.evict(block, kind="cleared")
+            self.counters.cleared += len(victims)
+            return len(victims)
+
+    def reset_prefix_cache(self) -> CacheReset:
+        """Forget the whole prefix cache, as vLLM's ``reset_prefix_cache`` does (after a weight update,
+        say): only when no block is held -- by a sequence, a pin, a lease or a deferred release --
+        since a held block's identity is still in use, and no transfer to or from an attached tier is
+        in flight (a demotion still being written would land an old entry after the reset). Refused,
+        it changes nothing and says why. Done, the prefix index, the retained blocks, the eviction
+        policy's memory (priorities, expiry), the remembered digests of waiting requests, every cached
+        entry of the attached tiers (host, disk: KV of the old weights must never be promoted back)
+        and the hit-rate window are all empty, and every block is free."""
+        with self._lock:
+            pool, tiers = self.pool, self._handoff.tiers
+            held = []
+            if self._seqs:
+                held.append(f"{len(self._seqs)} running sequences")
+            pinned = self._pins.total()
+            if pinned:
+                held.append(f"{pinned} pinned blocks")
+            if len(self._leases):
+                held.append(f"{len(self._leases)} outstanding leases")
+            if pool.deferred:
+                held.append(f"{pool.deferred} deferred releases")
+            moving = tiers.transfers_in_flight() if tiers is not None else 0
+            if moving:
+                held.append(f"{moving} tier transfers in flight")
+            if held:
+                return CacheReset(False, 0, "blocks are still held: " + ", ".join(held))
+            cleared = pool.drop_cache()
+            tier_cleared = tiers.clear_cache() if tiers is not None else 0
+            self._admission.forget()
+            self._branches.take_copies()
+            self.counters.cleared += cleared
+            self.counters.cache_resets += 1
+            self.counters.window.clear()  # the hit rate restarts with the cache, as vLLM's metrics do
+            where = f" and {tier_cleared} tier entries" if tiers is not None else ""
+            return CacheReset(True, cleared, f"{cleared} cached blocks{where} cleared", tier_cleared)
+
+    # ---- statistics -------------------------------------------------------------------------------
+    def token_usage(self) -> dict[str, int]:
+        """Usage in token states: a block half full is half used. Shared blocks count once."""
+        with self._lock:
+            bs = self.block_size
+            fill: dict[int, int] = {}
+            for seq in self._seqs.values():
+                blocks, n = seq.table.blocks, len(seq.tokens)
+                for i, b in enumerate(blocks):
+                    used = min(bs, n - i * bs)
+                    if used > fill.get(b, 0):
+                        fill[b] = used
+            for blocks in self._pins.held():
+                for b in blocks:
+                    fill[b] = bs
+            held_slots = len(fill) * bs
+            used = sum(fill.values())
+            return {
+                "token_slots_held": held_slots,  # slots of blocks held by sequences and pins
+                "token_slots_used": used,  # of those, slots that hold a token
+                "tail_slack_slots": held_slots - used,
+                "retained_token_slots": self.pool.num_retained * bs,  # cached, idle, full blocks
+            }
+
+    def stats(self) -> dict[str, Any]:
+        """The operator's view: counters, hit rates and usage of the whole pool, every group's totals.
+        ``prefix_cache`` counts first admissions only; ``prefix_cache_readmissions`` the requests brought
+        back after preemption (they mostly find their own blocks again). Never contains digests. A
+        tenant's view is :meth:`tenant_stats`."""
+        with self._lock:
+            c = self.counters
+            materialised = sum(len(s.table.blocks) for s in self._seqs.values())
+            return {
+                "prefix_cache": {**prefix_figures(c.totals()), "window_hit_rate": c.window_hit_rate(),
+                                 "read_skipped": c.read_skipped},
+                "prefix_cache_readmissions": prefix_figures(c.totals(readmission=True)),
+                "admissions": {"admitted": c.admitted, "readmitted": c.readmitted, "not_now": c.rejected_not_now,
+                               "never": c.rejected_never},
+                "lifetimes": {"finished": c.finished, "cancelled": c.cancelled, "forks": c.forks,
+                              "copies": c.copies, "preemptions": c.preemptions,
+                              "evictions": self.pool.evictions, "cleared": c.cleared, "cache_resets": c.cache_resets,
+                              "pending_releases": self.pool.deferred, "leases": len(self._leases)},
+                "promises": {"promised": self.promises.total, "materialised_block_refs": materialised},
+                "usage": self.usage().as_dict(),
+                "tokens": self.token_usage(),
+                "eviction_policy": self.policy_name,
+            }
+
+    def tenant_stats(self, trust_group: str) -> dict[str, Any]:
+        """A tenant's view: its own group's prefix-cache figures (first admissions and re-admissions),
+        nothing about the pool or any other group. ``trust_group`` must be a group name (a string)."""
+        if type(trust_group) is not str:
+            raise ConfigError(f"tenant_stats needs a trust group name (str), got {show(trust_group)}")
+        with self._lock:
+            c = self.counters
+            return {
+                "trust_group": trust_group,
+                "prefix_cache": prefix_figures(c.groups.get(trust_group)),
+                "prefix_cache_readmissions": prefix_figures(c.readmission_groups.get(trust_group)),
+            }
 
     # ---- audit ----------------------------------------------------------------------------------
     def check(self) -> None:
@@ -617,26 +914,17 @@ class KVLedger(AdmissionOps, BranchOps, LifetimeOps, OffloadOps):
                 for b in blocks:
                     refs[b] += 1
                 promised += seq.promised
-            for blocks in self._pins.values():
+            for blocks in self._pins.held():
                 for b in blocks:
                     refs[b] += 1
             if refs != pool.ref:
                 bad = [b for b in range(pool.num_blocks) if refs[b] != pool.ref[b]][:8]
                 raise InvariantError(f"ref counts disagree with block tables and pins at blocks {bad}")
-            leases = [0] * pool.num_blocks
-            for lid, lease in self._leases.items():
-                if type(lease.owner) is not str:
-                    raise InvariantError(f"lease {lid} has no owner name")
-                for b in lease.blocks:
-                    leases[b] += 1
-            for rid, lids in self._seq_leases.items():
-                if rid not in self._seqs or any(lid not in self._leases for lid in lids):
-                    raise InvariantError(f"lease bookkeeping for {rid!r} is stale")
-            if leases != pool.leased:
-                raise InvariantError("lease counts disagree with outstanding leases")
+            self._leases.check(self._seqs)
             self.promises.check(promised)
-            if self.tiers is not None:
+            tiers = self._handoff.tiers
+            if tiers is not None:
                 if pool.on_evict is None:
                     raise InvariantError("tiers are attached but the pool's evictions are not demoted")
-                self.tiers.check()
-            self._check_groups()
+                tiers.check()
+            self._quotas.check()

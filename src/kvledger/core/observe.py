@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,3 +122,15 @@ class Counters:
     def window_hit_rate(self) -> float:
         tokens = sum(t for t, _ in self.window)
         return sum(h for _, h in self.window) / tokens if tokens else 0.0
+
+
+def prefix_figures(q: GroupCounters | None) -> dict[str, Any]:
+    """One group's (or the totals') prefix-cache figures as reported by the ledger's statistics."""
+    return {
+        "queries": q.queries if q else 0,
+        "query_blocks": q.query_blocks if q else 0,
+        "hit_blocks": q.hit_blocks if q else 0,
+        "query_tokens": q.query_tokens if q else 0,
+        "hit_tokens": q.hit_tokens if q else 0,
+        "hit_rate": (q.hit_tokens / q.query_tokens) if q and q.query_tokens else 0.0,
+    }

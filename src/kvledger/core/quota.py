@@ -19,8 +19,8 @@ ledger promised``; ``growth >= 0``.
 A sequence's charge is fixed for its life: a promised block that materialises moves from ``promised``
 to ``active``, a block gained by growth past the reservation from ``growth`` to ``active``. So a
 group's charge changes only when a sequence is admitted, forked or released, and admission is where a
-quota is enforced (``KVLedger.set_quota``): an admission whose addition would take the group's charge
-past its cap is ``not_now`` (``never`` when the request's declared maximum alone exceeds the cap),
+quota is enforced (:class:`QuotaBook`, ``KVLedger.set_quota``): an admission whose addition would take the
+group's charge past its cap is ``not_now`` (``never`` when the request's declared maximum alone exceeds the cap),
 decided under the ledger's lock with the rest of the decision. Because growth is charged up front, a
 capped group's active + promised blocks never exceed its cap, whatever the admission policy, and no
 other group's request is ever preempted to keep it there. Forks after admission (``fork``, beam
@@ -38,10 +38,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, InvariantError
+from .pool import BlockPool
+from .promises import PromiseBook
 from .types import Decision, Outcome, SequenceState, as_count, show
 
 if TYPE_CHECKING:
-    from .ledger import KVLedger
+    from .lifetimes import PinBook
+    from .observe import Counters
 
 MAX_QUOTA = 2**40  # bound on a trust group's cap (blocks)
 
@@ -138,15 +141,43 @@ def check_group_ledgers(ledgers: Mapping[str, GroupUsage], referenced: int, prom
             raise InvariantError(f"trust group {group!r} has a negative ledger entry: {u.as_dict()}")
 
 
-class QuotaOps:
-    """Quotas and the group ledgers, mixed into :class:`~kvledger.core.ledger.KVLedger` (through the
-    admission mixin, whose decisions consult them); everything runs under the ledger's lock."""
+class QuotaBook:
+    """Every trust group's cap, and the group ledgers read against it. Owns the caps; reads the
+    ledger's sequences, pins, promises and pool (it has no lock: the ledger calls it under its own)."""
 
-    def _over_quota(self: KVLedger, rid: str, group: str, cap: int, adds: int, total: int, hit: int, pending: int,
-                    new_now: int, promise: int, branches: int) -> Decision | None:
-        """Under the lock: the not-now decision when admitting ``adds`` more blocks to ``group``'s charge
-        would pass its cap, else None. The reason speaks of the group's own figures only."""
-        usage = self._group_usage_locked(group)
+    __slots__ = ("_block_size", "_pins", "_pool", "_promises", "_seqs", "caps")
+
+    def __init__(self, pool: BlockPool, promises: PromiseBook, seqs: Mapping[str, SequenceState], pins: PinBook,
+                 block_size: int) -> None:
+        self._pool = pool
+        self._promises = promises
+        self._seqs = seqs
+        self._pins = pins
+        self._block_size = block_size
+        self.caps: dict[str, int] = {}  # trust group -> cap on its charged blocks
+
+    def cap(self, group: str) -> int | None:
+        """``group``'s cap, None for none (O(1); no dict lookup while no group has one)."""
+        return self.caps.get(group) if self.caps else None
+
+    def set(self, trust_group: str, max_blocks: int | None) -> None:
+        if type(trust_group) is not str or not trust_group:
+            raise ConfigError(f"a quota names a trust group (a non-empty string), got {show(trust_group)}")
+        if max_blocks is not None:
+            max_blocks = as_count(max_blocks, f"quota of trust group {trust_group!r}", minimum=1)
+            if max_blocks > MAX_QUOTA:
+                raise ConfigError(f"quota of trust group {trust_group!r} must be at most {MAX_QUOTA}, "
+                                  f"got {show(max_blocks)}")
+        if max_blocks is None:
+            self.caps.pop(trust_group, None)
+        else:
+            self.caps[trust_group] = max_blocks
+
+    def over(self, rid: str, group: str, cap: int, adds: int, total: int, hit: int, pending: int, new_now: int,
+             promise: int, branches: int) -> Decision | None:
+        """The not-now decision when admitting ``adds`` more blocks to ``group``'s charge would pass its
+        cap, else None. The reason speaks of the group's own figures only."""
+        usage = self.usage_of(group)
         if usage.charged + adds <= cap:
             return None
         reason = (f"needs {adds} blocks of its trust group's quota of {cap} blocks, of which {usage.charged} are "
@@ -155,70 +186,38 @@ class QuotaOps:
         return Decision(rid, Outcome.NOT_NOW, reason, total, hit, pending, new_now, promise, branches, detail,
                         over_quota=True)
 
-    def set_quota(self: KVLedger, trust_group: str, max_blocks: int | None) -> None:
-        """Cap what ``trust_group`` may be charged (active + promised + growth blocks, see
-        :mod:`kvledger.core.quota`) at ``max_blocks``; None removes the cap. A cap below the group's
-        charge now refuses its admissions until it is back under; nothing running is touched."""
-        if type(trust_group) is not str or not trust_group:
-            raise ConfigError(f"a quota names a trust group (a non-empty string), got {show(trust_group)}")
-        if max_blocks is not None:
-            max_blocks = as_count(max_blocks, f"quota of trust group {trust_group!r}", minimum=1)
-            if max_blocks > MAX_QUOTA:
-                raise ConfigError(f"quota of trust group {trust_group!r} must be at most {MAX_QUOTA}, "
-                                  f"got {show(max_blocks)}")
-        with self._lock:
-            if max_blocks is None:
-                self._quotas.pop(trust_group, None)
-            else:
-                self._quotas[trust_group] = max_blocks
+    def _ledgers(self, only: str | None = None, strict: bool = False) -> dict[str, GroupUsage]:
+        return group_ledgers(self._seqs.values(), self._pins.held(), self._promises.copies, self._pool.group,
+                             self._block_size, only=only, strict=strict)
 
-    def quotas(self: KVLedger) -> dict[str, int]:
-        with self._lock:
-            return dict(self._quotas)
-
-    def group_usage(self: KVLedger, trust_group: str | None = None) -> dict[str, GroupUsage]:
-        """The operator's view of the group ledgers: every group holding blocks or with a cap (or only
-        ``trust_group``), with its cap. A tenant may be shown its own group's entry, never the others."""
-        if trust_group is not None and (type(trust_group) is not str or not trust_group):
-            raise ConfigError(f"group_usage takes a trust group name (a non-empty string), got {show(trust_group)}")
-        with self._lock:
-            if trust_group is not None:
-                return {trust_group: self._group_usage_locked(trust_group)}
-            ledgers = group_ledgers(self._seqs.values(), self._pins.values(), self.promises.copies, self.pool.group,
-                                    self.block_size)
-            out = {g: GroupUsage(u.active, u.promised, u.growth, self._quotas.get(g)) for g, u in ledgers.items()}
-            for g, cap in self._quotas.items():
-                out.setdefault(g, GroupUsage(0, 0, 0, cap))
-            return dict(sorted(out.items()))
-
-    def group_stats(self: KVLedger) -> dict[str, dict[str, int | None]]:
-        """The operator's per-group report, read under one lock: each group's ledger (active, promised,
-        growth, charged, cap), its prefix-cache figures of first admissions (query_tokens, hit_tokens)
-        and the admissions its quota refused, for every group with blocks, a cap or counters."""
-        with self._lock:
-            usage = self.group_usage()
-            c = self.counters
-            names = sorted(set(usage) | set(c.groups) | set(c.quota_refusals))
-            out: dict[str, dict[str, int | None]] = {}
-            for g in names:
-                u = usage.get(g) or GroupUsage(0, 0, 0, self._quotas.get(g))
-                q = c.groups.get(g)
-                out[g] = {**u.as_dict(), "query_tokens": q.query_tokens if q else 0,
-                          "hit_tokens": q.hit_tokens if q else 0, "quota_refusals": c.quota_refusals.get(g, 0)}
-            return out
-
-    def _group_usage_locked(self: KVLedger, group: str) -> GroupUsage:
-        u = group_ledgers(self._seqs.values(), self._pins.values(), self.promises.copies, self.pool.group,
-                          self.block_size, only=group).get(group)
-        cap = self._quotas.get(group)
+    def usage_of(self, group: str) -> GroupUsage:
+        u = self._ledgers(only=group).get(group)
+        cap = self.caps.get(group)
         return GroupUsage(0, 0, 0, cap) if u is None else GroupUsage(u.active, u.promised, u.growth, cap)
 
-    def _check_groups(self: KVLedger) -> None:
-        """The group ledgers' conservation law (:func:`~kvledger.core.quota.check_group_ledgers`)."""
-        pool = self.pool
-        ledgers = group_ledgers(self._seqs.values(), self._pins.values(), self.promises.copies, pool.group,
-                                self.block_size, strict=True)
-        check_group_ledgers(ledgers, pool.num_active - pool.deferred, self.promises.total)
+    def usage(self) -> dict[str, GroupUsage]:
+        """Every group holding blocks or with a cap, with its cap, by name."""
+        out = {g: GroupUsage(u.active, u.promised, u.growth, self.caps.get(g)) for g, u in self._ledgers().items()}
+        for g, cap in self.caps.items():
+            out.setdefault(g, GroupUsage(0, 0, 0, cap))
+        return dict(sorted(out.items()))
+
+    def report(self, counters: Counters) -> dict[str, dict[str, int | None]]:
+        """Each group's ledger with its prefix-cache figures of first admissions and its quota refusals."""
+        usage = self.usage()
+        names = sorted(set(usage) | set(counters.groups) | set(counters.quota_refusals))
+        out: dict[str, dict[str, int | None]] = {}
+        for g in names:
+            u = usage.get(g) or GroupUsage(0, 0, 0, self.caps.get(g))
+            q = counters.groups.get(g)
+            out[g] = {**u.as_dict(), "query_tokens": q.query_tokens if q else 0,
+                      "hit_tokens": q.hit_tokens if q else 0, "quota_refusals": counters.quota_refusals.get(g, 0)}
+        return out
+
+    def check(self) -> None:
+        """The group ledgers' conservation law (:func:`check_group_ledgers`)."""
+        pool = self._pool
+        check_group_ledgers(self._ledgers(strict=True), pool.num_active - pool.deferred, self._promises.total)
 
 
-__all__ = ["MAX_QUOTA", "GroupUsage", "QuotaOps", "check_group_ledgers", "group_ledgers", "max_blocks"]
+__all__ = ["MAX_QUOTA", "GroupUsage", "QuotaBook", "check_group_ledgers", "group_ledgers", "max_blocks"]

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..errors import AdmissionError, ConfigError
+from ..errors import AdmissionError, ConfigError, LedgerError
 from .identity import CacheContext
 from .identity import _show as show
 from .table import BlockTable
@@ -249,6 +249,15 @@ class SequenceState:
         if len(self.tokens) > self.num_prompt:
             return max(self.computed_mark, len(self.tokens) - 1)
         return self.computed_mark
+
+
+def find_sequence(sequences: Mapping[str, SequenceState], request_id: object) -> SequenceState:
+    """``sequences[request_id]``, or the one error every ledger operation gives for an id it does not
+    hold (an unhashable id is no sequence's id either)."""
+    try:
+        return sequences[request_id]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise LedgerError(f"unknown sequence {show(request_id)}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -113,7 +113,7 @@ def test_tail_first_order_survives_a_deferred_release() -> None:
     """A request cancelled while leased completes its release at end_lease; its blocks must still
     become evictable deepest first, like a plain release ([2, 1, 0]). Bug: end_lease unleases in table
     order (head first), so LRU evicts the prefix head first and strands the rest of the chain.
-    (lifetimes.py LifetimeOps.end_lease / lease record blocks head first; pool.unlease adds each.)"""
+    (lifetimes.py LeaseBook.end / lease record blocks head first; pool.unlease adds each.)"""
     ledger = KVLedger(8, BS)
     run(ledger, "r", tokens(48))
     lease = ledger.lease(request_ids=["r"])

@@ -243,7 +243,7 @@ def test_beam_step_rejects_a_child_name_twice() -> None:
 
 def test_beam_step_rejects_a_drop_named_twice() -> None:
     """A beam step that names the same dropped beam twice must be refused before anything changes.
-    Bug (branches.py BranchOps.beam_step): drops are validated one by one against the running set, then
+    Bug (branches.py Branches.beam_step): drops are validated one by one against the running set, then
     dropped in a loop, so the first drop happens and the second raises LedgerError("unknown
     sequence"): the caller gets an error although beam "b/1" is already gone."""
     ledger = KVLedger(32, BS)

@@ -66,7 +66,7 @@ def test_evicted_prefix_blocks_are_demoted_deepest_first_and_promoted_back_for_t
     led.end_lease(lease)
     tiers.complete()
     assert led.counters.promoted_blocks == 3
-    a_digests = led._prepare(req("q", list(range(16))))
+    a_digests = led._admission.prepare(req("q", list(range(16))))
     assert tiers.flow["promoted"] == 3 and not set(a_digests) & set(tiers.index)  # they left the tiers
     assert len(tiers.index) == 4  # b's blocks evicted by the promotion (3) and the admission (1) went down
     led.check()
@@ -148,7 +148,7 @@ def test_promotion_takes_only_unpromised_capacity_and_keeps_the_requests_own_hit
     run_and_cache(led, "b", list(range(100, 128)))  # 7 blocks: the 4 free ones, then a3, a2, a1 demoted
     run_and_cache(led, "t", list(range(4)) + [99])  # hits a0 (now the most recently used), evicts b's tail
     tiers.complete()
-    assert [led.pool.index.get(d) for d in led._prepare(req("q", list(range(16))))][:1] == [a[0]]
+    assert [led.pool.index.get(d) for d in led._admission.prepare(req("q", list(range(16))))][:1] == [a[0]]
     # A running request: 2 blocks held, 4 promised. Unpromised capacity: 0 free + 6 evictable - 4 = 2.
     led.admit(Request("r", list(range(200, 208)), 16)).raise_for_outcome()
     u = led.usage()
@@ -156,7 +156,8 @@ def test_promotion_takes_only_unpromised_capacity_and_keeps_the_requests_own_hit
     pairs, lease = led.promote_from_tiers(req("c", list(range(16)) + [1]), owner="x")
     # a0 is the request's own retained hit: taking it costs one more, so only one block comes back.
     assert len(pairs) == 1 and tiers.flow["promoted"] == 1
-    assert led.pool.index[led._prepare(req("q", list(range(16))))[0]] == a[0]  # never evicted by its promotion
+    first = led._admission.prepare(req("q", list(range(16))))[0]
+    assert led.pool.index[first] == a[0]  # never evicted by its promotion
     u = led.usage()
     assert u.promised <= u.free + u.evictable
     led.check()
@@ -200,7 +201,7 @@ def test_a_tier_never_serves_a_block_to_another_trust_group() -> None:
     pairs, lease = led.promote_from_tiers(req("x", list(range(16)) + [1], group="tenant-b"), owner="x")
     assert (pairs, lease) == ([], None)
     # Even a forged entry under the other tenant's own digest is refused by the explicit group check.
-    b_digests = led._prepare(req("y", list(range(16)) + [1], group="tenant-b"))
+    b_digests = led._admission.prepare(req("y", list(range(16)) + [1], group="tenant-b"))
     slot = tiers.demote(99, b_digests[0], "tenant-a")
     tiers.complete()
     assert tiers.lookup(b_digests, 0, "tenant-b") == []

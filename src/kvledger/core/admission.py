@@ -38,6 +38,7 @@ remembered for waiting requests and takes the ledger's lock, passed in, for ever
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -63,28 +64,23 @@ class FamilyLayout:
     Full blocks form a trie: ``paths[i][b]`` is the node holding full block ``b`` of branch ``i``; two
     branches hold the same node exactly when their tokens agree up to the end of that block. A partial
     tail is shared only by branches whose whole token lists are equal (``tails[i]``, -1 for none).
-    ``chain``: every branch holds the same nodes (the branches of one new request)."""
+    ``chain``: every branch holds the same nodes ``0 .. nodes - 1`` in order (the branches of one new
+    request); a chain's ``parents`` and ``digests`` are not listed (each node's parent is the one before
+    it, its digest the prompt's), so one chain layout serves every prompt of its length."""
 
-    paths: list[list[int]]
+    paths: Sequence[Sequence[int]]
     parents: list[int]  # per node: the node of the previous block, -1 for the first block
     digests: Sequence[bytes | None]  # per node: its digest (None without prefix caching)
     tails: list[int]
     tail_holders: list[int]  # per tail group: how many branches hold it
+    nodes: int
     chain: bool = False
 
-    @property
-    def nodes(self) -> int:
-        return len(self.parents)
-
-    @classmethod
-    def chain_of(cls, prompt_len: int, digests: Sequence[bytes], block_size: int, branches: int) -> FamilyLayout:
+    @staticmethod
+    def chain_of(prompt_len: int, block_size: int, branches: int) -> FamilyLayout:
         """``branches`` identical branches of one prompt: one chain of its full blocks, every branch
-        holding all of them, and its partial tail (if any) held by every branch."""
-        full = prompt_len // block_size
-        path = list(range(full))
-        partial = prompt_len % block_size != 0
-        return cls([path] * branches, [-1, *path[:-1]] if full else [], digests if digests else [None] * full,
-                   [0 if partial else -1] * branches, [branches] if partial else [], chain=True)
+        holding all of them, and its partial tail (if any) held by every branch. Shared: read only."""
+        return _chain_layout(prompt_len // block_size, prompt_len % block_size != 0, branches)
 
     @classmethod
     def of(cls, requests: Sequence[Request], digests: Sequence[Sequence[bytes]], block_size: int,
@@ -124,20 +120,20 @@ class FamilyLayout:
                 tails.append(group)
             else:
                 tails.append(-1)
-        return cls(paths, parents, node_digests, tails, holders)
+        return cls(paths, parents, node_digests, tails, holders, len(parents))
 
 
-@dataclass(slots=True)
-class _Hits:
-    """A family's prefix hits: the device block per node (None: no hit), the hit blocks, how many were
-    retained (they stop being evictable once taken) and pending (still being filled), and -- for a
-    chain -- how many leading hits are written (-1: count them at commit)."""
+@functools.lru_cache(maxsize=1024)  # else built for every admission attempt; read only, like every layout
+def _chain_layout(full: int, partial: bool, branches: int) -> FamilyLayout:
+    return FamilyLayout([range(full)] * branches, [], (), [0 if partial else -1] * branches,
+                        [branches] if partial else [], full, chain=True)
 
-    of_node: list[int | None]
-    blocks: list[int]
-    retained: int
-    pending: int
-    ready: int = -1
+
+# A family's prefix hits, as one tuple (it is built on every admission attempt): the device block per node
+# (None: no hit; not listed for a chain, whose hits are its leading nodes), the hit blocks, how many were
+# retained (they stop being evictable once taken) and pending (still being filled), and -- for a chain --
+# how many leading hits are written (-1: count them at commit).
+_Hits = tuple[list[int | None], list[int], int, int, int]
 
 
 class AdmissionControl:
@@ -180,11 +176,12 @@ class AdmissionControl:
         prompt_len, pool_blocks = len(request.prompt), self._pool.num_blocks
         k = request.branches
         need = declared_blocks(prompt_len, request.max_new_tokens, self._block_size, k, request.lookahead)
-        cap = self._quotas.cap(request.context.trust_group)
+        caps = self._quotas.caps
+        cap = caps.get(request.context.trust_group) if caps else None
+        if need <= pool_blocks and k <= pool_blocks and (cap is None or need <= cap):
+            return None
         branches = f" for {k} branches" if k > 1 else ""
         if need <= pool_blocks and k <= pool_blocks:
-            if cap is None or need <= cap:
-                return None
             reason = (f"needs {need} blocks ({prompt_len} + {request.max_new_tokens} tokens{branches}) but its "
                       f"trust group's quota is {cap} blocks")
             return Decision(request.request_id, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason,
@@ -253,10 +250,6 @@ class AdmissionControl:
                 policy.set_priority(blocks[i], best.priority, expires)
 
     # ---- a request: a family of its branches ---------------------------------------------------
-    def _branch_ids(self, request: Request) -> list[str]:
-        rid = request.request_id
-        return [rid, *(f"{rid}/{i}" for i in range(1, request.branches))]
-
     def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
         keep_free = as_count(keep_free, "keep_free")
@@ -265,13 +258,15 @@ class AdmissionControl:
         if never is not None:
             return never
         digests = self.prepare(request, remember=True)  # the admit that usually follows reuses them
-        layout = FamilyLayout.chain_of(len(request.prompt), digests, self._block_size, request.branches)
+        layout = FamilyLayout.chain_of(len(request.prompt), self._block_size, request.branches)
         with self._lock:
-            return self._decide([request] * request.branches, layout, keep_free, request.request_id, True)[0]
+            return self._decide([request] * request.branches, layout, digests, keep_free, request.request_id,
+                                True)[0]
 
     def admit(self, request: Request, keep_free: int = 0) -> Decision:
         """Admit ``request`` and its branches atomically (see ``KVLedger.admit``)."""
-        keep_free = as_count(keep_free, "keep_free")
+        if keep_free.__class__ is not int or keep_free < 0:  # the check, skipped for the common plain int
+            keep_free = as_count(keep_free, "keep_free")
         request = self.checked(request)
         rid = request.request_id
         never = self.never(request)  # before any per-branch or per-token work
@@ -282,24 +277,26 @@ class AdmissionControl:
             return never
         digests = self.prepare(request)  # hashing is pure: keep it outside the lock
         k = request.branches
-        layout = FamilyLayout.chain_of(len(request.prompt), digests, self._block_size, k)
-        ids = self._branch_ids(request) if k > 1 else [rid]
+        layout = FamilyLayout.chain_of(len(request.prompt), self._block_size, k)
         members = [request] * k
         with self._lock:
             seqs = self._seqs
-            if any(i in seqs for i in ids):  # bounded: the never rule admits at most num_blocks branches
+            # Bounded: the never rule admits at most num_blocks branches.
+            if rid in seqs or (k > 1 and any(f"{rid}/{i}" in seqs for i in range(1, k))):
                 raise LedgerError(f"request id {rid!r} is already running")
-            decision, hits = self._decide(members, layout, keep_free, rid, True)
+            decision, hits = self._decide(members, layout, digests, keep_free, rid, True)
             if not decision.admitted:
                 self._count_not_now(request, decision.over_quota)
                 self._remember(request, digests)  # it will be asked again: hash it once
                 return decision
             if self._memo:
                 self._memo.pop(rid, None)
+            ids = [rid, *(f"{rid}/{i}" for i in range(1, k))] if k > 1 else [rid]
             self._commit(ids, members, layout, [digests] * k, hits, request.family or rid)
             self._count_admission(request.readmission)
-            self._count_query(request, len(digests), len(hits.blocks))
-            self._counters.forks += k - 1  # its branches are forks of it
+            self._count_query(request, len(digests), len(hits[1]))
+            if k > 1:
+                self._counters.forks += k - 1  # its branches are forks of it
             return decision
 
     # ---- a re-admitted family -------------------------------------------------------------------
@@ -331,7 +328,7 @@ class AdmissionControl:
             for r in reqs:
                 if r.request_id in self._seqs:
                     raise LedgerError(f"request id {r.request_id!r} is already running")
-            decision, hits = self._decide(reqs, layout, keep_free, family, False)
+            decision, hits = self._decide(reqs, layout, (), keep_free, family, False)
             if not decision.admitted:
                 self._count_not_now(head, decision.over_quota)
                 for r, d in zip(reqs, digests, strict=True):
@@ -342,7 +339,7 @@ class AdmissionControl:
             self._commit([r.request_id for r in reqs], reqs, layout, digests, hits, family)
             self._count_admission(head.readmission)
             for r, path, d in zip(reqs, layout.paths, digests, strict=True):
-                self._count_query(r, len(d), self._leading_hits(path, hits.of_node))
+                self._count_query(r, len(d), self._leading_hits(path, hits[0]))
             return decision
 
     @staticmethod
@@ -376,21 +373,22 @@ class AdmissionControl:
         return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason, over_quota=over_quota)
 
     # ---- the one decision and the one commit (under the lock) -----------------------------------
-    def _hits(self, layout: FamilyLayout, read: bool) -> _Hits:
+    def _hits(self, layout: FamilyLayout, digests: Sequence[bytes], read: bool) -> _Hits:
+        """The family's prefix hits; ``digests``: a chain's (its prompt's), unused for a trie."""
         nodes = layout.nodes
         if not (self._caching and read):
-            return _Hits([None] * nodes, [], 0, 0)
+            return [] if layout.chain else [None] * nodes, [], 0, 0, -1
         pool = self._pool
         index, ref, leased, written = pool.index, pool.ref, pool.leased, pool.written
         if layout.chain:  # one chain: its hits are the leading digests found in the index
             fast = self._native
-            found = fast.prefix_hits(index, layout.digests, ref, leased, written) if fast is not None else None
+            found = fast.prefix_hits(index, digests, ref, leased, written) if fast is not None else None
             if found is not None:
                 hits, retained, pending, ready = found
             else:
                 hits = []
                 retained = pending = ready = 0
-                for d in layout.digests:
+                for d in digests:
                     block = index.get(d)
                     if block is None:
                         break
@@ -401,63 +399,67 @@ class AdmissionControl:
                         pending += 1
                     elif ready == len(hits) - 1:
                         ready += 1  # leading hits already written: readable at once
-            return _Hits(hits + [None] * (nodes - len(hits)), hits, retained, pending, ready)
+            return [], hits, retained, pending, ready
         of_node: list[int | None] = [None] * nodes
         parents = layout.parents
         for node, d in enumerate(layout.digests):  # a parent always precedes its children
             if parents[node] < 0 or of_node[parents[node]] is not None:
                 of_node[node] = index.get(d)  # type: ignore[arg-type]
         blocks = [b for b in of_node if b is not None]
-        return _Hits(of_node, blocks, sum(1 for b in blocks if ref[b] == 0 and not leased[b]),
-                     sum(1 for b in blocks if not written[b]))
+        return (of_node, blocks, sum(1 for b in blocks if ref[b] == 0 and not leased[b]),
+                sum(1 for b in blocks if not written[b]), -1)
 
-    def _decide(self, members: list[Request], layout: FamilyLayout, keep_free: int, name: str,
-                one_request: bool) -> tuple[Decision, _Hits]:
+    def _decide(self, members: list[Request], layout: FamilyLayout, digests: Sequence[bytes], keep_free: int,
+                name: str, one_request: bool) -> tuple[Decision, _Hits]:
         """The decision for a family the never rule let through. ``one_request``: the members are the
         branches of one new request, whose decision speaks of one branch's blocks (``blocks_total``) and
         of the branches apart (``blocks_branches``); otherwise of the family's distinct blocks."""
         head = members[0]
-        hits = self._hits(layout, head.read_prefix_cache)
-        hit_count = len(hits.blocks)
-        if one_request:
+        hits = self._hits(layout, digests, head.read_prefix_cache)
+        _, hit_blocks, retained, pending, _ = hits
+        hit_count = len(hit_blocks)
+        bs = self._block_size
+        if one_request:  # every branch the same: one sum
             prompt_len = len(head.prompt)
-            own = [self._blocks_for(prompt_len + head.reserved_new_tokens + head.lookahead)
-                   - self._blocks_for(prompt_len)] * len(members)
+            first = -(-(prompt_len + head.reserved_new_tokens + head.lookahead) // bs) - -(-prompt_len // bs)
+            own = first * len(members)
         else:
-            own = [self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead)
-                   - self._blocks_for(len(r.prompt)) for r in members]
-        copies = sum(h - 1 for h in layout.tail_holders)
+            allowances = [-(-(len(r.prompt) + r.reserved_new_tokens + r.lookahead) // bs) - -(-len(r.prompt) // bs)
+                          for r in members]
+            first, own = allowances[0], sum(allowances)
+        copies = sum(layout.tail_holders) - len(layout.tail_holders)
         new_now = layout.nodes - hit_count + len(layout.tail_holders)
-        promise = sum(own) + copies
+        promise = own + copies
         need = new_now + promise
         total = hit_count + need
-        branches = promise - own[0]  # what the branches after the first add
+        branches = promise - first  # what the branches after the first add
         shown_total = total - branches if one_request else total
-        cap = self._quotas.cap(head.context.trust_group)
+        caps = self._quotas.caps
+        cap = caps.get(head.context.trust_group) if caps else None
         if cap is not None:
             # The group's charge grows by every block it will newly hold -- new blocks, hits nobody
             # holds now (retained or deferred), each branch up to its declared maximum, tail copies.
             ref = self._pool.ref
-            unheld_hits = sum(1 for b in hits.blocks if ref[b] == 0)
+            unheld_hits = sum(1 for b in hit_blocks if ref[b] == 0)
             growth = 0
             for r, path, tail in zip(members, layout.paths, layout.tails, strict=True):
                 most = max(self._blocks_for(len(r.prompt) + r.reserved_new_tokens + r.lookahead),
                            self._blocks_for(len(r.prompt) + r.max_new_tokens))
                 growth += max(0, most - len(path) - (1 if tail >= 0 else 0))
             refused = self._quotas.over(name, head.context.trust_group, cap, new_now + unheld_hits + copies + growth,
-                                        shown_total, hit_count, hits.pending, new_now, promise, branches)
+                                        shown_total, hit_count, pending, new_now, promise, branches)
             if refused is not None:
                 return refused, hits
-        available, detail = self._promises.room(hits.retained, keep_free)
+        available, detail = self._promises.room(retained, keep_free)
         family = "" if one_request else f"family of {len(members)} branches"
         if need > available:
             reason = (f"{family + ' ' if family else ''}needs {need} new blocks ({hit_count} of {shown_total} "
                       f"shared); the pool cannot promise them now")
-            return Decision(name, Outcome.NOT_NOW, reason, shown_total, hit_count, hits.pending, new_now, promise,
+            return Decision(name, Outcome.NOT_NOW, reason, shown_total, hit_count, pending, new_now, promise,
                             branches, f"needs {need} new blocks but only {detail}"), hits
         reason = (f"{family + ': ' if family else ''}{hit_count} shared + {new_now} new + {promise} promised = "
                   f"{total} blocks")
-        return Decision(name, Outcome.ADMITTED, reason, shown_total, hit_count, hits.pending, new_now, promise,
+        return Decision(name, Outcome.ADMITTED, reason, shown_total, hit_count, pending, new_now, promise,
                         branches, f"{reason}; {detail}"), hits
 
     @staticmethod
@@ -476,15 +478,17 @@ class AdmissionControl:
         pool, bs = self._pool, self._block_size
         head = members[0]
         group = head.context.trust_group
-        of_node = hits.of_node
+        of_node, hit_blocks, _, _, ready_hits = hits
         tail_count = len(layout.tail_holders)
         if layout.chain:
             full = layout.nodes
-            if hits.blocks:
-                pool.share_many(hits.blocks)
-            chain = hits.blocks + pool.allocate_many(full - len(hits.blocks) + tail_count)
+            if type(digests[0]) is not list:  # remembered as a tuple; a sequence's own list grows as it does
+                digests = [list(digests[0])] * len(members)
+            if hit_blocks:
+                pool.share_many(hit_blocks)
+            chain = hit_blocks + pool.allocate_many(full - len(hit_blocks) + tail_count)
             if self._caching:  # the new full prompt blocks: pending until written
-                pool.register_many(chain, layout.digests, len(hits.blocks), group)  # type: ignore[arg-type]
+                pool.register_many(chain, digests[0], len(hit_blocks), group)  # type: ignore[arg-type]
             for _ in range(1, len(members)):
                 pool.share_many(chain)  # each further branch: a fork of the first
             tables = [chain] * len(members)
@@ -521,24 +525,31 @@ class AdmissionControl:
                 tables.append(blocks)
         root = head.context.root_digest() if self._caching else b""
         written, seqs, promises = pool.written, self._seqs, self._promises
-        for rid, r, path, tail, blocks, ds in zip(ids, members, layout.paths, layout.tails, tables, digests,
-                                                  strict=True):
-            hit_count = self._leading_hits(path, of_node) if not layout.chain else len(hits.blocks)
-            ready = hits.ready
+        chain_layout, tail_holders = layout.chain, layout.tail_holders
+        for i, (rid, r, path, tail, blocks, ds) in enumerate(zip(ids, members, layout.paths, layout.tails, tables,
+                                                                 digests, strict=True)):
+            if i and chain_layout:  # the branches of a chain were handed one table and one digest list
+                blocks = blocks[:]
+                ds = ds[:]
+            elif type(ds) is not list:  # remembered as a tuple; a sequence's own list grows as it does
+                ds = list(ds)
+            hit_count = len(hit_blocks) if chain_layout else self._leading_hits(path, of_node)
+            ready = ready_hits
             if ready < 0:
                 ready = 0
                 while ready < hit_count and written[blocks[ready]]:
                     ready += 1
             prompt = list(r.prompt)
-            reserved = self._blocks_for(len(prompt) + r.reserved_new_tokens + r.lookahead)
+            n = len(prompt)
+            reserved = -(-(n + r.reserved_new_tokens + r.lookahead) // bs)
             seq = seqs[rid] = SequenceState(
-                request_id=rid, context=head.context, root=root, tokens=prompt, num_prompt=len(prompt),
-                max_new_tokens=r.max_new_tokens, table=BlockTable(bs, list(blocks)), promised=0,
-                digests=list(ds), computed_mark=min(ready * bs, len(prompt)), written_blocks=ready,
-                hit_blocks=hit_count, cow_tail=tail >= 0 and layout.tail_holders[tail] > 1, family=family,
+                request_id=rid, context=head.context, root=root, tokens=prompt, num_prompt=n,
+                max_new_tokens=r.max_new_tokens, table=BlockTable(bs, blocks), promised=0,
+                digests=ds, computed_mark=min(ready * bs, n), written_blocks=ready,
+                hit_blocks=hit_count, cow_tail=tail >= 0 and tail_holders[tail] > 1, family=family,
                 retention=r.retention, reserved_blocks=reserved, readmitted=r.readmission,
             )
-            promises.promise(seq, reserved - self._blocks_for(len(prompt)))
+            promises.promise(seq, reserved + (-n // bs))
         for group_id, holders in enumerate(layout.tail_holders):
             if holders > 1:
                 promises.promise_copies(tail_blocks[group_id], holders - 1)

@@ -46,16 +46,23 @@ requests = st.tuples(
 )
 
 
+def _two_ledgers(case: tuple) -> tuple[KVLedger, KVLedger, int, int, dict]:
+    """Two equal ledgers for ``case`` (cache warmed alike), its branch count, its max_new_tokens and the
+    keywords of one of its branches."""
+    prompt_len, max_new, reserve, k, lookahead, warm, caching = case
+    ledgers = KVLedger(64, BS, prefix_caching=caching), KVLedger(64, BS, prefix_caching=caching)
+    for led in ledgers:
+        _warm(led, warm if caching else 0)
+    branch = {"prompt": list(range(prompt_len)), "max_new_tokens": max_new,
+              "reserve_new_tokens": min(reserve, max_new), "lookahead": lookahead}
+    return *ledgers, k, max_new, branch
+
+
 @given(requests)
 def test_a_branched_request_lands_exactly_as_admit_then_forks(case: tuple) -> None:
-    prompt_len, max_new, reserve, k, lookahead, warm, caching = case
-    reserve = min(reserve, max_new)
-    prompt = list(range(prompt_len))
-    one, forked = KVLedger(64, BS, prefix_caching=caching), KVLedger(64, BS, prefix_caching=caching)
-    for led in (one, forked):
-        _warm(led, warm if caching else 0)
-    d = one.admit(Request("r", prompt, max_new, reserve_new_tokens=reserve, branches=k, lookahead=lookahead))
-    d1 = forked.admit(Request("r", prompt, max_new, reserve_new_tokens=reserve, lookahead=lookahead))
+    one, forked, k, max_new, branch = _two_ledgers(case)
+    d = one.admit(Request("r", branches=k, **branch))
+    d1 = forked.admit(Request("r", **branch))
     assert d.admitted and d1.admitted
     promised = sum(forked.fork("r", f"r/{i}") for i in range(1, k))
     assert _state(one) == _state(forked)
@@ -75,15 +82,9 @@ def test_a_branched_request_lands_exactly_as_admit_then_forks(case: tuple) -> No
 
 @given(requests)
 def test_a_branched_request_holds_what_its_identical_branches_readmitted_as_a_family_hold(case: tuple) -> None:
-    prompt_len, max_new, reserve, k, lookahead, warm, caching = case
-    reserve = min(reserve, max_new)
-    prompt = list(range(prompt_len))
-    one, family = KVLedger(64, BS, prefix_caching=caching), KVLedger(64, BS, prefix_caching=caching)
-    for led in (one, family):
-        _warm(led, warm if caching else 0)
-    d = one.admit(Request("r", prompt, max_new, reserve_new_tokens=reserve, branches=k, lookahead=lookahead))
-    members = [Request("r" if i == 0 else f"r/{i}", prompt, max_new, reserve_new_tokens=reserve, lookahead=lookahead,
-                       family="r") for i in range(k)]
+    one, family, k, _, branch = _two_ledgers(case)
+    d = one.admit(Request("r", branches=k, **branch))
+    members = [Request("r" if i == 0 else f"r/{i}", family="r", **branch) for i in range(k)]
     df = family.admit_family(members)
     assert d.admitted and df.admitted
     assert _state(one)["seqs"] == _state(family)["seqs"] and one.usage() == family.usage()

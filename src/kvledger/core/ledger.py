@@ -58,6 +58,7 @@ from .types import (
     as_count,
     as_token_id,
     find_sequence,
+    pop_known,
     show,
 )
 
@@ -570,12 +571,7 @@ class KVLedger:
     def _drop(self, request_id: str) -> SequenceState:
         """Drop a sequence's references, tail block first so that LRU eviction takes its deepest blocks
         before its shared head, and cancel its unmaterialised promises."""
-        try:
-            seq = self._seqs.pop(request_id, None)
-        except TypeError:
-            seq = None
-        if seq is None:
-            raise LedgerError(f"unknown sequence {show(request_id)} (already released?)")
+        seq: SequenceState = pop_known(self._seqs, request_id, "sequence {} (already released?)")
         blocks = seq.table.blocks
         if seq.cow_tail:
             self.promises.redeem_copy(blocks[len(seq.tokens) // self.block_size])  # it leaves without copying

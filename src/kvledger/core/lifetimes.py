@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from ..errors import AdmissionError, ConfigError, InvariantError, LedgerError
 from .pool import BlockPool
 from .promises import PromiseBook
-from .types import SequenceState, show
+from .types import SequenceState, pop_known, show
 
 
 @dataclass(slots=True)
@@ -103,12 +103,7 @@ class LeaseBook:
 
     def end(self, lease_id: int) -> None:
         """The access finished: the releases it deferred complete now, tail block first."""
-        try:
-            lease = self._leases.pop(lease_id, None)
-        except TypeError:
-            lease = None
-        if lease is None:
-            raise LedgerError(f"unknown lease {show(lease_id)} (already ended?)")
+        lease: Lease = pop_known(self._leases, lease_id, "lease {} (already ended?)")
         for block in reversed(lease.blocks):
             self._pool.unlease(block)
         by_sequence = self._by_sequence

@@ -282,6 +282,14 @@ class TierLedger:
                 return self._free[i].pop()
         return None
 
+    def _slot_below(self, i: int) -> int | None:
+        """A slot for an entry leaving tier ``i``: in the first slower tier that can give one, or None."""
+        for j in range(i + 1, len(self.names)):
+            target = self._slot_for_cache(j)
+            if target is not None:
+                return target
+        return None
+
     def _slot_for_cache(self, i: int) -> int | None:
         """A slot of tier ``i`` for a new cached entry: a free one, else the slot of its least recently
         used readable entry, which moves to a slower tier (or is dropped from the last)."""
@@ -293,11 +301,7 @@ class TierLedger:
             return None
         slot, _ = lru.popitem(last=False)
         digest, group = self.digest[slot], self.group[slot]
-        target = None
-        for j in range(i + 1, len(self.names)):
-            target = self._slot_for_cache(j)
-            if target is not None:
-                break
+        target = self._slot_below(i)
         if target is None:
             self._drop_entry(slot, "dropped")
             return self._free[i].pop()
@@ -320,11 +324,7 @@ class TierLedger:
             moved = 0
             lru = self._lru[tier]
             while moved < n and lru:
-                target = None
-                for j in range(tier + 1, len(self.names)):
-                    target = self._slot_for_cache(j)
-                    if target is not None:
-                        break
+                target = self._slot_below(tier)
                 if target is None:
                     break
                 slot, _ = lru.popitem(last=False)

@@ -13,6 +13,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from ..errors import AdmissionError, ConfigError, LedgerError
 from .identity import CacheContext
@@ -249,6 +250,18 @@ class SequenceState:
         if len(self.tokens) > self.num_prompt:
             return max(self.computed_mark, len(self.tokens) - 1)
         return self.computed_mark
+
+
+def pop_known(entries: dict, key: object, what: str) -> Any:
+    """``entries.pop(key)``, or the one error for a key that names no entry (``what`` says which kind and
+    why it may be gone); an unhashable key names none either."""
+    try:
+        entry = entries.pop(key, None)  # type: ignore[call-overload]
+    except TypeError:
+        entry = None
+    if entry is None:
+        raise LedgerError(f"unknown {what.format(show(key))}")
+    return entry
 
 
 def find_sequence(sequences: Mapping[str, SequenceState], request_id: object) -> SequenceState:

@@ -115,6 +115,19 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> to
     return ok
 
 
+def _prefill_mask(masks: dict, key: tuple, start: int, qlen: int, window: int | None,
+                  device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """The mask of a prefill chunk of ``qlen`` queries from position ``start`` (cached in ``masks`` under
+    ``key``); ``None`` when SDPA's own causal flag is exact (a square causal chunk inside its window)."""
+    if key not in masks:
+        if start == 0 and (window is None or window >= qlen):
+            masks[key] = None
+        else:
+            q_pos = torch.arange(start, start + qlen, device=device)
+            masks[key] = _allowed(q_pos, torch.arange(start + qlen, device=device), window)
+    return masks[key]
+
+
 @dataclass(slots=True)
 class _Plan:
     batch: AttentionBatch
@@ -184,16 +197,8 @@ class TorchPagedAttention:
 
     def _mask(self, plan: _Plan, i: int, window: int | None) -> torch.Tensor | None:
         """Mask for prefill sequence ``i``; ``None`` when SDPA's own causal flag is exact."""
-        key = (i, window)
-        if key not in plan.masks:
-            start, qlen = plan.batch.starts[i], plan.batch.query_lens[i]
-            if start == 0 and (window is None or window >= qlen):
-                plan.masks[key] = None  # square causal: is_causal=True is the same mask
-            else:
-                dev = self.store.device
-                q_pos = torch.arange(start, start + qlen, device=dev)
-                plan.masks[key] = _allowed(q_pos, torch.arange(start + qlen, device=dev), window)
-        return plan.masks[key]
+        return _prefill_mask(plan.masks, (i, window), plan.batch.starts[i], plan.batch.query_lens[i], window,
+                             self.store.device)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
@@ -352,15 +357,7 @@ class NativePagedAttention:
 
     def _mask(self, plan: _NativePlan, p: _Prefill, window: int | None) -> torch.Tensor | None:
         """Mask for a prefill chunk; ``None`` when SDPA's own causal flag is exact."""
-        key = (p.index, window)
-        if key not in plan.masks:
-            qlen = p.hi - p.lo
-            if p.start == 0 and (window is None or window >= qlen):
-                plan.masks[key] = None
-            else:
-                q_pos = torch.arange(p.start, p.start + qlen)
-                plan.masks[key] = _allowed(q_pos, torch.arange(p.start + qlen), window)
-        return plan.masks[key]
+        return _prefill_mask(plan.masks, (p.index, window), p.start, p.hi - p.lo, window)
 
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,

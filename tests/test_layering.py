@@ -60,10 +60,11 @@ MEASURE_READERS = {("runtime/engine.py", ("runtime", "measure", "quality_records
 
 # The core's two halves: sizing (core/sizing/: formats, geometry, weights, engines, GPUs, models, inventory,
 # capacity, the contiguous allocator) and the ledger (the rest of core/). Of the ledger half, sizing reads only
-# the generic registry type (the KV formats' registry) and the cache identity (`KVSpec.cache_context`); the
-# ledger half reads nothing of sizing (the core's `__init__` re-exports `KVSpec`, above both).
+# the generic registry type (the KV formats' registry), the shared input validators (`core/checks.py`) and the
+# cache identity (`KVSpec.cache_context`); the ledger half reads nothing of sizing (the core's `__init__`
+# re-exports `KVSpec`, above both).
 SIZING = ("core", "sizing")
-SIZING_READS_OF_THE_LEDGER = {("core", "registry"), ("core", "identity")}
+SIZING_READS_OF_THE_LEDGER = {("core", "registry"), ("core", "identity"), ("core", "checks")}
 
 
 def core_half_violation(rel: tuple[str, ...], module: tuple[str, ...]) -> str | None:

@@ -13,7 +13,7 @@ from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Outcome, Request
 from kvledger.core.observe import EventLog
 from kvledger.core.types import Retention
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, LedgerError
 
 BS = 16
 
@@ -493,7 +493,7 @@ def test_priority_policy_expiry_is_inclusive_and_stale_entries_do_not_stop_it() 
     p.add(6)  # retained at its expiry: the default level straight away, released before 7
     p.add(7)
     assert p.pop_victims(4) == [5, 1, 6, 7]
-    with pytest.raises(IndexError, match="^fewer retained blocks than requested victims$"):
+    with pytest.raises(LedgerError, match="^fewer retained blocks than requested victims$"):
         p.pop_victims(3)
     assert 6 not in p
 

@@ -6,6 +6,7 @@ import pytest
 
 from kvledger.core.identity import CacheContext
 from kvledger.core.table import BlockTable
+from kvledger.errors import LedgerError
 
 
 @pytest.fixture
@@ -55,25 +56,25 @@ def test_slot_mapping_agrees_with_slot() -> None:
 
 
 @pytest.mark.parametrize("position", [32, 33, 1000])
-def test_slot_beyond_table_raises_index_error(table: BlockTable, position: int) -> None:
-    with pytest.raises(IndexError):
+def test_slot_beyond_table_raises_a_ledger_error(table: BlockTable, position: int) -> None:
+    with pytest.raises(LedgerError):
         table.slot(position)
 
 
-def test_slot_negative_position_raises_index_error(table: BlockTable) -> None:
-    with pytest.raises(IndexError):
+def test_slot_negative_position_raises_a_ledger_error(table: BlockTable) -> None:
+    with pytest.raises(LedgerError):
         table.slot(-1)
 
 
-def test_slot_mapping_beyond_table_raises_index_error(table: BlockTable) -> None:
-    with pytest.raises(IndexError):
+def test_slot_mapping_beyond_table_raises_a_ledger_error(table: BlockTable) -> None:
+    with pytest.raises(LedgerError):
         table.slot_mapping(30, 33)
 
 
-def test_slot_mapping_negative_start_raises_index_error(table: BlockTable) -> None:
-    # slot(-1) raises IndexError; slot_mapping must not silently wrap around to the last block
+def test_slot_mapping_negative_start_raises_a_ledger_error(table: BlockTable) -> None:
+    # slot(-1) raises LedgerError; slot_mapping must not silently wrap around to the last block
     # (Python's negative list indexing would give block 3, offset 15 -> slot 63).
-    with pytest.raises(IndexError):
+    with pytest.raises(LedgerError):
         table.slot_mapping(-1, 1)
 
 
@@ -88,7 +89,7 @@ def test_capacity_and_len(table: BlockTable) -> None:
     empty = BlockTable(16)
     assert len(empty) == 0
     assert empty.capacity() == 0
-    with pytest.raises(IndexError):
+    with pytest.raises(LedgerError):
         empty.slot(0)
 
 
@@ -115,5 +116,5 @@ def test_slot_mapping_past_the_table_names_the_position_and_the_blocks() -> None
     """Two blocks of 4 cover positions 0..7; asking for [0, 9) names position 8 and the 2 blocks."""
     table = BlockTable(BS, [3, 5])
     assert table.slot_mapping(0, 2) == [12, 13]
-    with pytest.raises(IndexError, match=r"^token position 8 is beyond the table's 2 blocks$"):
+    with pytest.raises(LedgerError, match=r"^token position 8 is beyond the table's 2 blocks$"):
         table.slot_mapping(0, 9)

@@ -46,13 +46,14 @@ from dataclasses import dataclass
 from types import ModuleType
 
 from ..errors import ConfigError, LedgerError
+from . import checks
 from .identity import check_tokens, prompt_digests
 from .observe import Counters
 from .pool import BlockPool
 from .promises import PromiseBook, declared_blocks
 from .quota import QuotaBook
 from .table import BlockTable
-from .types import Decision, Outcome, Request, Retention, SequenceState, as_count
+from .types import Decision, Outcome, Request, Retention, SequenceState
 
 _MEMO_LIMIT = 1024  # waiting requests whose digests are remembered between attempts
 
@@ -252,7 +253,7 @@ class AdmissionControl:
     # ---- a request: a family of its branches ---------------------------------------------------
     def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
-        keep_free = as_count(keep_free, "keep_free")
+        keep_free = checks.count(keep_free, "keep_free")
         request = self.checked(request)
         never = self.never(request)
         if never is not None:
@@ -266,7 +267,7 @@ class AdmissionControl:
     def admit(self, request: Request, keep_free: int = 0) -> Decision:
         """Admit ``request`` and its branches atomically (see ``KVLedger.admit``)."""
         if keep_free.__class__ is not int or keep_free < 0:  # the check, skipped for the common plain int
-            keep_free = as_count(keep_free, "keep_free")
+            keep_free = checks.count(keep_free, "keep_free")
         request = self.checked(request)
         rid = request.request_id
         never = self.never(request)  # before any per-branch or per-token work
@@ -302,7 +303,7 @@ class AdmissionControl:
     # ---- a re-admitted family -------------------------------------------------------------------
     def admit_family(self, requests: Sequence[Request], keep_free: int = 0) -> Decision:
         """Re-admit the branches of one preempted request together (see ``KVLedger.admit_family``)."""
-        keep_free = as_count(keep_free, "keep_free")
+        keep_free = checks.count(keep_free, "keep_free")
         reqs = self._family_members(requests)
         head = reqs[0]
         family = head.family or head.request_id

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import Any, Protocol
 
-from ..errors import ConfigError
+from ..errors import ConfigError, LedgerError
 from . import native
 from .registry import Registry
 
@@ -210,7 +210,7 @@ class PriorityPolicy:
                 break
         self._count -= len(out)
         if len(out) < n:
-            raise IndexError("fewer retained blocks than requested victims")
+            raise LedgerError("fewer retained blocks than requested victims")
         return out
 
     def peek(self, n: int) -> list[int]:

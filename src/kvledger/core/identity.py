@@ -38,6 +38,7 @@ from types import ModuleType
 
 from ..errors import ConfigError
 from . import native
+from .checks import show
 
 DIGEST_BYTES = 64  # BLAKE2b's native 512-bit output: no truncation step on the hot path
 # <= 16 bytes (BLAKE2b's personalisation limit). v2: extra values are encoded with their type.
@@ -50,14 +51,6 @@ _NATIVE_MAX_BLOCK = 2**16  # the C chain's block-size bound (the ledger's MAX_BL
 
 # Value types an ``extra`` entry may hold, with their one-byte tags (bool before int: it is one).
 ExtraValue = None | bool | int | float | str | bytes
-
-
-def _show(value: object) -> str:
-    """A short description of a bad value for an error message (never a 4,000-digit repr)."""
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        return f"an integer of {value.bit_length()} bits"
-    text = repr(value) if isinstance(value, (str, bytes, int, float, type(None))) else type(value).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _encode_value(value: ExtraValue, what: str) -> bytes:
@@ -78,7 +71,7 @@ def _encode_value(value: ExtraValue, what: str) -> bytes:
         return b"s" + _U64.pack(len(data)) + data
     if isinstance(value, bytes):
         return b"y" + _U64.pack(len(value)) + value
-    raise ConfigError(f"{what} must be None, bool, int, float, str or bytes, got {_show(value)}")
+    raise ConfigError(f"{what} must be None, bool, int, float, str or bytes, got {show(value)}")
 
 
 def _encode_field(name: str, value: ExtraValue, what: str) -> bytes:
@@ -110,18 +103,18 @@ class CacheContext:
     def __post_init__(self) -> None:
         for name in ("trust_group", "model", "revision", "kv_dtype"):
             if type(getattr(self, name)) is not str:
-                raise ConfigError(f"CacheContext.{name} must be a string, got {_show(getattr(self, name))}")
+                raise ConfigError(f"CacheContext.{name} must be a string, got {show(getattr(self, name))}")
         if self.adapter is not None and type(self.adapter) is not str:
-            raise ConfigError(f"CacheContext.adapter must be a string or None, got {_show(self.adapter)}")
+            raise ConfigError(f"CacheContext.adapter must be a string or None, got {show(self.adapter)}")
         extra = self.extra
         if isinstance(extra, Mapping):
             extra = tuple(extra.items())
         elif isinstance(extra, (str, bytes)) or not hasattr(extra, "__iter__"):
-            raise ConfigError(f"CacheContext.extra must be (key, value) pairs, got {_show(extra)}")
+            raise ConfigError(f"CacheContext.extra must be (key, value) pairs, got {show(extra)}")
         pairs: list[tuple[str, ExtraValue]] = []
         for pair in extra:
             if not isinstance(pair, tuple) or len(pair) != 2 or type(pair[0]) is not str:
-                raise ConfigError(f"CacheContext.extra entries must be (str key, value) pairs, got {_show(pair)}")
+                raise ConfigError(f"CacheContext.extra entries must be (str key, value) pairs, got {show(pair)}")
             pairs.append(pair)
         if len({k for k, _ in pairs}) != len(pairs):
             raise ConfigError("CacheContext.extra names a key twice")
@@ -135,7 +128,7 @@ class CacheContext:
             _U32.pack(len(pairs)),
         ]
         for key, value in pairs:
-            parts.append(_encode_field(key, value, f"CacheContext.extra[{_show(key)}]"))
+            parts.append(_encode_field(key, value, f"CacheContext.extra[{show(key)}]"))
         object.__setattr__(self, "_encoding", b"".join(parts))
 
     def __eq__(self, other: object) -> bool:

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
-from . import native
+from . import checks, native
 from .admission import AdmissionControl, FamilyLayout
 from .branches import Branches, beam_arguments
 from .eviction import EvictionPolicy, as_policy
@@ -55,7 +55,6 @@ from .types import (
     Retention,
     SequenceState,
     Usage,
-    as_count,
     as_token_id,
     find_sequence,
     pop_known,
@@ -87,12 +86,12 @@ class KVLedger:
         max_pinned_fraction: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        num_blocks = as_count(num_blocks, "num_blocks", minimum=None)
+        num_blocks = checks.count(num_blocks, "num_blocks", minimum=None)
         if num_blocks <= 0:
             raise ConfigError(f"the pool needs at least one block, got {show(num_blocks)}")
         if num_blocks > MAX_POOL_BLOCKS:
             raise ConfigError(f"a pool of {show(num_blocks)} blocks is beyond the supported {MAX_POOL_BLOCKS:,}")
-        block_size = as_count(block_size, "block size", minimum=None)
+        block_size = checks.count(block_size, "block size", minimum=None)
         if not 0 < block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(f"block size must be an integer in 1..{MAX_BLOCK_SIZE}, got {show(block_size)}")
         if type(prefix_caching) is not bool:
@@ -152,7 +151,7 @@ class KVLedger:
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks covering ``num_tokens``: the tail block is charged whole."""
-        return self._blocks_for(as_count(num_tokens, "num_tokens"))
+        return self._blocks_for(checks.count(num_tokens, "num_tokens"))
 
     def _blocks_for(self, num_tokens: int) -> int:
         # The ledger's own callers pass token counts it computed: no check on the per-step paths.
@@ -206,7 +205,7 @@ class KVLedger:
     def mark_computed(self, request_id: str, num_tokens: int) -> None:
         """The first ``num_tokens`` tokens now have their KV written (after a prefill chunk or step).
         It never moves backwards: a smaller count than already recorded changes nothing."""
-        num_tokens = as_count(num_tokens, "mark_computed: num_tokens")
+        num_tokens = checks.count(num_tokens, "mark_computed: num_tokens")
         with self._lock:
             seq = self.sequence(request_id)
             if num_tokens > len(seq.tokens):
@@ -474,7 +473,7 @@ class KVLedger:
         partial tail still shared with a sibling is copied first (its copy-on-write happens now, not at
         the next token), since siblings drafting into one shared block would overwrite each other's
         draft KV in the same step. All or nothing: refused, nothing changes."""
-        slots = as_count(slots, "lookahead slots")
+        slots = checks.count(slots, "lookahead slots")
         with self._lock:
             seq = self.sequence(request_id)
             n = len(seq.tokens)
@@ -749,7 +748,7 @@ class KVLedger:
         as far as unpromised capacity allows). Returns ``(pairs, lease)``: ``(tier slot, device block)`` per
         promoted block, in prompt order, and the lease that keeps them until the transfer is done (end it
         with ``end_lease``); ``([], None)`` when nothing is promoted. Changes nothing on a bad request."""
-        keep_free = as_count(keep_free, "keep_free")
+        keep_free = checks.count(keep_free, "keep_free")
         if type(owner) is not str or not owner:
             raise ConfigError("promote_from_tiers needs an owner name for its lease")
         admission = self._admission

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..errors import InvariantError, LedgerError, OutOfBlocksError
+from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
 from . import native
 from .eviction import EvictionPolicy, LRUPolicy
 
@@ -31,7 +31,7 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0:
-            raise ValueError("a pool needs at least one block")
+            raise ConfigError("a pool needs at least one block")
         self.num_blocks = num_blocks
         self.ref: list[int] = [0] * num_blocks
         self.leased: list[int] = [0] * num_blocks  # outstanding accesses (steps, transfers)

@@ -38,9 +38,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..errors import ConfigError, InvariantError
+from . import checks
 from .pool import BlockPool
 from .promises import PromiseBook
-from .types import Decision, Outcome, SequenceState, as_count, show
+from .types import Decision, Outcome, SequenceState, show
 
 if TYPE_CHECKING:
     from .lifetimes import PinBook
@@ -164,7 +165,7 @@ class QuotaBook:
         if type(trust_group) is not str or not trust_group:
             raise ConfigError(f"a quota names a trust group (a non-empty string), got {show(trust_group)}")
         if max_blocks is not None:
-            max_blocks = as_count(max_blocks, f"quota of trust group {trust_group!r}", minimum=1)
+            max_blocks = checks.count(max_blocks, f"quota of trust group {trust_group!r}", minimum=1)
             if max_blocks > MAX_QUOTA:
                 raise ConfigError(f"quota of trust group {trust_group!r} must be at most {MAX_QUOTA}, "
                                   f"got {show(max_blocks)}")

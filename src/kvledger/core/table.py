@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import LedgerError
+
 
 class BlockTable:
     """Logical block *i* of a sequence lives in physical block ``blocks[i]``.
@@ -22,18 +24,18 @@ class BlockTable:
     def slot(self, position: int) -> tuple[int, int]:
         """(physical block, offset in block) of a token position."""
         if position < 0:
-            raise IndexError(f"negative token position {position}")
+            raise LedgerError(f"negative token position {position}")
         block, offset = divmod(position, self.block_size)
         if block >= len(self.blocks):
-            raise IndexError(f"token position {position} is beyond the table's {len(self.blocks)} blocks")
+            raise LedgerError(f"token position {position} is beyond the table's {len(self.blocks)} blocks")
         return self.blocks[block], offset
 
     def slot_mapping(self, start: int, end: int) -> list[int]:
         """Flat slot indices for token positions ``[start, end)``."""
         if start < 0 or end < start:
-            raise IndexError(f"bad token range [{start}, {end})")
+            raise LedgerError(f"bad token range [{start}, {end})")
         if end > len(self.blocks) * self.block_size:
-            raise IndexError(f"token position {end - 1} is beyond the table's {len(self.blocks)} blocks")
+            raise LedgerError(f"token position {end - 1} is beyond the table's {len(self.blocks)} blocks")
         bs = self.block_size
         blocks = self.blocks
         return [blocks[p // bs] * bs + p % bs for p in range(start, end)]

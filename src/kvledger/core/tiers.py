@@ -49,7 +49,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, InvariantError, LedgerError
-from .types import as_count, show
+from . import checks
+from .checks import show
 
 FREE, HELD, CACHED, DRAINING = 0, 1, 2, 3
 STATE_NAMES = ("free", "held", "cached", "draining")
@@ -319,7 +320,7 @@ class TierLedger:
         ops, off the critical path), so the tier has free slots for the next demotions. A moved entry's
         old slot drains: it is free once the step's transfers are done. Returns the entries moved."""
         self._check_tier(tier, "spill")
-        as_count(n, "spill: n")
+        checks.count(n, "spill: n")
         with self._lock:
             moved = 0
             lru = self._lru[tier]
@@ -347,7 +348,7 @@ class TierLedger:
         return len(self._free[tier])
 
     def _check_tier(self, tier: object, what: str) -> None:
-        if not 0 <= as_count(tier, f"{what}: tier", minimum=None) < len(self.names):
+        if not 0 <= checks.count(tier, f"{what}: tier", minimum=None) < len(self.names):
             raise ConfigError(f"{what}: tier must be an index in [0, {len(self.names)}), got {show(tier)}")
 
     def _place(self, slot: int, digest: bytes, group: str | None) -> None:
@@ -384,7 +385,7 @@ class TierLedger:
     def lookup(self, digests: Sequence[bytes], start: int, group: str | None) -> list[int]:
         """Slots holding ``digests[start:]`` in order, as far as they are cached, readable and of
         ``group`` (the chain stops at the first miss: only a leading run extends a prefix)."""
-        as_count(start, "lookup: start")
+        checks.count(start, "lookup: start")
         with self._lock:
             out: list[int] = []
             for k in range(start, len(digests)):

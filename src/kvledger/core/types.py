@@ -16,22 +16,12 @@ from enum import Enum
 from typing import Any
 
 from ..errors import AdmissionError, ConfigError, LedgerError
+from . import checks
+from .checks import show
 from .identity import CacheContext
-from .identity import _show as show
 from .table import BlockTable
 
 _DEFAULT_CONTEXT = CacheContext()
-
-
-def as_count(value: object, what: str, minimum: int | None = 0) -> int:
-    """``value`` as a plain ``int`` >= ``minimum`` (None: any); a bool, float, str or None is a
-    ConfigError."""
-    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
-        raise ConfigError(f"{what} must be an integer, got {show(value)}")
-    number = operator.index(value)
-    if minimum is not None and number < minimum:
-        raise ConfigError(f"{what} must be >= {minimum}, got {show(number)}")
-    return number
 
 
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32
@@ -46,12 +36,6 @@ def as_token_id(value: object, owner: str) -> int:
     if not 0 <= token <= MAX_TOKEN_ID:
         raise ConfigError(f"{owner!r}: token id {show(token)} is outside [0, 2**32)")
     return token
-
-
-def as_flag(value: object, what: str) -> bool:
-    if type(value) is not bool:
-        raise ConfigError(f"{what} must be True or False, got {show(value)}")
-    return value
 
 
 class Outcome(str, Enum):
@@ -71,11 +55,11 @@ class Retention:
     duration_s: float | None = None
 
     def __post_init__(self) -> None:
-        start = as_count(self.start, "Retention.start")
-        end = as_count(self.end, "Retention.end")
+        start = checks.count(self.start, "Retention.start")
+        end = checks.count(self.end, "Retention.end")
         if end < start:
             raise ConfigError(f"Retention range [{show(start)}, {show(end)}) ends before it starts")
-        priority = as_count(self.priority, "Retention.priority")
+        priority = checks.count(self.priority, "Retention.priority")
         if priority > 100:
             raise ConfigError(f"Retention.priority must be in 0..100, got {show(priority)}")
         duration = self.duration_s
@@ -130,14 +114,14 @@ class Request:
             if prompt is None or isinstance(prompt, (str, bytes, bytearray)) or not hasattr(prompt, "__iter__"):
                 raise ConfigError(f"request {rid!r}: the prompt must be a sequence of token ids, got {show(prompt)}")
             object.__setattr__(self, "prompt", tuple(prompt))
-        max_new = as_count(self.max_new_tokens, f"request {rid!r}: max_new_tokens")
+        max_new = checks.count(self.max_new_tokens, f"request {rid!r}: max_new_tokens")
         reserve = self.reserve_new_tokens
         if reserve is not None:
-            reserve = as_count(reserve, f"request {rid!r}: reserve_new_tokens")
+            reserve = checks.count(reserve, f"request {rid!r}: reserve_new_tokens")
             if reserve > max_new:
                 raise ConfigError(f"request {rid!r}: reserve_new_tokens must be in [0, max_new_tokens]")
-        branches = as_count(self.branches, f"request {rid!r}: branches", 1)
-        lookahead = as_count(self.lookahead, f"request {rid!r}: lookahead")
+        branches = checks.count(self.branches, f"request {rid!r}: branches", 1)
+        lookahead = checks.count(self.lookahead, f"request {rid!r}: lookahead")
         if not isinstance(self.context, CacheContext):
             raise ConfigError(f"request {rid!r}: context must be a CacheContext, got {show(self.context)}")
         retention = self.retention
@@ -150,8 +134,8 @@ class Request:
                 raise ConfigError(f"request {rid!r}: retention entries must be Retention, got {show(r)}")
         if self.family is not None and (type(self.family) is not str or not self.family):
             raise ConfigError(f"request {rid!r}: family must be a non-empty string or None")
-        as_flag(self.read_prefix_cache, f"request {rid!r}: read_prefix_cache")
-        as_flag(self.readmission, f"request {rid!r}: readmission")
+        checks.flag(self.read_prefix_cache, f"request {rid!r}: read_prefix_cache")
+        checks.flag(self.readmission, f"request {rid!r}: readmission")
         for name, value in (("max_new_tokens", max_new), ("reserve_new_tokens", reserve), ("branches", branches),
                             ("lookahead", lookahead), ("retention", retention)):
             if getattr(self, name) is not value:

@@ -42,7 +42,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-from ..core.types import MAX_TOKEN_ID, as_count, as_token_id
+from ..core import checks
+from ..core.types import MAX_TOKEN_ID, as_token_id
 from ..errors import ConfigError, InvariantError, LedgerError
 from .beam import BeamSearch
 from .execution import Clock, ConstantExecutor, Executor, StepOutput, VirtualClock, WallClock
@@ -94,9 +95,9 @@ class Driver:
                  idle_wait_s: float = 0.05, stall_steps: int = 1000) -> None:
         # A zero feed window never lets a request in (the run would step forever); bound everything first.
         if feed_window is not None:
-            as_count(feed_window, "driver: feed_window", 1)
-        as_count(check_every, "driver: check_every")
-        as_count(stall_steps, "driver: stall_steps", 1)
+            checks.count(feed_window, "driver: feed_window", 1)
+        checks.count(check_every, "driver: check_every")
+        checks.count(stall_steps, "driver: stall_steps", 1)
         if isinstance(idle_wait_s, bool) or not isinstance(idle_wait_s, int | float) or \
                 not 0 <= idle_wait_s < float("inf"):
             raise ConfigError(f"driver: idle_wait_s must be a finite number of seconds >= 0, got {idle_wait_s!r}")

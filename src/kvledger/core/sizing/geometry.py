@@ -8,8 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, InvariantError
 from ...units import format_bytes, parse_bytes
+from .. import checks
 from ..identity import CacheContext
 from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, KVFormat
 
@@ -55,12 +56,6 @@ def dtype_bytes(name: str) -> int | float:
     return KV_DTYPE_BYTES[canonical_dtype(name)]
 
 
-def _check_positive_int(value: Any, what: str) -> None:
-    # bool is an int subclass; `True` heads is a bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-
-
 @dataclass(frozen=True, slots=True)
 class KVSpec:
     """The KV cache geometry of one model served with tensor parallelism `tp`.
@@ -91,7 +86,7 @@ class KVSpec:
 
     def __post_init__(self) -> None:
         for field in ("layers", "kv_heads", "head_dim", "block_size", "tp"):
-            _check_positive_int(getattr(self, field), field)
+            checks.positive(getattr(self, field), field)
         # Store the short dtype name so equal specs compare equal whatever spelling was used.
         object.__setattr__(self, "kv_dtype", canonical_dtype(self.kv_dtype))
         fmt = KV_FORMATS[self.kv_dtype]
@@ -118,7 +113,7 @@ class KVSpec:
                     "use attention='sliding' or 'hybrid'"
                 )
             return
-        _check_positive_int(self.sliding_window, f"sliding_window (needed by attention={self.attention!r})")
+        checks.positive(self.sliding_window, f"sliding_window (needed by attention={self.attention!r})")
         if self.attention == "sliding":
             # Every layer slides; 0 is the "not given" default.
             if self.sliding_layers not in (0, self.layers):
@@ -131,7 +126,7 @@ class KVSpec:
             if self.sliding_layers == 0:
                 # Default to Gemma 2's pattern: every other layer slides (layers 0, 2, 4, ...).
                 object.__setattr__(self, "sliding_layers", (self.layers + 1) // 2)
-            _check_positive_int(self.sliding_layers, "sliding_layers")
+            checks.positive(self.sliding_layers, "sliding_layers")
             if self.sliding_layers > self.layers:
                 raise ConfigError(
                     f"sliding_layers ({self.sliding_layers}) cannot exceed layers ({self.layers})"
@@ -139,7 +134,7 @@ class KVSpec:
 
     def _check_mla(self) -> None:
         if self.attention == "mla":
-            _check_positive_int(self.kv_lora_rank, "kv_lora_rank (required for attention='mla')")
+            checks.positive(self.kv_lora_rank, "kv_lora_rank (required for attention='mla')")
             if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) or self.rope_dim < 0:
                 raise ConfigError(f"rope_dim must be a non-negative integer, got {self.rope_dim!r}")
         elif self.kv_lora_rank or self.rope_dim:
@@ -225,7 +220,8 @@ class KVSpec:
         """Bytes of one unquantised residual page (int4: one per running sequence); 0 for other formats."""
         if not self.format.has_residual:
             return 0
-        assert self.residual_dtype is not None
+        if self.residual_dtype is None:  # __post_init__ gives every residual format a residual dtype
+            raise InvariantError(f"KV format {self.format.name!r} keeps residual pages but has no residual dtype")
         return self.format.residual_page_bytes(self.block_size, self.kv_heads_per_rank, self.head_dim,
                                                self.layers, self.residual_dtype)
 
@@ -239,9 +235,7 @@ class KVSpec:
 
     def blocks_for_tokens(self, n_tokens: int) -> int:
         """Blocks needed for `n_tokens`; a partly filled tail block is charged whole."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ConfigError(f"token count must be a non-negative integer, got {n_tokens!r}")
-        return -(-n_tokens // self.block_size)
+        return -(-checks.count(n_tokens, "token count") // self.block_size)
 
     def pool_blocks(self, pool_bytes: int | str, residual_slots: int = 0) -> int:
         """Whole blocks that fit in `pool_bytes` (floor) beside `residual_slots` residual pages (formats
@@ -274,7 +268,8 @@ class KVSpec:
         full_layers = self.layers - self.sliding_layers
         held = full_layers * self.blocks_for_tokens(n_tokens)
         if self.sliding_layers:
-            assert self.sliding_window is not None  # guaranteed by __post_init__
+            if self.sliding_window is None:  # __post_init__ gives sliding layers a window
+                raise InvariantError(f"{self.sliding_layers} sliding layers without a sliding window")
             held += self.sliding_layers * self.blocks_for_tokens(min(n_tokens, self.sliding_window))
         return held * self.layer_block_bytes
 

@@ -64,6 +64,8 @@ def test_count_bounds_and_their_messages() -> None:
         checks.count(2.0, "n", 1, 3)
     with pytest.raises(ConfigError, match=r"^n must be an integer in \[\.\.\., 3\], got 4$"):
         checks.count(4, "n", None, 3)
+    with pytest.raises(ConfigError, match=r"^n must be an integer in \[1, 16,777,216\], got 0$"):
+        checks.count(0, "n", 1, 2**24)
 
 
 def test_a_huge_value_is_shown_short() -> None:
@@ -111,12 +113,12 @@ def test_finite_refuses_bools_non_numbers_and_non_finite_values(value: object) -
 
 
 @pytest.mark.parametrize(("kwargs", "value", "message"), [
-    ({"minimum": 0}, -0.5, "x must be >= 0, got -0.5"),
-    ({"minimum": 0, "open_min": True}, 0, "x must be > 0, got 0"),
-    ({"maximum": 1}, 1.5, "x must be <= 1, got 1.5"),
-    ({"maximum": 1, "open_max": True}, 1, "x must be < 1, got 1"),
-    ({"minimum": 0, "maximum": 1, "open_min": True}, 0.0, "x must be in (0, 1], got 0.0"),
-    ({"minimum": 0, "maximum": 1, "open_max": True}, 1.0, "x must be in [0, 1), got 1.0"),
+    ({"minimum": 0}, -0.5, "x must be a finite number >= 0, got -0.5"),
+    ({"minimum": 0, "open_min": True}, 0, "x must be a finite number > 0, got 0"),
+    ({"maximum": 1}, 1.5, "x must be a finite number <= 1, got 1.5"),
+    ({"maximum": 1, "open_max": True}, 1, "x must be a finite number < 1, got 1"),
+    ({"minimum": 0, "maximum": 1, "open_min": True}, 0.0, "x must be a finite number in (0, 1], got 0.0"),
+    ({"minimum": 0, "maximum": 1, "open_max": True}, 1.0, "x must be a finite number in [0, 1), got 1.0"),
 ])
 def test_finite_bounds_and_their_messages(kwargs: dict, value: float, message: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -129,7 +131,7 @@ def test_fraction_accepts_exactly_the_closed_unit_interval(x: float) -> None:
     if 0 <= x <= 1:
         assert checks.fraction(x, "f") == x
     else:
-        with pytest.raises(ConfigError, match=r"^f must be "):
+        with pytest.raises(ConfigError, match=r"^f must be in \[0, 1\], got "):
             checks.fraction(x, "f")
 
 
@@ -138,6 +140,12 @@ def test_flag_accepts_only_the_two_bools() -> None:
     for value in (0, 1, "yes", None, 1.0):
         with pytest.raises(ConfigError, match=r"^on must be True or False, got "):
             checks.flag(value, "on")
+
+
+@pytest.mark.parametrize("value", NOT_NUMBERS)
+def test_fraction_refuses_what_is_not_a_finite_number(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^f must be in \[0, 1\], got "):
+        checks.fraction(value, "f")
 
 
 def test_every_refusal_is_a_config_error_and_so_a_value_error() -> None:

@@ -27,7 +27,7 @@ def count(value: object, what: str, minimum: int | None = 0, maximum: int | None
     """``value`` as a plain ``int`` in ``[minimum, maximum]`` (None: unbounded on that side); a bool,
     float, str or None is refused (``True`` is not one token, ``2.0`` is not two branches)."""
     if maximum is not None:  # a bounded count: one message names the whole range
-        rule = f"an integer in [{'...' if minimum is None else minimum}, {maximum}]"
+        rule = f"an integer in [{'...' if minimum is None else f'{minimum:,}'}, {maximum:,}]"
         if isinstance(value, bool) or not hasattr(type(value), "__index__"):
             raise ConfigError(f"{what} must be {rule}, got {show(value)}")
         number = operator.index(value)
@@ -69,21 +69,24 @@ def _bound(minimum: float | None, maximum: float | None, open_min: bool, open_ma
 def finite(value: object, what: str, minimum: float | None = None, maximum: float | None = None, *,
            open_min: bool = False, open_max: bool = False) -> float:
     """``value`` as a ``float``: an ``int`` or ``float`` (never a bool), finite, and within the bounds
-    (``open_min``/``open_max`` exclude the bound itself: ``finite(x, "rate", 0, open_min=True)`` is x > 0)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{what} must be a finite number, got {show(value)}")
-    number = float(value) if not isinstance(value, int) or value.bit_length() <= 1023 else math.inf
-    if not math.isfinite(number):
-        raise ConfigError(f"{what} must be a finite number, got {show(value)}")
-    if ((minimum is not None and (number <= minimum if open_min else number < minimum))
+    (``open_min``/``open_max`` exclude the bound itself: ``finite(x, "rate", 0, open_min=True)`` is x > 0).
+    One message for every refusal: ``"{what} must be a finite number >= 0, got ..."``."""
+    number = math.nan
+    if not isinstance(value, bool) and isinstance(value, (int, float)):
+        number = float(value) if not isinstance(value, int) or value.bit_length() <= 1023 else math.inf
+    if (not math.isfinite(number)
+            or (minimum is not None and (number <= minimum if open_min else number < minimum))
             or (maximum is not None and (number >= maximum if open_max else number > maximum))):
-        raise ConfigError(f"{what} must be {_bound(minimum, maximum, open_min, open_max)}, got {show(value)}")
+        rule = "" if minimum is None and maximum is None else " " + _bound(minimum, maximum, open_min, open_max)
+        raise ConfigError(f"{what} must be a finite number{rule}, got {show(value)}")
     return number
 
 
 def fraction(value: object, what: str) -> float:
-    """``value`` as a ``float`` in [0, 1]."""
-    return finite(value, what, 0, 1)
+    """``value`` as a ``float`` in [0, 1]; one message for every refusal: ``"{what} must be in [0, 1], ..."``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{what} must be in [0, 1], got {show(value)}")
+    return float(value)
 
 
 def flag(value: object, what: str) -> bool:

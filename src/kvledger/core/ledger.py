@@ -26,7 +26,6 @@ the pool and the tables without a call in between.
 
 from __future__ import annotations
 
-import math
 import operator
 import threading
 import time
@@ -94,11 +93,8 @@ class KVLedger:
         block_size = checks.count(block_size, "block size", minimum=None)
         if not 0 < block_size <= MAX_BLOCK_SIZE:
             raise ConfigError(f"block size must be an integer in 1..{MAX_BLOCK_SIZE}, got {show(block_size)}")
-        if type(prefix_caching) is not bool:
-            raise ConfigError(f"prefix_caching must be True or False, got {show(prefix_caching)}")
-        if (isinstance(max_pinned_fraction, bool) or not isinstance(max_pinned_fraction, (int, float))
-                or not (math.isfinite(max_pinned_fraction) and 0 <= max_pinned_fraction <= 1)):
-            raise ConfigError(f"max_pinned_fraction must be in [0, 1], got {show(max_pinned_fraction)}")
+        checks.flag(prefix_caching, "prefix_caching")
+        checks.fraction(max_pinned_fraction, "max_pinned_fraction")
         if not callable(clock):
             raise ConfigError("clock must be a callable returning seconds")
         if events is not None and not callable(getattr(events, "emit", None)):

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from ...errors import ConfigError
+from .. import checks
 from .geometry import KVSpec
 from .gpus import GPUS
 from .inventory import Inventory, build_inventory
@@ -123,8 +124,7 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
     such requests does it hold at once, and how many instances (data-parallel replicas) reach
     `concurrency`? Cost is GPUs x price per GPU-hour when `prices` names the GPU, else GPUs x the GPU's
     memory in GiB (a proxy); the cheapest fitting row is marked."""
-    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not 1 <= concurrency <= MAX_CONCURRENCY:
-        raise ConfigError(f"concurrency must be an integer in [1, {MAX_CONCURRENCY:,}], got {concurrency!r}")
+    concurrency = checks.count(concurrency, "concurrency", 1, MAX_CONCURRENCY)
     names = list(gpus) if gpus else list(GPUS)
     for name in names:
         if name not in GPUS:

@@ -17,6 +17,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from ...units import format_gib, parse_bytes
+from .. import checks
 from .engines import (
     ENGINES,
     MeasuredPeak,
@@ -146,12 +147,6 @@ def _size(value: int | str, what: str, *, allow_zero: bool = False) -> int:
         raise ConfigError(f"{what}: {exc}") from None
 
 
-def _step(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_STEP:
-        raise ConfigError(f"{what} must be an integer in [1, {MAX_STEP:,}], got {value!r}")
-    return value
-
-
 def _hand_terms(spec: KVSpec, engine: str, *, params: int | None, weights: int | None, weight_dtype: str | None,
                 workspace: int | None, vocab: int | None, tokens: int, seqs: int, reserve: int) -> list[Term]:
     """Terms for geometry given by hand (no model config): weights from --params/--weights."""
@@ -234,13 +229,14 @@ def build_inventory(
     if engine == "vllm":
         defaults = vllm_batch_defaults(device, gpu_obj.name if gpu_obj else "")
         reason = defaults.reason if (max_batched_tokens is None and max_seqs is None) else "given"
-        tokens = _step(defaults.max_num_batched_tokens if max_batched_tokens is None else max_batched_tokens,
-                       "max_batched_tokens")
-        seqs = _step(defaults.max_num_seqs if max_seqs is None else max_seqs, "max_seqs")
+        tokens = checks.count(defaults.max_num_batched_tokens if max_batched_tokens is None else max_batched_tokens,
+                              "max_batched_tokens", 1, MAX_STEP)
+        seqs = checks.count(defaults.max_num_seqs if max_seqs is None else max_seqs, "max_seqs", 1, MAX_STEP)
     else:
         reason = ""
-        tokens = _step(8192 if max_batched_tokens is None else max_batched_tokens, "max_batched_tokens")
-        seqs = _step(256 if max_seqs is None else max_seqs, "max_seqs")
+        tokens = checks.count(8192 if max_batched_tokens is None else max_batched_tokens, "max_batched_tokens", 1,
+                              MAX_STEP)
+        seqs = checks.count(256 if max_seqs is None else max_seqs, "max_seqs", 1, MAX_STEP)
 
     n_params = 0
     fmt_name = ""
@@ -272,7 +268,7 @@ def build_inventory(
             n_params = params or 0
     slots = 0
     if spec.format.has_residual:
-        slots = seqs if residual_slots is None else _step(residual_slots, "residual_slots")
+        slots = seqs if residual_slots is None else checks.count(residual_slots, "residual_slots", 1, MAX_STEP)
         page = spec.residual_page_bytes
         terms = [*terms, Term("residual", f"{spec.kv_dtype} residual pages", slots * page,
                               f"{slots:,} running sequences x one unquantised page of {spec.block_size} tokens "

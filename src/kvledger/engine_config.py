@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from .core import checks
 from .core.eviction import policy_names
 from .core.sizing.geometry import canonical_dtype
 from .core.sizing.kv_formats import KV_FORMATS
@@ -93,8 +94,7 @@ class EngineConfig:
         if not isinstance(self.scheduler, SchedulerConfig):
             raise ConfigError(f"scheduler must be a SchedulerConfig, got {type(self.scheduler).__name__}")
         for name in ("prefix_caching", "allow_untested_kv"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            checks.flag(getattr(self, name), name)
 
     @staticmethod
     def _dtype_name(value: Any, what: str) -> str:

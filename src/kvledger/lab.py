@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .core import checks
 from .core.identity import CacheContext
 from .core.ledger import Decision, KVLedger, Request
 from .errors import ConfigError
@@ -35,9 +36,7 @@ class LabSpec:
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "block_size", "requests", "prompt", "groups", "branches"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+            checks.positive(getattr(self, name), name.replace("_", "-"))
         for name in ("shared_prefix", "max_new"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

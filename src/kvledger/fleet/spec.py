@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core import checks
 from ..engine_config import EngineConfig
 from ..errors import ConfigError
 from ..placement.score import ScoreConfig
@@ -40,9 +41,7 @@ class FleetSpec:
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "block_size", "max_running", "engine_replicas", "ingress_replicas",
                      "torch_threads"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+            checks.positive(getattr(self, name), name)
         if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
             raise ConfigError(f"host_blocks must be a non-negative integer, got {self.host_blocks!r}")
         if not self.stats_period_s > 0 or not self.retry_s > 0 or not self.news_period_s > 0:

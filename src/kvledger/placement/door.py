@@ -30,6 +30,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..core import checks
 from ..core.ledger import KVLedger
 from ..core.tiers import TierLedger
 from ..core.types import Outcome, Request
@@ -53,9 +54,7 @@ class CacheEventTap:
     KINDS = frozenset({"stored", "removed", "evicted", "cleared"})
 
     def __init__(self, maxlen: int = 65536) -> None:
-        if isinstance(maxlen, bool) or not isinstance(maxlen, int) or maxlen < 1:
-            raise ConfigError(f"maxlen must be a positive integer, got {maxlen!r}")
-        self.maxlen = maxlen
+        self.maxlen = checks.positive(maxlen, "maxlen")
         self._events: list[tuple[str, bytes]] = []
         self._base = 0  # the number of the first event kept
         self._lock = threading.Lock()

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..core import checks
 from ..core.promises import declared_blocks
 from ..errors import ConfigError
 
@@ -86,10 +87,7 @@ class ReplicaLoad:
         if not isinstance(data, Mapping):
             raise ConfigError(f"a replica load must be a mapping, got {type(data).__name__}")
         values = {k: _count(data.get(k, 0), f"load.{k}") for k in LOAD_FIELDS}
-        stamp = data.get("stamp", 0.0)
-        if isinstance(stamp, bool) or not isinstance(stamp, int | float) or not math.isfinite(stamp):
-            raise ConfigError(f"load.stamp must be a finite number, got {stamp!r}")
-        return cls(**values, stamp=float(stamp))
+        return cls(**values, stamp=checks.finite(data.get("stamp", 0.0), "load.stamp"))
 
 
 @dataclass(frozen=True, slots=True)

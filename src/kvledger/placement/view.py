@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from functools import wraps
 from typing import Any, TypeVar
 
+from ..core import checks
 from ..errors import ConfigError
 from .score import ReplicaLoad, RouteChoice, RouteRequest, ScoreConfig, rank, replica_cost
 
@@ -50,9 +51,7 @@ class PrefixIndex:
     digests learned longest ago are forgotten first."""
 
     def __init__(self, max_digests: int = 1_000_000) -> None:
-        if isinstance(max_digests, bool) or not isinstance(max_digests, int) or max_digests < 1:
-            raise ConfigError(f"max_digests must be a positive integer, got {max_digests!r}")
-        self.max_digests = max_digests
+        self.max_digests = checks.positive(max_digests, "max_digests")
         self._holders: OrderedDict[bytes, int] = OrderedDict()
         self._bit: dict[str, int] = {}
         self._free_bits: list[int] = []
@@ -200,9 +199,7 @@ class RouterView:
 
     def __init__(self, block_size: int, config: ScoreConfig | None = None, *, seed: int | None = None,
                  placement: Placement | None = None, max_digests: int = 1_000_000) -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ConfigError(f"block_size must be a positive integer, got {block_size!r}")
-        self.block_size = block_size
+        self.block_size = checks.positive(block_size, "block_size")
         self.config = config or ScoreConfig()
         self.rng = random.Random(seed)
         self.placement = placement or Placement()

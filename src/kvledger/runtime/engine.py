@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..core import CacheContext, Outcome, Request
+from ..core import CacheContext, Outcome, Request, checks
 from ..core.sizing.geometry import canonical_dtype
 from ..errors import AdmissionError, ConfigError, QuotaError
 from ..scheduler import (
@@ -339,12 +339,10 @@ class Engine:
             stops = frozenset(operator.index(t) for t in stop_token_ids)
         except TypeError:
             raise ConfigError("stop_token_ids must be integer token ids") from None
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ConfigError(f"priority must be an integer, got {priority!r}")
+        priority = checks.count(priority, "priority", minimum=None)
         if on_token is not None and not callable(on_token):
             raise ConfigError("on_token must be callable")
-        if not isinstance(read_prefix_cache, bool):
-            raise ConfigError(f"read_prefix_cache must be True or False, got {read_prefix_cache!r}")
+        checks.flag(read_prefix_cache, "read_prefix_cache")
         branches = params.beam_width if params.beam else params.n
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         now = self.clock() if arrival_s is None else arrival_s

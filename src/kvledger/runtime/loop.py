@@ -12,8 +12,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..core import KVLedger
-from ..errors import AdmissionError, ConfigError
+from ..core import KVLedger, checks
+from ..errors import AdmissionError
 from ..scheduler import GenRequest, SchedulerConfig, StepOutput, StepPlan
 from ..scheduler.replica import Replica
 from .executor import Sampling, TorchExecutor
@@ -43,11 +43,9 @@ def generate_greedy(
 ) -> list[list[int]]:
     """Greedy-decode every prompt; returns the generated token ids of each (prompt order). A prompt
     that can never fit ``ledger`` is an :class:`AdmissionError`."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-        raise ConfigError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size <= 0):
-        raise ConfigError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    checks.positive(max_new_tokens, "max_new_tokens")
+    if chunk_size is not None:
+        checks.positive(chunk_size, "chunk_size")
     stats = LoopStats() if stats is None else stats
     big = 1 << 30
     config = SchedulerConfig(policy="full", max_running=max(1, len(prompts)), token_budget=big,

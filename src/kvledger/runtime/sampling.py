@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core import checks
 from ..errors import ConfigError
 
 _MASK64 = (1 << 64) - 1
@@ -50,8 +51,8 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "top_k" else 1):
                 raise ConfigError(f"{name} must be an integer >= {0 if name == 'top_k' else 1}, got {value!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            checks.count(self.seed, "seed", minimum=None)
         if self.beam_width > 1 and (self.n != 1 or self.temperature != 0):
             raise ConfigError("beam search is deterministic: use it with n=1 and temperature=0")
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..core import checks
 from ..errors import ConfigError
 from .growth import GROWTH_ACTIONS
 from .policies import ADMISSION_POLICIES
@@ -68,8 +69,7 @@ class SchedulerConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
         for name in ("offload_prefixes", "restore_ahead"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            checks.flag(getattr(self, name), name)
         for name, low, high, closed_low in (("watermark", 0, 1, True), ("predicted_quantile", 0, 1, False)):
             value = getattr(self, name)
             ok = isinstance(value, int | float) and not isinstance(value, bool) and value == value

@@ -24,6 +24,7 @@ import math
 import numbers
 from dataclasses import dataclass
 
+from ..core import checks
 from ..core.tiers import TierLedger
 from ..errors import ConfigError
 
@@ -56,8 +57,7 @@ class TransferModel:
             _rate(self.in_overhead_s, "in_overhead_s", False)
         if isinstance(self.staging_blocks, bool) or not isinstance(self.staging_blocks, int) or self.staging_blocks < 1:
             raise ConfigError(f"transfer model: staging_blocks must be an integer >= 1, got {self.staging_blocks!r}")
-        if not isinstance(self.overlap, bool):
-            raise ConfigError(f"transfer model: overlap must be True or False, got {self.overlap!r}")
+        checks.flag(self.overlap, "transfer model: overlap")
 
     def bandwidth(self, direction: str = "out") -> float:
         if direction not in DIRECTIONS:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ..core import checks
 from ..core.sizing.geometry import KVSpec, config_int, dtype_bytes, text_config
 from ..core.sizing.gpus import GPU, GPUS
 from ..core.sizing.models import load_model_config
@@ -387,8 +388,7 @@ class CostModel:
             except (TypeError, ValueError):
                 raise ConfigError(f"prefill entries are (new_tokens, context_before), "
                                   f"got {entry!r}") from None
-            if isinstance(new, bool) or not isinstance(new, int) or new < 1:
-                raise ConfigError(f"prefill new_tokens must be a positive integer, got {new!r}")
+            checks.positive(new, "prefill new_tokens")
             if isinstance(before, bool) or not isinstance(before, int) or before < 0:
                 raise ConfigError(f"prefill context_before must be a non-negative integer, got {before!r}")
             pairs, kv = self._attended(new, before)

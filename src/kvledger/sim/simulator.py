@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..core import checks
 from ..core.eviction import policy_names
 from ..core.identity import CacheContext
 from ..core.ledger import KVLedger
@@ -153,14 +154,14 @@ class SimConfig:
 
     def __post_init__(self) -> None:
         for name in ("tp", "block_size", "feed_window", "sample_every", "staging_blocks"):
-            _positive_int(getattr(self, name), name)
+            checks.positive(getattr(self, name), name)
         for name in ("host_pool_bytes", "disk_pool_bytes", "check_every", "seed"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
         for name in ("pool_blocks", "device_memory", "max_model_len", "declared_max_new"):
             if getattr(self, name) is not None:
-                _positive_int(getattr(self, name), name)
+                checks.positive(getattr(self, name), name)
         if self.eviction not in policy_names():
             raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
         if isinstance(self.utilization, bool) or not isinstance(self.utilization, int | float) \
@@ -186,12 +187,6 @@ class SimConfig:
         if self.profile is not None:
             out["profile"] = self.profile.name
         return out
-
-
-def _positive_int(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{what} must be a positive integer, got {value!r}")
-    return value
 
 
 SWEEP_KEYS = tuple(f.name for f in fields(SimConfig) if f.name not in ("profile", "scheduler")) + SCHEDULER_KEYS
@@ -687,7 +682,7 @@ def prefix_hit_bound(requests: Sequence[SimRequest], block_size: int, *, isolate
     ``block_size=512`` this is exactly "hash id seen before". ``isolate`` as SimConfig.trust_groups
     ("trace" or "request"; a request alone never hits).
     """
-    _positive_int(block_size, "block_size")
+    checks.positive(block_size, "block_size")
     seen: set[Any] = set()
     hit = total = hit_requests = partial_hit = 0
     for r in requests:

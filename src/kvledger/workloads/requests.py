@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from itertools import chain, pairwise
 from typing import Any
 
+from ..core import checks
 from ..errors import ConfigError
 
 TOKEN_ID_LIMIT = 2**32  # token ids are hashed as little-endian uint32 by the ledger
@@ -255,11 +256,7 @@ class SimRequest:
             raise ConfigError(f"request {self.request_id!r} has an empty prompt")
         arrival = self.arrival_s
         if type(arrival) is not float or not 0.0 <= arrival < math.inf:
-            if isinstance(arrival, bool) or not isinstance(arrival, int | float) \
-                    or not math.isfinite(arrival) or arrival < 0:
-                raise ConfigError(f"request {self.request_id!r}: arrival_s must be a finite number >= 0, "
-                                  f"got {arrival!r}")
-            object.__setattr__(self, "arrival_s", float(arrival))
+            object.__setattr__(self, "arrival_s", checks.finite(arrival, f"request {self.request_id!r}: arrival_s", 0))
         if type(self.output_len) is not int or self.output_len < 0:
             _check_int(self.output_len, f"request {self.request_id!r}: output_len", 0)
         if type(self.n) is not int or self.n < 1:

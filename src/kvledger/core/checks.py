@@ -58,12 +58,17 @@ def size(value: object, what: str, minimum: int = 0, maximum: int | None = None)
     return count(value, what, minimum, maximum)
 
 
+def _number(bound: float) -> str:
+    """A bound as people write it: ``1,000,000`` for ``1e6``, ``0.5`` for ``0.5``."""
+    return f"{int(bound):,}" if float(bound).is_integer() else repr(bound)
+
+
 def _bound(minimum: float | None, maximum: float | None, open_min: bool, open_max: bool) -> str:
     if minimum is not None and maximum is not None:
-        return f"in {'(' if open_min else '['}{minimum}, {maximum}{')' if open_max else ']'}"
+        return f"in {'(' if open_min else '['}{_number(minimum)}, {_number(maximum)}{')' if open_max else ']'}"
     if minimum is not None:
-        return f"{'>' if open_min else '>='} {minimum}"
-    return f"{'<' if open_max else '<='} {maximum}"
+        return f"{'>' if open_min else '>='} {_number(minimum)}"
+    return f"{'<' if open_max else '<='} {_number(maximum)}"
 
 
 def finite(value: object, what: str, minimum: float | None = None, maximum: float | None = None, *,

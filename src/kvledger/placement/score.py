@@ -27,7 +27,6 @@ number, so the router knows its age and which of its own requests it already cou
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -101,9 +100,7 @@ class ScoreConfig:
     def __post_init__(self) -> None:
         _count(self.min_match_tokens, "min_match_tokens")
         for name in ("decode_weight", "queue_weight"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and 0 <= v <= 1e6):
-                raise ConfigError(f"{name} must be a number in [0, 1e6], got {v!r}")
+            checks.finite(getattr(self, name), name, 0, 1e6)
 
 
 @dataclass(frozen=True, slots=True)

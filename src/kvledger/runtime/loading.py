@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..core import KVSpec
+from ..core import KVSpec, checks
 from ..core.sizing.geometry import canonical_dtype, text_config
 from ..errors import ConfigError
 from ..scheduler import SchedulerConfig
@@ -118,8 +118,7 @@ def load_runner(
         raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
     slots = residual_slots if spec.format.has_residual else None
     blocks = spec.pool_blocks(pool_bytes, slots or 0) if num_blocks is None else num_blocks
-    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
-        raise ConfigError(f"the KV pool needs at least one block, got {blocks!r}")
+    blocks = checks.positive(blocks, "the KV pool's block count")
     return ModelRunner(load_decoder(ckpt, dtype, device, cached), spec, blocks, backend=backend, kernels=kernels,
                        residual_slots=slots)
 

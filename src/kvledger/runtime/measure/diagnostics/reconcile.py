@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ....core import checks
 from ....errors import ConfigError
 from ....units import format_bytes
 from .peaks import StepShape
@@ -58,13 +59,9 @@ class Thresholds:
 
     def __post_init__(self) -> None:
         for name in ("min_bytes", "retained_min_bytes", "peak_min_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"threshold {name} must be a byte count >= 0, got {value!r}")
+            checks.size(getattr(self, name), f"threshold {name}")
         for name in ("retained_min_samples", "leak_min_samples"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"threshold {name} must be an integer >= 1, got {value!r}")
+            checks.count(getattr(self, name), f"threshold {name}", 1)
         if not (self.warmup_factor >= 1 and self.peak_factor >= 0):
             raise ConfigError("warmup_factor must be >= 1 and peak_factor >= 0")
 

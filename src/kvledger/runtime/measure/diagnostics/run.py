@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ....errors import ConfigError
+from ....core import checks
 from ...loading import compute_dtype
 from .inject import Injection, make_injections
 from .reconcile import Diagnosis, Thresholds
@@ -47,8 +47,7 @@ def run_diagnosis(
     if engine is None:
         from ...engine import Engine
 
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ConfigError(f"the KV pool needs at least one block, got {num_blocks!r}")
+        num_blocks = checks.positive(num_blocks, "the KV pool's block count")
         engine = Engine.from_model(model, num_blocks=num_blocks, block_size=block_size, dtype=compute)
     injections = make_injections(list(inject) if not isinstance(inject, str) else inject, inject_bytes, inject_at)
     for item in workload.items:  # refuse what cannot run before anything is sampled

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ....errors import ConfigError
+from ....core import checks
 from .peaks import PeakMeter, StepShape, meter_for
 from .providers import Providers
 from .snapshot import MemorySnapshot, engine_registry, take_snapshot
@@ -60,10 +60,8 @@ class MemorySampler:
     def __init__(self, engine: Any, *, every: int = 1, peaks: bool = True, sites: bool = False,
                  registry: TensorRegistry | None = None, providers: Providers | None = None,
                  meter: PeakMeter | None = None) -> None:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-            raise ConfigError(f"sample every N steps needs an integer N >= 1, got {every!r}")
         self.engine = engine
-        self.every = every
+        self.every = checks.positive(every, "sampler: every (steps between samples)")
         self.registry = registry if registry is not None else engine_registry(engine)
         device = engine.runner.store.device
         self.providers = providers if providers is not None else Providers.for_device(device)

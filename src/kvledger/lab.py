@@ -38,9 +38,7 @@ class LabSpec:
         for name in ("pool_blocks", "block_size", "requests", "prompt", "groups", "branches"):
             checks.positive(getattr(self, name), name.replace("_", "-"))
         for name in ("shared_prefix", "max_new"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name.replace('_', '-')} must be >= 0, got {value!r}")
+            checks.count(getattr(self, name), name.replace("_", "-"))
         if self.shared_prefix > self.prompt:
             raise ConfigError(f"shared-prefix ({self.shared_prefix}) cannot exceed prompt ({self.prompt})")
         if self.groups > self.requests:

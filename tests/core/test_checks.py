@@ -88,6 +88,21 @@ def test_positive_refuses_what_is_not_an_integer(value: object) -> None:
         checks.positive(value, "n")
 
 
+@given(st.integers(min_value=-(2**70), max_value=2**70))
+def test_non_negative_accepts_exactly_the_integers_from_zero(n: int) -> None:
+    if n >= 0:
+        assert checks.non_negative(n, "n") == n
+    else:
+        with pytest.raises(ConfigError, match=rf"^n must be a non-negative integer, got {checks.show(n)}$"):
+            checks.non_negative(n, "n")
+
+
+@pytest.mark.parametrize("value", NOT_INTEGERS)
+def test_non_negative_refuses_what_is_not_an_integer(value: object) -> None:
+    with pytest.raises(ConfigError, match=r"^n must be a non-negative integer, got "):
+        checks.non_negative(value, "n")
+
+
 def test_size_is_a_byte_count() -> None:
     assert checks.size(0, "bytes") == 0 and checks.size(2**40, "bytes", 1) == 2**40
     with pytest.raises(ConfigError, match=r"^bytes must be a byte count \(an integer\), got '1GiB'$"):

@@ -50,6 +50,14 @@ def positive(value: object, what: str) -> int:
     return operator.index(value)
 
 
+def non_negative(value: object, what: str) -> int:
+    """``value`` as a plain ``int`` >= 0, with one message for a wrong type and a wrong sign:
+    ``"{what} must be a non-negative integer, got ..."`` (as :func:`positive` says "a positive integer")."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__") or operator.index(value) < 0:
+        raise ConfigError(f"{what} must be a non-negative integer, got {show(value)}")
+    return operator.index(value)
+
+
 def size(value: object, what: str, minimum: int = 0, maximum: int | None = None) -> int:
     """``value`` as a byte count: a plain ``int`` in ``[minimum, maximum]``. (Text with units, such as
     ``"16GiB"``, is parsed by :func:`kvledger.units.parse_bytes` before it gets here.)"""

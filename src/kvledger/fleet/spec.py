@@ -42,8 +42,7 @@ class FleetSpec:
         for name in ("pool_blocks", "block_size", "max_running", "engine_replicas", "ingress_replicas",
                      "torch_threads"):
             checks.positive(getattr(self, name), name)
-        if isinstance(self.host_blocks, bool) or not isinstance(self.host_blocks, int) or self.host_blocks < 0:
-            raise ConfigError(f"host_blocks must be a non-negative integer, got {self.host_blocks!r}")
+        checks.non_negative(self.host_blocks, "host_blocks")
         if not self.stats_period_s > 0 or not self.retry_s > 0 or not self.news_period_s > 0:
             raise ConfigError("stats_period_s, retry_s and news_period_s must be positive")
 

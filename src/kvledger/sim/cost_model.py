@@ -140,10 +140,8 @@ class DeviceProfile:
     def swap_time(self, nbytes: int, transfers: int = 1) -> float:
         """Seconds to move `nbytes` over the host link in `transfers` copies (one direction):
         transfers x transfer_overhead_s + nbytes / host_link_Bps. Zero bytes in zero transfers is 0."""
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ConfigError(f"swap bytes must be a non-negative integer, got {nbytes!r}")
-        if isinstance(transfers, bool) or not isinstance(transfers, int) or transfers < 0:
-            raise ConfigError(f"transfers must be a non-negative integer, got {transfers!r}")
+        checks.non_negative(nbytes, "swap bytes")
+        checks.non_negative(transfers, "transfers")
         if nbytes and not transfers:
             raise ConfigError(f"moving {nbytes} bytes takes at least one transfer")
         return transfers * self.transfer_overhead_s + nbytes / self.host_link_Bps
@@ -389,8 +387,7 @@ class CostModel:
                 raise ConfigError(f"prefill entries are (new_tokens, context_before), "
                                   f"got {entry!r}") from None
             checks.positive(new, "prefill new_tokens")
-            if isinstance(before, bool) or not isinstance(before, int) or before < 0:
-                raise ConfigError(f"prefill context_before must be a non-negative integer, got {before!r}")
+            checks.non_negative(before, "prefill context_before")
             pairs, kv = self._attended(new, before)
             pre_pairs += pairs
             pre_kv += kv
@@ -442,8 +439,7 @@ class CostModel:
     def recompute_time(self, n_tokens: int, context_before: int = 0) -> float:
         """Seconds to recompute the KV of `n_tokens` (after `context_before` cached ones) as a step
         of its own; 0 for no tokens. Batched with other work its marginal cost is lower."""
-        if isinstance(n_tokens, bool) or not isinstance(n_tokens, int) or n_tokens < 0:
-            raise ConfigError(f"n_tokens must be a non-negative integer, got {n_tokens!r}")
+        checks.non_negative(n_tokens, "n_tokens")
         return self.step_time([(n_tokens, context_before)], []) if n_tokens else 0.0
 
     def swap_time(self, nbytes: int, transfers: int = 1) -> float:

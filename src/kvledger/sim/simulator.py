@@ -156,9 +156,7 @@ class SimConfig:
         for name in ("tp", "block_size", "feed_window", "sample_every", "staging_blocks"):
             checks.positive(getattr(self, name), name)
         for name in ("host_pool_bytes", "disk_pool_bytes", "check_every", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{name} must be a non-negative integer, got {value!r}")
+            checks.non_negative(getattr(self, name), name)
         for name in ("pool_blocks", "device_memory", "max_model_len", "declared_max_new"):
             if getattr(self, name) is not None:
                 checks.positive(getattr(self, name), name)

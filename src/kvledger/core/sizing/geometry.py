@@ -135,8 +135,7 @@ class KVSpec:
     def _check_mla(self) -> None:
         if self.attention == "mla":
             checks.positive(self.kv_lora_rank, "kv_lora_rank (required for attention='mla')")
-            if isinstance(self.rope_dim, bool) or not isinstance(self.rope_dim, int) or self.rope_dim < 0:
-                raise ConfigError(f"rope_dim must be a non-negative integer, got {self.rope_dim!r}")
+            checks.non_negative(self.rope_dim, "rope_dim")
         elif self.kv_lora_rank or self.rope_dim:
             raise ConfigError("kv_lora_rank/rope_dim are only meaningful with attention='mla'")
 

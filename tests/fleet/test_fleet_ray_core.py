@@ -18,7 +18,7 @@ from kvledger.placement.door import AdmissionDoor, CacheEventTap
 from kvledger.placement.score import ReplicaLoad, make_route_request
 from kvledger.placement.view import RouterView
 
-from .conftest import is_loopback, listeners, ray_processes
+from .conftest import is_loopback, listeners, ray_processes, run_with_ray
 
 BS = 16
 POOL = 40
@@ -259,7 +259,7 @@ def test_local_ray_refuses_a_ray_imported_before_the_loopback_setting():
                 "local_ray(num_cpus=1, object_store_memory=80 * 2**20, log_to_driver=False); "
                 "found = ray_listeners(); ray.shutdown(); "
                 "print('LISTENERS', len(found), sum(not is_loopback(x[0]) for x in found))")
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+        return run_with_ray([sys.executable, "-c", code])
 
     bad = run("import ray")
     assert bad.returncode != 0 and "ConfigError: Ray listens beyond 127.0.0.1" in bad.stderr, bad.stderr[-2000:]

@@ -28,9 +28,21 @@ $(NATIVE_STAMP): $(STAMP) $(NATIVE_SRC)
 demo: install
 	@bash scripts/demo.sh $(VENV)/bin/kvledger
 
+# Before pytest: Debian's chromium for the browser tests, installed only when missing and run as root with
+# apt-get (scripts/ensure_chromium.sh says what it does; otherwise those tests skip with one line). The last
+# line gives the time taken and the load average at the start and the end (a busy machine is slower).
+# PYTEST_ARGS: -rs lists each skip's reason (the browser tests' when there is no chromium) in the summary.
+PYTEST_ARGS ?= -rs
 test: install
 	@bash scripts/ensure_chromium.sh
-	$(PY) -m pytest
+	@start=$$(date +%s); load0=$$($(PY) -c 'import os; print("%.1f %.1f %.1f" % os.getloadavg())'); \
+	echo "make test: started $$(date -u '+%F %T') UTC, load average $$load0 on $$($(PY) -c 'import os; print(os.cpu_count())') cores"; \
+	echo "$(PY) -m pytest $(PYTEST_ARGS)"; \
+	$(PY) -m pytest $(PYTEST_ARGS); status=$$?; \
+	took=$$(( $$(date +%s) - start )); \
+	echo "make test: $$([ $$status = 0 ] && echo passed || echo FAILED) in $$((took / 60)) min $$((took % 60)) s;" \
+	     "load average $$load0 at the start, $$($(PY) -c 'import os; print("%.1f %.1f %.1f" % os.getloadavg())') at the end"; \
+	exit $$status
 
 # The long randomised search (docs/testing.md). `make test` runs a few seconds of the same fuzz on a new
 # seed; this runs FUZZ_SECONDS per part (ledger operations, 16-32 threads, scheduler episodes) with the

@@ -1,10 +1,22 @@
-"""Fixtures of the web lab tests: the app in-process, and `kvledger lab` as a real server on a free loopback
-port (started with `--port 0`, so the system picks the port and the server prints it)."""
+"""Fixtures of the web lab tests: the app in-process, `kvledger lab` as a real server on a free loopback
+port (started with `--port 0`, so the system picks the port and the server prints it), and the browser.
+
+The browser is Debian's `chromium` package, driven by Playwright through ``executable_path`` (never
+`playwright install`, which downloads a browser of its own). `make test` and `.ci/run` install it when
+they can (scripts/ensure_chromium.sh: as root, with apt-get). ``KVLEDGER_BROWSER`` chooses:
+
+* unset or ``auto``: `chromium` (or `chromium-browser`) on PATH; when there is none the browser tests are
+  skipped with one line saying why;
+* ``off``: the browser tests are skipped;
+* ``required`` (`.ci/run`): a missing chromium fails the browser tests instead of skipping them;
+* a path: that chromium binary.
+"""
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -88,3 +100,40 @@ def lab_server() -> Iterator[LabServer]:
         yield server
     finally:
         server.stop()
+
+
+NO_BROWSER = ("no chromium on PATH: browser tests skipped (as root, `make test` installs Debian's chromium; "
+              "or `apt-get install chromium`)")
+
+
+def chromium_path() -> str:
+    """The chromium binary the browser tests drive, or a skip (a fail under KVLEDGER_BROWSER=required)."""
+    choice = os.environ.get("KVLEDGER_BROWSER", "auto").strip() or "auto"
+    if choice == "off":
+        pytest.skip("KVLEDGER_BROWSER=off: browser tests skipped")
+    if choice not in ("auto", "required"):
+        if not (os.path.isfile(choice) and os.access(choice, os.X_OK)):
+            pytest.fail(f"KVLEDGER_BROWSER={choice}: not an executable file", pytrace=False)
+        return choice
+    for name in ("chromium", "chromium-browser"):
+        path = shutil.which(name)
+        if path:
+            return path
+    if choice == "required":
+        pytest.fail(f"KVLEDGER_BROWSER=required but {NO_BROWSER.split(':')[0]}", pytrace=False)
+    pytest.skip(NO_BROWSER)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless chromium under Playwright, one per test module."""
+    path = chromium_path()
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=path, headless=True,
+                              args=["--disable-background-networking", "--no-first-run", "--disable-gpu"])
+        try:
+            yield b
+        finally:
+            b.close()

@@ -4,39 +4,19 @@ decision, answers the quiz, reloads -- and finds the progress kept. A screenshot
 under reports/weblab-browser/ (not committed).
 
 Playwright's own browser download (`playwright install`) is never used: the browser is the Debian package,
-installed by `.ci/run` / `make test` when missing.
+installed by `.ci/run` / `make test` when missing; the ``browser`` fixture (conftest.py) finds it, or skips
+these tests with one line when there is none.
 """
 
 from __future__ import annotations
 
 import re
-import shutil
 import time
 from pathlib import Path
 
-import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 SHOTS = Path(__file__).resolve().parents[2] / "reports" / "weblab-browser"
-
-
-def _chromium() -> str:
-    for name in ("chromium", "chromium-browser"):
-        path = shutil.which(name)
-        if path:
-            return path
-    pytest.fail("Debian's chromium package is missing: `apt-get install chromium` (.ci/run and make test do it)")
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=_chromium(), headless=True,
-                              args=["--disable-background-networking", "--no-first-run", "--disable-gpu"])
-        try:
-            yield b
-        finally:
-            b.close()
 
 
 def _shot(page: Page, name: str) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ....core import Request
+from ....core import Request, checks
 from ....errors import ConfigError
 
 MiB = 1 << 20
@@ -40,9 +40,7 @@ class Injection:
     kind = ""
 
     def __init__(self, nbytes: int = 64 * MiB, at_step: int = 2) -> None:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < MiB:
-            raise ConfigError(f"an injection needs at least 1 MiB, got {nbytes!r}")
-        self.nbytes = nbytes
+        self.nbytes = checks.size(nbytes, "an injection's nbytes (at least 1 MiB)", MiB)
         self.at_step = at_step
         self.injected_bytes = 0
         self.step: int | None = None

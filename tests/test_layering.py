@@ -231,3 +231,37 @@ def test_no_lesson_numbers_in_code() -> None:
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1)
              if re.search(r"\blesson\s*0?\d+\b", line, re.IGNORECASE)]
     assert found == []
+
+
+def context_builders(root: Path = SRC) -> list[str]:
+    """Every place that builds a ``CacheContext`` itself (a call of the class by name): only its one
+    builder, ``core/identity.py``'s ``request_context``, may."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute))
+                    and (node.func.id if isinstance(node.func, ast.Name) else node.func.attr) == "CacheContext"):
+                found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_a_requests_cache_identity_has_one_builder() -> None:
+    """Engines, simulators, the fleet, the labs and the diagnostics all build a request's cache identity
+    through ``request_context`` (directly, or through ``KVSpec.cache_context`` with the KV format id), so
+    their digests agree; only that builder calls ``CacheContext`` itself."""
+    assert context_builders() == ["core/identity.py:" + str(_builder_call_line())]
+
+
+def _builder_call_line() -> int:
+    tree = ast.parse((SRC / "core" / "identity.py").read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "request_context")
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "CacheContext"]
+    return calls[0].lineno
+
+
+def test_the_builder_check_sees_a_second_builder(tmp_path: Path) -> None:
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "identity.py").write_text("def request_context():\n    return CacheContext()\n")
+    (tmp_path / "lab.py").write_text("from x import identity\nctx = identity.CacheContext(trust_group='g')\n")
+    assert context_builders(tmp_path) == ["core/identity.py:2", "lab.py:2"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .core import checks
-from .core.identity import CacheContext
+from .core.identity import request_context
 from .core.ledger import Decision, KVLedger, Request
 from .errors import ConfigError
 from .scheduler import ConstantExecutor, GenRequest, SchedulerConfig, StepPlan
@@ -58,7 +58,7 @@ def lab_requests(spec: LabSpec) -> list[Request]:
     for i in range(spec.requests):
         start = _PRIVATE_TOKEN_BASE + i * private_len
         prompt = shared + list(range(start, start + private_len))
-        ctx = CacheContext(trust_group=f"group-{i % spec.groups}", model=spec.model)
+        ctx = request_context(f"group-{i % spec.groups}", spec.model)
         out.append(Request(f"req-{i}", prompt, spec.max_new, ctx, branches=spec.branches))
     return out
 

@@ -23,7 +23,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from ..core.identity import CacheContext
+from ..core.identity import request_context
 from ..core.ledger import KVLedger, Request
 from ..errors import ConfigError
 from .common import read_text
@@ -150,7 +150,7 @@ def admit_requests(rows: list[FileRequest], pool_blocks: int, block_size: int, *
         own = r.prompt - len(tokens)
         tokens += range(private, private + own)
         private += own
-        ctx = CacheContext(trust_group=r.group, model=model)
+        ctx = request_context(r.group, model)
         d = ledger.admit(Request(r.request_id, tokens, r.max_new, ctx, branches=r.branches))
         decisions.append({"request": r.request_id, "group": r.group, "prompt": r.prompt, "max_new": r.max_new,
                           "branches": r.branches, "outcome": d.outcome.value, "blocks_shared": d.blocks_hit,

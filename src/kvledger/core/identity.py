@@ -154,6 +154,17 @@ class CacheContext:
         return root
 
 
+def request_context(trust_group: str = "default", model: str = "", kv_format_id: str = "bf16",
+                    cache_salt: str | None = None) -> CacheContext:
+    """A request's cache identity: the one builder every assembly uses (the engine and the simulators
+    through ``KVSpec.cache_context``, which passes its exact KV format id; the admission lab, the web lab
+    and the diagnostics, whose pools have no KV format, with the default), so digests built anywhere for
+    the same request agree. A request's ``cache_salt`` (vLLM's name) joins the identity: only requests
+    with the same salt share blocks."""
+    return CacheContext(trust_group=trust_group, model=model, kv_dtype=kv_format_id,
+                        extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
+
+
 def token_bytes(tokens: list[int] | tuple[int, ...]) -> bytes:
     """Encode token ids as little-endian uint32 (fixed width keeps block inputs unambiguous)."""
     try:

@@ -18,10 +18,10 @@ from typing import Any
 from ..errors import AdmissionError, ConfigError, LedgerError
 from . import checks
 from .checks import show
-from .identity import CacheContext
+from .identity import CacheContext, request_context
 from .table import BlockTable
 
-_DEFAULT_CONTEXT = CacheContext()
+_DEFAULT_CONTEXT = request_context()
 
 
 MAX_TOKEN_ID = 2**32 - 1  # token ids are hashed as uint32

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
-from ..core.identity import CacheContext
+from ..core.identity import CacheContext, request_context
 from ..core.types import CopyOp
 from ..errors import ConfigError
 
-_DEFAULT_CONTEXT = CacheContext()
+_DEFAULT_CONTEXT = request_context()
 
 
 @dataclass(frozen=True, slots=True)

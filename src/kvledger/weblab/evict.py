@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from ..core.identity import CacheContext
+from ..core.identity import request_context
 from ..core.ledger import KVLedger, Request
 from ..errors import InvariantError, OutOfBlocksError
 from ..scheduler.recovery import RecoveryCosts
@@ -26,7 +26,7 @@ from .poolmap import Admitted, pool_map
 
 BLOCKS, BLOCK_SIZE = 12, 4
 _TINT = {"A": 0, "B": 1, "C": 2, "D": 3}  # one colour per request, whoever holds its blocks
-_CTX = CacheContext(trust_group="group-0", model="lab")
+_CTX = request_context("group-0", "lab")
 
 
 class EvictInput(BaseModel):

@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import ConfigError, InvariantError
 from ...units import format_bytes, parse_bytes
 from .. import checks
-from ..identity import CacheContext
+from ..identity import CacheContext, request_context
 from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, KVFormat
 
 # Bytes per stored K/V value, by format name (int4: half a byte). Metadata is not in this figure: a
@@ -173,13 +173,11 @@ class KVSpec:
         return self.format.identity(self.block_size, self.residual_dtype)
 
     def cache_context(self, trust_group: str, model: str, cache_salt: str | None = None) -> CacheContext:
-        """A request's cache identity on a pool of this spec: the one builder every assembly uses (the
-        engine, the simulators, the fleet's router), so their digests agree. ``kv_dtype`` is the exact KV
-        format id (:attr:`kv_format_id`, block size and residual dtype included: KV stored in one format
-        is never read as another), and a request's ``cache_salt`` (vLLM's name) joins the identity, so
-        only requests with the same salt share blocks."""
-        return CacheContext(trust_group=trust_group, model=model, kv_dtype=self.kv_format_id,
-                            extra=(("cache_salt", cache_salt),) if cache_salt is not None else ())
+        """A request's cache identity on a pool of this spec (:func:`~kvledger.core.identity.request_context`,
+        the one builder, which the engine, the simulators and the fleet's router reach through here):
+        ``kv_dtype`` is the exact KV format id (:attr:`kv_format_id`, block size and residual dtype
+        included: KV stored in one format is never read as another)."""
+        return request_context(trust_group, model, self.kv_format_id, cache_salt)
 
     @property
     def dtype_bytes(self) -> int | float:

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from ....core import CacheContext, KVLedger, KVSpec, Request
+from ....core import KVLedger, KVSpec, Request
+from ....core.identity import request_context
 from ....core.sizing.contiguous import FirstFit
 from ....errors import ConfigError
 from .providers import Providers
@@ -142,7 +143,7 @@ def run_way(way: str, requests: Sequence[FragRequest], spec: KVSpec, capacity_by
         arena = torch.zeros(capacity_bytes, dtype=torch.uint8, device=dev)
         fit = FirstFit(capacity_bytes)
     token_value = torch.ones(layers, 2, heads, dim, dtype=dtype, device=dev)
-    ctx = CacheContext(trust_group="frag", model="frag")
+    ctx = request_context("frag", "frag")
     next_token = 100
     while (queue or running) and res.steps < max_steps:
         # ---- admission, in arrival order, stopping at the first refusal ------------------------------

@@ -1,6 +1,7 @@
-"""Kill tests for surviving mutants of the runtime's KV storage (``kv_store``, ``kv_quant``, ``host_store``,
-``transfer``, ``attention``) found by ``tests/mutation.py sample --per-package`` (docs/testing.md, "Mutation
-testing"): each asserts a behaviour a user would notice, and fails with its mutant applied."""
+"""The edges of the runtime's KV storage (``kv_store``, ``kv_quant``, ``host_store``, ``transfer``,
+``attention``): errors that name what is wrong, tiers' folders and closing, a transfer's report. Each test
+was written against a surviving mutant of a ``tests/mutation.py sample --per-package`` run (docs/testing.md,
+"Mutation testing") and asserts a behaviour a user would notice."""
 
 from __future__ import annotations
 

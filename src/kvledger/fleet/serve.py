@@ -134,6 +134,22 @@ def _branches(sampling: Any) -> int:
     return sampling.beam_width if getattr(sampling, "beam", False) else (getattr(sampling, "n", 1) or 1)
 
 
+async def _ask(call: Any, timeout: float) -> Any:
+    """Await one replica call for at most ``timeout`` seconds (``TimeoutError`` past it). Cancelled, it
+    cancels the call and returns at once: a call still being routed when the ingress stops (Ray's router
+    may be waiting for a replica) must not hold the stop until it unwinds."""
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise TimeoutError(f"no answer within {timeout:g} s")
+    return task.result()
+
+
 def _replica_name() -> str:
     return serve.get_replica_context().replica_id.to_full_id_str()
 
@@ -395,11 +411,11 @@ class FleetBackend:
                 if not self.view.replicas:
                     # This ingress has not routed yet: one untargeted call makes Ray build its router here,
                     # which tells the view who the replicas are.
-                    await asyncio.wait_for(self.handle.pid.remote(None), timeout=30)
+                    await _ask(self.handle.pid.remote(None), 30)
                 for name, seq in list(self.view.event_positions().items()):
                     try:
-                        msg = await asyncio.wait_for(self.handle.news.remote({"target": name, "since": seq}),
-                                                     timeout=max(1.0, 10 * period))
+                        msg = await _ask(self.handle.news.remote({"target": name, "since": seq}),
+                                         max(1.0, 10 * period))
                     except asyncio.CancelledError:
                         raise
                     except Exception:  # noqa: BLE001 -- a replica that is gone or busy: news later

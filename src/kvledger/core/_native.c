@@ -682,14 +682,8 @@ static PyObject *order_remove(BlockOrder *self, PyObject *key) {
     Py_RETURN_NONE;
 }
 
-/* pop_front(n) -> list: the n oldest blocks, removed (n <= len). */
-static PyObject *order_pop_front(BlockOrder *self, PyObject *arg) {
-    Py_ssize_t n = PyLong_AsSsize_t(arg);
-    if (n == -1 && PyErr_Occurred()) return NULL;
-    if (n < 0 || n > self->len) {
-        PyErr_SetString(PyExc_ValueError, "pop_front: n must be in 0..len");
-        return NULL;
-    }
+/* The n oldest blocks (n <= len) as a new list, oldest first; NULL with an exception set on failure. */
+static PyObject *order_oldest(BlockOrder *self, Py_ssize_t n) {
     PyObject *out = PyList_New(n);
     if (out == NULL) return NULL;
     Py_ssize_t k = self->head;
@@ -702,25 +696,26 @@ static PyObject *order_pop_front(BlockOrder *self, PyObject *arg) {
         PyList_SET_ITEM(out, i, num);
         k = self->next[k];
     }
+    return out;
+}
+
+/* pop_front(n) -> list: the n oldest blocks, removed (n <= len). */
+static PyObject *order_pop_front(BlockOrder *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    if (n < 0 || n > self->len) {
+        PyErr_SetString(PyExc_ValueError, "pop_front: n must be in 0..len");
+        return NULL;
+    }
+    PyObject *out = order_oldest(self, n);
+    if (out == NULL) return NULL;
     for (Py_ssize_t i = 0; i < n; i++) order_unlink(self, self->head);
     return out;
 }
 
 /* to_list() -> list: every block, oldest first. */
 static PyObject *order_to_list(BlockOrder *self, PyObject *Py_UNUSED(ignored)) {
-    PyObject *out = PyList_New(self->len);
-    if (out == NULL) return NULL;
-    Py_ssize_t k = self->head;
-    for (Py_ssize_t i = 0; i < self->len; i++) {
-        PyObject *num = PyLong_FromSsize_t(k);
-        if (num == NULL) {
-            Py_DECREF(out);
-            return NULL;
-        }
-        PyList_SET_ITEM(out, i, num);
-        k = self->next[k];
-    }
-    return out;
+    return order_oldest(self, self->len);
 }
 
 static PyObject *order_clear(BlockOrder *self, PyObject *Py_UNUSED(ignored)) {

@@ -37,10 +37,21 @@ def _commands(group: click.Group, prefix: str = "") -> list[tuple[str, click.Com
     return out
 
 
+def _flags(names: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """A knob's flag names as click splits them: (on names, off names of a boolean pair)."""
+    on, off = [], []
+    for n in names:
+        if n.startswith("-"):
+            first, _, second = n.partition("/")
+            on.append(first)
+            if second:
+                off.append(second)
+    return on, off
+
+
 def _knob_of(option: click.Option) -> str | None:
     for key, (names, _) in FLAGS.items():
-        flags = {n for n in names if n.startswith("--")}
-        if flags & set(option.opts) or option.name == key:
+        if set(_flags(names)[0]) & set(option.opts) or option.name == key:
             return key
     return None
 
@@ -62,7 +73,7 @@ def test_every_command_takes_each_knob_from_the_one_declaration() -> None:
                 continue
             names, _ = FLAGS[key]
             reference = _reference(key)
-            assert param.opts == [n for n in names if n.startswith("--")], (name, param.opts)
+            assert (param.opts, param.secondary_opts) == _flags(names), (name, param.opts)
             assert param.name == key, (name, param.name)
             assert param.default == reference.default, (name, param.name, param.default)
             assert type(param.type) is type(reference.type), (name, param.name, param.type)
@@ -74,6 +85,69 @@ def test_every_command_takes_each_knob_from_the_one_declaration() -> None:
     assert set(seen["max_num_seqs"]) >= {"serve", "fleet serve", "simulate"}
     assert set(seen["block_size"]) >= {"generate", "serve-trace", "serve", "fleet serve", "diagnose", "quality",
                                        "simulate", "plan"}
+    assert set(seen["tensor_parallel_size"]) >= {"plan", "admit", "simulate"}
+    assert set(seen["gpu_memory_utilization"]) >= {"plan", "admit", "simulate"}
+    assert set(seen["max_model_len"]) >= {"plan", "serve", "simulate"}
+    assert set(seen["enable_prefix_caching"]) >= {"admit", "simulate"}
+
+
+# A value for each knob, other than its default, that every command taking the knob accepts.
+SAMPLE: dict[str, tuple[str | None, Any]] = {
+    "dtype": ("bf16", "bf16"), "kv_dtype": ("fp16", "fp16"), "block_size": ("32", 32),
+    "max_num_seqs": ("7", 7), "max_num_batched_tokens": ("512", 512), "max_model_len": ("4096", 4096),
+    "tensor_parallel_size": ("2", 2), "gpu_memory_utilization": ("0.8", 0.8),
+    "enable_prefix_caching": (None, False),
+}
+# The arguments a command needs before it parses at all.
+REQUIRED = {"generate": ["x"], "serve-trace": ["--trace", "t.csv"], "quality": ["--kv-cache-dtype", "int8"]}
+
+
+def _walk() -> list[tuple[str, str, click.Option]]:
+    out = []
+    for name, cmd in _commands(app):
+        for param in cmd.params:
+            key = _knob_of(param) if isinstance(param, click.Option) else None
+            if key in SAMPLE and not (name == "quality" and key == "kv_dtype"):
+                out.append((name, key, param))
+    return out
+
+
+@pytest.mark.parametrize("command, key, param", _walk(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_name_of_a_knob_sets_the_same_value_on_every_command(command: str, key: str,
+                                                                   param: click.Option) -> None:
+    """vLLM's name and ours (every name the knob has) parse to one value; no name leaves the default."""
+    text, value = SAMPLE[key]
+    on, off = _flags(FLAGS[key][0])
+    extra = REQUIRED.get(command, [])
+    default = _parsed(command, *extra)[param.name]
+    for flag in (off if text is None else on):
+        got = _parsed(command, *extra, *([flag] if text is None else [flag, text]))[param.name]
+        assert got == value != default, (command, flag, got)
+    # every flag name the knob declares is one this command's option answers to
+    assert set(param.opts) | set(param.secondary_opts) == set(on) | set(off), (command, key)
+
+
+def test_vllm_knob_names_reach_plan() -> None:
+    """The issue's refusals: plan took none of vLLM's names for TP, utilization or the model length."""
+    vllm = _parsed("plan", "--tensor-parallel-size", "4", "--gpu-memory-utilization", "0.85",
+                   "--max-model-len", "8192", "--max-num-seqs", "64", "--max-num-batched-tokens", "4096")
+    ours = _parsed("plan", "-tp", "4", "--utilization", "0.85", "--context", "8192", "--max-running", "64",
+                   "--token-budget", "4096")
+    assert vllm == ours
+    assert (vllm["tensor_parallel_size"], vllm["gpu_memory_utilization"], vllm["max_model_len"],
+            vllm["max_seqs"], vllm["max_batched_tokens"]) == (4, 0.85, 8192, 64, 4096)
+
+
+def test_plan_honours_vllm_names(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    args = ["plan", "--model", "llama-3.1-8b", "--gpu", "h100-80gb", "--json"]
+    assert main([*args, "--tensor-parallel-size", "2", "--gpu-memory-utilization", "0.8",
+                 "--max-model-len", "4096"]) == 0
+    vllm = json.loads(capsys.readouterr().out)
+    assert main([*args, "--tp", "2", "--utilization", "0.8", "--context", "4096"]) == 0
+    ours = json.loads(capsys.readouterr().out)
+    assert vllm == ours and (vllm["tp"], vllm["context"]) == (2, 4096)
 
 
 def _parsed(command: str, *args: str) -> dict[str, Any]:

@@ -4,7 +4,8 @@ Every command that builds an engine or a scheduler (``generate``, ``serve-trace`
 ``diagnose``, ``quality``, ``calibrate``, ``simulate``, ``plan``) takes a knob it shares from here, so a flag
 is spelled, bounded and defaulted the same everywhere. Where vLLM has the knob, vLLM's flag name is
 accepted too (``--kv-cache-dtype``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
-``--num-gpu-blocks-override``) and our earlier name stays as an alias; ``--dtype`` and ``--kv-cache-dtype``
+``--num-gpu-blocks-override``, ``--tensor-parallel-size`` / ``-tp``, ``--gpu-memory-utilization``,
+``--max-model-len``, ``--enable-prefix-caching``) and our earlier name stays as an alias; ``--dtype`` and ``--kv-cache-dtype``
 take vLLM's spellings (``float32``, ``bfloat16``, ``half``, ``auto``) as well as ours.
 
 Defaults: one per knob, stated here. The pool size is the exception: how many blocks a run needs
@@ -20,7 +21,7 @@ import click
 
 from ..core.eviction import policy_names
 from ..engine_config import COMPUTE_DTYPES, MAX_RUNTIME_BLOCKS
-from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, Int
+from .options import BLOCK_SIZE, MAX_COUNT, MAX_TOKENS, TP, UTILIZATION, Int
 
 
 class DtypeName(click.ParamType):
@@ -160,9 +161,18 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "tier_compression": (("--tier-compression",), dict(
         type=_Registry(_tier_codecs), default="none", show_default=True,
         help="Lossless compression of disk-tier blocks (exact bytes back).")),
-    "max_model_len": (("--max-model-len",), dict(
+    "max_model_len": (("--max-model-len", "--context", "max_model_len"), dict(
         type=Int(2, MAX_TOKENS), default=None,
         help="Prompt + output tokens of one sequence [the model's context].")),
+    "tensor_parallel_size": (("--tensor-parallel-size", "-tp", "--tp", "tensor_parallel_size"), dict(
+        type=TP, default=1, show_default=True,
+        help="Tensor-parallel degree: GPUs one replica's weights and KV heads are split over.")),
+    "gpu_memory_utilization": (("--gpu-memory-utilization", "--utilization", "gpu_memory_utilization"), dict(
+        type=UTILIZATION, default=0.9, show_default=True,
+        help="Fraction of device memory the engine may use.")),
+    "enable_prefix_caching": (("--enable-prefix-caching/--no-enable-prefix-caching",
+                               "--prefix-cache/--no-prefix-cache", "enable_prefix_caching"), dict(
+        default=True, show_default=True, help="Share identical prefixes within a trust group.")),
 }
 
 

@@ -17,6 +17,7 @@ from rich.table import Table
 from ..errors import ConfigError, KVLedgerError
 from ..lab import LabSpec, run_lab
 from ..scheduler import ADMISSION_POLICIES
+from .engine_options import engine_option
 from .options import TOKENS, Int, epilog
 from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec, sizing_options
 
@@ -69,8 +70,7 @@ app.add_command(plan_cmd)
 @click.option("--max-new", type=Int(0, 10**7), default=257, show_default=True, help="Declared output allowance.")
 @click.option("--groups", type=Int(1, MAX_LAB_REQUESTS), default=1, show_default=True,
               help="Trust groups the requests are spread over.")
-@click.option("--prefix-cache/--no-prefix-cache", default=True, show_default=True,
-              help="Share identical prefixes within a trust group.")
+@engine_option("enable_prefix_caching")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy: what is reserved at admission.")
 @click.option("--branches", type=Int(1, 1024), default=1, show_default=True,
@@ -80,12 +80,14 @@ app.add_command(plan_cmd)
                    "prefix_len, id, branches), admitted in order instead of --requests.")
 @json_option
 def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
-          kv_dtype: str | None, tp: int, block_size: int, pool: int | None, gpu: str | None,
-          device_memory: int | None, engine: str, utilization: float, weight_dtype: str | None, requests: int,
-          prompt: int, shared_prefix: int, max_new: int, groups: int, prefix_cache: bool, policy: str, branches: int,
+          kv_dtype: str | None, tensor_parallel_size: int, block_size: int, pool: int | None, gpu: str | None,
+          device_memory: int | None, engine: str, gpu_memory_utilization: float, weight_dtype: str | None,
+          requests: int, prompt: int, shared_prefix: int, max_new: int, groups: int, enable_prefix_caching: bool,
+          policy: str, branches: int,
           requests_file: str | None, as_json: bool) -> None:
     """Admit requests into one pool through the real ledger: the seed's lab, or a requests file."""
-    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
+    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tensor_parallel_size, block_size)
+    prefix_cache = enable_prefix_caching
     if sum(x is not None for x in (pool, gpu, device_memory)) != 1:
         raise ConfigError("give one of --pool, --gpu and --device-memory to size the pool")
     if pool is not None:
@@ -93,7 +95,7 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
     else:
         from ..core.sizing.inventory import build_inventory
 
-        inv = build_inventory(spec, cfg, gpu=gpu, device_bytes=device_memory, utilization=utilization,
+        inv = build_inventory(spec, cfg, gpu=gpu, device_bytes=device_memory, utilization=gpu_memory_utilization,
                               weight_dtype=weight_dtype, engine=engine, model_name=model)
         pool_blocks, pool_bytes, sized = inv.pool_blocks, inv.pool_bytes, f"kvledger plan ({engine} engine)"
     if pool_blocks > MAX_POOL_BLOCKS:

@@ -13,7 +13,13 @@ import click
 
 from ..core.sizing.engines import ENGINES
 from .engine_options import engine_option
-from .options import MAX_COUNT, POSITIVE_TOKENS, TOKENS, TP, UTILIZATION, Int, Size, epilog
+from .engine_options import FLAGS
+from .options import MAX_COUNT, TOKENS, Int, Size, epilog
+
+
+def _step_names(knob: str, dest: str) -> list[str]:
+    """The flag names of engine knob ``knob`` (vLLM's and ours) with the plan's own parameter name."""
+    return [n for n in FLAGS[knob][0] if n.startswith("-")] + [dest]
 
 
 def geometry_options(fn: Any) -> Any:
@@ -26,7 +32,7 @@ def geometry_options(fn: Any) -> Any:
         click.option("--head-dim", type=Int(1, 100_000), default=None, help="Head dimension (instead of --model)."),
         engine_option("kv_dtype", help="KV cache format (fp8, int8 and int4 count their scales; see "
                       "docs/kv_formats.md) [auto: the model's dtype]."),
-        click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree."),
+        engine_option("tensor_parallel_size"),
         engine_option("block_size"),
     ]
     for opt in reversed(opts):
@@ -48,7 +54,7 @@ def sizing_options(*, pool: str = "KV pool size directly, e.g. 512MiB (no engine
         click.option("--gpu", default=None, help=gpu),
         click.option("--device-memory", type=Size(), default=None, help=device_memory),
         click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True, help=engine),
-        click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True, help=utilization),
+        engine_option("gpu_memory_utilization", help=utilization),
     ]
 
     def apply(fn: Any) -> Any:
@@ -224,16 +230,17 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
               help="Activation workspace per rank, overriding the engine's estimate.")
 @click.option("--vocab", type=Int(1, 10**7), default=None,
               help="Vocabulary size for hand-given geometry's sampler estimate [128256].")
-@click.option("--max-num-batched-tokens", "max_batched_tokens", type=Int(1, MAX_COUNT * 16), default=None,
+# The step sizes take the engine knobs' names but default to the chosen engine's own (vLLM's per GPU class).
+@click.option(*_step_names("max_num_batched_tokens", "max_batched_tokens"), type=Int(1, MAX_COUNT * 16), default=None,
               help="Tokens per step [vLLM's default for the GPU class; 8192 for kvledger].")
-@click.option("--max-num-seqs", "max_seqs", type=Int(1, MAX_COUNT), default=None,
+@click.option(*_step_names("max_num_seqs", "max_seqs"), type=Int(1, MAX_COUNT), default=None,
               help="Sequences per step [vLLM's default for the GPU class; 256 for kvledger].")
 @click.option("--peaks", "peaks_file", default=None,
               help="A JSON file of peaks measured on our runtime (schema: kvledger/data/measured_peaks.json).")
 @click.option("--prompt", type=TOKENS, default=None, help="Prompt tokens of one request.")
 @click.option("--max-new", type=TOKENS, default=None, help="Declared output allowance of one request.")
-@click.option("--context", type=POSITIVE_TOKENS, default=None,
-              help="Tokens per request for vLLM's 'maximum concurrency' [max_position_embeddings].")
+@engine_option("max_model_len", help="Tokens per request for vLLM's 'maximum concurrency' (vLLM's max_model_len) "
+              "[max_position_embeddings].")
 @click.option("--matrix", is_flag=True, help="Table of GPU x TP combinations for --prompt/--max-new at --concurrency.")
 @click.option("--concurrency", type=Int(1, 10**7), default=None, help="Matrix mode: requests served at once.")
 @click.option("--gpus", default=None, help="Matrix mode: GPUs to consider, comma-separated [the whole catalogue].")
@@ -243,11 +250,11 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
 @click.option("--explain", is_flag=True, help="Show each memory term's formula and source.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
-             kv_dtype: str | None, tp: int, block_size: int, pool: int | None, gpu: str | None,
-             device_memory: int | None, engine: str, utilization: float, reserve: int | None,
+             kv_dtype: str | None, tensor_parallel_size: int, block_size: int, pool: int | None, gpu: str | None,
+             device_memory: int | None, engine: str, gpu_memory_utilization: float, reserve: int | None,
              weight_dtype: str | None, params: str | None, weights: int | None, workspace: int | None,
              vocab: int | None, max_batched_tokens: int | None, max_seqs: int | None, peaks_file: str | None,
-             prompt: int | None, max_new: int | None, context: int | None, matrix: bool, concurrency: int | None,
+             prompt: int | None, max_new: int | None, max_model_len: int | None, matrix: bool, concurrency: int | None,
              gpus: str | None, tps: str, prices: str | None, explain: bool, as_json: bool) -> None:
     """KV geometry, the memory an engine leaves for the KV cache on one rank, and the requests that fit."""
     from ..core.sizing.capacity import fit_hints
@@ -261,7 +268,8 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
 
     if (prompt is None) != (max_new is None):
         raise ConfigError("give both --prompt and --max-new for a request shape")
-    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tp, block_size)
+    spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tensor_parallel_size, block_size)
+    utilization = gpu_memory_utilization
     if matrix:
         if cfg is None:
             raise ConfigError("--matrix needs --model (every GPU x TP combination is planned from the config)")
@@ -300,7 +308,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         hints = fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)
         raise ConfigError(f"{exc}" + (f"; try {', or '.join(hints)}" if hints else "")) from None
     data: dict[str, Any] = {**base, **inv.to_dict()}
-    ctx_len = context
+    ctx_len = max_model_len
     if ctx_len is None and cfg is not None:
         ctx_len = config_int(text_config(cfg), "max_position_embeddings", default=None)
     if ctx_len is not None:

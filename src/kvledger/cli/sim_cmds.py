@@ -23,7 +23,7 @@ from ..workloads import trace_format_choices
 from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
 from .common import emit_json as _emit_json
 from .engine_options import engine_option, engine_options
-from .options import MAX_COUNT, SEED, TP, UTILIZATION, Float, Int, Size, epilog
+from .options import MAX_COUNT, SEED, Float, Int, Size, epilog
 
 DEFAULT_FRAG_CAPACITY = 131072  # token slots of KV memory in the fragmentation study
 MAX_POOL_BLOCKS = 2**22  # the largest pool a simulation allocates (its per-block state is Python lists)
@@ -264,12 +264,11 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--model", default="llama-3.1-8b", show_default=True, help="Bundled model name or config.json path.")
 @click.option("--gpu", default="h100-80gb", show_default=True,
               help="Device profile: a catalogue GPU (see `kvledger gpus`) or cpu-local (after `kvledger calibrate`).")
-@click.option("--tp", type=TP, default=1, show_default=True, help="Tensor-parallel degree.")
+@engine_option("tensor_parallel_size")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy (what is reserved at admission).")
 @engine_option("block_size")
-@click.option("--prefix-cache", type=click.Choice(["on", "off"]), default="on", show_default=True,
-              help="Share identical prefixes within a trust group.")
+@engine_option("enable_prefix_caching")
 @engine_option("eviction")
 @click.option("--isolate-groups", is_flag=True, help="Every request its own trust group (no sharing across "
               "requests); without it the trace's groups are used.")
@@ -278,8 +277,7 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Host tier for swapped KV, e.g. 64GiB (per replica with --replicas).")
 @click.option("--offload-prefixes", is_flag=True,
               help="Demote evicted prefix blocks to the host tier and promote them on a hit (needs --host-pool).")
-@click.option("--utilization", type=UTILIZATION, default=0.9, show_default=True,
-              help="Fraction of device memory the pool sizing may use.")
+@engine_option("gpu_memory_utilization", help="Fraction of device memory the pool sizing may use.")
 @click.option("--pool-blocks", type=Int(1, MAX_POOL_BLOCKS), default=None,
               help="KV pool size in blocks (overrides the inventory).")
 @click.option("--device-memory", type=Size(), default=None,
@@ -292,8 +290,7 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @engine_option("recovery", help="How a preempted request comes back (swap needs --host-pool).")
 @engine_option("kv_dtype", help="KV cache format [auto: the model's dtype].")
 @click.option("--weight-dtype", default=None, help="Weight format [the checkpoint's].")
-@click.option("--max-model-len", type=Int(2, 10**8), default=None,
-              help="Clamp prompts/outputs [max_position_embeddings].")
+@engine_option("max_model_len", help="Clamp prompts/outputs [max_position_embeddings].")
 @click.option("--declared-max-new", type=Int(1, 10**8), default=None,
               help="Requests declare this output allowance and stop (stop token) at their trace length; "
               "default: the trace length is the allowance (full reservation then knows it exactly).")
@@ -351,10 +348,10 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Fleet: weight of a replica's prefill backlog in the routing cost.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, requests: int, input_len: int,
-                 output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str, tp: int,
-                 policy: str, block_size: int, prefix_cache: str, eviction: str, isolate_groups: bool,
+                 output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str,
+                 tensor_parallel_size: int, policy: str, block_size: int, enable_prefix_caching: bool, eviction: str, isolate_groups: bool,
                  trust_groups: str | None,
-                 host_pool: int, offload_prefixes: bool, utilization: float, pool_blocks: int | None,
+                 host_pool: int, offload_prefixes: bool, gpu_memory_utilization: float, pool_blocks: int | None,
                  device_memory: int | None, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
                  victim: str,
                  recovery: str,
@@ -393,10 +390,10 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
     groups = "request" if isolate_groups else (trust_groups or "trace")
     if offload_prefixes and not host_pool:
         raise ConfigError("--offload-prefixes needs a host tier to demote to: give --host-pool, e.g. 64GiB")
-    base = SimConfig(model=model, gpu=gpu, tp=tp, policy=policy, block_size=block_size,
-                     prefix_cache=prefix_cache == "on", eviction=eviction, trust_groups=groups,
+    base = SimConfig(model=model, gpu=gpu, tp=tensor_parallel_size, policy=policy, block_size=block_size,
+                     prefix_cache=enable_prefix_caching, eviction=eviction, trust_groups=groups,
                      host_pool_bytes=host_pool, offload_prefixes=offload_prefixes,
-                     utilization=utilization, pool_blocks=pool_blocks, device_memory=device_memory,
+                     utilization=gpu_memory_utilization, pool_blocks=pool_blocks, device_memory=device_memory,
                      max_running=max_num_seqs, token_budget=max_num_batched_tokens, prefill_chunk=prefill_chunk,
                      victim=victim, recovery=recovery, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
                      max_model_len=max_model_len, declared_max_new=declared_max_new, seed=seed)

@@ -1,6 +1,6 @@
 """KV formats side by side: bytes with metadata, what the seed's pool holds, decode speed and quality.
 
-For each format (bf16, fp8, int8, int4 by default):
+For each format (bf16, fp8-scaled, int8, int4 by default):
 
 * bytes per token with metadata (scales, minimums) and per block, from ``KVSpec`` (the planner's and the
   store's single source), for the seed's synthetic decoder (32 layers, 8 KV heads of 128, 16-token
@@ -15,7 +15,7 @@ For each format (bf16, fp8, int8, int4 by default):
   (the shipped records in ``kvledger/data/quality/records`` were made this way).
 
 Prints one line per format, then one JSON line of every figure.
-Usage: python benchmarks/kv_formats.py [--formats fp8,int8,int4] [--contexts 256,2048] [--new-tokens 128]
+Usage: python benchmarks/kv_formats.py [--formats fp8-scaled,int8,int4] [--contexts 256,2048] [--new-tokens 128]
        [--batch 8] [--prompt 256] [--new 32] [--reps 3] [--threads 2] [--record DIR] [--skip-quality]
 """
 
@@ -64,7 +64,7 @@ def seed_figures(fmt: str, block_size: int) -> dict[str, object]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--formats", default="fp8,int8,int4")
+    ap.add_argument("--formats", default="fp8-scaled,int8,int4")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--contexts", default="256,2048")
     ap.add_argument("--new-tokens", type=int, default=128, help="greedy tokens of the quality protocol")

@@ -69,7 +69,9 @@ SEED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--block-size"
 @pytest.mark.parametrize(("fmt", "extra", "per_token", "blocks", "concurrent"), [
     ("bf16", [], 131072, 256, 1),
     ("int8", [], 66560, 504, 3),  # 32 x 2 x 8 x (128 codes + 2 scale bytes): 1.97x the blocks of bf16
-    ("fp8", [], 66560, 504, 3),
+    ("fp8-scaled", [], 66560, 504, 3),
+    ("fp8", [], 65536, 512, 3),  # vLLM's fp8: unscaled e4m3, no metadata, half of bf16
+    ("fp8_e5m2", [], 65536, 512, 3),
     ("int4", ["--max-num-seqs", "8"], 41984, 774, 5),  # eight 2 MiB residual pages come off the pool first
 ])
 def test_plan_counts_a_formats_metadata_in_bytes_blocks_and_concurrency(

@@ -309,11 +309,12 @@ def test_tp_hint_suggests_the_smallest_degree_that_fits() -> None:
 
 
 def test_fp8_kv_hint_says_how_many_tokens_fp8_kv_gives() -> None:
-    """The fp8-KV hint is a line of text with the capacity the plan with --kv-dtype fp8 gives."""
+    """The fp8-KV hint is a line of text with the capacity the plan with vLLM's --kv-cache-dtype fp8 (the
+    unscaled e4m3 cast, which vLLM serves) gives."""
     cfg = load_model_config("llama-3.1-8b")
     hints = fit_hints(KVSpec.from_hf_config(cfg), cfg, H100_VLLM)
-    fp8 = build_inventory(KVSpec.from_hf_config(cfg, kv_dtype="fp8"), cfg, **H100_VLLM)
-    assert f"--kv-dtype fp8 ({fp8.capacity_tokens:,} tokens)" in hints
+    fp8 = build_inventory(KVSpec.from_hf_config(cfg, kv_dtype="fp8_e4m3"), cfg, **H100_VLLM)
+    assert f"--kv-cache-dtype fp8 ({fp8.capacity_tokens:,} tokens)" in hints
     assert all(isinstance(h, str) for h in hints)
 
 

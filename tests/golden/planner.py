@@ -179,7 +179,7 @@ def cases(rec: Recorder) -> None:
                     continue
                 rec(f"{model} | tp {tp} | weights {wd}", lambda: params.weights_bytes_per_rank(
                     cfg, tp, wd, vocab_pad=64 if tp == 8 else 1))
-            for kv in (None, "fp8", "int4", "fp32") if tp in (1, 8) else (None,):
+            for kv in (None, "fp8-scaled", "int4", "fp32") if tp in (1, 8) else (None,):
                 for bs in (16, 32) if tp == 1 else (16,):
                     rec(f"{model} | tp {tp} | kv {kv} bs {bs}", lambda: _spec_figures(
                         geometry.KVSpec.from_hf_config(cfg, kv_dtype=kv, tp=tp, block_size=bs, name=model)))
@@ -290,7 +290,7 @@ def _small_cases(rec: Recorder) -> None:
                {"layers": 4, "kv_heads": 2, "head_dim": 576, "attention": "mla", "kv_lora_rank": 512, "rope_dim": 64},
                {"layers": 4, "kv_heads": 8, "head_dim": 128, "kv_dtype": "int4", "residual_dtype": "fp32"},
                {"layers": 4, "kv_heads": 8, "head_dim": 128, "kv_dtype": "int4", "residual_dtype": "int8"},
-               {"layers": 4, "kv_heads": 8, "head_dim": 128, "kv_dtype": "fp8", "residual_dtype": "fp32"},
+               {"layers": 4, "kv_heads": 8, "head_dim": 128, "kv_dtype": "fp8-scaled", "residual_dtype": "fp32"},
                {"layers": 4, "kv_heads": 8, "head_dim": 100, "kv_dtype": "int4"},
                {"layers": 4, "kv_heads": 2, "head_dim": 128, "tp": 8},
                {"layers": 4, "kv_heads": 3, "head_dim": 128, "tp": 2},

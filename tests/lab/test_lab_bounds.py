@@ -72,7 +72,7 @@ def largest_accepted(make: Callable[[int], dict], hi: int) -> dict | None:
 # The issue's body: 64 requests of a 2,048-token shared prompt, block size 1, fp8, layers / heads / head dim
 # 1, a 64 KiB pool, policy predicted, at the longest output allowance the earlier bounds let through. One
 # /api/admit kept a worker 4 s, /api/lab 9.5 s.
-ISSUE = {"layers": 1, "kv_heads": 1, "head_dim": 1, "kv_dtype": "fp8", "block_size": 1, "pool": "64KiB",
+ISSUE = {"layers": 1, "kv_heads": 1, "head_dim": 1, "kv_dtype": "fp8-scaled", "block_size": 1, "pool": "64KiB",
          "requests": 64, "prompt": 2048, "shared_prefix": 2048, "max_new": 255, "policy": "predicted"}
 
 

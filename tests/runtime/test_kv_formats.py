@@ -16,7 +16,7 @@ from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend, na
 from kvledger.runtime.host_store import HostKVStore
 from kvledger.runtime.kv_quant import quant_kivi_k, quant_token
 
-QUANTISED = ["fp8", "int8", "int4"]
+QUANTISED = ["fp8-scaled", "int8", "int4"]
 BACKENDS = ["torch", "native"]
 
 
@@ -41,7 +41,7 @@ def _write_all(store: KVStore, slots: list[int], k: torch.Tensor, v: torch.Tenso
 
 
 # ---- bytes ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("fmt", "block", "seqs"), [("fp8", 16, 0), ("int8", 16, 0), ("int4", 16, 8),
+@pytest.mark.parametrize(("fmt", "block", "seqs"), [("fp8-scaled", 16, 0), ("int8", 16, 0), ("int4", 16, 8),
                                                     ("int4", 64, 3), ("bf16", 16, 0), ("fp8_e4m3", 16, 0)])
 def test_the_store_allocates_exactly_the_bytes_the_planner_states(fmt: str, block: int, seqs: int) -> None:
     """SmolLM2's geometry in a 64 MiB pool: the planner's blocks and residual pages are what the store holds."""
@@ -60,7 +60,7 @@ def test_bytes_per_token_count_scales_and_hit_the_targets_on_smollm2() -> None:
     bf16 = KVSpec(30, 3, 64, kv_dtype="bf16").bytes_per_token
     assert bf16 == 23040
     assert KVSpec(30, 3, 64, kv_dtype="int8").bytes_per_token == 30 * 2 * 3 * (64 + 2) == 11880
-    assert KVSpec(30, 3, 64, kv_dtype="fp8").bytes_per_token == 11880
+    assert KVSpec(30, 3, 64, kv_dtype="fp8-scaled").bytes_per_token == 11880
     assert KVSpec(30, 3, 64, kv_dtype="int4").bytes_per_token == 30 * 3 * (64 + 4 * 64 // 16 + 4) == 7560
     assert KVSpec(30, 3, 64, kv_dtype="int4", block_size=64).bytes_per_token == 6480
     assert bf16 / 11880 >= 1.9 and bf16 / 6480 >= 3.5
@@ -72,7 +72,7 @@ def test_bytes_per_token_count_scales_and_hit_the_targets_on_smollm2() -> None:
 
 def test_a_compressed_blocks_identity_names_the_format_and_its_parameters() -> None:
     specs = [KVSpec(2, 2, 16, kv_dtype=f, block_size=b, residual_dtype=r)
-             for f, b, r in (("int8", 16, None), ("fp8", 16, None), ("int4", 16, "fp32"), ("int4", 64, "fp32"),
+             for f, b, r in (("int8", 16, None), ("fp8-scaled", 16, None), ("int4", 16, "fp32"), ("int4", 64, "fp32"),
                              ("int4", 16, "bf16"), ("fp8_e4m3", 16, None), ("bf16", 16, None))]
     ids = [s.kv_format_id for s in specs]
     assert len(set(ids)) == len(ids)
@@ -108,7 +108,7 @@ def test_reads_dequantise_within_the_formats_error(fmt: str) -> None:
     _write_all(store, slots, k, v)
     rk, rv = store.read(1, torch.tensor(slots), torch.float32)
     err = max(float((rk - k).norm() / k.norm()), float((rv - v).norm() / v.norm()))
-    bound = {"int8": 0.01, "fp8": 0.04, "int4": 0.12}[fmt]
+    bound = {"int8": 0.01, "fp8-scaled": 0.04, "int4": 0.12}[fmt]
     assert 0 < err < bound
 
 

@@ -24,7 +24,7 @@ from kvledger.scheduler import SchedulerConfig
 
 BS = 4
 NEW = 8
-QUANTISED = ["fp8", "int8", "int4"]
+QUANTISED = ["fp8-scaled", "int8", "int4"]
 MODES = {
     "roomy": dict(num_blocks=200),
     "recompute": dict(num_blocks=14, scheduler_config=SchedulerConfig(
@@ -159,7 +159,7 @@ def test_a_passing_record_for_the_weights_and_format_lets_the_engine_serve(tiny_
 
 
 def test_contracts_ship_for_every_quantised_format_and_bad_ones_are_one_clear_error(tmp_path) -> None:
-    for fmt in ("fp8", "int8", "int4", "fp8_e4m3", "fp8_e5m2"):
+    for fmt in ("fp8-scaled", "int8", "int4", "fp8_e4m3", "fp8_e5m2"):
         contract = load_contract(fmt)
         assert contract.format == fmt and contract.thresholds
     int8 = {t.metric: t for t in load_contract("int8").thresholds}

@@ -18,10 +18,10 @@ from kvledger.errors import ConfigError
 from kvledger.runtime import KVStore
 from kvledger.runtime.kv_store import BlockBytes
 
-FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8", "int8", "int4"]
+FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8-scaled", "int8", "int4"]
 # Largest error of a read against what was written, as a fraction of the written rows' largest magnitude.
 TOLERANCE = {"fp32": 0.0, "bf16": 2 ** -8, "fp16": 2 ** -11, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3,
-             "fp8": 2 ** -4, "int8": 1 / 127, "int4": 0.15}
+             "fp8-scaled": 2 ** -4, "int8": 1 / 127, "int4": 0.15}
 LAYERS, HEADS, DIM, BS = 2, 2, 8, 4
 
 
@@ -210,7 +210,7 @@ def test_plain_views_are_the_pool_itself() -> None:
     kb, vb = store.blocks(1)
     assert kb.shape == (3, BS, HEADS, DIM) and kb.data_ptr() == k.data_ptr() and vb.data_ptr() == v.data_ptr()
     assert set(KVStore(spec("int4"), 2).parts(0)) == {"k.codes", "k.scale", "k.min", "v.codes", "v.scale", "v.min"}
-    assert set(KVStore(spec("fp8"), 2).parts(1)) == {"k.codes", "k.scale", "v.codes", "v.scale"}
+    assert set(KVStore(spec("fp8-scaled"), 2).parts(1)) == {"k.codes", "k.scale", "v.codes", "v.scale"}
 
 
 def test_int4_pages_of_finished_sequences_are_reclaimed_only_when_none_is_free() -> None:

@@ -98,7 +98,7 @@ DOCUMENTED_PARTS = {
     "fp16": [("k.values", 2 * B8 * H2 * D32), ("v.values", 2 * B8 * H2 * D32)],
     "fp8_e4m3": [("k.values", B8 * H2 * D32), ("v.values", B8 * H2 * D32)],
     "fp8_e5m2": [("k.values", B8 * H2 * D32), ("v.values", B8 * H2 * D32)],
-    "fp8": _TOKEN_HEAD,
+    "fp8-scaled": _TOKEN_HEAD,
     "int8": _TOKEN_HEAD,
     "int4": [("k.codes", B8 * H2 * D32 // 2), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
              ("v.codes", B8 * H2 * D32 // 2), ("v.scale", 2 * B8 * H2), ("v.min", 2 * B8 * H2)],
@@ -225,7 +225,7 @@ def test_fp8_a_row_on_the_e4m3_grid_uses_every_finite_code_and_reads_back_exactl
     values = [e4m3(b) for b in E4M3_FINITE]
     assert max(values) == 448.0 and min(values) == -448.0 and len(values) == 254
     x = torch.tensor(_row(values, 256)).view(1, 1, 256)
-    codes, scale = q.quant_token(x, "fp8")
+    codes, scale = q.quant_token(x, "fp8-scaled")
     assert float(scale) == 1.0
     got = codes.view(torch.uint8).flatten().tolist()
     assert got[:254] == E4M3_FINITE and got[254:] == [0, 0]  # -0.0 keeps its code 0x80
@@ -240,7 +240,7 @@ def test_fp8_a_row_on_the_e4m3_grid_uses_every_finite_code_and_reads_back_exactl
 ])
 def test_fp8_scale_is_amax_over_448_in_fp16_and_the_extreme_is_the_largest_code(row, amax, top) -> None:
     x = torch.tensor(row).view(1, 1, 4)
-    codes, scale = q.quant_token(x, "fp8")
+    codes, scale = q.quant_token(x, "fp8-scaled")
     s = f16(amax / 448)
     assert scale.numpy().tobytes() == f16_bytes([s])
     got = codes.view(torch.uint8).flatten().tolist()
@@ -257,7 +257,7 @@ def test_fp8_ties_round_to_the_even_mantissa() -> None:
     cases = [(1.0625, 0x38), (1.1875, 0x3A), (2.125, 0x40), (432.0, 0x7E), (2.0**-10, 0x00),
              (3 * 2.0**-10, 0x02), (-1.0625, 0xB8), (448.0, 0x7E)]
     x = torch.tensor([v for v, _ in cases]).view(1, 1, len(cases))
-    codes, scale = q.quant_token(x, "fp8")
+    codes, scale = q.quant_token(x, "fp8-scaled")
     assert float(scale) == 1.0
     assert codes.view(torch.uint8).flatten().tolist() == [c for _, c in cases]
 
@@ -265,7 +265,7 @@ def test_fp8_ties_round_to_the_even_mantissa() -> None:
 def test_fp8_a_zero_row_reads_back_zero() -> None:
     x = torch.zeros(1, 2, 8)
     x[0, 1, 3] = -3.5
-    codes, scale = q.quant_token(x, "fp8")
+    codes, scale = q.quant_token(x, "fp8-scaled")
     assert scale.numpy().tobytes() == f16_bytes([0.0, f16(3.5 / 448)])
     assert codes[0, 0].view(torch.uint8).tolist() == [0] * 8
     deq = q.dequant_token(codes, scale)
@@ -282,7 +282,7 @@ def _e4m3_half_step(y: torch.Tensor) -> torch.Tensor:
 def test_fp8_every_element_is_within_half_an_e4m3_step_times_its_scale(magnitude: float) -> None:
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(64, 3, 32, generator=gen) * magnitude
-    codes, scale = q.quant_token(x, "fp8")
+    codes, scale = q.quant_token(x, "fp8-scaled")
     s = scale.double()[..., None]
     y = x.double() / s
     err = (q.dequant_token(codes, scale).double() - x.double()).abs()
@@ -292,7 +292,7 @@ def test_fp8_every_element_is_within_half_an_e4m3_step_times_its_scale(magnitude
 
 
 def test_fp8_store_bytes_are_e4m3_codes_then_fp16_scales_k_then_v() -> None:
-    store = quantised_store("fp8", block=1, heads=1, dim=4)
+    store = quantised_store("fp8-scaled", block=1, heads=1, dim=4)
     write_rows(store, [1], torch.tensor([[[896.0, -1.0, 2.25, 0.0]]]), torch.tensor([[[0.0, 0.0, 0.0, 0.0]]]))
     raw = layer_block_raw(store, 1)
     # x / 2 = [448, -0.5, 1.125, 0]: 0 1111 110, 1 0110 000, 0 0111 001, 0 (sign, exponent, mantissa)

@@ -37,7 +37,7 @@ def block_bytes(store: KVStore, block: int) -> bytes:
     return BlockRows(store).snapshot(block)
 
 
-SPECS = [KVSpec(3, 2, 8, kv_dtype=d, block_size=BS) for d in ("fp32", "bf16", "fp16", "fp8")]
+SPECS = [KVSpec(3, 2, 8, kv_dtype=d, block_size=BS) for d in ("fp32", "bf16", "fp16", "fp8-scaled")]
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.kv_dtype)
@@ -292,7 +292,7 @@ def test_measure_links_times_each_tier_on_the_real_path_and_leaves_the_store_as_
         measure_links(store, sizes=(1,), repeats=0)
 
 
-@pytest.mark.parametrize("fmt", ["fp8", "int8", "int4"])
+@pytest.mark.parametrize("fmt", ["fp8-scaled", "int8", "int4"])
 @pytest.mark.parametrize("tiers", [[("host", 4)], [("disk", 4)], [("host", 1), ("disk", 3)]],
                          ids=["host", "disk", "both"])
 def test_quantised_blocks_go_through_every_tier_bit_for_bit_with_their_residual(fmt: str, tiers, tmp_path) -> None:

@@ -158,7 +158,7 @@ SIM_CASES: dict[str, Callable[[], tuple[SimConfig, list[SimRequest]]]] = {
                                                  SimRequest("small", 0.1, list(range(300, 316)), 2)]),
     # Other device profiles and formats: the A100, an fp8 KV cache, TP 3.
     "a100_fp8": lambda: (SimConfig(model="qwen2.5-7b", gpu="a100-80gb", tp=2, block_size=32, pool_blocks=24,
-                                   kv_dtype="fp8", check_every=1), bursty()),
+                                   kv_dtype="fp8-scaled", check_every=1), bursty()),
     "l4_sliding": lambda: (SimConfig(model="gemma-2-9b", gpu="l4", block_size=16, pool_blocks=40, check_every=1,
                                      policy="incremental"), bursty(12)),
 }

@@ -30,8 +30,9 @@ class DtypeName(click.ParamType):
 
     name = "dtype"
 
-    def __init__(self, allowed: Callable[[], list[str]], auto: bool = False) -> None:
-        self._allowed, self.auto = allowed, auto
+    def __init__(self, allowed: Callable[[], list[str]], auto: bool = False,
+                 also: Callable[[], list[str]] | None = None) -> None:
+        self._allowed, self.auto, self._also = allowed, auto, also
 
     def convert(self, value: Any, param: Any, ctx: Any) -> str | None:
         if value is None:
@@ -49,18 +50,31 @@ class DtypeName(click.ParamType):
         except ConfigError:
             name = ""
         if name not in allowed:
-            self.fail(f"unknown dtype {shown!r}: give one of {', '.join(allowed + (['auto'] if self.auto else []))}",
-                      param, ctx)
+            self.fail(f"unknown dtype {shown!r}: give one of {', '.join(self._shown())}", param, ctx)
         return name
 
+    def _shown(self) -> list[str]:
+        """The names offered: ours, then vLLM's other spellings of them (``fp8``), then ``auto``."""
+        allowed = self._allowed()
+        from ..core.sizing.geometry import canonical_dtype
+
+        extra = [n for n in (self._also() if self._also else []) if canonical_dtype(n) in allowed]
+        return allowed + extra + (["auto"] if self.auto else [])
+
     def get_metavar(self, param: Any, ctx: Any = None) -> str:
-        return "[" + "|".join(self._allowed() + (["auto"] if self.auto else [])) + "]"
+        return "[" + "|".join(self._shown()) + "]"
 
 
 def _kv_formats() -> list[str]:
     from ..core.sizing.kv_formats import KV_FORMATS
 
     return list(KV_FORMATS)
+
+
+def _vllm_kv_names() -> list[str]:
+    from ..core.sizing.kv_formats import VLLM_NAMES
+
+    return [name for name in VLLM_NAMES if name == "fp8"]  # the one vLLM name not spelled like ours
 
 
 def _admission_policies() -> list[str]:
@@ -122,10 +136,10 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
         help="Compute dtype of the weights (and of the KV cache unless --kv-cache-dtype says otherwise): fp32, "
              "bf16, fp16 (vLLM's float32, bfloat16, float16 / half too).")),
     "kv_dtype": (("--kv-cache-dtype", "--kv-dtype", "kv_dtype"), dict(
-        type=DtypeName(_kv_formats, auto=True), default=None,
-        help="KV cache format [auto: the compute dtype]. fp8 is kvledger's scaled e4m3 (a scale per token "
-             "and head; vLLM's unscaled fp8 is fp8_e4m3); fp8, int8 and int4 are quantised and need a passing "
-             "`kvledger quality` record for the model (docs/kv_formats.md).")),
+        type=DtypeName(_kv_formats, auto=True, also=_vllm_kv_names), default=None,
+        help="KV cache format [auto: the compute dtype]. fp8 is vLLM's (= fp8_e4m3: an unscaled e4m3 cast, 1 byte "
+             "per value); fp8-scaled is kvledger's e4m3 with a scale per token and head. fp8*, int8 and int4 are "
+             "quantised and need a passing `kvledger quality` record for the model (docs/kv_formats.md).")),
     "allow_untested_kv": (("--allow-untested-kv",), dict(
         is_flag=True, help="Serve a quantised KV format that has no passing quality record for the model.")),
     "block_size": (("--block-size",), dict(

@@ -278,7 +278,7 @@ _NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
 # Plain KV dtypes the native kernels read and write directly (quantised formats have their own loaders).
 _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 # The kernels' codes for a quantised tensor's layout (QuantKind in the C++).
-_QUANT_KINDS = {("fp8", "k"): 1, ("fp8", "v"): 1, ("int8", "k"): 2, ("int8", "v"): 2, ("int4", "k"): 3,
+_QUANT_KINDS = {("fp8-scaled", "k"): 1, ("fp8-scaled", "v"): 1, ("int8", "k"): 2, ("int8", "v"): 2, ("int4", "k"): 3,
                 ("int4", "v"): 4}
 
 

@@ -20,7 +20,7 @@ def quant_token(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x [n, H, D]`` -> (codes ``[n, H, D]``, fp16 scale ``[n, H]``), one scale per token and head.
 
     int8: symmetric, ``s = amax / 127``, ``code = round(x / s)`` in [-127, 127].
-    fp8:  ``s = amax / 448``, ``code = e4m3(x / s)`` (round to nearest even by the cast)."""
+    fp8-scaled: ``s = amax / 448``, ``code = e4m3(x / s)`` (round to nearest even by the cast)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     top = 127.0 if fmt == "int8" else FP8_MAX

@@ -13,9 +13,11 @@ from typing import Any
 
 from ...errors import ConfigError
 from .. import checks
-from .geometry import KVSpec
+from .engines import check_engine_kv_format
+from .geometry import KVSpec, canonical_dtype
 from .gpus import GPUS
 from .inventory import Inventory, build_inventory
+from .kv_formats import get_kv_format
 
 TP_DEGREES = (1, 2, 4, 8)
 MIN_USEFUL_TOKENS = 8192  # a suggested option must leave at least this much KV cache
@@ -72,10 +74,10 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
             hints.append(f"--gpu {gpu.name} ({inv.capacity_tokens:,} tokens)")
             break
     if spec.dtype_bytes > 1:
-        s = _spec(cfg, spec, kv_dtype="fp8")
+        s = _spec(cfg, spec, kv_dtype="fp8")  # vLLM's fp8: the unscaled e4m3 cast, which vLLM serves
         inv = _try(s, cfg, **kw) if s else None
         if ok(inv):
-            hints.append(f"--kv-dtype fp8 ({inv.capacity_tokens:,} tokens)")
+            hints.append(f"--kv-cache-dtype fp8 ({inv.capacity_tokens:,} tokens)")
     if cfg is not None and kw.get("weight_dtype") not in ("fp8", "int4", "fp4"):
         inv = _try(spec, cfg, **{**kw, "weight_dtype": "fp8"})
         if ok(inv):
@@ -129,6 +131,8 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
     for name in names:
         if name not in GPUS:
             raise ConfigError(f"unknown GPU {name!r}; known GPUs are: {', '.join(GPUS)}")
+    if kv_dtype is not None:  # one line for the whole matrix, not one note per row
+        check_engine_kv_format(engine, get_kv_format(canonical_dtype(kv_dtype)))
     rows: list[MatrixRow] = []
     for name in names:
         gpu = GPUS[name]

@@ -27,6 +27,7 @@ from typing import Any
 
 from ...errors import ConfigError
 from .geometry import KVSpec, config_int, default_dtype, dtype_bytes, text_config
+from .kv_formats import KV_FORMATS, KVFormat, vllm_serves
 from .params import moe_layout, weight_plan, weights_bytes_per_rank
 
 GiB = 2**30
@@ -337,12 +338,22 @@ def check_engine(name: Any) -> str:
     return name
 
 
+def check_engine_kv_format(engine: str, fmt: KVFormat) -> None:
+    """Refuse to plan a KV format for an engine that cannot store it: vLLM keeps plain values (its fp8 is an
+    unscaled cast), so kvledger's scaled formats have no vLLM equivalent to plan for."""
+    if engine == "vllm" and not vllm_serves(fmt):
+        plain = [n for n, f in KV_FORMATS.items() if vllm_serves(f) and f.value_bits > 8]
+        raise ConfigError(f"vLLM cannot serve the KV format {fmt.name} (kvledger's own); vLLM serves auto (the "
+                          f"model's dtype: {', '.join(plain)}), fp8 (= fp8_e4m3) and fp8_e5m2: give one of those, "
+                          f"or plan {fmt.name} with --engine kvledger")
+
+
 def budget_bytes(device_bytes: int, utilization: float) -> int:
     return math.floor(device_bytes * utilization)
 
 
 __all__ = [
     "CUDAGRAPH_ALLOWANCE", "ENGINES", "NON_TORCH_BY_TP", "SAMPLER_BYTES_PER_LOGIT", "BatchDefaults",
-    "MeasuredPeak", "Term", "budget_bytes", "check_engine", "find_peak", "kvledger_terms",
+    "MeasuredPeak", "Term", "budget_bytes", "check_engine", "check_engine_kv_format", "find_peak", "kvledger_terms",
     "load_measured_peaks", "non_torch_bytes", "vllm_batch_defaults", "vllm_terms", "workspace_peak_bytes",
 ]

@@ -12,7 +12,7 @@ from ...errors import ConfigError, InvariantError
 from ...units import format_bytes, parse_bytes
 from .. import checks
 from ..identity import CacheContext, request_context
-from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, KVFormat
+from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, VLLM_NAMES, KVFormat
 
 # Bytes per stored K/V value, by format name (int4: half a byte). Metadata is not in this figure: a
 # format's bytes per token and per block come from its layout (`core.sizing.kv_formats`), which counts scales,
@@ -33,6 +33,7 @@ _DTYPE_ALIASES: dict[str, str] = {
     "float8_e4m3": "fp8_e4m3",
     "fp8_e4m3fn": "fp8_e4m3",
     "float8_e5m2": "fp8_e5m2",
+    **VLLM_NAMES,  # vLLM's "fp8" is the unscaled e4m3 cast
 }
 
 ATTENTION_KINDS = ("full", "sliding", "mla", "hybrid")
@@ -52,7 +53,7 @@ def canonical_dtype(name: str) -> str:
 
 def dtype_bytes(name: str) -> int | float:
     """Bytes per stored value of a dtype or KV format: `dtype_bytes("bfloat16") == 2`,
-    `dtype_bytes("fp8") == 1`, `dtype_bytes("int4") == 0.5` (metadata not included)."""
+    `dtype_bytes("fp8_e4m3") == 1`, `dtype_bytes("int4") == 0.5` (metadata not included)."""
     return KV_DTYPE_BYTES[canonical_dtype(name)]
 
 

@@ -24,6 +24,7 @@ from .engines import (
     Term,
     budget_bytes,
     check_engine,
+    check_engine_kv_format,
     kvledger_terms,
     vllm_batch_defaults,
     vllm_terms,
@@ -215,6 +216,8 @@ def build_inventory(
     blocks, as the runtime's store allocates them.
     """
     check_engine(engine)
+    if pool_bytes is None:  # a pool given directly involves no engine's accounting
+        check_engine_kv_format(engine, spec.format)
     if isinstance(utilization, bool) or not isinstance(utilization, int | float) or not 0 < utilization <= 1:
         raise ConfigError(f"utilization must be in (0, 1], got {utilization!r}")
     if device_bytes is not None and gpu is not None:

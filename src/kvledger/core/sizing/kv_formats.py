@@ -5,15 +5,17 @@ exactly which arrays hold K and which hold V, in order, with their element types
 kvledger -- bytes per token, block bytes, the pool the planner sizes, the tensor the runtime allocates --
 is a sum over :meth:`KVFormat.parts`, so the planner and the store cannot disagree.
 
-Formats (the registry :data:`KV_FORMATS`; ``kvledger plan --kv-dtype`` takes its names):
+Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names and vLLM's, :data:`VLLM_NAMES`):
 
 ``fp32``, ``bf16``, ``fp16``
     Plain storage of the values. Not quantised.
-``fp8_e4m3``, ``fp8_e5m2``
-    A plain cast to 8-bit floats with no scale (vLLM's layout with its default per-tensor scale of 1.0).
-    Values outside the format's range saturate; small values lose precision. Quantised.
-``fp8``
-    e4m3 codes with one fp16 scale per token and KV head: ``code = e4m3(x / s)``, ``s = amax / 448``.
+``fp8_e4m3`` (vLLM's ``fp8``), ``fp8_e5m2``
+    A plain cast to 8-bit floats with no scale (vLLM's layout with its default per-tensor scale of 1.0):
+    1 byte per value, no metadata. Values outside the format's range saturate; small values lose
+    precision. Quantised.
+``fp8-scaled``
+    kvledger's e4m3 codes with one fp16 scale per token and KV head: ``code = e4m3(x / s)``,
+    ``s = amax / 448``. Not vLLM's ``fp8`` (which is unscaled): the scales cost 2 bytes per token and head.
 ``int8``
     Symmetric int8 with one fp16 scale per token and KV head: ``code = round(x / s)``, ``s = amax / 127``.
 ``int4``
@@ -24,7 +26,7 @@ Formats (the registry :data:`KV_FORMATS`; ``kvledger plan --kv-dtype`` takes its
     quantised when its last row is written. The residual is charged per running sequence, not per
     block: see :meth:`KVFormat.residual_page_bytes`.
 
-Why per token and head for fp8 and int8 (not per block and head): a block is written one token at a
+Why per token and head for fp8-scaled and int8 (not per block and head): a block is written one token at a
 time during decode, so a block-wide scale is not known until the block is full; a per-token scale is
 fixed when the token is written, needs no requantisation and leaves copy-on-write a byte copy. It costs
 2 bytes per token and head (3% at ``D = 64``, 1.6% at ``D = 128``).
@@ -69,7 +71,7 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class KVFormat:
-    """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8/int8) or ``kivi`` (int4)."""
+    """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8-scaled/int8) or ``kivi`` (int4)."""
 
     name: str
     summary: str
@@ -91,7 +93,7 @@ class KVFormat:
         if self.scales == "kivi":
             if mla:
                 raise ConfigError("the int4 format quantises K per channel and V per token; an MLA latent "
-                                  "cache is neither (use fp8 or int8)")
+                                  "cache is neither (use fp8-scaled or int8)")
             if head_dim % 2:
                 raise ConfigError(f"int4 packs two values per byte: head_dim must be even, got {head_dim}")
 
@@ -129,7 +131,7 @@ class KVFormat:
         if self.scales == "none":
             return self.name
         if self.scales == "token-head":
-            kind = "e4m3" if self.name == "fp8" else "sym"
+            kind = "e4m3" if self.name == "fp8-scaled" else "sym"
             return f"{self.name}:{kind},scale=fp16/token-head"
         return (f"int4:kivi,k=asym/channel/group{block_size},v=asym/token,meta=fp16,"
                 f"residual={residual_dtype}/{block_size}")
@@ -146,7 +148,8 @@ for _format in (
     _fmt("fp16", "plain fp16", 16, False, "none", "fp16"),
     _fmt("fp8_e4m3", "plain e4m3 cast, no scale (vLLM's layout, scale 1.0)", 8, True, "none", "fp8_e4m3"),
     _fmt("fp8_e5m2", "plain e5m2 cast, no scale (vLLM's layout, scale 1.0)", 8, True, "none", "fp8_e5m2"),
-    _fmt("fp8", "e4m3 with an fp16 scale per token and KV head", 8, True, "token-head", "fp8_e4m3"),
+    _fmt("fp8-scaled", "e4m3 with an fp16 scale per token and KV head (kvledger's; vLLM's fp8 is unscaled)", 8, True,
+         "token-head", "fp8_e4m3"),
     _fmt("int8", "symmetric int8 with an fp16 scale per token and KV head", 8, True, "token-head", "int8"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
          "unquantised residual for the partly written block", 4, True, "kivi", "uint8"),
@@ -154,8 +157,20 @@ for _format in (
     KV_FORMATS.register(_format.name, _format, _format.summary)
 
 
+# vLLM's --kv-cache-dtype values that name one of these formats under another name ("auto" is the model's
+# dtype, resolved by the caller). vLLM's "fp8" is e4m3 with no scale beside the values: our fp8_e4m3.
+VLLM_NAMES: dict[str, str] = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def vllm_serves(fmt: KVFormat) -> bool:
+    """Whether vLLM stores this format: plain values only (its fp8 caches keep at most a per-tensor scale,
+    never a scale per token or a 4-bit code)."""
+    return fmt.plain
+
+
 def get_kv_format(name: str) -> KVFormat:
-    found = KV_FORMATS.get(name)
+    """A format by its name or vLLM's (``fp8`` is ``fp8_e4m3``)."""
+    found = KV_FORMATS.get(VLLM_NAMES.get(name, name) if isinstance(name, str) else name)
     if found is None:
         raise ConfigError(f"unknown KV format {name!r} (known: {', '.join(KV_FORMATS)})")
     return found
@@ -166,5 +181,5 @@ def quantized_formats() -> list[str]:
     return [name for name, f in KV_FORMATS.items() if f.quantized]
 
 
-__all__ = ["ELEMENT_BYTES", "KV_FORMATS", "RESIDUAL_DTYPES", "KVFormat", "Part", "get_kv_format",
-           "quantized_formats"]
+__all__ = ["ELEMENT_BYTES", "KV_FORMATS", "RESIDUAL_DTYPES", "VLLM_NAMES", "KVFormat", "Part", "get_kv_format",
+           "quantized_formats", "vllm_serves"]

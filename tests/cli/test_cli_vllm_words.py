@@ -64,3 +64,37 @@ def test_plan_for_vllm_refuses_a_format_vllm_cannot_serve(capsys: pytest.Capture
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_e5m2", "auto", "bf16"])
 def test_plan_for_vllm_takes_the_formats_vllm_serves(capsys: pytest.CaptureFixture[str], fmt: str) -> None:
     assert run_json(capsys, *H100, "--kv-cache-dtype", fmt)["pool_blocks"] > 0
+
+
+# ---- Hugging Face ids find the bundled configs ---------------------------------------------------------
+@pytest.mark.parametrize("hf_id", ["meta-llama/Llama-3.1-8B", "meta-llama/llama-3.1-8b", "META-LLAMA/LLAMA-3.1-8B",
+                                   "meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Meta-Llama-3.1-8B",
+                                   "meta-llama/Meta-Llama-3.1-8B-Instruct", "Llama-3.1-8B"])
+def test_a_hugging_face_id_plans_the_bundled_config(capsys: pytest.CaptureFixture[str], hf_id: str) -> None:
+    bundled = run_json(capsys, *H100)
+    assert run_json(capsys, "plan", "--model", hf_id, "--gpu", "h100-80gb") == bundled
+    assert bundled["model"] == "llama-3.1-8b"
+
+
+@pytest.mark.parametrize("hf_id, name", [("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("google/gemma-2-9b-it", "gemma-2-9b"),
+                                         ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b"),
+                                         ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m")])
+def test_other_bundled_configs_answer_to_their_ids(capsys: pytest.CaptureFixture[str], hf_id: str, name: str) -> None:
+    assert run_json(capsys, "plan", "--model", hf_id)["model"] == name
+
+
+@pytest.mark.parametrize("model, closest", [("meta-llama/Llama-3.3-70B-Instruct", "llama-3.1-70b"),
+                                            ("meta-llama/Meta-Llama-3-8B", "llama-3.1-8b"),
+                                            ("llama3.1-8b", "llama-3.1-8b")])
+def test_an_unknown_id_names_the_closest_bundled_configs(capsys: pytest.CaptureFixture[str], model: str,
+                                                         closest: str) -> None:
+    line = one_error_line(capsys, "plan", "--model", model)
+    assert f"unknown model {model!r}; closest bundled: {closest}" in line
+
+
+def test_simulate_and_admit_take_hugging_face_ids(capsys: pytest.CaptureFixture[str]) -> None:
+    admit = ["admit", "--gpu", "l4", "--requests", "2", "--prompt", "64", "--max-new", "8"]
+    assert run_json(capsys, *admit, "--model", "meta-llama/Llama-3.1-8B") == \
+        run_json(capsys, *admit, "--model", "llama-3.1-8b")
+    sim = ["simulate", "--workload", "synthetic", "--requests", "3", "--no-report", "--pool-blocks", "200"]
+    assert run_json(capsys, *sim, "--model", "Qwen/Qwen2.5-7B")["model"] == "qwen2.5-7b"

@@ -114,7 +114,23 @@ def threads_option(default: int | None = None) -> Any:
                         help="torch CPU threads.")
 
 
+def bundled_model_name(ctx: Any, param: Any, value: str | None) -> str | None:
+    """``--model``'s callback: a Hugging Face id of a bundled config (``meta-llama/Llama-3.1-8B``, any case,
+    with or without ``-Instruct``) becomes its bundled name, so every later line names it one way; an
+    existing path or an unknown name passes through to the loader's own error."""
+    if value is None:
+        return None
+    from pathlib import Path
+
+    from ..core.sizing.models import resolve_model_name
+
+    if len(value) > 200 or Path(value).expanduser().exists():
+        return value
+    return resolve_model_name(value) or value
+
+
 def model_option(default: str = "smollm2-135m") -> Any:
     """``--model`` of the commands that run the torch engine."""
-    return click.option("--model", default=default, show_default=True,
-                        help="Bundled model name (smollm2-135m), a Hugging Face folder or a .gguf file.")
+    return click.option("--model", default=default, show_default=True, callback=bundled_model_name,
+                        help="Bundled model name (smollm2-135m) or its Hugging Face id, a Hugging Face folder or "
+                             "a .gguf file.")

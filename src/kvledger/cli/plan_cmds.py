@@ -14,7 +14,7 @@ import click
 from ..core.sizing.engines import ENGINES
 from .engine_options import engine_option
 from .engine_options import FLAGS
-from .options import MAX_COUNT, TOKENS, Int, Size, epilog
+from .options import MAX_COUNT, TOKENS, Int, Size, bundled_model_name, epilog
 
 
 def _step_names(knob: str, dest: str) -> list[str]:
@@ -25,8 +25,9 @@ def _step_names(knob: str, dest: str) -> list[str]:
 def geometry_options(fn: Any) -> Any:
     """The KV geometry flags shared by every command that needs a model."""
     opts = [
-        click.option("--model", default=None, help="Bundled model name (see `kvledger models`) or a path to a "
-                     "Hugging Face config.json or its folder."),
+        click.option("--model", default=None, callback=bundled_model_name,
+                     help="Bundled model name (see `kvledger models`) or its Hugging Face id "
+                     "(meta-llama/Llama-3.1-8B), or a path to a Hugging Face config.json or its folder."),
         click.option("--layers", type=Int(1, 10_000), default=None, help="Decoder layers (instead of --model)."),
         click.option("--kv-heads", type=Int(1, 100_000), default=None, help="Total KV heads (instead of --model)."),
         click.option("--head-dim", type=Int(1, 100_000), default=None, help="Head dimension (instead of --model)."),

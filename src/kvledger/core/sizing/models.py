@@ -7,7 +7,9 @@ naming the Hugging Face repository its numbers come from; HF ignores underscore 
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
@@ -52,13 +54,53 @@ def _bundled(name: str) -> dict[str, Any]:
     return _parse(resource.read_text(encoding="utf-8"), f"bundled model config {name!r}")
 
 
+def _hf_key(text: str) -> str:
+    """The part of a model name that picks its config: a Hugging Face id without its organisation, case,
+    ``Meta-`` prefix or instruction-tuned suffix (``meta-llama/Meta-Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b``;
+    the tuned model shares its base's config.json)."""
+    name = text.strip().split()[0].lower().rsplit("/", 1)[-1] if text.strip() else ""
+    name = name.removeprefix("meta-")
+    return re.sub(r"-(instruct|chat|it)(?=-|$)", "", name)
+
+
+def resolve_model_name(text: str) -> str | None:
+    """The bundled config a name or Hugging Face id means (case-insensitive: ``meta-llama/Llama-3.1-8B``,
+    ``Llama-3.1-8B-Instruct`` and ``meta-llama/Meta-Llama-3.1-8B`` are ``llama-3.1-8b``), or None."""
+    if not isinstance(text, str) or len(text) > 200:
+        return None
+    names = list_models()
+    if text.strip().lower() in names:
+        return text.strip().lower()
+    key = _hf_key(text)
+    for name in names:
+        if key in (name, _hf_key(str(_bundled(name).get("_source", "")))):
+            return name
+    return None
+
+
+def closest_models(text: str, n: int = 3) -> list[str]:
+    """The bundled names nearest to ``text`` (difflib), for an error that says what was probably meant."""
+    return difflib.get_close_matches(_hf_key(text), list_models(), n=n, cutoff=0.4)
+
+
+def _unknown(text: str, path_shaped: bool) -> str:
+    close = closest_models(text)
+    hint = f"closest bundled: {', '.join(close)}" if close else f"bundled models are: {', '.join(list_models())}"
+    where = " and no config.json at that path" if path_shaped else " (or give a path to config.json)"
+    return f"unknown model {text[:80]!r}; {hint} (`kvledger models` lists them){where}"
+
+
 def load_model_config(name_or_path: str | Path) -> dict[str, Any]:
-    """Load a model config: a bundled short name (see `list_models`), a `config.json` path, or a
-    directory holding `config.json` (a downloaded Hugging Face snapshot)."""
+    """Load a model config: a bundled short name (see `list_models`) or the Hugging Face id it comes from
+    (`resolve_model_name`), a `config.json` path, or a directory holding `config.json` (a downloaded
+    Hugging Face snapshot)."""
     text = str(name_or_path)
     if text in list_models():
         return _bundled(text)
     path = Path(text).expanduser()
+    bundled = None if path.exists() else resolve_model_name(text)
+    if bundled is not None:
+        return _bundled(bundled)
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
@@ -71,18 +113,21 @@ def load_model_config(name_or_path: str | Path) -> dict[str, Any]:
         except UnicodeDecodeError:
             raise ConfigError(f"model config {path} is not UTF-8 text") from None
         return _parse(raw, str(path))
-    # Something shaped like a path gets a path error; a bare word gets the list of names.
-    if path.suffix == _SUFFIX or "/" in text or path.exists():
+    # Something shaped like a file path gets a path error; a Hugging Face id (org/name) or a bare word gets
+    # the nearest bundled names.
+    hf_id = re.fullmatch(r"[\w.-]+/[\w.-]+", text) is not None and path.suffix != _SUFFIX
+    if path.suffix == _SUFFIX or ("/" in text and not hf_id) or path.exists():
         raise ConfigError(f"no model config at {path}")
-    known = ", ".join(list_models()) or "none"
-    raise ConfigError(f"unknown model {text!r}; bundled models are: {known} (or give a path to config.json)")
+    raise ConfigError(_unknown(text, hf_id))
 
 
 def model_source(name: str) -> str:
     """Where a bundled config's numbers come from (a Hugging Face repo id), or the file path for
     a config loaded from disk."""
-    if name in list_models():
-        return str(_bundled(name).get("_source", "unknown source"))
+    bundled = name if name in list_models() else (None if Path(name).expanduser().exists()
+                                                    else resolve_model_name(name))
+    if bundled is not None:
+        return str(_bundled(bundled).get("_source", "unknown source"))
     path = Path(name).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -90,4 +135,4 @@ def model_source(name: str) -> str:
     return str(path.resolve())
 
 
-__all__ = ["list_models", "load_model_config", "model_source"]
+__all__ = ["closest_models", "list_models", "load_model_config", "model_source", "resolve_model_name"]

@@ -98,3 +98,34 @@ def test_simulate_and_admit_take_hugging_face_ids(capsys: pytest.CaptureFixture[
         run_json(capsys, *admit, "--model", "llama-3.1-8b")
     sim = ["simulate", "--workload", "synthetic", "--requests", "3", "--no-report", "--pool-blocks", "200"]
     assert run_json(capsys, *sim, "--model", "Qwen/Qwen2.5-7B")["model"] == "qwen2.5-7b"
+
+
+# ---- GPU short names ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("short, name", [("h100", "h100-80gb"), ("H100", "h100-80gb"), ("h100-sxm", "h100-80gb"),
+                                         ("NVIDIA H100 80GB HBM3", "h100-80gb"), ("a100-80gb", "a100-80gb"),
+                                         ("A100-80G", "a100-80gb"), ("a100 40gb", "a100-40gb"), ("l4", "l4"),
+                                         ("L4", "l4"), ("h200", "h200-141gb"), ("a10", "a10")])
+def test_a_gpu_short_name_plans_its_catalogue_entry(capsys: pytest.CaptureFixture[str], short: str,
+                                                    name: str) -> None:
+    plan = ["plan", "--model", "llama-3.1-8b", "--engine", "kvledger"]
+    assert run_json(capsys, *plan, "--gpu", short) == run_json(capsys, *plan, "--gpu", name)
+
+
+def test_an_ambiguous_short_name_lists_its_candidates(capsys: pytest.CaptureFixture[str]) -> None:
+    line = one_error_line(capsys, *H100[:3], "--gpu", "a100")
+    assert "GPU 'a100' is ambiguous: give one of a100-40gb, a100-80gb" in line
+
+
+def test_an_unknown_gpu_names_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unknown GPU 'h100-pcie'; closest: h100-80gb" in one_error_line(capsys, *H100[:3], "--gpu", "h100-pcie")
+
+
+def test_short_names_reach_the_matrix_the_prices_and_simulate(capsys: pytest.CaptureFixture[str]) -> None:
+    matrix = ["plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "1000", "--max-new", "100",
+              "--concurrency", "4", "--tps", "1"]
+    short = run_json(capsys, *matrix, "--gpus", "h100,L4", "--prices", "h100=2.5,l4=0.8")
+    full = run_json(capsys, *matrix, "--gpus", "h100-80gb,l4", "--prices", "h100-80gb=2.5,l4=0.8")
+    assert short == full and [r["gpu"] for r in short["rows"]] == ["h100-80gb", "l4"]
+    sim = ["simulate", "--workload", "synthetic", "--requests", "3", "--no-report"]
+    assert run_json(capsys, *sim, "--gpu", "H100")["gpu"] == "h100-80gb"
+    assert "is ambiguous" in one_error_line(capsys, *sim, "--gpu", "a100")

@@ -129,6 +129,32 @@ def bundled_model_name(ctx: Any, param: Any, value: str | None) -> str | None:
     return resolve_model_name(value) or value
 
 
+def catalogue_gpu_name(ctx: Any, param: Any, value: str | None) -> str | None:
+    """``--gpu``'s callback: a usual short form (``h100``, ``H100``, ``a100-80g``) becomes the catalogue's name,
+    so every later line and suggestion names it one way; an ambiguous or unknown name is one usage line.
+    ``cpu-local`` (the calibrated profile ``simulate`` takes) passes through."""
+    if value is None or value.strip().lower() == "cpu-local":
+        return value
+    from ..core.sizing.gpus import resolve_gpu_name
+    from ..errors import ConfigError
+
+    try:
+        return resolve_gpu_name(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+def device_profile_name(ctx: Any, param: Any, value: str | None) -> str | None:
+    """``simulate --gpu``'s callback: as :func:`catalogue_gpu_name`, but a name that is no catalogue GPU goes
+    on to the simulator, whose one error lists its device profiles (``cpu-local`` among them)."""
+    try:
+        return catalogue_gpu_name(ctx, param, value)
+    except click.BadParameter as exc:
+        if "ambiguous" in str(exc.message):
+            raise
+        return value
+
+
 def model_option(default: str = "smollm2-135m") -> Any:
     """``--model`` of the commands that run the torch engine."""
     return click.option("--model", default=default, show_default=True, callback=bundled_model_name,

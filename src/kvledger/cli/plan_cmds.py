@@ -14,7 +14,7 @@ import click
 from ..core.sizing.engines import ENGINES
 from .engine_options import engine_option
 from .engine_options import FLAGS
-from .options import MAX_COUNT, TOKENS, Int, Size, bundled_model_name, epilog
+from .options import MAX_COUNT, TOKENS, Int, Size, bundled_model_name, catalogue_gpu_name, epilog
 
 
 def _step_names(knob: str, dest: str) -> list[str]:
@@ -53,7 +53,7 @@ def sizing_options(*, pool: str = "KV pool size directly, e.g. 512MiB (no engine
     the help for what it does with them."""
     opts = [
         click.option("--pool", type=Size(), default=None, help=pool),
-        click.option("--gpu", default=None, help=gpu),
+        click.option("--gpu", default=None, callback=catalogue_gpu_name, help=gpu),
         click.option("--device-memory", type=Size(), default=None, help=device_memory),
         click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True, help=engine),
         engine_option("gpu_memory_utilization", help=utilization),
@@ -188,7 +188,9 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
         raise ConfigError(f"--tps takes integers like 1,2,4,8; got {tps!r}") from None
     if not degrees or any(not 1 <= d <= 1024 for d in degrees) or len(degrees) > 16:
         raise ConfigError(f"--tps takes up to 16 degrees in [1, 1024]; got {tps!r}")
-    names = [g.strip().lower() for g in gpus.split(",") if g.strip()] if gpus else None
+    from ..core.sizing.gpus import resolve_gpu_name
+
+    names = [resolve_gpu_name(g) for g in gpus.split(",") if g.strip()] if gpus else None
     price_map = parse_prices(prices)
     rows = capacity_matrix(cfg, prompt=prompt, max_new=max_new, concurrency=concurrency, model_name=model,
                            engine=engine, utilization=utilization, kv_dtype=kv_dtype, weight_dtype=weight_dtype,

@@ -23,7 +23,7 @@ from ..workloads import trace_format_choices
 from .calibrate_cmds import calibrate_cmd, measure_runtime  # noqa: F401 -- re-exported for the app
 from .common import emit_json as _emit_json
 from .engine_options import engine_option, engine_options
-from .options import MAX_COUNT, SEED, Float, Int, Size, bundled_model_name, epilog
+from .options import MAX_COUNT, SEED, Float, Int, Size, bundled_model_name, device_profile_name, epilog
 
 DEFAULT_FRAG_CAPACITY = 131072  # token slots of KV memory in the fragmentation study
 MAX_POOL_BLOCKS = 2**22  # the largest pool a simulation allocates (its per-block state is Python lists)
@@ -263,7 +263,7 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Synthetic workload: coefficient of variation of the lengths (0 = fixed, else log-normal).")
 @click.option("--model", default="llama-3.1-8b", show_default=True, callback=bundled_model_name,
               help="Bundled model name (or its Hugging Face id) or config.json path.")
-@click.option("--gpu", default="h100-80gb", show_default=True,
+@click.option("--gpu", default="h100-80gb", show_default=True, callback=device_profile_name,
               help="Device profile: a catalogue GPU (see `kvledger gpus`) or cpu-local (after `kvledger calibrate`).")
 @engine_option("tensor_parallel_size")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",

@@ -15,7 +15,7 @@ from ...errors import ConfigError
 from .. import checks
 from .engines import check_engine_kv_format
 from .geometry import KVSpec, canonical_dtype
-from .gpus import GPUS
+from .gpus import GPUS, resolve_gpu_name
 from .inventory import Inventory, build_inventory
 from .kv_formats import get_kv_format
 
@@ -177,8 +177,11 @@ def parse_prices(text: str | None) -> dict[str, float] | None:
         raise ConfigError("--prices is too long")
     for item in text.split(","):
         name, sep, value = item.partition("=")
-        name = name.strip().lower()
-        if not sep or name not in GPUS:
+        try:
+            name = resolve_gpu_name(name) if sep else ""  # a usual short form (h100) names its entry
+        except ConfigError:
+            name = ""
+        if not name:
             raise ConfigError(f"--prices takes gpu=price pairs of catalogue GPUs ({', '.join(GPUS)}); got {item!r}")
         try:
             price = float(value)

@@ -8,7 +8,9 @@ vLLM multiplies by `gpu_memory_utilization`, and it is 1-8% below the datasheet 
 
 from __future__ import annotations
 
+import difflib
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -74,12 +76,44 @@ def _catalogue() -> dict[str, GPU]:
 GPUS: dict[str, GPU] = _catalogue()
 
 
+_FORM_FACTORS = {"sxm", "sxm4", "sxm5", "pcie", "nvl", "hbm2e", "hbm3", "hbm3e"}
+
+
+def _fits(token: str, gpu: GPU) -> bool:
+    """Whether one word of a short name (``80gb``, ``80``, ``sxm5``, ``hbm3``) agrees with a catalogue entry."""
+    size = re.fullmatch(r"(\d+)(gb|g|gib)?", token)
+    if size:
+        return f"{size.group(1)}gb" in gpu.name or f"{size.group(1)}gb" in gpu.label.lower()
+    if token in _FORM_FACTORS:
+        words = {"sxm" if w in ("sxm4", "sxm5") else w for w in re.split(r"[^a-z0-9]+", gpu.label.lower())}
+        return ("sxm" if token in ("sxm4", "sxm5") else token) in words
+    return False
+
+
+def resolve_gpu_name(name: str, catalogue: dict[str, GPU] | None = None) -> str:
+    """The catalogue name a GPU name means: the name itself (any case), or a usual short form -- ``h100``,
+    ``H100``, ``h100-sxm``, ``NVIDIA H100 80GB HBM3``, ``a100-80g`` -- when exactly one entry has that model
+    and every other word (memory size, form factor) agrees with it. An ambiguous short name (``a100``) lists
+    the candidates, an unknown one the closest names, each in one ConfigError."""
+    gpus = GPUS if catalogue is None else catalogue
+    text = str(name)[:60]
+    key = re.sub(r"[\s_]+", "-", text.strip().lower()).removeprefix("nvidia-").removeprefix("tesla-")
+    if key in gpus:
+        return key
+    model, *rest = key.split("-") if key else [""]
+    candidates = [g.name for g in gpus.values() if g.name.split("-")[0] == model and all(_fits(t, g) for t in rest)]
+    if len(candidates) == 1:
+        return candidates[0]
+    if candidates:
+        raise ConfigError(f"GPU {text!r} is ambiguous: give one of {', '.join(candidates)}")
+    close = difflib.get_close_matches(key, list(gpus), n=3, cutoff=0.5)
+    hint = f"closest: {', '.join(close)}; " if close else ""
+    raise ConfigError(f"unknown GPU {text!r}; {hint}known GPUs are: {', '.join(gpus)}")
+
+
 def get_gpu(name: str) -> GPU:
-    """Look a GPU up by catalogue name (case-insensitive)."""
-    gpu = GPUS.get(str(name).strip().lower())
-    if gpu is None:
-        raise ConfigError(f"unknown GPU {str(name)[:40]!r}; known GPUs are: {', '.join(GPUS)}")
-    return gpu
+    """Look a GPU up by catalogue name or a usual short form (:func:`resolve_gpu_name`)."""
+    return GPUS[resolve_gpu_name(name)]
 
 
-__all__ = ["GPU", "GPUS", "get_gpu"]
+__all__ = ["GPU", "GPUS", "get_gpu", "resolve_gpu_name"]

@@ -1,4 +1,7 @@
-"""Byte sizes: parse `512MiB`, `2GiB`, `79.18GiB`, `80GB`, `4096`; format for people.
+"""Byte sizes: parse `512MiB`, `2GiB`, `79.18GiB`, `80GB`, `4096B`; format for people.
+
+On the command line a size needs its unit (`unit_required`): `--device-memory 80` is refused, naming
+`80GiB`, `80GB` and `80B`, rather than read as 80 bytes.
 
 Every size is bounded (`MAX_BYTES`, 1 EiB) and so is the text it is written in (`MAX_SIZE_CHARS`), so a
 size with hundreds of digits is one clear `ConfigError`, never a slow parse or an overflow.
@@ -22,12 +25,14 @@ MAX_BYTES = 2**60  # 1 EiB: far beyond any device or host tier, small enough to 
 MAX_SIZE_CHARS = 40  # "1152921504606846976" is 19 digits; 40 leaves room for decimals and a unit
 
 
-def parse_bytes(text: str | int, *, allow_zero: bool = False) -> int:
+def parse_bytes(text: str | int, *, allow_zero: bool = False, unit_required: bool = False) -> int:
     """Parse a byte size. Decimal units (GB) are powers of 10, binary units (GiB) powers of 2.
 
     Bare single-letter suffixes (K, M, G, T) mean binary units, as in most CLIs. A fractional size
     (`79.18GiB`, the figure `nvidia-smi` and vLLM print) is rounded down to whole bytes. Sizes must be
-    positive (or zero with `allow_zero`) and at most `MAX_BYTES`.
+    positive (or zero with `allow_zero`) and at most `MAX_BYTES`. With `unit_required` a written size
+    other than zero must name its unit (`B` for bytes): what the command line asks, where a bare `80` meant
+    for GiB would otherwise plan 80 bytes.
     """
     if isinstance(text, bool):
         raise ConfigError(f"not a byte size: {text!r}")
@@ -43,6 +48,9 @@ def parse_bytes(text: str | int, *, allow_zero: bool = False) -> int:
             raise ConfigError(f"not a byte size: {raw!r} (use e.g. 512MiB, 2GiB, 79.18GiB, 80GB or a plain "
                               "integer)")
         number, unit = match.groups()
+        if unit_required and not unit and Decimal(number) != 0:
+            raise ConfigError(f"size {raw.strip()!r} has no unit: write {number}GiB (binary), {number}GB (decimal) "
+                              f"or {number}B (bytes)")
         try:
             exact = Decimal(number) * _UNITS[unit.lower()]
         except InvalidOperation:  # pragma: no cover - the regex admits only plain decimals

@@ -129,3 +129,36 @@ def test_short_names_reach_the_matrix_the_prices_and_simulate(capsys: pytest.Cap
     sim = ["simulate", "--workload", "synthetic", "--requests", "3", "--no-report"]
     assert run_json(capsys, *sim, "--gpu", "H100")["gpu"] == "h100-80gb"
     assert "is ambiguous" in one_error_line(capsys, *sim, "--gpu", "a100")
+
+
+# ---- a size needs its unit -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    ["plan", "--model", "llama-3.1-8b", "--device-memory", "80"],
+    ["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--pool", "512"],
+    ["plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--reserve", "1"],
+    ["plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--workspace", "2"],
+    ["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--device-memory", "80GiB", "--weights", "16"],
+    ["admit", "--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--pool", "512"],
+    ["simulate", "--workload", "synthetic", "--host-pool", "64"],
+    ["simulate", "--workload", "synthetic", "--gpu", "cpu-local", "--device-memory", "2"],
+    ["generate", "hi", "--pool", "64"],
+    ["serve-trace", "--trace", "t.csv", "--pool", "64"],
+    ["serve", "--pool", "64"],
+    ["serve", "--max-request-body-bytes", "4000000"],
+    ["diagnose", "--inject-bytes", "64"],
+    ["diagnose", "--min-bytes", "16"],
+])
+def test_a_size_without_a_unit_is_refused_naming_the_units(capsys: pytest.CaptureFixture[str],
+                                                           args: list[str]) -> None:
+    """The issue: `--device-memory 80` was read as 80 bytes. Every size-taking flag now asks for the unit."""
+    number = args[-1]
+    line = one_error_line(capsys, *args)
+    assert f"size '{number}' has no unit: write {number}GiB (binary), {number}GB (decimal) or {number}B (bytes)" \
+        in line
+
+
+def test_a_size_with_a_unit_or_zero_is_taken(capsys: pytest.CaptureFixture[str]) -> None:
+    geometry = ["plan", "--layers", "32", "--kv-heads", "8", "--head-dim", "128"]
+    in_bytes = run_json(capsys, *geometry, "--pool", f"{512 * 2**20}B")
+    assert in_bytes == run_json(capsys, *geometry, "--pool", "512MiB") and in_bytes["pool_blocks"] == 256
+    assert run_json(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--reserve", "0")["pool_blocks"] > 0

@@ -111,8 +111,8 @@ def diagnose_cmd(model: str, dtype: str, requests: int, max_prompt: int, max_new
         raise ConfigError("--max-new-cap must be >= 1 and --step-seconds > 0")
     if pool_blocks < 1 or every < 1 or inject_at < 0:
         raise ConfigError("--pool-blocks and --every must be >= 1, --inject-at >= 0")
-    nbytes = parse_bytes(inject_bytes)
-    threshold = parse_bytes(min_bytes)
+    nbytes = parse_bytes(inject_bytes, unit_required=True)
+    threshold = parse_bytes(min_bytes, unit_required=True)
     names = [n.strip() for n in inject.split(",") if n.strip()]
     unknown = [n for n in names if n not in INJECTION_NAMES]
     if unknown:

@@ -70,7 +70,8 @@ class Float(click.ParamType):
 
 
 class Size(click.ParamType):
-    """A byte size such as 512MiB, 79.18GiB, 80GB or 4096 (zero allowed with `allow_zero`)."""
+    """A byte size with its unit, such as 512MiB, 79.18GiB, 80GB or 4096B (zero allowed with `allow_zero`);
+    a bare number is refused, naming the units."""
 
     name = "size"
 
@@ -82,7 +83,8 @@ class Size(click.ParamType):
         from ..units import parse_bytes
 
         try:
-            return parse_bytes(value if isinstance(value, int) else str(value), allow_zero=self.allow_zero)
+            return parse_bytes(value if isinstance(value, int) else str(value), allow_zero=self.allow_zero,
+                               unit_required=True)
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
 

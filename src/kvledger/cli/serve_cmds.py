@@ -84,7 +84,7 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
     body_limit = None
     if max_request_body_bytes is not None:
         try:
-            body_limit = parse_bytes(max_request_body_bytes)
+            body_limit = parse_bytes(max_request_body_bytes, unit_required=True)
         except ConfigError as exc:
             raise ConfigError(f"--max-request-body-bytes: {exc}") from None
     tenants = Tenants.from_file(tenants_path) if tenants_path else Tenants.single_tenant(api_key)

@@ -76,7 +76,8 @@ def test_a_hugging_face_id_plans_the_bundled_config(capsys: pytest.CaptureFixtur
     assert bundled["model"] == "llama-3.1-8b"
 
 
-@pytest.mark.parametrize("hf_id, name", [("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"), ("google/gemma-2-9b-it", "gemma-2-9b"),
+@pytest.mark.parametrize("hf_id, name", [("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b"),
+                                         ("google/gemma-2-9b-it", "gemma-2-9b"),
                                          ("mistralai/Mistral-7B-Instruct-v0.1", "mistral-7b"),
                                          ("HuggingFaceTB/SmolLM2-135M-Instruct", "smollm2-135m")])
 def test_other_bundled_configs_answer_to_their_ids(capsys: pytest.CaptureFixture[str], hf_id: str, name: str) -> None:

@@ -5,8 +5,9 @@ Every command that builds an engine or a scheduler (``generate``, ``serve-trace`
 is spelled, bounded and defaulted the same everywhere. Where vLLM has the knob, vLLM's flag name is
 accepted too (``--kv-cache-dtype``, ``--max-num-seqs``, ``--max-num-batched-tokens``,
 ``--num-gpu-blocks-override``, ``--tensor-parallel-size`` / ``-tp``, ``--gpu-memory-utilization``,
-``--max-model-len``, ``--enable-prefix-caching``) and our earlier name stays as an alias; ``--dtype`` and ``--kv-cache-dtype``
-take vLLM's spellings (``float32``, ``bfloat16``, ``half``, ``auto``) as well as ours.
+``--max-model-len``, ``--enable-prefix-caching``) and our earlier name stays as an alias; ``--dtype`` and
+``--kv-cache-dtype`` take vLLM's spellings (``float32``, ``bfloat16``, ``half``, ``auto``) and meanings (``fp8`` is
+vLLM's unscaled e4m3; kvledger's scaled one is ``fp8-scaled``) as well as ours.
 
 Defaults: one per knob, stated here. The pool size is the exception: how many blocks a run needs
 depends on its work, so each command states its own pool default in its help.

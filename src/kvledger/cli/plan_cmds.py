@@ -12,8 +12,7 @@ from typing import Any
 import click
 
 from ..core.sizing.engines import ENGINES
-from .engine_options import engine_option
-from .engine_options import FLAGS
+from .engine_options import FLAGS, engine_option
 from .options import MAX_COUNT, TOKENS, Int, Size, bundled_model_name, catalogue_gpu_name, epilog
 
 

@@ -350,8 +350,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, requests: int, input_len: int,
                  output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str,
-                 tensor_parallel_size: int, policy: str, block_size: int, enable_prefix_caching: bool, eviction: str, isolate_groups: bool,
-                 trust_groups: str | None,
+                 tensor_parallel_size: int, policy: str, block_size: int, enable_prefix_caching: bool, eviction: str,
+                 isolate_groups: bool, trust_groups: str | None,
                  host_pool: int, offload_prefixes: bool, gpu_memory_utilization: float, pool_blocks: int | None,
                  device_memory: int | None, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
                  victim: str,

@@ -84,3 +84,20 @@ def test_bad_requests_files_are_one_line(capsys, tmp_path, body, fragment):
     path.write_text(body)
     rc, out, err = run(capsys, "admit", *SEED, "--pool", "512MiB", "--requests-file", str(path))
     assert (rc, out) == (2, "") and err.count("\n") == 1 and fragment in err, err
+
+
+def test_requests_file_honours_policy(capsys, tmp_path):
+    """`--policy` used to be dropped with a requests file: every policy reserved the whole allowance and the
+    table said "full reservation"."""
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps({"id": f"r{i}", "prompt": 160, "max_new": 800}) for i in range(8)) + "\n")
+    full = run_json(capsys, "admit", *SEED, "--pool", "256MiB", "--requests-file", str(path), "--json")
+    inc = run_json(capsys, "admit", *SEED, "--pool", "256MiB", "--requests-file", str(path), "--policy",
+                   "incremental", "--json")
+    assert (full["policy"], inc["policy"]) == ("full", "incremental")
+    assert full["decisions"][0]["blocks_promised"] == 50  # 800 tokens of output reserved up front
+    assert inc["decisions"][0]["blocks_promised"] <= 1  # the next token only
+    assert inc["admitted"] > full["admitted"]
+    rc, out, err = run(capsys, "admit", *SEED, "--pool", "256MiB", "--requests-file", str(path), "--policy",
+                       "incremental")
+    assert rc == 0 and "Admission (incremental)" in out and "full reservation" not in out

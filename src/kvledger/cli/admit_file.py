@@ -10,8 +10,9 @@ The file is JSON Lines or CSV with one request per line:
     id          request id [req-<line>]
     branches    parallel samples (n-way sampling) [1]
 
-Requests are admitted in file order with full output reservation, as the seed's lab does; a refused
-request does not block later ones. Token ids are synthesised: a named prefix has the same ids in every
+Requests are admitted in file order, each reserving what the admission policy reserves (``--policy``,
+full output reservation by default, as the seed's lab does) with the policy's watermark kept free; a
+refused request does not block later ones. Token ids are synthesised: a named prefix has the same ids in every
 group (only the trust group keeps groups apart), the rest of each prompt is private.
 """
 
@@ -26,6 +27,8 @@ from typing import Any
 from ..core.identity import request_context
 from ..core.ledger import KVLedger, Request
 from ..errors import ConfigError
+from ..scheduler import SchedulerConfig
+from ..scheduler.policies import OutputLengthTracker, reserve_tokens
 from .common import read_text
 
 FIELDS = ("prompt", "max_new", "group", "prefix", "prefix_len", "id", "branches")
@@ -132,9 +135,13 @@ def load_requests_file(path: str) -> list[FileRequest]:
 
 
 def admit_requests(rows: list[FileRequest], pool_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                   model: str = "file") -> dict[str, Any]:
-    """Admit `rows` in order into one pool with full reservation; the decisions and the pool afterwards."""
+                   model: str = "file", policy: str = "full") -> dict[str, Any]:
+    """Admit `rows` in order into one pool, each reserving what `policy` reserves (the scheduler's code) and
+    keeping its watermark free; the decisions and the pool afterwards."""
     ledger = KVLedger(pool_blocks, block_size, prefix_caching=prefix_caching)
+    config = SchedulerConfig(policy=policy, token_budget=10**9, prefill_chunk=10**9, max_running=10**6)
+    keep_free = config.keep_free(pool_blocks)
+    lengths = OutputLengthTracker()  # nothing has finished: `predicted` reserves the whole allowance
     prefixes: dict[str, int] = {}
     private = _PRIVATE_BASE
     decisions = []
@@ -151,7 +158,9 @@ def admit_requests(rows: list[FileRequest], pool_blocks: int, block_size: int, *
         tokens += range(private, private + own)
         private += own
         ctx = request_context(r.group, model)
-        d = ledger.admit(Request(r.request_id, tokens, r.max_new, ctx, branches=r.branches))
+        reserve = reserve_tokens(config, lengths, r.max_new, r.max_new)
+        d = ledger.admit(Request(r.request_id, tokens, r.max_new, ctx, reserve_new_tokens=reserve,
+                                 branches=r.branches), keep_free)
         decisions.append({"request": r.request_id, "group": r.group, "prompt": r.prompt, "max_new": r.max_new,
                           "branches": r.branches, "outcome": d.outcome.value, "blocks_shared": d.blocks_hit,
                           "blocks_new": d.blocks_new, "blocks_promised": d.blocks_promised, "reason": d.reason})
@@ -160,7 +169,7 @@ def admit_requests(rows: list[FileRequest], pool_blocks: int, block_size: int, *
     counts: dict[str, int] = {}
     for d in decisions:
         counts[d["outcome"]] = counts.get(d["outcome"], 0) + 1
-    return {"pool_blocks": pool_blocks, "block_size": block_size, "requests": len(rows),
+    return {"policy": policy, "pool_blocks": pool_blocks, "block_size": block_size, "requests": len(rows),
             "groups": len({r.group for r in rows}), "outcomes": counts, "admitted": counts.get("admitted", 0),
             "admitted_blocks": usage["active"] + usage["promised"], "free_blocks_after": usage["available"],
             "usage": usage, "decisions": decisions}

@@ -102,7 +102,7 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
         raise ConfigError(f"the pool would have {pool_blocks:,} blocks; the lab allocates at most {MAX_POOL_BLOCKS:,} "
                           "(use a larger --block-size or a smaller pool)")
     if requests_file is not None:
-        _admit_file(spec, requests_file, pool_blocks, pool_bytes, sized, prefix_cache, model, as_json)
+        _admit_file(spec, requests_file, pool_blocks, pool_bytes, sized, prefix_cache, model, as_json, policy)
         return
     if requests * (prompt + max_new) * branches > MAX_LAB_TOKENS:
         raise ConfigError(f"{requests:,} requests of {prompt + max_new:,} tokens x {branches} branches is more than "
@@ -169,17 +169,18 @@ def _decisions_table(title: str, decisions: list[dict[str, Any]], lengths: bool)
 
 
 def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: str | None, prefix_cache: bool,
-                model: str | None, as_json: bool) -> None:
+                model: str | None, as_json: bool, policy: str) -> None:
     from .admit_file import admit_requests, load_requests_file
 
     rows = load_requests_file(path)
-    result = admit_requests(rows, pool_blocks, spec.block_size, prefix_caching=prefix_cache, model=model or "file")
+    result = admit_requests(rows, pool_blocks, spec.block_size, prefix_caching=prefix_cache, model=model or "file",
+                            policy=policy)
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes, "pool_bytes": pool_bytes,
             "pool_sized_by": sized or "--pool", "requests_file": path, **result}
     con = _admission_console(spec, data, as_json)
     if con is None:
         return
-    con.print(_decisions_table(f"Admission (full reservation) of {path}: {data['requests']} requests, "
+    con.print(_decisions_table(f"Admission ({policy}) of {path}: {data['requests']} requests, "
                                f"{data['groups']} trust group(s), pool {pool_blocks:,} blocks",
                                data["decisions"][:200], lengths=True))
     if len(data["decisions"]) > 200:

@@ -472,7 +472,7 @@ def test_cli_simulates_a_fleet(tmp_path):
     trace = "tests/data/traces/mooncake_conversation_head300.jsonl"
     cmd = [sys.executable, "-m", "kvledger.cli.main", "simulate", "--trace", trace, "--limit", "60",
            "--block-size", "512", "--pool-blocks", "120", "--replicas", "3", "--routers", "2", "--staleness", "1",
-           "--arm", "B", "--json"]
+           "--arm", "B", "--no-report", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)

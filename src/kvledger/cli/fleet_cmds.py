@@ -5,6 +5,7 @@ Called by ``simulate`` when ``--replicas`` is given; the simulator is imported h
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
@@ -12,7 +13,10 @@ from ..errors import ConfigError
 
 def run_fleet(base: Any, requests: list[Any], *, replicas: int, routers: int, staleness: float, arm: str,
               routing: str, transit_ms: float, retries: int | None, min_match: int, queue_weight: float,
-              label: str, as_json: bool, emit_json: Any, console: Any, sweep: bool) -> None:
+              label: str, as_json: bool, emit_json: Any, console: Any, sweep: bool, folder: Path | None = None,
+              progress_bar: Any = None) -> None:
+    """Run one fleet and print it; ``folder`` (``--out``, unless ``--no-report``) gets its report, and
+    ``progress_bar`` (the simulator's rich bar, inert off a terminal) shows how far the run is."""
     from ..placement.score import ScoreConfig
     from ..sim.fleet import FleetConfig, FleetSimulator
 
@@ -25,10 +29,20 @@ def run_fleet(base: Any, requests: list[Any], *, replicas: int, routers: int, st
     config = FleetConfig(sim=base, replicas=replicas, routers=routers, staleness_s=staleness, arm=arm,
                          routing=routing, transit_s=transit_ms / 1e3, max_retries=retries, seed=base.seed,
                          score=ScoreConfig(min_match_tokens=min_match, queue_weight=queue_weight))
-    result = FleetSimulator(config).run(requests)
+    if progress_bar is None:
+        result = FleetSimulator(config).run(requests)
+    else:
+        update, bar, _task = progress_bar("fleet")
+        with bar:
+            result = FleetSimulator(config).run(requests, progress=update)
+    if folder is not None:
+        from ..sim.report import write_fleet_report
+
+        write_fleet_report(result, folder)
     s = result.summary
     if as_json:
-        emit_json({**s, "per_replica": result.per_replica, "wall_s": result.wall_s})
+        emit_json({**s, "per_replica": result.per_replica, "wall_s": result.wall_s,
+                   "report": str(folder) if folder else None})
         return
     from rich.table import Table
 
@@ -58,6 +72,8 @@ def run_fleet(base: Any, requests: list[Any], *, replicas: int, routers: int, st
     console.print(t)
     for note in s["notes"]:
         console.print(f"[dim]note: {note}[/dim]")
+    if folder is not None:
+        console.print(f"report: {folder}")
 
 
 __all__ = ["run_fleet"]

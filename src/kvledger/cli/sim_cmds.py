@@ -421,7 +421,8 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         run_fleet(base, reqs, replicas=replicas, routers=routers, staleness=staleness, arm=arm, routing=routing,
                   transit_ms=transit_ms, retries=retries, min_match=min_match, queue_weight=queue_weight,
                   label=label, as_json=as_json, emit_json=_emit_json, console=console,
-                  sweep=bool(sweep))
+                  sweep=bool(sweep), folder=None if no_report else Path(out) if out else _default_out("fleet"),
+                  progress_bar=_progress_bar)
         return
     bound = prefix_hit_bound(reqs, block_size, isolate=groups) if prefix_bound else None
     combos = sweep_configs(base, grid)

@@ -215,6 +215,22 @@ def write_report(result: SimResult, folder: str | Path, *, plots: bool = True,
     return files
 
 
+def write_fleet_report(result: Any, folder: str | Path) -> dict[str, Path]:
+    """Write one fleet simulation's report: metrics.json (the fleet's summary, with the TTFT percentiles also
+    under ``ttft_s`` as `compare` reads them, the configuration and each replica's counters) and replicas.csv."""
+    out = _folder(folder)
+    files = {"metrics": out / "metrics.json", "replicas": out / "replicas.csv"}
+    s = result.summary
+    summary = {**s, "source": "fleet simulator", "wall_s": result.wall_s,
+               "ttft_s": {"mean": s["ttft_mean_s"], "p50": s["ttft_p50_s"], "p90": s["ttft_p90_s"],
+                          "p99": s["ttft_p99_s"]},
+               "config": result.config.sim.to_dict(), "per_replica": result.per_replica}
+    _write_json(files["metrics"], summary)
+    rows = result.per_replica
+    _write_csv(files["replicas"], rows, list(rows[0]) if rows else ["replica"])
+    return files
+
+
 # ---- one real run (serve-trace) ---------------------------------------------------------------------
 
 
@@ -341,4 +357,4 @@ def write_fragmentation(results: Sequence[FragResult], folder: str | Path, *, pl
 
 __all__ = ["COMPARISON_COLUMNS", "PAPER_FIG2", "PAPER_FIG2_SOURCE", "REQUEST_COLUMNS", "SLO_MIN_SERVED_RATIO",
            "best_under_slo", "compare_reports", "comparison_row", "keeps_up", "meets_latency", "run_summary",
-           "saturation", "write_fragmentation", "write_report", "write_run_report", "write_sweep"]
+           "saturation", "write_fleet_report", "write_fragmentation", "write_report", "write_run_report", "write_sweep"]

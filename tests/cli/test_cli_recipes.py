@@ -45,3 +45,43 @@ def test_fleet_simulation_writes_its_report_to_out_and_reports_progress(capsys, 
     assert calls and calls[-1][1] == calls[-1][2] == 40  # the bar was fed to the end
     rc, out, err = run_cli(capsys, *FLEET, "--out", str(tmp_path / "none"), "--no-report", "--json")
     assert rc == 0 and json.loads(out)["report"] is None and not (tmp_path / "none").exists()
+
+
+def _report(folder: Path, **fields) -> Path:
+    folder.mkdir()
+    base = {"requests": 10, "completed": 10, "throughput_tok_s": 100.0, "ttft_s": {"p50": 0.001}}
+    (folder / "metrics.json").write_text(json.dumps({**base, **fields}))
+    return folder
+
+
+def test_compare_refuses_a_gpu_simulation_against_a_cpu_run(capsys, tmp_path):
+    sim = _report(tmp_path / "sim", source="simulator", gpu="h100-80gb", model="smollm2-135m", policy="full",
+                  pool_blocks=512, block_size=16)
+    real = _report(tmp_path / "real", source="runtime", device="cpu", model="smollm2-135m", policy="full",
+                   memory={"pool_blocks": 512, "block_size": 16}, ttft_s={"p50": 36.0})
+    rc, out, err = run_cli(capsys, "compare", str(sim), str(real))
+    assert (rc, out) == (2, "") and err.count("\n") == 1, err
+    assert "GPU (h100-80gb)" in err and "CPU (cpu)" in err and "cpu-local" in err
+    rc, out, err = run_cli(capsys, "compare", str(sim), str(real), "--force")  # asked for: shown, and warned
+    assert rc == 0 and "warning: the two runs differ in device (h100-80gb vs cpu)" in err
+    # A serve-trace report written before reports named their device is still a CPU run.
+    old = _report(tmp_path / "old", source="runtime", model="smollm2-135m", policy="full")
+    assert run_cli(capsys, "compare", str(sim), str(old))[0] == 2
+
+
+def test_compare_warns_for_each_difference_in_pool_policy_and_model(capsys, tmp_path):
+    a = _report(tmp_path / "a", source="simulator", gpu="cpu-local", model="smollm2-135m", policy="incremental",
+                pool_blocks=4096, block_size=16)
+    b = _report(tmp_path / "b", source="runtime", device="cpu", model="qwen2.5-0.5b", policy="full",
+                memory={"pool_blocks": 128, "block_size": 16})
+    rc, out, err = run_cli(capsys, "compare", str(a), str(b), "--json")
+    assert rc == 0 and err.count("\n") == 1 and err.startswith("warning: the two runs differ in ")
+    for text in ("model (smollm2-135m vs qwen2.5-0.5b)", "policy (incremental vs full)",
+                 "pool (4,096 blocks x 16 tokens vs 128 blocks x 16 tokens)"):
+        assert text in err, text
+    assert "device" not in err  # cpu-local and cpu are the same device class, and not named as a difference
+    assert {d["what"] for d in json.loads(out)["differences"]} == {"model", "policy", "pool"}
+    same = _report(tmp_path / "same", source="simulator", gpu="cpu-local", model="smollm2-135m",
+                   policy="incremental", pool_blocks=4096, block_size=16)
+    rc, out, err = run_cli(capsys, "compare", str(a), str(same))
+    assert (rc, err) == (0, "")

@@ -122,6 +122,7 @@ def test_serve_trace_replays_a_mooncake_slice(capsys: pytest.CaptureFixture[str]
     report = tmp_path / "real"
     metrics = json.loads((report / "metrics.json").read_text())
     assert {"throughput_tok_s", "ttft_s", "tpot_s", "e2e_s", "saturation", "completed"} <= metrics.keys()
+    assert metrics["device"] == "cpu"  # `compare` refuses to set it beside a simulated GPU
     header = (report / "requests.csv").read_text().splitlines()[0]
     assert header.startswith("request_id,trust_group,arrival_s,prompt_len,output_len")
     assert (report / "latency_cdf.png").is_file()

@@ -331,7 +331,8 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     table = list(rows.values())
     summary = engine.summary()
     data = run_summary(table, wall_s=wall, extra={
-        "source": "runtime", "trace": trace_path, "model": model, "policy": policy, "recovery": recovery,
+        "source": "runtime", "device": str(engine.runner.store.device), "trace": trace_path, "model": model,
+        "policy": policy, "recovery": recovery,
         "kv_format": engine.spec.kv_format_id,
         "scale": scale, "prompt_scale": chunk / MOONCAKE_BLOCK_TOKENS, "clipped_prompts": clipped,
         "refused_never": refused, "title": f"{model} replaying {Path(trace_path).name} ({len(table)} requests, "

@@ -571,15 +571,30 @@ def _fragmentation(trace: str, trace_format: str, capacity: int, max_len: int, b
 ))
 @click.argument("first")
 @click.argument("second")
+@click.option("--force", is_flag=True, help="Compare a GPU run with a CPU run anyway (refused without it).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-def compare_cmd(first: str, second: str, as_json: bool) -> None:
-    """Headline metrics of two report folders (`simulate` and `serve-trace` write the same layout) side by side."""
-    from ..sim.report import compare_reports
+def compare_cmd(first: str, second: str, force: bool, as_json: bool) -> None:
+    """Headline metrics of two report folders (`simulate` and `serve-trace` write the same layout) side by side.
+
+    Runs on different device classes (GPU vs CPU) are refused: their ratios measure the device. Runs that
+    differ in model, policy or pool get a warning naming each difference."""
+    from ..sim.report import compare_reports, device_class, setup_differences
 
     rows = compare_reports(first, second)
+    differences = setup_differences(first, second)
+    for what, a, b in differences:
+        if what == "device" and device_class(a) != device_class(b) and not force:
+            raise ConfigError(f"{first} ran on a {device_class(a)} ({a}) and {second} on a {device_class(b)} ({b}): "
+                              "their ratios would measure the device; simulate the CPU run with --gpu cpu-local "
+                              "(after kvledger calibrate), or pass --force")
+    if differences:
+        click.echo(click.style("warning: the two runs differ in " + "; ".join(
+            f"{what} ({a} vs {b})" for what, a, b in differences) + ": the ratios compare setups, not the "
+            "simulator's accuracy", fg="yellow", bold=True), err=True)
     if as_json:
-        _emit_json({"first": first, "second": second, "metrics": [{"metric": m, "first": a, "second": b}
-                                                                  for m, a, b in rows]})
+        _emit_json({"first": first, "second": second,
+                    "differences": [{"what": w, "first": a, "second": b} for w, a, b in differences],
+                    "metrics": [{"metric": m, "first": a, "second": b} for m, a, b in rows]})
         return
     from rich.table import Table
 

@@ -277,25 +277,61 @@ def write_run_report(summary: dict[str, Any], rows: Sequence[dict[str, Any]], fo
 _METRICS_LIMIT = 64 * 2**20  # bytes of a report's metrics.json that compare_reports reads
 
 
+def _load_report(folder: str | Path) -> dict[str, Any]:
+    """A report folder's metrics.json, refused in one line when missing, too large or not a report."""
+    path = Path(folder) / "metrics.json"
+    try:  # the size first: a huge file is refused before it is read, and named as too large
+        raw = path.read_text(encoding="utf-8") if path.stat().st_size <= _METRICS_LIMIT else None
+    except OSError:
+        raise ConfigError(f"no report at {folder} (metrics.json is missing)") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path} is not a kvledger report (not UTF-8 text)") from None
+    if raw is None:
+        raise ConfigError(f"{path} is larger than 64 MiB")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise ConfigError(f"{path} is not a kvledger report (not valid JSON)") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is not a kvledger report")
+    return data
+
+
+def device_class(device: Any) -> str:
+    """CPU or GPU: a cpu-local profile or a run on the CPU, else a catalogue GPU or a CUDA device."""
+    return "CPU" if str(device).lower().startswith("cpu") else "GPU"
+
+
+def run_setup(data: dict[str, Any]) -> dict[str, Any]:
+    """What a report says about the setup it measured: device, model, policy and pool (None when unsaid).
+    serve-trace runs on the CPU; reports it wrote before it named its device are read as such."""
+    cfg = data.get("config") if isinstance(data.get("config"), dict) else {}
+    mem = data.get("memory") if isinstance(data.get("memory"), dict) else {}
+    device = data.get("device") or data.get("gpu") or cfg.get("gpu")
+    if device is None and data.get("source") == "runtime":
+        device = "cpu"
+    pool = data.get("pool_blocks") or mem.get("pool_blocks")
+    block = data.get("block_size") or mem.get("block_size")
+    return {"device": device, "model": data.get("model") or cfg.get("model"),
+            "policy": data.get("policy") or cfg.get("policy"),
+            "pool": f"{pool:,} blocks x {block} tokens" if isinstance(pool, int) and isinstance(block, int) else None}
+
+
+def setup_differences(a: str | Path, b: str | Path) -> list[tuple[str, Any, Any]]:
+    """(what, in a, in b) for each of device, model, policy and pool that both reports name and that differ
+    (a cpu-local simulation and a CPU run share their device): their ratios then measure the setups."""
+    sa, sb = run_setup(_load_report(a)), run_setup(_load_report(b))
+
+    def key(what: str, value: Any) -> str:  # the calibrated cpu-local profile is the CPU a run used
+        text = str(value).lower()
+        return "cpu" if what == "device" and device_class(text) == "CPU" else text
+
+    return [(k, sa[k], sb[k]) for k in sa if sa[k] is not None and sb[k] is not None and key(k, sa[k]) != key(k, sb[k])]
+
+
 def compare_reports(a: str | Path, b: str | Path) -> list[tuple[str, Any, Any]]:
     """(metric, value in a, value in b) for the headline metrics of two report folders."""
-    data = []
-    for folder in (a, b):
-        path = Path(folder) / "metrics.json"
-        try:  # the size first: a huge file is refused before it is read, and named as too large
-            raw = path.read_text(encoding="utf-8") if path.stat().st_size <= _METRICS_LIMIT else None
-        except OSError:
-            raise ConfigError(f"no report at {folder} (metrics.json is missing)") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{path} is not a kvledger report (not UTF-8 text)") from None
-        if raw is None:
-            raise ConfigError(f"{path} is larger than 64 MiB")
-        try:
-            data.append(json.loads(raw))
-        except (ValueError, RecursionError):
-            raise ConfigError(f"{path} is not a kvledger report (not valid JSON)") from None
-        if not isinstance(data[-1], dict):
-            raise ConfigError(f"{path} is not a kvledger report")
+    data = [_load_report(a), _load_report(b)]
     rows: list[tuple[str, Any, Any]] = [("source", data[0].get("source"), data[1].get("source"))]
     for key in ("requests", "completed", "throughput_tok_s", "throughput_req_s", "prefix_hit_rate"):
         rows.append((key, data[0].get(key), data[1].get(key)))
@@ -356,5 +392,6 @@ def write_fragmentation(results: Sequence[FragResult], folder: str | Path, *, pl
 
 
 __all__ = ["COMPARISON_COLUMNS", "PAPER_FIG2", "PAPER_FIG2_SOURCE", "REQUEST_COLUMNS", "SLO_MIN_SERVED_RATIO",
-           "best_under_slo", "compare_reports", "comparison_row", "keeps_up", "meets_latency", "run_summary",
-           "saturation", "write_fleet_report", "write_fragmentation", "write_report", "write_run_report", "write_sweep"]
+           "best_under_slo", "compare_reports", "comparison_row", "device_class", "keeps_up", "meets_latency",
+           "run_setup", "run_summary", "saturation", "setup_differences", "write_fleet_report",
+           "write_fragmentation", "write_report", "write_run_report", "write_sweep"]

@@ -85,3 +85,21 @@ def test_compare_warns_for_each_difference_in_pool_policy_and_model(capsys, tmp_
                    policy="incremental", pool_blocks=4096, block_size=16)
     rc, out, err = run_cli(capsys, "compare", str(a), str(same))
     assert (rc, err) == (0, "")
+
+
+def test_simulate_and_plan_size_the_same_setup_to_the_same_pool(capsys):
+    """The issue's setup: plan said 26,645 blocks, simulate 30,336 (it had no --engine and used kvledger's)."""
+    setup = ["--model", "llama-3.1-70b", "--tp", "4", "--gpu", "h100-80gb"]
+    sim = ["simulate", "--workload", "synthetic", "--requests", "4", *setup, "--no-report", "--json"]
+    for engine in (None, "vllm", "kvledger"):
+        flag = [] if engine is None else ["--engine", engine]
+        rc, out, err = run_cli(capsys, "plan", *setup, *flag, "--json")
+        assert rc == 0, err
+        plan = json.loads(out)["pool_blocks"]
+        rc, out, err = run_cli(capsys, *sim, *flag)
+        assert rc == 0, err
+        assert json.loads(out)["pool_blocks"] == plan, engine
+        if engine is None:
+            assert plan == 26_645
+    rc, out, err = run_cli(capsys, *sim, "--engine", "sglang")
+    assert rc == 2 and err.count("\n") == 1 and "sglang" in err

@@ -16,6 +16,7 @@ from typing import Any
 
 import click
 
+from ..core.sizing.engines import ENGINES
 from ..errors import ConfigError
 from ..placement.score import ARMS, ROUTINGS
 from ..scheduler import ADMISSION_POLICIES, VICTIM_POLICIES
@@ -279,6 +280,9 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--offload-prefixes", is_flag=True,
               help="Demote evicted prefix blocks to the host tier and promote them on a hit (needs --host-pool).")
 @engine_option("gpu_memory_utilization", help="Fraction of device memory the pool sizing may use.")
+@click.option("--engine", type=click.Choice(ENGINES), default="vllm", show_default=True,
+              help="Whose memory accounting sizes the pool from the device, as `kvledger plan --engine` (vllm: "
+                   "also vLLM's step shape for the GPU unless --max-num-seqs/--max-num-batched-tokens are given).")
 @click.option("--pool-blocks", type=Int(1, MAX_POOL_BLOCKS), default=None,
               help="KV pool size in blocks (overrides the inventory).")
 @click.option("--device-memory", type=Size(), default=None,
@@ -352,7 +356,8 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                  output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str,
                  tensor_parallel_size: int, policy: str, block_size: int, enable_prefix_caching: bool, eviction: str,
                  isolate_groups: bool, trust_groups: str | None,
-                 host_pool: int, offload_prefixes: bool, gpu_memory_utilization: float, pool_blocks: int | None,
+                 host_pool: int, offload_prefixes: bool, gpu_memory_utilization: float, engine: str,
+                 pool_blocks: int | None,
                  device_memory: int | None, max_num_seqs: int, max_num_batched_tokens: int, prefill_chunk: int,
                  victim: str,
                  recovery: str,
@@ -389,12 +394,15 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
             trust_groups.isdigit() and len(trust_groups) <= 6 and 1 <= int(trust_groups) <= 100_000):
         raise ConfigError(f"--trust-groups takes trace, request or a count in [1, 100,000]; got {trust_groups[:24]!r}")
     groups = "request" if isolate_groups else (trust_groups or "trace")
+    max_num_seqs, max_num_batched_tokens = _step_shape(engine, gpu, device_memory, pool_blocks, max_num_seqs,
+                                                       max_num_batched_tokens)
     if offload_prefixes and not host_pool:
         raise ConfigError("--offload-prefixes needs a host tier to demote to: give --host-pool, e.g. 64GiB")
     base = SimConfig(model=model, gpu=gpu, tp=tensor_parallel_size, policy=policy, block_size=block_size,
                      prefix_cache=enable_prefix_caching, eviction=eviction, trust_groups=groups,
                      host_pool_bytes=host_pool, offload_prefixes=offload_prefixes,
                      utilization=gpu_memory_utilization, pool_blocks=pool_blocks, device_memory=device_memory,
+                     engine=engine,
                      max_running=max_num_seqs, token_budget=max_num_batched_tokens, prefill_chunk=prefill_chunk,
                      victim=victim, recovery=recovery, kv_dtype=kv_dtype, weight_dtype=weight_dtype,
                      max_model_len=max_model_len, declared_max_new=declared_max_new, seed=seed)
@@ -511,6 +519,32 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                       f"{_pct(bound['bound'])} of {bound['prompt_tokens']:,} prompt tokens")
     if folder is not None:
         console.print(f"report: {folder}")
+
+
+def _step_shape(engine: str, gpu: str, device_memory: int | None, pool_blocks: int | None,
+                max_num_seqs: int | None, max_num_batched_tokens: int | None) -> tuple[int, int]:
+    """The step shape the simulated engine runs with and is sized for: when vllm sizes the pool from the
+    device, what the user did not give is vLLM's default for it (as `plan` assumes, so both size the same
+    pool); else the flags'."""
+    ctx = click.get_current_context(silent=True)
+    given = {name: ctx is not None and ctx.get_parameter_source(name) not in
+             (click.core.ParameterSource.DEFAULT, None) for name in ("max_num_seqs", "max_num_batched_tokens")}
+    if engine == "vllm" and pool_blocks is None and not all(given.values()):
+        from ..core.sizing.engines import vllm_batch_defaults
+        from ..core.sizing.inventory import GPUS, get_gpu
+
+        key = gpu.strip().lower()
+        gpu_obj = get_gpu(key) if key in GPUS and device_memory is None else None
+        defaults = vllm_batch_defaults(gpu_obj.memory_bytes if gpu_obj else device_memory,
+                                       gpu_obj.name if gpu_obj else "")
+        if not given["max_num_seqs"]:
+            max_num_seqs = defaults.max_num_seqs
+        if not given["max_num_batched_tokens"]:
+            max_num_batched_tokens = defaults.max_num_batched_tokens
+    if max_num_seqs is None or max_num_batched_tokens is None:  # kvledger's scheduler defaults
+        max_num_seqs = 256 if max_num_seqs is None else max_num_seqs
+        max_num_batched_tokens = 8192 if max_num_batched_tokens is None else max_num_batched_tokens
+    return max_num_seqs, max_num_batched_tokens
 
 
 def _fragmentation(trace: str, trace_format: str, capacity: int, max_len: int, block_sizes: str, limit: int,

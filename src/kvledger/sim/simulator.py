@@ -43,6 +43,7 @@ from ..core import checks
 from ..core.eviction import policy_names
 from ..core.identity import CacheContext
 from ..core.ledger import KVLedger
+from ..core.sizing.engines import check_engine
 from ..core.sizing.geometry import KVSpec, config_int, text_config
 from ..core.sizing.inventory import GPUS, build_inventory, count_parameters_per_rank
 from ..core.sizing.models import load_model_config
@@ -92,8 +93,10 @@ class SimConfig:
     model: bundled model name or a config.json path. gpu: device profile name (a catalogue GPU or
     ``cpu-local``); a catalogue GPU also sizes the pool. tp: tensor-parallel degree (per-rank memory and
     time). pool_blocks: the pool size directly (overrides the inventory). device_memory: bytes per rank
-    when ``gpu`` is not a catalogue GPU (e.g. cpu-local). eviction: the ledger's eviction policy for
-    retained blocks (lru, priority). trust_groups: ``trace`` (the trace's groups), ``request`` (every
+    when ``gpu`` is not a catalogue GPU (e.g. cpu-local). engine: whose memory accounting sizes the pool
+    from the device (``vllm`` or ``kvledger``, as ``kvledger plan --engine``), at the scheduler's step
+    shape. eviction: the ledger's eviction policy for retained blocks (lru, priority). trust_groups:
+    ``trace`` (the trace's groups), ``request`` (every
     request its own trust group: no sharing across requests) or a count N (requests spread over N
     tenants at random, seeded). host_pool_bytes / disk_pool_bytes: the tiers below the device pool, for
     swapped requests and (with the scheduler's ``offload_prefixes``) demoted prefix blocks (0 = none);
@@ -122,6 +125,7 @@ class SimConfig:
     utilization: float = 0.9
     pool_blocks: int | None = None
     device_memory: int | None = None
+    engine: str = "kvledger"
     kv_dtype: str | None = None
     weight_dtype: str | None = None
     max_model_len: int | None = None
@@ -160,6 +164,7 @@ class SimConfig:
         for name in ("pool_blocks", "device_memory", "max_model_len", "declared_max_new"):
             if getattr(self, name) is not None:
                 checks.positive(getattr(self, name), name)
+        check_engine(self.engine)
         if self.eviction not in policy_names():
             raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
         if isinstance(self.utilization, bool) or not isinstance(self.utilization, int | float) \
@@ -298,7 +303,8 @@ def build_deployment(config: SimConfig) -> Deployment:
         pool_blocks, source = config.pool_blocks, "pool_blocks override"
     else:
         kwargs: dict[str, Any] = dict(utilization=config.utilization, max_batched_tokens=config.token_budget,
-                                      max_seqs=config.max_running, weight_dtype=config.weight_dtype)
+                                      max_seqs=config.max_running, weight_dtype=config.weight_dtype,
+                                      engine=config.engine, model_name=config.model)
         if config.device_memory is not None:
             kwargs["device_bytes"] = config.device_memory
             source = f"inventory: {config.device_memory} B x {config.utilization:g} - weights - workspace - reserve"

@@ -97,8 +97,8 @@ def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.Capt
     out_dir = tmp_path / "report"
     rc, out, err = run(capsys, "quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "48",
                        "--new-tokens", "6", "--json", "--out", str(out_dir), "--threads", "2")
-    assert rc == 0, err
     report = json.loads(out)
+    assert rc == (0 if report["passed"] else 1), err  # a failed contract exits 1 (it used to exit 0)
     assert json.loads((out_dir / "quality.json").read_text())["cases"] == report["cases"]
     assert (out_dir / "quality.png").stat().st_size > 0
     assert [(c["kind"], c["context"]) for c in report["cases"]] == [("prose", 48), ("code", 48), ("chat", 48)]
@@ -117,6 +117,23 @@ def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.Capt
     assert report["protocol"]["complete"] is False and report["record"] is None
     assert {v["metric"] for v in report["verdict"]} >= {"ppl_rel_change", "greedy_agreement"}
     assert not (no_records / "user-records").exists()
+
+
+@needs_smol
+def test_quality_exits_non_zero_when_the_contract_fails(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                        no_records: Path) -> None:
+    contract = tmp_path / "impossible.json"
+    contract.write_text(json.dumps({"format": "int8", "thresholds": [
+        {"metric": "ppl_rel_change", "agg": "max", "max": -1.0},  # no measurement can be below -100%
+        {"metric": "attn_rel_err", "agg": "max", "max": 1.0}]}))
+    args = ["quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "32", "--new-tokens", "2",
+            "--kinds", "prose", "--contract", str(contract), "--out", str(tmp_path / "r"), "--threads", "2"]
+    rc, out, err = run(capsys, *args)
+    assert rc == 1 and "does not pass its contract" in out and "FAILS" in out
+    assert err.count("\n") == 1 and "int8" in err and "fails its contract" in err and "ppl_rel_change" in err
+    rc, out, err = run(capsys, *args, "--json")
+    assert rc == 1 and json.loads(out)["passed"] is False and err.count("\n") == 1
+    assert (tmp_path / "r" / "quality.json").is_file()  # the report is still written
 
 
 @needs_smol

@@ -88,7 +88,7 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     """Measure a quantised KV format against the uncompressed KV of the same model on prose, code and chat:
     perplexity and its change, next-token KL, per-layer attention error, greedy agreement. A report that
     meets the format's contract on the full protocol is recorded; the engine serves a quantised format only
-    with such a record (or --allow-untested-kv)."""
+    with such a record (or --allow-untested-kv). Exits 1 when the report fails its contract."""
 
     ctx = _contexts(contexts)
     kind_list = _kinds(kinds)
@@ -122,6 +122,7 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     report["report"] = str(folder / "quality.json")
     if as_json:
         emit_json(report)
+        _exit_unless_passed(report, contract.source)
         return
     con = console()
     con.print(_table(report))
@@ -139,6 +140,17 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
         con.print("not recorded: a record needs the full protocol (prose, code and chat at <= 512 and >= 2,048 "
                   "tokens, 128 greedy tokens)")
     con.print(f"report: {folder / 'quality.json'}; plot: {folder / 'quality.png'}")
+    _exit_unless_passed(report, contract.source)
+
+
+def _exit_unless_passed(report: dict[str, Any], source: str) -> None:
+    """A failed contract is a failed check: one line on stderr and exit 1 (2 stays for bad input), so a
+    script or CI step running `kvledger quality` stops."""
+    if report["passed"]:
+        return
+    failing = "; ".join(f"{v['threshold']}: {v['value']:.4g}" for v in report["verdict"] if not v["ok"])
+    click.echo(f"kvledger: {report['kv_format']} fails its contract ({source}): {failing}", err=True)
+    raise click.exceptions.Exit(1)
 
 
 __all__ = ["quality_cmd"]

@@ -103,3 +103,44 @@ def test_simulate_and_plan_size_the_same_setup_to_the_same_pool(capsys):
             assert plan == 26_645
     rc, out, err = run_cli(capsys, *sim, "--engine", "sglang")
     assert rc == 2 and err.count("\n") == 1 and "sglang" in err
+
+
+def test_calibrate_out_prints_a_simulate_command_that_reads_that_file(capsys, tmp_path, monkeypatch):
+    """`calibrate --out F` used to suggest `--gpu cpu-local`, which reads the cache's profile, not F."""
+    import shlex
+
+    from kvledger.cli import calibrate_cmds
+    from kvledger.core.sizing.geometry import KVSpec
+    from kvledger.core.sizing.models import load_model_config
+    from kvledger.sim.calibrate import CALIBRATION_SHAPES, Measurement
+    from kvledger.sim.cost_model import CostModel, DeviceProfile
+
+    cfg = load_model_config("smollm2-135m")
+    spec = KVSpec.from_hf_config(cfg, kv_dtype="fp32")
+    cost = CostModel(cfg, spec, DeviceProfile("truth", 80e9, 12e9, 1.0, 1.0, 2e-3, 5e9, 1e-6, "test"),
+                     weight_dtype="fp32")
+    points = {"out": [(n, 2e-5 + n * 7e-5) for n in (1, 2, 4, 8)], "in": [(n, 1e-5 + n * 6e-5) for n in (1, 2, 4, 8)]}
+    fake = {"checkpoint": "fake", "config": cfg, "spec": spec, "threads": 2,
+            "links": {"block_bytes": 737_280, "sizes": [1, 2, 4, 8],
+                      "tiers": {"host": {"points": points}, "disk": {"points": points}}},
+            "measurements": [Measurement(s, cost.step_time(list(s.prefill), list(s.decode)))
+                             for s in CALIBRATION_SHAPES]}
+    monkeypatch.setattr(calibrate_cmds, "measure_runtime", lambda *a, **k: fake)
+    monkeypatch.setenv("KVLEDGER_CACHE", str(tmp_path / "cache"))  # no profile where --gpu cpu-local looks
+    prof = tmp_path / "my profile.json"
+    rc, out, err = run_cli(capsys, "calibrate", "--out", str(prof))
+    assert rc == 0, err
+    hint = out.split("simulate this machine with:")[1].strip().splitlines()[0]
+    argv = shlex.split(hint)
+    assert argv[:2] == ["kvledger", "simulate"] and argv[argv.index("--profile") + 1] == str(prof)
+    rc, out, err = run_cli(capsys, *argv[1:], "--requests", "5", "--no-report", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["gpu"] == "cpu-local"
+    without = [a for i, a in enumerate(argv[1:]) if "--profile" not in (a, argv[1:][i - 1] if i else "")]
+    rc, out, err = run_cli(capsys, *without, "--requests", "5", "--no-report")
+    assert rc == 2 and "not calibrated yet" in err  # what the old hint led to
+    rc, out, err = run_cli(capsys, "simulate", "--workload", "synthetic", "--profile", str(prof), "--no-report")
+    assert rc == 2 and err.count("\n") == 1 and "--gpu cpu-local" in err
+    # Written to the cache's own path, the hint needs no --profile.
+    rc, out, err = run_cli(capsys, "calibrate", "--json")
+    assert rc == 0 and "--profile" not in json.loads(out)["simulate"] and "--gpu cpu-local" in json.loads(out)["simulate"]

@@ -8,6 +8,7 @@ click: torch and rich are imported inside the command.
 from __future__ import annotations
 
 import json
+import shlex
 import time
 from pathlib import Path
 from typing import Any
@@ -117,9 +118,12 @@ def fit_measured(data: dict[str, Any], *, source: str, measurements: list[Any] |
     "kvledger calibrate                      # writes ~/.cache/kvledger/cpu-local.json (about a minute)",
     "kvledger calibrate --repeats 5 --json",
     "kvledger simulate --workload synthetic --gpu cpu-local --device-memory 2GiB --model smollm2-135m",
+    "kvledger calibrate --out prof.json && kvledger simulate --workload synthetic --gpu cpu-local --profile "
+    "prof.json --device-memory 2GiB --model smollm2-135m",
 ))
 @click.option("--out", default=None, help="Where to write the profile [$KVLEDGER_CACHE/cpu-local.json or "
-              "~/.cache/kvledger/cpu-local.json, where `--gpu cpu-local` reads it].")
+              "~/.cache/kvledger/cpu-local.json, where `--gpu cpu-local` reads it; elsewhere, pass "
+              "`--profile FILE` too].")
 @click.option("--repeats", type=Int(1, 50), default=2, show_default=True, help="Timed repetitions per shape.")
 @click.option("--model-path", default=None, help="A HF folder or .gguf instead of the bundled SmolLM2.")
 @engine_option("disk_dir", help="Folder for the disk tier's measurement file [the system temp dir].")
@@ -153,7 +157,8 @@ def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, disk_di
     if report["poor"]:
         err.print(f"[bold yellow]warning:[/bold yellow] {report['advice']}")
     if as_json:
-        _emit_json({"profile": profile.to_dict(), "path": str(path), "fit": report, "seconds": elapsed})
+        _emit_json({"profile": profile.to_dict(), "path": str(path), "fit": report, "seconds": elapsed,
+                    "simulate": simulate_hint(path)})
         return
     con = Console()
     t = Table(title=f"Calibration: measured vs fitted step times ({data['threads']} thread(s))")
@@ -179,4 +184,15 @@ def calibrate_cmd(out: str | None, repeats: int, model_path: str | None, disk_di
               f"rms log error {report['rms_log_error']:.3f}; {elapsed:.0f} s")
     con.print(f"fit error: rms {report['rms_error_pct']:.1f}%, worst {report['worst_shape']} "
               f"{report['worst_error_pct']:+.1f}%")
-    con.print(f"written to {path} (use --gpu cpu-local)")
+    con.print(f"written to {path}; simulate this machine with:", highlight=False, soft_wrap=True)
+    con.print(f"  {simulate_hint(path)}", markup=False, highlight=False, soft_wrap=True)  # one line to copy
+
+
+def simulate_hint(path: Path) -> str:
+    """The `simulate` command that reads the profile at ``path``: `--gpu cpu-local` alone reads the cache's
+    file, anywhere else needs `--profile` (the hint used to say `--gpu cpu-local` for every --out)."""
+    from ..sim.cost_model import cpu_profile_path
+
+    profile = "" if path.resolve() == cpu_profile_path().resolve() else f" --profile {shlex.quote(str(path))}"
+    return (f"kvledger simulate --workload synthetic --model smollm2-135m --gpu cpu-local{profile} "
+            "--device-memory 2GiB")

@@ -266,6 +266,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Bundled model name (or its Hugging Face id) or config.json path.")
 @click.option("--gpu", default="h100-80gb", show_default=True, callback=device_profile_name,
               help="Device profile: a catalogue GPU (see `kvledger gpus`) or cpu-local (after `kvledger calibrate`).")
+@click.option("--profile", "profile_path", default=None,
+              help="With --gpu cpu-local: the profile file `kvledger calibrate --out F` wrote [the cache's].")
 @engine_option("tensor_parallel_size")
 @click.option("--policy", type=click.Choice(ADMISSION_POLICIES.names()), default="full",
               show_default=True, help="Admission policy (what is reserved at admission).")
@@ -354,7 +356,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of tables.")
 def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, requests: int, input_len: int,
                  output_len: int, prefix_len: int, prefixes: int, length_cv: float, model: str, gpu: str,
-                 tensor_parallel_size: int, policy: str, block_size: int, enable_prefix_caching: bool, eviction: str,
+                 profile_path: str | None, tensor_parallel_size: int, policy: str, block_size: int,
+                 enable_prefix_caching: bool, eviction: str,
                  isolate_groups: bool, trust_groups: str | None,
                  host_pool: int, offload_prefixes: bool, gpu_memory_utilization: float, engine: str,
                  pool_blocks: int | None,
@@ -398,7 +401,16 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                                                        max_num_batched_tokens)
     if offload_prefixes and not host_pool:
         raise ConfigError("--offload-prefixes needs a host tier to demote to: give --host-pool, e.g. 64GiB")
-    base = SimConfig(model=model, gpu=gpu, tp=tensor_parallel_size, policy=policy, block_size=block_size,
+    profile = None
+    if profile_path is not None:
+        from ..sim.cost_model import CPU_LOCAL, load_cpu_profile
+
+        if gpu.strip().lower() != CPU_LOCAL:
+            raise ConfigError(f"--profile reads a calibrated {CPU_LOCAL} profile: give --gpu {CPU_LOCAL} with it "
+                              f"(got --gpu {gpu[:40]})")
+        profile = load_cpu_profile(profile_path)
+    base = SimConfig(model=model, gpu=gpu, profile=profile, tp=tensor_parallel_size, policy=policy,
+                     block_size=block_size,
                      prefix_cache=enable_prefix_caching, eviction=eviction, trust_groups=groups,
                      host_pool_bytes=host_pool, offload_prefixes=offload_prefixes,
                      utilization=gpu_memory_utilization, pool_blocks=pool_blocks, device_memory=device_memory,
@@ -620,7 +632,7 @@ def compare_cmd(first: str, second: str, force: bool, as_json: bool) -> None:
         if what == "device" and device_class(a) != device_class(b) and not force:
             raise ConfigError(f"{first} ran on a {device_class(a)} ({a}) and {second} on a {device_class(b)} ({b}): "
                               "their ratios would measure the device; simulate the CPU run with --gpu cpu-local "
-                              "(after kvledger calibrate), or pass --force")
+                              "--profile F (after kvledger calibrate --out F), or pass --force")
     if differences:
         click.echo(click.style("warning: the two runs differ in " + "; ".join(
             f"{what} ({a} vs {b})" for what, a, b in differences) + ": the ratios compare setups, not the "

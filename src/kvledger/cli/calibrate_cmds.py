@@ -116,7 +116,6 @@ def fit_measured(data: dict[str, Any], *, source: str, measurements: list[Any] |
 
 @click.command("calibrate", epilog=epilog(
     "kvledger calibrate                      # writes ~/.cache/kvledger/cpu-local.json (about a minute)",
-    "kvledger calibrate --repeats 5 --json",
     "kvledger simulate --workload synthetic --gpu cpu-local --device-memory 2GiB --model smollm2-135m",
     "kvledger calibrate --out prof.json && kvledger simulate --workload synthetic --gpu cpu-local --profile "
     "prof.json --device-memory 2GiB --model smollm2-135m",

@@ -14,8 +14,8 @@ PY="$(dirname "$(command -v "$KV")")/python"
 
 # The seed's synthetic decoder: 32 layers x 8 KV heads x head dim 128, BF16 K and V, 16-token blocks.
 SEED=(--layers 32 --kv-heads 8 --head-dim 128 --kv-dtype bf16 --block-size 16)
-# Eight requests with one common 2,048-token prompt, admitted into a 512 MiB pool.
-LAB=("${SEED[@]}" --pool 512MiB --requests 8 --prompt 2048 --shared-prefix 2048)
+# Eight requests with one common 2,048-token prompt, admitted into a 512 MiB pool (step 1 shows the geometry).
+LAB=("${SEED[@]}" --pool 512MiB --requests 8 --prompt 2048 --shared-prefix 2048 --no-geometry)
 
 if [ -t 1 ]; then BOLD=$'\033[1m' PLAIN=$'\033[0m'; else BOLD='' PLAIN=''; fi
 step() { printf '\n%s== %s%s\n' "$BOLD" "$*" "$PLAIN"; }

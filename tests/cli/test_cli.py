@@ -361,3 +361,5 @@ def test_demo_script_runs_and_shows_the_seed_numbers():
     assert "admitted 8 using 200 blocks" in out
     assert "max-new 256, 1 group(s): 144 blocks/request; admitted 8 of 8 using 256 of 256 blocks" in out
     assert "26,301 blocks" in out
+    # The KV geometry table once for the seed (step 1) and once for Llama 3.1 8B (step 5), not before each admit.
+    assert proc.stdout.count("KV geometry (per rank)") == 2

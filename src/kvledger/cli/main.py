@@ -24,6 +24,7 @@ from .plan_cmds import geometry_options, kv_table, plan_cmd, resolve_spec, sizin
 MAX_LAB_REQUESTS = 100_000
 MAX_LAB_TOKENS = 50_000_000  # requests x (prompt + max_new) x branches the lab may materialise
 MAX_POOL_BLOCKS = 2**22  # the ledger keeps per-block state in Python lists
+TABLE_ROWS = 20  # decisions shown before "... N more" (--all shows every one)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
@@ -78,13 +79,16 @@ app.add_command(plan_cmd)
 @click.option("--requests-file", default=None,
               help="JSONL or CSV of requests with mixed lengths and groups (fields: prompt, max_new, group, prefix, "
                    "prefix_len, id, branches), admitted in order instead of --requests.")
+@click.option("--all", "show_all", is_flag=True, help=f"Show every decision (else the first {TABLE_ROWS} and a count).")
+@click.option("--geometry/--no-geometry", default=True, show_default=True,
+              help="Print the KV geometry table first (the demo prints it once, with `plan`).")
 @json_option
 def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim: int | None,
           kv_dtype: str | None, tensor_parallel_size: int, block_size: int, pool: int | None, gpu: str | None,
           device_memory: int | None, engine: str, gpu_memory_utilization: float, weight_dtype: str | None,
           requests: int, prompt: int, shared_prefix: int, max_new: int, groups: int, enable_prefix_caching: bool,
           policy: str, branches: int,
-          requests_file: str | None, as_json: bool) -> None:
+          requests_file: str | None, show_all: bool, geometry: bool, as_json: bool) -> None:
     """Admit requests into one pool through the real ledger: the seed's lab, or a requests file."""
     spec, cfg = resolve_spec(model, layers, kv_heads, head_dim, kv_dtype, tensor_parallel_size, block_size)
     prefix_cache = enable_prefix_caching
@@ -102,7 +106,8 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
         raise ConfigError(f"the pool would have {pool_blocks:,} blocks; the lab allocates at most {MAX_POOL_BLOCKS:,} "
                           "(use a larger --block-size or a smaller pool)")
     if requests_file is not None:
-        _admit_file(spec, requests_file, pool_blocks, pool_bytes, sized, prefix_cache, model, as_json, policy)
+        _admit_file(spec, requests_file, pool_blocks, pool_bytes, sized, prefix_cache, model, as_json, policy,
+                    show_all, geometry)
         return
     if requests * (prompt + max_new) * branches > MAX_LAB_TOKENS:
         raise ConfigError(f"{requests:,} requests of {prompt + max_new:,} tokens x {branches} branches is more than "
@@ -111,11 +116,11 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
                              max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
             "pool_bytes": pool_bytes, **({"pool_sized_by": sized} if sized else {}), **result}
-    con = _admission_console(spec, data, as_json)
+    con = _admission_console(spec, data, as_json, geometry)
     if con is None:
         return
-    con.print(_decisions_table(f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
-                               f"pool {data['pool_blocks']} blocks", data["decisions"], lengths=False))
+    _print_decisions(con, f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
+                          f"pool {data['pool_blocks']} blocks", data["decisions"], lengths=False, show_all=show_all)
     reasons: dict[str, str] = {}
     for d in data["decisions"]:
         reasons.setdefault(d["outcome"], f"{d['request']}: {d['reason']}")
@@ -143,15 +148,26 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
-def _admission_console(spec: Any, data: dict[str, Any], as_json: bool) -> Any:
+def _admission_console(spec: Any, data: dict[str, Any], as_json: bool, geometry: bool = True) -> Any:
     """``admit``'s report starts one way for the lab and a requests file: with ``--json`` the whole report is
-    printed (and None returned), else a console that has printed the KV geometry."""
+    printed (and None returned), else a console that has printed the KV geometry (unless not ``geometry``)."""
     if as_json:
         _emit_json(data)
         return None
     con = Console()
-    con.print(_kv_table(spec))
+    if geometry:
+        con.print(_kv_table(spec))
     return con
+
+
+def _print_decisions(con: Any, title: str, decisions: list[dict[str, Any]], lengths: bool, show_all: bool) -> None:
+    """The decisions table, cut to its first TABLE_ROWS rows unless ``show_all``: a 64-row table for 64 alike
+    requests buried the summary below it."""
+    shown = decisions if show_all else decisions[:TABLE_ROWS]
+    con.print(_decisions_table(title, shown, lengths))
+    if len(shown) < len(decisions):
+        con.print(f"[dim]... {len(decisions) - len(shown):,} more (--all shows every row, --json every "
+                  "field)[/dim]")
 
 
 def _decisions_table(title: str, decisions: list[dict[str, Any]], lengths: bool) -> Any:
@@ -169,7 +185,7 @@ def _decisions_table(title: str, decisions: list[dict[str, Any]], lengths: bool)
 
 
 def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: str | None, prefix_cache: bool,
-                model: str | None, as_json: bool, policy: str) -> None:
+                model: str | None, as_json: bool, policy: str, show_all: bool, geometry: bool) -> None:
     from .admit_file import admit_requests, load_requests_file
 
     rows = load_requests_file(path)
@@ -177,14 +193,11 @@ def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: 
                             policy=policy)
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes, "pool_bytes": pool_bytes,
             "pool_sized_by": sized or "--pool", "requests_file": path, **result}
-    con = _admission_console(spec, data, as_json)
+    con = _admission_console(spec, data, as_json, geometry)
     if con is None:
         return
-    con.print(_decisions_table(f"Admission ({policy}) of {path}: {data['requests']} requests, "
-                               f"{data['groups']} trust group(s), pool {pool_blocks:,} blocks",
-                               data["decisions"][:200], lengths=True))
-    if len(data["decisions"]) > 200:
-        con.print(f"[dim]... {len(data['decisions']) - 200} more (use --json for all)[/dim]")
+    _print_decisions(con, f"Admission ({policy}) of {path}: {data['requests']} requests, {data['groups']} trust "
+                          f"group(s), pool {pool_blocks:,} blocks", data["decisions"], lengths=True, show_all=show_all)
     u = data["usage"]
     con.print(f"outcomes: {', '.join(f'{k} {v}' for k, v in data['outcomes'].items())}; admitted blocks "
               f"{data['admitted_blocks']:,} ({u['active']:,} live + {u['promised']:,} promised); "
@@ -227,14 +240,26 @@ def gpus_cmd(as_json: bool) -> None:
     if as_json:
         _emit_json(rows)
         return
-    t = Table("gpu", "driver reports", "datasheet", "nvidia-smi", "HBM B/s", "bf16 FLOP/s", "host link B/s")
+    t = Table(title="Catalogue GPUs")
+    t.add_column("gpu", no_wrap=True)  # a name is never cut: the other columns wrap instead
+    for col in ("driver reports", "data sheet", "nvidia smi", "memory BW", "bf16 dense", "host link"):
+        t.add_column(col, justify="right", overflow="fold")
     for name, g in rows.items():
         t.add_row(name, format_gib(g["memory_bytes"]), g["datasheet_memory"], f"{g['nvidia_smi_total_mib']:,} MiB",
-                  f"{g['hbm_bandwidth_Bps']:.3g}", f"{g['bf16_dense_flops']:.3g}", f"{g['host_link_Bps']:.3g}")
+                  _si(g["hbm_bandwidth_Bps"], "B/s"), _si(g["bf16_dense_flops"], "FLOP/s"),
+                  _si(g["host_link_Bps"], "B/s"))
     con = Console()
     con.print(t)
     for name, g in rows.items():
         con.print(f"[dim]{name}: driver figure from {g['driver_source']}; datasheet: {g['source']}[/dim]")
+
+
+def _si(value: float, unit: str) -> str:
+    """A rate with a decimal prefix, as datasheets write it: 3.35e12 B/s -> '3.35 TB/s'."""
+    for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= factor:
+            return f"{value / factor:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
 
 
 # Commands whose heavy imports (torch, matplotlib) happen only when they run; each module keeps its

@@ -7,6 +7,7 @@ exactly what `kvledger plan` would say for the suggested options.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -111,7 +112,7 @@ class MatrixRow:
     gpus_total: int
     cost: float | None
     note: str
-    cheapest: bool = False
+    cheapest: bool = False  # lowest cost; several rows at that same cost are each marked (a tie)
 
     def to_dict(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self.__slots__}
@@ -125,7 +126,8 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
     """Every GPU x TP combination: does one instance hold a request of `prompt + max_new` tokens, how many
     such requests does it hold at once, and how many instances (data-parallel replicas) reach
     `concurrency`? Cost is GPUs x price per GPU-hour when `prices` names the GPU, else GPUs x the GPU's
-    memory in GiB (a proxy); the cheapest fitting row is marked."""
+    memory in GiB (a proxy); the cheapest fitting row is marked, and every row at that same cost too: a tie
+    is shown as one (it used to be broken by GPU count and TP, naming one of equals the cheapest)."""
     concurrency = checks.count(concurrency, "concurrency", 1, MAX_CONCURRENCY)
     names = list(gpus) if gpus else list(GPUS)
     for name in names:
@@ -163,8 +165,9 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
                                   f"{instances} x tp{tp}" if instances > 1 else "one instance"))
     costed = [r for r in rows if r.fits and r.cost is not None]
     if costed:
-        best = min(costed, key=lambda r: (r.cost, r.gpus_total, r.tp))
-        rows = [replace(r, cheapest=True) if r is best else r for r in rows]
+        low = min(r.cost for r in costed if r.cost is not None)
+        best = [r for r in costed if r.cost is not None and math.isclose(r.cost, low, rel_tol=1e-9)]
+        rows = [replace(r, cheapest=True) if any(r is b for b in best) else r for r in rows]
     return rows
 
 

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..core.sizing.geometry import KVSpec
 from ..lab import LabSpec, run_lab
+from ..scheduler import SchedulerConfig
+from ..scheduler.policies import OutputLengthTracker, reserve_tokens
 from ..units import format_bytes
 from .inputs import LabInput
 from .poolmap import admitted_in_full, pool_map, replay
@@ -162,7 +164,8 @@ def score(inp: LabInput, prediction: Prediction) -> dict[str, Any]:
 # ---- the written decision --------------------------------------------------------------------------------
 _WORDS = {w: i for i, w in enumerate("zero one two three four five six seven eight nine ten eleven twelve "
                                      "thirteen fourteen fifteen sixteen seventeen eighteen nineteen twenty".split())}
-_SHORTER = re.compile(r"\b(shorter|smaller|lower|less|reduc\w*|fewer|cut\w*|shrink\w*)\b", re.I)
+_SHORTER = re.compile(r"\b(shorter|smaller|lower\w*|less|reduc\w*|fewer|cut\w*|shrink\w*|drop\w*|decreas\w*|"
+                      r"trim\w*)\b", re.I)
 _OUTPUT = re.compile(r"\b(output|allowance|max[_ -]?new|generat\w*|tokens?)\b", re.I)
 
 
@@ -213,7 +216,10 @@ def model_answer(inp: LabInput) -> dict[str, Any]:
                 f"all {n} would need {s:,} + {n} x {p:,} = {one['blocks_needed_all']:,} pages"
                 + (f", more than the {pool:,} in the pool. {k} take {one['admitted_blocks']:,}, leaving "
                    f"{one['free_blocks_after']:,}, which cannot cover the next request's {p:,}."
-                   if k < n else f", which fits the {pool:,}-page pool."))
+                   if k < n else f", which fits the {pool:,}-page pool." if one["blocks_needed_all"] <= pool else
+                   f", more than the {pool:,} in the pool, yet all {n} are admitted: together they hold or are "
+                   f"promised only {one['admitted_blocks']:,}, because admission reserves less than the whole "
+                   "allowance."))
     text.append(f"Across trust groups nothing is shared: every request needs its own {bpr:,} pages, so "
                 f"{k_iso} {'fits' if k_iso == 1 else 'fit'} ({iso['admitted_blocks']:,} pages).")
     threshold = threshold_iso = None
@@ -242,6 +248,17 @@ def model_answer(inp: LabInput) -> dict[str, Any]:
             else:
                 text.append(f"Isolated requests gain little: a {nth} fits only with an allowance of "
                             f"{threshold_iso:,} tokens or fewer.")
+    else:  # the key point stands under every policy: what a shorter allowance changes (or that it does not)
+        reserve = reserve_tokens(SchedulerConfig(policy=inp.policy), OutputLengthTracker(), inp.max_new, inp.max_new)
+        if reserve < inp.max_new:
+            text.append(f"Under {inp.policy} admission a request reserves {reserve} output "
+                        f"token{'s' if reserve != 1 else ''}, not its whole allowance, so a shorter output "
+                        "allowance changes nothing at admission: it only limits how far each request may grow "
+                        "later, and so how often growth must preempt.")
+        else:
+            text.append(f"Under {inp.policy} admission nothing has finished yet to learn output lengths from, so "
+                        "each request reserves its whole allowance as under full: a shorter output allowance "
+                        "shrinks the private pages as it would there.")
     key = [
         {"key": "pages_per_request", "label": f"pages per request, rounded up to whole pages ({bpr})",
          "any_of": [bpr]},
@@ -259,6 +276,17 @@ def model_answer(inp: LabInput) -> dict[str, Any]:
             "threshold_allowance_isolated": threshold_iso}
 
 
+def _names_allowance(written: str, threshold: int | None) -> bool:
+    """Whether ``written`` gives the allowance at which all requests fit ("max_new 256", "256 output tokens"):
+    that states the point as a number, without a word like "shorter"."""
+    if not threshold:
+        return False
+    num = "|".join(re.escape(x) for x in sorted({str(threshold), f"{threshold:,}"}))
+    num = rf"(?<![\d,])(?:{num})(?![\d,])"
+    return bool(re.search(rf"(?:max[_ -]?new|allowance|output)[^\d.]{{0,24}}{num}|{num}\s*(?:output\s+)?tokens?\b",
+                          written, re.I))
+
+
 def check_decision(inp: LabInput, written: str) -> dict[str, Any]:
     """Which key numbers (and the shorter-allowance point) a written decision mentions; the model answer."""
     answer = model_answer(inp)
@@ -266,7 +294,8 @@ def check_decision(inp: LabInput, written: str) -> dict[str, Any]:
     items = []
     for item in answer["key_numbers"]:
         if item["key"] == "shorter_allowance":
-            ok = bool(_SHORTER.search(written) and _OUTPUT.search(written))
+            ok = bool(_SHORTER.search(written) and _OUTPUT.search(written)) or _names_allowance(
+                written, answer["threshold_allowance"])
         else:
             ok = any(x in numbers for x in item["any_of"])
         items.append({"key": item["key"], "label": item["label"], "found": ok})

@@ -143,4 +143,5 @@ def test_calibrate_out_prints_a_simulate_command_that_reads_that_file(capsys, tm
     assert rc == 2 and err.count("\n") == 1 and "--gpu cpu-local" in err
     # Written to the cache's own path, the hint needs no --profile.
     rc, out, err = run_cli(capsys, "calibrate", "--json")
-    assert rc == 0 and "--profile" not in json.loads(out)["simulate"] and "--gpu cpu-local" in json.loads(out)["simulate"]
+    hint = json.loads(out)["simulate"]
+    assert rc == 0 and "--profile" not in hint and "--gpu cpu-local" in hint

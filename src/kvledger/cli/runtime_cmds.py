@@ -198,9 +198,10 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 
 # ---- serve-trace -----------------------------------------------------------------------------------
 @click.command("serve-trace", epilog=epilog(
-    "kvledger serve-trace --trace ../shared/traces/mooncake_fast25_conversation_trace.jsonl --limit 16",
-    "kvledger serve-trace --trace trace.jsonl --limit 32 --burst --pool-blocks 96 --out reports/real",
-    "kvledger simulate --trace trace.jsonl --limit 32 --out reports/sim && kvledger compare reports/sim reports/real",
+    "kvledger serve-trace --trace examples/mooncake.jsonl --limit 16",
+    "kvledger serve-trace --trace examples/mooncake.jsonl --limit 32 --burst --pool-blocks 96 --out reports/real",
+    "kvledger simulate --trace examples/mooncake.jsonl --limit 32 --scale 0.015625 --model smollm2-135m --gpu "
+    "cpu-local --pool-blocks 96 --policy incremental --out reports/sim   # after kvledger calibrate",
 ))
 @click.option("--trace", "trace_path", required=True, help="A trace file (Mooncake JSONL, Azure CSV, a length table "
               "or kvledger's JSONL/CSV schema).")

@@ -240,8 +240,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.command("simulate", epilog=epilog(
     "kvledger simulate --workload synthetic --input-len 1024 --output-len 256 --prefix-len 512 --rate 4 "
     "--sweep rate=0.5,1,2,4 --slo-ttft 500 --slo-tpot 50",
-    "kvledger simulate --trace ../shared/traces/azure_llm_2023_conv.csv --duration-s 300 --sweep speedup=1,2,4",
-    "kvledger simulate --trace mooncake.jsonl --block-size 512 --pool-blocks 200 --replicas 4 --routers 2 "
+    "kvledger simulate --trace examples/azure_conv.csv --duration-s 300 --sweep speedup=1,2,4",
+    "kvledger simulate --trace examples/mooncake.jsonl --block-size 512 --pool-blocks 200 --replicas 4 --routers 2 "
     "--staleness 10 --arm B",
 ))
 @click.option("--trace", default=None, help="Trace file: Mooncake .jsonl, Azure CSV, a length table, or kvledger's "
@@ -612,8 +612,9 @@ def _fragmentation(trace: str, trace_format: str, capacity: int, max_len: int, b
 
 @click.command("compare", epilog=epilog(
     "kvledger compare reports/sim-run reports/real-run",
-    "kvledger serve-trace --trace t.jsonl --out r/real && kvledger simulate --trace t.jsonl --out r/sim && "
-    "kvledger compare r/sim r/real",
+    "kvledger serve-trace --trace examples/mooncake.jsonl --out r/real && kvledger simulate --trace "
+    "examples/mooncake.jsonl --limit 16 --scale 0.015625 --model smollm2-135m --gpu cpu-local --profile r/cpu.json "
+    "--pool-blocks 128 --policy incremental --out r/sim && kvledger compare r/sim r/real",
 ))
 @click.argument("first")
 @click.argument("second")

@@ -96,10 +96,10 @@ class SimConfig:
     when ``gpu`` is not a catalogue GPU (e.g. cpu-local). engine: whose memory accounting sizes the pool
     from the device (``vllm`` or ``kvledger``, as ``kvledger plan --engine``), at the scheduler's step
     shape. eviction: the ledger's eviction policy for retained blocks (lru, priority). trust_groups:
-    ``trace`` (the trace's groups), ``request`` (every
-    request its own trust group: no sharing across requests) or a count N (requests spread over N
-    tenants at random, seeded). host_pool_bytes / disk_pool_bytes: the tiers below the device pool, for
-    swapped requests and (with the scheduler's ``offload_prefixes``) demoted prefix blocks (0 = none);
+    ``trace`` (the trace's groups), ``request`` (every request its own trust group: no sharing across
+    requests) or a count N (requests spread over N tenants at random, seeded). host_pool_bytes /
+    disk_pool_bytes: the tiers below the device pool, for swapped requests and (with the scheduler's
+    ``offload_prefixes``) demoted prefix blocks (0 = none);
     ``staging_blocks``: the transfers' bounded staging buffer, in blocks (one fixed cost per round).
     max_model_len: prompts and outputs are clamped to it (default: the model's max_position_embeddings).
     declared_max_new: None (the default) gives every request its trace output length as max_new_tokens and

@@ -68,7 +68,7 @@ def fresh_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("command", readme_commands())
+@pytest.mark.parametrize("command", readme_commands(), ids=lambda c: re.sub(r"[^\w.=,-]+", "_", c[9:])[:70])
 def test_a_readme_command_runs_as_written(command: str, fresh_copy: Path) -> None:
     skip = _skip(command)
     if skip is not None and not (LONG and skip[1]):
@@ -80,3 +80,5 @@ def test_a_readme_command_runs_as_written(command: str, fresh_copy: Path) -> Non
                           timeout=None if skip else TIMEOUT_S)
     assert proc.returncode == 0, f"{command}\n{proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stderr
+    if argv[1] == "compare":  # the recipe compares like with like: no difference in device, model, policy or pool
+        assert "warning" not in proc.stderr, proc.stderr

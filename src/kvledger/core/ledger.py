@@ -302,9 +302,16 @@ class KVLedger:
                 opens = raised_count == len(slow) and self._all_open_blocks(slow)
             if opens:
                 # Usually each deferred pair opens the next block of its sequence from its promise, which
-                # cannot fail: applied as it stands, without the general check below.
+                # cannot fail: applied as it stands, without the general check below (the promises are
+                # redeemed in one call; the allocations follow in the pairs' order).
+                self.promises.redeem_each([seq for seq, _ in slow])
+                allocate = self.pool.allocate
                 for seq, token in slow:
-                    self._open_block(seq, len(seq.tokens), token)
+                    n = len(seq.tokens)
+                    self._computed(seq, n)
+                    seq.cow_tail = False
+                    seq.table.blocks.append(allocate())
+                    seq.tokens.append(token)
                 return
             try:
                 checked, fits = self._check_growth(slow)
@@ -452,14 +459,6 @@ class KVLedger:
         if not promises.redeem(seq) and promises.unpromised() <= 0:  # _check_growth rules this out
             raise OutOfBlocksError(f"{seq.request_id!r} grew past its reservation and no unpromised block is left")
         blocks.append(self.pool.allocate())
-
-    def _open_block(self, seq: SequenceState, n: int, token: int) -> None:
-        """:meth:`_grow` for a checked token ``n`` that opens a new block the sequence was promised."""
-        self._computed(seq, n)
-        seq.cow_tail = False
-        self.promises.redeem(seq)
-        seq.table.blocks.append(self.pool.allocate())
-        seq.tokens.append(token)
 
     # ---- speculative slots ----------------------------------------------------------------------
     def reserve_lookahead(self, request_id: str, slots: int) -> int:

@@ -88,6 +88,13 @@ class PromiseBook:
             return True
         return False
 
+    def redeem_each(self, seqs: list[SequenceState]) -> None:
+        """One block of each of ``seqs`` materialises from its promise (each was promised one: the caller
+        checked) -- a decode step's block openings, in one call."""
+        for seq in seqs:
+            seq.promised -= 1
+        self.total -= len(seqs)
+
     def cancel(self, seq: SequenceState) -> None:
         """``seq`` leaves: whatever it was still promised goes back to the pool."""
         self.total -= seq.promised

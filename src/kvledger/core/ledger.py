@@ -174,7 +174,10 @@ class KVLedger:
                          p.deferred)
 
     def sequence(self, request_id: str) -> SequenceState:
-        return find_sequence(self._seqs, request_id)
+        try:  # the hit is the hot path (a step's lease looks up every running sequence): no call in between
+            return self._seqs[request_id]
+        except (KeyError, TypeError):
+            return find_sequence(self._seqs, request_id)  # raises the one "unknown sequence" error
 
     def sequences(self) -> list[str]:
         with self._lock:
@@ -682,8 +685,14 @@ class KVLedger:
         block someone holds can be leased. Everything is checked before anything is leased."""
         ids, extra = lease_arguments(request_ids, blocks, owner)
         with self._lock:
-            for rid in ids:
-                self.sequence(rid)
+            seqs = self._seqs
+            for rid in ids:  # every id names a running sequence (one membership test each: a step leases all)
+                try:
+                    if rid in seqs:
+                        continue
+                except TypeError:
+                    pass
+                find_sequence(seqs, rid)  # raises the one "unknown sequence" error
             return self._leases.take(ids, extra, owner)
 
     def end_lease(self, lease_id: int) -> None:

@@ -6,15 +6,9 @@ import json
 
 import pytest
 
-from kvledger.cli.main import main
+from cli_run import run  # tests/cli_run.py (pytest's pythonpath)
 
 SEED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--kv-dtype", "bf16", "--block-size", "16"]
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def run_json(capsys, *argv):

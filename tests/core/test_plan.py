@@ -9,7 +9,7 @@ from importlib import resources
 
 import pytest
 
-from kvledger.cli.main import main
+from cli_run import run  # tests/cli_run.py (pytest's pythonpath)
 from kvledger.core.sizing import gpus
 from kvledger.core.sizing.capacity import fit_hints
 from kvledger.core.sizing.engines import find_peak, load_measured_peaks, vllm_batch_defaults
@@ -21,12 +21,6 @@ from kvledger.units import parse_bytes
 
 GiB = 2**30
 H100_DRIVER = "79.18GiB"  # what vLLM logs as the H100's total ('Free memory on device 78.57/79.18 GiB')
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def run_json(capsys, *argv):

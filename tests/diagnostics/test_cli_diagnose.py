@@ -6,17 +6,11 @@ import json
 
 import pytest
 
+from cli_run import run  # tests/cli_run.py (pytest's pythonpath)
 from kvledger.cli.diagnose_cmds import INJECTION_NAMES
-from kvledger.cli.main import main
 from kvledger.runtime.measure.diagnostics import FINDING_KINDS, INJECTIONS
 
 SMALL = ["--requests", "3", "--max-prompt", "64", "--max-new", "8"]
-
-
-def run(capsys, *argv):
-    rc = main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_the_cli_lists_exactly_the_registered_injections():

@@ -8,25 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.cli.main import main
+from cli_run import one_error_line, run  # tests/cli_run.py (pytest's pythonpath)
 
 _REPO = Path(__file__).resolve().parents[2]
 # CI puts shared/ beside the clone; a worktree sits one level deeper.
 TRACES = next((p / "shared" / "traces" for p in (_REPO.parent, _REPO.parent.parent)
                if (p / "shared" / "traces").is_dir()), _REPO.parent / "shared" / "traces")
-
-
-def run(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def one_error_line(err: str) -> str:
-    lines = [line for line in err.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, err
-    assert lines[0].startswith("kvledger: error: ")
-    return lines[0]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -49,3 +49,49 @@ def test_admit_summarises_a_long_table_and_shows_all_on_request(capsys):
     assert rc == 0 and "req-63 " in out and "more (--all" not in out
     rc, out, err = run_cli(capsys, *lab, "--no-geometry")
     assert rc == 0 and "KV geometry" not in out
+
+
+def test_gpus_marks_a_datasheet_memory_figure(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "120")
+    rc, out, err = run_cli(capsys, "gpus")
+    assert rc == 0, err
+    for name in ("l40s", "a10g", "h100-pcie", "h100-nvl", "h20", "b200", "mi300x", "rtx4090"):
+        assert f"│ {name} " in out, name
+    row = next(line for line in out.splitlines() if line.startswith("│ a10g "))
+    assert "24.00 GiB *" in row and "│           - │" in row  # datasheet-marked; no nvidia-smi figure published
+    assert "44.42 GiB" in next(line for line in out.splitlines() if line.startswith("│ l40s "))
+    assert "* the datasheet's capacity" in out and "8 TB/s" in out and "2.25 PFLOP/s" in out
+    rc, out, err = run_cli(capsys, "gpus", "--json")
+    rows = json.loads(out)
+    assert rows["a10g"]["memory_from_datasheet"] is True and rows["l40s"]["memory_from_datasheet"] is False
+    assert rows["l40s"]["nvidia_smi_total_mib"] is None and "4090" in rows["rtx4090"]["aliases"]
+
+
+def test_plan_on_a_rented_gpu_and_one_line_when_its_memory_is_the_datasheets(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "160")
+    rc, out, err = run_cli(capsys, "plan", "--gpu", "l40s", "--model", "llama-3.1-8b")
+    assert rc == 0, err
+    assert "44.42 GiB as the driver reports it (l40s; datasheet 48GB)" in out and "datasheet's" not in out
+    rc, out, err = run_cli(capsys, "plan", "--gpu", "a10g", "--model", "llama-3.1-8b")
+    assert rc == 0, err
+    notes = [line for line in out.splitlines() if "not driver-reported" in line]
+    assert notes == ["note: a10g: memory is the datasheet's 24GiB, not driver-reported (none is published; drivers "
+                     "report 1-8% less)"]
+    rc, out, err = run_cli(capsys, "plan", "--gpu", "a10g", "--model", "llama-3.1-8b", "--json")
+    assert "datasheet" in json.loads(out)["device_memory_note"]
+    rc, out, err = run_cli(capsys, "plan", "--gpu", "l40s", "--model", "llama-3.1-8b", "--json")
+    assert "device_memory_note" not in json.loads(out)
+
+
+def test_a_fit_hint_never_suggests_a_gpu_whose_memory_is_the_datasheets(capsys):
+    """A hint is a promise: h100-pcie's 80 GiB is the datasheet's, so a request that needs just more than
+    79.95 GiB gives is pointed at the next GPU with a driver-reported figure (h100-nvl), not at h100-pcie."""
+    plan = ["plan", "--model", "llama-3.1-8b", "--json"]
+    rc, out, err = run_cli(capsys, *plan, "--device-memory", "79.95GiB")
+    here = json.loads(out)["pool_blocks"]
+    rc, out, err = run_cli(capsys, *plan, "--gpu", "h100-pcie")
+    assert json.loads(out)["pool_blocks"] > here  # h100-pcie's datasheet figure would hold one more block
+    tokens = (here + 1) * 16
+    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--device-memory", "79.95GiB", "--prompt",
+                           str(tokens - 16), "--max-new", "16")
+    assert rc == 2 and "--gpu h100-nvl" in err and "h100-pcie" not in err, err

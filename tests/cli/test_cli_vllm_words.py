@@ -109,10 +109,13 @@ def test_a_gpu_short_name_plans_its_catalogue_entry(capsys: pytest.CaptureFixtur
 def test_an_ambiguous_short_name_lists_its_candidates(capsys: pytest.CaptureFixture[str]) -> None:
     line = one_error_line(capsys, *H100[:3], "--gpu", "a100")
     assert "GPU 'a100' is ambiguous: give one of a100-40gb, a100-80gb" in line
+    line = one_error_line(capsys, *H100[:3], "--gpu", "h100-80")  # the SXM and the PCIe part both have 80 GB
+    assert "GPU 'h100-80' is ambiguous: give one of h100-80gb, h100-pcie" in line
 
 
 def test_an_unknown_gpu_names_the_closest(capsys: pytest.CaptureFixture[str]) -> None:
-    assert "unknown GPU 'h100-pcie'; closest: h100-80gb" in one_error_line(capsys, *H100[:3], "--gpu", "h100-pcie")
+    # (h100-pcie was the example of an unknown name until the catalogue grew one)
+    assert "unknown GPU 'h100-pci'; closest: h100-pcie" in one_error_line(capsys, *H100[:3], "--gpu", "h100-pci")
 
 
 def test_short_names_reach_the_matrix_the_prices_and_simulate(capsys: pytest.CaptureFixture[str]) -> None:

@@ -245,13 +245,20 @@ def gpus_cmd(as_json: bool) -> None:
     for col in ("driver reports", "data sheet", "nvidia smi", "memory BW", "bf16 dense", "host link"):
         t.add_column(col, justify="right", overflow="fold")
     for name, g in rows.items():
-        t.add_row(name, format_gib(g["memory_bytes"]), g["datasheet_memory"], f"{g['nvidia_smi_total_mib']:,} MiB",
+        smi = g["nvidia_smi_total_mib"]
+        t.add_row(name, format_gib(g["memory_bytes"]) + (" *" if g["memory_from_datasheet"] else ""),
+                  g["datasheet_memory"], "-" if smi is None else f"{smi:,} MiB",
                   _si(g["hbm_bandwidth_Bps"], "B/s"), _si(g["bf16_dense_flops"], "FLOP/s"),
                   _si(g["host_link_Bps"], "B/s"))
     con = Console()
     con.print(t)
+    if any(g["memory_from_datasheet"] for g in rows.values()):
+        con.print("* the datasheet's capacity: no driver-reported total is published for this GPU, so plans on it "
+                  "are 1-8% optimistic")
     for name, g in rows.items():
-        con.print(f"[dim]{name}: driver figure from {g['driver_source']}; datasheet: {g['source']}[/dim]")
+        origin = (f"memory is the datasheet's ({g['driver_source'].removeprefix('datasheet: ')})"
+                  if g["memory_from_datasheet"] else f"driver figure from {g['driver_source']}")
+        con.print(f"[dim]{name}: {origin}; datasheet: {g['source']}[/dim]")
 
 
 def _si(value: float, unit: str) -> str:

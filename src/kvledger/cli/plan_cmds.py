@@ -139,8 +139,11 @@ def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
     t = Table(title=f"Memory inventory (per rank), engine {engine}", show_header=False)
     if inv.device_bytes is not None:
         if gpu is not None:
-            t.add_row("device", f"{_gib(inv.device_bytes)} as the driver reports it ({gpu.name}; datasheet "
-                      f"{gpu.datasheet_memory}, nvidia-smi {gpu.nvidia_smi_total_mib:,} MiB)")
+            smi = "" if gpu.nvidia_smi_total_mib is None else f", nvidia-smi {gpu.nvidia_smi_total_mib:,} MiB"
+            basis = "from the datasheet (none driver-reported is published)" if gpu.memory_from_datasheet else \
+                "as the driver reports it"
+            t.add_row("device", f"{_gib(inv.device_bytes)} {basis} ({gpu.name}; datasheet "
+                      f"{gpu.datasheet_memory}{smi})")
         else:
             t.add_row("device", f"{_gib(inv.device_bytes)} (--device-memory)")
         t.add_row("budget", f"{_gib(inv.budget_bytes)} (utilization {inv.utilization:g})")
@@ -210,7 +213,14 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
                   f"{r.blocks_per_request:,}" if r.blocks_per_request else "-",
                   f"{r.per_instance:,}" if r.fits else "-", f"{r.instances:,}" if r.fits else "-",
                   f"{r.gpus_total:,}" if r.fits else "-", "-" if r.cost is None else f"{r.cost:,.1f}", mark)
-    console().print(t)
+    con = console()
+    con.print(t)
+    from ..core.sizing.gpus import GPUS
+
+    guessed = [g for g in dict.fromkeys(r.gpu for r in rows) if GPUS[g].memory_from_datasheet]
+    if guessed:
+        con.print(f"[yellow]note:[/yellow] {', '.join(guessed)}: memory is the datasheet figure, not "
+                  "driver-reported (none is published); their rows are 1-8% optimistic")
     if not any(r.fits for r in rows):
         raise ConfigError("no GPU x TP combination in the matrix serves this request shape")
 
@@ -311,6 +321,8 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         hints = fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)
         raise ConfigError(f"{exc}" + (f"; try {', or '.join(hints)}" if hints else "")) from None
     data: dict[str, Any] = {**base, **inv.to_dict()}
+    if gpu_obj is not None and gpu_obj.memory_note:
+        data["device_memory_note"] = gpu_obj.memory_note  # a datasheet figure, said wherever the plan is read
     ctx_len = max_model_len
     if ctx_len is None and cfg is not None:
         ctx_len = config_int(text_config(cfg), "max_position_embeddings", default=None)
@@ -349,6 +361,8 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         lines.append(f"a request of {prompt:,} + {max_new:,} tokens takes {data['blocks_per_request']:,} blocks "
                      f"(the tail block is charged whole): {data['max_concurrent_requests']:,} fit at once "
                      "without prefix sharing")
+    if gpu_obj is not None and gpu_obj.memory_note:
+        lines.append(f"[yellow]note:[/yellow] {gpu_obj.memory_note}")
     for line in lines:
         con.print(line)
     if model in list_models():

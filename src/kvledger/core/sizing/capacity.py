@@ -70,6 +70,8 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
     for gpu in sorted(GPUS.values(), key=lambda g: g.memory_bytes):
         if gpu.name == current or (isinstance(mem, int) and gpu.memory_bytes <= mem):
             continue
+        if gpu.memory_from_datasheet:  # a hint is a promise; a datasheet capacity overstates the driver's
+            continue
         inv = _try(spec, cfg, **{**{k: v for k, v in kw.items() if k != "device_bytes"}, "gpu": gpu.name})
         if ok(inv):
             hints.append(f"--gpu {gpu.name} ({inv.capacity_tokens:,} tokens)")

@@ -58,20 +58,22 @@ def test_gpus_marks_a_datasheet_memory_figure(capsys, monkeypatch):
     for name in ("l40s", "a10g", "h100-pcie", "h100-nvl", "h20", "b200", "mi300x", "rtx4090"):
         assert f"│ {name} " in out, name
     row = next(line for line in out.splitlines() if line.startswith("│ a10g "))
-    assert "24.00 GiB *" in row and "│           - │" in row  # datasheet-marked; no nvidia-smi figure published
+    assert "24.00 GiB *" in row and "23,028 MiB" in row  # datasheet-marked, beside nvidia-smi's published total
     assert "44.42 GiB" in next(line for line in out.splitlines() if line.startswith("│ l40s "))
+    assert "│           - │" in next(line for line in out.splitlines() if line.startswith("│ h20 "))  # no nvidia-smi
     assert "* the datasheet's capacity" in out and "8 TB/s" in out and "2.25 PFLOP/s" in out
     rc, out, err = run_cli(capsys, "gpus", "--json")
     rows = json.loads(out)
     assert rows["a10g"]["memory_from_datasheet"] is True and rows["l40s"]["memory_from_datasheet"] is False
-    assert rows["l40s"]["nvidia_smi_total_mib"] is None and "4090" in rows["rtx4090"]["aliases"]
+    assert rows["h20"]["nvidia_smi_total_mib"] is None and "4090" in rows["rtx4090"]["aliases"]
 
 
 def test_plan_on_a_rented_gpu_and_one_line_when_its_memory_is_the_datasheets(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "160")
     rc, out, err = run_cli(capsys, "plan", "--gpu", "l40s", "--model", "llama-3.1-8b")
     assert rc == 0, err
-    assert "44.42 GiB as the driver reports it (l40s; datasheet 48GB)" in out and "datasheet's" not in out
+    assert "44.42 GiB as the driver reports it (l40s; datasheet 48GB, nvidia-smi 46,068 MiB)" in out
+    assert "datasheet's" not in out
     rc, out, err = run_cli(capsys, "plan", "--gpu", "a10g", "--model", "llama-3.1-8b")
     assert rc == 0, err
     notes = [line for line in out.splitlines() if "not driver-reported" in line]
@@ -84,14 +86,14 @@ def test_plan_on_a_rented_gpu_and_one_line_when_its_memory_is_the_datasheets(cap
 
 
 def test_a_fit_hint_never_suggests_a_gpu_whose_memory_is_the_datasheets(capsys):
-    """A hint is a promise: h100-pcie's 80 GiB is the datasheet's, so a request that needs just more than
-    79.95 GiB gives is pointed at the next GPU with a driver-reported figure (h100-nvl), not at h100-pcie."""
+    """A hint is a promise: a10g's 24 GiB is the datasheet's, so a request that needs just more than 23.95 GiB
+    gives is pointed at the next GPU with a driver-reported figure (a100-40gb), not at a10g."""
     plan = ["plan", "--model", "llama-3.1-8b", "--json"]
-    rc, out, err = run_cli(capsys, *plan, "--device-memory", "79.95GiB")
+    rc, out, err = run_cli(capsys, *plan, "--device-memory", "23.95GiB")
     here = json.loads(out)["pool_blocks"]
-    rc, out, err = run_cli(capsys, *plan, "--gpu", "h100-pcie")
-    assert json.loads(out)["pool_blocks"] > here  # h100-pcie's datasheet figure would hold one more block
+    rc, out, err = run_cli(capsys, *plan, "--gpu", "a10g")
+    assert json.loads(out)["pool_blocks"] > here  # a10g's datasheet figure would hold one more block
     tokens = (here + 1) * 16
-    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--device-memory", "79.95GiB", "--prompt",
+    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--device-memory", "23.95GiB", "--prompt",
                            str(tokens - 16), "--max-new", "16")
-    assert rc == 2 and "--gpu h100-nvl" in err and "h100-pcie" not in err, err
+    assert rc == 2 and "--gpu a100-40gb" in err and "a10g" not in err, err

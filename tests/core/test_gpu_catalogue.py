@@ -45,8 +45,8 @@ def test_every_entry_has_its_figures_and_says_where_its_memory_comes_from(row: d
         assert not row["driver_source"].startswith("datasheet") and gpu.memory_note is None
         assert row["driver_total"].removesuffix("GiB") in row["driver_source"], row["driver_source"]
         assert gpu.memory_bytes < max(gpu.datasheet_bytes, parse_bytes(row["datasheet_memory"].replace("GB", "GiB")))
-    if gpu.nvidia_smi_total_mib is not None:
-        assert gpu.nvidia_smi_total_mib * 2**20 > gpu.memory_bytes
+        if gpu.nvidia_smi_total_mib is not None:  # nvidia-smi counts 0.3-0.8 GiB the driver does not hand out
+            assert 0.3 * 2**30 < gpu.nvidia_smi_total_mib * 2**20 - gpu.memory_bytes < 2**30
 
 
 @pytest.mark.parametrize("short, name", [

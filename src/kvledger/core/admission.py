@@ -78,10 +78,13 @@ class FamilyLayout:
     chain: bool = False
 
     @staticmethod
+    @functools.lru_cache(maxsize=1024)  # else built for every admission attempt; read only, like every layout
     def chain_of(prompt_len: int, block_size: int, branches: int) -> FamilyLayout:
         """``branches`` identical branches of one prompt: one chain of its full blocks, every branch
         holding all of them, and its partial tail (if any) held by every branch. Shared: read only."""
-        return _chain_layout(prompt_len // block_size, prompt_len % block_size != 0, branches)
+        full, partial = prompt_len // block_size, prompt_len % block_size != 0
+        return FamilyLayout([range(full)] * branches, [], (), [0 if partial else -1] * branches,
+                            [branches] if partial else [], full, chain=True)
 
     @classmethod
     def of(cls, requests: Sequence[Request], digests: Sequence[Sequence[bytes]], block_size: int,
@@ -122,12 +125,6 @@ class FamilyLayout:
             else:
                 tails.append(-1)
         return cls(paths, parents, node_digests, tails, holders, len(parents))
-
-
-@functools.lru_cache(maxsize=1024)  # else built for every admission attempt; read only, like every layout
-def _chain_layout(full: int, partial: bool, branches: int) -> FamilyLayout:
-    return FamilyLayout([range(full)] * branches, [], (), [0 if partial else -1] * branches,
-                        [branches] if partial else [], full, chain=True)
 
 
 # A family's prefix hits, as one tuple (it is built on every admission attempt): the device block per node
@@ -288,7 +285,8 @@ class AdmissionControl:
             decision, hits = self._decide(members, layout, digests, keep_free, rid, True)
             if not decision.admitted:
                 self._count_not_now(request, decision.over_quota)
-                self._remember(request, digests)  # it will be asked again: hash it once
+                if digests.__class__ is not tuple:  # a tuple came from the memo: remembered already
+                    self._remember(request, digests)  # it will be asked again: hash it once
                 return decision
             if self._memo:
                 self._memo.pop(rid, None)

@@ -67,9 +67,10 @@ class PromiseBook:
         prefix hits (they stop being evictable once taken) and the blocks its caller keeps free -- and
         the operator's explanation of that figure."""
         pool = self._pool
-        available = pool.num_free + pool.num_evictable - self.total - retained_hits - keep_free
-        detail = (f"{max(available, 0)} can be promised now ({pool.num_free} free + {pool.num_evictable} "
-                  f"evictable - {self.total} promised" + (f" - {retained_hits} own hits" if retained_hits else "")
+        free, evictable, total = pool.num_free, pool.num_evictable, self.total  # read once: asked every step
+        available = free + evictable - total - retained_hits - keep_free
+        detail = (f"{max(available, 0)} can be promised now ({free} free + {evictable} evictable - {total} promised"
+                  + (f" - {retained_hits} own hits" if retained_hits else "")
                   + (f" - {keep_free} kept free" if keep_free else "") + ")")
         return available, detail
 

@@ -35,8 +35,27 @@ def test_matrix_marks_every_row_of_a_tie_as_cheapest(capsys):
     rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "1024", "--max-new",
                            "256", "--concurrency", "4", "--prices", "h100-80gb=2,a100-80gb=2", "--json")
     assert rc == 0, err
-    cheapest = {(r["gpu"], r["tp"]) for r in json.loads(out)["rows"] if r["cheapest"]}
+    rows = json.loads(out)["rows"]
+    cheapest = {(r["gpu"], r["tp"]) for r in rows if r["cheapest"]}
     assert cheapest == {("a100-80gb", 1), ("h100-80gb", 1)}  # one GPU at 2 each: neither is cheaper
+    assert {(r["gpu"], r["tp"]) for r in rows if r["tie"]} == cheapest  # and the JSON says it is a tie
+    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "1024", "--max-new",
+                           "256", "--concurrency", "4", "--prices", "h100-80gb=2,a100-80gb=2")
+    assert rc == 0, err
+    assert out.count("<- tied cheapest") == 2 and "<- cheapest" not in out  # the table names it a tie
+
+
+def test_matrix_names_a_single_cheapest_row_without_a_tie(capsys):
+    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "1024", "--max-new",
+                           "256", "--concurrency", "4", "--prices", "h100-80gb=2,a100-80gb=3", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)["rows"]
+    assert [(r["gpu"], r["tp"]) for r in rows if r["cheapest"]] == [("h100-80gb", 1)]
+    assert not any(r["tie"] for r in rows)
+    rc, out, err = run_cli(capsys, "plan", "--model", "llama-3.1-8b", "--matrix", "--prompt", "1024", "--max-new",
+                           "256", "--concurrency", "4", "--prices", "h100-80gb=2,a100-80gb=3")
+    assert rc == 0, err
+    assert out.count("<- cheapest") == 1 and "tied" not in out
 
 
 def test_admit_summarises_a_long_table_and_shows_all_on_request(capsys):

@@ -208,7 +208,8 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
                 unit, ""):
         t.add_column(col, justify="left" if col in ("gpu", "") else "right")
     for r in rows:
-        mark = "[bold green]<- cheapest[/bold green]" if r.cheapest else ("" if r.fits else f"[dim]{r.note}[/dim]")
+        mark = ("[bold green]<- tied cheapest[/bold green]" if r.tie else "[bold green]<- cheapest[/bold green]"
+                if r.cheapest else ("" if r.fits else f"[dim]{r.note}[/dim]"))
         t.add_row(r.gpu, str(r.tp), "yes" if r.fits else "no", f"{r.pool_blocks:,}" if r.pool_blocks else "-",
                   f"{r.blocks_per_request:,}" if r.blocks_per_request else "-",
                   f"{r.per_instance:,}" if r.fits else "-", f"{r.instances:,}" if r.fits else "-",

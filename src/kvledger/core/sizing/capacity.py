@@ -115,6 +115,7 @@ class MatrixRow:
     cost: float | None
     note: str
     cheapest: bool = False  # lowest cost; several rows at that same cost are each marked (a tie)
+    tie: bool = False  # cheapest, and another row costs the same: "cheapest" names one of equals, not a winner
 
     def to_dict(self) -> dict[str, Any]:
         return {key: getattr(self, key) for key in self.__slots__}
@@ -128,8 +129,9 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
     """Every GPU x TP combination: does one instance hold a request of `prompt + max_new` tokens, how many
     such requests does it hold at once, and how many instances (data-parallel replicas) reach
     `concurrency`? Cost is GPUs x price per GPU-hour when `prices` names the GPU, else GPUs x the GPU's
-    memory in GiB (a proxy); the cheapest fitting row is marked, and every row at that same cost too: a tie
-    is shown as one (it used to be broken by GPU count and TP, naming one of equals the cheapest)."""
+    memory in GiB (a proxy); the cheapest fitting row is marked, and every row at that same cost too, each
+    with `tie` set: a tie is shown as one (it used to be broken by GPU count and TP, naming one of equals the
+    cheapest)."""
     concurrency = checks.count(concurrency, "concurrency", 1, MAX_CONCURRENCY)
     names = list(gpus) if gpus else list(GPUS)
     for name in names:
@@ -169,7 +171,8 @@ def capacity_matrix(cfg: dict[str, Any], *, prompt: int, max_new: int, concurren
     if costed:
         low = min(r.cost for r in costed if r.cost is not None)
         best = [r for r in costed if r.cost is not None and math.isclose(r.cost, low, rel_tol=1e-9)]
-        rows = [replace(r, cheapest=True) if any(r is b for b in best) else r for r in rows]
+        tie = len(best) > 1
+        rows = [replace(r, cheapest=True, tie=tie) if any(r is b for b in best) else r for r in rows]
     return rows
 
 

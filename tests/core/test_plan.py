@@ -10,8 +10,10 @@ from importlib import resources
 import pytest
 
 from cli_run import run  # tests/cli_run.py (pytest's pythonpath)
+from kvledger.cli.options import flag_name
+from kvledger.cli.plan_cmds import plan_cmd
 from kvledger.core.sizing import gpus
-from kvledger.core.sizing.capacity import fit_hints
+from kvledger.core.sizing.capacity import fit_hints as _fit_hints
 from kvledger.core.sizing.engines import find_peak, load_measured_peaks, vllm_batch_defaults
 from kvledger.core.sizing.geometry import KVSpec
 from kvledger.core.sizing.inventory import build_inventory
@@ -21,6 +23,11 @@ from kvledger.units import parse_bytes
 
 GiB = 2**30
 H100_DRIVER = "79.18GiB"  # what vLLM logs as the H100's total ('Free memory on device 78.57/79.18 GiB')
+
+
+def fit_hints(*args, **kwargs) -> list[str]:
+    """The hints as `kvledger plan` prints them: each option under plan's first flag name (vLLM's)."""
+    return [h.text(lambda option: flag_name(plan_cmd, option)) for h in _fit_hints(*args, **kwargs)]
 
 
 def run_json(capsys, *argv):
@@ -170,13 +177,13 @@ def test_a_request_that_can_never_fit_says_so_and_exits_2(capsys):
 def test_a_model_that_does_not_fit_gets_a_hint(capsys):
     err = one_line_error(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb")
     assert "model does not fit" in err and "weights (model loading) 131." in err
-    assert "try --tp 4" in err  # and the hint was checked: tp=4 really fits
+    assert "try --tensor-parallel-size 4" in err  # vLLM's flag; and the hint was checked: tp=4 really fits
     tp2 = run_json(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "2", "--json")
     assert tp2["capacity_tokens"] < 8192  # tp=2 "fits" with a few hundred tokens of cache: not worth a hint
     tp4 = run_json(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "h100-80gb", "--tp", "4", "--json")
-    assert f"--tp 4 ({tp4['pool_blocks']:,} blocks = {tp4['capacity_tokens']:,} tokens)" in err
+    assert f"--tensor-parallel-size 4 ({tp4['pool_blocks']:,} blocks = {tp4['capacity_tokens']:,} tokens)" in err
     err = one_line_error(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "l4", "--tp", "4")
-    assert "--tp 8" in err or "--gpu" in err
+    assert "--tensor-parallel-size 8" in err or "--gpu" in err
 
 
 def test_capacity_answers(capsys):
@@ -287,7 +294,7 @@ def test_tp_hint_keeps_the_block_size_of_the_plan() -> None:
     cfg = load_model_config("llama-3.1-8b")
     spec = KVSpec.from_hf_config(cfg, block_size=32)
     hint = fit_hints(spec, cfg, H100_VLLM)[0]
-    m = re.fullmatch(r"--tp 2 \(([\d,]+) blocks = ([\d,]+) tokens\)", hint)
+    m = re.fullmatch(r"--tensor-parallel-size 2 \(([\d,]+) blocks = ([\d,]+) tokens\)", hint)
     assert m, hint
     blocks, tokens = (int(g.replace(",", "")) for g in m.groups())
     assert tokens == blocks * 32
@@ -299,7 +306,7 @@ def test_tp_hint_suggests_the_smallest_degree_that_fits() -> None:
     """Llama-3.1-8B at tp 1 on an H100: the first hint is the next TP degree, 2 (not a larger one)."""
     cfg = load_model_config("llama-3.1-8b")
     hints = fit_hints(KVSpec.from_hf_config(cfg), cfg, H100_VLLM)
-    assert hints[0].startswith("--tp 2 (")
+    assert hints[0].startswith("--tensor-parallel-size 2 (")
 
 
 def test_fp8_kv_hint_says_how_many_tokens_fp8_kv_gives() -> None:
@@ -310,6 +317,38 @@ def test_fp8_kv_hint_says_how_many_tokens_fp8_kv_gives() -> None:
     fp8 = build_inventory(KVSpec.from_hf_config(cfg, kv_dtype="fp8_e4m3"), cfg, **H100_VLLM)
     assert f"--kv-cache-dtype fp8 ({fp8.capacity_tokens:,} tokens)" in hints
     assert all(isinstance(h, str) for h in hints)
+
+
+def test_hints_name_vllms_flags_that_plan_takes(capsys) -> None:
+    """A user from vLLM reads vLLM's flag in every hint (--tensor-parallel-size, --gpu-memory-utilization,
+    --kv-cache-dtype), taken from plan's own options, and can paste each one back into `kvledger plan`
+    (values without thousands separators). Before: `try --tp 8 (...)`, `--utilization 0.95`, `--max-new 5,736`."""
+    from kvledger.cli.engine_options import FLAGS
+
+    err = one_line_error(capsys, "plan", "--model", "llama-3.1-70b", "--gpu", "l4")
+    assert "; try --tensor-parallel-size 8 (724 blocks = 11,584 tokens)" in err
+    err = one_line_error(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--gpu-memory-utilization", "0.8",
+                         "--prompt", "20000", "--max-new", "8000")
+    assert "--tensor-parallel-size 2 (" in err and "--gpu-memory-utilization 0.95 (37,808 tokens)" in err
+    assert "--tp " not in err and "--utilization" not in err
+    rc, out, err = run(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "l4")
+    assert rc == 0 and "give vLLM --max-model-len 28784 or less" in " ".join(out.split())  # pastes into vLLM
+    cfg = load_model_config("llama-3.1-8b")
+    l4 = {"gpu": "l4", "engine": "vllm", "utilization": 0.8}
+    shorter = fit_hints(KVSpec.from_hf_config(cfg), cfg, l4, prompt=5000, max_new=8000, limit=10)[-1]
+    assert shorter == "--max-new 5736 (the pool holds 10,736 tokens)"
+    assert run_json(capsys, "plan", "--model", "llama-3.1-8b", "--gpu", "l4", "--gpu-memory-utilization", "0.8",
+                    "--prompt", "5000", "--max-new", "5736", "--json")["max_concurrent_requests"] == 1
+    # Every option a hint can name is one of plan's, and an engine knob's is the registry's first (vLLM's) name.
+    hints = _fit_hints(KVSpec.from_hf_config(cfg), cfg, l4, prompt=2000, max_new=8000, limit=10)
+    assert {h.option for h in hints} >= {"tensor_parallel_size", "gpu", "kv_dtype", "weight_dtype",
+                                         "gpu_memory_utilization"}
+    for hint in hints:
+        if hint.option is not None:
+            name = flag_name(plan_cmd, hint.option)
+            assert name == (FLAGS[hint.option][0][0] if hint.option in FLAGS else name)
+    assert [flag_name(plan_cmd, k) for k in ("tensor_parallel_size", "gpu_memory_utilization", "kv_dtype")] == [
+        "--tensor-parallel-size", "--gpu-memory-utilization", "--kv-cache-dtype"]
 
 
 def test_fp8_weights_hint_is_offered_for_a_bf16_checkpoint() -> None:

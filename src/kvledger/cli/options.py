@@ -162,3 +162,13 @@ def model_option(default: str = "smollm2-135m") -> Any:
     return click.option("--model", default=default, show_default=True, callback=bundled_model_name,
                         help="Bundled model name (smollm2-135m) or its Hugging Face id, a Hugging Face folder or "
                              "a .gguf file.")
+
+
+def flag_name(command: click.Command, param: str) -> str:
+    """The flag a user types for ``command``'s parameter ``param``: its first name, which is vLLM's where
+    vLLM has the knob (``tensor_parallel_size`` -> ``--tensor-parallel-size``). A suggestion built from it
+    names a flag the command takes, under the name its help shows first."""
+    for p in command.params:
+        if p.name == param and p.opts:
+            return p.opts[0]
+    raise LookupError(f"{command.name} has no option {param!r}")

@@ -7,13 +7,16 @@ pool is given. `--prompt/--max-new` add the request answers, `--matrix` the GPU 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from ..core.sizing.engines import ENGINES
 from .engine_options import FLAGS, engine_option
-from .options import MAX_COUNT, TOKENS, Int, Size, bundled_model_name, catalogue_gpu_name, epilog
+from .options import MAX_COUNT, TOKENS, Int, Size, bundled_model_name, catalogue_gpu_name, epilog, flag_name
+
+if TYPE_CHECKING:
+    from ..core.sizing.capacity import FitHint
 
 
 def _step_names(knob: str, dest: str) -> list[str]:
@@ -226,9 +229,16 @@ def _matrix(cfg: dict[str, Any], model: str, prompt: int | None, max_new: int | 
         raise ConfigError("no GPU x TP combination in the matrix serves this request shape")
 
 
+def _hints(hints: list[FitHint]) -> str:
+    """``; try A, or B`` with each option under plan's own first flag name (vLLM's where vLLM has the knob)."""
+    if not hints:
+        return ""
+    return "; try " + ", or ".join(h.text(lambda option: flag_name(plan_cmd, option)) for h in hints)
+
+
 @click.command("plan", epilog=epilog(
     "kvledger plan --model llama-3.1-8b --device-memory 79.18GiB           # vLLM's KV cache on an H100",
-    "kvledger plan --model llama-3.1-70b --gpu h100-80gb --tp 4 --prompt 2048 --max-new 512",
+    "kvledger plan --model llama-3.1-70b --gpu h100-80gb --tensor-parallel-size 4 --prompt 2048 --max-new 512",
     "kvledger plan --model mixtral-8x7b --matrix --prompt 4096 --max-new 1024 --concurrency 64",
 ))
 @geometry_options
@@ -319,8 +329,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     try:
         inv = build_inventory(spec, cfg, **kwargs)
     except DoesNotFit as exc:
-        hints = fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)
-        raise ConfigError(f"{exc}" + (f"; try {', or '.join(hints)}" if hints else "")) from None
+        raise ConfigError(f"{exc}" + _hints(fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new))) from None
     data: dict[str, Any] = {**base, **inv.to_dict()}
     if gpu_obj is not None and gpu_obj.memory_note:
         data["device_memory_note"] = gpu_obj.memory_note  # a datasheet figure, said wherever the plan is read
@@ -337,11 +346,10 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         if spec.sliding_window:
             data["kv_bytes_per_request_windowed"] = spec.kv_bytes_for_sequence(prompt + max_new)
         if data["max_concurrent_requests"] == 0:
-            hints = fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)
             raise ConfigError(
                 f"a request of {prompt:,} + {max_new:,} tokens needs {data['blocks_per_request']:,} blocks but the "
                 f"pool holds {inv.pool_blocks:,} ({inv.largest_context:,} tokens): it can never be admitted"
-                + (f"; try {', or '.join(hints)}" if hints else ""))
+                + _hints(fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new)))
     if as_json:
         emit_json(data)
         return
@@ -356,8 +364,8 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         lines.append(f"maximum concurrency for {ctx_len:,} tokens per request: {inv.max_concurrency(ctx_len):.2f}x")
         if inv.engine == "vllm" and inv.largest_context < ctx_len:
             lines.append(f"[yellow]note:[/yellow] vLLM refuses to start when the KV cache cannot hold one request of "
-                         f"max_model_len ({ctx_len:,} tokens); give vLLM --max-model-len {inv.largest_context:,} or "
-                         "less")
+                         f"max_model_len ({ctx_len:,} tokens); give vLLM "
+                         f"{flag_name(plan_cmd, 'max_model_len')} {inv.largest_context} or less")
     if "blocks_per_request" in data:
         lines.append(f"a request of {prompt:,} + {max_new:,} tokens takes {data['blocks_per_request']:,} blocks "
                      f"(the tail block is charged whole): {data['max_concurrent_requests']:,} fit at once "

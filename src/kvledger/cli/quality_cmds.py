@@ -59,9 +59,9 @@ def _table(report: dict[str, Any]) -> Any:
 
 
 @click.command("quality", epilog=epilog(
-    "kvledger quality --model smollm2-135m --kv-dtype int8",
-    "kvledger quality --kv-dtype int4 --block-size 64 --out reports/int4",
-    "kvledger quality --kv-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
+    "kvledger quality --model smollm2-135m --kv-cache-dtype int8",
+    "kvledger quality --kv-cache-dtype int4 --block-size 64 --out reports/int4",
+    "kvledger quality --kv-cache-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
 ))
 @model_option()
 @engine_option("kv_dtype", required=True, type=DtypeName(lambda: list(quantized_formats())),

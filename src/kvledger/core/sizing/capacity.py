@@ -8,7 +8,7 @@ exactly what `kvledger plan` would say for the suggested options.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,8 +42,26 @@ def _spec(cfg: dict[str, Any] | None, spec: KVSpec, **changes: Any) -> KVSpec | 
         return None
 
 
+@dataclass(frozen=True, slots=True)
+class FitHint:
+    """One change that makes a plan fit, checked by building the inventory it implies. ``option`` is the
+    `kvledger plan` parameter it sets (the engine knobs under their vLLM names: ``tensor_parallel_size``,
+    ``gpu_memory_utilization``), None for a change to the request itself. The core names no flag: the command
+    line prints the option under its own first flag name (vLLM's, where vLLM has the knob), so a hint always
+    names a flag the command takes."""
+
+    option: str | None
+    value: str  # as typed after the flag (no thousands separators: the user pastes it)
+    note: str
+
+    def text(self, flag: Callable[[str], str]) -> str:
+        """The hint as a user reads it, ``flag(option)`` naming the option: ``--tensor-parallel-size 8 (...)``."""
+        head = self.value if self.option is None else f"{flag(self.option)} {self.value}"
+        return f"{head} ({self.note})"
+
+
 def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[str, Any], *,
-              prompt: int | None = None, max_new: int | None = None, limit: int = 4) -> list[str]:
+              prompt: int | None = None, max_new: int | None = None, limit: int = 4) -> list[FitHint]:
     """Options that make the model (and the request, if given) fit, each checked by building the
     inventory it implies: more TP, a bigger GPU, fp8 KV, fp8 weights, a higher utilization, a smaller
     output allowance."""
@@ -56,14 +74,15 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
             return False
         return inv.fits(prompt or 0, max_new or 0) if need else inv.capacity_tokens >= MIN_USEFUL_TOKENS
 
-    hints: list[str] = []
+    hints: list[FitHint] = []
     for tp in (2, 4, 8, 16):
         if tp <= spec.tp:
             continue
         s = _spec(cfg, spec, tp=tp)
         inv = _try(s, cfg, **kw) if s else None
         if ok(inv):
-            hints.append(f"--tp {tp} ({inv.pool_blocks:,} blocks = {inv.capacity_tokens:,} tokens)")
+            hints.append(FitHint("tensor_parallel_size", str(tp),
+                                 f"{inv.pool_blocks:,} blocks = {inv.capacity_tokens:,} tokens"))
             break
     current = kw.get("gpu")
     mem = GPUS[current].memory_bytes if current in GPUS else kw.get("device_bytes")
@@ -74,29 +93,30 @@ def fit_hints(spec: KVSpec, cfg: dict[str, Any] | None, inventory_kwargs: dict[s
             continue
         inv = _try(spec, cfg, **{**{k: v for k, v in kw.items() if k != "device_bytes"}, "gpu": gpu.name})
         if ok(inv):
-            hints.append(f"--gpu {gpu.name} ({inv.capacity_tokens:,} tokens)")
+            hints.append(FitHint("gpu", gpu.name, f"{inv.capacity_tokens:,} tokens"))
             break
     if spec.dtype_bytes > 1:
         s = _spec(cfg, spec, kv_dtype="fp8")  # vLLM's fp8: the unscaled e4m3 cast, which vLLM serves
         inv = _try(s, cfg, **kw) if s else None
         if ok(inv):
-            hints.append(f"--kv-cache-dtype fp8 ({inv.capacity_tokens:,} tokens)")
+            hints.append(FitHint("kv_dtype", "fp8", f"{inv.capacity_tokens:,} tokens"))
     if cfg is not None and kw.get("weight_dtype") not in ("fp8", "int4", "fp4"):
         inv = _try(spec, cfg, **{**kw, "weight_dtype": "fp8"})
         if ok(inv):
-            hints.append(f"--weight-dtype fp8 ({inv.capacity_tokens:,} tokens)")
+            hints.append(FitHint("weight_dtype", "fp8", f"{inv.capacity_tokens:,} tokens"))
     if kw.get("utilization", 0.9) < 0.95:
         inv = _try(spec, cfg, **{**kw, "utilization": 0.95})
         if ok(inv):
-            hints.append(f"--utilization 0.95 ({inv.capacity_tokens:,} tokens)")
+            hints.append(FitHint("gpu_memory_utilization", "0.95", f"{inv.capacity_tokens:,} tokens"))
     if need:
         inv = _try(spec, cfg, **kw)
         if inv is not None and not inv.fits(prompt or 0, max_new or 0):
             room = inv.largest_context - (prompt or 0)
             if room > 0 and max_new:
-                hints.append(f"--max-new {min(room, max_new - 1):,} (the pool holds {inv.largest_context:,} tokens)")
+                hints.append(FitHint("max_new", str(min(room, max_new - 1)),
+                                     f"the pool holds {inv.largest_context:,} tokens"))
             else:
-                hints.append(f"a prompt under {inv.largest_context:,} tokens (the whole pool)")
+                hints.append(FitHint(None, f"a prompt under {inv.largest_context:,} tokens", "the whole pool"))
     return hints[:limit]
 
 
@@ -201,4 +221,4 @@ def parse_prices(text: str | None) -> dict[str, float] | None:
     return out
 
 
-__all__ = ["TP_DEGREES", "MatrixRow", "capacity_matrix", "fit_hints", "parse_prices"]
+__all__ = ["TP_DEGREES", "FitHint", "MatrixRow", "capacity_matrix", "fit_hints", "parse_prices"]

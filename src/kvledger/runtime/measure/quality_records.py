@@ -242,7 +242,7 @@ def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tu
     """The passing record that allows serving ``spec``'s quantised format with ``ckpt``'s weights, or one
     :class:`ConfigError` line saying how to get one."""
     fmt = spec.kv_dtype
-    how = (f"measure it with `kvledger quality --model {model_name or '<model>'} --kv-dtype {fmt}"
+    how = (f"measure it with `kvledger quality --model {model_name or '<model>'} --kv-cache-dtype {fmt}"
            + (f" --block-size {spec.block_size}" if spec.block_size != 16 else "")
            + "` (a passing report is recorded), or pass --allow-untested-kv / allow_untested_kv=True")
     if ckpt is None:

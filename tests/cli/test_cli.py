@@ -212,12 +212,29 @@ def test_models_and_gpus_catalogues(capsys):
     assert models["llama-3.1-8b"]["source"] == "meta-llama/Llama-3.1-8B config.json"
     assert models["mixtral-8x7b"]["parameters"] == 46_702_792_704
     assert len(models) >= 10 and all(m["source"] for m in models.values())
+    assert models["llama-3.1-8b"]["hf_id"] == "meta-llama/Llama-3.1-8B"
     gpus = run_json(capsys, "gpus", "--json")
     assert gpus["h100-80gb"]["memory_bytes"] == int(79.18 * 2**30)
     assert gpus["h100-80gb"]["datasheet_memory"] == "80GiB" and gpus["l4"]["nvidia_smi_total_mib"] == 23034
     assert {"a100-80gb", "h100-80gb", "h200-141gb", "l4"} <= gpus.keys()
     rc, out, err = run_cli(capsys, "gpus")
     assert rc == 0 and "79.18 GiB" in out and "driver figure from" in out
+
+
+def test_models_shows_each_hugging_face_id_in_its_own_column_and_plan_takes_it(capsys, monkeypatch):
+    """`kvledger models` lists the HF id a user would type (was buried in a 'source' column as
+    'meta-llama/Llama-3.1-8B config.json'); every id it shows is accepted by --model, and the table fits 100
+    columns."""
+    monkeypatch.setenv("COLUMNS", "100")
+    rc, out, err = run_cli(capsys, "models")
+    assert rc == 0, err
+    assert max(len(line) for line in out.splitlines()) <= 100
+    assert "│ llama-3.1-8b  │ meta-llama/Llama-3.1-8B " in out and "config.json │" not in out
+    models = run_json(capsys, "models", "--json")
+    for name, row in models.items():
+        assert row["hf_id"] and f" {row['hf_id']} " in out, name
+        plan = run_json(capsys, "plan", "--model", row["hf_id"], "--json")
+        assert plan["model"] == name and plan["kv_bytes_per_token"] > 0  # the id resolves to the bundled config
 
 
 # ---- errors: one line on stderr, exit code 2, never a traceback ----------------------------------

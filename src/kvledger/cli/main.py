@@ -212,20 +212,23 @@ def _admit_file(spec: Any, path: str, pool_blocks: int, pool_bytes: int, sized: 
 @app.command("models", epilog=epilog("kvledger models", "kvledger models --json"))
 @json_option
 def models_cmd(as_json: bool) -> None:
-    """Bundled model configs, their parameter counts and where they come from."""
-    from ..core.sizing.models import list_models, load_model_config, model_source
+    """Bundled model configs, the Hugging Face ids they come from (--model takes either), parameter counts."""
+    from ..core.sizing.models import list_models, load_model_config, model_hf_id, model_source
     from ..core.sizing.params import count_parameters
 
     rows = {}
     for name in list_models():
         count = count_parameters(load_model_config(name))
-        rows[name] = {"source": model_source(name), "parameters": count.total, "active_parameters": count.active}
+        rows[name] = {"hf_id": model_hf_id(name), "source": model_source(name), "parameters": count.total,
+                      "active_parameters": count.active}
     if as_json:
         _emit_json(rows)
         return
-    t = Table("model", "parameters", "active", "source")
+    t = Table("model", "Hugging Face id", "parameters", "active",
+              caption="numbers from each repo's config.json; --model takes the name or the id")
     for name, row in rows.items():
-        t.add_row(name, f"{row['parameters'] / 1e9:.2f} B", f"{row['active_parameters'] / 1e9:.2f} B", row["source"])
+        t.add_row(name, row["hf_id"] or row["source"], f"{row['parameters'] / 1e9:.2f} B",
+                  f"{row['active_parameters'] / 1e9:.2f} B")
     Console().print(t)
 
 

@@ -135,4 +135,14 @@ def model_source(name: str) -> str:
     return str(path.resolve())
 
 
-__all__ = ["closest_models", "list_models", "load_model_config", "model_source", "resolve_model_name"]
+def model_hf_id(name: str) -> str | None:
+    """The Hugging Face id a bundled config comes from (``llama-3.1-8b`` -> ``meta-llama/Llama-3.1-8B``), which
+    ``--model`` accepts as well as the short name; None for a config that is not bundled or names no repo."""
+    bundled = resolve_model_name(name)
+    if bundled is None:
+        return None
+    head = str(_bundled(bundled).get("_source", "")).split(maxsplit=1)
+    return head[0] if head and re.fullmatch(r"[\w.-]+/[\w.-]+", head[0]) else None
+
+
+__all__ = ["closest_models", "list_models", "load_model_config", "model_hf_id", "model_source", "resolve_model_name"]

@@ -45,19 +45,9 @@ for _name, _value in RAY_PATIENCE.items():
 # How long one attempt to start Ray may take before it counts as failed (the start is tried twice).
 RAY_START_TIMEOUT_S = float(os.environ.get("KVLEDGER_TEST_RAY_START_S", "240"))
 
-# What Ray says when a node did not come up in time (as opposed to a real fault, which is not retried).
-RAY_START_TIMEOUTS = ("timed out during startup", "GCS has become overloaded", "Failed to connect to GCS",
-                      "failed to register", "Timed out while waiting for", "DEADLINE_EXCEEDED")
-
-
-def load_average() -> str:
-    one, five, _ = os.getloadavg()
-    return f"{one:.1f} (5 min {five:.1f}) on {os.cpu_count()} cores"
-
-
-def is_ray_start_timeout(text: str) -> bool:
-    """Whether ``text`` (an exception, a subprocess's stderr) is Ray not coming up in time."""
-    return any(marker.lower() in text.lower() for marker in RAY_START_TIMEOUTS)
+# What Ray says when a node did not come up in time (as opposed to a real fault, which is not retried), and
+# the load line: the product's own (`kvledger fleet serve` retries and fails on the same markers). Ray-free.
+from kvledger.fleet.ray_start import RAY_START_TIMEOUTS, is_ray_start_timeout, load_average  # noqa: E402,F401
 
 
 def ray_did_not_start(elapsed_s: float, load_at_start: str, detail: str) -> str:
@@ -193,8 +183,9 @@ def ray_cluster() -> Iterator[object]:
 
     from kvledger.fleet.serve import local_ray
 
+    # One try per local_ray call: start_local_ray retries itself, with a patient wait for the raylet.
     ctx = start_local_ray(lambda: local_ray(num_cpus=2, object_store_memory=150 * 2**20, log_to_driver=False,
-                                            configure_logging=False))
+                                            configure_logging=False, start_attempts=1))
     try:
         yield ctx
     finally:

@@ -90,3 +90,78 @@ def test_a_subprocess_whose_ray_timed_out_is_run_once_more_then_fails_in_one_lin
 
     ok = conftest.run_with_ray([sys.executable, "-c", "import sys; sys.exit('ConfigError: listens beyond')"])
     assert ok.returncode == 1 and "ConfigError" in ok.stderr  # a real fault: returned for the test to judge
+
+
+# ---- the product: `local_ray` and `kvledger fleet serve` (Ray's start mocked; no Ray is started) ----------
+
+class _Ray:
+    """ray.init / ray.shutdown stand-ins: ``init`` raises ``errors`` in turn, then returns a context."""
+
+    def __init__(self, *errors: BaseException) -> None:
+        self.errors, self.inits, self.shutdowns = list(errors), 0, 0
+
+    def init(self, **_options: object) -> str:
+        self.inits += 1
+        if self.errors:
+            raise self.errors.pop(0)
+        return "context"
+
+    def shutdown(self) -> None:
+        self.shutdowns += 1
+
+
+@pytest.fixture()
+def fake_ray(monkeypatch):
+    import ray
+
+    from kvledger.fleet import serve as fleet_serve
+
+    def install(*errors: BaseException) -> _Ray:
+        fake = _Ray(*errors)
+        monkeypatch.setattr(ray, "init", fake.init)
+        monkeypatch.setattr(ray, "shutdown", fake.shutdown)
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(fleet_serve, "ray_listeners", lambda: [("127.0.0.1", 6379, "gcs_server")])
+        return fake
+
+    return install
+
+
+def test_local_ray_tries_a_timed_out_start_once_more(fake_ray):
+    from kvledger.fleet.serve import local_ray
+
+    fake = fake_ray(Exception(TIMED_OUT))  # noqa: TRY002 -- what Ray raises
+    assert local_ray() == "context"
+    assert (fake.inits, fake.shutdowns) == (2, 1)  # the half-started node was stopped before the second try
+
+
+def test_local_ray_fails_in_one_line_after_two_time_outs_and_at_once_for_a_fault(fake_ray):
+    from kvledger.fleet.serve import local_ray
+
+    fake = fake_ray(Exception(TIMED_OUT), Exception(TIMED_OUT))  # noqa: TRY002
+    with pytest.raises(ConfigError) as err:
+        local_ray()
+    message = str(err.value)
+    assert message.startswith("Ray did not start within ") and "(tried 2 times; load " in message
+    assert "GCS has become overloaded" in message and "\n" not in message
+    assert (fake.inits, fake.shutdowns) == (2, 2)
+
+    fake = fake_ray(ValueError("bad option"))
+    with pytest.raises(ConfigError, match=r"^Ray did not start: ValueError: bad option$"):
+        local_ray()
+    assert (fake.inits, fake.shutdowns) == (1, 1)  # a fault is not retried
+
+
+def test_fleet_serve_says_in_one_line_that_ray_did_not_start(fake_ray, monkeypatch, capsys):
+    """Before: Ray's start-up time-out reached the user as a traceback. Now: one line, exit 2."""
+    from cli_run import run
+    from kvledger.cli import fleet_serve_cmds
+
+    monkeypatch.setattr(fleet_serve_cmds, "_resolve_model", lambda model: None)  # no model load: Ray is the point
+    fake = fake_ray(Exception(TIMED_OUT), Exception(TIMED_OUT))  # noqa: TRY002
+    rc, out, err = run(capsys, "fleet", "serve", "--port", "0")
+    assert rc == 2, err
+    banner, line = err.strip().splitlines()  # the banner (what would be served), then the one error line
+    assert banner.startswith("kvledger fleet serve: model ") and "Traceback" not in err
+    assert line.startswith("kvledger: error: Ray did not start within ") and "try again when it is quieter" in line
+    assert fake.inits == 2

@@ -48,20 +48,23 @@ from ..placement.door import ACCEPTED, NEVER, AdmissionDoor, CacheEventTap
 from ..placement.score import ReplicaLoad, make_route_request, request_blocks
 from ..placement.view import RouterView, shared_view
 from ..scheduler.intake import check_request_shape
+from .ray_start import start_ray
 from .spec import FleetSpec
 
 ROUTER_CLASS = "kvledger.fleet.router:LedgerRequestRouter"
 MAX_ONGOING = 4096  # far above any pool's requests: the ledger decides, not Ray's request cap
 
 
-def local_ray(num_cpus: int | None = None, **kwargs: Any) -> Any:
+def local_ray(num_cpus: int | None = None, *, start_attempts: int = 2, **kwargs: Any) -> Any:
     """Start a local Ray for the fleet that listens on 127.0.0.1 only, and prove it: Ray must have been
     imported with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (``import kvledger.fleet`` sets it; without it Ray
     takes the machine's private address and listens on every interface), the node's address is loopback,
     there is no dashboard and no usage report. After ``ray.init`` every listening socket of the Ray
     processes it started is checked; any beyond loopback shuts Ray down again and raises
     :class:`~kvledger.errors.ConfigError`. The engine and ingress replicas also keep Serve's
-    inter-deployment gRPC server on loopback (:func:`serve_on_loopback`). Stop it with ``ray.shutdown()``."""
+    inter-deployment gRPC server on loopback (:func:`serve_on_loopback`). A start that times out (a busy
+    machine) is tried up to ``start_attempts`` times; a failed start is one ConfigError line
+    (:func:`~kvledger.fleet.ray_start.start_ray`). Stop it with ``ray.shutdown()``."""
     import os
 
     import ray
@@ -72,7 +75,7 @@ def local_ray(num_cpus: int | None = None, **kwargs: Any) -> Any:
     if num_cpus is not None:
         options["num_cpus"] = num_cpus
     options.update(kwargs)
-    context = ray.init(**options)
+    context = start_ray(lambda: ray.init(**options), ray.shutdown, start_attempts)
     outside = [x for x in ray_listeners() if not is_loopback(x[0])]
     if outside:
         ray.shutdown()

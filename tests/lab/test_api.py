@@ -121,7 +121,7 @@ def test_block_map_conserves_the_pool(block_size, requests, prompt, shared, max_
     """Every cell is in exactly one state; the states add up to the pool; live cells are the ledger's active
     blocks and drawn promises its promises (while free blocks can carry them); the numbers are the lab's."""
     inp = LabInput(layers=1, kv_heads=1, head_dim=1, kv_dtype="fp8_e4m3", block_size=block_size,
-                   pool=str(2 * block_size * pool_blocks), requests=requests, prompt=prompt,
+                   pool=f"{2 * block_size * pool_blocks}B", requests=requests, prompt=prompt,
                    shared_prefix=min(shared, prompt), max_new=max_new, groups=min(groups, requests),
                    policy=policy, branches=branches, prefix_cache=prefix)
     _spec, _bytes, _lab, panels = lesson.panels(inp)
@@ -249,6 +249,8 @@ BAD = [
     ({"block_size": -16}, 422, "block_size: must be >= 1"),
     ({"pool": "-512MiB"}, 400, "not a byte size"),
     ({"pool": "0"}, 400, "byte size must be positive"),
+    ({"pool": "512"}, 400, "size '512' has no unit: write 512GiB (binary), 512GB (decimal) or 512B (bytes)"),
+    ({"pool": "536870912"}, 400, "has no unit"),  # was read as bytes, as the CLI's --pool no longer is
     ({"pool": "1KiB"}, 400, "pool of 1 KiB is smaller than one KV block (2 MiB)"),
     ({"pool": "1MiB"}, 400, "smaller than one KV block"),
     ({"requests": 10**9}, 422, "requests: must be <= 64"),

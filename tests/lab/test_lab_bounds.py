@@ -46,7 +46,7 @@ def body_for(path: str, controls: dict) -> dict:
 def tiny(block_size: int, pool_blocks: int, **controls) -> dict:
     """Controls on a one-layer, one-head, head-dim-1 FP8 model: 2 bytes a token, so any pool size in blocks."""
     return {"layers": 1, "kv_heads": 1, "head_dim": 1, "kv_dtype": "fp8_e4m3", "block_size": block_size,
-            "pool": str(2 * block_size * pool_blocks), **controls}
+            "pool": f"{2 * block_size * pool_blocks}B", **controls}
 
 
 def accepted(controls: dict) -> bool:

@@ -210,6 +210,10 @@ def test_sweep_parsing_and_grid():
         parse_sweep(["policy"])
     with pytest.raises(ConfigError, match="integer"):
         parse_sweep(["block_size=big"])
+    # A byte size needs its unit, as on the command line: device_memory=80 is not 80 bytes.
+    with pytest.raises(ConfigError, match=r"size '80' has no unit: write 80GiB \(binary\), 80GB"):
+        parse_sweep(["device_memory=80GiB,80"])
+    assert parse_sweep(["host-pool=4096B"]) == [("host_pool_bytes", [4096])]
     reqs = [req(f"r{i}", 0.01 * i, 40, 5, base=100 * i) for i in range(6)]
     runs = run_sweep(reqs, SMALL, parse_sweep(["policy=full,incremental", "block_size=16,32"]))
     assert [v for v, _ in runs] == [{"policy": p, "block_size": b} for p in ("full", "incremental")

@@ -227,7 +227,7 @@ def parse_value(key: str, text: str) -> Any:
     if name in _BYTE_KEYS:
         if raw in ("0", "0B", "0b"):
             return name, 0
-        return name, parse_bytes(raw)
+        return name, parse_bytes(raw, unit_required=True)  # as on the command line: "80" is no size
     if name in ("pool_blocks", "max_model_len", "declared_max_new") or isinstance(default, int):
         try:
             return name, int(raw.replace("_", ""))

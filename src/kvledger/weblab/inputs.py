@@ -184,7 +184,7 @@ class LabInput(GeometryInput):
     def resolve(self) -> tuple[KVSpec, int, LabSpec]:
         """(geometry, pool bytes, the lab spec) -- ConfigError for what the core refuses."""
         spec = self.kv_spec()
-        pool_bytes = parse_bytes(self.pool)
+        pool_bytes = parse_bytes(self.pool, unit_required=True)  # as the CLI's --pool: "512" is no size
         pool_blocks = spec.pool_blocks(pool_bytes)
         if pool_blocks > MAX_POOL_BLOCKS:
             raise ConfigError(f"the lab draws pools of at most {MAX_POOL_BLOCKS:,} blocks; {self.pool} is "

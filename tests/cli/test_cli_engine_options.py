@@ -13,7 +13,7 @@ from typing import Any
 import click
 import pytest
 
-from kvledger.cli.engine_options import FLAGS
+from kvledger.cli.engine_options import CPU_ENGINE_REFUSALS, FLAGS, RefusedKnob
 from kvledger.cli.main import app, main
 
 # Options that share a knob's name on purpose, with why: not restatements of the engine's knob.
@@ -82,13 +82,18 @@ def test_every_command_takes_each_knob_from_the_one_declaration() -> None:
     assert {"generate", "serve-trace", "serve", "fleet serve", "diagnose", "quality"} <= {
         c for cmds in seen.values() for c in cmds}
     assert set(seen["kv_dtype"]) >= {"generate", "serve-trace", "serve", "quality", "simulate", "plan", "admit"}
-    assert set(seen["max_num_seqs"]) >= {"serve", "fleet serve", "simulate"}
+    assert set(seen["max_num_seqs"]) >= {"serve", "fleet serve", "simulate", "serve-trace"}
+    assert set(seen["max_num_batched_tokens"]) >= {"serve", "fleet serve", "simulate", "serve-trace"}
+    assert set(seen["dtype"]) >= {"generate", "serve-trace", "serve", "fleet serve", "diagnose"}
+    assert set(seen["kv_dtype"]) >= {"fleet serve"}
     assert set(seen["block_size"]) >= {"generate", "serve-trace", "serve", "fleet serve", "diagnose", "quality",
                                        "simulate", "plan"}
-    assert set(seen["tensor_parallel_size"]) >= {"plan", "admit", "simulate"}
-    assert set(seen["gpu_memory_utilization"]) >= {"plan", "admit", "simulate"}
-    assert set(seen["max_model_len"]) >= {"plan", "serve", "simulate"}
-    assert set(seen["enable_prefix_caching"]) >= {"admit", "simulate"}
+    # every command running the CPU engine answers to vLLM's GPU knobs too (refusing them: RefusedKnob)
+    engines = {"generate", "serve-trace", "serve", "fleet serve"}
+    assert set(seen["tensor_parallel_size"]) >= {"plan", "admit", "simulate"} | engines
+    assert set(seen["gpu_memory_utilization"]) >= {"plan", "admit", "simulate"} | engines
+    assert set(seen["max_model_len"]) >= {"plan", "serve", "simulate", "fleet serve"}
+    assert set(seen["enable_prefix_caching"]) >= {"admit", "simulate", "serve", "serve-trace", "fleet serve"}
 
 
 # A value for each knob, other than its default, that every command taking the knob accepts.
@@ -107,7 +112,7 @@ def _walk() -> list[tuple[str, str, click.Option]]:
     for name, cmd in _commands(app):
         for param in cmd.params:
             key = _knob_of(param) if isinstance(param, click.Option) else None
-            if key in SAMPLE and not (name == "quality" and key == "kv_dtype"):
+            if key in SAMPLE and not (name == "quality" and key == "kv_dtype") and not isinstance(param, RefusedKnob):
                 out.append((name, key, param))
     return out
 
@@ -215,3 +220,52 @@ def test_an_engine_knob_has_one_default() -> None:
 
     with pytest.raises(ValueError, match="one default"):
         engine_option("block_size", default=32)
+
+
+ENGINE_COMMANDS = {"generate": ["x"], "serve-trace": ["--trace", "t.csv"], "serve": [], "fleet serve": []}
+
+
+@pytest.mark.parametrize("command", sorted(ENGINE_COMMANDS))
+def test_vllms_gpu_knobs_on_a_cpu_engine_are_refused_with_why(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A vLLM command line pasted onto a command that runs our CPU engine: --gpu-memory-utilization (any value)
+    and --tensor-parallel-size above 1 are refused in one line saying why, under every name (was: 'No such
+    option', or on fleet serve 'Did you mean --max-queue?'); -tp 1, what runs anyway, is accepted."""
+    extra = ENGINE_COMMANDS[command]
+    for flag, value, why in (("--gpu-memory-utilization", "0.9", CPU_ENGINE_REFUSALS["gpu_memory_utilization"][0]),
+                             ("--utilization", "0.5", CPU_ENGINE_REFUSALS["gpu_memory_utilization"][0]),
+                             ("-tp", "2", CPU_ENGINE_REFUSALS["tensor_parallel_size"][0]),
+                             ("--tensor-parallel-size", "4", CPU_ENGINE_REFUSALS["tensor_parallel_size"][0])):
+        assert main([*command.split(), *extra, flag, value]) == 2, (command, flag)
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1 and "No such option" not in err, err
+        name = "--gpu-memory-utilization" if "util" in flag else "--tensor-parallel-size"
+        assert err == f"kvledger: error: {name} {float(value) if 'util' in flag else int(value)}: {why}\n", err
+    assert "tensor_parallel_size" not in _parsed(command, *extra, "-tp", "1")  # accepted, and reaches no code
+    assert "engine runs on the CPU" in _parsed_help(command)
+
+
+def _parsed_help(command: str) -> str:
+    cmd: click.Command = app
+    for word in command.split():
+        cmd = cmd.commands[word]  # type: ignore[attr-defined]
+    with click.Context(cmd, info_name=command) as ctx:
+        return " ".join(cmd.get_help(ctx).split())
+
+
+def test_serve_trace_and_fleet_serve_take_vllms_step_and_caching_knobs() -> None:
+    """serve-trace and fleet serve took none of --max-num-seqs / --max-num-batched-tokens /
+    --enable-prefix-caching (fleet serve not --kv-cache-dtype nor --max-model-len); now each reaches the
+    engine configuration (fleet: FleetSpec.engine_config, what every replica runs)."""
+    from kvledger.fleet.spec import FleetSpec
+
+    got = _parsed("serve-trace", "--trace", "t.csv", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+                  "--no-enable-prefix-caching", "--dtype", "bfloat16")
+    assert (got["max_num_seqs"], got["max_num_batched_tokens"], got["enable_prefix_caching"], got["dtype"]) == (
+        8, 256, False, "bf16")
+    got = _parsed("fleet serve", "--max-num-batched-tokens", "256", "--no-enable-prefix-caching", "--kv-cache-dtype",
+                  "fp16", "--max-model-len", "512", "--num-gpu-blocks-override", "32")
+    spec = FleetSpec(pool_blocks=got["pool_blocks"], kv_dtype=got["kv_dtype"], max_model_len=got["max_model_len"],
+                     prefix_caching=got["enable_prefix_caching"], max_batched_tokens=got["max_num_batched_tokens"])
+    config = spec.engine_config()
+    assert (config.num_blocks, config.kv_dtype, config.max_model_len, config.prefix_caching,
+            config.scheduler.token_budget) == (32, "fp16", 512, False, 256)

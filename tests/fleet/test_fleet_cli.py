@@ -85,6 +85,12 @@ def _cases(f: dict[str, str], taken_port: int, tmp: Path) -> list[tuple[str, lis
         *((f"tenants {name}", [*serve, "--tenants", path]) for name, path in f.items()),
         ("port taken", [*serve, "--port", str(taken_port)]),
         ("model missing", [*serve, "--model", str(tmp / "no-such-model")]),
+        # vLLM's GPU knobs: recognised, and refused with why (the replicas are CPU engines on one device each)
+        ("gpu-memory-utilization", [*serve, "--gpu-memory-utilization", "0.9"]),
+        ("tensor-parallel-size 2", [*serve, "--tensor-parallel-size", "2"]),
+        # what a replica would refuse inside Ray is refused before it starts
+        ("max-model-len past the context", [*serve, "--max-model-len", "100000"]),
+        ("max-model-len past the pool", [*serve, "--pool-blocks", "8", "--max-model-len", "256"]),
     ]
 
 
@@ -143,8 +149,10 @@ def test_the_defaults_are_fleetspecs():
         assert defaults[option] == getattr(spec, field), option
     # the engine's knobs default as every other command's do
     for field, flag in (("block_size", "block_size"), ("dtype", "dtype"), ("host_blocks", "host_blocks"),
-                        ("max_running", "max_num_seqs")):
-        assert getattr(spec, field) == FLAGS[flag][1]["default"], field
+                        ("max_running", "max_num_seqs"), ("max_batched_tokens", "max_num_batched_tokens"),
+                        ("prefix_caching", "enable_prefix_caching"), ("kv_dtype", "kv_dtype"),
+                        ("max_model_len", "max_model_len"), ("allow_untested_kv", "allow_untested_kv")):
+        assert getattr(spec, field) == FLAGS[flag][1].get("default", False), field  # a flag defaults off
 
 
 def _alive(procs: list) -> list:

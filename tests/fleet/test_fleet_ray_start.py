@@ -157,7 +157,7 @@ def test_fleet_serve_says_in_one_line_that_ray_did_not_start(fake_ray, monkeypat
     from cli_run import run
     from kvledger.cli import fleet_serve_cmds
 
-    monkeypatch.setattr(fleet_serve_cmds, "_resolve_model", lambda model: None)  # no model load: Ray is the point
+    monkeypatch.setattr(fleet_serve_cmds, "_resolve_model", lambda config: None)  # no model load: Ray is the point
     fake = fake_ray(Exception(TIMED_OUT), Exception(TIMED_OUT))  # noqa: TRY002
     rc, out, err = run(capsys, "fleet", "serve", "--port", "0")
     assert rc == 2, err

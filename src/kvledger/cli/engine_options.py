@@ -201,6 +201,57 @@ def engine_option(name: str, **override: Any) -> Callable[[Any], Any]:
     return click.option(*names, **{**kwargs, **override})
 
 
+class RefusedKnob(click.Option):
+    """An engine knob a command answers to under all its names but cannot honour (a CPU engine has no GPU
+    memory to take a fraction of, and runs on one device): given on the command line with a value other
+    than what the command does anyway, it is refused in one line saying why -- not "No such option" to a
+    vLLM user pasting a command line, and never accepted and dropped in silence. Its value reaches no
+    function (``expose_value=False``)."""
+
+    def __init__(self, *args: Any, why: str, accepts: Callable[[Any], bool] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.why, self.accepts = why, accepts
+
+    def process_value(self, ctx: click.Context, value: Any) -> Any:
+        value = super().process_value(ctx, value)
+        source = ctx.get_parameter_source(self.name) if self.name else None
+        given = source is not None and source.name in ("COMMANDLINE", "ENVIRONMENT")
+        if given and not (self.accepts is not None and self.accepts(value)):
+            shown = "" if isinstance(value, bool) else f" {value}"
+            raise click.UsageError(f"{self.opts[0]}{shown}: {self.why}", ctx)
+        return value
+
+
+def refused_knob(name: str, why: str, accepts: Callable[[Any], bool] | None = None) -> Callable[[Any], Any]:
+    """The engine knob ``name`` (a key of :data:`FLAGS`) for a command that cannot honour it: the same names
+    and type, refused with ``why`` when given (unless ``accepts`` the value: ``-tp 1`` is what a one-device
+    engine runs anyway). Help says so."""
+    names, kwargs = FLAGS[name]
+    fixed = {**kwargs, "show_default": False, "expose_value": False, "help": f"vLLM's knob, refused here: {why}"}
+    return click.option(*names, cls=RefusedKnob, why=why, accepts=accepts, **fixed)
+
+
+# Why the commands that run our CPU engine refuse vLLM's GPU knobs (one wording for every such command).
+CPU_ENGINE_REFUSALS: dict[str, tuple[str, Callable[[Any], bool] | None]] = {
+    "gpu_memory_utilization": ("the engine runs on the CPU, with no GPU memory to take a fraction of: give its "
+                               "KV pool in blocks (--num-gpu-blocks-override N); kvledger plan sizes a GPU's",
+                               None),
+    "tensor_parallel_size": ("the engine runs on one device; tensor parallelism is planned (kvledger plan) and "
+                             "simulated (kvledger simulate), not run", lambda tp: tp == 1),
+}
+
+
+def cpu_engine_refusals() -> Callable[[Any], Any]:
+    """vLLM's GPU knobs on a command that runs the CPU engine, each refused with its reason."""
+
+    def apply(fn: Any) -> Any:
+        for name, (why, accepts) in reversed(CPU_ENGINE_REFUSALS.items()):
+            fn = refused_knob(name, why, accepts)(fn)
+        return fn
+
+    return apply
+
+
 def engine_options(*names: str) -> Callable[[Any], Any]:
     """Several engine knobs, in the order given (help lists them in that order)."""
 
@@ -212,4 +263,5 @@ def engine_options(*names: str) -> Callable[[Any], Any]:
     return apply
 
 
-__all__ = ["COMPUTE_DTYPES", "FLAGS", "MAX_RUNTIME_BLOCKS", "DtypeName", "engine_option", "engine_options"]
+__all__ = ["COMPUTE_DTYPES", "CPU_ENGINE_REFUSALS", "FLAGS", "MAX_RUNTIME_BLOCKS", "DtypeName", "RefusedKnob",
+           "cpu_engine_refusals", "engine_option", "engine_options", "refused_knob"]

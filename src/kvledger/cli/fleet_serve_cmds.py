@@ -24,7 +24,7 @@ import click
 from ..errors import ConfigError
 from ..fleet.spec import FleetSpec
 from .common import prepare_torch
-from .engine_options import engine_option, engine_options
+from .engine_options import cpu_engine_refusals, engine_option, engine_options
 from .options import MAX_COUNT, MAX_TOKENS, Float, Int, epilog, model_option
 from .serve_cmds import _say, _url_host
 
@@ -52,12 +52,15 @@ def fleet_group() -> None:
               help="Engine replicas, each with its own KV pool, ledger and admission door.")
 @click.option("--ingress-replicas", type=Int(1, 64), default=SPEC.ingress_replicas, show_default=True,
               help="Ingress replicas: the OpenAI-compatible server, each with its own router.")
-@click.option("--pool-blocks", type=Int(1, MAX_COUNT), default=SPEC.pool_blocks, show_default=True,
-              help="KV pool of each engine replica, in blocks.")
-@engine_options("block_size", "dtype")
+@click.option("--pool-blocks", "--num-gpu-blocks-override", "pool_blocks", type=Int(1, MAX_COUNT),
+              default=SPEC.pool_blocks, show_default=True, help="KV pool of each engine replica, in blocks.")
+@engine_options("block_size", "dtype", "kv_dtype", "allow_untested_kv", "enable_prefix_caching")
 @engine_option("host_blocks", help="Host-memory tier below each replica's pool, in blocks: evicted prefix blocks are "
                "demoted to it and promoted back on a hit, and the routers keep counting them as that replica's.")
 @engine_option("max_num_seqs", help="Most sequences running at once in each engine replica.")
+@engine_option("max_num_batched_tokens", help="Tokens per engine step in each engine replica.")
+@engine_option("max_model_len", help="Prompt + output tokens of one sequence [the model's context].")
+@cpu_engine_refusals()
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Loopback address the HTTP proxy listens on (no other is accepted).")
 @click.option("--port", type=Int(0, 65535), default=8000, show_default=True,
@@ -82,7 +85,9 @@ def fleet_group() -> None:
 @click.option("--num-cpus", type=Int(1, 1024), default=None, help="CPUs the local Ray may use [all].")
 @click.option("--ray-logs", is_flag=True, help="Show Ray's and the replicas' own log lines too.")
 def fleet_serve_cmd(model: str, replicas: int, ingress_replicas: int, pool_blocks: int, block_size: int,
-                    dtype: str, host_blocks: int, max_num_seqs: int, host: str, port: int,
+                    dtype: str, kv_dtype: str | None, allow_untested_kv: bool, enable_prefix_caching: bool,
+                    host_blocks: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int | None,
+                    host: str, port: int,
                     tenants_path: str | None, max_queue: int,
                     stats_period: float, news_period: float, retries: int | None, min_match: int,
                     queue_weight: float, threads: int, num_cpus: int | None, ray_logs: bool) -> None:
@@ -91,17 +96,23 @@ def fleet_serve_cmd(model: str, replicas: int, ingress_replicas: int, pool_block
     tenants, describe = _read_tenants(tenants_path)
     _need_fleet()
     port = _free_port(address, port)  # a taken port fails here, not as a proxy that never comes up
-    _resolve_model(model)  # a bad model fails here; a .gguf is converted once, not by every replica at once
-    from .. import fleet  # noqa: F401 -- sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported
-
     spec = FleetSpec(model=model, pool_blocks=pool_blocks, block_size=block_size, dtype=dtype,
                      max_running=max_num_seqs, engine_replicas=replicas, ingress_replicas=ingress_replicas,
                      stats_period_s=stats_period, retries=retries, min_match_tokens=min_match,
                      queue_weight=queue_weight, torch_threads=threads, news_period_s=news_period,
-                     host_blocks=host_blocks)
+                     host_blocks=host_blocks, kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv,
+                     prefix_caching=enable_prefix_caching, max_batched_tokens=max_num_batched_tokens,
+                     max_model_len=max_model_len)
+    # A bad model, model length or untested KV format fails here; a .gguf is converted once, not by every
+    # replica at once (a replica's refusal would be a log line inside Ray).
+    _resolve_model(spec.engine_config())
+    from .. import fleet  # noqa: F401 -- sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported
+
     tier = f" + {host_blocks} host blocks" if host_blocks else ""
+    kv = f", KV {kv_dtype}" if kv_dtype else ""
+    caching = "" if enable_prefix_caching else "; prefix caching off"
     _say(f"kvledger fleet serve: model {model}; {replicas} engine replica(s) x {pool_blocks} blocks{tier} of "
-         f"{block_size} tokens ({dtype}); {ingress_replicas} ingress replica(s); routing stats every "
+         f"{block_size} tokens ({dtype}{kv}){caching}; {ingress_replicas} ingress replica(s); routing stats every "
          f"{stats_period:g} s; {describe}")
     _run(spec, tenants, address, port, max_queue, num_cpus, ray_logs)
 
@@ -168,11 +179,27 @@ def _free_port(address: str, port: int) -> int:
         return int(sock.getsockname()[1])
 
 
-def _resolve_model(model: str) -> None:
+def _resolve_model(config: Any) -> None:
+    """What a replica would refuse about ``config`` (an EngineConfig), refused here before Ray starts: the
+    model, a model length past its context or past a replica's pool, a quantised KV format without a
+    passing quality record."""
     prepare_torch()  # before torch loads: see `kvledger serve`
     from ..runtime.engine import resolve_model
+    from ..runtime.loading import compute_dtype, kv_spec_for, model_context
 
-    resolve_model(model)
+    ckpt = resolve_model(config.model)
+    context, length = model_context(ckpt), config.max_model_len
+    if length is not None and context is not None and length > context:
+        raise ConfigError(f"--max-model-len {length} exceeds the model's context of {context} tokens")
+    capacity = config.pool["num_blocks"] * config.block_size if "num_blocks" in config.pool else None
+    if length is not None and capacity is not None and length > capacity:
+        raise ConfigError(f"--max-model-len {length} exceeds a replica's KV pool ({config.pool['num_blocks']} blocks "
+                          f"x {config.block_size} = {capacity} tokens): give a larger --pool-blocks")
+    spec = kv_spec_for(ckpt, compute_dtype(config.dtype), config.kv_dtype, config.block_size)
+    if spec.format.quantized and not config.allow_untested_kv:
+        from ..runtime.measure.quality_records import require_record
+
+        require_record(spec, ckpt, config.model)
 
 
 def _run(spec: Any, tenants: dict[str, Any] | None, address: str, port: int, max_queue: int,

@@ -18,7 +18,7 @@ from ..engine_config import MAX_POOL_BYTES
 from ..errors import ConfigError
 from ..workloads import trace_format_choices
 from .common import prepare_torch
-from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
+from .engine_options import MAX_RUNTIME_BLOCKS, cpu_engine_refusals, engine_option, engine_options
 from .options import SEED, Float, Int, Size, epilog, model_option, threads_option
 
 
@@ -106,16 +106,17 @@ def _tier_lines(summary: dict[str, Any]) -> list[str]:
               help="Parallel samples (share the prompt's KV).")
 @click.option("--beam-width", type=Int(1, 256), default=1, show_default=True, help="Beam search width (1 = off).")
 @click.option("--chat", is_flag=True, help="Apply the model's chat template (instruct models).")
-@click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None,
-              help="KV pool size in blocks [enough for the request].")
+@click.option("--pool-blocks", "--num-gpu-blocks-override", "pool_blocks", type=Int(1, MAX_RUNTIME_BLOCKS),
+              default=None, help="KV pool size in blocks [enough for the request].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
 @engine_option("block_size")
 @threads_option()
-@engine_options("attention_backend", "kv_dtype", "allow_untested_kv")
+@engine_options("attention_backend", "dtype", "kv_dtype", "allow_untested_kv")
+@cpu_engine_refusals()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_p: float, top_k: int,
                  seed: int | None, n: int, beam_width: int, chat: bool, pool_blocks: int | None, pool: int | None,
-                 block_size: int, threads: int | None, attention_backend: str, kv_dtype: str | None,
+                 block_size: int, threads: int | None, attention_backend: str, dtype: str, kv_dtype: str | None,
                  allow_untested_kv: bool, as_json: bool) -> None:
     """Generate text for PROMPT with the real runtime and print a memory summary."""
     prepare_torch(threads)
@@ -143,7 +144,7 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
         raise ConfigError("the prompt is empty after tokenisation")
     branches = beam_width if beam_width > 1 else n
     need = branches * (-(-(len(ids) + max_new) // block_size) + 1)
-    engine = Engine.from_model(ckpt, block_size=block_size, backend=attention_backend, kv_dtype=kv_dtype,
+    engine = Engine.from_model(ckpt, block_size=block_size, backend=attention_backend, dtype=dtype, kv_dtype=kv_dtype,
                                allow_untested_kv=allow_untested_kv, residual_slots=branches, model_name=model,
                                **_pool_args(pool_blocks, pool, max(need, 16)))
     stop = {t for t in (tok.eos_token_id,) if t is not None}
@@ -212,9 +213,11 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 @click.option("--limit", type=Int(1, 10_000), default=16, show_default=True, help="Replay the first N requests.")
 @model_option()
 @engine_options("policy", "on_growth_failure", "recovery", "eviction")
-@click.option("--pool-blocks", type=Int(1, MAX_RUNTIME_BLOCKS), default=None, help="KV pool size in blocks [128].")
+@click.option("--pool-blocks", "--num-gpu-blocks-override", "pool_blocks", type=Int(1, MAX_RUNTIME_BLOCKS),
+              default=None, help="KV pool size in blocks [128].")
 @click.option("--pool", type=Size(), default=None, help="KV pool size in bytes, e.g. 64MiB (instead of --pool-blocks).")
-@engine_options("host_blocks", "disk_blocks", "disk_dir", "tier_compression")
+@engine_options("host_blocks", "disk_blocks", "disk_dir", "tier_compression", "enable_prefix_caching",
+                "max_num_seqs", "max_num_batched_tokens")
 @click.option("--offload-prefixes", is_flag=True,
               help="Demote evicted prefix blocks to the tiers instead of forgetting them; promote them on a hit.")
 @engine_option("block_size")
@@ -228,14 +231,16 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
 @click.option("--burst", is_flag=True, help="Submit every request at once (ignore arrival times).")
 @threads_option()
 @click.option("--out", default=None, help="Write a report folder (the layout `simulate --out` writes).")
-@engine_options("attention_backend", "kv_dtype", "allow_untested_kv")
+@engine_options("attention_backend", "dtype", "kv_dtype", "allow_untested_kv")
+@cpu_engine_refusals()
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int, model: str, policy: str,
                     on_growth_failure: str, recovery: str, eviction: str, pool_blocks: int | None, pool: int | None,
                     host_blocks: int, disk_blocks: int, disk_dir: str | None, tier_compression: str,
+                    enable_prefix_caching: bool, max_num_seqs: int, max_num_batched_tokens: int,
                     offload_prefixes: bool, block_size: int, scale: float, max_new_cap: int | None, speedup: float,
-                    burst: bool, threads: int | None, out: str | None, attention_backend: str, kv_dtype: str | None,
-                    allow_untested_kv: bool, as_json: bool) -> None:
+                    burst: bool, threads: int | None, out: str | None, attention_backend: str, dtype: str,
+                    kv_dtype: str | None, allow_untested_kv: bool, as_json: bool) -> None:
     """Replay a slice of a real trace through the engine: lengths and prefix sharing from the trace,
     prompt tokens from the bundled corpus. A request that can never fit the pool is refused ("never") and
     the replay goes on."""
@@ -264,10 +269,12 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
                                disk_dir=disk_dir, tier_compression=tier_compression, eviction=eviction,
-                               backend=attention_backend, kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv,
-                               model_name=model,
+                               prefix_caching=enable_prefix_caching, backend=attention_backend, dtype=dtype,
+                               kv_dtype=kv_dtype, allow_untested_kv=allow_untested_kv, model_name=model,
                                scheduler_config=_scheduler_config(policy, on_growth_failure, recovery,
-                                                                  offload_prefixes=offload_prefixes),
+                                                                  offload_prefixes=offload_prefixes,
+                                                                  max_running=max_num_seqs,
+                                                                  token_budget=max_num_batched_tokens),
                                **_pool_args(pool_blocks, pool, 128))
     tok = _load_tokenizer(ckpt)
     tokens = corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path))

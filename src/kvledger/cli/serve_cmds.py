@@ -16,7 +16,7 @@ import click
 
 from ..errors import ConfigError
 from .common import prepare_torch
-from .engine_options import MAX_RUNTIME_BLOCKS, engine_option, engine_options
+from .engine_options import MAX_RUNTIME_BLOCKS, cpu_engine_refusals, engine_option, engine_options
 from .options import MAX_COUNT, Float, Int, Size, epilog, model_option, threads_option
 
 
@@ -44,6 +44,8 @@ def _need(*modules: str) -> None:
 @engine_options("block_size", "kv_dtype", "allow_untested_kv", "dtype", "policy", "on_growth_failure", "recovery",
                 "host_blocks", "max_num_seqs", "max_num_batched_tokens")
 @engine_option("max_model_len", help="Prompt + output tokens of one sequence [the model's context, cut to the pool].")
+@engine_option("enable_prefix_caching")
+@cpu_engine_refusals()
 @click.option("--max-queue", type=Int(1, MAX_COUNT), default=256, show_default=True,
               help="Requests that may wait before new ones get 429.")
 @click.option("--max-request-body-bytes", default=None,
@@ -62,7 +64,8 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
               kv_dtype: str | None, allow_untested_kv: bool, dtype: str, policy: str, on_growth_failure: str,
               recovery: str,
               host_blocks: int, max_num_seqs: int | None, max_num_batched_tokens: int | None,
-              max_model_len: int | None, max_queue: int, max_request_body_bytes: str | None,
+              max_model_len: int | None, enable_prefix_caching: bool, max_queue: int,
+              max_request_body_bytes: str | None,
               tenants_path: str | None, api_key: str | None, served_model_name: str | None, drain_timeout: float,
               threads: int | None, log_level: str) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
@@ -109,7 +112,7 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
 
         config = EngineConfig(model=model, dtype=dtype, kv_dtype=kv_dtype, num_blocks=pool_blocks, pool_bytes=pool,
                               block_size=block_size, host_blocks=host_blocks, scheduler=scheduler_config,
-                              allow_untested_kv=allow_untested_kv)
+                              allow_untested_kv=allow_untested_kv, prefix_caching=enable_prefix_caching)
         engine = Engine.from_config(config)
         codec = TextCodec.from_pretrained(str(engine.checkpoint.path))
         backend = EngineBackend(engine)
@@ -129,7 +132,7 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
         say(f"kvledger serve: model {model} ({settings.served_model_name}); KV pool {backend.pool_blocks} blocks x "
             f"{backend.block_size} tokens = {format_bytes(engine.runner.store.nbytes)} {spec.kv_dtype}; "
             f"policy {scheduler_config.policy}, on growth failure {scheduler_config.on_growth_failure}, "
-            f"recovery {scheduler_config.recovery}")
+            f"recovery {scheduler_config.recovery}" + ("" if enable_prefix_caching else "; prefix caching off"))
         note = " (cut to what the KV pool holds)" if max_model_len is None and capacity < context else ""
         say(f"kvledger serve: max model length {length} tokens{note}; up to {max_queue} requests wait, then 429; "
             f"request bodies up to {format_bytes(settings.body_limit)}, then 413")

@@ -728,7 +728,10 @@ class FleetIngress:
         ckpt = resolve_model(config.model)
         self.codec = TextCodec.from_pretrained(str(ckpt.path))
         vocab = int(ckpt.config.get("vocab_size") or len(self.codec.tok))
-        self.backend = FleetBackend(engine, spec, vocab_size=vocab, max_context=model_context(ckpt),
+        context = model_context(ckpt)  # the replicas' engines cut it to max_model_len: so does the ingress
+        if config.max_model_len is not None:
+            context = config.max_model_len if context is None else min(context, config.max_model_len)
+        self.backend = FleetBackend(engine, spec, vocab_size=vocab, max_context=context,
                                     kv_spec=kv_spec_for(ckpt, compute_dtype(config.dtype), config.kv_dtype,
                                                         config.block_size))
         self.tenants = Tenants.from_dict(tenants) if tenants else Tenants.single_tenant()

@@ -37,12 +37,20 @@ class FleetSpec:
     # A host-memory tier of this many blocks below each replica's pool: evicted prefix blocks are demoted
     # to it and promoted back on a hit (offload_prefixes), and routers keep counting them as the replica's.
     host_blocks: int = 0
+    # The engine knobs a replica runs with beyond the pool (vLLM's names on the command line): the KV format
+    # (None: the compute dtype), prefix caching, tokens per step and the model length (None: the model's).
+    kv_dtype: str | None = None
+    allow_untested_kv: bool = False
+    prefix_caching: bool = True
+    max_batched_tokens: int = 8192  # tokens per engine step
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("pool_blocks", "block_size", "max_running", "engine_replicas", "ingress_replicas",
                      "torch_threads"):
             checks.positive(getattr(self, name), name)
         checks.non_negative(self.host_blocks, "host_blocks")
+        checks.positive(self.max_batched_tokens, "max_batched_tokens")
         if not self.stats_period_s > 0 or not self.retry_s > 0 or not self.news_period_s > 0:
             raise ConfigError("stats_period_s, retry_s and news_period_s must be positive")
 
@@ -54,10 +62,12 @@ class FleetSpec:
         declaration), and evicted prefixes demoted to the host tier when there is one."""
         from ..scheduler import SchedulerConfig
 
-        scheduler = SchedulerConfig(policy="full", max_running=self.max_running,
+        scheduler = SchedulerConfig(policy="full", max_running=self.max_running, token_budget=self.max_batched_tokens,
                                     offload_prefixes=self.host_blocks > 0)
-        return EngineConfig(model=self.model, dtype=self.dtype, num_blocks=self.pool_blocks,
-                            block_size=self.block_size, host_blocks=self.host_blocks, scheduler=scheduler)
+        return EngineConfig(model=self.model, dtype=self.dtype, kv_dtype=self.kv_dtype, num_blocks=self.pool_blocks,
+                            block_size=self.block_size, host_blocks=self.host_blocks, scheduler=scheduler,
+                            prefix_caching=self.prefix_caching, max_model_len=self.max_model_len,
+                            allow_untested_kv=self.allow_untested_kv)
 
 
 __all__ = ["FleetSpec"]

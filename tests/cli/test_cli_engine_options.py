@@ -203,7 +203,7 @@ def test_compute_dtype_spellings(spelling: str, ours: str) -> None:
     (["serve", "--max-num-seqs", "0"], "0 is not in [1, 1,000,000]"),
     (["serve", "--pool-blocks", "10000000"], "10000000 is not in [1, 65,536]"),
     (["serve", "--port", "70000"], "70000 is not in [0, 65,535]"),
-    (["serve", "--eviction", "lru"], "No such option"),
+    (["serve", "--eviction", "lru"], "kvledger serve takes no --eviction: it is an engine knob, taken by "),
     (["simulate", "--max-model-len", "1"], "1 is not in [2,"),
     (["generate", "x", "--attention-backend", "flash"], "'flash' is not one of"),
     (["fleet", "serve", "--dtype", "fp8"], "unknown dtype 'fp8'"),
@@ -269,3 +269,20 @@ def test_serve_trace_and_fleet_serve_take_vllms_step_and_caching_knobs() -> None
     config = spec.engine_config()
     assert (config.num_blocks, config.kv_dtype, config.max_model_len, config.prefix_caching,
             config.scheduler.token_budget) == (32, "fp16", 512, False, 256)
+
+
+@pytest.mark.parametrize("argv", [["admit"], ["generate", "x"], ["quality"], ["diagnose"], ["calibrate"],
+                                  ["serve-trace", "--trace", "t.csv"], ["bench", "serve"]])
+def test_an_engine_knob_a_command_does_not_take_names_the_commands_that_do(argv: list[str],
+                                                                            capsys: pytest.CaptureFixture[str]):
+    """Was: `No such option '--max-model-len'. Did you mean '--model'?` Now the knob is named as one, with the
+    commands that take it; an ordinary typo keeps click's suggestion."""
+    assert main([*argv, "--max-model-len", "100"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Did you mean" not in err, err
+    assert err.startswith(f"kvledger: error: kvledger {' '.join(argv[:2] if argv[0] == 'bench' else argv[:1])} "
+                          "takes no --max-model-len: it is an engine knob, taken by ")
+    takers = err.rsplit("taken by ", 1)[1].strip().split(", ")
+    assert {"plan", "serve", "simulate", "fleet serve"} <= set(takers) and argv[0] not in takers
+    assert main(["admit", "--modle", "x"]) == 2
+    assert "Did you mean" in capsys.readouterr().err

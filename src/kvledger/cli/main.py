@@ -297,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         print("kvledger: aborted", file=sys.stderr)
         return 130
+    except click.exceptions.NoSuchOption as exc:  # an engine knob this command does not take: say who does
+        return _fail(_no_such_option(exc))
     except click.exceptions.ClickException as exc:  # bad flags, missing values, wrong types
         _fail(exc.format_message())
         return exc.exit_code if exc.exit_code else 2
@@ -312,6 +314,31 @@ def main(argv: list[str] | None = None) -> int:
         where = f" {exc.filename}" if getattr(exc, "filename", None) else ""
         return _fail(f"{exc.strerror or exc}{where}")
     return rc if isinstance(rc, int) else 0
+
+
+def _no_such_option(exc: click.exceptions.NoSuchOption) -> str:
+    """Click's message, except for an engine knob's flag (vLLM's or ours) on a command that does not take it:
+    then which commands do, instead of a guess at a similar name (`--max-model-len` is not `--model`)."""
+    from .engine_options import FLAGS
+
+    flag = exc.option_name
+    names = {n for key, (opts, _) in FLAGS.items() for opt in opts if opt.startswith("-") for n in opt.split("/")}
+    if flag not in names:
+        return exc.format_message()
+
+    def takers(group: click.Group, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        for name, cmd in sorted(group.commands.items()):
+            if isinstance(cmd, click.Group):
+                out += takers(cmd, f"{prefix}{name} ")
+            elif any(flag in (*p.opts, *p.secondary_opts) for p in cmd.params if not getattr(p, "why", None)):
+                out.append(prefix + name)
+        return out
+
+    where = exc.ctx.command_path if exc.ctx is not None else "kvledger"
+    who = takers(app)
+    return (f"{where} takes no {flag}: it is an engine knob, taken by " + ", ".join(who) if who
+            else exc.format_message())
 
 
 def _fail(message: str) -> int:

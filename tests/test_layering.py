@@ -21,6 +21,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "errors": set(),
     "units": {"errors"},
     "jsonsafe": set(),
+    # Where kvledger's cache is and what it holds (converted models, records): read by the runtime and the CLI.
+    "cachedir": set(),
     "core": {"errors", "units"},
     "scheduler": {"core", "errors", "units"},
     # How an engine is built (torch-free): read by the runtime, the server, the fleet and the CLI.
@@ -29,9 +31,9 @@ ALLOWED: dict[str, set[str] | None] = {
     "workloads": {"core", "errors", "units"},
     # Where a request goes in a fleet (score, view, door): beside the scheduler, no Ray, nothing of fleet/.
     "placement": {"core", "errors", "units"},
-    "runtime": {"core", "scheduler", "engine_config", "errors", "units"},
+    "runtime": {"core", "scheduler", "engine_config", "errors", "units", "cachedir"},
     # The measuring room (diagnostics, quality, links, corpus) on top of the rest of the runtime.
-    "runtime.measure": {"core", "scheduler", "engine_config", "errors", "units", "runtime"},
+    "runtime.measure": {"core", "scheduler", "engine_config", "errors", "units", "runtime", "cachedir"},
     # The fleet simulator scores with the placement package, as the live fleet does.
     "sim": {"core", "scheduler", "errors", "units", "jsonsafe", "placement", "workloads"},
     "lab": {"core", "scheduler", "errors", "units"},
@@ -53,7 +55,7 @@ FORBIDDEN = {  # (the core, workloads and placement: anything outside the standa
     "lab": {"torch", "ray", "fastapi"},
 }
 # Parts that import the standard library only.
-STDLIB_ONLY = {"core", "workloads", "placement"}
+STDLIB_ONLY = {"core", "workloads", "placement", "cachedir"}
 # What the rest of the runtime may import from its measuring room: the engine checks a quantised KV format's
 # quality record before it runs one. (file, kvledger module)
 MEASURE_READERS = {("runtime/engine.py", ("runtime", "measure", "quality_records"))}

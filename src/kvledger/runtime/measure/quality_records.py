@@ -66,9 +66,12 @@ def weights_revision(ckpt: Checkpoint) -> str:
     files: list[Path] = []
     if source.is_file():
         try:
-            gguf = Path(json.loads(source.read_text())["gguf"])
-        except (OSError, ValueError, KeyError, TypeError):
-            gguf = None
+            record = json.loads(source.read_text())
+            sha, gguf = record.get("sha256"), Path(record["gguf"])
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            sha, gguf = None, None
+        if isinstance(sha, str) and len(sha) == 64:  # the shared cache names the GGUF by its hash: no re-read,
+            return f"sha256:{sha[:16]}"             # and the clone it was converted from may be gone
         if gguf is not None and gguf.is_file():
             files = [gguf]
     if not files:

@@ -149,3 +149,12 @@ def test_make_clean_leaves_the_shared_cache_and_says_where_it_is() -> None:
     clean = makefile.split("\nclean:", 1)[1].split("\n\n", 1)[0]
     assert "KVLEDGER_CACHE" not in clean and "cache --clear" not in clean and ".cache/" not in clean
     assert "kvledger cache --clear" in makefile.split("\nclean:", 1)[0][-600:]  # its comment says how
+
+
+def test_make_install_says_what_it_installs_and_lets_pip_show_progress(tmp_path: Path) -> None:
+    proc = subprocess.run(["make", "-n", "-C", str(ROOT), "install", f"VENV={tmp_path / 'venv'}"],
+                          capture_output=True, text=True, check=False, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    pips = [line for line in proc.stdout.splitlines() if "pip install" in line]
+    assert len(pips) == 2 and not any(" -q" in line for line in pips)  # -q hid minutes of work
+    assert "make install: installing kvledger and its dependencies" in proc.stdout and "torch 2.13" in proc.stdout

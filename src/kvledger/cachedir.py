@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass
@@ -140,7 +141,7 @@ def write_source(folder: Path, sha256: str, gguf: Path) -> None:
 
 def discard(folder: Path) -> None:
     """Remove a broken entry: renamed aside first, so no reader ever sees it half deleted."""
-    aside = folder.with_name(f".discard-{folder.name}-{os.getpid()}")
+    aside = folder.with_name(f".discard-{folder.name}-{os.getpid()}-{secrets.token_hex(4)}")
     try:
         folder.rename(aside)
     except FileNotFoundError:
@@ -185,12 +186,13 @@ def _size(path: Path) -> int:
 
 
 def _model_entry(folder: Path) -> CacheEntry:
-    source = _read_json(folder / SOURCE_FILE)
-    problem = None if folder.name.startswith(".") else model_problem(folder)
-    if folder.name.startswith(".") or problem is not None:
-        why = "an unfinished or abandoned conversion" if folder.name.startswith(".") else problem
-        return CacheEntry(MODEL_PARTIAL, folder, _size(folder), f"{why}; rebuilt on next use")
-    return CacheEntry(MODEL, folder, _size(folder), f"{source.get('gguf_name', '?')} as fp32 safetensors")
+    if folder.name.startswith("."):  # .convert-* being written (or left by a killed process), .discard-*
+        return CacheEntry(MODEL_PARTIAL, folder, _size(folder), "an unfinished or abandoned conversion")
+    problem = model_problem(folder)
+    if problem is not None:
+        return CacheEntry(MODEL_PARTIAL, folder, _size(folder), f"{problem}; converted again on next use")
+    name = _read_json(folder / SOURCE_FILE).get("gguf_name", "?")
+    return CacheEntry(MODEL, folder, _size(folder), f"{name} as fp32 safetensors")
 
 
 def scan_cache(root: Path | None = None) -> list[CacheEntry]:

@@ -44,6 +44,7 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("KVLEDGER_CACHE", str(root))
     _model(root, "ab" * 32, 5000)
     _file(root / "models" / ".convert-x1" / "model.safetensors", 700)
+    _file(root / "models" / "gguf-0123456789abcdef" / "model.safetensors", 100)  # a half copy: no record
     _file(root / "models" / "gguf-hashes.json", 30)
     old = root / "SmolLM2-135M-Instruct.Q4_1-145ab74ded2e9e86"
     _file(old / "model.safetensors", 3000)
@@ -55,12 +56,6 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
-def _listing(capsys: pytest.CaptureFixture[str]) -> dict[str, int]:
-    rc, out, _ = run(capsys, "cache", "--json")
-    assert rc == 0
-    return {e["kind"]: e["bytes"] for e in json.loads(out)["entries"]}
-
-
 def test_cache_lists_every_entry_with_its_size(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, _ = run(capsys, "cache", "--json")
     data = json.loads(out)
@@ -70,6 +65,7 @@ def test_cache_lists_every_entry_with_its_size(cache: Path, capsys: pytest.Captu
         ("converted model", "models/gguf-abababababababab", 5000 + 10 + len((cache / "models/gguf-abababababababab"
                                                                             / "kvledger-source.json").read_bytes())),
         ("unfinished conversion", "models/.convert-x1", 700),
+        ("unfinished conversion", "models/gguf-0123456789abcdef", 100),
         ("GGUF hash file", "models/gguf-hashes.json", 30),
         ("old-layout model", "SmolLM2-135M-Instruct.Q4_1-145ab74ded2e9e86", 3002),
         ("calibration profile", "cpu-local.json", 200),
@@ -84,9 +80,9 @@ def test_cache_lists_every_entry_with_its_size(cache: Path, capsys: pytest.Captu
 
 def test_clear_removes_the_models_only_and_says_how_many_bytes(cache: Path,
                                                               capsys: pytest.CaptureFixture[str]) -> None:
-    before = _listing(capsys)
-    model_bytes = sum(before[k] for k in ("converted model", "unfinished conversion", "GGUF hash file",
-                                          "old-layout model"))
+    rc, out, _ = run(capsys, "cache", "--json")
+    models = ("converted model", "unfinished conversion", "GGUF hash file", "old-layout model")
+    model_bytes = sum(e["bytes"] for e in json.loads(out)["entries"] if e["kind"] in models)
     rc, out, err = run(capsys, "cache", "--clear", "--json")
     assert rc == 0 and err == ""
     data = json.loads(out)
@@ -103,7 +99,7 @@ def test_clear_prints_what_it_removed(cache: Path, capsys: pytest.CaptureFixture
     rc, out, _ = run(capsys, "cache", "--clear")
     assert rc == 0
     first = out.splitlines()[0]
-    assert first.startswith("removed 1 converted model, 1 old-layout model, 1 unfinished conversion, 1 GGUF hash "
+    assert first.startswith("removed 1 converted model, 1 old-layout model, 2 unfinished conversions, 1 GGUF hash "
                             f"file from {cache}: ") and first.endswith(" freed"), first
 
 

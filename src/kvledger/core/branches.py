@@ -33,20 +33,20 @@ from .types import CopyOp, SequenceState, find_sequence, show
 
 class Branches:
     """Forks, beam steps and copy-on-write for one ledger's sequences; owns the copies the runtime has
-    not taken yet. ``drop`` is the ledger's release of one sequence (a beam step prunes through it)."""
+    not taken yet. It holds nothing of the ledger's own: a beam step is handed the ledger's release of one
+    sequence for the call (kept here it would make every ledger a reference cycle, freed only by the
+    cyclic garbage collector, whose pauses then grow with every dropped ledger)."""
 
-    __slots__ = ("_block_size", "_counters", "_drop", "_events", "_pool", "_promises", "_seqs", "copies")
+    __slots__ = ("_block_size", "_counters", "_events", "_pool", "_promises", "_seqs", "copies")
 
     def __init__(self, *, pool: BlockPool, promises: PromiseBook, seqs: dict[str, SequenceState],
-                 counters: Counters, block_size: int, events: EventLog | None,
-                 drop: Callable[[str], SequenceState]) -> None:
+                 counters: Counters, block_size: int, events: EventLog | None) -> None:
         self._pool = pool
         self._promises = promises
         self._seqs = seqs
         self._counters = counters
         self._block_size = block_size
         self._events = events
-        self._drop = drop
         self.copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
 
     def take_copies(self) -> list[CopyOp]:
@@ -129,7 +129,8 @@ class Branches:
         if self._events is not None:
             self._events.emit("copied", copy, None, seq.context.trust_group, source_block=tail)
 
-    def beam_step(self, forks: list[tuple[str, str]], drops: list[str]) -> None:
+    def beam_step(self, forks: list[tuple[str, str]], drops: list[str],
+                  drop: Callable[[str], SequenceState]) -> None:
         """See ``KVLedger.beam_step``; ``forks`` and ``drops`` are checked for their kinds by the caller."""
         seqs = self._seqs
         parents = {p for p, _ in forks}
@@ -152,7 +153,7 @@ class Branches:
         if need > available:
             raise AdmissionError(f"beam step needs {need} blocks for its forks, {max(available, 0)} available")
         for rid in drops:
-            self._drop(rid)
+            drop(rid)
         for parent, child in forks:
             self._fork_unchecked(seqs[parent], child)
 

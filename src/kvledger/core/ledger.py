@@ -119,7 +119,7 @@ class KVLedger:
                                     seqs=self._seqs, counters=self.counters, block_size=block_size,
                                     prefix_caching=prefix_caching, native=self._native, clock=clock)
         self._branches = Branches(pool=pool, promises=promises, seqs=self._seqs, counters=self.counters,
-                                  block_size=block_size, events=events, drop=self._drop)
+                                  block_size=block_size, events=events)
         self._handoff = TierHandoff(pool, promises, self._leases, self.counters)
 
     # ---- queries --------------------------------------------------------------------------------
@@ -670,7 +670,7 @@ class KVLedger:
         beam's blocks that an in-flight step still reads stay until its lease ends. All or nothing."""
         pairs, dropped = beam_arguments(forks, drops)
         with self._lock:
-            self._branches.beam_step(pairs, dropped)
+            self._branches.beam_step(pairs, dropped, self._drop)
 
     # ---- leases and pins (core/lifetimes.py) ------------------------------------------------------
     def lease(self, request_ids: Iterable[str] = (), blocks: Iterable[int] = (), owner: str = "") -> int:

@@ -32,7 +32,7 @@ from .tiers import TierLedger
 
 class TierHandoff:
     """The attached :class:`TierLedger` (or None) and the moves between it and the pool. No lock of its
-    own: the ledger calls it under its lock (the pool calls :meth:`demote_evicted` from inside an
+    own: the ledger calls it under its lock (the pool calls its :class:`_Demoter` from inside an
     allocation, under the same lock)."""
 
     __slots__ = ("_counters", "_leases", "_pool", "_promises", "tiers")
@@ -47,17 +47,7 @@ class TierHandoff:
     def attach(self, tiers: TierLedger | None) -> None:
         """Demote evicted prefix blocks into ``tiers`` from now on (None detaches)."""
         self.tiers = tiers
-        self._pool.on_evict = self.demote_evicted if tiers is not None else None
-
-    def demote_evicted(self, victims: list[int]) -> None:
-        """The pool is about to reuse ``victims`` (retained: written and indexed): demote each."""
-        tiers, digest, group = self.tiers, self._pool.digest, self._pool.group
-        if tiers is None:
-            return
-        for block in victims:
-            d = digest[block]
-            if d is not None:
-                tiers.demote(block, d, group[block])
+        self._pool.on_evict = None if tiers is None else _Demoter(tiers, self._pool.digest, self._pool.group)
 
     def promote(self, digests: Sequence[bytes], group: str, owner: str, keep_free: int
                 ) -> tuple[list[tuple[int, int]], int | None]:
@@ -122,3 +112,24 @@ class TierHandoff:
 
 
 __all__ = ["TierHandoff"]
+
+
+class _Demoter:
+    """The pool's ``on_evict`` while tiers are attached: each evicted block (retained: written and
+    indexed) goes down to ``tiers`` under its identity. It holds the pool's identity lists, never the
+    pool or the handoff, so that the pool pointing at it makes no reference cycle (a ledger left in one
+    is freed only by the cyclic garbage collector, whose full passes then slow every later step)."""
+
+    __slots__ = ("_digest", "_group", "_tiers")
+
+    def __init__(self, tiers: TierLedger, digest: list[bytes | None], group: list[str | None]) -> None:
+        self._tiers = tiers
+        self._digest = digest
+        self._group = group
+
+    def __call__(self, victims: list[int]) -> None:
+        tiers, digest, group = self._tiers, self._digest, self._group
+        for block in victims:
+            d = digest[block]
+            if d is not None:
+                tiers.demote(block, d, group[block])

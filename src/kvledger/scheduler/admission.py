@@ -14,6 +14,7 @@ cap never holds up another.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -34,7 +35,10 @@ class Admitter:
     __slots__ = ("s",)
 
     def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+        # A weak proxy: the scheduler holds its admitter, and a strong reference back would make every
+        # scheduler (with its ledger and requests) a cycle only the cyclic garbage collector frees, whose
+        # full passes then slow every later step of the process.
+        self.s = weakref.proxy(scheduler)
 
     # ---- restoring and admitting ----------------------------------------------------------------
     def ledger_request(self, br: Branch, fresh: bool, readmission: bool) -> Request:

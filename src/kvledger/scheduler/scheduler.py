@@ -77,7 +77,7 @@ class Scheduler:
         self.lease_owner = f"scheduler-{id(self):x}"
         self.admitter = Admitter(self)  # restores swapped units and admits waiting ones
         self.tier_planner = TierPlanner(ledger, host, self.config, lease_owner=self.lease_owner,
-                                        swap_leases=self._swap_leases, running=self.running, requeue=self.requeue)
+                                        swap_leases=self._swap_leases, running=self.running)
 
     # ---- tiers (planned by the tier planner) ------------------------------------------------------
     @property
@@ -91,7 +91,7 @@ class Scheduler:
 
     def transfers_failed(self, plan: StepPlan) -> list[str]:
         """See :meth:`TierPlanner.transfers_failed`: the requests sent back to recompute."""
-        return self.tier_planner.transfers_failed(plan)
+        return self.tier_planner.transfers_failed(plan, self.requeue)
 
     def tier_stats(self) -> dict:
         return self.tier_planner.tier_stats()

@@ -42,11 +42,10 @@ class TierPlanner:
     """The scheduler's tier planning. It owns the promotion and failure figures and the requests whose
     blocks arrive this step; it shares the scheduler's ledger, tiers (``host``), configuration, its
     list of swap leases (ended at ``confirm``) and running table, and sends a request back to the
-    waiting queue through ``requeue`` when a promoted block it holds did not arrive."""
+    waiting queue through the ``requeue`` its caller hands in when a promoted block it holds did not arrive."""
 
     def __init__(self, ledger: KVLedger, host: TierLedger | None, config: SchedulerConfig, *, lease_owner: str,
-                 swap_leases: list[int], running: dict[str, list[Branch]],
-                 requeue: Callable[[str], Any]) -> None:
+                 swap_leases: list[int], running: dict[str, list[Branch]]) -> None:
         if host is not None and not isinstance(host, TierLedger):
             raise ConfigError(f"the scheduler's host tier must be a TierLedger or HostPool, got {type(host).__name__}")
         self.ledger = ledger
@@ -55,7 +54,6 @@ class TierPlanner:
         self.lease_owner = lease_owner
         self._swap_leases = swap_leases
         self._running = running
-        self._requeue = requeue
         self.arriving: set[str] = set()  # requests whose blocks arrive from a tier this step
         self.promoted_tokens = 0
         # Tier entries dropped because the transfer writing them failed (or could not be trusted: its step
@@ -135,13 +133,14 @@ class TierPlanner:
         self.arriving.clear()
         self._lost_promotions.clear()
 
-    def transfers_failed(self, plan: StepPlan) -> list[str]:
+    def transfers_failed(self, plan: StepPlan, requeue: Callable[[str], Any]) -> list[str]:
         """The executor could not complete these tier transfers of the step in flight (``plan`` names
         them: the whole step's, or only the ones that failed). The tier entries they were writing are
         dropped -- only those cache entries are lost. The promoted device blocks lose their identity, and
         every running request holding one goes back to the front of the waiting queue to recompute it
-        (:meth:`Scheduler.requeue`: its work in the step in flight is ignored). No request fails. Returns
-        the requests sent back, in admission order."""
+        (``requeue``, :meth:`Scheduler.requeue`: its work in the step in flight is ignored; handed in per
+        call, since a planner holding its scheduler's method would make the two a reference cycle). No
+        request fails. Returns the requests sent back, in admission order."""
         if self.host is not None:
             written = [s for _, s in (*plan.demote, *plan.tier_moves, *plan.writeback)]
             if written:
@@ -159,7 +158,7 @@ class TierPlanner:
         readers = [rid for rid, branches in self._running.items()
                    if any(not lost.isdisjoint(br.blocks) for br in branches)]
         for rid in reversed(readers):  # each goes to the front: the last first keeps their order
-            self._requeue(rid)
+            requeue(rid)
         return readers
 
     def tier_stats(self) -> dict[str, Any]:

@@ -477,67 +477,62 @@ class AdmissionControl:
         pool, bs = self._pool, self._block_size
         head = members[0]
         group = head.context.trust_group
-        of_node, hit_blocks, _, _, ready_hits = hits
+        of_node, hit_blocks, _, _, _ = hits
         tail_count = len(layout.tail_holders)
         if layout.chain:
-            full = layout.nodes
-            if type(digests[0]) is not list:  # remembered as a tuple; a sequence's own list grows as it does
-                digests = [list(digests[0])] * len(members)
+            chain_digests = digests[0]  # every branch's: they are one prompt
+            if type(chain_digests) is not list:  # remembered as a tuple; a sequence's own list grows with it
+                chain_digests = list(chain_digests)
             if hit_blocks:
                 pool.share_many(hit_blocks)
-            chain = hit_blocks + pool.allocate_many(full - len(hit_blocks) + tail_count)
+            chain = hit_blocks + pool.allocate_many(layout.nodes - len(hit_blocks) + tail_count)
             if self._caching:  # the new full prompt blocks: pending until written
-                pool.register_many(chain, digests[0], len(hit_blocks), group)  # type: ignore[arg-type]
+                pool.register_many(chain, chain_digests, len(hit_blocks), group)
             for _ in range(1, len(members)):
                 pool.share_many(chain)  # each further branch: a fork of the first
-            tables = [chain] * len(members)
-            tail_blocks = chain[full:]
             if head.retention:
-                self.apply_retention(head.retention, chain, 0, len(digests[0]))
-        else:
-            for path in layout.paths:  # one reference per branch on every hit (a prefix of its path)
-                lead = self._leading_hits(path, of_node)
-                if lead:
-                    pool.share_many([of_node[n] for n in path[:lead]])  # type: ignore[misc]
-            fresh_nodes = [n for n in range(layout.nodes) if of_node[n] is None]
-            fresh = pool.allocate_many(len(fresh_nodes) + tail_count)
-            phys: list[int] = [b if b is not None else -1 for b in of_node]
-            for node, block in zip(fresh_nodes, fresh, strict=False):
-                phys[node] = block
-            tail_blocks = fresh[len(fresh_nodes):]
-            if self._caching:  # pending until written; an identity already indexed stays canonical
-                pool.register_many([phys[n] for n in fresh_nodes],
-                                   [layout.digests[n] for n in fresh_nodes], 0, group)  # type: ignore[misc]
-            taken: set[int] = set(fresh)  # fresh blocks carry their first reference from allocate_many
-            tables = []
-            for r, path, tail, ds in zip(members, layout.paths, layout.tails, digests, strict=True):
-                blocks = [phys[node] for node in path]
-                if tail >= 0:
-                    blocks.append(tail_blocks[tail])
-                for node_block in blocks[self._leading_hits(path, of_node):]:
-                    if node_block in taken:
-                        taken.discard(node_block)  # the first holder keeps the allocation's reference
-                    else:
-                        pool.share(node_block)
-                if r.retention:
-                    self.apply_retention(r.retention, blocks, 0, len(ds))
-                tables.append(blocks)
+                self.apply_retention(head.retention, chain, 0, len(chain_digests))
+            self._open_chain(ids, head, chain, chain_digests, hits, family)
+            return
+        # A trie: the branches' tokens differ.
+        for path in layout.paths:  # one reference per branch on every hit (a prefix of its path)
+            lead = self._leading_hits(path, of_node)
+            if lead:
+                pool.share_many([of_node[n] for n in path[:lead]])  # type: ignore[misc]
+        fresh_nodes = [n for n in range(layout.nodes) if of_node[n] is None]
+        fresh = pool.allocate_many(len(fresh_nodes) + tail_count)
+        phys: list[int] = [b if b is not None else -1 for b in of_node]
+        for node, block in zip(fresh_nodes, fresh, strict=False):
+            phys[node] = block
+        tail_blocks = fresh[len(fresh_nodes):]
+        if self._caching:  # pending until written; an identity already indexed stays canonical
+            pool.register_many([phys[n] for n in fresh_nodes],
+                               [layout.digests[n] for n in fresh_nodes], 0, group)  # type: ignore[misc]
+        taken: set[int] = set(fresh)  # fresh blocks carry their first reference from allocate_many
+        tables = []
+        for r, path, tail, ds in zip(members, layout.paths, layout.tails, digests, strict=True):
+            blocks = [phys[node] for node in path]
+            if tail >= 0:
+                blocks.append(tail_blocks[tail])
+            for node_block in blocks[self._leading_hits(path, of_node):]:
+                if node_block in taken:
+                    taken.discard(node_block)  # the first holder keeps the allocation's reference
+                else:
+                    pool.share(node_block)
+            if r.retention:
+                self.apply_retention(r.retention, blocks, 0, len(ds))
+            tables.append(blocks)
         root = head.context.root_digest() if self._caching else b""
         written, seqs, promises = pool.written, self._seqs, self._promises
-        chain_layout, tail_holders = layout.chain, layout.tail_holders
-        for i, (rid, r, path, tail, blocks, ds) in enumerate(zip(ids, members, layout.paths, layout.tails, tables,
-                                                                 digests, strict=True)):
-            if i and chain_layout:  # the branches of a chain were handed one table and one digest list
-                blocks = blocks[:]
-                ds = ds[:]
-            elif type(ds) is not list:  # remembered as a tuple; a sequence's own list grows as it does
+        tail_holders = layout.tail_holders
+        for rid, r, path, tail, blocks, ds in zip(ids, members, layout.paths, layout.tails, tables, digests,
+                                                  strict=True):
+            if type(ds) is not list:  # remembered as a tuple; a sequence's own list grows as it does
                 ds = list(ds)
-            hit_count = len(hit_blocks) if chain_layout else self._leading_hits(path, of_node)
-            ready = ready_hits
-            if ready < 0:
-                ready = 0
-                while ready < hit_count and written[blocks[ready]]:
-                    ready += 1
+            hit_count = self._leading_hits(path, of_node)
+            ready = 0
+            while ready < hit_count and written[blocks[ready]]:
+                ready += 1
             prompt = list(r.prompt)
             n = len(prompt)
             reserved = -(-(n + r.reserved_new_tokens + r.lookahead) // bs)
@@ -552,6 +547,38 @@ class AdmissionControl:
         for group_id, holders in enumerate(layout.tail_holders):
             if holders > 1:
                 promises.promise_copies(tail_blocks[group_id], holders - 1)
+
+    def _open_chain(self, ids: list[str], request: Request, chain: list[int], digests: list[bytes], hits: _Hits,
+                    family: str) -> None:
+        """Open the sequences of one new request's branches on ``chain`` (its blocks, hits first): each
+        branch its own copy of the table, tokens and digests, its own allowance promised, and -- when
+        there are several and the prompt ends in a partial block -- that shared tail's copies promised.
+        (The branches are identical, so this is the per-branch loop of :meth:`_commit` with nothing
+        to tell apart: the path of every admission that is not a re-admitted family.)"""
+        bs, pool = self._block_size, self._pool
+        _, hit_blocks, _, _, ready = hits
+        hit_count = len(hit_blocks)
+        if ready < 0:  # not counted with the hits: count the leading written ones now
+            ready, written = 0, pool.written
+            while ready < hit_count and written[chain[ready]]:
+                ready += 1
+        n = len(request.prompt)
+        reserved = -(-(n + request.reserved_new_tokens + request.lookahead) // bs)
+        promise = reserved + (-n // bs)
+        shared_tail = n % bs != 0 and len(ids) > 1  # every branch holds the partial tail: copied on write
+        root = request.context.root_digest() if self._caching else b""
+        seqs, promises = self._seqs, self._promises
+        for i, rid in enumerate(ids):
+            seq = seqs[rid] = SequenceState(
+                request_id=rid, context=request.context, root=root, tokens=list(request.prompt), num_prompt=n,
+                max_new_tokens=request.max_new_tokens, table=BlockTable(bs, chain[:] if i else chain), promised=0,
+                digests=digests[:] if i else digests, computed_mark=min(ready * bs, n), written_blocks=ready,
+                hit_blocks=hit_count, cow_tail=shared_tail, family=family, retention=request.retention,
+                reserved_blocks=reserved, readmitted=request.readmission,
+            )
+            promises.promise(seq, promise)
+        if shared_tail:
+            promises.promise_copies(chain[n // bs], len(ids) - 1)
 
     # ---- counters --------------------------------------------------------------------------------
     def _count_never(self, request: Request, over_quota: bool) -> None:

@@ -233,8 +233,9 @@ def test_the_ingress_cuts_the_context_to_the_replicas_max_model_len():
     ingress answers 'never' past it as they would, not past the model's whole context."""
     from kvledger.fleet.serve import FleetIngress
 
-    assert FleetIngress(None, FleetSpec(max_model_len=512)).backend.max_context == 512
-    assert FleetIngress(None, FleetSpec()).backend.max_context == 8192  # SmolLM2's context
+    # Views of their own: the default key's view is process-wide, and another test reads its defaults.
+    assert FleetIngress(None, FleetSpec(max_model_len=512, view_key="max-model-len-512")).backend.max_context == 512
+    assert FleetIngress(None, FleetSpec(view_key="max-model-len-default")).backend.max_context == 8192
     config = FleetSpec(max_model_len=512, kv_dtype="fp16", prefix_caching=False).engine_config()
     assert (config.max_model_len, config.kv_dtype, config.prefix_caching) == (512, "fp16", False)
 

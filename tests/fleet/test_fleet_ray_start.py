@@ -165,3 +165,30 @@ def test_fleet_serve_says_in_one_line_that_ray_did_not_start(fake_ray, monkeypat
     assert banner.startswith("kvledger fleet serve: model ") and "Traceback" not in err
     assert line.startswith("kvledger: error: Ray did not start within ") and "try again when it is quieter" in line
     assert fake.inits == 2
+
+
+def test_fleet_serve_that_fails_leaves_a_callers_ray_and_signal_handlers_as_they_were(fake_ray, monkeypatch, capsys):
+    """Run in a process that already has Ray children (a test session's shared Ray, an embedding), a fleet
+    serve whose own start failed used to kill them after its wait (they looked like leftovers of its Ray)
+    -- the session's Ray driver then died with them -- and left SIGTERM at its default handler."""
+    import signal
+    import subprocess
+
+    from cli_run import run
+    from kvledger.cli import fleet_serve_cmds
+
+    monkeypatch.setattr(fleet_serve_cmds, "_resolve_model", lambda config: None)
+    monkeypatch.setattr(fleet_serve_cmds, "STOP_WAIT_S", 0.5)
+    theirs = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "ray-of-the-caller"])
+    mine = lambda *_: None  # noqa: E731 -- a handler of the caller's
+    old = signal.signal(signal.SIGTERM, mine)
+    try:
+        fake_ray(Exception(TIMED_OUT), Exception(TIMED_OUT))  # noqa: TRY002
+        rc, _, err = run(capsys, "fleet", "serve", "--port", "0")
+        assert rc == 2, err
+        assert theirs.poll() is None, "the caller's Ray process was killed"
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        theirs.kill()
+        theirs.wait()

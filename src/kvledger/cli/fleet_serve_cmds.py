@@ -225,7 +225,12 @@ def _run(spec: Any, tenants: dict[str, Any] | None, address: str, port: int, max
             raise KeyboardInterrupt
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # Put back, at the end, the handlers found here (not the defaults): a caller that runs the command in
+    # its own process (a test, an embedding) keeps its own, and Ray's, as they were.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # Ray processes already running here are somebody else's (a caller's own Ray): never stopped below.
+    before = {p.pid for p in _ray_processes()}
+    for sig in previous:
         signal.signal(sig, on_signal)
     started = time.monotonic()
     try:
@@ -253,7 +258,8 @@ def _run(spec: Any, tenants: dict[str, Any] | None, address: str, port: int, max
         _say("kvledger fleet serve: stopping Serve and Ray")
     finally:
         phase["now"] = "stopping"
-        ray_procs = _ray_processes()  # before shutdown: once their parent is gone they are no longer children
+        # Before shutdown: once their parent is gone they are no longer children.
+        ray_procs = [p for p in _ray_processes() if p.pid not in before]
         if ray.is_initialized():
             try:
                 serve.shutdown()
@@ -261,8 +267,8 @@ def _run(spec: Any, tenants: dict[str, Any] | None, address: str, port: int, max
                 pass
         ray.shutdown()  # a no-op when Ray never started
         left = _wait_gone(ray_procs, STOP_WAIT_S)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL if sig == signal.SIGTERM else signal.default_int_handler)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     if left:
         raise ConfigError(f"{left} Ray process(es) outlived ray.shutdown() by {STOP_WAIT_S:g} s and were killed")
     _say("kvledger fleet serve: stopped")

@@ -42,6 +42,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "loadgen": {"core", "scheduler", "workloads", "errors", "units"},
     # The Ray faces: Ray Serve deployments and request router over the placement package.
     "fleet": {"core", "scheduler", "runtime", "server", "engine_config", "errors", "units", "placement"},
+    # Bridges to engines we do not run (vLLM's events): optional, read by the CLI only, never by the core.
+    "integrations": {"core", "placement", "errors", "units"},
     "cli": None,
     "__main__": None,
     "__init__": None,

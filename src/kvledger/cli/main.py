@@ -282,9 +282,10 @@ from .quality_cmds import quality_cmd  # noqa: E402
 from .runtime_cmds import generate_cmd, serve_trace_cmd  # noqa: E402
 from .serve_cmds import bench_group, serve_cmd  # noqa: E402
 from .sim_cmds import calibrate_cmd, compare_cmd, simulate_cmd  # noqa: E402
+from .watch_cmds import watch_cmd  # noqa: E402
 
 for _cmd in (generate_cmd, serve_trace_cmd, simulate_cmd, calibrate_cmd, compare_cmd, serve_cmd, bench_group,
-             diagnose_cmd, quality_cmd, fleet_group, cache_cmd):
+             diagnose_cmd, quality_cmd, fleet_group, cache_cmd, watch_cmd):
     app.add_command(_cmd)
 app.add_command(lab_cmd)
 

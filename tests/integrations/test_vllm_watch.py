@@ -36,6 +36,7 @@ from kvledger.integrations.vllm_watch import (  # noqa: E402
     MirrorReplica,
     explain,
     metrics_from_text,
+    mirror_load,
     request_digests,
 )
 from kvledger.placement.score import ScoreConfig, make_route_request  # noqa: E402
@@ -358,6 +359,24 @@ def test_a_gap_is_replayed_from_vllms_replay_socket(vllm_replay: FakeVllm) -> No
         sub.close()
 
 
+def test_a_replay_that_no_longer_holds_the_gap_stays_stale(vllm_replay: FakeVllm) -> None:
+    """vLLM keeps buffer_steps batches: when the gap's start has left its buffer, the replay cannot fill it."""
+    sub = subscribe(vllm_replay)
+    try:
+        vllm_replay.publish(stored(A[:4]))
+        vllm_replay.publish(stored(A[4:8], A[:4]), send=False)
+        vllm_replay.publish(stored(A[8:], A[:8]), send=False)
+        vllm_replay.buffer = vllm_replay.buffer[2:]  # batch 1 fell out of the replay buffer
+        vllm_replay.publish(stored(B[8:], B[:8]))
+        drain(sub, 1)
+        assert vllm_replay.replay_requests == [1]
+        sync = sub.mirror.snapshot()["sync"]
+        assert sync["state"] == "stale" and sync["lost_batches"] == 1
+        assert sub.stats.replay_failures == 1
+    finally:
+        sub.close()
+
+
 def test_joining_late_replays_from_the_start(vllm_replay: FakeVllm) -> None:
     vllm_replay.publish(stored(A[:4]), send=False)  # before the watch started
     sub = subscribe(vllm_replay)
@@ -387,6 +406,26 @@ def test_a_vllm_restart_empties_the_mirror(vllm: FakeVllm) -> None:
         sub.close()
 
 
+def test_a_restart_whose_first_batches_were_missed_is_replayed(vllm_replay: FakeVllm) -> None:
+    sub = subscribe(vllm_replay)
+    try:
+        vllm_replay.publish(stored(A))
+        vllm_replay.publish(stored(B[8:], B[:8]))
+        vllm_replay.publish(stored([7] * 4))
+        drain(sub, 3)
+        vllm_replay.restart()
+        vllm_replay.publish(stored(B[:4]), send=False)  # the new process's batch 0, published before we reconnected
+        vllm_replay.publish(stored(B[4:8], B[:4]))
+        drain(sub, 1)
+        assert vllm_replay.replay_requests == [0]
+        snap = sub.mirror.snapshot()
+        assert snap["sync"]["state"] == "live" and snap["sync"]["restarts"] == 1 and sub.mirror.held() == 2
+        assert sub.mirror.would_hit(B, hasher=HASHER).blocks == 2
+        sub.mirror.check()
+    finally:
+        sub.close()
+
+
 # ---- metrics, the explanation, the router's view ------------------------------------------------------
 CONFIG_LABELS = ('block_size="4",cache_dtype="auto",enable_prefix_caching="True",engine="0",'
                  'gpu_memory_utilization="0.9",num_gpu_blocks="101",prefix_caching_hash_algo="sha256"')
@@ -401,17 +440,24 @@ vllm:num_requests_waiting{engine="0",model_name="m"} 1.0
 """.replace("CONFIG", CONFIG_LABELS)
 
 
-def test_blocks_by_state_from_events_and_metrics() -> None:
+@pytest.mark.parametrize("usage,active,retained,free", [
+    ("0.05", 5, (0, 4), (91, 95)),  # more blocks in use than cached: any cached block may be in use
+    ("0.02", 2, (2, 4), (94, 96)),  # 4 cached, 2 in use: at least 2 cached blocks are held by nobody
+])
+def test_blocks_by_state_from_events_and_metrics(usage: str, active: int, retained: tuple[int, int],
+                                                 free: tuple[int, int]) -> None:
     m = VllmCacheMirror()
     _feed(m, stored(A), stored(B[8:], B[:8]))  # 4 cached blocks
-    metrics = metrics_from_text(METRICS)
-    assert (metrics.num_gpu_blocks, metrics.usable_blocks, metrics.active_blocks) == (101, 100, 5)
+    metrics = metrics_from_text(METRICS.replace("} 0.05", "} " + usage))
+    assert (metrics.num_gpu_blocks, metrics.usable_blocks, metrics.active_blocks) == (101, 100, active)
     out = explain(m, metrics)
     assert out["pool"]["kv_tokens"] == 404 and out["pool"]["usable_blocks"] == 100
     st = out["states"]
-    assert (st["active"], st["cached"], st["retained_min"], st["retained_max"]) == (5, 4, 0, 4)
-    assert (st["free_min"], st["free_max"]) == (91, 95)
+    assert (st["active"], st["cached"], (st["retained_min"], st["retained_max"])) == (active, 4, retained)
+    assert (st["free_min"], st["free_max"]) == free
     assert out["prefix_cache_hit_rate"] == 0.25
+    load = mirror_load(m, metrics, 0, 0.0)  # the router's figures: the retained lower bound as evictable
+    assert (load.pool, load.evictable, load.free, load.promised) == (100, retained[0], 100 - active - retained[0], 0)
 
 
 def test_the_router_ranks_mirrored_vllms_by_their_cached_prefix() -> None:
@@ -431,9 +477,13 @@ def test_the_router_ranks_mirrored_vllms_by_their_cached_prefix() -> None:
     best = view.rank(req, now=0.0)
     assert best[0].replica == "b" and best[0].matched == 3 and best[1].matched == 2
     assert view.available("a") == 100 - 5
+    _feed(a, stored(A[8:], A[:8]), seq=1)  # "a" caches the prompt's third block too: the view learns it
+    feeds[0].sync(view, metrics, now=1.0)
+    assert {c.replica: c.matched for c in view.rank(req, now=1.0)} == {"a": 3, "b": 3}
     _feed(b, _AllBlocksCleared(), seq=1)  # b's cache reset: the view forgets b's blocks
-    feeds[1].sync(view, metrics, now=1.0)
-    assert view.rank(req, now=1.0)[0].replica == "a"
+    feeds[1].sync(view, metrics, now=2.0)
+    best = view.rank(req, now=2.0)
+    assert best[0].replica == "a" and best[1].matched == 0
 
 
 # ---- the command -------------------------------------------------------------------------------------

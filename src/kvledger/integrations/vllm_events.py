@@ -396,17 +396,15 @@ class VllmCacheMirror:
         self._outbox_overflow = False
 
     # ---- the stream ------------------------------------------------------------------------------
-    def ingest(self, seq: int, batch: EventBatch, *, replayed: bool = False) -> None:
+    def ingest(self, seq: int, batch: EventBatch) -> None:
         """Apply batch ``seq``. The sequence decides what the mirror can trust: the next one is applied;
-        a jump ahead is a gap (stale until replayed); a reset to 0 is a restarted vLLM (its cache starts
-        empty, so the mirror is exact again); a replayed batch already applied is skipped."""
+        a jump ahead is a gap (stale until replayed); a step back is a restarted vLLM (its cache starts
+        empty: from batch 0 the mirror is exact again, from a later one stale)."""
         s = self.sync
         if s.next_seq is None:
             if seq != 0:
                 s.stale = f"joined the stream at batch {seq}: blocks cached before are unknown"
         elif seq < s.next_seq:
-            if replayed:
-                return
             self._reset(seq, restart=True)
         elif seq > s.next_seq:
             s.gaps += 1
@@ -427,18 +425,10 @@ class VllmCacheMirror:
             s.restarts += 1
         s.stale = None if seq == 0 else f"vLLM restarted; joined its new stream at batch {seq}"
 
-    def restarted(self) -> None:
-        """vLLM restarted (its sequence went back) and a replay of its new stream from 0 follows."""
-        self._reset(1, restart=True)
-        self.sync.next_seq = None
-
-    def replayed(self, first_seq: int | None, wanted: int) -> None:
-        """A replay asked from ``wanted`` began at ``first_seq`` (None: it returned nothing): if it covered
-        the gap, the mirror is in sync again."""
-        s = self.sync
-        if first_seq is not None and first_seq <= wanted:
-            s.stale = None
-            s.lost = 0
+    def resynced(self) -> None:
+        """A replay covered the gap: the mirror is in sync again."""
+        self.sync.stale = None
+        self.sync.lost = 0
 
     def mark_stale(self, why: str) -> None:
         self.sync.stale = why

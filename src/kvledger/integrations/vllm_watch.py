@@ -117,16 +117,13 @@ class EventSubscriber:
             return 0
         m = self.mirror
         expected = m.sync.next_seq
-        if self.replay_endpoint is not None and expected is not None and 0 < seq < expected:
-            m.restarted()  # vLLM restarted and its first batches were missed: replay its new stream from 0
-            expected = None
-            self._first = True
         if self.replay_endpoint is not None and seq > 0 and (
-                (expected is None and self._first) or (expected is not None and seq > expected)):
-            wanted = 0 if expected is None else expected
+                (expected is None and self._first) or (expected is not None and seq != expected)):
+            # joined late, or vLLM restarted and its first batches were missed: replay from 0; a gap: from it
+            wanted = 0 if expected is None or seq < expected else expected
             self._first = False
             if self._replay(wanted, upto=seq):
-                m.ingest(seq, batch, replayed=True)
+                m.ingest(seq, batch)
                 return 1
         self._first = False
         m.ingest(seq, batch)
@@ -157,14 +154,14 @@ class EventSubscriber:
                 if seq >= upto:
                     continue  # the live message itself is applied by the caller
                 try:
-                    self.mirror.ingest(seq, decode_batch(frames[1]), replayed=True)
+                    self.mirror.ingest(seq, decode_batch(frames[1]))
                     self.stats.replayed_batches += 1
                 except EventFormatError as exc:
                     self.mirror.bad_payload(str(exc))
         finally:
             sock.close(linger=0)
         if first is not None and first <= wanted:
-            self.mirror.replayed(first, wanted)
+            self.mirror.resynced()
             return True
         self.stats.replay_failures += 1
         return False

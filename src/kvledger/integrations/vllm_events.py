@@ -425,11 +425,6 @@ class VllmCacheMirror:
             s.restarts += 1
         s.stale = None if seq == 0 else f"vLLM restarted; joined its new stream at batch {seq}"
 
-    def resynced(self) -> None:
-        """A replay covered the gap: the mirror is in sync again."""
-        self.sync.stale = None
-        self.sync.lost = 0
-
     def mark_stale(self, why: str) -> None:
         self.sync.stale = why
         self.sync.epoch += 1

@@ -26,6 +26,7 @@ LONG = os.environ.get("KVLEDGER_README_LONG") == "1"
 NOT_RUN = [
     ("kvledger lab --open", "serves the lab until Ctrl-C (tests/lab runs it)", False),
     ("kvledger serve --model", "an HTTP server until Ctrl-C (tests/server runs it)", False),
+    ("kvledger watch --events", "needs a running vLLM (tests/integrations runs it on a fake publisher)", False),
     ("kvledger calibrate --out r/cpu.json", "long run: times the real runtime on this CPU (about a minute)", True),
     ("kvledger serve-trace --trace examples/mooncake.jsonl", "long run: SmolLM2 replays 32 requests (minutes)", True),
     ("kvledger simulate --trace examples/mooncake.jsonl --limit 32 --scale",

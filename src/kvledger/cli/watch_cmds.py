@@ -194,13 +194,17 @@ def _view(data: dict[str, Any]) -> Any:
     m = data.get("metrics")
     if m is not None and m.get("error"):
         parts.append(Text(m["error"], style="yellow"))
-    t = Table(title="KV pool (vLLM's figures, our planner's beside them)", show_header=False)
+    from ..units import format_bytes
+
+    t = Table(title="KV pool: vLLM's figures, then our planner's", show_header=False)
     for key in ("num_gpu_blocks", "usable_blocks", "block_size", "kv_tokens", "gpu_memory_utilization", "cache_dtype"):
         if pool.get(key) is not None:
             t.add_row(key.replace("_", " "), f"{pool[key]:,}" if isinstance(pool[key], int) else str(pool[key]))
     for key, value in (pool.get("planner") or {}).items():
-        t.add_row(f"planner: {key.replace('_', ' ')}", f"{value:,}" if isinstance(value, int) else str(value))
-    parts.append(t)
+        shown = format_bytes(value) if "bytes" in key else str(value)
+        t.add_row(f"planner: {key.replace('_', ' ')}", shown)
+    if t.row_count:
+        parts.append(t)
     s = Table(title="Blocks by state (events + metrics)", show_header=False)
     s.add_row("cached (prefix cache, GPU)", f"{states['cached']:,}")
     if "active" in states:

@@ -173,6 +173,9 @@ def test_no_layer_imports_above_itself() -> None:
     ("src/kvledger/core/pool.py", "def f():\n    from kvledger.core.sizing import gpus\n"),
     ("src/kvledger/core/sizing/x.py", "from ..ledger import KVLedger\n"),
     ("src/kvledger/core/sizing/x.py", "from .. import KVLedger\n"),
+    ("src/kvledger/scheduler/x.py", "def f():\n    from ..integrations import vllm_events\n"),
+    ("src/kvledger/placement/x.py", "from ..integrations.vllm_watch import MirrorReplica\n"),
+    ("src/kvledger/integrations/x.py", "from ..runtime import engine\n"),
 ])
 def test_the_check_sees_a_forbidden_import(source: str, expected: str, tmp_path, monkeypatch) -> None:
     """Each rule can fail: a planted module that breaks it is reported (lazy imports included)."""

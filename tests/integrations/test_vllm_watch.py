@@ -551,3 +551,13 @@ def test_a_missing_extra_is_named(monkeypatch, capsys) -> None:
         need("zmq")
     rc, _, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:5557", "--once")
     assert rc == 2 and "pip install 'kvledger[watch]'" in one_error_line(err)
+
+
+def test_the_cli_imports_neither_zmq_nor_msgspec_until_watch_runs() -> None:
+    """The `watch` extra is optional: `kvledger plan` and friends must start without it."""
+    import subprocess
+    import sys
+
+    code = "import sys, kvledger.cli.main; print(sorted({'zmq', 'msgspec'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -218,9 +218,12 @@ def _view(data: dict[str, Any]) -> Any:
             s.add_row(f"cached on {medium}", f"{n:,}")
     parts.append(s)
     if data.get("shared_prefixes"):
-        p = Table("prefix tokens", "continuations", "cached sequences", "hash", title="Largest shared prefixes")
+        sessions = any(row["session"] for row in data["shared_prefixes"])  # vLLM names the storing session
+        p = Table("prefix tokens", "continuations", "cached sequences", "hash", *(("stored by",) if sessions else ()),
+                  title="Largest shared prefixes")
         for row in data["shared_prefixes"]:
-            p.add_row(str(row["prefix_tokens"]), str(row["continuations"]), str(row["sequences"]), str(row["hash"]))
+            p.add_row(str(row["prefix_tokens"]), str(row["continuations"]), str(row["sequences"]), str(row["hash"]),
+                      *((row["session"] or "-",) if sessions else ()))
         parts.append(p)
     if "prefix_cache_hit_rate" in data:
         parts.append(Text(f"prefix cache hit rate (vLLM's counters): {data['prefix_cache_hit_rate']:.1%}"))

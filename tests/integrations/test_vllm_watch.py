@@ -87,13 +87,14 @@ BS = 4
 HASHER = VllmBlockHasher()  # vLLM's defaults: sha256, no PYTHONHASHSEED, int hashes in events
 
 
-def stored(tokens: list[int], parent_tokens: list[int] | None = None, medium: str = "GPU") -> _BlockStored:
+def stored(tokens: list[int], parent_tokens: list[int] | None = None, medium: str = "GPU",
+           session: str | None = None) -> _BlockStored:
     """The event vLLM's cache_full_blocks emits for the full blocks of ``tokens`` after ``parent_tokens``."""
     before = parent_tokens or []
     hashes = [HASHER.external(h) for h in HASHER.block_hashes(before + tokens, BS)]
     own = hashes[len(before) // BS:]
     parent = hashes[len(before) // BS - 1] if before else None
-    return _BlockStored(own, parent, tokens, BS, None, medium, None, group_idx=0)
+    return _BlockStored(own, parent, tokens, BS, None, medium, None, group_idx=0, session_id=session)
 
 
 def removed(tokens: list[int]) -> _BlockRemoved:
@@ -484,6 +485,21 @@ def test_the_router_ranks_mirrored_vllms_by_their_cached_prefix() -> None:
     feeds[1].sync(view, metrics, now=2.0)
     best = view.rank(req, now=2.0)
     assert best[0].replica == "a" and best[1].matched == 0
+
+
+def test_the_view_says_stale_and_who_stored_a_shared_prefix() -> None:
+    from rich.console import Console
+
+    from kvledger.cli.watch_cmds import _view
+
+    m = VllmCacheMirror()
+    _feed(m, stored(A, session="chat-7"), stored(B[8:], B[:8], session="chat-9"), seq=3)  # joined late
+    data = {"events": "tcp://127.0.0.1:5557", **explain(m, metrics_from_text(METRICS))}
+    con = Console(record=True, width=120)
+    con.print(_view(data))
+    text = con.export_text()
+    assert "STALE: joined the stream at batch 3" in text
+    assert "stored by" in text and "chat-7" in text and "8 " in text
 
 
 # ---- the command -------------------------------------------------------------------------------------

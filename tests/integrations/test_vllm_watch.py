@@ -309,6 +309,19 @@ def test_would_hit_counts_leading_cached_blocks_and_recomputes_the_last_token() 
     assert salted.by_hash == 0 and salted.by_chain == 0
 
 
+def test_a_salted_prompt_hits_only_with_its_salt() -> None:
+    """vLLM hashes cache_salt into the first block and publishes it untagged in that block's extra_keys."""
+    hashes = [HASHER.external(h) for h in HASHER.block_hashes(A, BS, cache_salt="t1")]
+    m = VllmCacheMirror()
+    _feed(m, _BlockStored(hashes, None, A, BS, None, "GPU", None, extra_keys=[["t1"], None, None], group_idx=0))
+    hit = m.would_hit(A + [1], hasher=HASHER, cache_salt="t1")
+    assert (hit.by_hash, hit.by_chain) == (3, 3)
+    other = m.would_hit(A + [1], hasher=HASHER, cache_salt="t2")
+    assert (other.by_hash, other.by_chain) == (0, 0)
+    bare = m.would_hit(A + [1], hasher=HASHER)
+    assert (bare.by_hash, bare.by_chain) == (0, 0)
+
+
 # ---- over the wire ----------------------------------------------------------------------------------------
 def test_the_mirror_follows_a_live_publisher(vllm: FakeVllm) -> None:
     sub = subscribe(vllm)
@@ -544,9 +557,10 @@ def test_watch_json_once_prints_the_mirror_the_metrics_and_the_hit(vllm: FakeVll
 
 
 def test_watch_with_nothing_listening_waits(capsys) -> None:
-    rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--once", "--interval", "0.2")
+    rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--metrics", "http://127.0.0.1:9/metrics",
+                       "--once", "--interval", "0.2")
     assert rc == 0, err
-    assert "no events yet, waiting" in out
+    assert "no events yet, waiting" in out and "metrics unreachable" in out
 
 
 @pytest.mark.parametrize("args,says", [

@@ -563,6 +563,25 @@ def test_watch_with_nothing_listening_waits(capsys) -> None:
     assert "no events yet, waiting" in out and "metrics unreachable" in out
 
 
+def test_a_text_prompt_is_tokenized_with_the_given_tokenizer(monkeypatch, capsys) -> None:
+    """--prompt goes through the served model's tokenizer (special tokens added, as vLLM's completions do)."""
+    from kvledger.server import text
+
+    class Tok:
+        def __call__(self, prompt: str) -> dict[str, list[int]]:
+            return {"input_ids": [int(w) for w in prompt.split()]}
+
+    seen = []
+    monkeypatch.setattr(text.TextCodec, "from_pretrained", classmethod(lambda cls, path: seen.append(path) or
+                                                                       type("C", (), {"tok": Tok()})()))
+    rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--prompt", " ".join(map(str, A + [1])),
+                       "--tokenizer", "tok-dir", "--block-size", "4", "--json", "--once", "--interval", "0.1")
+    assert rc == 0, err
+    assert seen == ["tok-dir"]
+    hit = json.loads(out)["would_hit"]
+    assert (hit["prompt_tokens"], hit["full_blocks"], hit["would_hit_blocks"]) == (13, 3, 0)
+
+
 @pytest.mark.parametrize("args,says", [
     (("--events", "http://127.0.0.1:5557"), "--events must be tcp://"),
     (("--events", "tcp://127.0.0.1:5557", "--metrics", "127.0.0.1:8000"), "--metrics must be an http"),

@@ -104,7 +104,8 @@ SAMPLE: dict[str, tuple[str | None, Any]] = {
     "enable_prefix_caching": (None, False),
 }
 # The arguments a command needs before it parses at all.
-REQUIRED = {"generate": ["x"], "serve-trace": ["--trace", "t.csv"], "quality": ["--kv-cache-dtype", "int8"]}
+REQUIRED = {"generate": ["x"], "serve-trace": ["--trace", "t.csv"], "quality": ["--kv-cache-dtype", "int8"],
+            "watch": ["--events", "tcp://127.0.0.1:5557"]}
 
 
 def _walk() -> list[tuple[str, str, click.Option]]:

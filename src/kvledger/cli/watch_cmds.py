@@ -14,7 +14,8 @@ from typing import Any
 import click
 
 from ..errors import ConfigError
-from .options import BLOCK_SIZE, TP, Float, Int, epilog
+from .engine_options import engine_option
+from .options import Float, Int, epilog
 
 MAX_PROMPT_IDS_BYTES = 64 << 20
 
@@ -44,13 +45,11 @@ def _tokenize(prompt: str, tokenizer: str | None) -> list[int]:
     return list(TextCodec.from_pretrained(tokenizer).tok(prompt)["input_ids"])
 
 
-def _planner(model: str | None, tp: int, block_size: int | None) -> Any:
-    if model is None:
-        return None
+def _planner(model: str, tp: int, block_size: int) -> Any:
     from ..integrations.vllm_watch import PlannerTerms
     from .plan_cmds import resolve_spec
 
-    spec, _ = resolve_spec(model, None, None, None, None, tp, block_size or 16)
+    spec, _ = resolve_spec(model, None, None, None, None, tp, block_size)
     return PlannerTerms(model, spec.bytes_per_token, spec.block_bytes)
 
 
@@ -67,10 +66,9 @@ def _planner(model: str | None, tp: int, block_size: int | None) -> Any:
 @click.option("--metrics", "metrics_url", default=None,
               help="vLLM's Prometheus endpoint (http://HOST:PORT/metrics): pool size, usage, hit counters.")
 @click.option("--model", default=None, help="Bundled model vLLM serves: adds our planner's bytes per token and block.")
-@click.option("--tensor-parallel-size", "tp", type=TP, default=1, show_default=True,
-              help="vLLM's tensor parallel size (the planner's figures are per rank, as vLLM's blocks are).")
-@click.option("--block-size", type=BLOCK_SIZE, default=None,
-              help="vLLM's block size when neither the metrics nor a stored block tell it.")
+@engine_option("tensor_parallel_size",
+               help="vLLM's tensor parallel size (the planner's figures are per rank, as vLLM's blocks are).")
+@engine_option("block_size", help="vLLM's block size, used until its metrics or a stored full block tell it.")
 @click.option("--prompt", default=None, help="A prompt to predict the prefix-cache hit of (needs --tokenizer).")
 @click.option("--tokenizer", default=None, help="The served model's tokenizer folder (for --prompt).")
 @click.option("--prompt-ids", "prompt_ids", default=None,
@@ -90,10 +88,10 @@ def _planner(model: str | None, tp: int, block_size: int | None) -> Any:
               help="Blocks the mirror tracks at most (oldest stored forgotten first) [262,144].")
 @click.option("--top", type=Int(0, 100), default=5, show_default=True, help="Shared prefixes shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per snapshot instead of the view.")
-def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | None, model: str | None, tp: int,
-              block_size: int | None, prompt: str | None, tokenizer: str | None, prompt_ids: str | None,
-              cache_salt: str | None, hash_algo: str | None, hash_seed: str | None, bytes_hashes: bool,
-              interval: float, snapshots: int | None, once: bool, max_blocks: int | None, top: int,
+def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | None, model: str | None,
+              tensor_parallel_size: int, block_size: int, prompt: str | None, tokenizer: str | None,
+              prompt_ids: str | None, cache_salt: str | None, hash_algo: str | None, hash_seed: str | None,
+              bytes_hashes: bool, interval: float, snapshots: int | None, once: bool, max_blocks: int | None, top: int,
               as_json: bool) -> None:
     """Mirror a running vLLM's prefix cache from its KV events (read-only) and explain its memory."""
     from ..integrations.vllm_events import DEFAULT_MAX_BLOCKS, VLLM_VERSION, VllmBlockHasher, VllmCacheMirror
@@ -114,7 +112,7 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
         raise ConfigError("give --prompt or --prompt-ids, not both")
     tokens = _prompt_ids(prompt_ids) if prompt_ids is not None else (
         _tokenize(prompt, tokenizer) if prompt is not None else None)
-    planner = _planner(model, tp, block_size)
+    planners: dict[int, Any] = {}  # the planner's terms per block size (vLLM's, once the metrics or events tell it)
     mirror = VllmCacheMirror(max_blocks or DEFAULT_MAX_BLOCKS)
     sub = EventSubscriber(events, mirror, replay_endpoint=replay, topic=topic)
     limit = 1 if once else snapshots
@@ -129,8 +127,11 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
         while limit is None or shown < limit:
             sub.poll(interval)
             metrics = scrape_metrics(metrics_url, timeout_s=min(2.0, max(0.2, interval))) if metrics_url else None
+            bs = (metrics.block_size if metrics is not None else None) or mirror.block_size or block_size
+            if model is not None and bs not in planners:
+                planners[bs] = _planner(model, tensor_parallel_size, bs)
             data = {"vllm_schema": VLLM_VERSION, "events": events, "at": time.time(),
-                    **explain(mirror, metrics, planner, top=top)}
+                    **explain(mirror, metrics, planners.get(bs), top=top)}
             if tokens is not None:
                 data["would_hit"] = _would_hit(mirror, tokens, metrics, block_size, cache_salt, hash_algo, hash_seed,
                                                bytes_hashes, VllmBlockHasher)
@@ -152,11 +153,9 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
         sub.close()
 
 
-def _would_hit(mirror: Any, tokens: list[int], metrics: Any, block_size: int | None, cache_salt: str | None,
+def _would_hit(mirror: Any, tokens: list[int], metrics: Any, block_size: int, cache_salt: str | None,
                hash_algo: str | None, hash_seed: str | None, bytes_hashes: bool, hasher_cls: Any) -> dict[str, Any]:
-    bs = block_size or (metrics.block_size if metrics is not None else None) or mirror.block_size
-    if bs is None:
-        return {"error": "block size not known yet: no full block stored (give --block-size or --metrics)"}
+    bs = (metrics.block_size if metrics is not None else None) or mirror.block_size or block_size
     algo = hash_algo or (metrics.hash_algo if metrics is not None else None) or "sha256"
     hasher = None
     note = None
@@ -229,8 +228,7 @@ def _view(data: dict[str, Any]) -> Any:
         parts.append(Text(f"prefix cache hit rate (vLLM's counters): {data['prefix_cache_hit_rate']:.1%}"))
     w = data.get("would_hit")
     if w is not None:
-        parts.append(Text(w["error"] if "error" in w else
-                          f"this prompt would hit {w['would_hit_blocks']} of {w['full_blocks']} full blocks "
+        parts.append(Text(f"this prompt would hit {w['would_hit_blocks']} of {w['full_blocks']} full blocks "
                           f"({w['cached_tokens']:,} cached tokens of {w['prompt_tokens']:,})"
                           + (f" -- {w['note']}" if w.get("note") else "")))
     return Group(*parts)

@@ -517,8 +517,10 @@ def test_the_view_says_stale_and_who_stored_a_shared_prefix() -> None:
 
 # ---- the command -------------------------------------------------------------------------------------
 class _Metrics(http.server.BaseHTTPRequestHandler):
+    text = METRICS
+
     def do_GET(self) -> None:  # noqa: N802
-        body = METRICS.encode()
+        body = self.text.encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain")
         self.send_header("Content-Length", str(len(body)))
@@ -556,6 +558,26 @@ def test_watch_json_once_prints_the_mirror_the_metrics_and_the_hit(vllm: FakeVll
     assert data["pool"]["planner"]["kv_bytes_per_token"] == 131072  # llama-3.1-8b: 32 x 8 x 128 x 2 x 2 bytes
 
 
+def test_the_planner_predicts_vllms_pool_beside_vllms_own(capsys, monkeypatch) -> None:
+    """With --gpu the view puts our planner's pool for that GPU beside vLLM's num_gpu_blocks: here a stand-in
+    vLLM reporting the 26,301 blocks of 16 that `kvledger plan --engine vllm` sizes for llama-3.1-8b on an H100."""
+    text = METRICS.replace('block_size="4"', 'block_size="16"')
+    text = text.replace('num_gpu_blocks="101"', 'num_gpu_blocks="26301"')
+    monkeypatch.setattr(_Metrics, "text", text)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--metrics",
+                           f"http://127.0.0.1:{server.server_address[1]}/metrics", "--model", "llama-3.1-8b",
+                           "--gpu", "h100", "--json", "--once", "--interval", "0.1")
+    finally:
+        server.shutdown()
+    assert rc == 0, err
+    planner = json.loads(out)["pool"]["planner"]
+    assert planner["predicted_num_gpu_blocks"] == 26301 and planner["predicted_vs_vllm"] == 0.0
+    assert (planner["block_bytes"], planner["gpu"]) == (2 << 20, "h100-80gb")
+
+
 def test_watch_with_nothing_listening_waits(capsys) -> None:
     rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--metrics", "http://127.0.0.1:9/metrics",
                        "--once", "--interval", "0.2")
@@ -586,6 +608,7 @@ def test_a_text_prompt_is_tokenized_with_the_given_tokenizer(monkeypatch, capsys
     (("--events", "http://127.0.0.1:5557"), "--events must be tcp://"),
     (("--events", "tcp://127.0.0.1:5557", "--metrics", "127.0.0.1:8000"), "--metrics must be an http"),
     (("--events", "tcp://127.0.0.1:5557", "--prompt", "hi"), "--prompt needs --tokenizer"),
+    (("--events", "tcp://127.0.0.1:5557", "--gpu", "h100"), "--gpu needs --model"),
 ])
 def test_watch_refuses_bad_input_in_one_line(capsys, args, says) -> None:
     rc, _, err = run(capsys, "watch", *args, "--once")

@@ -15,7 +15,7 @@ import click
 
 from ..errors import ConfigError
 from .engine_options import engine_option
-from .options import Float, Int, epilog
+from .options import Float, Int, catalogue_gpu_name, epilog
 
 MAX_PROMPT_IDS_BYTES = 64 << 20
 
@@ -45,12 +45,20 @@ def _tokenize(prompt: str, tokenizer: str | None) -> list[int]:
     return list(TextCodec.from_pretrained(tokenizer).tok(prompt)["input_ids"])
 
 
-def _planner(model: str, tp: int, block_size: int) -> Any:
+def _planner(model: str, tp: int, block_size: int, gpu: str | None = None, utilization: float | None = None) -> Any:
+    """Our planner's terms for the served model; with ``gpu``, the pool `kvledger plan --engine vllm` sizes there
+    (at vLLM's --gpu-memory-utilization, read from its metrics, else vLLM's default 0.9)."""
     from ..integrations.vllm_watch import PlannerTerms
     from .plan_cmds import resolve_spec
 
-    spec, _ = resolve_spec(model, None, None, None, None, tp, block_size)
-    return PlannerTerms(model, spec.bytes_per_token, spec.block_bytes)
+    spec, cfg = resolve_spec(model, None, None, None, None, tp, block_size)
+    terms = PlannerTerms(model, spec.bytes_per_token, spec.block_bytes)
+    if gpu is not None:
+        from ..core.sizing.inventory import build_inventory
+
+        inv = build_inventory(spec, cfg, gpu=gpu, utilization=utilization or 0.9, engine="vllm", model_name=model)
+        terms.gpu, terms.pool_blocks = gpu, inv.pool_blocks
+    return terms
 
 
 @click.command("watch", epilog=epilog(
@@ -66,6 +74,8 @@ def _planner(model: str, tp: int, block_size: int) -> Any:
 @click.option("--metrics", "metrics_url", default=None,
               help="vLLM's Prometheus endpoint (http://HOST:PORT/metrics): pool size, usage, hit counters.")
 @click.option("--model", default=None, help="Bundled model vLLM serves: adds our planner's bytes per token and block.")
+@click.option("--gpu", default=None, callback=catalogue_gpu_name,
+              help="Catalogue GPU vLLM runs on (with --model): adds the pool our planner predicts there.")
 @engine_option("tensor_parallel_size",
                help="vLLM's tensor parallel size (the planner's figures are per rank, as vLLM's blocks are).")
 @engine_option("block_size", help="vLLM's block size, used until its metrics or a stored full block tell it.")
@@ -89,7 +99,7 @@ def _planner(model: str, tp: int, block_size: int) -> Any:
 @click.option("--top", type=Int(0, 100), default=5, show_default=True, help="Shared prefixes shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per snapshot instead of the view.")
 def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | None, model: str | None,
-              tensor_parallel_size: int, block_size: int, prompt: str | None, tokenizer: str | None,
+              gpu: str | None, tensor_parallel_size: int, block_size: int, prompt: str | None, tokenizer: str | None,
               prompt_ids: str | None, cache_salt: str | None, hash_algo: str | None, hash_seed: str | None,
               bytes_hashes: bool, interval: float, snapshots: int | None, once: bool, max_blocks: int | None, top: int,
               as_json: bool) -> None:
@@ -112,7 +122,9 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
         raise ConfigError("give --prompt or --prompt-ids, not both")
     tokens = _prompt_ids(prompt_ids) if prompt_ids is not None else (
         _tokenize(prompt, tokenizer) if prompt is not None else None)
-    planners: dict[int, Any] = {}  # the planner's terms per block size (vLLM's, once the metrics or events tell it)
+    if gpu is not None and model is None:
+        raise ConfigError("--gpu needs --model (the model vLLM serves)")
+    planners: dict[Any, Any] = {}  # the planner's terms per block size (vLLM's, once the metrics or events tell it)
     mirror = VllmCacheMirror(max_blocks or DEFAULT_MAX_BLOCKS)
     sub = EventSubscriber(events, mirror, replay_endpoint=replay, topic=topic)
     limit = 1 if once else snapshots
@@ -128,10 +140,11 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
             sub.poll(interval)
             metrics = scrape_metrics(metrics_url, timeout_s=min(2.0, max(0.2, interval))) if metrics_url else None
             bs = (metrics.block_size if metrics is not None else None) or mirror.block_size or block_size
-            if model is not None and bs not in planners:
-                planners[bs] = _planner(model, tensor_parallel_size, bs)
+            util = metrics.gpu_memory_utilization if metrics is not None else None
+            if model is not None and (bs, util) not in planners:
+                planners[bs, util] = _planner(model, tensor_parallel_size, bs, gpu, util)
             data = {"vllm_schema": VLLM_VERSION, "events": events, "at": time.time(),
-                    **explain(mirror, metrics, planners.get(bs), top=top)}
+                    **explain(mirror, metrics, planners.get((bs, util)), top=top)}
             if tokens is not None:
                 data["would_hit"] = _would_hit(mirror, tokens, metrics, block_size, cache_salt, hash_algo, hash_seed,
                                                bytes_hashes, VllmBlockHasher)
@@ -200,7 +213,8 @@ def _view(data: dict[str, Any]) -> Any:
         if pool.get(key) is not None:
             t.add_row(key.replace("_", " "), f"{pool[key]:,}" if isinstance(pool[key], int) else str(pool[key]))
     for key, value in (pool.get("planner") or {}).items():
-        shown = format_bytes(value) if "bytes" in key else str(value)
+        shown = format_bytes(value) if "bytes" in key else f"{value:+.1%}" if key.endswith("_vs_vllm") else (
+            f"{value:,}" if isinstance(value, int) else str(value))
         t.add_row(f"planner: {key.replace('_', ' ')}", shown)
     if t.row_count:
         parts.append(t)

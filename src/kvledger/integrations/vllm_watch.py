@@ -297,6 +297,8 @@ class PlannerTerms:
     model: str
     bytes_per_token: int
     block_bytes: int
+    gpu: str | None = None  # with a catalogue GPU: the pool `kvledger plan --engine vllm` predicts there
+    pool_blocks: int | None = None
 
 
 def explain(mirror: VllmCacheMirror, metrics: VllmMetrics | None, planner: PlannerTerms | None = None,
@@ -334,6 +336,10 @@ def explain(mirror: VllmCacheMirror, metrics: VllmMetrics | None, planner: Plann
         if m is not None and m.num_gpu_blocks is not None:
             pool["planner"]["pool_bytes"] = m.num_gpu_blocks * planner.block_bytes
             pool["planner"]["cached_bytes"] = gpu_cached * planner.block_bytes
+        if planner.pool_blocks is not None:
+            pool["planner"].update(gpu=planner.gpu, predicted_num_gpu_blocks=planner.pool_blocks)
+            if m is not None and m.num_gpu_blocks:
+                pool["planner"]["predicted_vs_vllm"] = planner.pool_blocks / m.num_gpu_blocks - 1.0
     out["pool"], out["states"] = pool, states
     return out
 

@@ -34,6 +34,7 @@ from kvledger.integrations.vllm_events import (  # noqa: E402
 from kvledger.integrations.vllm_watch import (  # noqa: E402
     EventSubscriber,
     MirrorReplica,
+    RestartWatch,
     explain,
     metrics_from_text,
     mirror_load,
@@ -438,6 +439,33 @@ def test_a_restart_whose_first_batches_were_missed_is_replayed(vllm_replay: Fake
         sub.mirror.check()
     finally:
         sub.close()
+
+
+def test_a_restart_the_metrics_show_first_empties_the_mirror() -> None:
+    """vLLM restarted and has published nothing yet: its counters went back, so the old process's blocks go."""
+    m = VllmCacheMirror()
+    _feed(m, stored(A), seq=0)
+    _feed(m, stored(B[8:], B[:8]), seq=1)
+    watch = RestartWatch()
+    assert not watch.observe(m, metrics_from_text(METRICS))
+    assert not watch.observe(m, metrics_from_text(METRICS.replace("} 200.0", "} 300.0")))  # counting up
+    assert m.held() == 4
+    assert watch.observe(m, metrics_from_text(METRICS.replace("} 200.0", "} 3.0")))
+    snap = m.snapshot()
+    assert m.held() == 0 and snap["sync"]["state"] == "stale" and "counters reset" in snap["sync"]["why"]
+    _feed(m, stored(B[:4]), seq=0)  # the new process's first batch
+    assert m.snapshot()["sync"]["state"] == "live" and m.held() == 1 and m.sync.restarts == 1
+
+
+def test_a_restart_the_events_showed_first_is_not_counted_twice() -> None:
+    m = VllmCacheMirror()
+    _feed(m, stored(A), seq=0)
+    _feed(m, stored(B[8:], B[:8]), seq=1)
+    watch = RestartWatch()
+    watch.observe(m, metrics_from_text(METRICS))
+    _feed(m, stored(B[:4]), seq=0)  # the new process's stream arrived before the next scrape
+    assert watch.observe(m, metrics_from_text(METRICS.replace("} 200.0", "} 3.0")))
+    assert m.held() == 1 and m.sync.restarts == 1 and m.snapshot()["sync"]["state"] == "live"
 
 
 # ---- metrics, the explanation, the router's view ------------------------------------------------------

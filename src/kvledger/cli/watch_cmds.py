@@ -107,6 +107,7 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
     from ..integrations.vllm_events import DEFAULT_MAX_BLOCKS, VLLM_VERSION, VllmBlockHasher, VllmCacheMirror
     from ..integrations.vllm_watch import (
         EventSubscriber,
+        RestartWatch,
         check_endpoint,
         check_metrics_url,
         explain,
@@ -127,6 +128,7 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
     planners: dict[Any, Any] = {}  # the planner's terms per block size (vLLM's, once the metrics or events tell it)
     mirror = VllmCacheMirror(max_blocks or DEFAULT_MAX_BLOCKS)
     sub = EventSubscriber(events, mirror, replay_endpoint=replay, topic=topic)
+    restarts = RestartWatch()
     limit = 1 if once else snapshots
     live = None
     if not as_json and sys.stdout.isatty():
@@ -139,11 +141,15 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
         while limit is None or shown < limit:
             sub.poll(interval)
             metrics = scrape_metrics(metrics_url, timeout_s=min(2.0, max(0.2, interval))) if metrics_url else None
+            if metrics is not None:
+                restarts.observe(mirror, metrics)
             bs = (metrics.block_size if metrics is not None else None) or mirror.block_size or block_size
             util = metrics.gpu_memory_utilization if metrics is not None else None
             if model is not None and (bs, util) not in planners:
                 planners[bs, util] = _planner(model, tensor_parallel_size, bs, gpu, util)
+            heard = sub.stats.last_message_s
             data = {"vllm_schema": VLLM_VERSION, "events": events, "at": time.time(),
+                    "last_event_age_s": None if heard is None else round(time.monotonic() - heard, 3),
                     **explain(mirror, metrics, planners.get((bs, util)), top=top)}
             if tokens is not None:
                 data["would_hit"] = _would_hit(mirror, tokens, metrics, block_size, cache_salt, hash_algo, hash_seed,
@@ -201,7 +207,9 @@ def _view(data: dict[str, Any]) -> Any:
     elif sync["state"] == "stale":
         head = Text(f"STALE: {sync['why']} (resyncs on a replay, a cache reset or a vLLM restart)", style="bold red")
     else:
-        head = Text(f"live: batch {sync['next_seq'] - 1}, {sync['restarts']} restart(s) seen", style="green")
+        age = data.get("last_event_age_s")
+        head = Text(f"live: batch {sync['next_seq'] - 1}" + ("" if age is None else f", {age:.0f} s ago")
+                    + f", {sync['restarts']} restart(s) seen", style="green")
     parts: list[Any] = [head]
     m = data.get("metrics")
     if m is not None and m.get("error"):

@@ -402,8 +402,8 @@ class VllmCacheMirror:
         empty: from batch 0 the mirror is exact again, from a later one stale)."""
         s = self.sync
         if s.next_seq is None:
-            if seq != 0:
-                s.stale = f"joined the stream at batch {seq}: blocks cached before are unknown"
+            # from batch 0 the mirror sees the process from its start (its cache began empty): exact
+            s.stale = None if seq == 0 else f"joined the stream at batch {seq}: blocks cached before are unknown"
         elif seq < s.next_seq:
             self._reset(seq, restart=True)
         elif seq > s.next_seq:
@@ -424,6 +424,15 @@ class VllmCacheMirror:
         if restart:
             s.restarts += 1
         s.stale = None if seq == 0 else f"vLLM restarted; joined its new stream at batch {seq}"
+
+    def engine_restarted(self, why: str) -> None:
+        """vLLM restarted (its metrics say so) before its new stream reached the mirror: the new process's
+        cache starts empty, so the mirror empties and waits for the new stream (exact again from batch 0)."""
+        self._clear()
+        self.sync.epoch += 1
+        self.sync.restarts += 1
+        self.sync.next_seq = None
+        self.sync.stale = why
 
     def mark_stale(self, why: str) -> None:
         self.sync.stale = why
@@ -607,7 +616,7 @@ class VllmCacheMirror:
         return {"blocks": self.by_medium(), "block_size": self.block_size, "max_blocks": self.max_blocks,
                 "counts": {"stored": c.stored, "restored": c.restored, "removed": c.removed,
                            "removed_unknown": c.removed_unknown, "cleared": c.cleared, "dropped": c.dropped},
-                "sync": {"state": "waiting" if s.next_seq is None else ("stale" if s.stale else "live"),
+                "sync": {"state": "stale" if s.stale else ("waiting" if s.next_seq is None else "live"),
                          "why": s.stale, "next_seq": s.next_seq, "restarts": s.restarts, "gaps": s.gaps,
                          "lost_batches": s.lost, "bad_payloads": s.bad_payloads, "last_ts": s.last_ts,
                          "data_parallel_rank": self.data_parallel_rank}}

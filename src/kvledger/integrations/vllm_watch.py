@@ -289,6 +289,29 @@ def scrape_metrics(url: str, timeout_s: float = 2.0, engine: str | None = None) 
     return m
 
 
+@dataclass(slots=True)
+class RestartWatch:
+    """Reads successive scrapes for a vLLM restart the event stream has not shown yet: a counter that went
+    back (``vllm:prefix_cache_queries``) while the mirror saw no sequence reset means the mirror still holds
+    the old process's blocks, so it is emptied (the new process's cache starts empty) and waits for the new
+    stream."""
+
+    previous: VllmMetrics | None = None
+    restarts_seen: int = 0
+
+    def observe(self, mirror: VllmCacheMirror, current: VllmMetrics) -> bool:
+        """Returns whether this scrape shows a restart."""
+        prev, self.previous = self.previous, current if current.error is None else self.previous
+        seen, self.restarts_seen = self.restarts_seen, mirror.sync.restarts
+        if prev is None or prev.prefix_queries is None or current.prefix_queries is None \
+                or current.prefix_queries >= prev.prefix_queries:
+            return False
+        if mirror.sync.restarts == seen:  # the events have not shown it: the mirror is the old process's
+            mirror.engine_restarted("vLLM restarted (its counters reset): waiting for its new event stream")
+            self.restarts_seen = mirror.sync.restarts
+        return True
+
+
 # ---- the explanation ----------------------------------------------------------------------------------
 @dataclass(slots=True)
 class PlannerTerms:
@@ -396,4 +419,5 @@ def request_digests(token_ids: list[int], block_size: int, hasher: VllmBlockHash
 
 
 __all__ = ["EventSubscriber", "MirrorReplica", "PlannerTerms", "VllmMetrics", "check_endpoint", "check_metrics_url",
-           "explain", "metrics_from_text", "mirror_load", "parse_prometheus", "request_digests", "scrape_metrics"]
+           "explain", "metrics_from_text", "mirror_load", "RestartWatch", "parse_prometheus", "request_digests",
+           "scrape_metrics"]

@@ -574,7 +574,7 @@ def test_watch_json_once_prints_the_mirror_the_metrics_and_the_hit(vllm: FakeVll
     try:
         rc, out, err = run(capsys, "watch", "--events", vllm.endpoint, "--topic", "kv", "--metrics",
                            f"http://127.0.0.1:{server.server_address[1]}/metrics", "--prompt-ids", str(ids),
-                           "--model", "llama-3.1-8b", "--json", "--once", "--interval", "1.5")
+                           "--model", "llama-3.1-8b", "--json", "--once", "--interval", "2")
     finally:
         server.shutdown()
         pub.join(5)

@@ -175,7 +175,7 @@ def test_a_tenant_never_sees_another_tenants_name_key_or_figures(server, viewer:
         "chat stream": post("/chat/completions", {**chat, "stream": True, "stream_options": {"include_usage": True}}),
         "longer than the model": post("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 10**6}),
         "larger than the pool": post("/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2000, "n": 2}),
-        "unsupported": post("/completions", {"model": MODEL, "prompt": "hi", "logprobs": 2}),
+        "unsupported": post("/completions", {"model": MODEL, "prompt": "hi", "suffix": "!"}),
         "malformed": httpx.post(f"{server.v1}/completions", content=b"{nope", trust_env=False, timeout=60,
                                 headers={**auth, "Content-Type": "application/json"}),
         "bad token id": post("/completions", {"model": MODEL, "prompt": [10**9]}),

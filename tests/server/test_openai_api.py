@@ -145,7 +145,7 @@ def test_never_fitting_requests_are_400_with_the_reason(server) -> None:
     for word in ("free", "active", "retained", "promised", "acme", "globex"):
         assert word not in err.value.message  # the reason names the request, never the pool's state
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, logprobs=2)
+        client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, logprobs=21)
     assert "logprobs" in err.value.message
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="smollm2-135m", prompt="hi", max_tokens=4, temperature=5)

@@ -34,7 +34,7 @@ import httpx  # noqa: E402
 
 from kvledger.errors import ConfigError  # noqa: E402
 from kvledger.server.backend import BackendState  # noqa: E402
-from kvledger.server.protocol import read_request  # noqa: E402
+from kvledger.server.protocol import BadRequestBody, read_request  # noqa: E402
 
 from .inproc import HANG_GUARD_S, SignalStandIn  # noqa: E402
 
@@ -215,8 +215,8 @@ def test_chat_without_a_template_and_a_tenants_request_limit(uvicorn_logging: No
         r = served.post("/v1/completions", {"prompt": ["Hi", "Yo"], "max_tokens": 1, "logprobs": 0}, "sk-solo")
         assert (r.status_code, r.json()) == (400, _error(
             "2 prompts are more than your tenant's limit of 1 requests in flight at once", "prompt"))
-        r = served.post("/v1/completions", {"prompt": "Hi", "logprobs": 1}, "sk-solo")
-        assert (r.status_code, r.json()) == (400, _error("logprobs are not supported"))
+        r = served.post("/v1/completions", {"prompt": "Hi", "suffix": "!"}, "sk-solo")
+        assert (r.status_code, r.json()) == (400, _error("suffix is not supported", "suffix"))
         scrape = served.http.get("/metrics", headers={"Authorization": f"Bearer {OPERATOR}"}).text
     finally:
         served.stop()
@@ -226,17 +226,30 @@ def test_chat_without_a_template_and_a_tenants_request_limit(uvicorn_logging: No
                        "tenant_cap": 1.0, "queue_full": 0.0, "draining": 0.0}
 
 
-# ---- fields accepted only at their defaults --------------------------------------------------------------
-@pytest.mark.parametrize("chat", [False, True])
-@pytest.mark.parametrize("logprobs, refused", [(None, False), (False, False), (0, False), (True, True), (1, True),
-                                               (5, True)])
-def test_logprobs_only_off(chat: bool, logprobs: Any, refused: bool) -> None:
-    """OpenAI's chat ``logprobs`` is a flag, completions' a count: off (null, false, 0) is accepted, any
-    request for log-probabilities is a 400 naming the field."""
+# ---- logprobs fields ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chat, logprobs, top, expect", [
+    (False, None, None, None), (False, False, None, None), (False, 0, None, 0), (False, 20, None, 20),
+    (False, 21, None, "logprobs"), (False, True, None, "logprobs"), (False, 2.5, None, "logprobs"),
+    (True, None, None, None), (True, False, None, False), (True, True, None, True), (True, True, 20, True),
+    (True, True, 21, "top_logprobs"), (True, False, 2, "top_logprobs"), (True, True, -1, "top_logprobs"),
+])
+def test_logprobs_fields(chat: bool, logprobs: Any, top: Any, expect: Any) -> None:
+    """OpenAI's chat ``logprobs`` is a flag with ``top_logprobs`` 0-20 beside it, completions' a count 0-20
+    (vLLM's max_logprobs); anything else is a 400 naming the field."""
     body: dict[str, Any] = {"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"}
     body["logprobs"] = logprobs
-    problem = read_request(json.dumps(body).encode(), chat).unsupported()
-    assert problem == ("logprobs are not supported" if refused else None)
+    if top is not None:
+        body["top_logprobs"] = top
+    try:
+        req = read_request(json.dumps(body).encode(), chat)
+    except BadRequestBody as exc:
+        assert exc.param == expect
+        return
+    problem = req.unsupported()
+    if isinstance(expect, str):
+        assert problem is not None and problem.param == expect
+    else:
+        assert problem is None and req.logprobs == expect
 
 
 # ---- the engine's options --------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ the background thread and the operator's snapshot share its lock and its live-re
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
 import os
@@ -97,6 +98,7 @@ class _Live:
     first_token_s: float | None = None
     emitted: dict[int, int] = field(default_factory=dict)  # branch index -> output tokens streamed
     callback_failed: bool = False
+    prompt_logprobs: dict[int, Any] | None = None  # prompt index -> TokenLogprobs, until the first event
 
 
 @dataclass(slots=True)
@@ -343,6 +345,10 @@ class Engine:
         if on_token is not None and not callable(on_token):
             raise ConfigError("on_token must be callable")
         checks.flag(read_prefix_cache, "read_prefix_cache")
+        if params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position, which the prefix cache does not
+            # keep: such a request computes its whole prompt (it still writes the cache for others).
+            read_prefix_cache = False
         branches = params.beam_width if params.beam else params.n
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         now = self.clock() if arrival_s is None else arrival_s
@@ -354,7 +360,8 @@ class Engine:
             if rid in self._submitted:
                 raise ConfigError(f"request id {rid!r} was already submitted")
             self._submitted.add(rid)
-            self._live[rid] = _Live(handle, request, params, seed, on_token)
+            self._live[rid] = _Live(handle, request, params, seed, on_token,
+                                    prompt_logprobs={} if params.prompt_logprobs is not None else None)
             self.driver.submit(request)
             self._wake.notify_all()
         return handle
@@ -560,8 +567,14 @@ class Engine:
         if result.plan is not None:
             sampled.update(w.request_id for w in (*result.plan.prefills, *result.plan.decodes) if w.sample)
         sched = self.scheduler
+        token_lp, prompt_lp = self.executor.token_logprobs, self.executor.prompt_logprobs
+        self.executor.token_logprobs, self.executor.prompt_logprobs = {}, {}
         with self._lock:
             lives = [(rid, self._live[rid]) for rid in sampled | set(done) if rid in self._live]
+            for rid, got in prompt_lp.items():
+                live = self._live.get(rid)
+                if live is not None and live.prompt_logprobs is not None:
+                    live.prompt_logprobs.update(got)
         for rid, live in lives:
             if live.params.beam:
                 continue  # a beam search streams its winner when it is over
@@ -576,8 +589,16 @@ class Engine:
             for branch, out in outputs:
                 sent = live.emitted.get(branch, 0)
                 if len(out) > sent:
-                    self._emit(live, [TokenEvent(rid, branch, out[i], plen + i, now) for i in range(sent, len(out))],
-                               events)
+                    new = [TokenEvent(rid, branch, out[i], plen + i, now) for i in range(sent, len(out))]
+                    lp = token_lp.get((rid, branch))
+                    if lp is not None and lp.token == new[-1].token:  # this step's sample is the last new token
+                        new[-1] = dataclasses.replace(new[-1], logprobs=lp)
+                    if live.prompt_logprobs is not None:
+                        got = live.prompt_logprobs
+                        new[0] = dataclasses.replace(new[0], prompt_logprobs=(None, *(got.get(i)
+                                                                                    for i in range(1, plen))))
+                        live.prompt_logprobs = None
+                    self._emit(live, new, events)
                     live.emitted[branch] = len(out)
         for f in result.finished:
             live = self._live.get(f.request.request_id)

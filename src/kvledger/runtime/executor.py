@@ -37,7 +37,16 @@ from ..errors import InvariantError
 from ..scheduler import StepOutput, StepPlan, Work
 from ..scheduler.transfers import reads_inbound
 from .model import ModelRunner, SeqStep
-from .sampling import SamplingParams, beam_logprobs, sample_rows, top_candidates
+from .sampling import (
+    RowContext,
+    SamplingParams,
+    TokenLogprobs,
+    beam_logprobs,
+    process_logits,
+    sample_rows,
+    token_logprobs,
+    top_candidates,
+)
 from .transfer import StepTransfers, TransferEngine, TransferErrorHook
 
 if TYPE_CHECKING:
@@ -70,6 +79,10 @@ class TorchExecutor:
         self.stats = stats
         self.block_size = runner.spec.block_size
         self.on_transfer_error = on_transfer_error
+        # Log-probabilities of this step, for the engine to stream and then clear (it reads them after
+        # confirm): (request id, branch) -> the sampled token's, request id -> {prompt index: ...}.
+        self.token_logprobs: dict[tuple[str, int], TokenLogprobs] = {}
+        self.prompt_logprobs: dict[str, dict[int, TokenLogprobs]] = {}
 
     def execute(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
@@ -92,7 +105,9 @@ class TorchExecutor:
                 stats.copies += len(plan.copies)
             out = StepOutput()
             if works:
-                logits, rows = self._forward(works)
+                logits, rows, full = self._forward(works)
+                if full:
+                    self._prompt_logprobs(works, rows, full)
                 self._select(works, logits, rows, out)
         except BaseException:
             if batch is not None:
@@ -155,12 +170,14 @@ class TorchExecutor:
         if written.tier_transfers:
             self.on_transfer_error(written)
 
-    def _forward(self, works: list[Work]) -> tuple[torch.Tensor, list[int]]:
+    def _forward(self, works: list[Work]) -> tuple[torch.Tensor, list[int], list[int]]:
         """Run every work in one batch; sibling branches with identical work (same positions through
-        the very same blocks, e.g. the n branches of a fresh request) are computed once."""
+        the very same blocks, e.g. the n branches of a fresh request) are computed once. Returns the
+        logits, each work's row, and the rows whose every position was kept (prompt logprobs)."""
         bs = self.block_size
         steps: list[SeqStep] = []
         rows: list[int] = []
+        full: list[int] = []
         seen: dict[tuple[Any, ...], int] = {}
         stats = self.stats
         for w in works:
@@ -170,6 +187,8 @@ class TorchExecutor:
             if row is None:
                 row = seen[key] = len(steps)
                 table = list(blocks)
+                if self._wants_prompt(w):
+                    full.append(row)
                 steps.append(SeqStep(list(w.tokens[w.start:w.end]), w.start, table,
                                      BlockTable(bs, table).slot_mapping(w.start, w.end)))
                 if w.end - w.start == 1:
@@ -180,15 +199,57 @@ class TorchExecutor:
                 stats.deduplicated_rows += 1
             rows.append(row)
         t = time.perf_counter()
-        logits = self.runner.forward(steps)
+        logits = self.runner.forward(steps, full) if full else self.runner.forward(steps)
         stats.forward_s += time.perf_counter() - t
         stats.forward_steps += 1
-        return logits, rows
+        return logits, rows, full
+
+    @staticmethod
+    def _wants_prompt(w: Work) -> bool:
+        """A work computing prompt positions of a request that asked for prompt logprobs (the prompt's
+        position p gives the logprob of prompt token p + 1)."""
+        req = w.request
+        return (req is not None and isinstance(req.payload, Sampling) and req.payload.params.prompt_logprobs is not None
+                and w.start < len(req.prompt) - 1)
+
+    PROMPT_ROWS = 128  # logits rows computed at a time for prompt logprobs (128 x vocab floats)
+
+    def _prompt_logprobs(self, works: list[Work], rows: list[int], full: list[int]) -> None:
+        """Each prompt token's logprob (and top alternatives) from the kept hidden states of this very
+        pass: position p's logits score token p + 1. Positions past the prompt (a recomputed output) are
+        not prompt tokens; the scheduler's own sample of the last position is handled by _select."""
+        wanted = set(full)
+        owner: dict[int, Work] = {}
+        for w, row in zip(works, rows, strict=True):
+            if row in wanted and row not in owner:
+                owner[row] = w
+        offset: dict[int, int] = {}
+        at = 0
+        for row in full:  # the kept positions are concatenated in the order of ``full``
+            offset[row] = at
+            at += owner[row].end - owner[row].start
+        for row in full:
+            w = owner[row]
+            req = w.request
+            assert req is not None
+            k = req.payload.params.prompt_logprobs
+            plen = len(req.prompt)
+            hi = min(w.end, plen - 1)  # positions [w.start, hi) score prompt tokens w.start+1 .. hi
+            got = self.prompt_logprobs.setdefault(req.request_id, {})
+            for lo in range(w.start, hi, self.PROMPT_ROWS):
+                top = min(hi, lo + self.PROMPT_ROWS)
+                base = offset[row] + lo - w.start
+                logits = self.runner.position_logits(base, base + top - lo)
+                targets = list(req.prompt[lo + 1:top + 1])
+                for p, entry in enumerate(token_logprobs(logits, targets, [k] * len(targets)), start=lo + 1):
+                    got[p] = entry
 
     def _select(self, works: list[Work], logits: torch.Tensor, rows: list[int], out: StepOutput) -> None:
         picks: list[tuple[str, int]] = []  # (seq_id, logits row) of ordinary samples
         params: list[SamplingParams] = []
         keys: list[tuple[int, int, int]] = []
+        contexts: list[RowContext] = []
+        owners: list[tuple[str, int]] = []  # (request id, branch)
         beams: list[tuple[str, int, int]] = []  # (seq_id, row, width)
         for w, row in zip(works, rows, strict=True):
             if not w.sample:
@@ -202,12 +263,21 @@ class TorchExecutor:
             picks.append((w.seq_id, row))
             params.append(req.payload.params)
             keys.append((req.payload.seed, w.branch, w.end))
+            contexts.append(RowContext(w.tokens, len(req.prompt), w.end, req.stop_token_ids))
+            owners.append((req.request_id, w.branch))
         if picks:
             index = [r for _, r in picks]
             chosen = logits if index == list(range(logits.shape[0])) else \
                 logits[torch.tensor(index, dtype=torch.long, device=logits.device)]
-            for (seq_id, _), token in zip(picks, sample_rows(chosen, params, keys), strict=True):
+            tokens = sample_rows(process_logits(chosen, params, contexts), params, keys)
+            for (seq_id, _), token in zip(picks, tokens, strict=True):
                 out.sampled[seq_id] = [token]
+            wanted = [i for i, p in enumerate(params) if p.logprobs is not None]
+            if wanted:  # vLLM's raw logprobs: the model's own logits, before any processing
+                raw = chosen[torch.tensor(wanted, device=chosen.device)]
+                entries = token_logprobs(raw, [tokens[i] for i in wanted], [params[i].logprobs or 0 for i in wanted])
+                for i, entry in zip(wanted, entries, strict=True):
+                    self.token_logprobs[owners[i]] = entry
         if beams:
             lp = beam_logprobs(logits[torch.tensor([r for _, r, _ in beams], device=logits.device)])
             for i, (seq_id, _, width) in enumerate(beams):

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..scheduler import RequestMetrics
 
@@ -36,6 +36,10 @@ class TokenEvent:
     time_s: float
     finished: bool = False
     finish_reason: str | None = None
+    # SamplingParams.logprobs: this token's (a TokenLogprobs). prompt_logprobs: on a request's first
+    # token event, one entry per prompt token (None for the first, which nothing scores).
+    logprobs: Any = None
+    prompt_logprobs: tuple[Any, ...] | None = None
 
 
 @dataclass(slots=True)

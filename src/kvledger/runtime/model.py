@@ -176,6 +176,7 @@ class Decoder(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", cfg.inv_freq(), persistent=False)
+        self.kept: torch.Tensor | None = None  # see forward_with's keep
 
     def forward(
         self, input_ids: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend,
@@ -185,8 +186,11 @@ class Decoder(nn.Module):
 
     def forward_with(
         self, input_ids: torch.Tensor, batch: AttentionBatch, backend: AttentionBackend, kernels: LayerKernels,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:meth:`forward` with the given elementwise kernels (torch or native)."""
+        """:meth:`forward` with the given elementwise kernels (torch or native). ``keep`` (token rows of
+        the batch): also set :attr:`kept`, the final-normed hidden states of those rows, for logits at
+        every position of a prompt (:meth:`ModelRunner.forward`) without a second pass."""
         # Angles in fp32 even for 16-bit models: positions in the thousands lose whole radians in bf16.
         angles = batch.positions.float()[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)  # [T, head_dim]
@@ -200,6 +204,9 @@ class Decoder(nn.Module):
             x, pending = layer(x, cos, sin, backend, kernels, pending)
         last = torch.tensor(batch.offsets[1:], device=x.device) - 1
         h = x[last] if pending is None else x[last] + pending[last]
+        if keep is not None:
+            k = x[keep] if pending is None else x[keep] + pending[keep]
+            self.kept = self.norm(k, kernels)
         return self.lm_head(self.norm(h, kernels)).float()
 
     def pack_weights(self) -> int:
@@ -325,9 +332,11 @@ class ModelRunner:
                 raise ConfigError(f"step {i}: slot {slot} for position {pos} disagrees with its block table")
 
     @torch.inference_mode()
-    def forward(self, steps: Sequence[SeqStep]) -> torch.Tensor:
+    def forward(self, steps: Sequence[SeqStep], every_position: Sequence[int] = ()) -> torch.Tensor:
         """Write each step's K/V through its slots, attend through its table, and return the logits
-        ``[len(steps), vocab]`` (fp32) of each sequence's last new token."""
+        ``[len(steps), vocab]`` (fp32) of each sequence's last new token. ``every_position``: steps whose
+        every position's final hidden state is kept too (:meth:`position_logits` turns them into logits),
+        for prompt log-probabilities."""
         if not steps:
             raise ConfigError("forward needs at least one sequence")
         for i, step in enumerate(steps):
@@ -341,7 +350,23 @@ class ModelRunner:
             block_tables=[list(s.block_table) for s in steps],
             slot_mapping=slots,
         )
-        return self.model.forward_with(ids, batch, self.backend, self.kernels)
+        keep = None
+        if every_position:
+            starts = [0]
+            for s in steps:
+                starts.append(starts[-1] + len(s.token_ids))
+            keep = torch.tensor([r for i in every_position for r in range(starts[i], starts[i + 1])],
+                                dtype=torch.long, device=dev)
+        self.model.kept = None
+        return self.model.forward_with(ids, batch, self.backend, self.kernels, keep)
+
+    def position_logits(self, lo: int, hi: int) -> torch.Tensor:
+        """The logits (fp32) of rows ``[lo, hi)`` of the hidden states the last :meth:`forward` kept
+        (a slice at a time: a long prompt's every logit at once would be rows x vocab floats)."""
+        kept = self.model.kept
+        if kept is None:
+            raise ConfigError("the last forward pass kept no positions")
+        return self.model.lm_head(kept[lo:hi]).float()
 
 
 __all__ = ["BackendFactory", "Decoder", "ModelRunner", "SeqStep"]

@@ -7,6 +7,14 @@ of any size, or preempted (recomputed or swapped) and resumed produces the same 
 ``i`` of an ``n = 4`` request equals a single-branch run given branch index ``i`` with the same seed.
 The filter (temperature, top-k, top-p) is applied to one row in float64 after sorting it, so it does
 not depend on the batch either.
+
+Before selection, a request's logits processors run on its row (:func:`process_logits`, vectorised over
+the rows that have any), in vLLM's order: ``min_tokens`` (stop tokens masked until that many tokens are
+out), ``logit_bias``, then the penalties -- ``repetition_penalty`` (Hugging Face's: over prompt and output,
+a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` (minus the penalty times
+the token's count in the output) and ``presence_penalty`` (minus the penalty once a token is in the
+output). Log-probabilities (:func:`token_logprobs`) are vLLM's default ``raw_logprobs``: the log-softmax of
+the model's own logits, before any processor, penalty, temperature or top-k/top-p.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -40,6 +49,13 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     beam_width: int = 1
+    logprobs: int | None = None  # report each sampled token's logprob and this many top alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token but the first (the prompt computed whole)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0  # stop tokens are masked until this many tokens are out
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
@@ -55,6 +71,34 @@ class SamplingParams:
             checks.count(self.seed, "seed", minimum=None)
         if self.beam_width > 1 and (self.n != 1 or self.temperature != 0):
             raise ConfigError("beam search is deterministic: use it with n=1 and temperature=0")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ConfigError(f"{name} must be None or an integer >= 0, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and -2 <= value <= 2):
+                raise ConfigError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (isinstance(self.repetition_penalty, int | float) and math.isfinite(self.repetition_penalty)
+                and self.repetition_penalty > 0):
+            raise ConfigError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        try:
+            bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        except (TypeError, ValueError):
+            raise ConfigError("logit_bias must be (token id, bias) pairs") from None
+        if any(t < 0 or not math.isfinite(b) for t, b in bias):
+            raise ConfigError("logit_bias needs token ids >= 0 and finite biases")
+        object.__setattr__(self, "logit_bias", bias)
+        if self.beam_width > 1 and self.processed:
+            raise ConfigError("beam search takes no penalties, min_tokens or logit_bias")
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logits processor (penalties, min_tokens, logit_bias) changes this request's row."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -134,6 +178,93 @@ def sample_rows(
     return out
 
 
+class TokenLogprobs(NamedTuple):
+    """One position's log-probabilities: the chosen (or given) token's and the ``k`` most likely
+    ``(token, logprob)`` pairs, best first, ties by token id (vLLM's raw logprobs, float64)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class RowContext(NamedTuple):
+    """What a row's processors read: the sequence's tokens so far (prompt and output, the scheduler's
+    own list: read, never kept), where the output starts and ends, and the request's stop tokens."""
+
+    tokens: Sequence[int]
+    prompt_len: int
+    end: int  # tokens[:end] are computed: the output so far is tokens[prompt_len:end]
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   contexts: Sequence[RowContext]) -> torch.Tensor:
+    """The rows' logits after their processors (a copy when any row has one; ``logits`` itself
+    otherwise): min_tokens, logit_bias, repetition, frequency and presence penalties, in vLLM's order,
+    one batched operation each over the rows that use it."""
+    rows = [i for i, p in enumerate(params) if p.processed]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab = out.shape[-1]
+    dev = out.device
+    mask_r: list[int] = []
+    mask_t: list[int] = []
+    bias_r: list[int] = []
+    bias_t: list[int] = []
+    bias_v: list[float] = []
+    for i in rows:
+        p, c = params[i], contexts[i]
+        if p.min_tokens and c.end - c.prompt_len < p.min_tokens:
+            stops = [t for t in c.stop_token_ids if t < vocab]
+            mask_r += [i] * len(stops)
+            mask_t += stops
+        for t, b in p.logit_bias:
+            if t < vocab:
+                bias_r.append(i)
+                bias_t.append(t)
+                bias_v.append(b)
+    if mask_r:
+        out[torch.tensor(mask_r, device=dev), torch.tensor(mask_t, device=dev)] = -math.inf
+    if bias_r:
+        out.index_put_((torch.tensor(bias_r, device=dev), torch.tensor(bias_t, device=dev)),
+                       torch.tensor(bias_v, dtype=out.dtype, device=dev), accumulate=True)
+    pen = [i for i in rows if params[i].repetition_penalty != 1.0 or params[i].frequency_penalty
+           or params[i].presence_penalty]
+    if pen:
+        index = torch.tensor(pen, device=dev)
+        # Counts of each token in the output so far, and whether it is anywhere in prompt or output.
+        out_r = [k for k, i in enumerate(pen) for _ in range(contexts[i].end - contexts[i].prompt_len)]
+        out_t = [t for i in pen for t in contexts[i].tokens[contexts[i].prompt_len:contexts[i].end]]
+        counts = torch.zeros(len(pen), vocab, dtype=out.dtype, device=dev)
+        if out_r:
+            counts.index_put_((torch.tensor(out_r, device=dev), torch.tensor(out_t, device=dev)),
+                              torch.ones(len(out_t), dtype=out.dtype, device=dev), accumulate=True)
+        sub = out[index]
+        rep = torch.tensor([params[i].repetition_penalty for i in pen], dtype=out.dtype, device=dev)
+        if bool((rep != 1.0).any()):
+            seen = counts > 0
+            pr_r = [k for k, i in enumerate(pen) for _ in range(contexts[i].prompt_len)]
+            pr_t = [t for i in pen for t in contexts[i].tokens[:contexts[i].prompt_len]]
+            if pr_r:
+                seen[torch.tensor(pr_r, device=dev), torch.tensor(pr_t, device=dev)] = True
+            factor = torch.where(seen, rep[:, None], torch.ones_like(sub))
+            sub = torch.where(sub > 0, sub / factor, sub * factor)
+        freq = torch.tensor([params[i].frequency_penalty for i in pen], dtype=out.dtype, device=dev)
+        pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=out.dtype, device=dev)
+        sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(out.dtype)
+        out[index] = sub
+    return out
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], k: Sequence[int]) -> list[TokenLogprobs]:
+    """Row i's log-softmax (float64, of the logits as given) at ``tokens[i]`` with its ``k[i]`` best."""
+    lp = torch.log_softmax(logits.detach().to(torch.float64), dim=-1)
+    chosen = lp.gather(1, torch.tensor(list(tokens), device=lp.device)[:, None])[:, 0].tolist()
+    return [TokenLogprobs(int(t), float(v), tuple((tok, v) for v, tok in top_candidates(lp[i], ki)) if ki else ())
+            for i, (t, v, ki) in enumerate(zip(tokens, chosen, k, strict=True))]
+
+
 def beam_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """Log-probabilities a beam search scores with: log-softmax in float64 (rows or one row)."""
     return torch.log_softmax(logits.detach().to(torch.float64), dim=-1)
@@ -147,5 +278,5 @@ def top_candidates(logprobs: torch.Tensor, k: int) -> list[tuple[float, int]]:
     return [(float(v), int(t)) for v, t in pairs]
 
 
-__all__ = ["SamplingParams", "beam_logprobs", "filtered_distribution", "sample_rows", "sample_token",
-           "top_candidates", "uniform"]
+__all__ = ["RowContext", "SamplingParams", "TokenLogprobs", "beam_logprobs", "filtered_distribution",
+           "process_logits", "sample_rows", "sample_token", "token_logprobs", "top_candidates", "uniform"]

@@ -50,6 +50,7 @@ from .protocol import (
     BadRequestBody,
     ChatCompletionRequest,
     CompletionRequest,
+    LogprobFormat,
     ResponseShape,
     default_max_body_bytes,
     error_body,
@@ -251,9 +252,22 @@ class ServerContext:
                                f"{self.backend.max_num_seqs} sequences run at a time)", "never_fits", "n")
         top_k = body.top_k if body.top_k is not None and body.top_k > 0 else 0
         temperature = 1.0 if body.temperature is None else body.temperature
+        if isinstance(body, ChatCompletionRequest):
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            prompt_logprobs = None
+        else:
+            logprobs = body.logprobs
+            prompt_logprobs = body.logprobs if body.echo else None
         try:
+            bias = body.bias(self.backend.vocab_size)
             return SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
-                                  top_k=top_k, seed=body.seed, n=body.n)
+                                  top_k=top_k, seed=body.seed, n=body.n, logprobs=logprobs,
+                                  prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0.0,
+                                  frequency_penalty=body.frequency_penalty or 0.0,
+                                  repetition_penalty=body.repetition_penalty or 1.0,
+                                  min_tokens=body.min_tokens, logit_bias=bias)
+        except BadRequestBody as exc:
+            raise self.invalid(str(exc), param=exc.param) from None
         except ConfigError as exc:
             raise self.invalid(str(exc)) from None
 
@@ -319,6 +333,10 @@ class _EventStream(StreamingResponse):
         finally:
             self.run.close()
             self.runs.discard(self.run)
+
+
+def _has_tokens(logprobs: dict[str, Any]) -> bool:
+    return bool(logprobs.get("content") or logprobs.get("tokens"))
 
 
 async def _disconnected(request: Request) -> None:
@@ -415,10 +433,10 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         try:
             body = await work(read_request, raw, chat)
         except BadRequestBody as exc:
-            raise ctx.invalid(str(exc)) from None
+            raise ctx.invalid(str(exc), param=exc.param) from None
         problem = body.unsupported()
         if problem:
-            raise ctx.invalid(problem)
+            raise ctx.invalid(problem.message, param=problem.param)
         if body.model is not None and body.model != settings.served_model_name:
             ctx.metrics.refused.labels("invalid").inc()
             raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found")
@@ -427,14 +445,25 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         group = tenant.name  # the trust group: from the API key only
         sampling = ctx.sampling(body)
         asked = body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
-        stop_ids = [] if body.ignore_eos else sorted(codec.turn_end_ids if chat else codec.eos_ids)
+        try:
+            extra_stops = body.stop_ids(backend.vocab_size)
+        except BadRequestBody as exc:
+            raise ctx.invalid(str(exc), param=exc.param) from None
+        stop_ids = sorted(set(extra_stops) | (set() if body.ignore_eos else
+                                              set(codec.turn_end_ids if chat else codec.eos_ids)))
         jobs: list[Job] = []
         shape = ResponseShape(chat, settings.served_model_name)
         for i, ids in enumerate(await work(ctx.prompt_ids, body, asked)):
             max_tokens = ctx.budget(ids, asked, sampling, group)
             jobs.append(Job(f"{shape.id}-{i}", ids, max_tokens, sampling, stop_ids, group, tenant.priority,
                             body.cache_salt))
-        run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [])
+        fmt = None
+        if sampling.logprobs is not None:
+            fmt = LogprobFormat(chat, sampling.logprobs, codec.decode)
+        echo = None
+        if isinstance(body, CompletionRequest) and body.echo:
+            echo = [p if isinstance(p, str) else codec.decode(p) for p in body.prompts()]
+        run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [], fmt, echo)
         try:
             run.ticket = ctx.gate.enter(tenant, len(jobs))
         except NeverFits as exc:
@@ -479,7 +508,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             run.close()
             ctx.runs.discard(run)
         usage = usage_body(run.prompt_tokens, run.completion_tokens, run.cached_tokens)
-        return _json(200, shape.body(run.texts(), run.reasons(), usage))
+        return _json(200, shape.body(run.texts(), run.reasons(), usage, run.choice_logprobs()))
 
     async def _stream(run: Run, shape: ResponseShape, include_usage: bool) -> AsyncIterator[str]:
         try:
@@ -488,8 +517,8 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
                 for i in range(len(run.choices)):
                     yield _sse(shape.chunk(i, "", None, role=True, with_usage=include_usage))
             async for d in run.deltas():
-                if d.text:
-                    yield _sse(shape.chunk(d.choice, d.text, None, with_usage=include_usage))
+                if d.text or (d.logprobs is not None and _has_tokens(d.logprobs)):
+                    yield _sse(shape.chunk(d.choice, d.text, None, with_usage=include_usage, logprobs=d.logprobs))
                 if d.finish_reason is not None:
                     yield _sse(shape.chunk(d.choice, None if shape.chat else "", d.finish_reason,
                                            with_usage=include_usage))

@@ -16,7 +16,7 @@ import json
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -30,6 +30,8 @@ MAX_STOP_CHARS = 256
 BODY_BYTES_PER_TOKEN = 64
 BODY_OVERHEAD_BYTES = 2**20
 MAX_TOKENS_FIELD = 2**63 - 1  # max_tokens past any model's length still gets the length message, in figures
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top_logprobs (chat) and logprobs (completions) up to this
+MAX_STOP_TOKEN_IDS = 256
 
 
 def default_max_body_bytes(max_model_len: int) -> int:
@@ -38,7 +40,19 @@ def default_max_body_bytes(max_model_len: int) -> int:
 
 
 class BadRequestBody(ValueError):
-    """The body is not a request this server can read: one line for the client (400)."""
+    """The body is not a request this server can read: one line for the client (400), and the
+    offending field when one is known (the error body's ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class Refusal(NamedTuple):
+    """A field set to something this server does not do (or not in this combination): a 400."""
+
+    message: str
+    param: str | None = None
 
 
 # A JSON escape of a surrogate code unit: only a body with one can decode to a lone surrogate.
@@ -100,12 +114,14 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None  # vLLM's extension
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # vLLM's extension
+    min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] = 0  # vLLM's extension
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]],
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's extension
     # Accepted only at their defaults (anything else is a 400 naming the field).
-    logprobs: Any = None
-    top_logprobs: Any = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
 
@@ -126,20 +142,36 @@ class SamplingFields(BaseModel):
             raise ValueError("top_k must be -1 or 0 (off) or a positive integer")
         return value
 
-    def unsupported(self) -> str | None:
-        """The first field set to something this server does not implement, as a message."""
-        if self.logprobs not in (None, False, 0):
-            return "logprobs are not supported"
-        if self.top_logprobs not in (None, 0):
-            return "top_logprobs are not supported"
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                return f"{name} is not supported"
-        if self.logit_bias:
-            return "logit_bias is not supported"
+    def unsupported(self) -> Refusal | None:
+        """The first field set to something this server does not implement (or a combination it
+        refuses), as a message naming the field."""
         if self.best_of not in (None, 1) and self.best_of != self.n:
-            return "best_of is not supported"
+            return Refusal("best_of is not supported", "best_of")
+        limit = self.limit()
+        if limit is not None and self.min_tokens > limit:
+            return Refusal(f"min_tokens ({self.min_tokens}) must be less than or equal to max_tokens ({limit})",
+                           "min_tokens")
         return None
+
+    def limit(self) -> int | None:
+        return None
+
+    def bias(self, vocab_size: int) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs; :class:`BadRequestBody` for a key that is not a token
+        id of this model."""
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            token = int(key) if key.isascii() and key.isdigit() and len(key) < 19 else -1
+            if not 0 <= token < vocab_size:
+                raise BadRequestBody(f"logit_bias: {key[:32]!r} is not a token id in [0, {vocab_size})", "logit_bias")
+            out.append((token, float(value)))
+        return tuple(out)
+
+    def stop_ids(self, vocab_size: int) -> list[int]:
+        ids = list(self.stop_token_ids or [])
+        if any(t >= vocab_size for t in ids):
+            raise BadRequestBody(f"stop_token_ids must be token ids in [0, {vocab_size})", "stop_token_ids")
+        return ids
 
 
 class CompletionRequest(SamplingFields):
@@ -147,6 +179,16 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)] | None = 16  # the OpenAI default for completions
     echo: bool = False
     suffix: str | None = None
+    # Log-probabilities of each token and of this many alternatives (vLLM allows up to its max_logprobs).
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS, strict=True)] | None = None
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _no_logprobs(cls, value: Any) -> Any:
+        return None if value is False else value  # ``false`` is how some clients say "none"
+
+    def limit(self) -> int | None:
+        return self.max_tokens
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt batch: text or token ids, one entry per prompt."""
@@ -159,11 +201,9 @@ class CompletionRequest(SamplingFields):
             return [list(p)]  # type: ignore[arg-type]
         return list(p)  # type: ignore[arg-type]
 
-    def unsupported(self) -> str | None:
-        if self.echo:
-            return "echo is not supported"
+    def unsupported(self) -> Refusal | None:
         if self.suffix:
-            return "suffix is not supported"
+            return Refusal("suffix is not supported", "suffix")
         return super().unsupported()
 
 
@@ -195,17 +235,21 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM's extension
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS, strict=True)] | None = None
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def unsupported(self) -> str | None:
+    def unsupported(self) -> Refusal | None:
         if self.tools:
-            return "tools are not supported"
+            return Refusal("tools are not supported", "tools")
         if self.tool_choice not in (None, "none"):
-            return "tool_choice is not supported"
+            return Refusal("tool_choice is not supported", "tool_choice")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return "response_format other than text is not supported"
+            return Refusal("response_format other than text is not supported", "response_format")
+        if self.top_logprobs and not self.logprobs:
+            return Refusal("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         return super().unsupported()
 
 
@@ -217,13 +261,19 @@ def validation_message(exc: ValidationError) -> str:
     return f"{where}: {msg}" if where else msg
 
 
+def validation_param(exc: ValidationError) -> str | None:
+    """The top-level field of the first error (OpenAI's ``param``), if there is one."""
+    loc = [p for p in exc.errors()[0].get("loc", ()) if p != "body"]
+    return str(loc[0]) if loc and isinstance(loc[0], str) else None
+
+
 def read_request(raw: bytes, chat: bool) -> CompletionRequest | ChatCompletionRequest:
     """A request body, parsed and validated; :class:`BadRequestBody` for anything else."""
     value = parse_json(raw)
     try:
         return (ChatCompletionRequest if chat else CompletionRequest).model_validate(value)
     except ValidationError as exc:
-        raise BadRequestBody(validation_message(exc)) from None
+        raise BadRequestBody(validation_message(exc), validation_param(exc)) from None
 
 
 # ---- responses ----------------------------------------------------------------------------------
@@ -242,6 +292,58 @@ def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
+class LogprobFormat:
+    """Token log-probabilities as OpenAI and vLLM write them: ``chat`` -> ``{"content": [{token,
+    logprob, bytes, top_logprobs}]}``, completions -> ``{tokens, token_logprobs, top_logprobs, text_offset}``
+    (each top dict holds the token itself and ``k`` alternatives, as vLLM's). A token's text is its own
+    decoding; logprobs below -9999 (a masked token's -inf) are written as -9999.0, as OpenAI and vLLM do.
+    Entries are ``(token id, TokenLogprobs or None)``: None for the first prompt token, which nothing scores."""
+
+    def __init__(self, chat: bool, k: int, decode: Any) -> None:
+        self.chat = chat
+        self.k = k
+        self._decode = decode
+        self._texts: dict[int, str] = {}
+
+    def text(self, token: int) -> str:
+        got = self._texts.get(token)
+        if got is None:
+            got = self._texts[token] = self._decode([token])
+        return got
+
+    def chat_entries(self, entries: list[tuple[int, Any]]) -> dict[str, Any]:
+        content = []
+        for token, lp in entries:
+            t = self.text(token)
+            top = [] if lp is None else [{"token": self.text(a), "logprob": max(v, -9999.0),
+                                          "bytes": list(self.text(a).encode("utf-8"))} for a, v in lp.top[:self.k]]
+            content.append({"token": t, "logprob": -9999.0 if lp is None else max(lp.logprob, -9999.0),
+                            "bytes": list(t.encode("utf-8")), "top_logprobs": top})
+        return {"content": content}
+
+    def completion_entries(self, entries: list[tuple[int, Any]], offset: int) -> tuple[dict[str, Any], int]:
+        """The completions object for ``entries`` whose text starts at ``offset``; and the offset after."""
+        tokens, values, tops, offsets = [], [], [], []
+        for token, lp in entries:
+            t = self.text(token)
+            tokens.append(t)
+            offsets.append(offset)
+            offset += len(t)
+            if lp is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(max(lp.logprob, -9999.0))
+            top: dict[str, float] = {}
+            ids: list[int] = []
+            for a, v in ((lp.token, lp.logprob), *lp.top):
+                if a not in ids and len(ids) <= self.k:
+                    ids.append(a)
+                    top[self.text(a)] = max(v, -9999.0)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}, offset
+
+
 class ResponseShape:
     """Builds the bodies and chunks of one response (completions or chat)."""
 
@@ -254,17 +356,20 @@ class ResponseShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def body(self, texts: list[str], reasons: list[str | None], usage: dict[str, Any]) -> dict[str, Any]:
+    def body(self, texts: list[str], reasons: list[str | None], usage: dict[str, Any],
+             logprobs: list[Any] | None = None) -> dict[str, Any]:
+        """The whole response; ``logprobs``: each choice's logprobs object (see :class:`LogprobFormat`)."""
+        lps = logprobs or [None] * len(texts)
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": None,
-                        "finish_reason": r} for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+            choices = [{"index": i, "message": {"role": "assistant", "content": t}, "logprobs": lp,
+                        "finish_reason": r} for i, (t, r, lp) in enumerate(zip(texts, reasons, lps, strict=True))]
             return {**self._head("chat.completion"), "choices": choices, "usage": usage}
-        choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                   for i, (t, r) in enumerate(zip(texts, reasons, strict=True))]
+        choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                   for i, (t, r, lp) in enumerate(zip(texts, reasons, lps, strict=True))]
         return {**self._head("text_completion"), "choices": choices, "usage": usage}
 
     def chunk(self, index: int, text: str | None, reason: str | None, *, role: bool = False,
-              with_usage: bool = False) -> dict[str, Any]:
+              with_usage: bool = False, logprobs: Any = None) -> dict[str, Any]:
         """One choice's delta. ``text`` None with ``reason`` set is the choice's closing chunk."""
         if self.chat:
             delta: dict[str, Any] = {}
@@ -272,10 +377,10 @@ class ResponseShape:
                 delta["role"] = "assistant"
             if text is not None:
                 delta["content"] = text
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": reason}
             out = {**self._head("text_completion"), "choices": [choice]}
         if with_usage:
             out["usage"] = None
@@ -286,6 +391,6 @@ class ResponseShape:
         return {**self._head(obj), "choices": [], "usage": usage}
 
 
-__all__ = ["MAX_N", "MAX_PROMPTS", "BadRequestBody", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "ResponseShape", "default_max_body_bytes", "error_body", "new_id", "parse_json", "read_request",
-           "usage_body", "validation_message"]
+__all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "BadRequestBody", "ChatCompletionRequest", "ChatMessage",
+           "CompletionRequest", "LogprobFormat", "Refusal", "ResponseShape", "default_max_body_bytes", "error_body",
+           "new_id", "parse_json", "read_request", "usage_body", "validation_message"]

@@ -19,6 +19,7 @@ from typing import Any
 from .backend import Backend
 from .gate import AdmissionGate, Ticket
 from .metrics import ServerMetrics
+from .protocol import LogprobFormat
 from .text import Detokenizer, StopMatcher, TextCodec
 
 _ENGINE_POLL_S = 1.0  # how often a waiting request checks that the engine thread is still alive
@@ -47,6 +48,7 @@ class Delta:
     choice: int
     text: str
     finish_reason: str | None = None
+    logprobs: Any = None  # the chunk's logprobs object, when the request asked for them
 
 
 @dataclass(slots=True)
@@ -57,6 +59,10 @@ class _Choice:
     text: list[str] = field(default_factory=list)
     finish_reason: str | None = None
     last_token_s: float | None = None
+    echoed: bool = False  # the prompt (echo) went out with the choice's first delta
+    pending: list[tuple[int, Any]] = field(default_factory=list)  # (token, logprobs) not yet in a delta
+    entries: list[tuple[int, Any]] = field(default_factory=list)  # every (token, logprobs) sent
+    offset: int = 0  # completions' text_offset of the next token
 
 
 def _reason(engine_reason: str | None) -> str:
@@ -69,7 +75,8 @@ class Run:
     """The engine requests of one HTTP request (``n`` choices per prompt, choice = prompt * n + branch)."""
 
     def __init__(self, backend: Backend, codec: TextCodec, gate: AdmissionGate, metrics: ServerMetrics,
-                 jobs: list[Job], n: int, stops: list[str]) -> None:
+                 jobs: list[Job], n: int, stops: list[str], logprobs: LogprobFormat | None = None,
+                 echo: list[str] | None = None) -> None:
         self.backend = backend
         self.codec = codec
         self.gate = gate
@@ -87,6 +94,9 @@ class Run:
         self.cancelled = [False] * len(jobs)  # we asked the engine to cancel it (once)
         self.cached_tokens = 0
         self.prompt_tokens = sum(len(j.prompt) for j in jobs)
+        self.logprobs = logprobs  # None: the request asked for no logprobs
+        self.echo = echo  # completions' echo: each prompt's text, sent before its choices' output
+        self.prompt_logprobs: list[Any] = [None] * len(jobs)  # per prompt, from its first token event
 
     # ---- engine side ------------------------------------------------------------------------------
     def _bridge(self, index: int) -> Any:
@@ -164,9 +174,13 @@ class Run:
         if self.first_token_s[index] is None:
             self.first_token_s[index] = now
             m.ttft.observe(now - self.arrival_s)
+        if event.prompt_logprobs is not None:
+            self.prompt_logprobs[index] = event.prompt_logprobs
         c = self.choices[index * self.n + event.branch]
         if c.finish_reason is not None:
             return None  # this choice already hit a stop string; the engine is being told
+        if self.logprobs is not None:
+            c.pending.append((event.token, event.logprobs))
         c.tokens += 1
         m.generation_tokens.inc()
         m.tenant_generated.labels(self.jobs[index].trust_group).inc()
@@ -174,13 +188,34 @@ class Run:
             m.itl.observe(now - c.last_token_s)
         c.last_token_s = now
         text = c.stops.feed(c.detok.push(event.token))
-        if text:
-            c.text.append(text)
         if c.stops.stopped:
             c.finish_reason = "stop"
             self._maybe_cancel(index)
-            return Delta(index * self.n + event.branch, text, "stop")
-        return Delta(index * self.n + event.branch, text) if text else None
+            return self._delta(index, event.branch, text, "stop")
+        return self._delta(index, event.branch, text) if text else None
+
+    def _delta(self, index: int, branch: int, text: str, reason: str | None = None) -> Delta:
+        """A choice's next delta: its text (after the echoed prompt, the first time) and the logprobs of
+        the tokens since its last delta."""
+        c = self.choices[index * self.n + branch]
+        entries, c.pending = c.pending, []
+        if self.echo is not None and not c.echoed:
+            c.echoed = True
+            text = self.echo[index] + text
+            if self.logprobs is not None:
+                prompt = self.jobs[index].prompt
+                got = self.prompt_logprobs[index] or (None,) * len(prompt)
+                entries = [(t, got[i] if i < len(got) else None) for i, t in enumerate(prompt)] + entries
+        if text:
+            c.text.append(text)
+        lp = None
+        if self.logprobs is not None:
+            c.entries.extend(entries)
+            if self.logprobs.chat:
+                lp = self.logprobs.chat_entries(entries)
+            else:
+                lp, c.offset = self.logprobs.completion_entries(entries, c.offset)
+        return Delta(index * self.n + branch, text, reason, lp)
 
     def _maybe_cancel(self, index: int) -> None:
         """Every choice of this engine request has met a stop string: stop generating now."""
@@ -218,10 +253,8 @@ class Run:
                 result.finish_reasons[branch] if branch < len(result.finish_reasons) else None)
             text += c.stops.flush()
             c.finish_reason = reason
-            if text:
-                c.text.append(text)
             m.success.labels(m.model_name, reason).inc()
-            out.append(Delta(choice, text, reason))
+            out.append(self._delta(index, branch, text, reason))
         return out
 
     # ---- summaries --------------------------------------------------------------------------------
@@ -234,6 +267,15 @@ class Run:
 
     def reasons(self) -> list[str | None]:
         return [c.finish_reason for c in self.choices]
+
+    def choice_logprobs(self) -> list[Any] | None:
+        """Each choice's whole logprobs object (the non-streaming body), or None when not asked for."""
+        fmt = self.logprobs
+        if fmt is None:
+            return None
+        if fmt.chat:
+            return [fmt.chat_entries(c.entries) for c in self.choices]
+        return [fmt.completion_entries(c.entries, 0)[0] for c in self.choices]
 
 
 __all__ = ["Delta", "EngineFailed", "Job", "Run"]

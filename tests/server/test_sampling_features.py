@@ -1,0 +1,136 @@
+"""Logprobs, echo with prompt logprobs, penalties, min_tokens, logit_bias and stop_token_ids through the
+official `openai` client against the app `kvledger serve` runs (in-process, real SmolLM2).
+
+Logprobs are vLLM's default (``raw_logprobs``): the log-softmax of the model's own logits before any
+processing; the reference is a teacher-forced pass through the runtime (``tests/runtime/test_engine_logprobs``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from logprob_reference import stepwise, teacher_forced
+
+from .inproc import KEYS, MODEL, InProcServer, standard_server
+
+pytestmark = pytest.mark.model
+
+CAPITALS = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"
+PLANET = [{"role": "user", "content": "Name one planet."}]
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcServer]:
+    yield from standard_server(tmp_path_factory.mktemp("sampling"))
+
+
+def client(srv: InProcServer) -> Any:
+    import openai
+
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key=KEYS["acme"], max_retries=0, timeout=120,
+                         http_client=httpx.Client(trust_env=False, timeout=120))
+
+
+def close(a: float, b: float, tol: float = 1e-5) -> bool:
+    return abs(a - b) < tol
+
+
+def test_completion_logprobs_stream_and_not_equal_teacher_forcing(srv: InProcServer) -> None:
+    """``logprobs: 3``: each token's text, its logprob (equal to teacher-forced decoding within 1e-5),
+    a top dict of the token and its 3 best alternatives, text offsets; the stream carries the same."""
+    c = client(srv)
+    r = c.completions.create(model=MODEL, prompt=CAPITALS, max_tokens=5, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    codec, engine = srv.ctx.codec, srv.engine
+    prompt = codec.encode(CAPITALS)
+    out = [codec.encode(t)[0] if len(codec.encode(t)) == 1 else None for t in lp.tokens]
+    assert "".join(lp.tokens) == r.choices[0].text and None not in out
+    ref = stepwise(engine, prompt, out)
+    assert all(close(v, ref[i, t].item()) for i, (t, v) in enumerate(zip(out, lp.token_logprobs, strict=True)))
+    for i, top in enumerate(lp.top_logprobs):
+        best = torch.topk(ref[i], 3)
+        assert len(top) == 3  # greedy: the token is the best one, so the token and 3 alternatives are 3
+        assert [codec.decode([t]) for t in best.indices.tolist()] == list(top)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    streamed = list(c.completions.create(model=MODEL, prompt=CAPITALS, max_tokens=5, temperature=0, logprobs=3,
+                                         stream=True))
+    tokens = [t for ch in streamed for t in (ch.choices[0].logprobs.tokens if ch.choices[0].logprobs else [])]
+    values = [v for ch in streamed for v in (ch.choices[0].logprobs.token_logprobs if ch.choices[0].logprobs else [])]
+    assert tokens == lp.tokens and all(close(a, b) for a, b in zip(values, lp.token_logprobs, strict=True))
+
+
+def test_chat_logprobs_and_top_logprobs_stream_and_not(srv: InProcServer) -> None:
+    """Chat: ``choices[].logprobs.content[]`` with token, logprob, bytes and ``top_logprobs`` entries."""
+    c = client(srv)
+    r = c.chat.completions.create(model=MODEL, messages=PLANET, max_tokens=6, temperature=0, logprobs=True,
+                                  top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    codec = srv.ctx.codec
+    prompt = codec.encode_chat(codec.chat_text(PLANET, True))
+    out = [codec.encode(e.token)[0] for e in content]
+    ref = stepwise(srv.engine, prompt, out)
+    for i, e in enumerate(content):
+        assert e.bytes == list(e.token.encode("utf-8"))
+        assert close(e.logprob, ref[i, out[i]].item())
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token
+        assert close(e.top_logprobs[1].logprob, torch.topk(ref[i], 2).values[1].item())
+    plain = c.chat.completions.create(model=MODEL, messages=PLANET, max_tokens=2, temperature=0, logprobs=True)
+    assert [e.top_logprobs for e in plain.choices[0].logprobs.content] == [[], []]
+    assert c.chat.completions.create(model=MODEL, messages=PLANET, max_tokens=2).choices[0].logprobs is None
+    chunks = list(c.chat.completions.create(model=MODEL, messages=PLANET, max_tokens=6, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(close(a.logprob, b.logprob) for a, b in zip(streamed, content, strict=True))
+
+
+def test_logprob_limits_are_400_naming_the_field(srv: InProcServer) -> None:
+    for path, body, param in [
+        ("/v1/completions", {"prompt": "Hi", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
+        ("/v1/chat/completions", {"messages": PLANET, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": PLANET, "top_logprobs": 2}, "top_logprobs"),
+    ]:
+        r = srv.post(path, body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
+    assert srv.post("/v1/completions", {"prompt": "Hi", "logprobs": 20, "max_tokens": 1}).status_code == 200
+
+
+def test_echo_with_prompt_logprobs_equals_a_teacher_forced_pass(srv: InProcServer) -> None:
+    """``echo`` + ``logprobs``: the text starts with the prompt, the prompt's tokens come first with the
+    first one's logprob None, every other prompt logprob equals one teacher-forced prefill within 1e-5,
+    also when the prompt is in the prefix cache (it is computed again) and when streamed (lm-eval's
+    loglikelihood request: max_tokens 1, logprobs 1, echo)."""
+    c = client(srv)
+    codec = srv.ctx.codec
+    prompt = codec.encode(CAPITALS)
+    ref = teacher_forced(srv.engine, prompt)
+    c.completions.create(model=MODEL, prompt=CAPITALS, max_tokens=1, temperature=0)  # cache the prompt
+    for _ in range(2):
+        r = c.completions.create(model=MODEL, prompt=CAPITALS, max_tokens=1, temperature=0, logprobs=1, echo=True)
+        ch = r.choices[0]
+        assert ch.text.startswith(CAPITALS) and len(ch.text) > len(CAPITALS)
+        lp = ch.logprobs
+        assert len(lp.tokens) == len(prompt) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            assert close(lp.token_logprobs[i], ref[i - 1, prompt[i]].item())
+            assert codec.decode([prompt[i]]) in lp.top_logprobs[i] and 1 <= len(lp.top_logprobs[i]) <= 2
+        assert "".join(lp.tokens) == ch.text
+        assert lp.text_offset[len(prompt)] == len("".join(lp.tokens[:len(prompt)]))
+    streamed = list(c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, logprobs=0,
+                                         echo=True, stream=True))
+    text = "".join(ch.choices[0].text for ch in streamed)
+    assert text.startswith(codec.decode(prompt))
+    values = [v for ch in streamed if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+    assert len(values) == len(prompt) + 2 and values[0] is None
+    assert all(close(values[i], ref[i - 1, prompt[i]].item()) for i in range(1, len(prompt)))
+    plain = c.completions.create(model=MODEL, prompt=CAPITALS, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(CAPITALS) and plain.choices[0].logprobs is None

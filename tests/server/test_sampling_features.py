@@ -134,3 +134,62 @@ def test_echo_with_prompt_logprobs_equals_a_teacher_forced_pass(srv: InProcServe
     assert all(close(values[i], ref[i - 1, prompt[i]].item()) for i in range(1, len(prompt)))
     plain = c.completions.create(model=MODEL, prompt=CAPITALS, max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(CAPITALS) and plain.choices[0].logprobs is None
+
+
+COUNT = "One, two, three,"
+
+
+def test_logit_bias_min_tokens_stop_token_ids_and_penalties_on_the_model(srv: InProcServer) -> None:
+    """What a client sees: logit_bias +100 forces a token, -100 bans the greedy one; min_tokens keeps a
+    chat answer going past its end-of-turn token; a stop token id ends the output where it is sampled;
+    the penalties change a repetitive greedy output (their formulas: tests/runtime/test_sampling_processors)."""
+    c = client(srv)
+    codec = srv.ctx.codec
+    forced = codec.encode(" banana")[0]
+    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=3, temperature=0, logit_bias={str(forced): 100})
+    assert r.choices[0].text == " banana" * 3
+    base = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=8, temperature=0)
+    assert base.choices[0].text == " four, five, six, seven,"
+    banned = codec.encode(" four")[0]
+    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=2, temperature=0, logit_bias={str(banned): -100})
+    assert not r.choices[0].text.startswith(" four")
+    # min_tokens: the answer ends with its end-of-turn token, unless that is masked until 8 more are out.
+    short = c.chat.completions.create(model=MODEL, messages=PLANET, max_tokens=60, temperature=0)
+    assert short.choices[0].finish_reason == "stop"
+    least = short.usage.completion_tokens + 8
+    longer = c.chat.completions.create(model=MODEL, messages=PLANET, max_tokens=60, temperature=0,
+                                       extra_body={"min_tokens": least})
+    assert longer.usage.completion_tokens >= least
+    assert longer.choices[0].message.content.startswith(short.choices[0].message.content)
+    # ... and stop strings count only after min_tokens (vLLM's rule): the first comma is past the 3rd token.
+    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=8, temperature=0, stop=[","])
+    assert r.choices[0].text == " four"
+    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=8, temperature=0, stop=[","],
+                             extra_body={"min_tokens": 3})
+    assert r.choices[0].text == " four, five"
+    # stop_token_ids: " six" ends the output (vLLM's extension; the stop token's text is not in the output)
+    six = codec.encode(" six")[0]
+    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [six]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.startswith(" four, five,")
+    assert r.usage.completion_tokens == 5
+    # Penalties (known greedy answers): a repeated comma costs its count (frequency: the list stops at its
+    # fourth comma) or a fixed amount (presence: "respectively" goes); repetition covers the prompt's too.
+    for extra, text in [({}, " four, five, six, seven, eight, and nine, respectively.\n"),
+                        ({"presence_penalty": 2.0}, " four, five, six, seven, eight, and nine.\n\nThe"),
+                        ({"frequency_penalty": 2.0}, " four, five, six and seven are all the same.\n\nThe number"),
+                        ({"extra_body": {"repetition_penalty": 1.8}}, " four...\n* 10: I'm not sure if it's a")]:
+        r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=16, temperature=0, **extra)
+        assert r.choices[0].text == text, extra
+
+
+def test_processor_fields_are_bounded_with_400s_naming_the_field(srv: InProcServer) -> None:
+    for body, param in [
+        ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -2.01}, "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logit_bias": {"12": 101}}, "logit_bias"),
+        ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"49152": 1}}, "logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"stop_token_ids": [49152]}, "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
+    ]:
+        r = srv.post("/v1/completions", {"prompt": "Hi", **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)

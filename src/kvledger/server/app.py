@@ -463,7 +463,8 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         echo = None
         if isinstance(body, CompletionRequest) and body.echo:
             echo = [p if isinstance(p, str) else codec.decode(p) for p in body.prompts()]
-        run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [], fmt, echo)
+        run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [], fmt, echo,
+                  body.min_tokens)
         try:
             run.ticket = ctx.gate.enter(tenant, len(jobs))
         except NeverFits as exc:

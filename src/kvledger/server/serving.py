@@ -76,7 +76,7 @@ class Run:
 
     def __init__(self, backend: Backend, codec: TextCodec, gate: AdmissionGate, metrics: ServerMetrics,
                  jobs: list[Job], n: int, stops: list[str], logprobs: LogprobFormat | None = None,
-                 echo: list[str] | None = None) -> None:
+                 echo: list[str] | None = None, min_tokens: int = 0) -> None:
         self.backend = backend
         self.codec = codec
         self.gate = gate
@@ -97,6 +97,7 @@ class Run:
         self.logprobs = logprobs  # None: the request asked for no logprobs
         self.echo = echo  # completions' echo: each prompt's text, sent before its choices' output
         self.prompt_logprobs: list[Any] = [None] * len(jobs)  # per prompt, from its first token event
+        self.min_tokens = min_tokens  # stop strings are looked for only after this many tokens, as vLLM's
 
     # ---- engine side ------------------------------------------------------------------------------
     def _bridge(self, index: int) -> Any:
@@ -187,7 +188,8 @@ class Run:
         if c.last_token_s is not None:
             m.itl.observe(now - c.last_token_s)
         c.last_token_s = now
-        text = c.stops.feed(c.detok.push(event.token))
+        piece = c.detok.push(event.token)
+        text = c.stops.feed(piece) if c.tokens > self.min_tokens else piece
         if c.stops.stopped:
             c.finish_reason = "stop"
             self._maybe_cancel(index)

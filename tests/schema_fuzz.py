@@ -356,11 +356,13 @@ def _sampling_fields(model: str) -> dict[str, Any]:
         "ignore_eos": {"type": "boolean"},
         "cache_salt": _nullable({"type": "string", "minLength": 1, "maxLength": 256}),
         "user": _nullable({"type": "string"}),
-        "logprobs": _only(None, False, 0),
-        "top_logprobs": _only(None, 0),
-        "presence_penalty": _only(None, 0),
-        "frequency_penalty": _only(None, 0),
-        "logit_bias": {"anyOf": [{"type": "null"}, {"type": "object", "maxProperties": 0}]},
+        "presence_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
+        "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
+        "min_tokens": {"type": "integer", "minimum": 0},
+        "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
+                                                                            "maximum": 100}}),
+        "stop_token_ids": _nullable({"type": "array", "maxItems": 256, "items": {"type": "integer", "minimum": 0}}),
         "best_of": _only(None, 1),
     }
 
@@ -378,7 +380,8 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
             "prompt": {"anyOf": [text, {"type": "array", "minItems": 1, "maxItems": 32, "items": text}, token_ids,
                                  {"type": "array", "minItems": 1, "maxItems": 32, "items": token_ids}]},
             "max_tokens": _nullable(max_tokens),
-            "echo": _only(False),
+            "echo": {"type": "boolean"},
+            "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
             "suffix": _only(None, ""),
         },
     }
@@ -401,6 +404,8 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
             "response_format": {"anyOf": [{"type": "null"},
                                           {"type": "object", "properties": {"type": {"const": "text"}}}]},
             "add_generation_prompt": {"type": "boolean"},
+            "logprobs": _nullable({"type": "boolean"}),
+            "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
         },
     }
 
@@ -414,7 +419,7 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
                        "choices": {"type": "array", "minItems": 1, "items": {
                            "type": "object", "required": ["index", "text", "logprobs", "finish_reason"],
                            "properties": {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
-                                          "logprobs": {"type": "null"}, "finish_reason": _FINISH}}}},
+                                          "logprobs": {"type": ["object", "null"]}, "finish_reason": _FINISH}}}},
     }
     chat = {
         "type": "object", "required": ["id", "object", "created", "model", "choices", "usage"],
@@ -425,7 +430,7 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
                                           "message": {"type": "object", "required": ["role", "content"],
                                                       "properties": {"role": {"const": "assistant"},
                                                                      "content": {"type": "string"}}},
-                                          "logprobs": {"type": "null"}, "finish_reason": _FINISH}}}},
+                                          "logprobs": {"type": ["object", "null"]}, "finish_reason": _FINISH}}}},
     }
     models = {
         "type": "object", "required": ["object", "data"],
@@ -471,6 +476,33 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
                 "200": {"description": "the served model", "content": _json(models)}, **_error_responses(401)}}},
             "/v1/completions": generation(completion_request, completion, "text completions"),
             "/v1/chat/completions": generation(chat_request, chat, "chat completions"),
+            "/tokenize": {"post": {
+                "security": [{"bearer": []}],
+                "requestBody": {"required": True, "content": _json({
+                    "type": "object",
+                    "properties": {"model": {"enum": [model, None]}, "prompt": _nullable({"type": "string"}),
+                                   "messages": _nullable({"type": "array", "minItems": 1, "items": message}),
+                                   "add_special_tokens": _nullable({"type": "boolean"}),
+                                   "add_generation_prompt": {"type": "boolean"},
+                                   "return_token_strs": {"type": "boolean"}}})},
+                "responses": {"200": {"description": "the prompt's token ids", "content": _json({
+                    "type": "object", "required": ["count", "max_model_len", "tokens"],
+                    "properties": {"count": count, "max_model_len": {"type": "integer", "minimum": 1},
+                                   "tokens": {"type": "array", "items": count},
+                                   "token_strs": {"type": ["array", "null"]}}})},
+                              **_error_responses(400, 401, 404, 413)}}},
+            "/detokenize": {"post": {
+                "security": [{"bearer": []}],
+                "requestBody": {"required": True, "content": _json({
+                    "type": "object", "required": ["tokens"],
+                    "properties": {"model": {"enum": [model, None]},
+                                   "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                         "maximum": vocab_size - 1}}}})},
+                "responses": {"200": {"description": "the tokens' text", "content": _json({
+                    "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})},
+                              **_error_responses(400, 401, 404, 413)}}},
+            "/version": {"get": {"responses": {"200": {"description": "kvledger's version", "content": _json({
+                "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}})}}}},
             "/metrics": {"get": {"security": [{"bearer": []}], "responses": {
                 "200": {"description": "Prometheus text format",
                         "content": {"text/plain": {"schema": {"type": "string"}}}},

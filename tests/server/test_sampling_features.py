@@ -169,8 +169,9 @@ def test_logit_bias_min_tokens_stop_token_ids_and_penalties_on_the_model(srv: In
     assert r.choices[0].text == " four, five"
     # stop_token_ids: " six" ends the output (vLLM's extension; the stop token's text is not in the output)
     six = codec.encode(" six")[0]
-    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=8, temperature=0, extra_body={"stop_token_ids": [six]})
-    assert r.choices[0].finish_reason == "stop" and r.choices[0].text.startswith(" four, five,")
+    r = c.completions.create(model=MODEL, prompt=COUNT, max_tokens=8, temperature=0,
+                             extra_body={"stop_token_ids": [six]})
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == " four, five,"
     assert r.usage.completion_tokens == 5
     # Penalties (known greedy answers): a repeated comma costs its count (frequency: the list stops at its
     # fourth comma) or a fixed amount (presence: "respectively" goes); repetition covers the prompt's too.
@@ -193,3 +194,31 @@ def test_processor_fields_are_bounded_with_400s_naming_the_field(srv: InProcServ
     ]:
         r = srv.post("/v1/completions", {"prompt": "Hi", **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+# ---- vLLM's tokenizer endpoints and /version ------------------------------------------------------------
+def test_tokenize_detokenize_and_version(srv: InProcServer) -> None:
+    """vLLM's shapes: /tokenize {prompt | messages} -> {count, max_model_len, tokens, token_strs};
+    /detokenize {tokens} -> {prompt}; /version -> {version}."""
+    import kvledger
+
+    codec = srv.ctx.codec
+    r = srv.post("/tokenize", {"model": MODEL, "prompt": CAPITALS})
+    ids = codec.encode(CAPITALS)
+    assert r.status_code == 200
+    assert r.json() == {"count": len(ids), "max_model_len": srv.ctx.settings.max_model_len, "tokens": ids,
+                        "token_strs": None}
+    chat = srv.post("/tokenize", {"messages": PLANET, "return_token_strs": True}).json()
+    assert chat["tokens"] == codec.encode_chat(codec.chat_text(PLANET, True))
+    assert "".join(chat["token_strs"]) == codec.chat_text(PLANET, True)
+    assert srv.post("/detokenize", {"model": MODEL, "tokens": ids}).json() == {"prompt": CAPITALS}
+    assert srv.get("/version", key=None).json() == {"version": kvledger.__version__}
+    for path, body, status, param in [
+        ("/tokenize", {}, 400, "prompt"), ("/tokenize", {"prompt": "a", "messages": PLANET}, 400, "prompt"),
+        ("/tokenize", {"prompt": 5}, 400, "prompt"), ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+        ("/detokenize", {"tokens": [49152]}, 400, "tokens"), ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+        ("/detokenize", {}, 400, "tokens"),
+    ]:
+        r = srv.post(path, body)
+        assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert srv.post("/tokenize", {"prompt": "a"}, key=None).status_code == 401

@@ -259,7 +259,8 @@ class EngineReplica:
                 event = await queue.get()
                 if event.finished:
                     break
-                yield {"type": "token", "branch": event.branch, "token": event.token}
+                yield {"type": "token", "branch": event.branch, "token": event.token, "logprobs": event.logprobs,
+                       "prompt_logprobs": event.prompt_logprobs}
             while not handle.done():
                 await asyncio.sleep(0.001)
             result = handle.result()
@@ -313,6 +314,8 @@ class FleetTokenEvent:
     time_s: float
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: Any = None  # the replica's TokenLogprobs, when the request asked for them
+    prompt_logprobs: Any = None
 
 
 @dataclass(slots=True)
@@ -617,7 +620,9 @@ class FleetBackend:
                     if seen[b] > emitted.get(b, 0):  # a resubmission repeats what was already streamed
                         emitted[b] = seen[b]
                         if on_token is not None:
-                            on_token(FleetTokenEvent(job["request_id"], b, msg["token"], prompt_len + seen[b] - 1, now))
+                            on_token(FleetTokenEvent(job["request_id"], b, msg["token"], prompt_len + seen[b] - 1, now,
+                                                     logprobs=msg.get("logprobs"),
+                                                     prompt_logprobs=msg.get("prompt_logprobs")))
                     continue
                 replica = msg.get("replica")
                 if answered is not None:

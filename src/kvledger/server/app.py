@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP face: ``create_app(backend, codec, tenants, settings)`` -> a FastAPI app.
 
 Endpoints: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent
-events with ``stream``), ``GET /health``, ``GET /metrics`` and ``GET /admin/ledger`` (operator only).
+events with ``stream``), vLLM's ``POST /tokenize`` and ``POST /detokenize`` (any valid key), ``GET /version``,
+``GET /health``, ``GET /metrics`` and ``GET /admin/ledger`` (operator only).
 
 Order of checks for a generation request, each answered before anything changes state:
 401 unknown key -> 503 draining -> 413 body too large (from ``Content-Length`` before reading, and while
@@ -50,10 +51,13 @@ from .protocol import (
     BadRequestBody,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     LogprobFormat,
     ResponseShape,
+    TokenizeRequest,
     default_max_body_bytes,
     error_body,
+    read_body_as,
     read_request,
     usage_body,
 )
@@ -414,6 +418,64 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             raise ApiError(409, f"prefix cache not reset: {reset.reason}", code="cache_reset_refused")
         return _json(200, {"reset": True, "cleared_blocks": reset.cleared_blocks,
                            "cleared_tier_entries": reset.cleared_tier_entries, "reason": reset.reason})
+
+    @app.get("/version")
+    async def version() -> Response:
+        from .. import __version__
+
+        return _json(200, {"version": __version__})
+
+    async def _small_body(request: Request, kind: type, who: str) -> Any:
+        """A tokenizer endpoint's body, read within the body limit and validated (400 naming the field)."""
+        try:
+            raw = await ctx.read_body(request)
+        except ClientDisconnect:
+            raise ApiError(400, "the client went away") from None
+        try:
+            body = await ctx.workers.run(who, len(raw), read_body_as, raw, kind)
+        except BadRequestBody as exc:
+            raise ctx.invalid(str(exc), param=exc.param) from None
+        if body.model is not None and body.model != settings.served_model_name:
+            ctx.metrics.refused.labels("invalid").inc()
+            raise ApiError(404, f"The model `{body.model}` does not exist.", code="model_not_found", param="model")
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        # vLLM's endpoint (``vllm bench serve`` realigns its prompts with it); any valid key.
+        principal = ctx.principal(request)
+        who = principal.tenant.name if principal.tenant is not None else "operator"
+        body = await _small_body(request, TokenizeRequest, who)
+        if (body.prompt is None) == (body.messages is None):
+            raise ctx.invalid("give exactly one of prompt or messages", param="prompt")
+
+        def work() -> list[int]:
+            if body.messages is None:
+                add = True if body.add_special_tokens is None else body.add_special_tokens
+                return codec.tokenize(body.prompt, add)
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                        for m in body.messages]
+            try:
+                text = codec.chat_text(messages, body.add_generation_prompt)
+            except ConfigError as exc:
+                raise ctx.invalid(str(exc), param="messages") from None
+            return codec.tokenize(text, bool(body.add_special_tokens))
+
+        size = len(body.prompt or "") + sum(len(m.text()) for m in body.messages or ())
+        ids = await ctx.workers.run(who, size, work)
+        strs = [codec.detokenize([t]) for t in ids] if body.return_token_strs else None
+        return _json(200, {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids,
+                           "token_strs": strs})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        principal = ctx.principal(request)
+        who = principal.tenant.name if principal.tenant is not None else "operator"
+        body = await _small_body(request, DetokenizeRequest, who)
+        if any(t >= backend.vocab_size for t in body.tokens):
+            raise ctx.invalid(f"tokens must be token ids in [0, {backend.vocab_size})", param="tokens")
+        text = await ctx.workers.run(who, len(body.tokens) * 8, codec.detokenize, body.tokens)
+        return _json(200, {"prompt": text})
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

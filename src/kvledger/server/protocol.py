@@ -253,6 +253,36 @@ class ChatCompletionRequest(SamplingFields):
         return super().unsupported()
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's ``POST /tokenize``: a ``prompt`` (``add_special_tokens`` default true) or chat ``messages``
+    through the template (``add_special_tokens`` default false, ``add_generation_prompt`` default true)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's ``POST /detokenize``: token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, lt=2**63)]]
+
+
+def read_body_as(raw: bytes, kind: type[BaseModel]) -> Any:
+    """A body parsed and validated as ``kind``; :class:`BadRequestBody` (with its field) otherwise."""
+    value = parse_json(raw)
+    try:
+        return kind.model_validate(value)
+    except ValidationError as exc:
+        raise BadRequestBody(validation_message(exc), validation_param(exc)) from None
+
+
 def validation_message(exc: ValidationError) -> str:
     """One line naming the first offending field."""
     err = exc.errors()[0]
@@ -392,5 +422,6 @@ class ResponseShape:
 
 
 __all__ = ["MAX_LOGPROBS", "MAX_N", "MAX_PROMPTS", "BadRequestBody", "ChatCompletionRequest", "ChatMessage",
-           "CompletionRequest", "LogprobFormat", "Refusal", "ResponseShape", "default_max_body_bytes", "error_body",
-           "new_id", "parse_json", "read_request", "usage_body", "validation_message"]
+           "CompletionRequest", "DetokenizeRequest", "LogprobFormat", "Refusal", "ResponseShape", "TokenizeRequest",
+           "default_max_body_bytes", "error_body", "new_id", "parse_json", "read_body_as", "read_request",
+           "usage_body", "validation_message"]

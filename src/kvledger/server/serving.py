@@ -98,6 +98,7 @@ class Run:
         self.echo = echo  # completions' echo: each prompt's text, sent before its choices' output
         self.prompt_logprobs: list[Any] = [None] * len(jobs)  # per prompt, from its first token event
         self.min_tokens = min_tokens  # stop strings are looked for only after this many tokens, as vLLM's
+        self.stop_ids = [frozenset(j.stop_token_ids) for j in jobs]
 
     # ---- engine side ------------------------------------------------------------------------------
     def _bridge(self, index: int) -> Any:
@@ -188,7 +189,8 @@ class Run:
         if c.last_token_s is not None:
             m.itl.observe(now - c.last_token_s)
         c.last_token_s = now
-        piece = c.detok.push(event.token)
+        # A stop token (the model's end tokens, stop_token_ids) ends the output without its text, as vLLM's.
+        piece = "" if event.token in self.stop_ids[index] else c.detok.push(event.token)
         text = c.stops.feed(piece) if c.tokens > self.min_tokens else piece
         if c.stops.stopped:
             c.finish_reason = "stop"

@@ -130,6 +130,14 @@ class TextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """``/tokenize``'s ids (the special tokens the tokenizer adds only when asked)."""
+        return list(self.tok(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """``/detokenize``'s text: every token written, special ones included (as vLLM's)."""
+        return self.tok.decode(list(ids))
+
     def detokenizer(self) -> Detokenizer:
         return Detokenizer(self.decode)
 

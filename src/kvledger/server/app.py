@@ -421,9 +421,9 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
 
     @app.get("/version")
     async def version() -> Response:
-        from .. import __version__
+        from importlib import metadata
 
-        return _json(200, {"version": __version__})
+        return _json(200, {"version": metadata.version("kvledger")})
 
     async def _small_body(request: Request, kind: type, who: str) -> Any:
         """A tokenizer endpoint's body, read within the body limit and validated (400 naming the field)."""

@@ -401,8 +401,8 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
             "max_completion_tokens": _nullable(max_tokens),
             "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
             "tool_choice": _only(None, "none"),
-            "response_format": {"anyOf": [{"type": "null"},
-                                          {"type": "object", "properties": {"type": {"const": "text"}}}]},
+            "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+                "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}}]},
             "add_generation_prompt": {"type": "boolean"},
             "logprobs": _nullable({"type": "boolean"}),
             "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),

@@ -7,6 +7,8 @@ processing; the reference is a teacher-forced pass through the runtime (``tests/
 
 from __future__ import annotations
 
+import importlib.util
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -222,3 +224,51 @@ def test_tokenize_detokenize_and_version(srv: InProcServer) -> None:
         r = srv.post(path, body)
         assert r.status_code == status and r.json()["error"]["param"] == param, (path, body, r.text)
     assert srv.post("/tokenize", {"prompt": "a"}, key=None).status_code == 401
+
+
+# ---- response_format: JSON mode and JSON schema (llguidance) ---------------------------------------------
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}}, "required": ["name"],
+     "additionalProperties": False},
+    {"type": "object", "properties": {"planet": {"enum": ["Mercury", "Venus", "Earth", "Mars"]},
+                                      "moons": {"type": "integer", "minimum": 0, "maximum": 200}},
+     "required": ["planet", "moons"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "items": {"type": "integer"}, "minItems": 1,
+                                                "maxItems": 3}}, "required": ["items"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "number"}},
+     "required": ["ok", "score"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": {"type": "string", "pattern": "^[A-Z][a-z]{1,12}$"},
+                                      "country": {"type": "string", "maxLength": 16}},
+     "required": ["city", "country"], "additionalProperties": False},
+]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed")
+def test_response_format_json_schema_outputs_parse_and_validate(srv: InProcServer) -> None:
+    """Every answer under a json_schema parses and validates against its schema (greedy and sampled,
+    n = 2, and streamed); json_object answers are JSON objects; a schema llguidance cannot compile is a 400
+    naming response_format."""
+    import jsonschema
+
+    c = client(srv)
+    ask = [{"role": "user", "content": "Describe a planet as JSON."}]
+    for i, schema in enumerate(SCHEMAS):
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=80, temperature=0 if i % 2 else 0.8,
+                                      seed=i, n=2, response_format=fmt)
+        for ch in r.choices:
+            assert ch.finish_reason == "stop", ch
+            jsonschema.validate(json.loads(ch.message.content), schema)
+    chunks = list(c.chat.completions.create(model=MODEL, messages=ask, max_tokens=80, temperature=0, stream=True,
+                                            response_format={"type": "json_schema",
+                                                             "json_schema": {"name": "x", "schema": SCHEMAS[1]}}))
+    jsonschema.validate(json.loads("".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)),
+                        SCHEMAS[1])
+    r = c.chat.completions.create(model=MODEL, messages=ask, max_tokens=60, temperature=0,
+                                  response_format={"type": "json_object"})
+    assert r.choices[0].finish_reason == "stop" and isinstance(json.loads(r.choices[0].message.content), dict)
+    for fmt in ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}},
+                {"type": "json_schema"}, {"type": "yaml"}, {"type": "json_schema", "json_schema": {"schema": 3}}):
+        r = srv.post("/v1/chat/completions", {"messages": ask, "response_format": fmt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", (fmt, r.text)
+    assert srv.wait_idle()["clean"]

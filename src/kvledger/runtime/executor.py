@@ -263,7 +263,7 @@ class TorchExecutor:
             picks.append((w.seq_id, row))
             params.append(req.payload.params)
             keys.append((req.payload.seed, w.branch, w.end))
-            contexts.append(RowContext(w.tokens, len(req.prompt), w.end, req.stop_token_ids))
+            contexts.append(RowContext(w.tokens, len(req.prompt), w.end, req.stop_token_ids, w.branch))
             owners.append((req.request_id, w.branch))
         if picks:
             index = [r for _, r in picks]

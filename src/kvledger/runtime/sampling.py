@@ -9,12 +9,13 @@ The filter (temperature, top-k, top-p) is applied to one row in float64 after so
 not depend on the batch either.
 
 Before selection, a request's logits processors run on its row (:func:`process_logits`, vectorised over
-the rows that have any), in vLLM's order: ``min_tokens`` (stop tokens masked until that many tokens are
-out), ``logit_bias``, then the penalties -- ``repetition_penalty`` (Hugging Face's: over prompt and output,
-a positive logit divided by it, a negative one multiplied), ``frequency_penalty`` (minus the penalty times
-the token's count in the output) and ``presence_penalty`` (minus the penalty once a token is in the
-output). Log-probabilities (:func:`token_logprobs`) are vLLM's default ``raw_logprobs``: the log-softmax of
-the model's own logits, before any processor, penalty, temperature or top-k/top-p.
+the rows that have any), in vLLM's order: a structured output's grammar mask, ``min_tokens`` (stop
+tokens masked until that many tokens are out), ``logit_bias``, then the penalties --
+``repetition_penalty`` (Hugging Face's: over prompt and output, a positive logit divided by it, a
+negative one multiplied), ``frequency_penalty`` (minus the penalty times the token's count in the
+output) and ``presence_penalty`` (minus the penalty once a token is in the output). Log-probabilities
+(:func:`token_logprobs`) are vLLM's default ``raw_logprobs``: the log-softmax of the model's own logits,
+before any processor, penalty, temperature or top-k/top-p.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -56,6 +57,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0  # stop tokens are masked until this many tokens are out
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits
+    # Structured output: an object with ``restrict(logits_row, branch, output_tokens)`` that masks, in place,
+    # the tokens its grammar forbids after the branch's output so far (the server's JSON constraint).
+    constraint: Any = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, int | float) and math.isfinite(self.temperature)
@@ -91,6 +95,8 @@ class SamplingParams:
         if any(t < 0 or not math.isfinite(b) for t, b in bias):
             raise ConfigError("logit_bias needs token ids >= 0 and finite biases")
         object.__setattr__(self, "logit_bias", bias)
+        if self.constraint is not None and not callable(getattr(self.constraint, "restrict", None)):
+            raise ConfigError("constraint must have a restrict(logits, branch, output) method")
         if self.beam_width > 1 and self.processed:
             raise ConfigError("beam search takes no penalties, min_tokens or logit_bias")
 
@@ -98,7 +104,7 @@ class SamplingParams:
     def processed(self) -> bool:
         """Whether a logits processor (penalties, min_tokens, logit_bias) changes this request's row."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.min_tokens or self.logit_bias)
+                    or self.min_tokens or self.logit_bias or self.constraint is not None)
 
     @property
     def greedy(self) -> bool:
@@ -195,6 +201,7 @@ class RowContext(NamedTuple):
     prompt_len: int
     end: int  # tokens[:end] are computed: the output so far is tokens[prompt_len:end]
     stop_token_ids: frozenset[int] = frozenset()
+    branch: int = 0
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -208,6 +215,10 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
     out = logits.clone()
     vocab = out.shape[-1]
     dev = out.device
+    for i in rows:  # a grammar's mask first (it reads the branch's output, not the logits)
+        p, c = params[i], contexts[i]
+        if p.constraint is not None:
+            p.constraint.restrict(out[i], c.branch, c.tokens[c.prompt_len:c.end])
     mask_r: list[int] = []
     mask_t: list[int] = []
     bias_r: list[int] = []

@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from ..errors import AdmissionError, ConfigError, KVLedgerError, QuotaError
+from . import structured
 from .backend import Backend
 from .gate import AdmissionGate, NeverFits, QueueFull
 from .metrics import ServerMetrics
@@ -138,6 +139,11 @@ class ServerContext:
         self.draining = False
         self.runs: set[Run] = set()
         self.workers = RequestWorkers(settings.request_threads)
+        # response_format's JSON grammars: with llguidance installed, over an engine that runs constraints.
+        self.grammar = None
+        if getattr(backend, "supports_constraints", False) and getattr(codec, "tok", None) is not None \
+                and structured.available():
+            self.grammar = structured.GrammarTokenizer(codec.tok, backend.vocab_size, codec.turn_end_ids)
         for tenant in tenants.by_name.values():  # a tenant's block cap is its trust group's quota
             if tenant.max_blocks is not None:
                 backend.set_quota(tenant.name, tenant.max_blocks)
@@ -264,16 +270,30 @@ class ServerContext:
             prompt_logprobs = body.logprobs if body.echo else None
         try:
             bias = body.bias(self.backend.vocab_size)
+            constraint = self.constraint(body)
             return SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                   top_k=top_k, seed=body.seed, n=body.n, logprobs=logprobs,
                                   prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0.0,
                                   frequency_penalty=body.frequency_penalty or 0.0,
                                   repetition_penalty=body.repetition_penalty or 1.0,
-                                  min_tokens=body.min_tokens, logit_bias=bias)
+                                  min_tokens=body.min_tokens, logit_bias=bias, constraint=constraint)
         except BadRequestBody as exc:
             raise self.invalid(str(exc), param=exc.param) from None
         except ConfigError as exc:
             raise self.invalid(str(exc)) from None
+
+    def constraint(self, body: CompletionRequest | ChatCompletionRequest) -> Any:
+        """Chat's ``response_format`` as a compiled JSON grammar (None for text); CPU work for a large
+        schema, so the route calls this on the request workers."""
+        if not isinstance(body, ChatCompletionRequest) or not body.response_format:
+            return None
+        schema = structured.json_schema_of(body.response_format)
+        if schema is None:
+            return None
+        if self.grammar is None:
+            raise BadRequestBody("response_format other than text is not supported here (it needs llguidance: "
+                                 "pip install kvledger[serve])", "response_format")
+        return structured.JsonConstraint(self.grammar, schema)
 
     def budget(self, ids: list[int], asked: int | None, sampling: Any, group: str) -> int:
         """The request's max_tokens: as asked (refused if it can never fit), or by default the most the
@@ -505,7 +525,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         if chat and not codec.has_chat_template:
             raise ctx.invalid("this model has no chat template: use /v1/completions")
         group = tenant.name  # the trust group: from the API key only
-        sampling = ctx.sampling(body)
+        sampling = await work(ctx.sampling, body)  # a response_format schema compiles here
         asked = body.limit() if isinstance(body, ChatCompletionRequest) else body.max_tokens
         try:
             extra_stops = body.stop_ids(backend.vocab_size)

@@ -84,6 +84,8 @@ class EngineBackend:
     """:class:`Backend` over one local :class:`~kvledger.runtime.engine.Engine` in its background thread,
     through the engine's public API only (its snapshot for everything a scrape or an audit reads)."""
 
+    supports_constraints = True  # SamplingParams.constraint (response_format's grammar) runs in this engine
+
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         snap = engine.snapshot()

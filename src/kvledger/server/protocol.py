@@ -246,8 +246,6 @@ class ChatCompletionRequest(SamplingFields):
             return Refusal("tools are not supported", "tools")
         if self.tool_choice not in (None, "none"):
             return Refusal("tool_choice is not supported", "tool_choice")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            return Refusal("response_format other than text is not supported", "response_format")
         if self.top_logprobs and not self.logprobs:
             return Refusal("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")
         return super().unsupported()

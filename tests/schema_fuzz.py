@@ -360,8 +360,8 @@ def _sampling_fields(model: str) -> dict[str, Any]:
         "frequency_penalty": _nullable({"type": "number", "minimum": -2, "maximum": 2}),
         "repetition_penalty": _nullable({"type": "number", "exclusiveMinimum": 0}),
         "min_tokens": {"type": "integer", "minimum": 0},
-        "logit_bias": _nullable({"type": "object", "additionalProperties": {"type": "number", "minimum": -100,
-                                                                            "maximum": 100}}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": 1024,
+                                 "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}}),
         "stop_token_ids": _nullable({"type": "array", "maxItems": 256, "items": {"type": "integer", "minimum": 0}}),
         "best_of": _only(None, 1),
     }

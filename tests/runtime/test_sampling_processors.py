@@ -79,6 +79,22 @@ def test_rows_without_processors_are_untouched_and_logprobs_stay_raw() -> None:
     assert lp[1].logprob == pytest.approx(torch.log_softmax(torch.tensor(BASE, dtype=torch.float64), -1)[4].item())
 
 
+class OnlyEnd:
+    """A grammar whose answer is complete: only token 3 (an end token) is allowed."""
+
+    def restrict(self, logits: torch.Tensor, branch: int, output: list[int]) -> None:
+        keep = logits[3].item()
+        logits.fill_(-math.inf)
+        logits[3] = keep
+
+
+def test_min_tokens_never_masks_everything_a_grammar_allows() -> None:
+    ctx = RowContext(tokens=[1, 2], prompt_len=1, end=2, stop_token_ids=frozenset({3}))
+    out = process_logits(row(BASE), [SamplingParams(min_tokens=5, constraint=OnlyEnd())], [ctx])
+    assert sample_rows(out, [SamplingParams()], [(0, 0, 2)]) == [3]
+    assert out[0, 3].item() == BASE[3] and torch.isinf(out[0, :3]).all()
+
+
 @pytest.mark.parametrize("kwargs", [dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(repetition_penalty=0),
                                     dict(repetition_penalty=math.inf), dict(min_tokens=-1), dict(logprobs=-1),
                                     dict(logit_bias=((-1, 1.0),)), dict(logit_bias=((1, math.nan),)),

@@ -191,7 +191,8 @@ def test_processor_fields_are_bounded_with_400s_naming_the_field(srv: InProcServ
         ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_tokens": -1}, "min_tokens"),
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"), ({"logit_bias": {"12": 101}}, "logit_bias"),
         ({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": {"49152": 1}}, "logit_bias"),
-        ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"stop_token_ids": [49152]}, "stop_token_ids"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias"), ({"logit_bias": {str(t): 1 for t in range(1025)}}, "logit_bias"),
+        ({"stop_token_ids": [49152]}, "stop_token_ids"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": list(range(257))}, "stop_token_ids"),
     ]:
         r = srv.post("/v1/completions", {"prompt": "Hi", **body})

@@ -265,6 +265,15 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         pres = torch.tensor([params[i].presence_penalty for i in pen], dtype=out.dtype, device=dev)
         sub = sub - freq[:, None] * counts - pres[:, None] * (counts > 0).to(out.dtype)
         out[index] = sub
+    if mask_r:
+        # min_tokens may mask the only tokens a grammar still allows (a complete JSON answer's end tokens):
+        # such a row keeps the grammar's mask alone rather than leave nothing to sample.
+        for i in sorted(set(mask_r)):
+            if not bool(torch.isfinite(out[i]).any()):
+                out[i] = logits[i]
+                p, c = params[i], contexts[i]
+                if p.constraint is not None:
+                    p.constraint.restrict(out[i], c.branch, c.tokens[c.prompt_len:c.end])
     return out
 
 

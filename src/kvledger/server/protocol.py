@@ -32,6 +32,7 @@ BODY_OVERHEAD_BYTES = 2**20
 MAX_TOKENS_FIELD = 2**63 - 1  # max_tokens past any model's length still gets the length message, in figures
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs: top_logprobs (chat) and logprobs (completions) up to this
 MAX_STOP_TOKEN_IDS = 256
+MAX_LOGIT_BIAS = 1024  # entries of logit_bias (each is work in every step of the request)
 
 
 def default_max_body_bytes(max_model_len: int) -> int:
@@ -118,7 +119,8 @@ class SamplingFields(BaseModel):
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None  # vLLM's extension
     min_tokens: Annotated[int, Field(ge=0, le=MAX_TOKENS_FIELD)] = 0  # vLLM's extension
-    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None  # token id -> bias
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id -> bias
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's extension
     # Accepted only at their defaults (anything else is a 400 naming the field).

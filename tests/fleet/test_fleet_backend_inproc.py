@@ -152,7 +152,9 @@ def test_a_request_streams_its_tokens_then_its_result_and_leaves_nothing_held(mo
             route = make_route_request("req-1", "acme", prompt_digests(ctx.root_digest(), prompt, 4), 19, 5, 4)
             assert job == {"request_id": "req-1", "prompt": prompt, "max_tokens": 5,
                            "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": None, "n": 1,
-                                        "beam_width": 1},
+                                        "beam_width": 1, "logprobs": None, "prompt_logprobs": None,
+                                        "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                                        "min_tokens": 0, "logit_bias": (), "constraint": None},
                            "stop_token_ids": [255], "trust_group": "acme", "priority": 3, "cache_salt": None,
                            "route": route, "avoid": [], "events_since": job["events_since"]}
             assert quiet(backend.counters) == {"refusals": 0, "retries": 0, "replica_failures": 0, "accepted": 1,

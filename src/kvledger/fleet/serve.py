@@ -259,8 +259,10 @@ class EngineReplica:
                 event = await queue.get()
                 if event.finished:
                     break
-                yield {"type": "token", "branch": event.branch, "token": event.token, "logprobs": event.logprobs,
-                       "prompt_logprobs": event.prompt_logprobs}
+                msg = {"type": "token", "branch": event.branch, "token": event.token}
+                if event.logprobs is not None or event.prompt_logprobs is not None:  # asked for: they travel too
+                    msg.update(logprobs=event.logprobs, prompt_logprobs=event.prompt_logprobs)
+                yield msg
             while not handle.done():
                 await asyncio.sleep(0.001)
             result = handle.result()

@@ -243,6 +243,7 @@ class TorchExecutor:
                 targets = list(req.prompt[lo + 1:top + 1])
                 for p, entry in enumerate(token_logprobs(logits, targets, [k] * len(targets)), start=lo + 1):
                     got[p] = entry
+        self.runner.model.kept = None  # the kept hidden states are read: let them go before the next step
 
     def _select(self, works: list[Work], logits: torch.Tensor, rows: list[int], out: StepOutput) -> None:
         picks: list[tuple[str, int]] = []  # (seq_id, logits row) of ordinary samples

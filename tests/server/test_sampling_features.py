@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -273,3 +274,54 @@ def test_response_format_json_schema_outputs_parse_and_validate(srv: InProcServe
         r = srv.post("/v1/chat/completions", {"messages": ask, "response_format": fmt})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", (fmt, r.text)
     assert srv.wait_idle()["clean"]
+
+
+def fifty_schemas() -> list[dict[str, Any]]:
+    """50 JSON schemas from a few templates (every string and array bounded, so a greedy small model ends)."""
+    leaves: list[dict[str, Any]] = [
+        {"type": "string", "maxLength": 12}, {"type": "integer", "minimum": 0, "maximum": 999},
+        {"type": "boolean"}, {"enum": ["red", "green", "blue"]}, {"type": "number", "minimum": -10, "maximum": 10},
+        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 1, "maxItems": 4},
+        {"type": ["string", "null"], "maxLength": 8}, {"const": "fixed"},
+        {"type": "string", "pattern": "^[a-z]{2,6}$"},
+        {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 5}, {"type": "string", "maxLength": 5}]},
+    ]
+    names = ["name", "count", "ok", "color", "score", "digits", "note", "kind", "code", "pick"]
+    out = []
+    for i in range(50):
+        a, b = leaves[i % 10], leaves[(i * 3 + 1) % 10]
+        props = {names[i % 10]: a, names[(i * 3 + 1) % 10] + "_2": b}
+        if i % 5 == 4:  # nested
+            props["inner"] = {"type": "object", "properties": {"v": leaves[(i + 2) % 10]}, "required": ["v"],
+                              "additionalProperties": False}
+        required = list(props) if i % 2 == 0 else list(props)[:1]
+        out.append({"type": "object", "properties": props, "required": required, "additionalProperties": False})
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed")
+def test_fifty_json_schemas_all_parse_and_validate(srv: InProcServer) -> None:
+    """The issue's target: on a 50-schema set every greedy answer parses and validates (100%)."""
+    import jsonschema
+
+    c = client(srv)
+    ask = [{"role": "user", "content": "Answer with a JSON object."}]
+    schemas = fifty_schemas()
+
+    def answer(i: int) -> Any:
+        return c.chat.completions.create(model=MODEL, messages=ask, max_tokens=120, temperature=0,
+                                         response_format={"type": "json_schema",
+                                                          "json_schema": {"name": f"s{i}", "schema": schemas[i]}})
+
+    with ThreadPoolExecutor(16) as pool:  # all in flight at once: the engine batches them
+        answers = list(pool.map(answer, range(len(schemas))))
+    bad = []
+    for i, (schema, r) in enumerate(zip(schemas, answers, strict=True)):
+        jsonschema.Draft202012Validator.check_schema(schema)
+        text = r.choices[0].message.content
+        try:
+            jsonschema.validate(json.loads(text), schema)
+        except (ValueError, jsonschema.ValidationError) as exc:
+            bad.append((i, r.choices[0].finish_reason, text, str(exc)[:120]))
+    assert bad == []

@@ -18,15 +18,20 @@ from kvledger.errors import ConfigError
 from kvledger.runtime import KVStore
 from kvledger.runtime.kv_store import BlockBytes
 
-FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8-scaled", "int8", "int4"]
+FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8-scaled", "int8", "int8-hadamard", "int8-channel",
+           "int4"]
 # Largest error of a read against what was written, as a fraction of the written rows' largest magnitude.
 TOLERANCE = {"fp32": 0.0, "bf16": 2 ** -8, "fp16": 2 ** -11, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3,
-             "fp8-scaled": 2 ** -4, "int8": 1 / 127, "int4": 0.15}
+             "fp8-scaled": 2 ** -4, "int8": 1 / 127, "int8-channel": 1 / 127, "int4": 0.15,
+             # Rotated rows (D = 8): an element's error is at most the row's error norm, sqrt(D) half-steps of a
+             # step of at most sqrt(D) * max|x| / 127: D / 254 of the largest magnitude.
+             "int8-hadamard": 8 / 254}
 LAYERS, HEADS, DIM, BS = 2, 2, 8, 4
 
 
 def spec(fmt: str) -> KVSpec:
-    return KVSpec(LAYERS, HEADS, DIM, kv_dtype=fmt, block_size=BS, residual_dtype="fp32" if fmt == "int4" else None)
+    return KVSpec(LAYERS, HEADS, DIM, kv_dtype=fmt, block_size=BS,
+                  residual_dtype="fp32" if fmt in ("int4", "int8-channel") else None)
 
 
 def rows(n: int, seed: int) -> torch.Tensor:
@@ -72,7 +77,7 @@ def test_each_format_reads_back_each_layers_k_and_v_where_they_were_written(fmt:
     for layer in range(LAYERS):
         rk, rv = store.read(layer, torch.tensor([3 * BS + 3, 1 * BS, 2 * BS + 3, 7 * BS + 1]), torch.float32)
         assert not rk.any() and not rv.any()
-    if fmt == "int4":
+    if spec(fmt).format.has_residual:
         assert store.open_blocks() == 1 and int(store.res_map[3]) >= 0 and int(store.res_map[5]) == -1
         # The open block reads its fp32 residual page: exactly what was written.
         rk, rv = store.read(1, slots[8:], torch.float32)
@@ -96,7 +101,7 @@ def test_rows_written_one_step_at_a_time_read_as_if_written_at_once(fmt: str) ->
     for layer in range(LAYERS):
         gk, gv = store.gather(layer, table, 10)
         assert close(gk, k, fmt) and close(gv, v, fmt)
-    if fmt == "int4":
+    if spec(fmt).format.has_residual:
         assert store.open_blocks() == 1  # blocks 6 and 2 sealed, block 4 open with 2 rows
 
 
@@ -131,7 +136,7 @@ def test_copy_on_write_reproduces_the_sources_reads_and_leaves_the_rest(fmt: str
         for b in (0, 2, 3, 4):
             blk = slice(b * BS, (b + 1) * BS)
             assert torch.equal(k[blk], old_k[blk]) and torch.equal(v[blk], old_v[blk])
-    if fmt == "int4":
+    if spec(fmt).format.has_residual:
         assert store.open_blocks() == 3  # block 3 still open; its partial copy (6) and the sealed 2's (7) too
 
 
@@ -151,7 +156,8 @@ def test_a_swap_round_trip_into_other_blocks_reads_back_exactly(fmt: str) -> Non
     before = [store.read(layer, torch.arange(3 * BS), torch.float32) for layer in range(LAYERS)]
     host = store.swap_out([0, 1, 2])
     assert host.data.device.type == "cpu" and host.data.shape == (3, *store.block_view.shape[1:])
-    assert [r is not None for r in host.residual] == ([False, False, True] if fmt == "int4" else [False] * 3)
+    open_tail = spec(fmt).format.has_residual
+    assert [r is not None for r in host.residual] == ([False, False, True] if open_tail else [False] * 3)
     store.kv.zero_()
     store.swap_in(host, [7, 4, 5])
     for layer in range(LAYERS):
@@ -168,12 +174,12 @@ def test_a_swap_round_trip_into_other_blocks_reads_back_exactly(fmt: str) -> Non
 def test_the_pool_holds_exactly_the_bytes_the_planner_charges(fmt: str) -> None:
     s = spec(fmt)
     store = KVStore(s, 5)
-    pages = 5 if fmt == "int4" else 0  # int4: one residual page per block up to 64 by default
+    pages = 5 if spec(fmt).format.has_residual else 0  # int4: one residual page per block up to 64 by default
     assert store.residual_slots == pages and store.num_slots == 20
     assert store.nbytes == s.pool_bytes_for(5, pages) == 5 * s.block_bytes + pages * s.residual_page_bytes
     assert store.block_view.shape[0] == 5 and store.block_view.numel() * store.block_view.element_size() == \
         5 * s.block_bytes
-    if fmt == "int4":
+    if spec(fmt).format.has_residual:
         assert KVStore(s, 100).residual_slots == 64 and KVStore(s, 64).residual_slots == 64
         assert KVStore(s, 100, residual_slots=3).nbytes == s.pool_bytes_for(100, 3)
 
@@ -246,5 +252,5 @@ def test_a_store_allocates_its_pool_on_the_device_it_is_given(fmt: str) -> None:
     reads it every step)."""
     store = KVStore(spec(fmt), 4, device="meta")
     assert store.device == torch.device("meta") and store.kv.device.type == "meta"
-    if fmt == "int4":
+    if spec(fmt).format.has_residual:
         assert store.residual.device.type == "meta" and store.res_map.device.type == "cpu"

@@ -100,6 +100,9 @@ DOCUMENTED_PARTS = {
     "fp8_e5m2": [("k.values", B8 * H2 * D32), ("v.values", B8 * H2 * D32)],
     "fp8-scaled": _TOKEN_HEAD,
     "int8": _TOKEN_HEAD,
+    "int8-hadamard": _TOKEN_HEAD,  # the rotation is a fixed matrix: stored nowhere
+    "int8-channel": [("k.codes", B8 * H2 * D32), ("k.scale", 2 * H2 * D32), ("v.codes", B8 * H2 * D32),
+                     ("v.scale", 2 * B8 * H2)],  # K: an fp16 scale per block, head and channel; V: per token
     "int4": [("k.codes", B8 * H2 * D32 // 2), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
              ("v.codes", B8 * H2 * D32 // 2), ("v.scale", 2 * B8 * H2), ("v.min", 2 * B8 * H2)],
 }
@@ -120,7 +123,7 @@ def test_a_formats_parts_and_bytes_are_the_documented_ones(fmt: str) -> None:
     spec = KVSpec(3, H2, D32, kv_dtype=fmt, block_size=B8, residual_dtype="bf16")
     assert spec.block_bytes == 3 * per_layer
     store = KVStore(spec, 5, residual_slots=1)
-    residual = 3 * 2 * B8 * H2 * D32 * 2 if fmt == "int4" else 0  # one bf16 page of K and V
+    residual = 3 * 2 * B8 * H2 * D32 * 2 if f.has_residual else 0  # one bf16 page of K and V
     assert store.nbytes == 5 * 3 * per_layer + residual
 
 
@@ -128,6 +131,35 @@ def test_the_quantised_per_layer_sizes_differ_as_their_formulas_say() -> None:
     """int8/fp8: 2BHD + 4BH; int4: BHD + 4HD + 4BH (fp16 scale and minimum per channel for K, per token for V)."""
     assert KV_FORMATS["int8"].layer_block_bytes(B8, H2, D32) == 2 * 8 * 2 * 32 + 4 * 8 * 2 == 1088
     assert KV_FORMATS["int4"].layer_block_bytes(B8, H2, D32) == 8 * 2 * 32 + 4 * 2 * 32 + 4 * 8 * 2 == 832
+
+
+# ---- int8-channel: K symmetric per channel over the block, s = amax / 127 -------------------------------------
+def test_int8_channel_a_block_written_whole_stores_the_hand_computed_codes_and_scales() -> None:
+    """Channel 0 spans 127 (scale 1.0: codes are the values), channel 1 is 20x larger than channel 2 and
+    neither costs the other precision; bytes at the documented offsets: K codes, K scales [H, D], V codes,
+    V scales [B, H]."""
+    B, D = 4, 4
+    store = quantised_store("int8-channel", B, 1, D, blocks=1)
+    kcols = [[127.0, -64.0, 3.0, 0.5], [2000.0, 1999.0, -1000.0, 0.0], [100.0, 99.0, -50.0, 0.0], [0.0] * 4]
+    k = torch.tensor(kcols).T.contiguous().view(B, 1, D)  # row t = token t
+    v = torch.tensor([[1.0, -2.0, 0.5, 0.0]] * B).view(B, 1, D)
+    write_rows(store, list(range(B)), k, v)
+    raw = layer_block_raw(store, 0)
+    codes = part(raw, 0, "int8", B * D).reshape(B, D)
+    scales = part(raw, B * D, "<f2", D)
+    for c, col in enumerate(kcols):
+        amax = max(abs(x) for x in col)
+        s = f16(amax / 127)
+        assert float(scales[c]) == s
+        want = [round_half_even(x / s) if s else 0 for x in col]
+        assert codes[:, c].tolist() == want and (not s or max(abs(w) for w in want) == 127)
+        assert all(abs(w * s - x) <= s / 2 for w, x in zip(want, col))
+    assert codes[:, 0].tolist() == [127, -64, 3, 0]  # 0.5 / 1.0 rounds half to even
+    vcodes = part(raw, B * D + 2 * D, "int8", B * D).reshape(B, D)
+    vscale = part(raw, 2 * B * D + 2 * D, "<f2", B)
+    assert all(float(x) == f16(2 / 127) for x in vscale)
+    assert vcodes[0].tolist() == [round_half_even(x / f16(2 / 127)) for x in (1.0, -2.0, 0.5, 0.0)]
+    assert store.open_blocks() == 0
 
 
 # ---- int8: symmetric, s = amax / 127 per token and head ---------------------------------------------------

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..core.registry import Registry
 from ..errors import ConfigError
-from . import native
+from . import kv_quant, native
 from .kv_store import KVStore
 
 
@@ -277,16 +277,18 @@ def _table_tensor(tables: list[list[int]], context_lens: list[int], block_size: 
 _NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
 # Plain KV dtypes the native kernels read and write directly (quantised formats have their own loaders).
 _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
-# The kernels' codes for a quantised tensor's layout (QuantKind in the C++).
-_QUANT_KINDS = {("fp8-scaled", "k"): 1, ("fp8-scaled", "v"): 1, ("int8", "k"): 2, ("int8", "v"): 2, ("int4", "k"): 3,
-                ("int4", "v"): 4}
+# The kernels' codes for a quantised tensor's layout (QuantKind in the C++), by (scales, element, K or V). A
+# rotated format stores the same codes (the backend turns queries and outputs), so it shares its kind.
+_QUANT_KINDS = {("token-head", "fp8_e4m3", "k"): 1, ("token-head", "fp8_e4m3", "v"): 1, ("token-head", "int8", "k"): 2,
+                ("token-head", "int8", "v"): 2, ("kivi", "uint8", "k"): 3, ("kivi", "uint8", "v"): 4}
 
 
 def _quant_layout(store: KVStore) -> torch.Tensor:
     """int64 [8]: K kind, K codes / scale / min byte offsets, then the same for V (min 0 when absent)."""
     out: list[int] = []
+    fmt = store.format
     for kv in "kv":
-        out.append(_QUANT_KINDS[(store.format.name, kv)])
+        out.append(_QUANT_KINDS[(fmt.scales, fmt.element, kv)])
         for name in ("codes", "scale", "min"):
             entry = store.offsets.get((kv, name))
             out.append(entry[0] if entry is not None else 0)
@@ -297,7 +299,7 @@ def _native_reads(store: KVStore) -> bool:
     """The native kernels read this store: a plain dtype they know, or a quantised format with a loader."""
     if store.plain:
         return store.dtype in _NATIVE_KV_DTYPES
-    return store.format.name in {name for name, _ in _QUANT_KINDS}
+    return (store.format.scales, store.format.element, "k") in _QUANT_KINDS
 
 
 class NativePagedAttention:
@@ -388,20 +390,29 @@ class NativePagedAttention:
         """A quantised store: rows quantised on write (the store), dequantised by the kernels' loaders."""
         store = self.store
         store.write(layer, plan.batch.slot_mapping, k, v)
+        # Keys stored turned by H: the kernels score the queries turned alike ((q H) . (k H) = q . k). Values
+        # stored turned: the kernels' output is o H, turned back below (H is its own inverse).
+        qk = kv_quant.rotate(q) if store.format.rotates("k") else q
+        turned_v = store.format.rotates("v")
         blocks = store.kv[layer]
         residual = store.residual[layer] if store.residual_slots else self._no_residual
         res_map = store.res_map if store.residual_slots else self._no_residual
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         pa = plan.prefill_args
         if pa is not None and q.shape[-1] in _NATIVE_PREFILL_DIMS:
-            self.ops.paged_prefill_q(out, q, blocks, self._layout, store.block_size, store.kv_heads, residual,
+            self.ops.paged_prefill_q(out, qk, blocks, self._layout, store.block_size, store.kv_heads, residual,
                                      res_map, pa.tables, pa.starts, pa.query_lens, pa.offsets, scale, window or 0)
+            if turned_v:
+                for p in plan.prefills:
+                    out[p.lo:p.hi] = kv_quant.rotate(out[p.lo:p.hi])
         else:
             self._sdpa_prefills(plan, layer, q, k, v, out, scale, window)
         if plan.decode_rows is not None:
-            self.ops.paged_decode_q(out, q, blocks, self._layout, store.block_size, store.kv_heads, residual, res_map,
+            self.ops.paged_decode_q(out, qk, blocks, self._layout, store.block_size, store.kv_heads, residual, res_map,
                                     plan.decode_tables, plan.decode_lens, plan.decode_rows, scale, window or 0,
                                     self.partition)
+            if turned_v:
+                out[plan.decode_rows] = kv_quant.rotate(out[plan.decode_rows])
         return out
 
     def _sdpa_prefills(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

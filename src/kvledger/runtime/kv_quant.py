@@ -8,6 +8,7 @@ stored code always means ``code * scale (+ minimum)`` with the stored scale.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,7 +20,7 @@ _TINY = 1e-30  # guards a zero scale (an all-zero row: every code is 0)
 def quant_token(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x [n, H, D]`` -> (codes ``[n, H, D]``, fp16 scale ``[n, H]``), one scale per token and head.
 
-    int8: symmetric, ``s = amax / 127``, ``code = round(x / s)`` in [-127, 127].
+    ``fmt`` is the code element (``int8``; anything else is e4m3). int8: symmetric, ``s = amax / 127``, ``code = round(x / s)`` in [-127, 127].
     fp8-scaled: ``s = amax / 448``, ``code = e4m3(x / s)`` (round to nearest even by the cast)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
@@ -34,6 +35,44 @@ def quant_token(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
 def dequant_token(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``codes [..., H, D]`` times their fp16 ``scale [..., H]``, in fp32."""
     return codes.float() * scale.float()[..., None]
+
+
+def quant_channel(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of whole blocks ``[n, B, H, D]`` -> (int8 codes ``[n, B, H, D]``, fp16 scale ``[n, H, D]``):
+    symmetric per channel over the block's ``B`` tokens, ``s = amax / 127`` (KIVI/KVQuant's key grouping:
+    an outlier channel gets a scale of its own instead of stretching every channel's)."""
+    xf = blocks.float()
+    scale = (xf.abs().amax(dim=1) / 127.0).to(torch.float16)
+    s = scale.float().clamp_min(_TINY)[:, None]
+    return (xf / s).clamp(-127, 127).round().to(torch.int8), scale
+
+
+def dequant_channel(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``codes [..., H, D]`` times their block's per-channel fp16 ``scale [..., H, D]``, in fp32."""
+    return codes.float() * scale.float()
+
+
+@functools.cache
+def _hadamard_fp64(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(d)
+
+
+def hadamard(d: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The normalised Walsh-Hadamard matrix of order ``d`` (a power of two): symmetric and orthogonal,
+    ``H @ H == I``, so it is its own inverse and ``(q H) . (k H) == q . k``. Entries are ``+-1/sqrt(d)``."""
+    if d <= 0 or d & (d - 1):
+        raise ValueError(f"a Walsh-Hadamard matrix needs a power-of-two order, got {d}")
+    return _hadamard_fp64(d).to(dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D] @ H`` in ``x``'s dtype (fp32 math for half types): turning, and turning back (``H`` is
+    its own inverse)."""
+    work = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    return (x.to(work) @ hadamard(x.shape[-1], work, x.device)).to(x.dtype)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -99,5 +138,5 @@ def dequant_kivi_v(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) 
     return _unpack(codes) * scale.float()[..., None] + low.float()[..., None]
 
 
-__all__ = ["FP8_MAX", "dequant_kivi_k", "dequant_kivi_v", "dequant_token", "quant_kivi_k", "quant_kivi_v",
-           "quant_token"]
+__all__ = ["FP8_MAX", "dequant_channel", "dequant_kivi_k", "dequant_kivi_v", "dequant_token", "hadamard",
+           "quant_channel", "quant_kivi_k", "quant_kivi_v", "quant_token", "rotate"]

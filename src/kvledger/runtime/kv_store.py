@@ -9,13 +9,16 @@ whole-model page, exactly the bytes the block pool charges ``KVSpec.block_bytes`
 :attr:`KVStore.block_view` shows the pool with the block id on dim 0, so a swap or an offload copies a
 block's whole byte layout whatever the format.
 
-int4 also keeps ``residual_slots`` unquantised residual pages
+int4 and int8-channel (whose keys are quantised per channel over a whole block) also keep ``residual_slots`` unquantised residual pages
 (``residual[layers, 2, slots, block_size, kv_heads, head_dim]`` in ``spec.residual_dtype``): a block that is
 not yet full lives there (it is *open*) and is quantised into its packed bytes when its last row is written
 (then *sealed*). A sealed block is immutable: a later write of some of its rows (the last prompt token of a
 fully cached prompt is recomputed) is dropped. Which block holds which page is ``res_map`` (int32, -1 for
 none), the map both attention paths read. Pages of blocks the ledger freed are reclaimed through
 ``block_in_use`` (the engine wires it to its ledger) when no page is free.
+
+int8-hadamard stores keys turned by the normalised Walsh-Hadamard matrix (``kv_quant.rotate``); :meth:`read`
+turns them back, and a kernel reading the codes in place turns the queries instead (same scores).
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ class KVStore:
         if fmt.has_residual:
             slots = min(num_blocks, 64) if residual_slots is None else residual_slots
             if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-                raise ConfigError(f"int4 needs at least one residual page, got {slots!r}")
+                raise ConfigError(f"{fmt.name} needs at least one residual page, got {slots!r}")
             self.residual_slots = slots
             assert spec.residual_dtype is not None
             self.residual = torch.zeros((L, 2, slots, B, H, D), dtype=torch_dtype(spec.residual_dtype),
@@ -223,9 +226,19 @@ class KVStore:
         if self.format.scales == "token-head":
             k = q.dequant_token(p["k.codes"][block, off], p["k.scale"][block, off])
             v = q.dequant_token(p["v.codes"][block, off], p["v.scale"][block, off])
+            if self.format.rotates("k"):
+                k = q.rotate(k)
+            if self.format.rotates("v"):
+                v = q.rotate(v)
             return k.to(dtype), v.to(dtype)
-        k = q.dequant_kivi_k(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
-        v = q.dequant_kivi_v(p["v.codes"][block, off], p["v.scale"][block, off], p["v.min"][block, off])
+        if self.format.scales == "channel":
+            k = q.dequant_channel(p["k.codes"][block, off], p["k.scale"][block])
+            v = q.dequant_token(p["v.codes"][block, off], p["v.scale"][block, off])
+            if self.format.rotates("v"):
+                v = q.rotate(v)
+        else:
+            k = q.dequant_kivi_k(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
+            v = q.dequant_kivi_v(p["v.codes"][block, off], p["v.scale"][block, off], p["v.min"][block, off])
         page = self.res_map.to(self.device)[block]
         open_ = page >= 0
         if bool(open_.any()):
@@ -319,8 +332,12 @@ class KVStore:
         p = self.parts(layer)
         if self.format.scales == "token-head":
             block, off = idx // self.block_size, idx % self.block_size
+            if self.format.rotates("k"):
+                k = q.rotate(k.float())
+            if self.format.rotates("v"):
+                v = q.rotate(v.float())
             for name, x in (("k", k), ("v", v)):
-                codes, scale = q.quant_token(x, self.format.name)
+                codes, scale = q.quant_token(x, self.format.element)
                 p[f"{name}.codes"][block, off] = codes
                 p[f"{name}.scale"][block, off] = scale
             return
@@ -350,10 +367,17 @@ class KVStore:
             blocks = torch.tensor([g[0] for g in groups], device=self.device)
             kb = torch.stack([g[1] for g in groups]).float()  # [n, B, H, D]
             vb = torch.stack([g[2] for g in groups]).float()
-            kc, ks, km = q.quant_kivi_k(kb)
-            vc, vs, vm = q.quant_kivi_v(vb)
-            p["k.codes"][blocks], p["k.scale"][blocks], p["k.min"][blocks] = kc, ks, km
-            p["v.codes"][blocks], p["v.scale"][blocks], p["v.min"][blocks] = vc, vs, vm
+            if self.format.scales == "channel":
+                kc, ks = q.quant_channel(kb)
+                vr = q.rotate(vb) if self.format.rotates("v") else vb
+                vc, vs = q.quant_token(vr.flatten(0, 1), self.format.element)
+                p["k.codes"][blocks], p["k.scale"][blocks] = kc, ks
+                p["v.codes"][blocks], p["v.scale"][blocks] = vc.view(vb.shape), vs.view(vb.shape[:3])
+            else:
+                kc, ks, km = q.quant_kivi_k(kb)
+                vc, vs, vm = q.quant_kivi_v(vb)
+                p["k.codes"][blocks], p["k.scale"][blocks], p["k.min"][blocks] = kc, ks, km
+                p["v.codes"][blocks], p["v.scale"][blocks], p["v.min"][blocks] = vc, vs, vm
         if layer == self.spec.layers - 1:  # the step's last layer: the sealed blocks are now packed everywhere
             for block, _rows in plan.direct:
                 self._release(block)

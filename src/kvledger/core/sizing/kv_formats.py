@@ -18,6 +18,16 @@ Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names a
     ``s = amax / 448``. Not vLLM's ``fp8`` (which is unscaled): the scales cost 2 bytes per token and head.
 ``int8``
     Symmetric int8 with one fp16 scale per token and KV head: ``code = round(x / s)``, ``s = amax / 127``.
+``int8-hadamard``
+    ``int8`` whose keys are first turned by a fixed orthogonal rotation per head (the normalised
+    Walsh-Hadamard matrix ``H``, ``H @ H.T = I``; head_dim a power of two): an outlier channel's energy is
+    spread over all channels, so one scale per token fits every channel. Scores are unchanged in exact
+    arithmetic (``(q H) . (k H) = q . k``): readers de-rotate the keys or rotate the queries alike. Same
+    bytes as ``int8``.
+``int8-channel``
+    KIVI/KVQuant-style int8: keys symmetric per channel over the block's tokens (one fp16 scale per block,
+    head and channel), values per token and head as ``int8``. Like ``int4`` a block that is not yet full
+    keeps its rows unquantised in a residual page.
 ``int4``
     KIVI-style asymmetric 4-bit, two values per byte. Keys per channel within the block (the block is
     the quantisation group: ``B`` tokens share a scale and minimum per channel), values per token (one
@@ -71,7 +81,10 @@ class Part:
 
 @dataclass(frozen=True, slots=True)
 class KVFormat:
-    """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8-scaled/int8) or ``kivi`` (int4)."""
+    """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8-scaled/int8), ``channel``
+    (int8-channel: K per channel per block, V per token) or ``kivi`` (int4). ``rotation``: which of K and V
+    are turned per head by the normalised Walsh-Hadamard matrix before quantisation (``""``, ``k``, ``v``,
+    ``kv``)."""
 
     name: str
     summary: str
@@ -79,6 +92,11 @@ class KVFormat:
     quantized: bool
     scales: str
     element: str  # element type of the stored values (int4 codes are packed into uint8)
+    rotation: str = ""
+
+    def rotates(self, kv: str) -> bool:
+        """Whether ``kv`` ('k' or 'v') is stored turned by the Walsh-Hadamard matrix."""
+        return kv in self.rotation
 
     @property
     def plain(self) -> bool:
@@ -87,7 +105,7 @@ class KVFormat:
     @property
     def has_residual(self) -> bool:
         """A block that is not yet full keeps its rows unquantised in a per-sequence residual page."""
-        return self.scales == "kivi"
+        return self.scales in ("kivi", "channel")
 
     def check(self, block_size: int, heads: int, head_dim: int, *, mla: bool = False) -> None:
         if self.scales == "kivi":
@@ -96,6 +114,12 @@ class KVFormat:
                                   "cache is neither (use fp8-scaled or int8)")
             if head_dim % 2:
                 raise ConfigError(f"int4 packs two values per byte: head_dim must be even, got {head_dim}")
+        if self.scales == "channel" and mla:
+            raise ConfigError(f"{self.name} quantises K per channel and V per token; an MLA latent cache is "
+                              "neither (use int8)")
+        if self.rotation and (head_dim <= 0 or head_dim & (head_dim - 1)):
+            raise ConfigError(f"{self.name} rotates keys by a Walsh-Hadamard matrix: head_dim must be a power of "
+                              f"two, got {head_dim}")
 
     def parts(self, block_size: int, heads: int, head_dim: int) -> tuple[Part, ...]:
         """The arrays of one layer of one block, K first, in storage order."""
@@ -105,6 +129,9 @@ class KVFormat:
         if self.scales == "token-head":
             return tuple(p for kv in "kv" for p in (Part(kv, "codes", (B, H, D), self.element),
                                                     Part(kv, "scale", (B, H), "fp16")))
+        if self.scales == "channel":
+            return (Part("k", "codes", (B, H, D), self.element), Part("k", "scale", (H, D), "fp16"),
+                    Part("v", "codes", (B, H, D), self.element), Part("v", "scale", (B, H), "fp16"))
         # KIVI: keys per channel over the block's tokens, values per token over the head's channels.
         return (Part("k", "codes", (B, H, D // 2), "uint8"), Part("k", "scale", (H, D), "fp16"),
                 Part("k", "min", (H, D), "fp16"),
@@ -132,13 +159,18 @@ class KVFormat:
             return self.name
         if self.scales == "token-head":
             kind = "e4m3" if self.name == "fp8-scaled" else "sym"
-            return f"{self.name}:{kind},scale=fp16/token-head"
+            rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""
+            return f"{self.name}:{kind}{rot},scale=fp16/token-head"
+        if self.scales == "channel":
+            return (f"{self.name}:sym,k=channel/group{block_size},v=token-head,scale=fp16,"
+                    f"residual={residual_dtype}/{block_size}")
         return (f"int4:kivi,k=asym/channel/group{block_size},v=asym/token,meta=fp16,"
                 f"residual={residual_dtype}/{block_size}")
 
 
-def _fmt(name: str, summary: str, bits: int, quantized: bool, scales: str, element: str) -> KVFormat:
-    return KVFormat(name, summary, bits, quantized, scales, element)
+def _fmt(name: str, summary: str, bits: int, quantized: bool, scales: str, element: str,
+         rotation: str = "") -> KVFormat:
+    return KVFormat(name, summary, bits, quantized, scales, element, rotation)
 
 
 KV_FORMATS: Registry[KVFormat] = Registry("KV format")
@@ -151,6 +183,10 @@ for _format in (
     _fmt("fp8-scaled", "e4m3 with an fp16 scale per token and KV head (kvledger's; vLLM's fp8 is unscaled)", 8, True,
          "token-head", "fp8_e4m3"),
     _fmt("int8", "symmetric int8 with an fp16 scale per token and KV head", 8, True, "token-head", "int8"),
+    _fmt("int8-hadamard", "int8 with keys turned by a normalised Walsh-Hadamard matrix per head before quantising",
+         8, True, "token-head", "int8", "k"),
+    _fmt("int8-channel", "int8 with keys per channel per block (KIVI-style), values per token, fp16 scales, "
+         "unquantised residual for the partly written block", 8, True, "channel", "int8"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
          "unquantised residual for the partly written block", 4, True, "kivi", "uint8"),
 ):

@@ -1,0 +1,179 @@
+"""int8 keys that quantise well (issue 36): the Walsh-Hadamard rotation and per-channel key scales.
+
+Pinned exactly: the rotation is orthogonal and leaves attention scores unchanged (fp64, integer inputs so
+every product and sum is exact), each scheme's code range and round-trip bound, the bytes per token with
+every scale counted, and that a key with one outlier channel -- what SmolLM2's keys look like -- reads back
+far closer than under one scale per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvledger.core import BlockTable, KVSpec
+from kvledger.errors import ConfigError
+from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend
+from kvledger.runtime import kv_quant as q
+
+NEW_FORMATS = ["int8-hadamard", "int8-channel"]
+
+
+def _outlier_keys(n: int, heads: int = 3, dim: int = 64, seed: int = 0) -> torch.Tensor:
+    """Rows like SmolLM2's keys: unit noise plus two channels 20x larger with a steady sign."""
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(n, heads, dim, generator=gen)
+    k[..., 7] = 20 + torch.randn(n, heads, generator=gen)
+    k[..., 40] = -15 + torch.randn(n, heads, generator=gen)
+    return k
+
+
+def _write(store: KVStore, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    slots = torch.arange(k.shape[0])
+    store.begin_write(slots)
+    for layer in range(store.spec.layers):
+        store.write(layer, slots, k, v)
+    return slots
+
+
+# ---- the rotation --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [1, 4, 16, 64, 256])
+def test_the_hadamard_matrix_is_orthogonal_symmetric_and_its_own_inverse_exactly(d: int) -> None:
+    """Even powers of two (SmolLM2's 64 among them): entries +-2^-k, so fp64 holds every product exactly."""
+    h = q.hadamard(d, torch.float64)
+    assert torch.equal(h @ h.T, torch.eye(d, dtype=torch.float64))
+    assert torch.equal(h, h.T)
+    assert torch.equal(h.abs(), torch.full((d, d), d ** -0.5, dtype=torch.float64))
+    x = torch.randint(-50, 50, (5, 3, d)).double()
+    assert torch.equal(q.rotate(q.rotate(x)), x)  # rotate twice: back where it started
+
+
+@pytest.mark.parametrize("d", [2, 8, 32, 128])
+def test_odd_powers_of_two_are_orthogonal_to_fp64_rounding(d: int) -> None:
+    h = q.hadamard(d, torch.float64)
+    assert (h @ h.T - torch.eye(d, dtype=torch.float64)).abs().max() < 1e-15
+
+
+def test_rotating_queries_and_keys_alike_leaves_every_score_unchanged_in_fp64() -> None:
+    gen = torch.Generator().manual_seed(1)
+    qs = torch.randint(-64, 64, (7, 3, 64), generator=gen).double()
+    ks = torch.randint(-64, 64, (11, 3, 64), generator=gen).double()
+    exact = torch.einsum("qhd,khd->hqk", qs, ks)
+    assert torch.equal(torch.einsum("qhd,khd->hqk", q.rotate(qs), q.rotate(ks)), exact)
+
+
+def test_hadamard_refuses_a_head_dim_that_is_not_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="power-of-two"):
+        q.hadamard(48)
+    with pytest.raises(ConfigError, match="head_dim must be a power of two, got 48"):
+        KVSpec(2, 2, 48, kv_dtype="int8-hadamard")
+
+
+# ---- codes and round trips -----------------------------------------------------------------------------
+def test_int8_hadamard_stores_rotated_codes_in_range_and_reads_back_within_half_a_step() -> None:
+    spec = KVSpec(1, 3, 64, kv_dtype="int8-hadamard", block_size=16)
+    store = KVStore(spec, 4)
+    k, v = _outlier_keys(32), torch.randn(32, 3, 64)
+    slots = _write(store, k, v)
+    p = store.parts(0)
+    codes, scale = p["k.codes"][:2].flatten(0, 1), p["k.scale"][:2].flatten(0, 1)
+    turned = q.rotate(k)
+    assert int(codes.abs().max()) == 127 and (codes.abs().amax(-1) == 127).all()  # every row uses the full range
+    assert torch.equal(scale, (turned.abs().amax(-1) / 127).half())
+    step = scale.float()[..., None]
+    assert ((codes.float() * step - turned).abs() <= step / 2 + 1e-6).all()  # half a step, in the turned frame
+    rk, rv = store.read(0, slots, torch.float32)
+    # Turning back preserves each row's error norm: at most sqrt(D) half-steps.
+    assert ((rk - k).norm(dim=-1) <= (64 ** 0.5) * scale.float() / 2 + 1e-5).all()
+    assert torch.equal(rv, q.dequant_token(p["v.codes"][:2].flatten(0, 1), p["v.scale"][:2].flatten(0, 1)))
+
+
+def test_int8_channel_keys_share_a_scale_per_channel_over_the_block_values_one_per_token() -> None:
+    spec = KVSpec(1, 3, 64, kv_dtype="int8-channel", block_size=16, residual_dtype="fp32")
+    store = KVStore(spec, 4, residual_slots=1)
+    k, v = _outlier_keys(32), torch.randn(32, 3, 64)
+    slots = _write(store, k, v)  # two whole blocks, quantised straight away
+    p = store.parts(0)
+    for b in range(2):
+        blk = k[16 * b:16 * b + 16]
+        scale = p["k.scale"][b]
+        assert torch.equal(scale, (blk.abs().amax(0) / 127).half())  # [H, D]: one per head and channel
+        codes = p["k.codes"][b]
+        assert codes.dtype == torch.int8 and int(codes.abs().max()) == 127
+        assert (codes.abs().amax(0) == 127).all()  # every channel uses the full range somewhere in the block
+        assert ((codes.float() * scale.float() - blk).abs() <= scale.float() / 2 + 1e-6).all()
+        assert torch.equal(p["v.scale"][b], (v[16 * b:16 * b + 16].abs().amax(-1) / 127).half())
+    rk, _ = store.read(0, slots, torch.float32)
+    assert ((rk - k).abs() <= p["k.scale"][:2].float().repeat_interleave(16, 0) / 2 + 1e-6).all()
+    assert store.open_blocks() == 0
+
+
+def test_int8_channel_keeps_a_partly_written_block_unquantised_until_its_last_row() -> None:
+    spec = KVSpec(1, 2, 16, kv_dtype="int8-channel", block_size=4, residual_dtype="fp32")
+    store = KVStore(spec, 4, residual_slots=1)
+    k, v = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
+    for i in range(3):
+        store.begin_write(torch.tensor([i]))
+        store.write(0, [i], k[i:i + 1], v[i:i + 1])
+    rk, rv = store.read(0, torch.arange(3), torch.float32)
+    assert torch.equal(rk, k[:3]) and torch.equal(rv, v[:3]) and store.open_blocks() == 1
+    store.begin_write(torch.tensor([3]))
+    store.write(0, [3], k[3:], v[3:])
+    assert store.open_blocks() == 0
+    assert torch.equal(store.parts(0)["k.scale"][0], (k.abs().amax(0) / 127).half())
+
+
+@pytest.mark.parametrize("fmt", NEW_FORMATS)
+def test_an_outlier_channel_no_longer_costs_every_channel_its_precision(fmt: str) -> None:
+    """Against one scale per token (the old int8), keys with two 20x channels read back >= 3x closer."""
+    k, v = _outlier_keys(64), torch.randn(64, 3, 64)
+    errs = {}
+    for name in ("int8", fmt):
+        store = KVStore(KVSpec(1, 3, 64, kv_dtype=name, block_size=16, residual_dtype="fp32"), 4, residual_slots=1)
+        rk, _ = store.read(0, _write(store, k, v), torch.float32)
+        errs[name] = float((rk - k).norm() / k.norm())
+    assert errs[fmt] * 3 < errs["int8"]
+
+
+# ---- bytes and identity --------------------------------------------------------------------------------
+def test_bytes_per_token_count_every_scale_on_smollm2() -> None:
+    """int8-hadamard: int8's bytes exactly (the rotation is a fixed matrix, stored nowhere). int8-channel:
+    K codes plus one fp16 scale per channel per 16-token block, V codes plus one fp16 scale per token."""
+    assert KVSpec(30, 3, 64, kv_dtype="int8-hadamard").bytes_per_token == 30 * 2 * 3 * (64 + 2) == 11880
+    spec = KVSpec(30, 3, 64, kv_dtype="int8-channel", residual_dtype="fp32")
+    assert spec.bytes_per_token == 30 * 3 * (64 + 2 * 64 // 16 + 64 + 2) == 12420
+    assert spec.block_bytes == 16 * 12420
+    assert spec.residual_page_bytes == 30 * 2 * 16 * 3 * 64 * 4  # one fp32 page per running sequence
+    assert KVSpec(30, 3, 64, kv_dtype="bf16").bytes_per_token / spec.bytes_per_token > 1.85
+
+
+def test_each_int8_scheme_has_its_own_identity_so_no_record_or_cached_block_crosses_over() -> None:
+    ids = {f: KVSpec(2, 2, 16, kv_dtype=f, residual_dtype="fp32").kv_format_id
+           for f in ("int8", "int8-hadamard", "int8-channel")}
+    assert len(set(ids.values())) == 3
+    assert ids["int8-hadamard"] == "int8-hadamard:sym,rot=hadamard/k,scale=fp16/token-head"
+    assert ids["int8-channel"] == "int8-channel:sym,k=channel/group16,v=token-head,scale=fp16,residual=fp32/16"
+
+
+# ---- attention ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_attention_over_rotated_keys_equals_attention_over_what_the_store_reads(backend: str) -> None:
+    """The native kernels read the turned codes and score turned queries; the torch path turns the keys
+    back. Both equal dense attention over the store's (de-rotated) rows."""
+    if backend == "native":
+        from kvledger.runtime import native
+
+        native.require()
+    spec = KVSpec(1, 2, 64, kv_dtype="int8-hadamard", block_size=16)
+    store = KVStore(spec, 8)
+    be = make_attention_backend(backend, store)
+    gen = torch.Generator().manual_seed(5)
+    table = [3, 6, 1]
+    q_, k, v = (torch.randn(37, n, 64, generator=gen) for n in (4, 2, 2))
+    k[..., 3] += 12
+    be.plan(AttentionBatch([0], [37], [table], torch.tensor(BlockTable(16, table).slot_mapping(0, 37))))
+    out = be.forward(0, q_, k, v, scale=0.125)
+    rk, rv = store.read(0, torch.tensor(BlockTable(16, table).slot_mapping(0, 37)), torch.float32)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q_.transpose(0, 1)[None], rk.transpose(0, 1)[None], rv.transpose(0, 1)[None], is_causal=True, scale=0.125,
+        enable_gqa=True)[0].transpose(0, 1)
+    assert (out - ref).abs().max() < 1e-5

@@ -47,8 +47,7 @@ SETS = ("tune", "heldout", "all")
 # Variants measured while choosing int8's scheme, registered only in this process (--formats may name them).
 EXPERIMENTS = {
     "x-int8-hadamard-kv": ("token-head", "kv"),  # K and V turned, one scale per token
-    "x-int8-hadamard-v": ("token-head", "v"),  # V turned only
-    "x-int8-channel-v": ("channel", "v"),  # K per channel per block, V turned then per token
+    "x-int8-channel-k": ("channel", ""),  # int8-channel with values not turned
 }
 
 

@@ -24,7 +24,7 @@ from kvledger.scheduler import SchedulerConfig
 
 BS = 4
 NEW = 8
-QUANTISED = ["fp8-scaled", "int8", "int4"]
+QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4"]
 MODES = {
     "roomy": dict(num_blocks=200),
     "recompute": dict(num_blocks=14, scheduler_config=SchedulerConfig(
@@ -93,7 +93,7 @@ def test_sharing_swap_and_recompute_give_the_tokens_of_a_lone_run(tiny_llama, re
         assert engine.scheduler.preemptions > 0
     if mode == "swap":
         assert engine.stats.swapped_out_blocks > 0 and engine.stats.swapped_in_blocks > 0
-    if fmt == "int4":
+    if engine.spec.format.has_residual:
         assert engine.scheduler.config.max_running <= engine.runner.store.residual_slots <= 32
     _clean(engine)
 
@@ -124,6 +124,18 @@ def test_a_compressed_blocks_context_names_its_format(tiny_llama) -> None:
     other = CacheContext(trust_group=ctx.trust_group, model=ctx.model, kv_dtype=kv_spec_for(
         engine.checkpoint, torch.float32, "int8", BS).kv_format_id)
     assert other.root_digest() != ctx.root_digest()  # same tokens, other format: never the same block
+
+
+def test_the_new_int8_schemes_choose_the_fp32_caches_tokens_for_the_first_greedy_steps(tiny_llama) -> None:
+    """Turning keys (int8-hadamard) or scaling them per channel (int8-channel) keeps the engine's greedy
+    choices: the first 3 tokens of 6 prompts equal those of an fp32 cache, as the per-token int8 does."""
+    path, _ = tiny_llama
+    prompts = _prompts(6, seed=7)
+    want = [r.output for r in _engine(path, "fp32", "roomy").generate(prompts, 3)]
+    for fmt in ("int8", "int8-hadamard", "int8-channel"):
+        engine = _engine(path, fmt, "roomy")
+        assert [r.output for r in engine.generate(prompts, 3)] == want, fmt
+        _clean(engine)
 
 
 # ---- the quality gate ----------------------------------------------------------------------------------------

@@ -101,8 +101,9 @@ DOCUMENTED_PARTS = {
     "fp8-scaled": _TOKEN_HEAD,
     "int8": _TOKEN_HEAD,
     "int8-hadamard": _TOKEN_HEAD,  # the rotation is a fixed matrix: stored nowhere
-    "int8-channel": [("k.codes", B8 * H2 * D32), ("k.scale", 2 * H2 * D32), ("v.codes", B8 * H2 * D32),
-                     ("v.scale", 2 * B8 * H2)],  # K: an fp16 scale per block, head and channel; V: per token
+    # K: uint8 codes, an fp16 scale and minimum per block, head and channel; V: int8 codes, a scale per token.
+    "int8-channel": [("k.codes", B8 * H2 * D32), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
+                     ("v.codes", B8 * H2 * D32), ("v.scale", 2 * B8 * H2)],
     "int4": [("k.codes", B8 * H2 * D32 // 2), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
              ("v.codes", B8 * H2 * D32 // 2), ("v.scale", 2 * B8 * H2), ("v.min", 2 * B8 * H2)],
 }
@@ -133,32 +134,40 @@ def test_the_quantised_per_layer_sizes_differ_as_their_formulas_say() -> None:
     assert KV_FORMATS["int4"].layer_block_bytes(B8, H2, D32) == 8 * 2 * 32 + 4 * 2 * 32 + 4 * 8 * 2 == 832
 
 
-# ---- int8-channel: K symmetric per channel over the block, s = amax / 127 -------------------------------------
-def test_int8_channel_a_block_written_whole_stores_the_hand_computed_codes_and_scales() -> None:
-    """Channel 0 spans 127 (scale 1.0: codes are the values), channel 1 is 20x larger than channel 2 and
-    neither costs the other precision; bytes at the documented offsets: K codes, K scales [H, D], V codes,
-    V scales [B, H]."""
+# ---- int8-channel: K asymmetric per channel over the block, V turned then per token -------------------------
+def test_int8_channel_a_block_written_whole_stores_the_hand_computed_codes_scales_and_minimums() -> None:
+    """Channel 0 spans 0..255 (scale 1.0, minimum 0: codes are the values); channel 1 sits at a large steady
+    offset, which the minimum absorbs (its codes span 0..255 over its spread, not over its magnitude);
+    channel 2 is constant (scale 0, read back exactly). Bytes at the documented offsets: K codes, K scales,
+    K minimums (fp16, ``H x D``), V codes, V scales (``B x H``)."""
     B, D = 4, 4
     store = quantised_store("int8-channel", B, 1, D, blocks=1)
-    kcols = [[127.0, -64.0, 3.0, 0.5], [2000.0, 1999.0, -1000.0, 0.0], [100.0, 99.0, -50.0, 0.0], [0.0] * 4]
+    kcols = [[0.0, 255.0, 3.0, 128.0], [1000.0, 1002.0, 1001.0, 1000.5], [-7.0] * 4, [0.0] * 4]
     k = torch.tensor(kcols).T.contiguous().view(B, 1, D)  # row t = token t
-    v = torch.tensor([[1.0, -2.0, 0.5, 0.0]] * B).view(B, 1, D)
+    v = torch.tensor([[8.0, 0.0, 0.0, 0.0]] * B).view(B, 1, D)  # turned: every channel +-4
     write_rows(store, list(range(B)), k, v)
     raw = layer_block_raw(store, 0)
-    codes = part(raw, 0, "int8", B * D).reshape(B, D)
+    codes = part(raw, 0, "uint8", B * D).reshape(B, D)
     scales = part(raw, B * D, "<f2", D)
+    lows = part(raw, B * D + 2 * D, "<f2", D)
+    assert codes[:, 0].tolist() == [0, 255, 3, 128] and float(scales[0]) == 1.0 and float(lows[0]) == 0.0
+    # The step is (max - min) / 255 rounded *up* to fp16: the smallest fp16 >= 2 / 255 (fp16's step there: 2^-17).
+    assert float(lows[1]) == 1000.0 and f16(float(scales[1])) == float(scales[1])
+    assert 2 / 255 <= float(scales[1]) < 2 / 255 + 2 ** -17
+    assert codes[:, 1].tolist() == [round_half_even((x - 1000.0) / float(scales[1])) for x in kcols[1]]
+    assert int(codes[:, 1].max()) == 255 and int(codes[:, 1].min()) == 0
+    assert float(scales[2]) == 0.0 and float(lows[2]) == -7.0 and codes[:, 2].tolist() == [0] * 4
     for c, col in enumerate(kcols):
-        amax = max(abs(x) for x in col)
-        s = f16(amax / 127)
-        assert float(scales[c]) == s
-        want = [round_half_even(x / s) if s else 0 for x in col]
-        assert codes[:, c].tolist() == want and (not s or max(abs(w) for w in want) == 127)
-        assert all(abs(w * s - x) <= s / 2 for w, x in zip(want, col))
-    assert codes[:, 0].tolist() == [127, -64, 3, 0]  # 0.5 / 1.0 rounds half to even
-    vcodes = part(raw, B * D + 2 * D, "int8", B * D).reshape(B, D)
-    vscale = part(raw, 2 * B * D + 2 * D, "<f2", B)
-    assert all(float(x) == f16(2 / 127) for x in vscale)
-    assert vcodes[0].tolist() == [round_half_even(x / f16(2 / 127)) for x in (1.0, -2.0, 0.5, 0.0)]
+        s, lo = float(scales[c]), float(lows[c])
+        assert all(abs(lo + int(code) * s - x) <= s / 2 for code, x in zip(codes[:, c].tolist(), col))
+    vcodes = part(raw, B * D + 4 * D, "int8", B * D).reshape(B, D)
+    vscale = part(raw, 2 * B * D + 4 * D, "<f2", B)
+    assert all(float(x) == f16(4 / 127) for x in vscale)  # H's first column is all +1/2: 8 -> 4 everywhere
+    assert vcodes.tolist() == [[127, 127, 127, 127]] * B
+    rk, rv = store.read(0, torch.arange(B), torch.float32)
+    assert torch.equal(rk[:, 0, 2], torch.full((B,), -7.0)) and torch.equal(rk[:, 0, 0], k[:, 0, 0])
+    # Turned back: 127 * s in each turned channel, times H's +1/2 four times, in channel 0 only.
+    assert torch.allclose(rv, v / 8 * 254 * f16(4 / 127), rtol=0, atol=1e-6)
     assert store.open_blocks() == 0
 
 

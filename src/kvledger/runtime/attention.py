@@ -299,7 +299,8 @@ def _native_reads(store: KVStore) -> bool:
     """The native kernels read this store: a plain dtype they know, or a quantised format with a loader."""
     if store.plain:
         return store.dtype in _NATIVE_KV_DTYPES
-    return (store.format.scales, store.format.element, "k") in _QUANT_KINDS
+    fmt = store.format
+    return (fmt.scales, fmt.element, "k") in _QUANT_KINDS and not fmt.rotates("v")  # no loader turns values back
 
 
 class NativePagedAttention:
@@ -390,10 +391,8 @@ class NativePagedAttention:
         """A quantised store: rows quantised on write (the store), dequantised by the kernels' loaders."""
         store = self.store
         store.write(layer, plan.batch.slot_mapping, k, v)
-        # Keys stored turned by H: the kernels score the queries turned alike ((q H) . (k H) = q . k). Values
-        # stored turned: the kernels' output is o H, turned back below (H is its own inverse).
+        # Keys stored turned by H: the kernels score the queries turned alike ((q H) . (k H) = q . k).
         qk = kv_quant.rotate(q) if store.format.rotates("k") else q
-        turned_v = store.format.rotates("v")
         blocks = store.kv[layer]
         residual = store.residual[layer] if store.residual_slots else self._no_residual
         res_map = store.res_map if store.residual_slots else self._no_residual
@@ -402,17 +401,12 @@ class NativePagedAttention:
         if pa is not None and q.shape[-1] in _NATIVE_PREFILL_DIMS:
             self.ops.paged_prefill_q(out, qk, blocks, self._layout, store.block_size, store.kv_heads, residual,
                                      res_map, pa.tables, pa.starts, pa.query_lens, pa.offsets, scale, window or 0)
-            if turned_v:
-                for p in plan.prefills:
-                    out[p.lo:p.hi] = kv_quant.rotate(out[p.lo:p.hi])
         else:
             self._sdpa_prefills(plan, layer, q, k, v, out, scale, window)
         if plan.decode_rows is not None:
             self.ops.paged_decode_q(out, qk, blocks, self._layout, store.block_size, store.kv_heads, residual, res_map,
                                     plan.decode_tables, plan.decode_lens, plan.decode_rows, scale, window or 0,
                                     self.partition)
-            if turned_v:
-                out[plan.decode_rows] = kv_quant.rotate(out[plan.decode_rows])
         return out
 
     def _sdpa_prefills(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

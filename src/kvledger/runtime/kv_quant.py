@@ -37,19 +37,19 @@ def dequant_token(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return codes.float() * scale.float()[..., None]
 
 
-def quant_channel(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys of whole blocks ``[n, B, H, D]`` -> (int8 codes ``[n, B, H, D]``, fp16 scale ``[n, H, D]``):
-    symmetric per channel over the block's ``B`` tokens, ``s = amax / 127`` (KIVI/KVQuant's key grouping:
-    an outlier channel gets a scale of its own instead of stretching every channel's)."""
-    xf = blocks.float()
-    scale = (xf.abs().amax(dim=1) / 127.0).to(torch.float16)
-    s = scale.float().clamp_min(_TINY)[:, None]
-    return (xf / s).clamp(-127, 127).round().to(torch.int8), scale
+def quant_channel(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Keys of whole blocks ``[n, B, H, D]`` -> (uint8 codes ``[n, B, H, D]``, fp16 scale and minimum
+    ``[n, H, D]``): asymmetric per channel over the block's ``B`` tokens (KIVI/KVQuant's key grouping: an
+    outlier channel gets a grid of its own instead of stretching every channel's), 256 codes from the
+    minimum (rounded down to fp16) in steps of ``(max - min) / 255`` (rounded up), so every element is within
+    half a step of its code and a channel with a large steady offset spends its codes on its spread."""
+    codes, scale, low = _asym_codes(blocks, 1, 255.0)
+    return codes.to(torch.uint8), scale.squeeze(1), low.squeeze(1)
 
 
-def dequant_channel(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``codes [..., H, D]`` times their block's per-channel fp16 ``scale [..., H, D]``, in fp32."""
-    return codes.float() * scale.float()
+def dequant_channel(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``codes [..., H, D]`` with the block's per-channel ``scale``/``low [..., H, D]``, in fp32."""
+    return codes.float() * scale.float() + low.float()
 
 
 @functools.cache
@@ -108,12 +108,18 @@ def _asym(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     (Rounded to nearest, a minimum whose rounding exceeds ``s / 2`` -- a channel whose spread is small
     against its magnitude, common for keys -- pushed the group's top off the grid: errors of several
     steps after the clamp.)"""
+    codes, scale, low = _asym_codes(x, dim, 15.0)
+    return _pack(codes), scale.squeeze(dim), low.squeeze(dim)
+
+
+def _asym_codes(x: torch.Tensor, dim: int, top: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_asym``'s grid with ``top + 1`` codes: (codes as fp32, scale, low), scale and low keeping ``dim``."""
     mn = x.amin(dim=dim, keepdim=True).float()
     mx = x.amax(dim=dim, keepdim=True).float()
     low = _fp16_down(mn)
-    scale = _fp16_up((mx - low.float()) / 15.0)
-    codes = ((x - low.float()) / scale.float().clamp_min(_TINY)).round().clamp(0, 15)
-    return _pack(codes), scale.squeeze(dim), low.squeeze(dim)
+    scale = _fp16_up((mx - low.float()) / top)
+    codes = ((x.float() - low.float()) / scale.float().clamp_min(_TINY)).round().clamp(0, top)
+    return codes, scale, low
 
 
 def quant_kivi_k(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

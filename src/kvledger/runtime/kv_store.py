@@ -9,16 +9,17 @@ whole-model page, exactly the bytes the block pool charges ``KVSpec.block_bytes`
 :attr:`KVStore.block_view` shows the pool with the block id on dim 0, so a swap or an offload copies a
 block's whole byte layout whatever the format.
 
-int4 and int8-channel (whose keys are quantised per channel over a whole block) also keep ``residual_slots`` unquantised residual pages
-(``residual[layers, 2, slots, block_size, kv_heads, head_dim]`` in ``spec.residual_dtype``): a block that is
+int4 and int8-channel (keys quantised per channel over a whole block) also keep ``residual_slots`` unquantised
+residual pages (``residual[layers, 2, slots, block_size, kv_heads, head_dim]`` in ``spec.residual_dtype``): a block that is
 not yet full lives there (it is *open*) and is quantised into its packed bytes when its last row is written
 (then *sealed*). A sealed block is immutable: a later write of some of its rows (the last prompt token of a
 fully cached prompt is recomputed) is dropped. Which block holds which page is ``res_map`` (int32, -1 for
 none), the map both attention paths read. Pages of blocks the ledger freed are reclaimed through
 ``block_in_use`` (the engine wires it to its ledger) when no page is free.
 
-int8-hadamard stores keys turned by the normalised Walsh-Hadamard matrix (``kv_quant.rotate``); :meth:`read`
-turns them back, and a kernel reading the codes in place turns the queries instead (same scores).
+int8-hadamard stores keys (int8-channel values) turned by the normalised Walsh-Hadamard matrix
+(``kv_quant.rotate``); :meth:`read` turns them back, and a kernel reading int8-hadamard's codes in place turns
+the queries instead (same scores).
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ class KVStore:
                 v = q.rotate(v)
             return k.to(dtype), v.to(dtype)
         if self.format.scales == "channel":
-            k = q.dequant_channel(p["k.codes"][block, off], p["k.scale"][block])
+            k = q.dequant_channel(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
             v = q.dequant_token(p["v.codes"][block, off], p["v.scale"][block, off])
             if self.format.rotates("v"):
                 v = q.rotate(v)
@@ -368,10 +369,10 @@ class KVStore:
             kb = torch.stack([g[1] for g in groups]).float()  # [n, B, H, D]
             vb = torch.stack([g[2] for g in groups]).float()
             if self.format.scales == "channel":
-                kc, ks = q.quant_channel(kb)
+                kc, ks, km = q.quant_channel(kb)
                 vr = q.rotate(vb) if self.format.rotates("v") else vb
                 vc, vs = q.quant_token(vr.flatten(0, 1), self.format.element)
-                p["k.codes"][blocks], p["k.scale"][blocks] = kc, ks
+                p["k.codes"][blocks], p["k.scale"][blocks], p["k.min"][blocks] = kc, ks, km
                 p["v.codes"][blocks], p["v.scale"][blocks] = vc.view(vb.shape), vs.view(vb.shape[:3])
             else:
                 kc, ks, km = q.quant_kivi_k(kb)

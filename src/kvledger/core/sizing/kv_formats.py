@@ -25,9 +25,13 @@ Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names a
     arithmetic (``(q H) . (k H) = q . k``): readers de-rotate the keys or rotate the queries alike. Same
     bytes as ``int8``.
 ``int8-channel``
-    KIVI/KVQuant-style int8: keys symmetric per channel over the block's tokens (one fp16 scale per block,
-    head and channel), values per token and head as ``int8``. Like ``int4`` a block that is not yet full
-    keeps its rows unquantised in a residual page.
+    KIVI/KVQuant-style int8: keys asymmetric per channel over the block's tokens (uint8 codes, one fp16
+    scale and minimum per block, head and channel: an outlier channel gets its own grid, and a channel
+    with a large steady offset spends its 256 codes on its spread); values turned by the Walsh-Hadamard
+    matrix per head (readers turn them back), then symmetric int8 with one fp16 scale per token and head.
+    Like ``int4`` a block that is not yet full keeps its rows unquantised in a residual page. On
+    SmolLM2-135M it moves the next-token distribution least of the int8 schemes
+    (``benchmarks/kv_quality.py``; docs/kv_formats.md has the figures).
 ``int4``
     KIVI-style asymmetric 4-bit, two values per byte. Keys per channel within the block (the block is
     the quantisation group: ``B`` tokens share a scale and minimum per channel), values per token (one
@@ -82,7 +86,7 @@ class Part:
 @dataclass(frozen=True, slots=True)
 class KVFormat:
     """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8-scaled/int8), ``channel``
-    (int8-channel: K per channel per block, V per token) or ``kivi`` (int4). ``rotation``: which of K and V
+    (int8-channel: K asymmetric per channel per block, V per token) or ``kivi`` (int4). ``rotation``: which of K and V
     are turned per head by the normalised Walsh-Hadamard matrix before quantisation (``""``, ``k``, ``v``,
     ``kv``)."""
 
@@ -130,7 +134,8 @@ class KVFormat:
             return tuple(p for kv in "kv" for p in (Part(kv, "codes", (B, H, D), self.element),
                                                     Part(kv, "scale", (B, H), "fp16")))
         if self.scales == "channel":
-            return (Part("k", "codes", (B, H, D), self.element), Part("k", "scale", (H, D), "fp16"),
+            return (Part("k", "codes", (B, H, D), "uint8"), Part("k", "scale", (H, D), "fp16"),
+                    Part("k", "min", (H, D), "fp16"),
                     Part("v", "codes", (B, H, D), self.element), Part("v", "scale", (B, H), "fp16"))
         # KIVI: keys per channel over the block's tokens, values per token over the head's channels.
         return (Part("k", "codes", (B, H, D // 2), "uint8"), Part("k", "scale", (H, D), "fp16"),
@@ -162,7 +167,8 @@ class KVFormat:
             rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""
             return f"{self.name}:{kind}{rot},scale=fp16/token-head"
         if self.scales == "channel":
-            return (f"{self.name}:sym,k=channel/group{block_size},v=token-head,scale=fp16,"
+            rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""
+            return (f"{self.name}:k=asym/channel/group{block_size},v=sym/token-head{rot},meta=fp16,"
                     f"residual={residual_dtype}/{block_size}")
         return (f"int4:kivi,k=asym/channel/group{block_size},v=asym/token,meta=fp16,"
                 f"residual={residual_dtype}/{block_size}")
@@ -185,8 +191,9 @@ for _format in (
     _fmt("int8", "symmetric int8 with an fp16 scale per token and KV head", 8, True, "token-head", "int8"),
     _fmt("int8-hadamard", "int8 with keys turned by a normalised Walsh-Hadamard matrix per head before quantising",
          8, True, "token-head", "int8", "k"),
-    _fmt("int8-channel", "int8 with keys per channel per block (KIVI-style), values per token, fp16 scales, "
-         "unquantised residual for the partly written block", 8, True, "channel", "int8"),
+    _fmt("int8-channel", "int8 with keys asymmetric per channel per block (KIVI-style), values turned by a "
+         "Walsh-Hadamard matrix then per token, fp16 scales and minimums, unquantised residual for the partly "
+         "written block", 8, True, "channel", "int8", "v"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
          "unquantised residual for the partly written block", 4, True, "kivi", "uint8"),
 ):

@@ -122,8 +122,9 @@ class KVFormat:
             raise ConfigError(f"{self.name} quantises K per channel and V per token; an MLA latent cache is "
                               "neither (use int8)")
         if self.rotation and (head_dim <= 0 or head_dim & (head_dim - 1)):
-            raise ConfigError(f"{self.name} rotates keys by a Walsh-Hadamard matrix: head_dim must be a power of "
-                              f"two, got {head_dim}")
+            turned = " and ".join(w for kv, w in (("k", "keys"), ("v", "values")) if self.rotates(kv))
+            raise ConfigError(f"{self.name} turns its {turned} by a Walsh-Hadamard matrix: head_dim must be a power "
+                              f"of two, got {head_dim}")
 
     def parts(self, block_size: int, heads: int, head_dim: int) -> tuple[Part, ...]:
         """The arrays of one layer of one block, K first, in storage order."""

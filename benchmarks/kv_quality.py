@@ -92,11 +92,12 @@ def run(model, specs: dict[str, object], prompts: list[list[int]], forced: list[
                    for name, spec in specs.items()}
         for step in range(new):
             if step == 0:
-                steps = [SeqStep(prompts[i], 0, t, _slots(t, 0, len(prompts[i]), bs)) for i, t in zip(idx, tables)]
+                steps = [SeqStep(prompts[i], 0, t, _slots(t, 0, len(prompts[i]), bs))
+                         for i, t in zip(idx, tables, strict=True)]
             else:
                 steps = [SeqStep([forced[i][step - 1]], len(prompts[i]) + step - 1, t,
                                  _slots(t, len(prompts[i]) + step - 1, len(prompts[i]) + step, bs))
-                         for i, t in zip(idx, tables)]
+                         for i, t in zip(idx, tables, strict=True)]
             logp = {name: F.log_softmax(r.forward(steps).float(), dim=-1) for name, r in runners.items()}
             base = logp["fp32"]
             target = torch.tensor([forced[i][step] for i in idx])
@@ -151,7 +152,8 @@ def main() -> None:
     sub = run(model, specs, [prompts[i] for i in chosen], [ref[i][:args.new_tokens] for i in chosen], args.backend,
               args.batch)
     seconds = time.perf_counter() - t0
-    out: dict = {"model": args.model, "backend": args.backend, "new_tokens": args.new_tokens, "seconds": round(seconds, 1),
+    out: dict = {"model": args.model, "backend": args.backend, "new_tokens": args.new_tokens,
+                 "seconds": round(seconds, 1),
                  "fp32_matches_reference": sum(sub["fp32"]["ref_match"]) / (len(chosen) * args.new_tokens),
                  "formats": {}}
     local = {name: list(range(len(chosen))) for name in SETS}

@@ -64,7 +64,8 @@ def test_rotating_queries_and_keys_alike_leaves_every_score_unchanged_in_fp64() 
 def test_hadamard_refuses_a_head_dim_that_is_not_a_power_of_two() -> None:
     with pytest.raises(ValueError, match="power-of-two"):
         q.hadamard(48)
-    with pytest.raises(ConfigError, match="turns its keys by a Walsh-Hadamard matrix: head_dim must be a power of two, got 48"):
+    with pytest.raises(ConfigError, match="turns its keys by a Walsh-Hadamard matrix: head_dim must be a power of two, "
+                                          "got 48"):
         KVSpec(2, 2, 48, kv_dtype="int8-hadamard")
 
 

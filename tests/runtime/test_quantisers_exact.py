@@ -159,7 +159,7 @@ def test_int8_channel_a_block_written_whole_stores_the_hand_computed_codes_scale
     assert float(scales[2]) == 0.0 and float(lows[2]) == -7.0 and codes[:, 2].tolist() == [0] * 4
     for c, col in enumerate(kcols):
         s, lo = float(scales[c]), float(lows[c])
-        assert all(abs(lo + int(code) * s - x) <= s / 2 for code, x in zip(codes[:, c].tolist(), col))
+        assert all(abs(lo + int(code) * s - x) <= s / 2 for code, x in zip(codes[:, c].tolist(), col, strict=True))
     vcodes = part(raw, B * D + 4 * D, "int8", B * D).reshape(B, D)
     vscale = part(raw, 2 * B * D + 4 * D, "<f2", B)
     assert all(float(x) == f16(4 / 127) for x in vscale)  # H's first column is all +1/2: 8 -> 4 everywhere

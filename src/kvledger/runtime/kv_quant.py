@@ -20,7 +20,8 @@ _TINY = 1e-30  # guards a zero scale (an all-zero row: every code is 0)
 def quant_token(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows ``x [n, H, D]`` -> (codes ``[n, H, D]``, fp16 scale ``[n, H]``), one scale per token and head.
 
-    ``fmt`` is the code element (``int8``; anything else is e4m3). int8: symmetric, ``s = amax / 127``, ``code = round(x / s)`` in [-127, 127].
+    ``fmt`` is the code element (``int8``; anything else is e4m3). int8: symmetric, ``s = amax / 127``,
+    ``code = round(x / s)`` in [-127, 127].
     fp8-scaled: ``s = amax / 448``, ``code = e4m3(x / s)`` (round to nearest even by the cast)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1)

@@ -34,6 +34,10 @@ the family's distinct blocks).
 
 :class:`AdmissionControl` is a collaborator of :class:`~kvledger.core.ledger.KVLedger`: it owns the digests
 remembered for waiting requests and takes the ledger's lock, passed in, for every decision.
+
+The module is a little past 600 lines because the decision and the commit for a chain and for a trie
+share their rules (what a branch is charged, when a tail is copied, what a refusal says) and must change
+together; split, the two halves would restate them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,49 @@
+"""The quality records shipped in ``kvledger/data/quality/records/``: each one lets the engine serve a
+quantised KV format for the bundled weights without ``--allow-untested-kv``, so each must still say what
+it vouches for. Checked from the records alone (no model run): the format's shipped contract holds on the
+record's own cases, the protocol was the complete one, and the record names the format as it is defined now
+-- a format whose definition changed has another identity, and a record of the old one must not pass for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvledger.core.sizing.kv_formats import get_kv_format
+from kvledger.runtime.measure import quality_records as qr
+
+
+def shipped() -> list[tuple[Path, dict]]:
+    return [(p, json.loads(p.read_text())) for p in sorted(qr.SHIPPED_RECORDS.glob("*.json"))]
+
+
+def test_the_int8_channel_record_ships_for_the_bundled_weights() -> None:
+    formats = {rec["format"]: rec for _, rec in shipped()}
+    assert "int8-channel" in formats
+    assert formats["int8-channel"]["model"] == "smollm2-135m"
+
+
+@pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")
+def test_a_shipped_record_meets_its_formats_shipped_contract_on_the_complete_protocol(path: Path, record: dict) -> None:
+    assert record["passed"] is True
+    protocol = record["protocol"]
+    assert protocol["complete"] is True and protocol["new_tokens"] >= 128
+    assert set(protocol["kinds"]) == {"prose", "code", "chat"} and max(protocol["contexts"]) >= 2048
+    assert {(c["kind"], c["context"]) for c in record["cases"]} == {
+        (k, n) for k in protocol["kinds"] for n in protocol["contexts"]}
+    verdict = qr.evaluate(qr.load_contract(record["format"]), record["cases"])
+    assert verdict and all(v["ok"] for v in verdict), [v for v in verdict if not v["ok"]]
+
+
+@pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")
+def test_a_shipped_record_names_its_format_as_defined_now(path: Path, record: dict) -> None:
+    fmt = get_kv_format(record["format"])
+    residual = record["kv_format"].rsplit("residual=", 1)[-1].split("/")[0] if "residual=" in record["kv_format"] \
+        else None
+    assert record["kv_format"] == fmt.identity(16, residual), (
+        f"{path.name} vouches for {record['kv_format']!r}, but {record['format']} is now "
+        f"{fmt.identity(16, residual)!r}: measure it again")
+    assert record["weights_revision"].startswith("sha256:")

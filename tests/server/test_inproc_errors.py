@@ -211,7 +211,7 @@ def test_queue_full_is_429_with_retry_after(tmp_path: Path) -> None:
                 "prompt": "Say B.", "max_tokens": 3, "temperature": 0, "ignore_eos": True})))
             b.start()
             deadline = time.monotonic() + HANG_GUARD_S
-            while srv.metrics()[f'vllm:num_requests_waiting{{model_name="{MODEL}"}}'] != 1:
+            while srv.metrics()[f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}}'] != 1:
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
             r = srv.post("/v1/completions", {"prompt": "Say C.", "max_tokens": 3})
@@ -303,7 +303,7 @@ def test_a_tenants_priority_and_request_limit(tmp_path: Path) -> None:
             for waiting, t in enumerate(threads, start=1):
                 t.start()
                 deadline = time.monotonic() + HANG_GUARD_S
-                while srv.metrics()[f'vllm:num_requests_waiting{{model_name="{MODEL}"}}'] != waiting:
+                while srv.metrics()[f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}}'] != waiting:
                     assert time.monotonic() < deadline
                     time.sleep(0.02)
         for t in threads:  # the long one hung up: the vip's request runs first, though it came second

@@ -164,7 +164,7 @@ def test_a_client_that_hangs_up_on_a_plain_request_is_cancelled(tmp_path: Path) 
         assert srv.wait_idle()["clean"] is True
         m = srv.metrics()
         assert m["kvledger:requests_cancelled_total"] == 1
-        assert m[f'vllm:request_success_total{{finished_reason="abort",model_name="{MODEL}"}}'] == 1
+        assert m[f'vllm:request_success_total{{engine="0",finished_reason="abort",model_name="{MODEL}"}}'] == 1
         assert m['kvledger:tenant_requests_in_flight{tenant="acme"}'] == 0
 
 

@@ -15,27 +15,85 @@ from kvledger.server.tenants import Tenant
 EXPOSITION = """\
 # HELP vllm:time_to_first_token_seconds Time to first token (server side).
 # TYPE vllm:time_to_first_token_seconds histogram
-vllm:time_to_first_token_seconds_count{model_name="smol"} 0.0
-vllm:time_to_first_token_seconds_sum{model_name="smol"} 0.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="smol"} 0.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="smol"} 0.0
 # HELP vllm:inter_token_latency_seconds Time between consecutive tokens of a sequence.
 # TYPE vllm:inter_token_latency_seconds histogram
-vllm:inter_token_latency_seconds_count{model_name="smol"} 0.0
-vllm:inter_token_latency_seconds_sum{model_name="smol"} 0.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="smol"} 0.0
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="smol"} 0.0
 # HELP vllm:e2e_request_latency_seconds Request latency, arrival to last token.
 # TYPE vllm:e2e_request_latency_seconds histogram
-vllm:e2e_request_latency_seconds_count{model_name="smol"} 0.0
-vllm:e2e_request_latency_seconds_sum{model_name="smol"} 0.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="smol"} 0.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="smol"} 0.0
+# HELP vllm:request_time_per_output_token_seconds A request's mean time per output token after the first (decode time / (tokens - 1); 0 with one token).
+# TYPE vllm:request_time_per_output_token_seconds histogram
+vllm:request_time_per_output_token_seconds_count{engine="0",model_name="smol"} 1.0
+vllm:request_time_per_output_token_seconds_sum{engine="0",model_name="smol"} 0.5
+# HELP vllm:request_queue_time_seconds Time a request waited in the engine's queue (arrival to first admission).
+# TYPE vllm:request_queue_time_seconds histogram
+vllm:request_queue_time_seconds_count{engine="0",model_name="smol"} 1.0
+vllm:request_queue_time_seconds_sum{engine="0",model_name="smol"} 0.25
+# HELP vllm:request_prefill_time_seconds Time from a request's admission to its first token.
+# TYPE vllm:request_prefill_time_seconds histogram
+vllm:request_prefill_time_seconds_count{engine="0",model_name="smol"} 1.0
+vllm:request_prefill_time_seconds_sum{engine="0",model_name="smol"} 0.5
+# HELP vllm:request_decode_time_seconds Time from a request's first token to its last.
+# TYPE vllm:request_decode_time_seconds histogram
+vllm:request_decode_time_seconds_count{engine="0",model_name="smol"} 1.0
+vllm:request_decode_time_seconds_sum{engine="0",model_name="smol"} 2.0
+# HELP vllm:request_inference_time_seconds Time from a request's admission to its last token.
+# TYPE vllm:request_inference_time_seconds histogram
+vllm:request_inference_time_seconds_count{engine="0",model_name="smol"} 1.0
+vllm:request_inference_time_seconds_sum{engine="0",model_name="smol"} 2.5
+# HELP vllm:request_prompt_tokens Prompt tokens per request.
+# TYPE vllm:request_prompt_tokens histogram
+vllm:request_prompt_tokens_count{engine="0",model_name="smol"} 2.0
+vllm:request_prompt_tokens_sum{engine="0",model_name="smol"} 200.0
+# HELP vllm:request_generation_tokens Generated tokens per request.
+# TYPE vllm:request_generation_tokens histogram
+vllm:request_generation_tokens_count{engine="0",model_name="smol"} 2.0
+vllm:request_generation_tokens_sum{engine="0",model_name="smol"} 7.0
+# HELP vllm:request_max_num_generation_tokens Most tokens any choice of a request generated.
+# TYPE vllm:request_max_num_generation_tokens histogram
+vllm:request_max_num_generation_tokens_count{engine="0",model_name="smol"} 1.0
+vllm:request_max_num_generation_tokens_sum{engine="0",model_name="smol"} 5.0
+# HELP vllm:request_params_max_tokens The max_tokens request parameter (the budget given to the engine).
+# TYPE vllm:request_params_max_tokens histogram
+vllm:request_params_max_tokens_count{engine="0",model_name="smol"} 2.0
+vllm:request_params_max_tokens_sum{engine="0",model_name="smol"} 128.0
+# HELP vllm:request_params_n The n request parameter.
+# TYPE vllm:request_params_n histogram
+vllm:request_params_n_count{engine="0",model_name="smol"} 1.0
+vllm:request_params_n_sum{engine="0",model_name="smol"} 2.0
+# HELP vllm:request_num_preemptions Times a request was preempted.
+# TYPE vllm:request_num_preemptions histogram
+vllm:request_num_preemptions_count{engine="0",model_name="smol"} 2.0
+vllm:request_num_preemptions_sum{engine="0",model_name="smol"} 2.0
+# HELP vllm:request_prefill_kv_computed_tokens Prompt tokens a request computed (cached ones excluded).
+# TYPE vllm:request_prefill_kv_computed_tokens histogram
+vllm:request_prefill_kv_computed_tokens_count{engine="0",model_name="smol"} 2.0
+vllm:request_prefill_kv_computed_tokens_sum{engine="0",model_name="smol"} 136.0
 # HELP vllm:prompt_tokens_total Prompt tokens of finished requests.
 # TYPE vllm:prompt_tokens_total counter
-vllm:prompt_tokens_total{model_name="smol"} 0.0
+vllm:prompt_tokens_total{engine="0",model_name="smol"} 100.0
+# HELP vllm:prompt_tokens_cached_total Prompt tokens served from the prefix cache.
+# TYPE vllm:prompt_tokens_cached_total counter
+vllm:prompt_tokens_cached_total{engine="0",model_name="smol"} 32.0
+# HELP vllm:prompt_tokens_by_source_total Prompt tokens by source (computed or read from the prefix cache).
+# TYPE vllm:prompt_tokens_by_source_total counter
+vllm:prompt_tokens_by_source_total{engine="0",model_name="smol",source="local_compute"} 68.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="smol",source="local_cache_hit"} 32.0
+vllm:prompt_tokens_by_source_total{engine="0",model_name="smol",source="external_kv_transfer"} 0.0
 # HELP vllm:generation_tokens_total Generated tokens.
 # TYPE vllm:generation_tokens_total counter
-vllm:generation_tokens_total{model_name="smol"} 0.0
+vllm:generation_tokens_total{engine="0",model_name="smol"} 0.0
 # HELP vllm:request_success_total Finished requests by finish reason.
 # TYPE vllm:request_success_total counter
-vllm:request_success_total{finished_reason="stop",model_name="smol"} 1.0
-vllm:request_success_total{finished_reason="length",model_name="smol"} 0.0
-vllm:request_success_total{finished_reason="abort",model_name="smol"} 0.0
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="smol"} 1.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="smol"} 0.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="smol"} 0.0
+vllm:request_success_total{engine="0",finished_reason="error",model_name="smol"} 0.0
+vllm:request_success_total{engine="0",finished_reason="repetition",model_name="smol"} 0.0
 # HELP kvledger:requests_refused_total Requests refused at the HTTP boundary, by reason.
 # TYPE kvledger:requests_refused_total counter
 kvledger:requests_refused_total{reason="unauthorized"} 0.0
@@ -64,22 +122,26 @@ kvledger:tenant_cached_tokens_total{tenant="acme"} 0.0
 kvledger:tenant_cached_tokens_total{tenant="globex"} 0.0
 # HELP vllm:num_requests_running Requests with KV blocks admitted.
 # TYPE vllm:num_requests_running gauge
-vllm:num_requests_running{model_name="smol"} 3.0
+vllm:num_requests_running{engine="0",model_name="smol"} 3.0
 # HELP vllm:num_requests_waiting Requests waiting to run (gate and engine queue).
 # TYPE vllm:num_requests_waiting gauge
-vllm:num_requests_waiting{model_name="smol"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="smol"} 2.0
 # HELP vllm:kv_cache_usage_perc Fraction of KV blocks held by requests (1 = full).
 # TYPE vllm:kv_cache_usage_perc gauge
-vllm:kv_cache_usage_perc{model_name="smol"} 0.25
+vllm:kv_cache_usage_perc{engine="0",model_name="smol"} 0.25
 # HELP vllm:prefix_cache_queries_total Prompt tokens looked up in the prefix cache.
 # TYPE vllm:prefix_cache_queries_total counter
-vllm:prefix_cache_queries_total{model_name="smol"} 41.0
+vllm:prefix_cache_queries_total{engine="0",model_name="smol"} 41.0
 # HELP vllm:prefix_cache_hits_total Prompt tokens found in the prefix cache.
 # TYPE vllm:prefix_cache_hits_total counter
-vllm:prefix_cache_hits_total{model_name="smol"} 42.0
+vllm:prefix_cache_hits_total{engine="0",model_name="smol"} 42.0
 # HELP vllm:num_preemptions_total Preemptions (recompute or swap).
 # TYPE vllm:num_preemptions_total counter
-vllm:num_preemptions_total{model_name="smol"} 7.0
+vllm:num_preemptions_total{engine="0",model_name="smol"} 7.0
+# HELP vllm:iteration_tokens_total Tokens per engine step (computed prompt tokens + sampled tokens).
+# TYPE vllm:iteration_tokens_total histogram
+vllm:iteration_tokens_total_count{engine="0",model_name="smol"} 330.0
+vllm:iteration_tokens_total_sum{engine="0",model_name="smol"} 1.705719e+06
 # HELP kvledger:blocks KV blocks by ledger state (promised: reserved for future tokens, not yet materialised; leased: released but still read by an in-flight step).
 # TYPE kvledger:blocks gauge
 kvledger:blocks{state="free"} 11.0
@@ -160,6 +222,8 @@ kvledger:tenant_prefix_cache_hits_total{tenant="initech"} 0.0
 class _Backend:
     """A backend whose every figure is distinct, so a figure read from the wrong field shows."""
 
+    max_context = 2048
+
     def state(self) -> BackendState:
         return BackendState(
             running=3, blocks={"free": 11, "active": 12, "retained": 13, "evictable": 14, "promised": 15,
@@ -170,7 +234,19 @@ class _Backend:
             groups={"acme": {"active": 51, "promised": 52, "growth": 53, "cap": 54, "quota_refusals": 55,
                              "query_tokens": 56, "hit_tokens": 57},
                     "initech": {"active": 61}},  # a trust group the ledger knows with no other figures yet
-            tier_failures={"demotion": 71, "promotion": 72})
+            tier_failures={"demotion": 71, "promotion": 72},
+            iteration_tokens={1: 81, 9: 82, 300: 83, 20000: 84})  # tokens per step -> steps
+
+
+class _Result:
+    """A finished engine request: two choices, admitted 0.25 s after it arrived, first token 0.5 s later,
+    last 2 s after that, over 5 tokens of its longest choice; preempted once."""
+
+    outputs = [[1, 2, 3, 4, 5], [6, 7]]
+    preemptions = 1
+
+    def phases(self) -> dict[str, float]:
+        return {"queue": 0.25, "prefill": 0.5, "decode": 2.0, "inference": 2.5}
 
 
 def test_the_metrics_exposition_names_every_figure_with_its_help_labels_and_value() -> None:
@@ -180,7 +256,19 @@ def test_the_metrics_exposition_names_every_figure_with_its_help_labels_and_valu
     metrics = ServerMetrics("smol", _Backend(), gate, lambda: ["acme", "globex"])
     metrics.refused.labels("queue_full").inc(2)
     metrics.tenant_requests.labels("acme").inc(3)
-    metrics.success.labels("smol", "stop").inc()
+    metrics.finished("stop")
+    metrics.observe_request(_Result(), 100, 32, 2, 64, [5, 2])
     text = metrics.exposition().decode()
     got = [line for line in text.splitlines() if line and "_created" not in line and "_bucket{" not in line]
     assert got == EXPOSITION.splitlines()
+    buckets = [line for line in text.splitlines() if line.startswith("vllm:iteration_tokens_total_bucket{")]
+    assert buckets == [f'vllm:iteration_tokens_total_bucket{{engine="0",le="{le}",model_name="smol"}} {n}'
+                       for le, n in (("1.0", 81.0), ("8.0", 81.0), ("16.0", 163.0), ("32.0", 163.0),
+                                     ("64.0", 163.0), ("128.0", 163.0), ("256.0", 163.0), ("512.0", 246.0),
+                                     ("1024.0", 246.0), ("2048.0", 246.0), ("4096.0", 246.0),
+                                     ("8192.0", 246.0), ("16384.0", 246.0), ("+Inf", 330.0))]
+    # vLLM's request-token edges: 1-2-5 up to the model's length (2,048 here)
+    edges = [line.split('le="')[1].split('"')[0] for line in text.splitlines()
+             if line.startswith("vllm:request_prompt_tokens_bucket{")]
+    assert edges == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "100.0", "200.0", "500.0", "1000.0", "2000.0",
+                     "+Inf"]

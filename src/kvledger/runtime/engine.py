@@ -96,6 +96,7 @@ class _Live:
     seed: int
     on_token: TokenCallback | None
     first_token_s: float | None = None
+    last_token_s: float | None = None  # the latest token streamed (vLLM's decode time ends there)
     emitted: dict[int, int] = field(default_factory=dict)  # branch index -> output tokens streamed
     callback_failed: bool = False
     prompt_logprobs: dict[int, Any] | None = None  # prompt index -> TokenLogprobs, until the first event
@@ -128,9 +129,13 @@ class EngineStats:
     cancelled: int = 0
     failed: int = 0  # requests a step failed on (forward or sampling raised for them)
     callback_errors: int = 0  # on_token callbacks that raised (their request failed)
+    # tokens a step processed (computed prompt tokens + sampled tokens, vLLM's iteration tokens) -> how many
+    # steps processed that many: a server buckets it as vllm:iteration_tokens_total at scrape time
+    iteration_tokens: dict[int, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__slots__}  # type: ignore[attr-defined]
+        return {k: (dict(v) if isinstance(v := getattr(self, k), dict) else v)
+                for k in self.__slots__}  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True, slots=True)
@@ -468,6 +473,11 @@ class Engine:
             result = self.driver.step()
             if result.plan is not None:
                 self.stats.steps += 1
+                plan = result.plan
+                tokens = plan.num_tokens + sum(1 for w in plan.prefills if w.sample)
+                if tokens:
+                    counts = self.stats.iteration_tokens
+                    counts[tokens] = counts.get(tokens, 0) + 1
             events: list[TokenEvent] = []
             self._stream(result, events)
             for observe in self.step_observers:
@@ -608,6 +618,8 @@ class Engine:
     def _emit(self, live: _Live, new: list[TokenEvent], events: list[TokenEvent]) -> None:
         if live.first_token_s is None and new and new[0].token is not None:
             live.first_token_s = new[0].time_s
+        if new and new[-1].token is not None:
+            live.last_token_s = new[-1].time_s
         self.stats.generated_tokens += sum(1 for e in new if e.token is not None)
         for event in new:
             events.append(event)
@@ -640,7 +652,7 @@ class Engine:
         result = RequestResult(rid, prompt, [list(o) for o in outputs], list(reasons),
                                None if live.params.greedy or live.params.beam else live.seed,
                                m.arrival_s, m.first_token_s, m.finish_s if m.finish_s is not None else now,
-                               m.preemptions, f.scores, m.hit_tokens, m)
+                               m.preemptions, f.scores, m.hit_tokens, m, live.last_token_s)
         with self._lock:
             self._live.pop(rid, None)
         self.stats.completed += 1

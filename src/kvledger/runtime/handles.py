@@ -59,6 +59,7 @@ class RequestResult:
     scores: list[float] | None = None  # beam search: summed log-probabilities of the hypotheses
     cached_prompt_tokens: int = 0  # prompt tokens skipped because the prefix cache held them written
     metrics: RequestMetrics | None = None
+    last_token_s: float | None = None  # when the latest token was streamed (None: no token)
 
     @property
     def output(self) -> list[int]:
@@ -86,6 +87,18 @@ class RequestResult:
         if self.first_token_s is None or longest < 2:
             return None
         return (self.finish_s - self.first_token_s) / (longest - 1)
+
+    def phases(self) -> dict[str, float] | None:
+        """vLLM's request phases, in seconds on the engine's clock: ``queue`` (arrival to first
+        admission), ``prefill`` (admission to first token), ``decode`` (first to last token), ``inference``
+        (admission to last token). Preemptions stay inside the phase they hit, as in vLLM. None for a
+        request never admitted or that produced no token."""
+        admitted = self.metrics.admitted_s if self.metrics is not None else None
+        if admitted is None or self.first_token_s is None:
+            return None
+        last = self.last_token_s if self.last_token_s is not None else self.finish_s
+        return {"queue": admitted - self.arrival_s, "prefill": self.first_token_s - admitted,
+                "decode": last - self.first_token_s, "inference": last - admitted}
 
 
 class RequestHandle:

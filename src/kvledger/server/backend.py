@@ -78,6 +78,8 @@ class BackendState:
     # blocks whose copy into a tier below the device pool ("demotion") or back ("promotion") raised: each
     # lost only a cache entry, or had its request recompute it (TransferEngine.stats())
     tier_failures: dict[str, int] = field(default_factory=dict)
+    # tokens per engine step -> steps (EngineStats.iteration_tokens): vllm:iteration_tokens_total
+    iteration_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class EngineBackend:
@@ -142,7 +144,8 @@ class EngineBackend:
             prefix_queries_tokens=snap.prefix_query_tokens, prefix_hits_tokens=snap.prefix_hit_tokens,
             cancelled=stats["cancelled"], groups=snap.groups,
             tier_failures={"demotion": transfers["demotion_failures"], "promotion": transfers["promotion_failures"]}
-            if transfers is not None else {})
+            if transfers is not None else {},
+            iteration_tokens=stats.get("iteration_tokens", {}))
 
     def audit(self) -> dict[str, Any]:
         """Check every conservation law now (between steps) and report whether the ledger is clean:

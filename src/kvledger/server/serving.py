@@ -139,7 +139,7 @@ class Run:
         for c in self.choices:
             if c.finish_reason is None:  # the client went away (or an error): vLLM counts these as abort
                 c.finish_reason = "abort"
-                self.metrics.success.labels(self.metrics.model_name, "abort").inc()
+                self.metrics.finished("abort")
         if self.ticket is not None:
             for i in range(len(self.handles), len(self.jobs)):
                 self.gate.release(self.ticket, i)
@@ -241,7 +241,8 @@ class Run:
         # Served from the cache: the last prompt token is always computed (its logits start the output).
         cached = min(result.cached_prompt_tokens, max(0, len(job.prompt) - 1))
         self.cached_tokens += cached
-        m.prompt_tokens.inc(len(job.prompt))
+        m.observe_request(result, len(job.prompt), cached, self.n, job.max_tokens,
+                          [c.tokens for c in self.choices[index * self.n:(index + 1) * self.n]])
         m.tenant_prompt.labels(tenant).inc(len(job.prompt))
         m.tenant_cached.labels(tenant).inc(cached)
         m.e2e.observe(time.perf_counter() - self.arrival_s)
@@ -250,14 +251,14 @@ class Run:
             choice = index * self.n + branch
             c = self.choices[choice]
             if c.finish_reason is not None:
-                m.success.labels(m.model_name, c.finish_reason).inc()
+                m.finished(c.finish_reason)
                 continue
             text = c.stops.feed(c.detok.flush())
             reason = "stop" if c.stops.stopped else _reason(
                 result.finish_reasons[branch] if branch < len(result.finish_reasons) else None)
             text += c.stops.flush()
             c.finish_reason = reason
-            m.success.labels(m.model_name, reason).inc()
+            m.finished(reason)
             out.append(self._delta(index, branch, text, reason))
         return out
 

@@ -286,9 +286,9 @@ class ServerContext:
             raise self.invalid(str(exc)) from None
 
     def constraint(self, body: CompletionRequest | ChatCompletionRequest) -> Any:
-        """Chat's ``response_format`` as a compiled JSON grammar (None for text); CPU work for a large
-        schema, so the route calls this on the request workers."""
-        if not isinstance(body, ChatCompletionRequest) or not body.response_format:
+        """``response_format`` (chat or completions) as a compiled JSON grammar (None for text); CPU work for
+        a large schema, so the route calls this on the request workers."""
+        if not body.response_format:
             return None
         schema = structured.json_schema_of(body.response_format)
         if schema is None:
@@ -534,8 +534,9 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             extra_stops = body.stop_ids(backend.vocab_size)
         except BadRequestBody as exc:
             raise ctx.invalid(str(exc), param=exc.param) from None
-        stop_ids = sorted(set(extra_stops) | (set() if body.ignore_eos else
-                                              set(codec.turn_end_ids if chat else codec.eos_ids)))
+        # A JSON grammar ends with the end-of-turn tokens (structured.py): on completions too, they stop it.
+        ends = codec.turn_end_ids if chat or sampling.constraint is not None else codec.eos_ids
+        stop_ids = sorted(set(extra_stops) | (set() if body.ignore_eos else set(ends)))
         jobs: list[Job] = []
         shape = ResponseShape(chat, settings.served_model_name)
         for i, ids in enumerate(await work(ctx.prompt_ids, body, asked)):

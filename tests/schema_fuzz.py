@@ -373,6 +373,8 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
     max_tokens = {"type": "integer", "minimum": 1}
     token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
     text = {"type": "string", "minLength": 1}
+    response_format = {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}}]}
     completion_request = {
         "type": "object", "required": ["prompt"],
         "properties": {
@@ -383,6 +385,7 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
             "echo": {"type": "boolean"},
             "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
             "suffix": _only(None, ""),
+            "response_format": response_format,
         },
     }
     part = {"type": "object", "required": ["type", "text"],
@@ -401,8 +404,7 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
             "max_completion_tokens": _nullable(max_tokens),
             "tools": {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]},
             "tool_choice": _only(None, "none"),
-            "response_format": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {
-                "type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}}]},
+            "response_format": response_format,
             "add_generation_prompt": {"type": "boolean"},
             "logprobs": _nullable({"type": "boolean"}),
             "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": 20}),
@@ -501,6 +503,12 @@ def server_openapi(model: str, vocab_size: int) -> dict[str, Any]:
                 "responses": {"200": {"description": "the tokens' text", "content": _json({
                     "type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}})},
                               **_error_responses(400, 401, 404, 413)}}},
+            "/tokenizer_info": {"get": {"security": [{"bearer": []}], "responses": {
+                "200": {"description": "the tokenizer's configuration (vLLM's)", "content": _json({
+                    "type": "object", "required": ["eos_token", "tokenizer_class"],
+                    "properties": {"tokenizer_class": {"type": "string"},
+                                   "eos_token": {"type": ["string", "null"]}}})},
+                **_error_responses(401)}}},
             "/version": {"get": {"responses": {"200": {"description": "kvledger's version", "content": _json({
                 "type": "object", "required": ["version"], "properties": {"version": {"type": "string"}}})}}}},
             "/metrics": {"get": {"security": [{"bearer": []}], "responses": {

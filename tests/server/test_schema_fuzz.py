@@ -126,5 +126,5 @@ def test_server_api_fuzzed_from_its_schema(server) -> None:  # noqa: ANN001 -- t
     problems = [*report.failures, *([] if clean else [f"the ledger is not clean after the run: {ledger}"])]
     if problems:
         pytest.fail("\n\n".join([report.summary(), *problems]), pytrace=False)
-    assert report.operations == 10 and report.statuses[200] > 0, report.summary()
+    assert report.operations == 11 and report.statuses[200] > 0, report.summary()
     assert server.get("/health", key=None).json() == {"status": "ok"}

@@ -490,6 +490,13 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         return _json(200, {"count": len(ids), "max_model_len": settings.max_model_len, "tokens": ids,
                            "token_strs": strs})
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request) -> Response:
+        # vLLM's (behind its --enable-tokenizer-info-endpoint); lm-eval's `remote` tokenizer reads it, then
+        # tokenizes through /tokenize. Any valid key.
+        ctx.principal(request)
+        return _json(200, codec.info())
+
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         principal = ctx.principal(request)

@@ -141,6 +141,29 @@ class TextCodec:
     def detokenizer(self) -> Detokenizer:
         return Detokenizer(self.decode)
 
+    def info(self) -> dict[str, Any]:
+        """vLLM's ``/tokenizer_info``: the tokenizer's configuration (``tokenizer_config.json``'s keys, file
+        paths left out), its class and chat template. lm-eval's ``remote`` tokenizer needs ``eos_token``
+        here (then tokenizes through ``/tokenize``), so it is always present."""
+
+        def plain(value: Any) -> Any:
+            if hasattr(value, "content"):  # an AddedToken
+                return value.content
+            if isinstance(value, dict):
+                return {str(k): plain(v) for k, v in value.items()}
+            if isinstance(value, list | tuple):
+                return [plain(v) for v in value]
+            return value if value is None or isinstance(value, str | int | float | bool) else str(value)
+
+        config = {k: plain(v) for k, v in (getattr(self.tok, "init_kwargs", None) or {}).items()
+                  if not k.endswith("_file") and k != "name_or_path"}
+        for name in ("eos_token", "bos_token", "pad_token", "unk_token"):
+            config.setdefault(name, getattr(self.tok, name, None))
+        config["tokenizer_class"] = type(self.tok).__name__
+        if self.has_chat_template:
+            config["chat_template"] = self.tok.chat_template
+        return config
+
 
 class Detokenizer:
     """Incremental decoding: text is released once it is stable. A byte-level BPE token can end in the

@@ -513,15 +513,26 @@ def test_priority_policy_is_empty_only_when_it_remembers_nothing() -> None:
     assert p.is_empty()
 
 
-def test_lru_asked_for_more_victims_than_it_holds_takes_them_all_and_fails_like_popitem() -> None:
+def test_lru_asked_for_more_victims_than_it_holds_refuses_and_keeps_every_block() -> None:
+    """Asking for more victims than there are is a LedgerError, as PriorityPolicy says it (the core raises
+    only typed errors), and it takes nothing: before, LRU emptied itself and raised a bare KeyError, so the
+    pool's retained blocks were lost from the policy while the pool still counted them as retained."""
+    for lru in (LRUPolicy(), _dict_lru()):
+        lru.add_many([3, 1])
+        lru.add(2)
+        lru.remove(1)
+        assert lru.blocks() == [3, 2] and 2 in lru and 1 not in lru
+        with pytest.raises(LedgerError, match="fewer retained blocks"):
+            lru.pop_victims(3)
+        assert len(lru) == 2 and lru.blocks() == [3, 2]
+        assert lru.pop_victims(2) == [3, 2]
+
+
+def _dict_lru() -> LRUPolicy:
+    """An LRU whose order lives in the OrderedDict (what a non-block key moves it to)."""
     lru = LRUPolicy()
-    lru.add_many([3, 1])
-    lru.add(2)
-    lru.remove(1)
-    assert lru.blocks() == [3, 2] and 2 in lru and 1 not in lru
-    with pytest.raises(KeyError):
-        lru.pop_victims(3)
-    assert len(lru) == 0 and lru.blocks() == []
+    lru._dict()
+    return lru
 
 
 def test_lru_keeps_block_ids_in_the_native_order_when_the_c_part_is_loaded() -> None:

@@ -33,7 +33,7 @@ from kvledger.core.eviction import LRUPolicy
 from kvledger.core.identity import CacheContext, chain_digests, token_bytes
 from kvledger.core.ledger import KVLedger, Request, Retention
 from kvledger.core.observe import EventLog
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, LedgerError
 
 NATIVE = native.MODULE  # the C part as this process loaded it (None: not built, or KVLEDGER_NATIVE=0)
 needs_native = pytest.mark.skipif(NATIVE is None, reason=f"the native core is not in use: {native.REASON}")
@@ -234,8 +234,8 @@ def _apply_order(policy: LRUPolicy, ops: list) -> list:
             else:
                 policy.add(arg)
             seen.append(("ok", policy.blocks(), len(policy)))
-        except KeyError as exc:
-            seen.append(("KeyError", str(exc), policy.blocks()))
+        except (KeyError, LedgerError) as exc:  # popping more than it holds: a LedgerError, nothing taken
+            seen.append((type(exc).__name__, str(exc), policy.blocks()))
     return seen
 
 

@@ -94,9 +94,8 @@ class LRUPolicy:
 
     def pop_victims(self, n: int) -> list[int]:
         order = self._order
-        if n > len(order):  # more than there is: pop them all, then fail as popitem does
-            pop = self._dict().popitem
-            return [pop(last=False)[0] for _ in range(n)]
+        if n > len(order):  # more than there is: refuse before taking any (as PriorityPolicy does)
+            raise LedgerError("fewer retained blocks than requested victims")
         if type(order) is not OrderedDict:
             return order.pop_front(n)
         victims = list(islice(order, n))  # the n oldest, read in one C call, then deleted one by one

@@ -553,10 +553,11 @@ def test_a_policy_that_is_not_one_gets_one_clear_error() -> None:
     """What KVLedger(policy=...) says about what it cannot use (the CLI prints these lines as they are)."""
     with pytest.raises(ConfigError) as exc:
         make_policy(["lru"])  # type: ignore[arg-type]
-    assert str(exc.value) == "unknown eviction policy ['lru']; choose one of lru, priority"
+    names = "lru, arc, gdsf, lfu, priority, s3fifo, sglang-priority"
+    assert str(exc.value) == f"unknown eviction policy ['lru']; choose one of {names}"
     with pytest.raises(ConfigError) as exc:
         as_policy(object())  # type: ignore[arg-type]
-    assert str(exc.value) == ("policy must be an eviction policy or one of lru, priority; object lacks add, add_many, "
+    assert str(exc.value) == (f"policy must be an eviction policy or one of {names}; object lacks add, add_many, "
                               "remove, pop_victims, set_priority, blocks, __len__, __contains__")
     used = LRUPolicy()
     used.add(1)

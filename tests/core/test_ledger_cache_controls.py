@@ -21,7 +21,7 @@ def warm(ledger: KVLedger, rid: str, prompt: list[int], **kw) -> None:
 
 # ---- reset_prefix_cache -----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("policy", ["lru", "priority"])
+@pytest.mark.parametrize("policy", ["lru", "priority", "lfu", "gdsf", "arc", "s3fifo", "sglang-priority"])
 def test_reset_prefix_cache_leaves_nothing_behind(policy: str) -> None:
     events = EventLog()
     clock = [0.0]
@@ -136,7 +136,7 @@ def test_readmissions_are_counted_apart_from_first_admissions() -> None:
 # ---- the eviction-policy registry -------------------------------------------------------------------
 
 def test_the_registry_is_the_one_list_of_policies() -> None:
-    assert policy_names() == ("lru", "priority")
+    assert policy_names() == ("lru", "arc", "gdsf", "lfu", "priority", "s3fifo", "sglang-priority")
     assert set(EVICTION_POLICIES) == set(policy_names())
     assert isinstance(make_policy("lru"), LRUPolicy)
     assert isinstance(make_policy("priority", clock=lambda: 5.0), PriorityPolicy)
@@ -144,7 +144,7 @@ def test_the_registry_is_the_one_list_of_policies() -> None:
         policy = make_policy(name)
         assert policy.name == name and len(policy) == 0
         assert KVLedger(4, 4, policy=name).policy_name == name
-    with pytest.raises(ConfigError, match="lru, priority"):
+    with pytest.raises(ConfigError, match="lru, arc, gdsf, lfu, priority, s3fifo, sglang-priority"):
         make_policy("fifo")
     with pytest.raises(TypeError):
         EVICTION_POLICIES["fifo"] = LRUPolicy  # type: ignore[index]  # read-only

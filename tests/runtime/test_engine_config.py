@@ -33,7 +33,7 @@ def test_the_configuration_imports_no_torch() -> None:
     ({"pool_bytes": 2**40}, "more than the runtime allocates (64 GiB)"),
     ({"block_size": 0}, "block_size must be an integer >= 1"),
     ({"host_blocks": -1}, "host_blocks must be an integer >= 0"),
-    ({"eviction": "mru"}, "unknown eviction policy 'mru'; choose one of lru, priority"),
+    ({"eviction": "mru"}, "unknown eviction policy 'mru'; choose one of lru, arc, gdsf, lfu, priority, s3fifo, sglang-priority"),
     ({"max_model_len": 1}, "max_model_len must be an integer >= 2"),
     ({"scheduler": {"policy": "full"}}, "scheduler must be a SchedulerConfig"),
     ({"prefix_caching": "yes"}, "prefix_caching must be True or False"),

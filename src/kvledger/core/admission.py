@@ -509,7 +509,15 @@ class AdmissionControl:
         for node, block in zip(fresh_nodes, fresh, strict=False):
             phys[node] = block
         tail_blocks = fresh[len(fresh_nodes):]
-        if self._caching:  # pending until written; an identity already indexed stays canonical
+        if self._caching and pool._policy_link is not None:  # a tree policy: each node under its parent
+            fresh_set = set(fresh_nodes)
+            for path in layout.paths:
+                for depth, node in enumerate(path):
+                    if node in fresh_set:
+                        fresh_set.discard(node)
+                        pool.register(phys[node], layout.digests[node], group,  # type: ignore[arg-type]
+                                      parent=layout.digests[path[depth - 1]] if depth else None, depth=depth)
+        elif self._caching:  # pending until written; an identity already indexed stays canonical
             pool.register_many([phys[n] for n in fresh_nodes],
                                [layout.digests[n] for n in fresh_nodes], 0, group)  # type: ignore[misc]
         taken: set[int] = set(fresh)  # fresh blocks carry their first reference from allocate_many

@@ -292,3 +292,6 @@ def as_policy(policy: EvictionPolicy | str | None, clock: Callable[[], float] = 
     if len(policy):
         raise ConfigError("an eviction policy can serve one pool, from empty; this one already holds blocks")
     return policy
+
+
+from . import eviction_tree  # noqa: E402,F401  (registers lfu, gdsf, arc, s3fifo, sglang-priority)

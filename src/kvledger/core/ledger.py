@@ -102,6 +102,9 @@ class KVLedger:
         self.block_size = block_size
         self.prefix_caching = prefix_caching
         self.pool = BlockPool(num_blocks, as_policy(policy, clock))
+        configure = getattr(self.pool.retained, "configure", None)
+        if configure is not None:  # tree policies: ghost bounds and the block cost's block size
+            configure(num_blocks, block_size)
         self.promises = PromiseBook(self.pool)  # the only writer of every promise
         self.events = events
         if events is not None:
@@ -237,12 +240,12 @@ class KVLedger:
                 i = len(digests)
                 digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
                 digests.append(digest)
-                if pool.on_event is None and digest not in pool.index:  # BlockPool.register, inlined
-                    pool.index[digest] = blocks[i]
+                if pool.on_event is None and pool._policy_link is None and digest not in pool.index:
+                    pool.index[digest] = blocks[i]  # BlockPool.register, inlined
                     pool.digest[blocks[i]] = digest
                     pool.group[blocks[i]] = group
                 else:
-                    pool.register(blocks[i], digest, group)
+                    pool.register(blocks[i], digest, group, parent=digests[i - 1] if i else None, depth=i)
             if seq.retention:
                 self._admission.apply_retention(seq.retention, blocks, first, full)
 

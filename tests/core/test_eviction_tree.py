@@ -198,7 +198,7 @@ def test_each_policy_runs_a_shared_prefix_workload_with_the_ledger_and_strands_n
         ledger.check()
         policy = ledger.pool.retained
         for block in policy.blocks():
-            if policy._depth.get(block, 0):
+            if policy.depth(block):
                 assert policy._parent_of(block) is not None, f"block {block} cached without its parent"
     assert ledger.pool.evictions > 100 and hits > 300
 

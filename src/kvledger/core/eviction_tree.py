@@ -47,61 +47,69 @@ class TreePolicy:
 
     name = ""
     queues = 1
-    __slots__ = ("_clock", "_gen_of", "_parent", "_depth", "_digest", "_kids", "_entry", "_heaps", "_size",
-                 "_seq", "_gens", "_live", "_capacity", "_block_size", "_cost")
+    __slots__ = ("_clock", "_node", "_kids", "_entry", "_heaps", "_size", "_seq", "_gens", "_capacity",
+                 "_block_size", "_cost", "_costs")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._gen_of: dict[int, int] = {}  # linked block -> a generation number never reused
-        self._parent: dict[int, tuple[int, int]] = {}  # block -> (parent block, the parent's generation)
-        self._depth: dict[int, int] = {}
-        self._digest: dict[int, bytes] = {}
+        # linked block -> (its generation, parent block or -1, the parent's generation, depth, digest);
+        # generations are never reused, so a parent that lost its identity is recognised as gone
+        self._node: dict[int, tuple[int, int, int, int, bytes]] = {}
         self._kids: dict[int, int] = {}  # block -> how many of its children are retained
         self._entry: dict[int, list[Any]] = {}  # retained block -> [key, seq, block, queue, in_heap]
         self._heaps: list[list[list[Any]]] = [[] for _ in range(self.queues)]
         self._size = [0] * self.queues
         self._seq = itertools.count()
         self._gens = itertools.count(1)
-        self._live = 0
         self._capacity = 0  # the pool's size when the ledger says it (ghost bounds, S3-FIFO's small queue)
         self._block_size = 16
         self._cost: Callable[[int], float] | None = None
+        self._costs: list[float] = []  # block cost by depth, memoised
 
     # ---- what the ledger and the pool tell it --------------------------------------------------
     def configure(self, num_blocks: int, block_size: int) -> None:
         """The pool's size and block size (the ledger calls this once, before any block)."""
         self._capacity = num_blocks
         self._block_size = block_size
+        self._costs = []
 
     def set_block_cost(self, cost: Callable[[int], float] | None) -> None:
         """Seconds (or any unit) to recompute the block at a depth; None = the FLOP proxy."""
         if cost is not None and not callable(cost):
             raise ConfigError("block cost must be a callable of the block's depth")
         self._cost = cost
+        self._costs = []
 
     def block_cost(self, block: int) -> float:
-        depth = self._depth.get(block, 0)
-        return self._cost(depth) if self._cost is not None else default_block_cost(depth, self._block_size)
+        node = self._node.get(block)
+        depth = 0 if node is None else node[3]
+        costs = self._costs
+        if depth >= len(costs):
+            fn = self._cost
+            for d in range(len(costs), depth + 1):
+                costs.append(fn(d) if fn is not None else default_block_cost(d, self._block_size))
+        return costs[depth]
+
+    def depth(self, block: int) -> int:
+        node = self._node.get(block)
+        return 0 if node is None else node[3]
+
+    def digest(self, block: int) -> bytes | None:
+        node = self._node.get(block)
+        return None if node is None else node[4]
 
     def link(self, block: int, digest: bytes, parent: int | None, depth: int) -> None:
         """``block`` now holds the identity ``digest`` at ``depth`` under ``parent`` (None: a root, or
         unknown)."""
-        self._gen_of[block] = next(self._gens)
-        self._depth[block] = depth
-        self._digest[block] = digest
-        if parent is not None and parent != block and parent in self._gen_of:
-            self._parent[block] = (parent, self._gen_of[parent])
-        else:
-            self._parent.pop(block, None)
+        up = None if parent is None or parent == block else self._node.get(parent)
+        self._node[block] = (next(self._gens), -1 if up is None else parent, 0 if up is None else up[0],
+                             depth, digest)  # type: ignore[assignment]
         self._on_link(block, digest)
 
     def forget(self, block: int) -> None:
         """The block lost its identity (freed or evicted)."""
-        if self._gen_of.pop(block, None) is None:
+        if self._node.pop(block, None) is None:
             return
-        self._parent.pop(block, None)
-        self._depth.pop(block, None)
-        self._digest.pop(block, None)
         self._kids.pop(block, None)
         self._on_forget(block)
 
@@ -110,43 +118,53 @@ class TreePolicy:
 
     # ---- the retained set ----------------------------------------------------------------------
     def _parent_of(self, block: int) -> int | None:
-        link = self._parent.get(block)
-        if link is None or self._gen_of.get(link[0]) != link[1]:
+        node = self._node.get(block)
+        if node is None or node[1] < 0:
             return None
-        return link[0]
+        up = self._node.get(node[1])
+        return node[1] if up is not None and up[0] == node[2] else None
 
     def add(self, block: int) -> None:
-        if block in self._entry:
+        entry_of = self._entry
+        if block in entry_of:
             raise LedgerError(f"block {block} is retained already")
         queue, key = self._place(block)
         entry = [key, next(self._seq), block, queue, False]
-        self._entry[block] = entry
+        entry_of[block] = entry
         self._size[queue] += 1
-        parent = self._parent_of(block)
-        if parent is not None:
-            self._kids[parent] = self._kids.get(parent, 0) + 1
-        if not self._kids.get(block):
+        node = self._node.get(block)
+        kids = self._kids
+        if node is not None and node[1] >= 0:
+            up = self._node.get(node[1])
+            if up is not None and up[0] == node[2]:
+                kids[node[1]] = kids.get(node[1], 0) + 1
+        if block not in kids:
             entry[4] = True
             heapq.heappush(self._heaps[queue], entry)
 
     def add_many(self, blocks: list[int]) -> None:
+        add = self.add
         for block in blocks:
-            self.add(block)
+            add(block)
 
     def _take(self, block: int) -> list[Any]:
         entry = self._entry.pop(block)
         self._size[entry[3]] -= 1
-        parent = self._parent_of(block)
-        if parent is not None:
-            left = self._kids.get(parent, 0) - 1
-            if left > 0:
-                self._kids[parent] = left
-            else:
-                self._kids.pop(parent, None)
-                up = self._entry.get(parent)
-                if up is not None and not up[4]:  # the parent is now a leaf: it may be chosen
-                    up[4] = True
-                    heapq.heappush(self._heaps[up[3]], up)
+        node = self._node.get(block)
+        if node is not None and node[1] >= 0:
+            parent = node[1]
+            up = self._node.get(parent)
+            if up is not None and up[0] == node[2]:
+                kids = self._kids
+                left = kids.get(parent, 0) - 1
+                if left > 0:
+                    kids[parent] = left
+                else:
+                    kids.pop(parent, None)
+                    pentry = self._entry.get(parent)
+                    if pentry is not None and not pentry[4]:  # the parent is now a leaf: it may be chosen
+                        pentry[4] = True
+                        heapq.heappush(self._heaps[pentry[3]], pentry)
         return entry
 
     def remove(self, block: int) -> None:
@@ -191,23 +209,22 @@ class TreePolicy:
         if n > len(self._entry):
             raise LedgerError("fewer retained blocks than requested victims")
         out: list[int] = []
+        order, evict_from, on_evict = self._queue_order, self._evict_from, self._on_evict
         while len(out) < n:
-            block = self._victim()
-            self._on_evict(block)
+            for queue in order():
+                block = evict_from(queue)
+                if block is not None:
+                    break
+            else:
+                raise LedgerError("no evictable leaf among the retained blocks")  # a forest always has one
+            on_evict(block)
             out.append(block)
         self._compact()
         return out
 
-    def _victim(self) -> int:
-        for queue in self._queue_order():
-            block = self._evict_from(queue)
-            if block is not None:
-                return block
-        raise LedgerError("no evictable leaf among the retained blocks")  # a forest always has one
-
     def _compact(self) -> None:
         live = len(self._entry)
-        if sum(len(h) for h in self._heaps) > 2 * live + 64:
+        if (len(self._heaps[0]) if self.queues == 1 else sum(len(h) for h in self._heaps)) > 2 * live + 64:
             for q, heap in enumerate(self._heaps):
                 fresh = [e for e in heap if self._entry.get(e[2]) is e and e[4] and not self._kids.get(e[2])]
                 for e in heap:
@@ -264,10 +281,7 @@ class TreePolicy:
         self._heaps = [[] for _ in range(self.queues)]
         self._size = [0] * self.queues
         self._kids.clear()
-        self._gen_of.clear()
-        self._parent.clear()
-        self._depth.clear()
-        self._digest.clear()
+        self._node.clear()
 
 
 class LFUPolicy(TreePolicy):
@@ -365,7 +379,7 @@ class ARCPolicy(TreePolicy):
 
     def _on_evict(self, block: int) -> None:
         ghosts = self._b2 if (self._uses.get(block, 0) > 1 or block in self._often) else self._b1
-        digest = self._digest.get(block)
+        digest = self.digest(block)
         if digest is not None:
             ghosts[digest] = None
             if len(ghosts) > self._ghost_limit():
@@ -452,7 +466,7 @@ class S3FIFOPolicy(TreePolicy):
 
     def _on_evict(self, block: int) -> None:
         if self._queue.get(block) == SMALL:
-            digest = self._digest.get(block)
+            digest = self.digest(block)
             if digest is not None:
                 self._ghost[digest] = None
                 if len(self._ghost) > max(self._capacity, len(self._entry), 1):

@@ -174,9 +174,21 @@ class BlockPool:
     def register_many(self, blocks: list[int], digests: list[bytes], start: int, group: str | None) -> None:
         """:meth:`register` ``blocks[i]`` under ``digests[i]`` for every ``i >= start`` (a prompt's new
         full blocks)."""
-        if self.on_event is not None or self._policy_link is not None:
+        if self.on_event is not None:
             for i in range(start, len(digests)):
                 self.register(blocks[i], digests[i], group, parent=digests[i - 1] if i else None, depth=i)
+            return
+        link = self._policy_link
+        if link is not None:  # register, inlined, telling a tree policy each new identity's place
+            index, block_digest_of, block_group = self.index, self.digest, self.group
+            for i in range(start, len(digests)):
+                d = digests[i]
+                if d not in index:
+                    block = blocks[i]
+                    index[d] = block
+                    block_digest_of[block] = d
+                    block_group[block] = group
+                    link(block, d, index.get(digests[i - 1]) if i else None, i)
             return
         fast = self._native
         if fast is not None and fast.register_many(self.index, self.digest, self.group, blocks, digests, start,

@@ -20,7 +20,7 @@ Whoever runs the transfers must run them before any step reads the promoted bloc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from ..errors import ConfigError
 from .lifetimes import LeaseBook
@@ -47,7 +47,8 @@ class TierHandoff:
     def attach(self, tiers: TierLedger | None) -> None:
         """Demote evicted prefix blocks into ``tiers`` from now on (None detaches)."""
         self.tiers = tiers
-        self._pool.on_evict = None if tiers is None else _Demoter(tiers, self._pool.digest, self._pool.group)
+        self._pool.on_evict = None if tiers is None else _Demoter(tiers, self._pool.digest, self._pool.group,
+                                                                  getattr(self._pool.retained, "depth", None))
 
     def promote(self, digests: Sequence[bytes], group: str, owner: str, keep_free: int
                 ) -> tuple[list[tuple[int, int]], int | None]:
@@ -120,16 +121,18 @@ class _Demoter:
     pool or the handoff, so that the pool pointing at it makes no reference cycle (a ledger left in one
     is freed only by the cyclic garbage collector, whose full passes then slow every later step)."""
 
-    __slots__ = ("_digest", "_group", "_tiers")
+    __slots__ = ("_digest", "_group", "_tiers", "_depth")
 
-    def __init__(self, tiers: TierLedger, digest: list[bytes | None], group: list[str | None]) -> None:
+    def __init__(self, tiers: TierLedger, digest: list[bytes | None], group: list[str | None],
+                 depth: Callable[[int], int] | None = None) -> None:
         self._tiers = tiers
         self._digest = digest
         self._group = group
+        self._depth = depth  # a tree policy's depth of a block (for the tiers' demotion rule), or None
 
     def __call__(self, victims: list[int]) -> None:
-        tiers, digest, group = self._tiers, self._digest, self._group
+        tiers, digest, group, depth = self._tiers, self._digest, self._group, self._depth
         for block in victims:
             d = digest[block]
             if d is not None:
-                tiers.demote(block, d, group[block])
+                tiers.demote(block, d, group[block], depth=None if depth is None else depth(block))

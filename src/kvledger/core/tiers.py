@@ -115,6 +115,7 @@ class TierLedger:
         self.digest: list[bytes | None] = [None] * total
         self.group: list[str | None] = [None] * total
         self.in_flight = [False] * total
+        self.depth = [0] * total  # a cached entry's depth in its prompt (0 = first block, or unknown)
         # Per tier: a free stack (lowest slot handed out first) and the readable cached slots, least
         # recently used first (in-flight entries join at completion).
         self._free = [list(range(b + n - 1, b - 1, -1)) for b, n in zip(self.bases, self.sizes, strict=True)]
@@ -126,6 +127,10 @@ class TierLedger:
         self.counts = {"held": 0, "cached": 0, "draining": 0}
         self.flow = {"demoted": 0, "promoted": 0, "dropped": 0, "cleared": 0, "discarded": 0, "moved": 0,
                      "held_total": 0, "freed": 0, "demote_skipped": 0}
+        # The demotion rule: worth(tier, depth, urgent) says whether a block at ``depth`` (None: unknown)
+        # is worth a slot of ``tier`` -- loading it back is expected to beat recomputing it. None: always.
+        self.worth: Callable[[int, int | None, bool], bool] | None = None
+        self.declined = 0  # demotions the rule refused (no tier was worth it)
         self._lock = threading.RLock()
         # Called as on_event(kind, digest) when a digest enters ("stored") or leaves ("removed") the index
         # below the device, under this ledger's lock: a replica publishes what it holds in any tier to
@@ -230,7 +235,8 @@ class TierLedger:
         return self.hold(n)
 
     # ---- the prefix cache below the device ------------------------------------------------------
-    def demote(self, block: int, digest: bytes, group: str | None, *, urgent: bool = True) -> int | None:
+    def demote(self, block: int, digest: bytes, group: str | None, *, urgent: bool = True,
+               depth: int | None = None) -> int | None:
         """A device block's identity goes down: returns the slot its bytes go to (an op is recorded), or None
         when it is already cached below (no copy) or no tier has room (dropped).
 
@@ -239,7 +245,11 @@ class TierLedger:
         least recently used entry, which is dropped -- never a move, which would have to run first. Not
         urgent (a *write-back* of a retained block that stays on the device, ahead of its eviction): the
         fastest tier with room,
-        whose least recently used entry moves one tier down to make it (``move`` ops, run before it)."""
+        whose least recently used entry moves one tier down to make it (``move`` ops, run before it).
+
+        With a demotion rule (:attr:`worth`) only the tiers it finds worth the block at ``depth`` are
+        considered, and an entry moves down only to a tier worth it (else it is dropped); a block no tier
+        is worth is not demoted at all (``declined``)."""
         if type(digest) is not bytes or not digest:
             raise ConfigError(f"demote: a digest is non-empty bytes, got {show(digest)}")
         if type(group) is not str:  # a cached entry without a trust group could be served to anyone
@@ -252,11 +262,17 @@ class TierLedger:
                 if held in lru:
                     lru.move_to_end(held)
                 return None
+            rule = self.worth
+            allowed = range(len(self.names)) if rule is None else \
+                [i for i in range(len(self.names)) if rule(i, depth, urgent)]
+            if not allowed:
+                self.declined += 1
+                return None
             slot = None
             if urgent:
-                slot = self._urgent_slot()
+                slot = self._urgent_slot(allowed)
             else:
-                for i in range(len(self.names)):
+                for i in allowed:
                     slot = self._slot_for_cache(i)
                     if slot is not None:
                         break
@@ -264,18 +280,18 @@ class TierLedger:
             if slot is None:
                 self.flow["dropped"] += 1
                 return None
-            self._place(slot, digest, group)
+            self._place(slot, digest, group, depth or 0)
             self._ops.append(TierOp("demote" if urgent else "writeback", block, slot))
             return slot
 
-    def _urgent_slot(self) -> int | None:
+    def _urgent_slot(self, allowed: Sequence[int]) -> int | None:
         """A free slot, fastest tier first; else the slot of the slowest tier's least recently used readable
         entry, which is dropped (never a move: it would have to run before the copy, on the critical path
         too). Dropping the coldest entry of the whole hierarchy keeps what is likelier to be hit again."""
-        for free in self._free:
-            if free:
-                return free.pop()
-        for i in range(len(self.names) - 1, -1, -1):
+        for i in allowed:
+            if self._free[i]:
+                return self._free[i].pop()
+        for i in reversed(allowed):
             lru = self._lru[i]
             if lru:
                 slot, _ = lru.popitem(last=False)
@@ -283,9 +299,13 @@ class TierLedger:
                 return self._free[i].pop()
         return None
 
-    def _slot_below(self, i: int) -> int | None:
-        """A slot for an entry leaving tier ``i``: in the first slower tier that can give one, or None."""
+    def _slot_below(self, i: int, depth: int = 0) -> int | None:
+        """A slot for an entry leaving tier ``i``: in the first slower tier (worth it, under a demotion rule)
+        that can give one, or None."""
+        rule = self.worth
         for j in range(i + 1, len(self.names)):
+            if rule is not None and not rule(j, depth, False):
+                continue
             target = self._slot_for_cache(j)
             if target is not None:
                 return target
@@ -301,8 +321,8 @@ class TierLedger:
         if not lru:
             return None
         slot, _ = lru.popitem(last=False)
-        digest, group = self.digest[slot], self.group[slot]
-        target = self._slot_below(i)
+        digest, group, depth = self.digest[slot], self.group[slot], self.depth[slot]
+        target = self._slot_below(i, depth)
         if target is None:
             self._drop_entry(slot, "dropped")
             return self._free[i].pop()
@@ -310,7 +330,7 @@ class TierLedger:
         self._unindex(digest)  # type: ignore[arg-type]
         self._clear(slot)
         self.counts["cached"] -= 1
-        self._place(target, digest, group)  # type: ignore[arg-type]
+        self._place(target, digest, group, depth)  # type: ignore[arg-type]
         self.flow["moved"] += 1
         self._ops.append(TierOp("move", slot, target))
         return slot
@@ -325,18 +345,25 @@ class TierLedger:
             moved = 0
             lru = self._lru[tier]
             while moved < n and lru:
-                target = self._slot_below(tier)
+                head = next(iter(lru))
+                target = self._slot_below(tier, self.depth[head])
                 if target is None:
-                    break
+                    if self.worth is None or not any(self._free[j] or self._lru[j]
+                                                     for j in range(tier + 1, len(self.names))):
+                        break
+                    lru.popitem(last=False)  # no slower tier is worth it: dropped, its slot free now
+                    self._drop_entry(head, "dropped")
+                    moved += 1
+                    continue
                 slot, _ = lru.popitem(last=False)
-                digest, group = self.digest[slot], self.group[slot]
+                digest, group, depth = self.digest[slot], self.group[slot], self.depth[slot]
                 self._unindex(digest)  # type: ignore[arg-type]
                 self._clear(slot)
                 self.state[slot] = DRAINING
                 self._draining.append(slot)
                 self.counts["cached"] -= 1
                 self.counts["draining"] += 1
-                self._place(target, digest, group)  # type: ignore[arg-type]
+                self._place(target, digest, group, depth)  # type: ignore[arg-type]
                 self.flow["moved"] += 1
                 self._ops.append(TierOp("move", slot, target))
                 moved += 1
@@ -351,7 +378,8 @@ class TierLedger:
         if not 0 <= checks.count(tier, f"{what}: tier", minimum=None) < len(self.names):
             raise ConfigError(f"{what}: tier must be an index in [0, {len(self.names)}), got {show(tier)}")
 
-    def _place(self, slot: int, digest: bytes, group: str | None) -> None:
+    def _place(self, slot: int, digest: bytes, group: str | None, depth: int = 0) -> None:
+        self.depth[slot] = depth
         self.state[slot] = CACHED
         self.digest[slot] = digest
         self.group[slot] = group
@@ -536,7 +564,10 @@ class TierLedger:
 
     def stats(self) -> dict[str, object]:
         with self._lock:
-            return {"tiers": self.usage(), "flow": dict(self.flow)}
+            out: dict[str, object] = {"tiers": self.usage(), "flow": dict(self.flow)}
+            if self.worth is not None:
+                out["declined"] = self.declined
+            return out
 
 
 __all__ = ["CACHED", "DRAINING", "FREE", "HELD", "STATE_NAMES", "TierLedger", "TierOp", "TierSpec"]

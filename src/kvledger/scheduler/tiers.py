@@ -28,14 +28,43 @@ promoted block that did not arrive goes back to the waiting queue and recomputes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..core.ledger import KVLedger
+from ..core.registry import Registry
 from ..core.tiers import TierLedger
 from ..errors import ConfigError
 from .config import SchedulerConfig
 from .plan import Branch, StepPlan
+
+
+# How evicted prefix blocks go to the tiers below the pool (issue 38): the one list the simulator's
+# ``demotion`` setting (and its sweeps) reads.
+DEMOTION_RULES: Registry[str] = Registry("demotion rule")
+DEMOTION_RULES.register("always", "every evicted prefix block goes to the fastest tier with room")
+DEMOTION_RULES.register("cost", "a block goes to a tier only when loading it back (plus, when the copy is urgent, "
+                                "writing it) takes less than recomputing it")
+
+
+def cost_aware_rule(recompute_s: Callable[[int], float], load_s: Sequence[float], write_s: Sequence[float]
+                    ) -> Callable[[int, int | None, bool], bool]:
+    """The ``cost`` demotion rule as a :attr:`TierLedger.worth`: tier ``t`` is worth a block at ``depth``
+    when ``load_s[t]`` (+ ``write_s[t]`` for an urgent copy, which the step waits for) is less than
+    ``recompute_s(depth)``; an unknown depth (no tree policy) is taken as the first block's, the cheapest
+    to recompute, so only tiers worth every block are used."""
+    if len(load_s) != len(write_s):
+        raise ConfigError("load_s and write_s need one figure per tier")
+    memo: dict[int, float] = {}
+
+    def worth(tier: int, depth: int | None, urgent: bool) -> bool:
+        d = depth or 0
+        cost = memo.get(d)
+        if cost is None:
+            cost = memo[d] = recompute_s(d)
+        return load_s[tier] + (write_s[tier] if urgent else 0.0) < cost
+
+    return worth
 
 
 class TierPlanner:
@@ -107,11 +136,12 @@ class TierPlanner:
         peek = getattr(pool.retained, "peek", None)
         candidates = peek(budget) if peek is not None else pool.retained.blocks()[:budget]
         digest, group = pool.digest, pool.group
+        depth_of = getattr(pool.retained, "depth", None)  # a tree policy knows each block's depth
         for block in candidates:
             d = digest[block]
             if d is None or d in tiers.index:
                 continue
-            tiers.demote(block, d, group[block], urgent=False)
+            tiers.demote(block, d, group[block], urgent=False, depth=None if depth_of is None else depth_of(block))
             need -= 1
             if need <= 0:
                 return

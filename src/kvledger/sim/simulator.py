@@ -68,6 +68,7 @@ from ..scheduler import (
 )
 from ..scheduler.growth import REJECTED_NO_ROOM, REJECTED_OUTGREW
 from ..scheduler.replica import Replica, tier_ledger
+from ..scheduler.tiers import DEMOTION_RULES, cost_aware_rule
 from ..scheduler.transfers import step_transfer_timing
 from ..units import parse_bytes
 from ..workloads import SimRequest, assign_trust_groups
@@ -102,7 +103,9 @@ class SimConfig:
     ``trace`` (the trace's groups), ``request`` (every request its own trust group: no sharing across
     requests) or a count N (requests spread over N tenants at random, seeded). host_pool_bytes /
     disk_pool_bytes: the tiers below the device pool, for swapped requests and (with the scheduler's
-    ``offload_prefixes``) demoted prefix blocks (0 = none);
+    ``offload_prefixes``) demoted prefix blocks (0 = none); demotion: which evicted prefix blocks go
+    down (``always``, or ``cost``: only to a tier whose load, plus the write when urgent, beats
+    recomputing the block at its depth, by the cost model and the profile's links);
     ``staging_blocks``: the transfers' bounded staging buffer, in blocks (one fixed cost per round).
     max_model_len: prompts and outputs are clamped to it (default: the model's max_position_embeddings).
     declared_max_new: None (the default) gives every request its trace output length as max_new_tokens and
@@ -124,6 +127,7 @@ class SimConfig:
     trust_groups: str = "trace"
     host_pool_bytes: int = 0
     disk_pool_bytes: int = 0
+    demotion: str = "always"
     staging_blocks: int = 32
     utilization: float = 0.9
     pool_blocks: int | None = None
@@ -170,6 +174,7 @@ class SimConfig:
         check_engine(self.engine)
         if self.eviction not in policy_names():
             raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
+        DEMOTION_RULES.check(self.demotion, "demotion")
         if isinstance(self.utilization, bool) or not isinstance(self.utilization, int | float) \
                 or not 0 < self.utilization <= 1:
             raise ConfigError(f"utilization must be in (0, 1], got {self.utilization!r}")
@@ -292,6 +297,13 @@ class Deployment:
     def tiers(self) -> TierLedger | None:
         """A fresh ledger of the tiers below the device pool (None without any)."""
         return tier_ledger(self.host_blocks, self.disk_blocks)
+
+    def block_cost(self, depth: int) -> float:
+        """Seconds a prefix hit on the block at ``depth`` saves: the compute time of its tokens attending
+        to the ``depth`` blocks before them -- its marginal cost inside a busy, compute-bound prefill step
+        (a step's weight reads and fixed overheads are paid whether the block is recomputed or not)."""
+        bs = self.spec.block_size
+        return self.cost.breakdown([(bs, depth * bs)]).compute_s
 
 
 def build_deployment(config: SimConfig) -> Deployment:
@@ -574,6 +586,15 @@ class Simulator:
                                    prefix_caching=cfg.prefix_cache, tiers=dep.tiers(),
                                    costs=recovery_costs(dep, cfg.staging_blocks))
         ledger, host, sched = replica.ledger, replica.tiers, replica.scheduler
+        block_cost = dep.block_cost
+        set_cost = getattr(ledger.pool.retained, "set_block_cost", None)
+        if set_cost is not None:  # gdsf weighs blocks by the time recomputing them takes here
+            set_cost(block_cost)
+        if host is not None and cfg.demotion == "cost":
+            links = [dep.profile.link(name, staging_blocks=cfg.staging_blocks) for name in host.names]
+            bb = dep.spec.block_bytes
+            host.worth = cost_aware_rule(block_cost, [link.time_s(1, bb, "in") for link in links],
+                                         [link.time_s(1, bb, "out") for link in links])
         self.scheduler = sched  # kept for inspection after the run
         tl = Timeline()
         preempt = {"recompute": 0, "swap": 0}

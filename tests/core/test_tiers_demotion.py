@@ -17,9 +17,14 @@ RULE = cost_aware_rule(lambda d: 5.0 + d, [1.0, 10.0], [1.0, 20.0])
 
 
 def test_the_cost_rule_compares_load_and_urgent_write_with_recompute() -> None:
-    assert RULE(0, 0, True) and RULE(0, None, False)  # host: 2 < 5
+    assert RULE(0, 0, True) and RULE(0, None, False)  # host: a hit saves 5 - 1 > the write's 1
     assert not RULE(1, 0, False) and RULE(1, 6, False)  # disk read-back 10 beats recompute only past depth 5
-    assert not RULE(1, 20, True) and RULE(1, 26, True)  # an urgent disk copy also waits for its 20 of writing
+    assert not RULE(1, 25, True) and RULE(1, 26, True)  # an urgent disk copy must save more than its write, 20
+    chance = [0.5]
+    rule = cost_aware_rule(lambda d: 5.0 + d, [1.0, 10.0], [1.0, 20.0], reuse=lambda: chance[0])
+    assert rule(0, 0, True) and not rule(1, 26, True) and rule(1, 51, True)  # half the saving of 41 > 20
+    chance[0] = 0.1  # entries rarely come back: only a deep block pays for an urgent copy
+    assert not rule(0, 0, True) and rule(0, 7, True) and rule(0, 0, False)  # write-backs cost the step nothing
     assert DEMOTION_RULES.names() == ("always", "cost")
     with pytest.raises(ConfigError):
         cost_aware_rule(lambda d: 1.0, [1.0], [])

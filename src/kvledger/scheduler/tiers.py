@@ -43,16 +43,18 @@ from .plan import Branch, StepPlan
 # ``demotion`` setting (and its sweeps) reads.
 DEMOTION_RULES: Registry[str] = Registry("demotion rule")
 DEMOTION_RULES.register("always", "every evicted prefix block goes to the fastest tier with room")
-DEMOTION_RULES.register("cost", "a block goes to a tier only when loading it back (plus, when the copy is urgent, "
-                                "writing it) takes less than recomputing it")
+DEMOTION_RULES.register("cost", "a block goes to a tier only when the time a later hit saves (recompute less "
+                                "load, times the chance of that hit) beats the copy's cost to the step")
 
 
-def cost_aware_rule(recompute_s: Callable[[int], float], load_s: Sequence[float], write_s: Sequence[float]
-                    ) -> Callable[[int, int | None, bool], bool]:
-    """The ``cost`` demotion rule as a :attr:`TierLedger.worth`: tier ``t`` is worth a block at ``depth``
-    when ``load_s[t]`` (+ ``write_s[t]`` for an urgent copy, which the step waits for) is less than
-    ``recompute_s(depth)``; an unknown depth (no tree policy) is taken as the first block's, the cheapest
-    to recompute, so only tiers worth every block are used."""
+def cost_aware_rule(recompute_s: Callable[[int], float], load_s: Sequence[float], write_s: Sequence[float],
+                    reuse: Callable[[], float] | None = None) -> Callable[[int, int | None, bool], bool]:
+    """The ``cost`` demotion rule as a :attr:`TierLedger.worth`. Tier ``t`` is worth a block at ``depth``
+    when a later hit would save time -- ``recompute_s(depth) > load_s[t]`` -- and, for an urgent copy
+    (the step waits for its ``write_s[t]``), when the saving expected from it pays for the write:
+    ``reuse() * (recompute_s(depth) - load_s[t]) > write_s[t]``, with ``reuse()`` the chance that a demoted
+    entry is promoted again (the tiers' own record, measured as the run goes; 1 when not given). An unknown
+    depth (no tree policy) is taken as the first block's, the cheapest to recompute."""
     if len(load_s) != len(write_s):
         raise ConfigError("load_s and write_s need one figure per tier")
     memo: dict[int, float] = {}
@@ -62,7 +64,10 @@ def cost_aware_rule(recompute_s: Callable[[int], float], load_s: Sequence[float]
         cost = memo.get(d)
         if cost is None:
             cost = memo[d] = recompute_s(d)
-        return load_s[tier] + (write_s[tier] if urgent else 0.0) < cost
+        gain = cost - load_s[tier]
+        if gain <= 0:
+            return False
+        return not urgent or (1.0 if reuse is None else reuse()) * gain > write_s[tier]
 
     return worth
 

@@ -593,8 +593,10 @@ class Simulator:
         if host is not None and cfg.demotion == "cost":
             links = [dep.profile.link(name, staging_blocks=cfg.staging_blocks) for name in host.names]
             bb = dep.spec.block_bytes
+            flow = host.flow  # the chance a demoted entry comes back: promoted / demoted so far (prior 1/2)
             host.worth = cost_aware_rule(block_cost, [link.time_s(1, bb, "in") for link in links],
-                                         [link.time_s(1, bb, "out") for link in links])
+                                         [link.time_s(1, bb, "out") for link in links],
+                                         reuse=lambda: (flow["promoted"] + 1) / (flow["demoted"] + 2))
         self.scheduler = sched  # kept for inspection after the run
         tl = Timeline()
         preempt = {"recompute": 0, "swap": 0}

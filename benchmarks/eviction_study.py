@@ -7,11 +7,12 @@ then TTFT p50/p90 with each policy in the full simulator at the H100's own pool 
 ``benchmarks/results/eviction_study.json`` and one plot per trace (``eviction_study_<trace>.png``) and
 prints the tables docs/studies.md section (e) quotes, with the load average.
 
-Traces are trimmed to their first ``--limit`` requests (2 cores: the whole study takes minutes, not hours).
+Traces are trimmed to their first ``--limit`` requests (default: Mooncake 1,000, the others 500; on 2 busy
+cores the whole study then takes about 10 minutes).
 Azure's and ShareGPT's tables carry no prefix information; they get the seeded conversation model of
 ``kvledger.sim.eviction_study.with_conversations`` (stated in the output).
 
-Usage: python benchmarks/eviction_study.py [--traces mooncake,azure-code,azure-conv,sharegpt] [--limit 1000]
+Usage: python benchmarks/eviction_study.py [--traces mooncake,azure-code,azure-conv,sharegpt] [--limit N]
        [--policies lru,gdsf,...] [--no-ttft] [--out benchmarks/results] [--traces-dir ../shared/traces]
 """
 
@@ -31,19 +32,19 @@ from kvledger.workloads import load_trace, scale_time
 from kvledger.workloads.distributions import Poisson
 
 REPO = Path(__file__).resolve().parent.parent
-# name -> (file, block size, arrival speed-up for the TTFT run, needs the sharing model)
+# name -> (file, block size, arrival speed-up for the TTFT run, needs the sharing model, default limit)
 TRACES = {
-    "mooncake": ("mooncake_fast25_conversation_trace.jsonl", 512, 0.2, False),
-    "azure-code": ("azure_llm_2023_code.csv", 64, 1.0, True),
-    "azure-conv": ("azure_llm_2023_conv.csv", 64, 1.0, True),
-    "sharegpt": ("sharegpt_8k_filtered_lengths_llama2.csv", 64, 1.0, True),
+    "mooncake": ("mooncake_fast25_conversation_trace.jsonl", 512, 0.2, False, 1000),
+    "azure-code": ("azure_llm_2023_code.csv", 64, 1.0, True, 500),
+    "azure-conv": ("azure_llm_2023_conv.csv", 64, 1.0, True, 500),
+    "sharegpt": ("sharegpt_8k_filtered_lengths_llama2.csv", 64, 1.0, True, 500),
 }
 SIZE_FACTORS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1, 2)
 SHAREGPT_RATE = 4.0  # requests/s: ShareGPT's table has no arrivals
 
 
 def load(name: str, traces_dir: Path, limit: int) -> list:
-    file, _, _, synth = TRACES[name]
+    file, _, _, synth, _ = TRACES[name]
     path = traces_dir / file
     reqs = load_trace(path, arrivals=Poisson(SHAREGPT_RATE), seed=0) if name == "sharegpt" else load_trace(path)
     reqs = reqs[:limit]
@@ -57,7 +58,8 @@ def load_str() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default=",".join(TRACES))
-    ap.add_argument("--limit", type=int, default=1000, help="first N requests of each trace")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="first N requests of each trace [Mooncake 1000, the others 500]")
     ap.add_argument("--policies", default=",".join(policy_names()))
     ap.add_argument("--no-ttft", action="store_true", help="skip the simulator's TTFT runs")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     for p in policies:
         if p not in policy_names():
             ap.error(f"unknown eviction policy {p!r}; choose from {', '.join(policy_names())}")
-    if args.limit < 10:
+    if args.limit is not None and args.limit < 10:
         ap.error("--limit must be at least 10")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                     {f: getattr(SharingModel(), f) for f in SharingModel.__slots__}}
     for name in names:
         t0 = time.perf_counter()
-        _, bs, speedup, synth = TRACES[name]
-        reqs = load(name, Path(args.traces_dir), args.limit)
+        _, bs, speedup, synth, default_limit = TRACES[name]
+        reqs = load(name, Path(args.traces_dir), args.limit or default_limit)
         base = SimConfig(model="llama-3.1-8b", gpu="h100-80gb", block_size=bs)
         dep = build_deployment(base)
         pool = dep.pool_blocks

@@ -70,7 +70,7 @@ def test_the_relaxation_can_overstate_and_its_repair_is_honest() -> None:
     costs = [1.0, 5.0]
     (bound,) = cost_bound(acc, [3], costs)
     honest = brute_force(acc, 3, costs)
-    assert honest == 1.0 and bound.upper == 5.0 and bound.lower == 0.0
+    assert honest == 1.0 and bound.upper == pytest.approx(5.0, rel=0.006) and bound.lower == 0.0
 
 
 @pytest.mark.parametrize("name", policy_names())

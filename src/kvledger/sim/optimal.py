@@ -293,11 +293,16 @@ class _Flow:
 
 
 COST_WEIGHT = 1e6  # the flow's costs are integers: the costliest block weighs a million
+COST_STEP = 1.005  # block costs are rounded up to a power of this (<= 0.5% more), so equal ones merge
 
 
 def cost_bound(acc: Accesses, capacities: Sequence[int], block_costs: Sequence[float]) -> list[CostBound]:
     """The cost-aware bound at each capacity (see the module's docstring). ``block_costs[d]`` is the time
-    a hit on the block at depth ``d`` saves (at least as long as the longest chain)."""
+    a hit on the block at depth ``d`` saves (at least as long as the longest chain).
+
+    Keep-intervals with the same ends and (rounded) cost are one arc of that many units, so a long prompt
+    reused whole is a handful of arcs. The costs are rounded *up* (by at most 0.5%), so ``upper`` stays
+    an upper bound; ``lower`` is valued at the true costs, keeping the shallowest blocks of a merged arc."""
     caps = sorted(set(capacities))
     if not caps:
         return []
@@ -306,11 +311,12 @@ def cost_bound(acc: Accesses, capacities: Sequence[int], block_costs: Sequence[f
     longest = max((len(c) for c in acc.chains), default=0)
     if len(block_costs) < longest:
         raise ConfigError(f"block_costs covers {len(block_costs)} depths; the longest chain has {longest}")
-    scale = COST_WEIGHT / max(max(block_costs[:longest], default=1.0), 1e-30)
-    w = [max(1, round(c * scale)) for c in block_costs[:longest]]
+    rounded = [COST_STEP ** math.ceil(math.log(c, COST_STEP)) if c > 0 else 0.0 for c in block_costs[:longest]]
+    scale = COST_WEIGHT / max(max(rounded, default=1.0), 1e-30)
+    w = [max(1, round(c * scale)) for c in rounded]
     t = len(acc.chains)
     last: dict[Hashable, int] = {}
-    intervals: list[tuple[int, int, int]] = []  # (start request, end request, depth at the end)
+    groups: dict[tuple[int, int, int], list[int]] = {}  # (start, end, weight) -> depths at the end request
     free_gain: list[tuple[int, int]] = []  # (end request, depth) of reuses by the very next request
     for r, chain in enumerate(acc.chains):
         for depth, key in enumerate(chain):
@@ -319,24 +325,27 @@ def cost_bound(acc: Accesses, capacities: Sequence[int], block_costs: Sequence[f
                 if prev + 1 == r:
                     free_gain.append((r, depth))
                 else:
-                    intervals.append((prev, r, depth))
+                    groups.setdefault((prev, r, w[depth]), []).append(depth)
             last[key] = r
-    big = sum(w[d] for _, _, d in intervals) + 1
+    big = sum(k[2] * len(v) for k, v in groups.items()) + 1
     flow = _Flow(t + 1)
     for m in range(t):
         flow.arc(m, m + 1, acc.footprints[m], -big)  # the request's own blocks: always resident
         flow.arc(m, m + 1, caps[-1], 0)  # an empty slot
-    arc_of = [flow.arc(a + 1, b, 1, -w[d]) for a, b, d in intervals]
+    keys = list(groups)
+    arc_of = [flow.arc(a + 1, b, len(groups[(a, b, wt)]), -wt) for a, b, wt in keys]
     out: list[CostBound] = []
+    free_up = sum(rounded[d] for _, d in free_gain)
 
     def record(value: int) -> None:
-        kept = [flow.cap[i] == 0 for i in arc_of]
-        upper = sum(block_costs[d] for _, d in free_gain)
-        present: set[tuple[int, int]] = {(r, d) for r, d in free_gain}
-        for (_a, b, d), k in zip(intervals, kept, strict=True):
-            if k:
-                upper += block_costs[d]
-                present.add((b, d))
+        upper = free_up
+        present: set[tuple[int, int]] = set(free_gain)
+        for key, i in zip(keys, arc_of, strict=True):
+            kept = flow.cap[i ^ 1]  # units on the arc
+            if kept:
+                depths = sorted(groups[key])[:kept]  # the shallowest: a prefix is what can hit
+                upper += kept * rounded[depths[0]]
+                present.update((key[1], d) for d in depths)
         lower = 0.0
         hit_tokens = 0
         for r, chain in enumerate(acc.chains):

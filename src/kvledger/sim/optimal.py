@@ -413,7 +413,7 @@ def replay_policy(prompts: Sequence[tuple[Sequence[int], str]], block_size: int,
     evicting with ``policy`` (a registered name), serves the prompts one at a time: admit (one output
     token allowed), compute the prompt, release. ``block_cost`` (seconds by depth) is given to policies
     that weigh blocks by it (gdsf)."""
-    from ..core.identity import CacheContext
+    from ..core.identity import CacheContext, request_context
     from ..core.ledger import KVLedger, Request
 
     ledger = KVLedger(capacity, block_size, prefix_caching=True, policy=policy)
@@ -425,7 +425,7 @@ def replay_policy(prompts: Sequence[tuple[Sequence[int], str]], block_size: int,
     for i, (tokens, group) in enumerate(prompts):
         ctx = contexts.get(group)
         if ctx is None:
-            ctx = contexts[group] = CacheContext(model="replay", trust_group=group)
+            ctx = contexts[group] = request_context(group, model="replay")
         rid = f"r{i}"
         decision = ledger.admit(Request(rid, list(tokens), 1, ctx))
         if not decision.admitted:

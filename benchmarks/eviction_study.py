@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = {}
     for p in policies:
         rows = [v for t in report["traces"].values() for v in t["verdict"][p]]
-        summary[p] = {"hit": min(r["hit_share"] for r in rows), "saved_upper": min(r["saved_share_upper"] for r in rows),
+        summary[p] = {"hit": min(r["hit_share"] for r in rows),
+                      "saved_upper": min(r["saved_share_upper"] for r in rows),
                       "saved_lower": min(r["saved_share_lower"] for r in rows),
                       "mean_hit": sum(r["hit_share"] for r in rows) / len(rows),
                       "mean_saved_lower": sum(r["saved_share_lower"] for r in rows) / len(rows)}

@@ -127,7 +127,7 @@ def test_s3fifo_gives_a_used_main_block_another_round() -> None:
     s3.pop_victims(1)
     root(s3, 2, name="x")  # ghost hit: main
     root(s3, 3, name="y")  # ghost hit: main
-    s3._ghost["y".encode()] = None
+    s3._ghost[b"y"] = None
     s3.forget(3)
     root(s3, 3, name="y")
     use(s3, 2, times=2)  # used again in main: one more round

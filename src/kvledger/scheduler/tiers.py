@@ -38,7 +38,6 @@ from ..errors import ConfigError
 from .config import SchedulerConfig
 from .plan import Branch, StepPlan
 
-
 # How evicted prefix blocks go to the tiers below the pool (issue 38): the one list the simulator's
 # ``demotion`` setting (and its sweeps) reads.
 DEMOTION_RULES: Registry[str] = Registry("demotion rule")

@@ -30,6 +30,7 @@ tests hold both to brute force.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Callable, Hashable, Sequence
@@ -365,12 +366,11 @@ def brute_force(acc: Accesses, capacity: int, block_costs: Sequence[float] | Non
     ``block_costs``. Before each request any cached blocks outside its chain may be evicted, as long as
     the rest and the request fit; a hit is the longest cached prefix."""
     _check_capacity(acc, capacity)
-    from functools import lru_cache
     from itertools import combinations
 
     value = (lambda d: 1.0) if block_costs is None else (lambda d: block_costs[d])
 
-    @lru_cache(maxsize=None)
+    @functools.cache
     def best(r: int, cache: frozenset) -> float:
         if r == len(acc.chains):
             return 0.0

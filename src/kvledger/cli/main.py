@@ -116,9 +116,18 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
                              max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
             "pool_bytes": pool_bytes, **({"pool_sized_by": sized} if sized else {}), **result}
+    hybrid = _hybrid_admit(spec, int(pool_bytes), prompt + max_new)
+    if hybrid is not None:
+        data["hybrid"] = hybrid.to_dict()
     con = _admission_console(spec, data, as_json, geometry)
     if con is None:
         return
+    if hybrid is not None:
+        from .plan_cmds import _hybrid_lines
+
+        con.print("the ledger below charges every layer for every token (a uniform pool); for this model:")
+        for line in _hybrid_lines(hybrid):
+            con.print(line)
     _print_decisions(con, f"Admission ({policy}): {requests} requests, {groups} trust group(s), "
                           f"pool {data['pool_blocks']} blocks", data["decisions"], lengths=False, show_all=show_all)
     reasons: dict[str, str] = {}
@@ -146,6 +155,14 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"growth under '{policy}': {g['started_at_once']} started at once, peak {g['peak_running_requests']} "
             f"running, {g['preemptions']} preemption(s), all done after {g['steps']} steps "
             f"(finish: {', '.join(g['finish_reasons'])}).")
+
+
+def _hybrid_admit(spec: Any, pool_bytes: int, tokens: int) -> Any:
+    """The hybrid pool the same bytes make for a model with sliding layers (one block table per KV cache
+    group; a sliding group holds its window beside one step of the scheduler's default 8,192 tokens)."""
+    from ..core.sizing.hybrid import hybrid_plan, is_hybrid
+
+    return hybrid_plan(spec, pool_bytes, tokens, 8192) if is_hybrid(spec) else None
 
 
 def _admission_console(spec: Any, data: dict[str, Any], as_json: bool, geometry: bool = True) -> Any:

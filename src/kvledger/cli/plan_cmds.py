@@ -334,11 +334,15 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     if gpu_obj is not None and gpu_obj.memory_note:
         data["device_memory_note"] = gpu_obj.memory_note  # a datasheet figure, said wherever the plan is read
     ctx_len = max_model_len
+    hybrid = None
     if ctx_len is None and cfg is not None:
         ctx_len = config_int(text_config(cfg), "max_position_embeddings", default=None)
     if ctx_len is not None:
         data["context"] = ctx_len
         data["max_concurrency_for_context"] = round(inv.max_concurrency(ctx_len), 2)
+        hybrid = _hybrid(spec, inv, ctx_len)
+        if hybrid is not None:
+            data["hybrid"] = hybrid.to_dict()
     if prompt is not None and max_new is not None:
         data["prompt"], data["max_new"] = prompt, max_new
         data["blocks_per_request"] = inv.blocks_per_request(prompt, max_new)
@@ -362,10 +366,12 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
              f"{inv.largest_context:,} tokens"]
     if ctx_len is not None:
         lines.append(f"maximum concurrency for {ctx_len:,} tokens per request: {inv.max_concurrency(ctx_len):.2f}x")
-        if inv.engine == "vllm" and inv.largest_context < ctx_len:
+        if inv.engine == "vllm" and inv.largest_context < ctx_len and (hybrid is None or hybrid.max_concurrency < 1):
             lines.append(f"[yellow]note:[/yellow] vLLM refuses to start when the KV cache cannot hold one request of "
                          f"max_model_len ({ctx_len:,} tokens); give vLLM "
                          f"{flag_name(plan_cmd, 'max_model_len')} {inv.largest_context} or less")
+    if "hybrid" in data:
+        lines.extend(_hybrid_lines(hybrid))
     if "blocks_per_request" in data:
         lines.append(f"a request of {prompt:,} + {max_new:,} tokens takes {data['blocks_per_request']:,} blocks "
                      f"(the tail block is charged whole): {data['max_concurrent_requests']:,} fit at once "
@@ -378,6 +384,35 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         con.print(f"[dim]config source: {model_source(model)}[/dim]")
     if not explain and inv.device_bytes is not None:
         con.print("[dim]--explain shows each term's formula and source[/dim]")
+
+
+def _hybrid(spec: Any, inv: Any, ctx_len: int) -> Any:
+    """The hybrid pool (one block table per KV cache group, sliding groups bounded by their window) the same
+    KV budget makes, for a model with sliding layers; None for a uniform model."""
+    from ..core.sizing.hybrid import hybrid_plan, is_hybrid
+
+    if not is_hybrid(spec):
+        return None
+    in_flight = inv.max_batched_tokens or 8192
+    return hybrid_plan(spec, inv.kv_budget_bytes - inv.residual_bytes, ctx_len, in_flight)
+
+
+def _hybrid_lines(plan: Any) -> list[str]:
+    from ..units import format_bytes
+
+    kinds = "; ".join(
+        f"{kind}: {row['layers']} layers in {row['groups']} group(s), {row['blocks_per_request']:,} blocks = "
+        f"{format_bytes(row['kv_bytes_per_request'])}" for kind, row in plan.by_kind().items())
+    pad = f", {plan.padding_layers} padding layer(s)" if plan.padding_layers else ""
+    return [
+        f"hybrid pool (a block table per KV cache group of {plan.group_size} layers{pad}; sliding groups hold "
+        f"their window beside {plan.in_flight_tokens:,} in-flight tokens): {plan.pool_blocks:,} blocks of "
+        f"{format_bytes(plan.block_bytes)}",
+        f"  a request of {plan.tokens:,} tokens holds {format_bytes(plan.kv_bytes_per_request)} ({kinds}) "
+        f"against {format_bytes(plan.uniform_bytes_per_request)} in the uniform pool",
+        f"  maximum concurrency for {plan.tokens:,} tokens per request: {plan.max_concurrency:.2f}x hybrid vs "
+        f"{plan.uniform_max_concurrency:.2f}x uniform ({plan.max_concurrency / plan.uniform_max_concurrency:.2f}x)",
+    ]
 
 
 __all__ = ["geometry_options", "kv_table", "plan_cmd", "resolve_spec"]

@@ -1,0 +1,465 @@
+"""Hybrid KV cache groups: a ledger for models whose layers keep different spans of tokens.
+
+Gemma 3 interleaves five sliding-window layers (1,024 tokens) with each global one, gpt-oss alternates 128-token
+windows with full attention, hybrid models add layers with a fixed-size state. Charging such a model as if every
+layer were global (`KVLedger`) holds, at 32k tokens, 2.3x the bytes Gemma 3's layers need. `GroupLedger` is the
+ledger of vLLM's hybrid allocator: layers are split into KV cache groups of one kind each
+(`core.sizing.hybrid.hybrid_plan` makes them from a model's geometry), every group draws block ids from one shared
+`BlockPool`, and a request holds one block table per group:
+
+- a **full** group keeps every block of the request;
+- a **sliding** group of window W keeps only the blocks the next query still attends to: before a step that
+  starts at position n, blocks wholly before ``n - W + 1`` are released (the step that read them has been
+  confirmed, so no kernel still reads them); a full, written block is retained as cache, as vLLM does, so it
+  can still serve a prefix hit. Its reservation is bounded by its window: ``ceil((W - 1 + step) / block) + 1``
+  blocks (``step``: the most tokens one step computes), never more than the request's own blocks;
+- a **state** group (linear attention, Mamba) holds one block per request for its whole life.
+
+Admission is one decision for all groups under the ledger's lock: the request's reservation in every group (full
+blocks for its reserved length, the window bound for sliding groups, one block for a state group) less its prefix
+hits must fit the pool's ``free + evictable - promised``; nothing is allocated or promised unless every group's
+share fits. Blocks are allocated step by step (`schedule`), from the request's own promises, so a promise always
+becomes a block without touching another request. A prefix hit is the longest length every group can serve: a
+full group needs every block before it, a sliding group only the blocks covering the last W - 1 tokens before it
+(vLLM's ``find_longest_cache_hit``), a state group none of them (its state is not kept per position, so a model
+with a state group gets no hit). Digests are the cache identity's chain (`core.identity`) keyed by group.
+
+`check()` states each group's conservation law: for every request and group, carried + promised == reserved and
+held <= reserved (a sliding group carries the capacity of the blocks it owns; a block shared by a prefix hit has
+one owner among its holders, and passes to another holder when its owner drops it); across groups, the blocks the
+tables hold carry exactly the pool's references, and the pool's ``free + active + retained == total``. Every
+operation is O(blocks it touches); the lock makes the ledger thread-safe. `KVLedger` is untouched: uniform models
+keep its behaviour and speed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from ..errors import ConfigError, InvariantError, LedgerError
+from . import checks
+from .eviction import EvictionPolicy
+from .identity import block_digest, prompt_digests
+from .pool import BlockPool
+from .types import Outcome, as_token_id
+
+GROUP_KINDS = ("full", "sliding", "state")
+NULL_BLOCK = -1  # a table entry whose block left the window (vLLM's null block): no kernel reads it
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheGroup:
+    """One KV cache group: ``layers`` layers of one kind sharing a block table. ``layer_block_bytes`` is one layer's
+    page (what ``KVFormat.parts`` lays out for one block of one layer), so the group's block holds
+    ``bytes_per_block`` bytes; the pool's block is as large as its largest group's."""
+
+    kind: str
+    layers: int = 1
+    window: int | None = None
+    layer_block_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.kind not in GROUP_KINDS:
+            raise ConfigError(f"KV cache group kind must be one of {', '.join(GROUP_KINDS)}, got {self.kind!r}")
+        checks.positive(self.layers, "KVCacheGroup.layers")
+        checks.non_negative(self.layer_block_bytes, "KVCacheGroup.layer_block_bytes")
+        if self.kind == "sliding":
+            checks.positive(self.window, "KVCacheGroup.window (a sliding group needs its window)")
+        elif self.window is not None:
+            raise ConfigError(f"a {self.kind} group has no window (got window={self.window})")
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.layers * self.layer_block_bytes
+
+    def reserved_blocks(self, tokens: int, block_size: int, step_tokens: int) -> int:
+        """Blocks a request of ``tokens`` tokens may hold at once in this group."""
+        if self.kind == "state":
+            return 1
+        n = _cdiv(tokens, block_size)
+        if self.kind == "sliding":
+            n = min(n, _cdiv(self.window - 1 + step_tokens, block_size) + 1)  # type: ignore[operator]
+        return n
+
+    def first_needed(self, computed: int, block_size: int) -> int:
+        """The first block a query at position ``computed`` (or later) still reads."""
+        if self.kind != "sliding":
+            return 0
+        return max(0, computed - self.window + 1) // block_size  # type: ignore[operator]
+
+
+@dataclass(slots=True)
+class GroupRequest:
+    """One request's state in a `GroupLedger`: its tokens, how many have computed KV, its reservation, and per group
+    a block table (``NULL_BLOCK`` where a block left the window) and the blocks still promised to it."""
+
+    request_id: str
+    tokens: list[int]
+    max_tokens: int  # prompt + reserved output: the reservation's length
+    root: bytes
+    computed: int = 0
+    scheduled: int = 0  # tokens given slots by the last `schedule`, not yet confirmed
+    window_from: int = 0  # the computed position the sliding groups last dropped blocks for
+    tables: list[list[int]] = field(default_factory=list)
+    held: list[int] = field(default_factory=list)  # live (non-null) entries per group
+    own: list[int] = field(default_factory=list)  # of those, the blocks whose capacity this request carries
+    promised: list[int] = field(default_factory=list)
+    reserved: list[int] = field(default_factory=list)
+    digests: list[bytes] = field(default_factory=list)  # chain digests of the full computed blocks
+    registered: list[int] = field(default_factory=list)  # per group: leading blocks already indexed
+
+    def block_tables(self) -> tuple[list[int], ...]:
+        return tuple(list(t) for t in self.tables)
+
+
+@dataclass(frozen=True, slots=True)
+class GroupDecision:
+    request_id: str
+    outcome: Outcome
+    reason: str
+    hit_tokens: int = 0  # prompt tokens every group serves from the cache
+    blocks_hit: tuple[int, ...] = ()  # per group: blocks taken from the cache
+    blocks_reserved: tuple[int, ...] = ()  # per group: the reservation
+
+    @property
+    def admitted(self) -> bool:
+        return self.outcome is Outcome.ADMITTED
+
+
+class GroupLedger:
+    """The ledger of a hybrid KV pool (see the module docstring). ``step_tokens`` is the most tokens one
+    `schedule` gives a request (the scheduler's chunk): it bounds what a sliding group holds at once."""
+
+    def __init__(self, num_blocks: int, block_size: int, groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup], *,
+                 step_tokens: int = 8192, enable_prefix_caching: bool = True,
+                 policy: EvictionPolicy | None = None) -> None:
+        checks.positive(num_blocks, "num_blocks")
+        self.block_size = checks.positive(block_size, "block_size")
+        self.step_tokens = checks.positive(step_tokens, "step_tokens")
+        self.groups = tuple(groups)
+        if not self.groups or len(self.groups) > 255:
+            raise ConfigError("a GroupLedger needs between 1 and 255 KV cache groups")
+        if not all(isinstance(g, KVCacheGroup) for g in self.groups):
+            raise ConfigError("groups must be KVCacheGroup values")
+        self.pool = BlockPool(num_blocks, policy)
+        self.prefix_caching = bool(enable_prefix_caching) and all(g.kind != "state" for g in self.groups)
+        self._group_keys = [bytes((i,)) for i in range(len(self.groups))]
+        self.requests: dict[str, GroupRequest] = {}
+        self.promised = 0
+        # A sliding group's block may be shared (a prefix hit) and then dropped by one holder while others keep it:
+        # its capacity is carried by exactly one holder, its owner, and passes to another holder when the owner
+        # lets go, so a drop re-promises a block only when one really came back.
+        self._owner: dict[int, str] = {}
+        self._holders: dict[int, list[str]] = {}
+        self._lock = threading.RLock()
+
+    # ---- sizes ------------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block id: the largest group's block (vLLM pads the others to it)."""
+        return max(g.bytes_per_block for g in self.groups)
+
+    def reserved_blocks(self, tokens: int) -> tuple[int, ...]:
+        """Per group, the blocks a request of ``tokens`` tokens reserves."""
+        return tuple(g.reserved_blocks(tokens, self.block_size, self.step_tokens) for g in self.groups)
+
+    def available(self) -> int:
+        """Blocks a new reservation may still claim: free + evictable - promised."""
+        return self.pool.num_free + self.pool.num_evictable - self.promised
+
+    # ---- admission --------------------------------------------------------------------------------
+    def admit(self, request_id: str, prompt: list[int], max_new_tokens: int, *, root: bytes = b"") -> GroupDecision:
+        """Reserve the request in every group at once, or in none (see the module docstring)."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ConfigError("request_id must be a non-empty string")
+        tokens = [as_token_id(t, request_id) for t in prompt]
+        if not tokens:
+            raise ConfigError(f"{request_id!r}: a prompt needs at least one token")
+        max_new = checks.count(max_new_tokens, "max_new_tokens")
+        length = len(tokens) + max_new
+        need = self.reserved_blocks(length)
+        if sum(need) > self.pool.num_blocks:
+            return GroupDecision(request_id, Outcome.NEVER, f"needs {sum(need)} blocks ({' + '.join(map(str, need))} "
+                                 f"by group) but the pool has {self.pool.num_blocks}", 0, (), need)
+        digests = prompt_digests(root, tokens, self.block_size) if self.prefix_caching else []
+        with self._lock:
+            if request_id in self.requests:
+                raise LedgerError(f"request {request_id!r} is already admitted")
+            hit_blocks, per_group = self._longest_hit(digests, len(tokens))
+            taken = [len(b) for b in per_group]
+            ref = self.pool.ref
+            # A full group's hits are charged to nobody new (they are never dropped before the request ends); a
+            # sliding group carries only the cached blocks nobody holds (taking them costs capacity), not the ones
+            # it borrows from running requests, which their owners carry.
+            own = [len(blocks) if group.kind != "sliding" else sum(1 for b in blocks if ref[b] == 0)
+                   for group, blocks in zip(self.groups, per_group, strict=True)]
+            retained_hits = sum(1 for blocks in per_group for b in blocks if ref[b] == 0)
+            charge = sum(n - o for n, o in zip(need, own, strict=True))
+            if charge > self.available() - retained_hits:
+                return GroupDecision(request_id, Outcome.NOT_NOW,
+                                     f"needs {charge} more blocks; {self.available() - retained_hits} can be "
+                                     "promised now", 0, tuple(taken), need)
+            req = GroupRequest(request_id, tokens, length, root)
+            bs = self.block_size
+            hit_tokens = hit_blocks * bs
+            for g, blocks in enumerate(per_group):
+                if self.groups[g].kind == "sliding":
+                    for b in blocks:
+                        if ref[b] == 0:
+                            self._owner[b] = request_id
+                        self._holders.setdefault(b, []).append(request_id)
+                self.pool.share_many(blocks)
+                first = hit_blocks - len(blocks)
+                req.tables.append([NULL_BLOCK] * first + blocks)
+                req.held.append(len(blocks))
+                req.own.append(own[g])
+                req.promised.append(need[g] - own[g])
+                req.reserved.append(need[g])
+                req.registered.append(hit_blocks)
+            req.digests = digests[:hit_blocks]
+            req.computed = req.scheduled = req.window_from = hit_tokens
+            self.promised += charge
+            self.requests[request_id] = req
+            return GroupDecision(request_id, Outcome.ADMITTED, "admitted", hit_tokens, tuple(taken), need)
+
+    def _longest_hit(self, digests: list[bytes], prompt_len: int) -> tuple[int, list[list[int]]]:
+        """(blocks every group serves, the cached blocks each group takes). At least the prompt's last token is
+        always computed, so its logits exist: the hit ends before it."""
+        groups = self.groups
+        if not digests:
+            return 0, [[] for _ in groups]
+        index, keys, bs = self.pool.index, self._group_keys, self.block_size
+        written = self.pool.written
+        limit = min(len(digests), (prompt_len - 1) // bs)
+
+        def cached(g: int, j: int) -> int | None:
+            b = index.get(digests[j] + keys[g])
+            return b if b is not None and written[b] else None
+
+        hit = limit
+        for g, group in enumerate(groups):  # full groups first: a prefix-closed bound
+            if group.kind == "full":
+                n = 0
+                while n < hit and cached(g, n) is not None:
+                    n += 1
+                hit = n
+        for g, group in enumerate(groups):
+            if group.kind != "sliding":
+                continue
+            # The longest n <= hit whose window blocks [first_needed(n*bs), n) are all cached.
+            n = hit
+            while n > 0:
+                first = group.first_needed(n * bs, bs)
+                miss = next((j for j in range(n - 1, first - 1, -1) if cached(g, j) is None), None)
+                if miss is None:
+                    break
+                n = miss  # no length past a missing block can use it
+            hit = n
+        out = []
+        for g, group in enumerate(groups):
+            first = group.first_needed(hit * bs, bs)
+            out.append([cached(g, j) for j in range(first, hit)])  # type: ignore[misc]
+        return hit, out
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def schedule(self, request_id: str, num_tokens: int) -> tuple[list[int], ...]:
+        """Give the next ``num_tokens`` of the request's tokens slots in every group and return its block tables.
+
+        First every sliding group releases the blocks no query from the computed position on reads (the last
+        step was confirmed, so nothing reads them); then each group allocates from the request's promises."""
+        with self._lock:
+            req = self._get(request_id)
+            n = checks.count(num_tokens, "num_tokens", 1, self.step_tokens)
+            if req.scheduled != req.computed:
+                raise LedgerError(f"request {request_id!r} has a step scheduled but not confirmed")
+            end = req.computed + n
+            if end > len(req.tokens) or end > req.max_tokens:
+                raise LedgerError(f"request {request_id!r}: {n} tokens from {req.computed} pass its tokens "
+                                  f"({len(req.tokens)}) or its reservation ({req.max_tokens})")
+            bs, pool = self.block_size, self.pool
+            req.window_from = req.computed
+            for g, group in enumerate(self.groups):
+                table = req.tables[g]
+                if group.kind == "sliding":
+                    first = min(group.first_needed(req.computed, bs), len(table))
+                    drop = [b for b in table[:first] if b != NULL_BLOCK]
+                    if drop:
+                        for j in range(first):
+                            table[j] = NULL_BLOCK
+                        self._drop(req, g, drop)
+                want = 1 if group.kind == "state" else _cdiv(end, bs)
+                grow = want - len(table)
+                if grow > 0:
+                    if grow > req.promised[g]:
+                        raise InvariantError(f"group {g} of {request_id!r} needs {grow} blocks beyond its "
+                                             f"reservation ({req.promised[g]} promised)")
+                    new = pool.allocate_many(grow)
+                    table.extend(new)
+                    if group.kind == "sliding":
+                        for b in new:
+                            self._owner[b] = request_id
+                            self._holders[b] = [request_id]
+                    req.held[g] += grow
+                    req.own[g] += grow
+                    req.promised[g] -= grow
+                    self.promised -= grow
+            req.scheduled = end
+            return req.block_tables()
+
+    def confirm(self, request_id: str, sampled: int | None = None) -> None:
+        """The scheduled step ran: its tokens' KV is written. Full blocks enter the prefix index (keyed by group);
+        ``sampled`` is the token the step produced, appended to the request."""
+        with self._lock:
+            req = self._get(request_id)
+            if sampled is not None:
+                req.tokens.append(as_token_id(sampled, request_id))
+            req.computed = req.scheduled
+            if not self.prefix_caching:
+                return
+            bs, pool = self.block_size, self.pool
+            full = min(req.computed, len(req.tokens)) // bs
+            while len(req.digests) < full:
+                j = len(req.digests)
+                parent = req.digests[-1] if req.digests else req.root
+                req.digests.append(block_digest(parent, req.tokens[j * bs:(j + 1) * bs]))
+            for g in range(len(self.groups)):
+                table, key = req.tables[g], self._group_keys[g]
+                for j in range(req.registered[g], full):
+                    b = table[j]
+                    if b != NULL_BLOCK and pool.register(b, req.digests[j] + key):
+                        pool.written[b] = True
+                req.registered[g] = max(req.registered[g], full)
+
+    def release(self, request_id: str) -> None:
+        """The request ended: every group's blocks return (written, indexed ones retained), its promises end."""
+        with self._lock:
+            req = self._get(request_id)
+            for g, table in enumerate(req.tables):
+                live = [b for b in reversed(table) if b != NULL_BLOCK]  # tail first: evicted before the head
+                if self.groups[g].kind == "sliding":
+                    self._drop(req, g, live)
+                else:
+                    self.pool.release_many(live)
+                self.promised -= req.promised[g]
+            del self.requests[request_id]
+
+    def block_tables(self, request_id: str) -> tuple[list[int], ...]:
+        with self._lock:
+            return self._get(request_id).block_tables()
+
+    def slot_mapping(self, request_id: str, start: int, end: int) -> tuple[list[int], ...]:
+        """Per group, the flat slots of positions ``[start, end)`` (a state group: its one block, once)."""
+        with self._lock:
+            req = self._get(request_id)
+            bs, out = self.block_size, []
+            for g, group in enumerate(self.groups):
+                table = req.tables[g]
+                if group.kind == "state":
+                    out.append([table[0] * bs])
+                    continue
+                slots = []
+                for p in range(start, end):
+                    b = table[p // bs] if p // bs < len(table) else NULL_BLOCK
+                    if b == NULL_BLOCK:
+                        raise LedgerError(f"position {p} of {request_id!r} has no block in group {g}")
+                    slots.append(b * bs + p % bs)
+                out.append(slots)
+            return tuple(out)
+
+    def _drop(self, req: GroupRequest, g: int, blocks: list[int]) -> None:
+        """``req`` lets go of sliding-group blocks. An owned block still held by others passes to one of them (its
+        promise pays for it: a holder's promises always cover the blocks it borrows); one nobody holds returns to
+        the pool, and the owner's reservation is promised again."""
+        rid, owner, holders = req.request_id, self._owner, self._holders
+        for b in blocks:
+            others = holders[b]
+            others.remove(rid)
+            if owner.get(b) == rid:
+                req.own[g] -= 1
+                req.promised[g] += 1
+                self.promised += 1
+                if others:
+                    heir = self.requests[others[0]]
+                    owner[b] = heir.request_id
+                    heir.own[g] += 1
+                    heir.promised[g] -= 1
+                    self.promised -= 1
+                else:
+                    del owner[b]
+            if not others:
+                del holders[b]
+        self.pool.release_many(blocks)
+        req.held[g] -= len(blocks)
+
+    def _get(self, request_id: str) -> GroupRequest:
+        req = self.requests.get(request_id)
+        if req is None:
+            raise LedgerError(f"unknown request {request_id!r}")
+        return req
+
+    # ---- audit ------------------------------------------------------------------------------------
+    def usage(self) -> dict[str, object]:
+        with self._lock:
+            held = [sum(r.held[g] for r in self.requests.values()) for g in range(len(self.groups))]
+            return {"free": self.pool.num_free, "active": self.pool.num_active, "retained": self.pool.num_retained,
+                    "promised": self.promised, "available": self.available(), "held_by_group": held,
+                    "bytes_held_by_group": [h * g.bytes_per_block for h, g in zip(held, self.groups, strict=True)]}
+
+    def check(self) -> None:
+        """Every group's conservation law, then the pool's (O(pool + tables))."""
+        with self._lock:
+            pool, bs = self.pool, self.block_size
+            refs = [0] * pool.num_blocks
+            owner: dict[int, int] = {}
+            promised = 0
+            for rid, req in self.requests.items():
+                for g, group in enumerate(self.groups):
+                    table = req.tables[g]
+                    live = [b for b in table if b != NULL_BLOCK]
+                    if len(live) != req.held[g]:
+                        raise InvariantError(f"{rid!r} group {g}: {len(live)} live blocks, held says {req.held[g]}")
+                    if req.own[g] + req.promised[g] != req.reserved[g] or req.promised[g] < 0:
+                        raise InvariantError(f"{rid!r} group {g}: own {req.own[g]} + promised {req.promised[g]} "
+                                             f"!= reserved {req.reserved[g]}")
+                    if req.held[g] > req.reserved[g]:
+                        raise InvariantError(f"{rid!r} group {g}: holds {req.held[g]} blocks, above its bound "
+                                             f"{req.reserved[g]}")
+                    if group.kind != "sliding" and req.own[g] != req.held[g]:
+                        raise InvariantError(f"{rid!r} group {g}: a {group.kind} group carries {req.own[g]} of "
+                                             f"its {req.held[g]} blocks")
+                    if group.kind == "sliding":
+                        owned = sum(1 for b in live if self._owner.get(b) == rid)
+                        if owned != req.own[g] or any(self._holders[b].count(rid) != 1 for b in live):
+                            raise InvariantError(f"{rid!r} group {g}: owns {owned} blocks, own says {req.own[g]}")
+                        first = group.first_needed(req.window_from, bs)
+                        if any(b != NULL_BLOCK for b in table[:first]):
+                            raise InvariantError(f"{rid!r} group {g}: a block before the window is still held")
+                    elif NULL_BLOCK in table:
+                        raise InvariantError(f"{rid!r} group {g}: a {group.kind} group dropped a block")
+                    for b in live:
+                        refs[b] += 1
+                        if owner.setdefault(b, g) != g:
+                            raise InvariantError(f"block {b} is held by groups {owner[b]} and {g}")
+                    promised += req.promised[g]
+            if promised != self.promised:
+                raise InvariantError(f"promised {self.promised} != the requests' promises {promised}")
+            if self.promised > pool.num_free + pool.num_evictable:
+                raise InvariantError(f"promised {self.promised} > free {pool.num_free} + evictable "
+                                     f"{pool.num_evictable}")
+            for b, rid in self._owner.items():
+                if rid not in self._holders.get(b, ()):
+                    raise InvariantError(f"block {b}'s owner {rid!r} does not hold it")
+            if set(self._holders) != set(self._owner):
+                raise InvariantError("a held sliding block has no owner")
+            for b in range(pool.num_blocks):
+                if refs[b] != pool.ref[b]:
+                    raise InvariantError(f"block {b}: {pool.ref[b]} references, tables hold {refs[b]}")
+            pool.check()
+
+
+__all__ = ["GROUP_KINDS", "NULL_BLOCK", "GroupDecision", "GroupLedger", "GroupRequest", "KVCacheGroup"]

@@ -221,3 +221,18 @@ def test_a_shared_window_block_passes_to_its_other_holder() -> None:
     led.release("b")
     led.check()
     assert led.promised == 0 and led.pool.num_active == 0
+
+
+def test_past_the_prompt_the_window_bound_shrinks_to_the_decode_step() -> None:
+    """A prefill chunk of 16 tokens needs ceil((8 - 1 + 16) / 4) + 1 = 7 window blocks; decoding ceil(8 / 4) + 1 = 3:
+    the other 4 go back to the pool's promisable capacity once the prompt is computed."""
+    led = _ledger(blocks=64, step=16)
+    assert led.admit("a", list(range(40)), 40).blocks_reserved == (20, 7)
+    _run(led, "a", chunk=16, steps=3)  # 16 + 16 + 8: the prompt is computed
+    before = led.available()
+    led.schedule("a", 1)
+    assert led.requests["a"].reserved == [20, 3] and led.available() == before + 4
+    led.confirm("a", 5)
+    with pytest.raises(ConfigError):
+        led.schedule("a", 2)  # decoding: one token a step
+    led.check()

@@ -12,7 +12,8 @@ ledger of vLLM's hybrid allocator: layers are split into KV cache groups of one 
   starts at position n, blocks wholly before ``n - W + 1`` are released (the step that read them has been
   confirmed, so no kernel still reads them); a full, written block is retained as cache, as vLLM does, so it
   can still serve a prefix hit. Its reservation is bounded by its window: ``ceil((W - 1 + step) / block) + 1``
-  blocks (``step``: the most tokens one step computes), never more than the request's own blocks;
+  blocks (``step``: the most tokens one step computes), never more than the request's own blocks; once the prompt
+  is computed, steps compute at most ``decode_tokens`` and the bound shrinks to the decode step's;
 - a **state** group (linear attention, Mamba) holds one block per request for its whole life.
 
 Admission is one decision for all groups under the ledger's lock: the request's reservation in every group (full
@@ -101,6 +102,7 @@ class GroupRequest:
     request_id: str
     tokens: list[int]
     max_tokens: int  # prompt + reserved output: the reservation's length
+    prompt_len: int
     root: bytes
     computed: int = 0
     scheduled: int = 0  # tokens given slots by the last `schedule`, not yet confirmed
@@ -136,11 +138,12 @@ class GroupLedger:
     `schedule` gives a request (the scheduler's chunk): it bounds what a sliding group holds at once."""
 
     def __init__(self, num_blocks: int, block_size: int, groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup], *,
-                 step_tokens: int = 8192, enable_prefix_caching: bool = True,
+                 step_tokens: int = 8192, decode_tokens: int = 1, enable_prefix_caching: bool = True,
                  policy: EvictionPolicy | None = None) -> None:
         checks.positive(num_blocks, "num_blocks")
         self.block_size = checks.positive(block_size, "block_size")
         self.step_tokens = checks.positive(step_tokens, "step_tokens")
+        self.decode_tokens = checks.count(decode_tokens, "decode_tokens", 1, self.step_tokens)
         self.groups = tuple(groups)
         if not self.groups or len(self.groups) > 255:
             raise ConfigError("a GroupLedger needs between 1 and 255 KV cache groups")
@@ -204,7 +207,7 @@ class GroupLedger:
                 return GroupDecision(request_id, Outcome.NOT_NOW,
                                      f"needs {charge} more blocks; {self.available() - retained_hits} can be "
                                      "promised now", 0, tuple(taken), need)
-            req = GroupRequest(request_id, tokens, length, root)
+            req = GroupRequest(request_id, tokens, length, len(tokens), root)
             bs = self.block_size
             hit_tokens = hit_blocks * bs
             for g, blocks in enumerate(per_group):
@@ -274,7 +277,8 @@ class GroupLedger:
         step was confirmed, so nothing reads them); then each group allocates from the request's promises."""
         with self._lock:
             req = self._get(request_id)
-            n = checks.count(num_tokens, "num_tokens", 1, self.step_tokens)
+            decoding = req.computed >= req.prompt_len
+            n = checks.count(num_tokens, "num_tokens", 1, self.decode_tokens if decoding else self.step_tokens)
             if req.scheduled != req.computed:
                 raise LedgerError(f"request {request_id!r} has a step scheduled but not confirmed")
             end = req.computed + n
@@ -292,6 +296,15 @@ class GroupLedger:
                         for j in range(first):
                             table[j] = NULL_BLOCK
                         self._drop(req, g, drop)
+                    if decoding:
+                        # Past the prompt a step computes at most `decode_tokens`: the window's bound shrinks from
+                        # the prefill chunk's to the decode step's, and the difference is promised to nobody.
+                        bound = group.reserved_blocks(req.max_tokens, bs, self.decode_tokens)
+                        spare = req.reserved[g] - bound
+                        if spare > 0:
+                            req.reserved[g] = bound
+                            req.promised[g] -= spare
+                            self.promised -= spare
                 want = 1 if group.kind == "state" else _cdiv(end, bs)
                 grow = want - len(table)
                 if grow > 0:

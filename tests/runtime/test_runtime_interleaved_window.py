@@ -1,0 +1,91 @@
+"""A sliding/global-interleaved model (Gemma 2/3 and gpt-oss style: `layer_types` alternating sliding and full
+attention) runs exactly: random-weight Qwen2 configs with a window shorter than every prompt, 16 prompts, greedy,
+equal to transformers' eager reference token for token -- batched, with prefix hits and after a fork."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvledger.core import Request
+from kvledger.runtime import ModelRunner, SeqStep, generate_greedy, native
+from kvledger.runtime.kernels import NativeKernels, TorchKernels
+
+
+@pytest.fixture(params=["torch", "native"])
+def path_kind(request: pytest.FixtureRequest) -> str:
+    """Both CPU paths: torch attention and layers, or the native kernels (skipped with KVLEDGER_NATIVE=0)."""
+    if request.param == "native" and os.environ.get(native.NATIVE_ENV) == "0":
+        pytest.skip("KVLEDGER_NATIVE=0: only the pure-torch paths")
+    return request.param
+
+
+def _runner(path: Path, kind: str, **kw: object) -> ModelRunner:
+    kernels = NativeKernels() if kind == "native" else TorchKernels()
+    return ModelRunner.from_pretrained(path, backend=kind, kernels=kernels, **kw)
+
+
+def _prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in lengths]
+
+
+@torch.no_grad()
+def _hf_generate(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+
+
+@pytest.fixture(scope="module", params=[5, 8])
+def interleaved(request: pytest.FixtureRequest, make_tiny):
+    window = request.param
+    path, hf = make_tiny("qwen2", seed=21 + window, num_hidden_layers=len(LAYERS), use_sliding_window=True,
+                         sliding_window=window, max_window_layers=0, layer_types=LAYERS,
+                         attn_implementation="eager")
+    assert hf.config.layer_types == LAYERS and hf.config.sliding_window == window
+    return window, path, hf
+
+
+def test_sixteen_prompts_past_the_window_equal_transformers(interleaved, path_kind: str) -> None:
+    window, path, hf = interleaved
+    runner = _runner(path, path_kind, num_blocks=256, block_size=4)
+    assert runner.config.windows == tuple(window if k == "sliding_attention" else None for k in LAYERS)
+    base = _prompts([20], seed=30)[0]
+    prompts = _prompts([9, 13, 17, 22, 26, 31, 12, 15], seed=31)
+    prompts += [base + p[:k] for p, k in zip(prompts, (1, 2, 3, 4, 5, 6, 7, 8), strict=True)]  # shared 20-token head
+    assert len(prompts) == 16 and min(map(len, prompts)) > window
+    new = 10
+    ledger = runner.new_ledger()
+    out = generate_greedy(runner, ledger, prompts, new)
+    assert out == [_hf_generate(hf, p, new) for p in prompts]
+    assert ledger.stats()["prefix_cache"]["hit_blocks"] > 0  # the shared head was served from the cache
+
+
+def test_a_fork_past_the_window_equals_transformers(interleaved, path_kind: str) -> None:
+    """Fork after prefill; the two branches continue from different first tokens, each exact."""
+    _, path, hf = interleaved
+    runner = _runner(path, path_kind, num_blocks=64, block_size=4)
+    ledger = runner.new_ledger()
+    prompt, new = _prompts([14], seed=40)[0], 8
+    ledger.admit(Request("a", prompt, new)).raise_for_outcome()
+    logits = runner.forward([SeqStep.from_sequence(ledger.sequence("a"), 0)])
+    first, second = logits[0].topk(2).indices.tolist()
+    ledger.fork("a", "b")
+    ledger.append_token("a", first)
+    ledger.append_token("b", second)
+    runner.store.copy_blocks(ledger.take_copies())
+    for _ in range(new - 1):
+        seqs = [ledger.sequence(r) for r in ("a", "b")]
+        logits = runner.forward([SeqStep.from_sequence(s, s.num_tokens - 1) for s in seqs])
+        for rid, token in zip(("a", "b"), logits.argmax(-1).tolist(), strict=True):
+            ledger.append_token(rid, token)
+        runner.store.copy_blocks(ledger.take_copies())
+    for rid, head in (("a", first), ("b", second)):
+        assert ledger.sequence(rid).tokens[len(prompt) + 1:] == _hf_generate(hf, prompt + [head], new - 1)

@@ -1,6 +1,7 @@
 """A sliding/global-interleaved model (Gemma 2/3 and gpt-oss style: `layer_types` alternating sliding and full
 attention) runs exactly: random-weight Qwen2 configs with a window shorter than every prompt, 16 prompts, greedy,
-equal to transformers' eager reference token for token -- batched, with prefix hits and after a fork."""
+equal to transformers' eager reference token for token -- batched, with prefix hits, after a fork, and through the
+engine under preemption by recompute and by swap."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import torch
 
 from kvledger.core import Request
 from kvledger.runtime import ModelRunner, SeqStep, generate_greedy, native
+from kvledger.runtime.engine import Engine
 from kvledger.runtime.kernels import NativeKernels, TorchKernels
+from kvledger.scheduler import SchedulerConfig
 
 
 @pytest.fixture(params=["torch", "native"])
@@ -89,3 +92,30 @@ def test_a_fork_past_the_window_equals_transformers(interleaved, path_kind: str)
         runner.store.copy_blocks(ledger.take_copies())
     for rid, head in (("a", first), ("b", second)):
         assert ledger.sequence(rid).tokens[len(prompt) + 1:] == _hf_generate(hf, prompt + [head], new - 1)
+
+
+PRESSURE = {
+    "recompute": dict(num_blocks=16, scheduler_config=SchedulerConfig(
+        policy="incremental", on_growth_failure="preempt", recovery="recompute")),
+    "swap": dict(num_blocks=16, host_blocks=96, scheduler_config=SchedulerConfig(
+        policy="incremental", on_growth_failure="preempt", recovery="swap")),
+}
+
+
+@pytest.mark.parametrize("mode", list(PRESSURE))
+def test_engine_under_preemption_equals_transformers(interleaved, mode: str) -> None:
+    """16 requests sharing heads in a 16-block pool: they take turns, growth fails, running requests are preempted
+    (recomputed, or swapped to the host and back), and every output still equals transformers'."""
+    window, path, hf = interleaved
+    heads = _prompts([9, 10], seed=50)
+    prompts = [heads[i % 2] + p for i, p in enumerate(_prompts([1 + (3 * i) % 7 for i in range(16)], seed=51))]
+    assert min(map(len, prompts)) > window
+    new = 10
+    engine = Engine.from_model(path, block_size=4, **PRESSURE[mode])
+    results = engine.generate(prompts, new)
+    assert [r.output for r in results] == [_hf_generate(hf, p, new) for p in prompts]
+    assert engine.scheduler.preemptions > 0
+    if mode == "swap":
+        assert engine.stats.swapped_out_blocks > 0 and engine.stats.swapped_in_blocks > 0
+    engine.check()
+    assert engine.ledger.usage().active == 0

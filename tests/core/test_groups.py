@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvledger.core.groups import NULL_BLOCK, GroupLedger, KVCacheGroup
+from kvledger.core.groups import NULL_BLOCK, GroupLedger, KVCacheGroup, MMItem
 from kvledger.core.sizing.geometry import KVSpec
 from kvledger.core.sizing.hybrid import hybrid_plan
 from kvledger.core.types import Outcome
@@ -235,4 +235,36 @@ def test_past_the_prompt_the_window_bound_shrinks_to_the_decode_step() -> None:
     led.confirm("a", 5)
     with pytest.raises(ConfigError):
         led.schedule("a", 2)  # decoding: one token a step
+    led.check()
+
+
+def _served(led: GroupLedger, rid: str, prompt: list[int], **kw) -> None:
+    led.admit(rid, prompt, 1, **kw)
+    _run(led, rid, chunk=4)
+    led.release(rid)
+
+
+def test_draft_aware_hit_drops_the_last_matched_block() -> None:
+    led = _ledger()
+    prompt = list(range(41))
+    _served(led, "a", prompt)
+    assert led.admit("b", prompt, 1).hit_tokens == 40
+    d = led.admit("c", prompt, 1, drop_last_hit_block=True)
+    assert d.hit_tokens == 36 and d.blocks_hit == (9, 2)  # the window at 36 reaches back to block 7
+    led.check()
+
+
+def test_image_keys_scope_to_the_blocks_an_image_covers() -> None:
+    """Two requests with the same text and different images at position 20: the 5 text blocks before the image are
+    shared, the image's blocks are not; the same image again hits through the image."""
+    led = _ledger(groups=(FULL,))
+    prompt = list(range(41))  # tokens 20-27 are the image's placeholders
+    _served(led, "a", prompt, mm_items=[MMItem("cat", 20, 8)])
+    assert led.admit("b", prompt, 1, mm_items=[MMItem("dog", 20, 8)]).hit_tokens == 20
+    assert led.admit("c", prompt, 1, mm_items=[MMItem("cat", 20, 8)]).hit_tokens == 40
+    # The same image at 24: block 5 (20-23) is text here but was the image's in "a", so the hit ends before it.
+    assert led.admit("d", prompt, 1, mm_items=[MMItem("cat", 24, 4)]).hit_tokens == 20
+    assert led.admit("e", prompt, 1).hit_tokens == 20
+    with pytest.raises(ConfigError):
+        led.admit("f", prompt, 1, mm_items=[MMItem("cat", 40, 8)])  # past the prompt
     led.check()

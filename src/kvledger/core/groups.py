@@ -94,6 +94,36 @@ class KVCacheGroup:
         return max(0, computed - self.window + 1) // block_size  # type: ignore[operator]
 
 
+@dataclass(frozen=True, slots=True)
+class MMItem:
+    """A multimodal input (an image) whose placeholder tokens cover prompt positions ``[offset, offset + length)``.
+    Its hash is an extra key of exactly the blocks it covers, with the item's offset relative to each block (vLLM's
+    per-block ``(mm hash, offset)``): text blocks before the image keep their plain digests and are shared across
+    requests with different images; the blocks it covers, and every block after them, are the image's own."""
+
+    mm_hash: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mm_hash, str) or not self.mm_hash:
+            raise ConfigError("MMItem.mm_hash must be a non-empty string")
+        checks.count(self.offset, "MMItem.offset")
+        checks.positive(self.length, "MMItem.length")
+
+
+def block_key(parent: bytes, tokens: list[int], start: int, mm_items: tuple[MMItem, ...] = ()) -> bytes:
+    """The digest of the block of ``tokens`` at prompt position ``start``: the cache identity's chain
+    (`identity.block_digest`), and for a block an image covers, the image's hash and offset folded in."""
+    digest = block_digest(parent, tokens)
+    end = start + len(tokens)
+    extra = [f"{m.mm_hash}@{m.offset - start}".encode() for m in mm_items
+             if m.offset < end and start < m.offset + m.length]
+    if extra:
+        digest = block_digest(digest + b"\x00mm\x00" + b"\x00".join(extra), [])
+    return digest
+
+
 @dataclass(slots=True)
 class GroupRequest:
     """One request's state in a `GroupLedger`: its tokens, how many have computed KV, its reservation, and per group
@@ -114,6 +144,7 @@ class GroupRequest:
     reserved: list[int] = field(default_factory=list)
     digests: list[bytes] = field(default_factory=list)  # chain digests of the full computed blocks
     registered: list[int] = field(default_factory=list)  # per group: leading blocks already indexed
+    mm_items: tuple[MMItem, ...] = ()
 
     def block_tables(self) -> tuple[list[int], ...]:
         return tuple(list(t) for t in self.tables)
@@ -176,8 +207,13 @@ class GroupLedger:
         return self.pool.num_free + self.pool.num_evictable - self.promised
 
     # ---- admission --------------------------------------------------------------------------------
-    def admit(self, request_id: str, prompt: list[int], max_new_tokens: int, *, root: bytes = b"") -> GroupDecision:
-        """Reserve the request in every group at once, or in none (see the module docstring)."""
+    def admit(self, request_id: str, prompt: list[int], max_new_tokens: int, *, root: bytes = b"",
+              drop_last_hit_block: bool = False, mm_items: tuple[MMItem, ...] | list[MMItem] = ()) -> GroupDecision:
+        """Reserve the request in every group at once, or in none (see the module docstring).
+
+        ``drop_last_hit_block`` gives up the last block of a prefix hit, so its tokens are computed again: a drafter
+        (EAGLE) needs the target model's hidden states of the tokens before its first proposal, which the cache
+        does not keep (vLLM drops the last matched block for it). ``mm_items`` are the prompt's images (`MMItem`)."""
         if not isinstance(request_id, str) or not request_id:
             raise ConfigError("request_id must be a non-empty string")
         tokens = [as_token_id(t, request_id) for t in prompt]
@@ -189,11 +225,17 @@ class GroupLedger:
         if sum(need) > self.pool.num_blocks:
             return GroupDecision(request_id, Outcome.NEVER, f"needs {sum(need)} blocks ({' + '.join(map(str, need))} "
                                  f"by group) but the pool has {self.pool.num_blocks}", 0, (), need)
-        digests = prompt_digests(root, tokens, self.block_size) if self.prefix_caching else []
+        checks.flag(drop_last_hit_block, "drop_last_hit_block")
+        items = tuple(mm_items)
+        if not all(isinstance(m, MMItem) and m.offset + m.length <= len(tokens) for m in items):
+            raise ConfigError(f"{request_id!r}: mm_items must be MMItem values inside the prompt")
+        digests = self._prompt_digests(root, tokens, items) if self.prefix_caching else []
         with self._lock:
             if request_id in self.requests:
                 raise LedgerError(f"request {request_id!r} is already admitted")
             hit_blocks, per_group = self._longest_hit(digests, len(tokens))
+            if drop_last_hit_block and hit_blocks:
+                hit_blocks, per_group = self._longest_hit(digests, len(tokens), hit_blocks - 1)
             taken = [len(b) for b in per_group]
             ref = self.pool.ref
             # A full group's hits are charged to nobody new (they are never dropped before the request ends); a
@@ -207,7 +249,7 @@ class GroupLedger:
                 return GroupDecision(request_id, Outcome.NOT_NOW,
                                      f"needs {charge} more blocks; {self.available() - retained_hits} can be "
                                      "promised now", 0, tuple(taken), need)
-            req = GroupRequest(request_id, tokens, length, len(tokens), root)
+            req = GroupRequest(request_id, tokens, length, len(tokens), root, mm_items=items)
             bs = self.block_size
             hit_tokens = hit_blocks * bs
             for g, blocks in enumerate(per_group):
@@ -230,15 +272,25 @@ class GroupLedger:
             self.requests[request_id] = req
             return GroupDecision(request_id, Outcome.ADMITTED, "admitted", hit_tokens, tuple(taken), need)
 
-    def _longest_hit(self, digests: list[bytes], prompt_len: int) -> tuple[int, list[list[int]]]:
-        """(blocks every group serves, the cached blocks each group takes). At least the prompt's last token is
-        always computed, so its logits exist: the hit ends before it."""
+    def _prompt_digests(self, root: bytes, tokens: list[int], items: tuple[MMItem, ...]) -> list[bytes]:
+        if not items:
+            return prompt_digests(root, tokens, self.block_size)
+        bs, out, parent = self.block_size, [], root
+        for j in range(len(tokens) // bs):
+            parent = block_key(parent, tokens[j * bs:(j + 1) * bs], j * bs, items)
+            out.append(parent)
+        return out
+
+    def _longest_hit(self, digests: list[bytes], prompt_len: int, cap: int | None = None
+                     ) -> tuple[int, list[list[int]]]:
+        """(blocks every group serves, the cached blocks each group takes), at most ``cap`` blocks. At least the
+        prompt's last token is always computed, so its logits exist: the hit ends before it."""
         groups = self.groups
         if not digests:
             return 0, [[] for _ in groups]
         index, keys, bs = self.pool.index, self._group_keys, self.block_size
         written = self.pool.written
-        limit = min(len(digests), (prompt_len - 1) // bs)
+        limit = min(len(digests), (prompt_len - 1) // bs, len(digests) if cap is None else cap)
 
         def cached(g: int, j: int) -> int | None:
             b = index.get(digests[j] + keys[g])
@@ -339,7 +391,7 @@ class GroupLedger:
             while len(req.digests) < full:
                 j = len(req.digests)
                 parent = req.digests[-1] if req.digests else req.root
-                req.digests.append(block_digest(parent, req.tokens[j * bs:(j + 1) * bs]))
+                req.digests.append(block_key(parent, req.tokens[j * bs:(j + 1) * bs], j * bs, req.mm_items))
             for g in range(len(self.groups)):
                 table, key = req.tables[g], self._group_keys[g]
                 for j in range(req.registered[g], full):
@@ -475,4 +527,5 @@ class GroupLedger:
             pool.check()
 
 
-__all__ = ["GROUP_KINDS", "NULL_BLOCK", "GroupDecision", "GroupLedger", "GroupRequest", "KVCacheGroup"]
+__all__ = ["GROUP_KINDS", "NULL_BLOCK", "GroupDecision", "GroupLedger", "GroupRequest", "KVCacheGroup", "MMItem",
+           "block_key"]

@@ -268,3 +268,55 @@ def test_image_keys_scope_to_the_blocks_an_image_covers() -> None:
     with pytest.raises(ConfigError):
         led.admit("f", prompt, 1, mm_items=[MMItem("cat", 40, 8)])  # past the prompt
     led.check()
+
+
+def test_sub_block_hit_ends_inside_a_block_and_copies_its_head() -> None:
+    """Hash blocks of 2 tokens in blocks of 4: a prompt that leaves a cached prompt in the middle of block 5 hits
+    22 tokens; each group gets a fresh block 5 into which the cached one's first 2 slots are copied."""
+    led = _ledger(hash_block_size=2)
+    prompt = list(range(41))
+    _served(led, "a", prompt)
+    other = prompt[:22] + [99] * 19
+    d = led.admit("b", other, 1)
+    assert d.hit_tokens == 22 and d.blocks_hit == (5, 2)
+    copies = led.take_copies()
+    tables = led.block_tables("b")
+    assert [c[2] for c in copies] == [2, 2]
+    assert [c[1] for c in copies] == [tables[0][5], tables[1][5]]
+    led.check()
+    assert led.take_copies() == []
+    _run(led, "b", chunk=4)
+    led.release("b")
+    led.check()
+    whole = _ledger(hash_block_size=4)  # hashing by whole blocks: the hit stops at 20
+    _served(whole, "a", prompt)
+    assert whole.admit("b", other, 1).hit_tokens == 20
+    with pytest.raises(ConfigError):
+        _ledger(hash_block_size=3)
+
+
+def test_sub_block_hits_under_random_operations() -> None:
+    rng = random.Random(3)
+    led = GroupLedger(40, 4, (FULL, KVCacheGroup("sliding", 2, 6, 10)), step_tokens=5, hash_block_size=1)
+    base = [rng.randrange(20) for _ in range(30)]
+    copies = 0
+    for i in range(300):
+        live = list(led.requests)
+        if rng.random() < 0.3 or not live:
+            cut = rng.randrange(1, 30)
+            led.admit(f"r{i}", base[:cut] + [rng.randrange(20) for _ in range(rng.randrange(1, 5))],
+                      rng.randrange(0, 6))
+        else:
+            rid = rng.choice(live)
+            req = led.requests[rid]
+            if rng.random() < 0.8 and req.computed < req.max_tokens - 1:
+                copies += len(led.take_copies())
+                n = min(rng.randrange(1, 6), len(req.tokens) - req.computed)
+                if req.computed >= req.prompt_len:
+                    n = 1
+                led.schedule(rid, n)
+                led.confirm(rid, rng.randrange(20) if req.computed + n == len(req.tokens) else None)
+            else:
+                led.release(rid)
+        led.check()
+    assert copies > 20  # hits ended inside blocks, and every one was taken or released with its request

@@ -23,7 +23,10 @@ share fits. Blocks are allocated step by step (`schedule`), from the request's o
 becomes a block without touching another request. A prefix hit is the longest length every group can serve: a
 full group needs every block before it, a sliding group only the blocks covering the last W - 1 tokens before it
 (vLLM's ``find_longest_cache_hit``), a state group none of them (its state is not kept per position, so a model
-with a state group gets no hit). Digests are the cache identity's chain (`core.identity`) keyed by group.
+with a state group gets no hit). Digests are the cache identity's chain (`core.identity`) keyed by group. With a
+``hash_block_size`` below the block size a hit may end inside a block: the request gets a new block there and the
+cached block's leading slots are copied into it (`take_copies`). ``drop_last_hit_block`` gives up the last matched
+block for a drafter; `MMItem` images key only the blocks they cover.
 
 `check()` states each group's conservation law: for every request and group, carried + promised == reserved and
 held <= reserved (a sliding group carries the capacity of the blocks it owns; a block shared by a prefix hit has
@@ -170,11 +173,16 @@ class GroupLedger:
 
     def __init__(self, num_blocks: int, block_size: int, groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup], *,
                  step_tokens: int = 8192, decode_tokens: int = 1, enable_prefix_caching: bool = True,
-                 policy: EvictionPolicy | None = None) -> None:
+                 hash_block_size: int | None = None, policy: EvictionPolicy | None = None) -> None:
         checks.positive(num_blocks, "num_blocks")
         self.block_size = checks.positive(block_size, "block_size")
         self.step_tokens = checks.positive(step_tokens, "step_tokens")
         self.decode_tokens = checks.count(decode_tokens, "decode_tokens", 1, self.step_tokens)
+        # vLLM's hash block size: a prefix hit may end every `hash_block_size` tokens, inside a block (sub-block hits).
+        self.hash_block_size = block_size if hash_block_size is None else checks.positive(hash_block_size,
+                                                                                          "hash_block_size")
+        if block_size % self.hash_block_size:
+            raise ConfigError(f"hash_block_size ({self.hash_block_size}) must divide block_size ({block_size})")
         self.groups = tuple(groups)
         if not self.groups or len(self.groups) > 255:
             raise ConfigError("a GroupLedger needs between 1 and 255 KV cache groups")
@@ -190,6 +198,11 @@ class GroupLedger:
         # lets go, so a drop re-promises a block only when one really came back.
         self._owner: dict[int, str] = {}
         self._holders: dict[int, list[str]] = {}
+        # Sub-block hits: the digest of each leading part of a cached block -> (block, the block's full key), valid
+        # while the block still carries that key; per block the parts it registered (bounded by the pool).
+        self._partial: dict[bytes, tuple[int, bytes]] = {}
+        self._partial_of: dict[int, list[bytes]] = {}
+        self._copies: dict[str, list[tuple[int, int, int]]] = {}  # rid -> (source, destination, slots) not yet taken
         self._lock = threading.RLock()
 
     # ---- sizes ------------------------------------------------------------------------------------
@@ -236,6 +249,8 @@ class GroupLedger:
             hit_blocks, per_group = self._longest_hit(digests, len(tokens))
             if drop_last_hit_block and hit_blocks:
                 hit_blocks, per_group = self._longest_hit(digests, len(tokens), hit_blocks - 1)
+            parts, sources = (0, []) if drop_last_hit_block or not self.prefix_caching else self._partial_hit(
+                tokens, digests, hit_blocks, items, root)
             taken = [len(b) for b in per_group]
             ref = self.pool.ref
             # A full group's hits are charged to nobody new (they are never dropped before the request ends); a
@@ -244,6 +259,7 @@ class GroupLedger:
             own = [len(blocks) if group.kind != "sliding" else sum(1 for b in blocks if ref[b] == 0)
                    for group, blocks in zip(self.groups, per_group, strict=True)]
             retained_hits = sum(1 for blocks in per_group for b in blocks if ref[b] == 0)
+            retained_hits += sum(1 for b in sources if ref[b] == 0)
             charge = sum(n - o for n, o in zip(need, own, strict=True))
             if charge > self.available() - retained_hits:
                 return GroupDecision(request_id, Outcome.NOT_NOW,
@@ -267,10 +283,74 @@ class GroupLedger:
                 req.reserved.append(need[g])
                 req.registered.append(hit_blocks)
             req.digests = digests[:hit_blocks]
-            req.computed = req.scheduled = req.window_from = hit_tokens
             self.promised += charge
+            if parts:
+                # The hit ends inside block `hit_blocks`: each group gets a new block there (from the request's own
+                # promise) into which the cached block's first `parts` slots are copied before the next step.
+                slots = parts * self.hash_block_size
+                self.pool.share_many(sources)
+                fresh = self.pool.allocate_many(len(sources))
+                for g, dst in enumerate(fresh):
+                    req.tables[g].append(dst)
+                    req.held[g] += 1
+                    req.own[g] += 1
+                    req.promised[g] -= 1
+                    if self.groups[g].kind == "sliding":
+                        self._owner[dst] = request_id
+                        self._holders[dst] = [request_id]
+                self.promised -= len(fresh)
+                self._copies[request_id] = [(src, dst, slots) for src, dst in zip(sources, fresh, strict=True)]
+                hit_tokens += slots
+            req.computed = req.scheduled = hit_tokens
+            req.window_from = hit_blocks * bs  # the window blocks were taken for the whole-block hit
             self.requests[request_id] = req
             return GroupDecision(request_id, Outcome.ADMITTED, "admitted", hit_tokens, tuple(taken), need)
+
+    def _partial_hit(self, tokens: list[int], digests: list[bytes], hit: int, items: tuple[MMItem, ...],
+                     root: bytes) -> tuple[int, list[int]]:
+        """(hash blocks, per group the cached block) of the longest sub-block hit past ``hit`` whole blocks that
+        every group has, still ending before the prompt's last token; (0, []) when none."""
+        h, bs = self.hash_block_size, self.block_size
+        if h == bs:
+            return 0, []
+        start = hit * bs
+        parent = digests[hit - 1] if hit else root
+        pool_digest, written, partial, keys = self.pool.digest, self.pool.written, self._partial, self._group_keys
+        for m in range(bs // h - 1, 0, -1):
+            if start + m * h > len(tokens) - 1:
+                continue
+            sub = block_key(parent, tokens[start:start + m * h], start, items)
+            sources = []
+            for key in keys:
+                entry = partial.get(sub + key)
+                if entry is None or pool_digest[entry[0]] != entry[1] or not written[entry[0]]:
+                    break
+                sources.append(entry[0])
+            else:
+                return m, sources
+        return 0, []
+
+    def take_copies(self) -> list[tuple[int, int, int]]:
+        """The copies sub-block hits need before the next step, as ``(source, destination, slots)``: copy the first
+        ``slots`` token slots of block ``source`` into ``destination``. Taking them ends the hold on the sources."""
+        with self._lock:
+            out = [c for copies in self._copies.values() for c in copies]
+            self._copies.clear()
+            self.pool.release_many([src for src, _, _ in out])
+            return out
+
+    def _register_parts(self, block: int, parent: bytes, tokens: list[int], start: int, items: tuple[MMItem, ...],
+                        key: bytes, full: bytes) -> None:
+        """Index the leading parts of a just-cached block for sub-block hits (a block's old parts go first)."""
+        h = self.hash_block_size
+        partial = self._partial
+        for old in self._partial_of.pop(block, ()):
+            if partial.get(old, (None,))[0] == block:
+                del partial[old]
+        parts = [block_key(parent, tokens[:m * h], start, items) + key for m in range(1, len(tokens) // h)]
+        for part in parts:
+            partial[part] = (block, full)
+        self._partial_of[block] = parts
 
     def _prompt_digests(self, root: bytes, tokens: list[int], items: tuple[MMItem, ...]) -> list[bytes]:
         if not items:
@@ -392,18 +472,25 @@ class GroupLedger:
                 j = len(req.digests)
                 parent = req.digests[-1] if req.digests else req.root
                 req.digests.append(block_key(parent, req.tokens[j * bs:(j + 1) * bs], j * bs, req.mm_items))
+            parts = self.hash_block_size < bs
             for g in range(len(self.groups)):
                 table, key = req.tables[g], self._group_keys[g]
                 for j in range(req.registered[g], full):
                     b = table[j]
                     if b != NULL_BLOCK and pool.register(b, req.digests[j] + key):
                         pool.written[b] = True
+                        if parts:
+                            self._register_parts(b, req.digests[j - 1] if j else req.root,
+                                                 req.tokens[j * bs:(j + 1) * bs], j * bs, req.mm_items, key,
+                                                 req.digests[j] + key)
                 req.registered[g] = max(req.registered[g], full)
 
     def release(self, request_id: str) -> None:
         """The request ended: every group's blocks return (written, indexed ones retained), its promises end."""
         with self._lock:
             req = self._get(request_id)
+            pending = self._copies.pop(request_id, ())
+            self.pool.release_many([src for src, _, _ in pending])  # copies into blocks about to be released
             for g, table in enumerate(req.tables):
                 live = [b for b in reversed(table) if b != NULL_BLOCK]  # tail first: evicted before the head
                 if self.groups[g].kind == "sliding":
@@ -511,6 +598,12 @@ class GroupLedger:
                         if owner.setdefault(b, g) != g:
                             raise InvariantError(f"block {b} is held by groups {owner[b]} and {g}")
                     promised += req.promised[g]
+            for rid, copies in self._copies.items():
+                tables = self.requests[rid].tables
+                for src, dst, slots in copies:
+                    refs[src] += 1  # held until the copy is taken
+                    if not any(dst in t for t in tables) or not 0 < slots < bs:
+                        raise InvariantError(f"{rid!r}: a pending copy into block {dst} it does not hold")
             if promised != self.promised:
                 raise InvariantError(f"promised {self.promised} != the requests' promises {promised}")
             if self.promised > pool.num_free + pool.num_evictable:

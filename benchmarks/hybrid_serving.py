@@ -40,7 +40,18 @@ def main() -> None:
     ap.add_argument("--slo-tpot", type=float, default=100.0, help="p90 TPOT target, ms")
     ap.add_argument("--max-model-len", type=int, default=32768)
     ap.add_argument("--out", default=None, help="write the plot here (PNG)")
+    ap.add_argument("--plot-from", nargs="*", default=None,
+                    help="draw --out from these runs' JSON lines instead of running (merges sweeps)")
     args = ap.parse_args()
+    if args.plot_from:
+        runs = [json.loads(line) for path in args.plot_from for line in Path(path).read_text().splitlines()
+                if line.startswith('{"requests"')]
+        results = {name: sorted((r for r in runs if r["pool"] == name), key=lambda r: r["rate"])
+                   for name in ("hybrid", "uniform")}
+        best = {name: max((r["rate"] for r in rs if r["meets_slo"]), default=0.0) for name, rs in results.items()}
+        print(json.dumps({"max_rate_meeting_slo": best}))
+        _plot(results, best, args)
+        return
 
     cfg = load_model_config(args.model)
     spec = KVSpec.from_hf_config(cfg)

@@ -34,6 +34,9 @@ one owner among its holders, and passes to another holder when its owner drops i
 tables hold carry exactly the pool's references, and the pool's ``free + active + retained == total``. Every
 operation is O(blocks it touches); the lock makes the ledger thread-safe. `KVLedger` is untouched: uniform models
 keep its behaviour and speed.
+
+The module is past 600 lines because admission, the window's release, the shared-block ownership and the audit
+that states their laws must be read side by side: each one's rule is the others' invariant.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ endpoint really goes through; and the heaviest controls the bound accepts are an
 
 Errors: a body the JSON parser refuses (nested past the recursion limit, an integer past Python's digit
 limit, bytes that are not UTF-8) and a lone surrogate get a 4xx as ``{"error": "<one line>"}`` from all
-nine endpoints, never FastAPI's ``{"detail": ...}`` and never a 500.
+ten endpoints, never FastAPI's ``{"detail": ...}`` and never a 500.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ CLIENT = TestClient(create_app(), raise_server_exceptions=False)
 JSON = {"content-type": "application/json"}
 
 SIMULATING = ["/api/admit", "/api/lab", "/api/score", "/api/decision", "/api/quiz", "/api/quiz/check"]
-ENDPOINTS = [*SIMULATING, "/api/views/forks", "/api/views/fragmentation", "/api/views/eviction"]
+ENDPOINTS = [*SIMULATING, "/api/views/forks", "/api/views/fragmentation", "/api/views/eviction", "/api/views/hybrid"]
 
 
 def body_for(path: str, controls: dict) -> dict:

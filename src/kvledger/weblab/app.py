@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from ..errors import KVLedgerError
-from . import evict, lesson, quiz, views
+from . import evict, hybrid_view, lesson, quiz, views
 from .inputs import LabInput, choices
 from .poolmap import STATES
 
@@ -227,5 +227,9 @@ def create_app() -> FastAPI:
     @app.post("/api/views/eviction")
     def eviction(inp: evict.EvictInput) -> dict[str, Any]:
         return evict.evict_view(inp)
+
+    @app.post("/api/views/hybrid")
+    def hybrid(inp: hybrid_view.HybridInput) -> dict[str, Any]:
+        return hybrid_view.hybrid_view(inp)
 
     return app

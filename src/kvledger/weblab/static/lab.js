@@ -564,6 +564,70 @@
       p.notes.length ? el("ul", {}, p.notes.map((n) => el("li", {text: n}))) : null);
   }
 
+  // ---- hybrid pool -----------------------------------------------------------------------------------------
+  const HYBRID_FIELDS = ["full_layers", "sliding_layers", "window", "block_size", "prompt", "max_new", "requests",
+    "pool_blocks"];
+  const HYBRID_SERIES = [["full", "global blocks", "#2b8cbe"], ["sliding", "window blocks", "#74c476"],
+    ["retained", "retained (cache)", "#bdbdbd"], ["uniform", "uniform pool, same tokens", "#e6550d"]];
+
+  // The SVG namespace, read from the parser (the page names no URL of any kind).
+  const SVG_NS = (() => {
+    const t = document.createElement("template");
+    t.innerHTML = "<svg></svg>";
+    return t.content.firstChild.namespaceURI;
+  })();
+
+  function svgEl(tag, attrs) {
+    const node = document.createElementNS(SVG_NS, tag);
+    for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+    return node;
+  }
+
+  function hybridChart(steps) {
+    const w = 640, h = 220, pad = 30;
+    const top = Math.max(1, ...steps.map((s) => Math.max(s.full + s.sliding, s.uniform, s.retained)));
+    const x = (i) => pad + ((w - 2 * pad) * i) / Math.max(1, steps.length - 1);
+    const y = (v) => h - pad - ((h - 2 * pad) * v) / top;
+    const svg = svgEl("svg", {viewBox: `0 0 ${w} ${h}`, width: "100%", role: "img",
+      "aria-label": `blocks held over ${steps.length} steps: global, window, retained and a uniform pool's`});
+    svg.append(svgEl("line", {x1: pad, y1: h - pad, x2: w - pad, y2: h - pad, stroke: "#999"}));
+    svg.append(svgEl("line", {x1: pad, y1: pad, x2: pad, y2: h - pad, stroke: "#999"}));
+    const label = svgEl("text", {x: pad + 4, y: pad - 8, "font-size": 11});
+    label.textContent = `${fmt(top)} blocks`;
+    svg.append(label);
+    for (const [key, , color] of HYBRID_SERIES) {
+      const pts = steps.map((s, i) => `${x(i).toFixed(1)},${y(s[key]).toFixed(1)}`).join(" ");
+      svg.append(svgEl("polyline", {points: pts, fill: "none", stroke: color, "stroke-width": 2,
+        "stroke-dasharray": key === "uniform" ? "5 3" : "none"}));
+    }
+    return svg;
+  }
+
+  async function runHybrid(e) {
+    if (e) e.preventDefault();
+    const body = {};
+    for (const k of HYBRID_FIELDS) {
+      const v = numberOrRaw($(`#h-${k}`).value);
+      if (v !== null) body[k] = v;
+    }
+    const res = await api("/api/views/hybrid", body, $("#hybrid-error"));
+    const kinds = {};
+    res.groups.forEach((g) => { kinds[g.kind] = (kinds[g.kind] || 0) + 1; });
+    const peak = res.peak;
+    setChildren($("#hybrid-out"),
+      el("p", {text: `${res.groups.length} KV cache groups of ${res.group_size} layer(s): `
+        + Object.entries(kinds).map(([k, n]) => `${n} ${k}`).join(", ")
+        + (res.padding_layers ? ` (${res.padding_layers} padding layer(s))` : "") + `; ${fmt(res.pool_blocks)} blocks.`}),
+      res.steps.length ? hybridChart(res.steps) : null,
+      el("ul", {class: "legend"}, HYBRID_SERIES.map(([key, name]) => el("li", {},
+        el("span", {class: `swatch h-${key}`}), ` ${name}`))),
+      el("p", {"data-testid": "hybrid-summary"}, peak
+        ? `Peak: ${fmt(peak.full)} global + ${fmt(peak.sliding)} window blocks held at step ${peak.step} `
+          + `(${peak.running} running); a uniform pool would hold up to ${fmt(res.peak_uniform)} blocks for the same `
+          + `tokens. ${res.finished.length} request(s) finished in ${res.steps.length} steps.`
+        : `Nothing ran: ${res.never}`));
+  }
+
   // ---- start ---------------------------------------------------------------------------------------------
   function bind(selector, event, handler) {
     $(selector).addEventListener(event, (e) => {
@@ -622,10 +686,11 @@
     bind("#forks-form", "submit", runForks);
     bind("#frag-form", "submit", runFrag);
     bind("#evict-run", "click", runEvict);
+    bind("#hybrid-form", "submit", runHybrid);
     $("#revealed-h").setAttribute("tabindex", "-1");
     await restore();
     await loadQuiz();
-    await Promise.all([runForks(), runFrag(), runEvict()].map((p) => p.catch(() => {})));
+    await Promise.all([runForks(), runFrag(), runEvict(), runHybrid()].map((p) => p.catch(() => {})));
     document.body.dataset.ready = "true";
   }
 

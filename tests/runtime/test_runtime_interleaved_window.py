@@ -1,5 +1,6 @@
 """A sliding/global-interleaved model (Gemma 2/3 and gpt-oss style: `layer_types` alternating sliding and full
-attention) runs exactly: random-weight Qwen2 configs with a window shorter than every prompt, 16 prompts, greedy,
+attention) runs exactly: random-weight Qwen2 and Ministral (Mistral's interleaved family) configs with a window
+shorter than every prompt, 16 prompts, greedy,
 equal to transformers' eager reference token for token -- batched, with prefix hits, after a fork, and through the
 engine under preemption by recompute and by swap."""
 
@@ -46,12 +47,33 @@ def _hf_generate(hf: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
 LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
-@pytest.fixture(scope="module", params=[5, 8])
-def interleaved(request: pytest.FixtureRequest, make_tiny):
-    window = request.param
-    path, hf = make_tiny("qwen2", seed=21 + window, num_hidden_layers=len(LAYERS), use_sliding_window=True,
-                         sliding_window=window, max_window_layers=0, layer_types=LAYERS,
-                         attn_implementation="eager")
+def _tiny_ministral(path: Path, window: int, seed: int) -> tuple[Path, torch.nn.Module]:
+    """Mistral's interleaved family (Ministral): Mistral's weights, `layer_types` alternating the window."""
+    from transformers import MinistralConfig, MinistralForCausalLM
+
+    cfg = MinistralConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=len(LAYERS),
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          tie_word_embeddings=False, sliding_window=window, layer_types=LAYERS,
+                          attn_implementation="eager", bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    model = MinistralForCausalLM(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # wide random weights, as the other tiny models (clear greedy margins)
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen) if "norm" in name
+                    else 0.15 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(path)
+    return path, model
+
+
+@pytest.fixture(scope="module", params=[("qwen2", 5), ("qwen2", 8), ("ministral", 6)], ids=lambda p: f"{p[0]}-w{p[1]}")
+def interleaved(request: pytest.FixtureRequest, make_tiny, tmp_path_factory: pytest.TempPathFactory):
+    kind, window = request.param
+    if kind == "ministral":
+        path, hf = _tiny_ministral(tmp_path_factory.mktemp("tiny-ministral"), window, seed=27)
+    else:
+        path, hf = make_tiny("qwen2", seed=21 + window, num_hidden_layers=len(LAYERS), use_sliding_window=True,
+                             sliding_window=window, max_window_layers=0, layer_types=LAYERS,
+                             attn_implementation="eager")
     assert hf.config.layer_types == LAYERS and hf.config.sliding_window == window
     return window, path, hf
 

@@ -15,7 +15,7 @@ import torch
 from ..core.sizing.geometry import config_int, text_config
 from ..errors import ConfigError
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2")  # ministral: Mistral with layer_types
 _MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 _ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -148,7 +148,7 @@ def _windows(cfg: dict[str, Any], model_type: str, layers: int) -> tuple[int | N
         # Qwen2: layers from max_window_layers upward slide, the lower ones attend fully.
         first = config_int(cfg, "max_window_layers", default=0, minimum=0)
         return tuple(window if i >= first else None for i in range(layers))
-    if model_type == "mistral":
+    if model_type in ("mistral", "ministral"):  # Ministral spells its interleaving out in layer_types (above)
         return (window,) * layers
     return (None,) * layers  # Llama has no sliding window; ignore a stray key
 

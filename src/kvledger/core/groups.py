@@ -143,6 +143,7 @@ class GroupRequest:
     computed: int = 0
     scheduled: int = 0  # tokens given slots by the last `schedule`, not yet confirmed
     window_from: int = 0  # the computed position the sliding groups last dropped blocks for
+    nulled: list[int] = field(default_factory=list)  # per group: leading table entries already NULL_BLOCK
     tables: list[list[int]] = field(default_factory=list)
     held: list[int] = field(default_factory=list)  # live (non-null) entries per group
     own: list[int] = field(default_factory=list)  # of those, the blocks whose capacity this request carries
@@ -280,6 +281,7 @@ class GroupLedger:
                 self.pool.share_many(blocks)
                 first = hit_blocks - len(blocks)
                 req.tables.append([NULL_BLOCK] * first + blocks)
+                req.nulled.append(first)
                 req.held.append(len(blocks))
                 req.own.append(own[g])
                 req.promised.append(need[g] - own[g])
@@ -406,7 +408,9 @@ class GroupLedger:
 
     # ---- steps ------------------------------------------------------------------------------------
     def schedule(self, request_id: str, num_tokens: int) -> tuple[list[int], ...]:
-        """Give the next ``num_tokens`` of the request's tokens slots in every group and return its block tables.
+        """Give the next ``num_tokens`` of the request's tokens slots in every group and return its block tables
+        (the ledger's own lists, not copies, so a step costs O(1) per group: read them, never change them;
+        `block_tables` copies).
 
         First every sliding group releases the blocks no query from the computed position on reads (the last
         step was confirmed, so nothing reads them); then each group allocates from the request's promises."""
@@ -426,11 +430,13 @@ class GroupLedger:
                 table = req.tables[g]
                 if group.kind == "sliding":
                     first = min(group.first_needed(req.computed, bs), len(table))
-                    drop = [b for b in table[:first] if b != NULL_BLOCK]
-                    if drop:
-                        for j in range(first):
-                            table[j] = NULL_BLOCK
-                        self._drop(req, g, drop)
+                    start = req.nulled[g]
+                    if first > start:  # only the entries that left the window since the last step: O(1) a step
+                        drop = [b for b in table[start:first] if b != NULL_BLOCK]
+                        table[start:first] = [NULL_BLOCK] * (first - start)
+                        req.nulled[g] = first
+                        if drop:
+                            self._drop(req, g, drop)
                     if decoding:
                         # Past the prompt a step computes at most `decode_tokens`: the window's bound shrinks from
                         # the prefill chunk's to the decode step's, and the difference is promised to nobody.
@@ -457,7 +463,7 @@ class GroupLedger:
                     req.promised[g] -= grow
                     self.promised -= grow
             req.scheduled = end
-            return req.block_tables()
+            return tuple(req.tables)
 
     def confirm(self, request_id: str, sampled: int | None = None) -> None:
         """The scheduled step ran: its tokens' KV is written. Full blocks enter the prefix index (keyed by group);

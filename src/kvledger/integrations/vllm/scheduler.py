@@ -1,0 +1,62 @@
+"""The scheduler class vLLM loads with ``--scheduler-cls kvledger.integrations.vllm.Scheduler``: vLLM's
+``AsyncScheduler`` with kvledger's ledger as its KV cache manager (see the package docstring)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+from ...errors import ConfigError, InvariantError
+from .manager import LedgerKVCacheManager
+from .options import Options
+
+
+class VllmLedgerScheduler(AsyncScheduler):
+    """vLLM's scheduler with kvledger's ledger as its KV cache manager; exported as
+    ``kvledger.integrations.vllm.Scheduler`` (the package docstring says what it gives)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        config = self.vllm_config
+        if self.connector is not None:
+            raise ConfigError("kvledger's vLLM scheduler does not support KV connectors (--kv-transfer-config)")
+        if self.num_spec_tokens or self.num_lookahead_tokens:
+            raise ConfigError("kvledger's vLLM scheduler does not support speculative decoding yet")
+        if self.lora_config is not None:
+            raise ConfigError("kvledger's vLLM scheduler does not support LoRA adapters yet")
+        if self.kv_cache_config.needs_kv_cache_zeroing:
+            raise ConfigError("kvledger's vLLM scheduler supports full-attention models only")
+        self.kvledger_options = Options.from_vllm(config.additional_config)
+        old = self.kv_cache_manager
+        self.kv_cache_manager = LedgerKVCacheManager(  # type: ignore[assignment]
+            self.kv_cache_config, block_size=self.block_size, max_model_len=self.max_model_len,
+            enable_caching=bool(self.cache_config.enable_prefix_caching), log_stats=self.log_stats,
+            enable_kv_cache_events=self.enable_kv_cache_events, watermark=self.scheduler_config.watermark,
+            options=self.kvledger_options, model=str(config.model_config.model) if config.model_config else "",
+            kv_format=str(self.cache_config.cache_dtype))
+        del old  # vLLM's own manager and its block pool: never used
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
+        manager.sync_tokens(self.running)
+        out = super().schedule(*args, **kwargs)
+        if self.kvledger_options.check:
+            self._check()
+        return out
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().update_from_output(*args, **kwargs)
+        if self.kvledger_options.check:
+            self._check()
+        return out
+
+    def _check(self) -> None:
+        """The ledger's laws, and the ledger's sequences are exactly vLLM's running requests."""
+        manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
+        manager.check()
+        held = set(manager.ledger.sequences())
+        running = {r.request_id for r in self.running}
+        if held != running:
+            raise InvariantError(f"ledger sequences {sorted(held - running)} are not running in vLLM, "
+                                 f"running {sorted(running - held)} hold no sequence")

@@ -22,6 +22,7 @@ tests take theirs from the profile, so ``fuzz`` searches them far harder.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from hypothesis import HealthCheck, settings
@@ -69,3 +70,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:  # no
             for line in module.SUMMARY:
                 terminalreporter.write_line(line)
             return
+
+# tests/vllm_integration/ drives vLLM itself: it runs where vLLM is installed (`make test-vllm`'s .venv-vllm),
+# never in kvledger's own .venv, which keeps vLLM out of its dependencies.
+collect_ignore = [] if importlib.util.find_spec("vllm") is not None else ["vllm_integration"]

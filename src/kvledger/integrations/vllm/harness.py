@@ -62,7 +62,10 @@ class Harness:
     hasher: Any
     block_size: int
     preemptions: int = 0
+    hit_tokens: int = 0  # vLLM's prefix-cache statistics, summed (the scheduler is built with log_stats)
+    query_tokens: int = 0
     finished: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)  # request id -> vLLM's finish reason
     outputs: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *, cache_salt: str | None = None,
@@ -91,10 +94,15 @@ class Harness:
         eco = sched.update_from_output(out, mro)
         self.preemptions += len(out.preempted_req_ids or ())
         for outs in eco.values():
+            pcs = outs.scheduler_stats.prefix_cache_stats if outs.scheduler_stats else None
+            if pcs is not None:
+                self.hit_tokens += pcs.hits
+                self.query_tokens += pcs.queries
             for o in outs.outputs:
                 self.outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
                 if o.finish_reason is not None:
                     self.finished.append(o.request_id)
+                    self.reasons[o.request_id] = str(o.finish_reason)
         return out
 
     def run(self, max_steps: int = 10_000) -> int:

@@ -38,7 +38,7 @@ from vllm.v1.request import RequestStatus
 
 from ...core.identity import CacheContext, request_context
 from ...core.ledger import KVLedger
-from ...core.types import Request
+from ...core.types import Outcome, Request
 from ...errors import ConfigError
 from .options import Options
 
@@ -124,6 +124,7 @@ class LedgerKVCacheManager:
         self._seqs = self.ledger._seqs  # read-only view: the hot paths look sequences up without a lock
         self._vhash: dict[int, Any] = {}  # ledger block -> vLLM's block hash, while it is indexed (events)
         self._events: list[KVCacheEvent] = []
+        self.refused: dict[str, str] = {}  # request id -> why the ledger can never admit it (the scheduler ends it)
         self._stored: list[int] = []  # ledger blocks given an identity by the current call
         self.mamba_shared_prefix_checkpoint = False
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -233,6 +234,8 @@ class LedgerKVCacheManager:
                 self._stored.clear()
             decision = ledger.admit(req, keep_free)
             if not decision.admitted:
+                if decision.outcome is Outcome.NEVER:  # over its trust group's quota: it would block the queue
+                    self.refused[rid] = decision.reason
                 return None
             del self._pending[rid]
             seq = self._seqs[rid]  # its written hits are the ones get_computed_blocks reported (same state)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -10,6 +11,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from ...errors import ConfigError, InvariantError
 from .manager import LedgerKVCacheManager
 from .options import Options
+
+logger = logging.getLogger(__name__)
 
 
 class VllmLedgerScheduler(AsyncScheduler):
@@ -47,6 +50,9 @@ class VllmLedgerScheduler(AsyncScheduler):
 
     def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
         out = super().update_from_output(*args, **kwargs)
+        manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
+        if manager.refused:
+            self._end_refused(manager, out)
         if self.kvledger_options.check:
             self._check()
         return out
@@ -60,3 +66,17 @@ class VllmLedgerScheduler(AsyncScheduler):
         if held != running:
             raise InvariantError(f"ledger sequences {sorted(held - running)} are not running in vLLM, "
                                  f"running {sorted(running - held)} hold no sequence")
+
+    def _end_refused(self, manager: LedgerKVCacheManager, outputs: dict[int, Any]) -> None:
+        """Requests the ledger can never admit (over their trust group's quota) end with an error output,
+        as vLLM ends a request it cannot serve, instead of blocking the waiting queue for ever."""
+        from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+        from vllm.v1.request import RequestStatus
+
+        refused, manager.refused = manager.refused, {}
+        for request in self.finish_requests(list(refused), RequestStatus.FINISHED_ERROR):
+            logger.warning("kvledger: request %s can never be admitted: %s", request.request_id,
+                           refused[request.request_id])
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(EngineCoreOutput(
+                request_id=request.request_id, new_token_ids=[], finish_reason=request.get_finished_reason(),
+                events=request.take_events(), trace_headers=request.trace_headers))

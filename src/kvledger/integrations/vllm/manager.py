@@ -27,6 +27,7 @@ anything else at start-up).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -82,6 +83,26 @@ class LedgerBlocks(KVCacheBlocks):
     __hash__ = None  # type: ignore[assignment]
 
 
+@dataclass(frozen=True, slots=True)
+class GroupView:
+    """What vLLM's engine core reads of a KV cache group's manager (its block size and spec)."""
+
+    block_size: int
+    kv_cache_spec: Any
+    kv_cache_group_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorView:
+    """vLLM's ``coordinator`` as its engine core reads it at start-up (``single_type_managers``); every
+    decision is the ledger's."""
+
+    single_type_managers: tuple[GroupView, ...]
+    enable_partial_hash_hits: bool = False
+    eagle_group_ids: tuple[int, ...] = ()
+    num_reprefillable_tokens: int = 0
+
+
 class LedgerKVCacheManager:
     """The part of vLLM 0.32's ``KVCacheManager`` that its scheduler calls, over a :class:`KVLedger`.
     ``tests/vllm_integration/test_drift.py`` holds this surface to the installed vLLM's."""
@@ -127,6 +148,7 @@ class LedgerKVCacheManager:
         self.refused: dict[str, str] = {}  # request id -> why the ledger can never admit it (the scheduler ends it)
         self._stored: list[int] = []  # ledger blocks given an identity by the current call
         self.mamba_shared_prefix_checkpoint = False
+        self.coordinator = CoordinatorView((GroupView(block_size, groups[0].kv_cache_spec),))
         self.retained_hit_group_ids: tuple[int, ...] = ()
         if enable_kv_cache_events:
             self.ledger.pool.on_event = self._on_event

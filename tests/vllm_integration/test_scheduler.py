@@ -137,3 +137,22 @@ def test_vllm_resolves_the_documented_scheduler_cls() -> None:
     from kvledger.integrations.vllm.scheduler import VllmLedgerScheduler
     cfg = SchedulerConfig.default_factory(scheduler_cls="kvledger.integrations.vllm.Scheduler")
     assert cfg.get_scheduler_cls() is VllmLedgerScheduler
+
+
+@pytest.mark.parametrize("admission", ["full", "incremental"])
+def test_async_scheduling_one_step_in_flight_gives_vllms_tokens(admission: str) -> None:
+    """As vLLM's engine schedules on a GPU: step k+1 is scheduled before step k's tokens are known, so the
+    manager hands out slots for tokens it has not seen yet."""
+    results = {}
+    for name, cfg in (("vllm-async", None), ("kvledger", {"kvledger": {"check": True, "admission": admission}})):
+        h = build_scheduler(name, num_blocks=120, additional_config=cfg, max_num_batched_tokens=512)
+        h.in_flight = 1
+        for i, p in enumerate(workload()):
+            h.add(f"r{i}", p, 50)
+        h.run(5000)
+        results[name] = h
+    ours, stock = results["kvledger"], results["vllm-async"]
+    assert len(ours.finished) == 40 and all(len(v) == 50 for v in ours.outputs.values())
+    assert ours.outputs == stock.outputs
+    if admission == "full":
+        assert ours.preemptions == 0 < stock.preemptions

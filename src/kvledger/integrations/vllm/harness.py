@@ -67,6 +67,8 @@ class Harness:
     finished: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # request id -> vLLM's finish reason
     outputs: dict[str, list[int]] = field(default_factory=dict)
+    in_flight: int = 0  # steps scheduled ahead of their outputs (1: async scheduling)
+    _queue: list = field(default_factory=list)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *, cache_salt: str | None = None,
             ignore_eos: bool = True) -> Any:
@@ -78,7 +80,9 @@ class Harness:
         return req
 
     def step(self) -> Any:
-        """One schedule + update; returns the SchedulerOutput."""
+        """One schedule + update; returns the SchedulerOutput. With ``in_flight`` 1 (async scheduling, as
+        vLLM's engine runs it on a GPU) the update is the previous step's: a step is scheduled before the
+        tokens of the one before it are known."""
         from vllm.v1.outputs import ModelRunnerOutput
         sched = self.scheduler
         out = sched.schedule()
@@ -87,11 +91,15 @@ class Harness:
         sampled = []
         for rid in req_ids:
             r = reqs[rid]
-            end = r.num_computed_tokens
-            sampled.append([(end * 7919) % 32000] if end >= r.num_tokens else [])
+            end = r.num_computed_tokens  # already advanced by schedule()
+            sampled.append([] if r.is_prefill_chunk else [(end * 7919) % 32000])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
-        eco = sched.update_from_output(out, mro)
+        self._queue.append((out, mro))
+        if len(self._queue) <= self.in_flight and sched.has_unfinished_requests():
+            return out
+        done, mro = self._queue.pop(0)
+        eco = sched.update_from_output(done, mro)
         self.preemptions += len(out.preempted_req_ids or ())
         for outs in eco.values():
             pcs = outs.scheduler_stats.prefix_cache_stats if outs.scheduler_stats else None

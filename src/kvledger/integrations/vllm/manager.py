@@ -243,6 +243,11 @@ class LedgerKVCacheManager:
             raise NotImplementedError("kvledger's vLLM manager supports neither KV connectors nor encoder caches")
         rid = request.request_id
         seq = self._seqs.get(rid)
+        if seq is not None and not num_lookahead_tokens:  # the common case: a decode step inside held blocks
+            end = request.num_computed_tokens + num_new_tokens
+            if (end <= len(seq.tokens) and end <= len(seq.table.blocks) * self.block_size
+                    and (end // self.block_size <= seq.written_blocks or end <= seq.computed_mark)):
+                return self.empty_kv_cache_blocks
         computed = request.num_computed_tokens + num_new_computed_tokens
         end = min(computed + num_new_tokens, self.max_model_len)
         slots = min(end + num_lookahead_tokens, self.max_model_len)

@@ -40,6 +40,13 @@ class VllmLedgerScheduler(AsyncScheduler):
             kv_format=str(self.cache_config.cache_dtype))
         del old  # vLLM's own manager and its block pool: never used
 
+    def add_request(self, request: Any) -> None:
+        if not self.enable_kv_cache_events:
+            # kvledger's ledger hashes blocks itself (its own identity); vLLM's per-request block hashes only
+            # feed the events, so without them vLLM need not hash every block of every generated token.
+            request._block_hasher = None
+        super().add_request(request)
+
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
         manager.sync_tokens(self.running)

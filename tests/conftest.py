@@ -3,7 +3,8 @@
 The tests are filed by subject, one folder per layer of docs/architecture.md: ``core/`` (the ledger, the
 pool, tables, identity, eviction, tiers, the sizing planner, the C core), ``scheduler/`` (the scheduler, the
 driver, replica assembly, request intake), ``cli/``, ``lab/`` (the admission lab and the web lab), ``sim/``,
-``runtime/``, ``server/``, ``fleet/`` and ``diagnostics/``. What stays at this level checks several layers at
+``runtime/``, ``server/``, ``fleet/`` and ``diagnostics/``; ``vllm_integration/`` drives vLLM itself and is
+collected only where vLLM is installed (``make test-vllm``). What stays at this level checks several layers at
 once: the layering of the source (test_layering.py), the known answers (test_golden.py), the named behaviours
 the golden transcripts pin only as digests (test_named_behaviour.py), the randomised fuzz and its regressions
 (test_fuzz_short.py, test_fuzz_regressions.py, over the ledger and the scheduler together) and the one

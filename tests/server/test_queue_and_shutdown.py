@@ -10,6 +10,8 @@ import httpx
 import openai
 import pytest
 
+from .conftest import process_gone
+
 pytestmark = pytest.mark.model
 
 
@@ -106,9 +108,11 @@ def test_sigterm_lets_running_requests_finish(spawn) -> None:
     usage = rest[-1].usage
     assert usage.completion_tokens == 24
     assert "".join(c.choices[0].text for c in [first, *rest] if c.choices)
+    engine = server.engine_pid()
     code, log = server.stop()
     assert code == 0, log
     assert "ledger clean at exit" in log, log
+    assert process_gone(engine, 5)  # the engine's process went with the server: no orphan
 
 
 def test_sigterm_ends_requests_held_at_a_tenant_cap(spawn) -> None:

@@ -58,6 +58,10 @@ def _need(*modules: str) -> None:
 @click.option("--drain-timeout", type=Float(0.0, 86_400.0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running requests get to finish before they are cancelled.")
 @threads_option()
+@click.option("--engine-process/--no-engine-process", default=True, show_default=True,
+              help="Run the engine in a process of its own, fed over ZeroMQ, so the HTTP loop never holds up "
+                   "a step (vLLM's engine core does the same; its VLLM_ENABLE_V1_MULTIPROCESSING=0 is "
+                   "--no-engine-process). --no-engine-process runs it in a thread of the server's process.")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
 def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: int | None, block_size: int,
@@ -67,9 +71,9 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
               max_model_len: int | None, enable_prefix_caching: bool, max_queue: int,
               max_request_body_bytes: str | None,
               tenants_path: str | None, api_key: str | None, served_model_name: str | None, drain_timeout: float,
-              threads: int | None, log_level: str) -> None:
+              threads: int | None, engine_process: bool, log_level: str) -> None:
     """Serve MODEL over an OpenAI-compatible HTTP API (completions, chat, streaming, /metrics)."""
-    _need("fastapi", "uvicorn", "prometheus_client")
+    _need("fastapi", "uvicorn", "prometheus_client", *(("zmq", "msgspec") if engine_process else ()))
     from ..scheduler import SchedulerConfig
     from ..server.tenants import Tenants
     from ..units import format_bytes, parse_bytes
@@ -102,20 +106,32 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
     from ..server.launch import bind
 
     sock = bind(host, port)  # fail on a taken port before loading anything
+    backend: Any = None
     try:
-        prepare_torch(threads)
         from ..engine_config import EngineConfig
-        from ..runtime.engine import Engine
         from ..server.app import ServerSettings, create_app
-        from ..server.backend import EngineBackend
         from ..server.text import TextCodec
 
         config = EngineConfig(model=model, dtype=dtype, kv_dtype=kv_dtype, num_blocks=pool_blocks, pool_bytes=pool,
                               block_size=block_size, host_blocks=host_blocks, scheduler=scheduler_config,
                               allow_untested_kv=allow_untested_kv, prefix_caching=enable_prefix_caching)
-        engine = Engine.from_config(config)
-        codec = TextCodec.from_pretrained(str(engine.checkpoint.path))
-        backend = EngineBackend(engine)
+        if engine_process:
+            prepare_torch(1)  # this process only parses, tokenizes and streams; the engine's threads are there
+            from ..server.engine_proc import ProcessBackend
+
+            backend = ProcessBackend(config, threads)
+            info = backend.info
+            checkpoint, kv_name, pool_bytes = info.checkpoint_path, info.kv_dtype, info.store_nbytes
+        else:
+            prepare_torch(threads)
+            from ..runtime.engine import Engine
+            from ..server.backend import EngineBackend
+
+            engine = Engine.from_config(config)
+            backend = EngineBackend(engine)
+            checkpoint, kv_name, pool_bytes = str(engine.checkpoint.path), engine.spec.kv_dtype, \
+                engine.runner.store.nbytes
+        codec = TextCodec.from_pretrained(checkpoint)
         say = _say
         context = backend.max_context or 2**31
         capacity = backend.pool_blocks * backend.block_size
@@ -128,11 +144,12 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
         settings = ServerSettings(served_model_name or model, length, max_queue,
                                   max_request_body_bytes=body_limit)
         app = create_app(backend, codec, tenants, settings)
-        spec = engine.spec
+        where = f"; engine in process {backend.info.pid}" if engine_process else ""
         say(f"kvledger serve: model {model} ({settings.served_model_name}); KV pool {backend.pool_blocks} blocks x "
-            f"{backend.block_size} tokens = {format_bytes(engine.runner.store.nbytes)} {spec.kv_dtype}; "
+            f"{backend.block_size} tokens = {format_bytes(pool_bytes)} {kv_name}; "
             f"policy {scheduler_config.policy}, on growth failure {scheduler_config.on_growth_failure}, "
-            f"recovery {scheduler_config.recovery}" + ("" if enable_prefix_caching else "; prefix caching off"))
+            f"recovery {scheduler_config.recovery}" + ("" if enable_prefix_caching else "; prefix caching off")
+            + where)
         note = " (cut to what the KV pool holds)" if max_model_len is None and capacity < context else ""
         say(f"kvledger serve: max model length {length} tokens{note}; up to {max_queue} requests wait, then 429; "
             f"request bodies up to {format_bytes(settings.body_limit)}, then 413")
@@ -140,6 +157,8 @@ def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: i
         backend.start()
     except BaseException:
         sock.close()
+        if backend is not None and engine_process:
+            backend.stop()
         raise
     from ..server.launch import serve
 

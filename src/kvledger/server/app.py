@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -381,6 +382,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
     if settings is None:
         settings = ServerSettings(backend.model_name, backend.max_context or backend.pool_blocks * backend.block_size)
     ctx = ServerContext(backend, codec, tenants, settings)
+    remote = bool(getattr(backend, "remote", False))  # its calls cross to another process
     app = FastAPI(title="kvledger", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.kvledger = ctx
 
@@ -394,6 +396,11 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
         return _json(exc.status_code, error_body(str(exc.detail), kind, code), getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineFailed)
+    async def _engine_failed(_: Request, exc: EngineFailed) -> JSONResponse:
+        # The engine is gone (its process died): a call it had to answer (a check, a quota) could not be.
+        return _json(500, error_body(str(exc), "server_error", "engine_failed"))
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -516,6 +523,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         return await _generate(request, chat=True)
 
     async def _generate(request: Request, chat: bool) -> Response:
+        received = time.perf_counter()
         tenant = ctx.tenant(request)
         try:
             raw = await ctx.read_body(request)
@@ -547,7 +555,10 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         jobs: list[Job] = []
         shape = ResponseShape(chat, settings.served_model_name)
         for i, ids in enumerate(await work(ctx.prompt_ids, body, asked)):
-            max_tokens = ctx.budget(ids, asked, sampling, group)
+            if remote:  # a round trip to the engine's process: never on the event loop
+                max_tokens = await asyncio.to_thread(ctx.budget, ids, asked, sampling, group)
+            else:
+                max_tokens = ctx.budget(ids, asked, sampling, group)
             jobs.append(Job(f"{shape.id}-{i}", ids, max_tokens, sampling, stop_ids, group, tenant.priority,
                             body.cache_salt))
         fmt = None
@@ -558,6 +569,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             echo = [p if isinstance(p, str) else codec.decode(p) for p in body.prompts()]
         run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [], fmt, echo,
                   body.min_tokens)
+        run.received_s = received
         try:
             run.ticket = ctx.gate.enter(tenant, len(jobs))
         except NeverFits as exc:

@@ -11,6 +11,8 @@ gate.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -23,6 +25,9 @@ from .protocol import LogprobFormat
 from .text import Detokenizer, StopMatcher, TextCodec
 
 _ENGINE_POLL_S = 1.0  # how often a waiting request checks that the engine thread is still alive
+# Where the time of each request goes (HTTP and tokenizing, queue, prefill, decode, detokenizing), one JSON
+# line per engine request appended to this file: benchmarks/serve_load.py's breakdown. Off when unset.
+_TIMING_PATH = os.environ.get("KVLEDGER_SERVE_TIMING")
 
 
 class EngineFailed(RuntimeError):
@@ -99,6 +104,8 @@ class Run:
         self.prompt_logprobs: list[Any] = [None] * len(jobs)  # per prompt, from its first token event
         self.min_tokens = min_tokens  # stop strings are looked for only after this many tokens, as vLLM's
         self.stop_ids = [frozenset(j.stop_token_ids) for j in jobs]
+        self.received_s: float | None = None  # when the HTTP request came in (the route sets it)
+        self.detok_s = 0.0  # time spent detokenizing this request's output
 
     # ---- engine side ------------------------------------------------------------------------------
     def _bridge(self, index: int) -> Any:
@@ -190,7 +197,9 @@ class Run:
             m.itl.observe(now - c.last_token_s)
         c.last_token_s = now
         # A stop token (the model's end tokens, stop_token_ids) ends the output without its text, as vLLM's.
+        t = time.perf_counter()
         piece = "" if event.token in self.stop_ids[index] else c.detok.push(event.token)
+        self.detok_s += time.perf_counter() - t
         text = c.stops.feed(piece) if c.tokens > self.min_tokens else piece
         if c.stops.stopped:
             c.finish_reason = "stop"
@@ -246,6 +255,8 @@ class Run:
         m.tenant_prompt.labels(tenant).inc(len(job.prompt))
         m.tenant_cached.labels(tenant).inc(cached)
         m.e2e.observe(time.perf_counter() - self.arrival_s)
+        if _TIMING_PATH:
+            self._log_timing(index, result)
         out: list[Delta] = []
         for branch in range(self.n):
             choice = index * self.n + branch
@@ -261,6 +272,25 @@ class Run:
             m.finished(reason)
             out.append(self._delta(index, branch, text, reason))
         return out
+
+    def _log_timing(self, index: int, result: Any) -> None:
+        """One line of where this engine request's time went (every time on the one monotonic clock the
+        engine's process shares with this one)."""
+        m, now = result.metrics, time.perf_counter()
+        if m is None:
+            return
+
+        def gap(a: float | None, b: float | None) -> float | None:
+            return None if a is None or b is None else round(b - a, 6)
+        row = {"request_id": self.jobs[index].request_id, "prompt_tokens": len(self.jobs[index].prompt),
+               "output_tokens": m.generated, "http_to_run_s": gap(self.received_s, self.arrival_s),
+               "run_to_engine_s": gap(self.arrival_s, m.arrival_s), "queue_s": gap(m.arrival_s, m.admitted_s),
+               "prefill_s": gap(m.admitted_s, m.first_token_s), "decode_s": gap(m.first_token_s, m.finish_s),
+               "first_token_to_server_s": gap(m.first_token_s, self.first_token_s[index]),
+               "finish_to_server_s": gap(m.finish_s, now), "detokenize_s": round(self.detok_s, 6),
+               "e2e_s": gap(self.received_s, now)}
+        with open(_TIMING_PATH, "a", encoding="utf-8") as fh:  # type: ignore[arg-type]
+            fh.write(json.dumps(row) + "\n")
 
     # ---- summaries --------------------------------------------------------------------------------
     @property

@@ -89,6 +89,8 @@ class JsonConstraint:
         if problem:
             raise BadRequestBody(f"response_format: the JSON schema is not usable: {_line(problem)}",
                                  "response_format")
+        self.schema = schema  # what a process backend sends its engine, which compiles it again
+        self.end_ids = tuple(tokenizer.end_ids)
         self._tok = tokenizer.get()
         self._vocab = tokenizer.vocab_size
         self._prototype = llguidance.LLMatcher(self._tok, grammar)

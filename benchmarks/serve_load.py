@@ -166,6 +166,7 @@ def measure_vllm_client(name: str, url: str, index: int, rate: float, args: argp
            "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
            "--num-prompts", str(args.num_prompts), "--ignore-eos", "--request-rate", f"{rate:g}",
            "--max-concurrency", str(args.concurrency), "--seed", str(args.seed * 1000 + index), "--disable-tqdm",
+           "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--temperature", "0",
            "--save-result", "--result-dir", str(logdir), "--result-filename", out]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     before = load()
@@ -236,6 +237,8 @@ def main() -> None:
                     help="load client: kvledger's (trace lengths) or `vllm bench serve` (random prompts)")
     ap.add_argument("--ours", default="process",
                     help="our servers: process (engine in its own process), inproc, or both comma-separated")
+    ap.add_argument("--no-vllm-server", action="store_true",
+                    help="--client vllm against our servers only (no `vllm serve` to compare with)")
     ap.add_argument("--num-prompts", type=int, default=32, help="--client vllm: prompts per rate")
     ap.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
     ap.add_argument("--output-len", type=int, default=64, help="--client vllm: output tokens")
@@ -252,9 +255,14 @@ def main() -> None:
     results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="serve_load_") as tmp:
         logdir = Path(tmp)
-        print(f"workload: {args.trace.name} lengths x {args.scale:g} (prompt <= {args.max_prompt}, output <= "
-              f"{args.max_tokens}), Poisson at {args.rates} req/s for {args.duration:g} s each, concurrency "
-              f"{args.concurrency}; load average {load()}")
+        if args.client == "vllm":
+            print(f"workload: vllm bench serve, random {args.input_len} in / {args.output_len} out, "
+                  f"{args.num_prompts} prompts per rate at {args.rates} req/s, --ignore-eos, concurrency "
+                  f"{args.concurrency}; load average {load()}")
+        else:
+            print(f"workload: {args.trace.name} lengths x {args.scale:g} (prompt <= {args.max_prompt}, output <= "
+                  f"{args.max_tokens}), Poisson at {args.rates} req/s for {args.duration:g} s each, concurrency "
+                  f"{args.concurrency}; load average {load()}")
         servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}
         try:
             for kind in ours:
@@ -262,7 +270,7 @@ def main() -> None:
                 t = time.perf_counter()
                 servers[name] = start_ours(args, logdir, name, engine_process=kind == "process")
                 print(f"{name} serve up in {time.perf_counter() - t:.1f} s at {servers[name][1]}")
-            if args.vllm_python:
+            if args.vllm_python and not args.no_vllm_server:
                 t = time.perf_counter()
                 servers["vllm"] = start_vllm(args, logdir)  # idle while the other is measured (~1% CPU)
                 print(f"vllm serve up in {time.perf_counter() - t:.1f} s at {servers['vllm'][1]}")
@@ -291,7 +299,7 @@ def main() -> None:
     def ratio(a: float | None, b: float | None) -> float | None:
         return None if a is None or not b else round(a / b, 3)
 
-    if args.vllm_python:
+    if any(r["server"] == "vllm" for r in results):
         print("\nours / vLLM (throughput > 1 is better for us; latency < 1 is better for us)")
         for rate in args.rates:
             theirs = next(r for r in results if r["server"] == "vllm" and r["rate"] == rate)

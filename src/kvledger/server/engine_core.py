@@ -26,6 +26,7 @@ import pickle
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -80,6 +81,8 @@ class _Core:
         self.config = config
         self.threads = threads
         self.engine: Any = None
+        self.handles: dict[str, Any] = {}  # request id -> the engine's handle, until it finishes
+        self.submitting: set[str] = set()  # ids whose submit has not returned yet
         self.pending: list[tuple[Any, ...]] = []  # this step's events (engine thread only)
         self._grammars: dict[tuple[int, ...], Any] = {}
         self._codec: Any = None
@@ -98,10 +101,21 @@ class _Core:
         result = None
         if event.finished:
             handle = self.handles.pop(event.request_id, None)
+            if handle is None:
+                handle = self._late_handle(event.request_id)
             if handle is not None and handle.done():
                 result = pickle.dumps(handle.result(timeout=0), protocol=pickle.HIGHEST_PROTOCOL)
         self.pending.append((event.request_id, event.branch, event.token, event.position, event.time_s,
                              event.finished, event.finish_reason, extra, result))
+
+    def _late_handle(self, rid: str) -> Any:
+        """A request that finished in the very step that took it, before ``submit`` returned its handle to
+        the main thread: that thread is about to store it (no lock held across a step, so submissions never
+        wait for one)."""
+        deadline = time.monotonic() + 2.0
+        while rid in self.submitting and time.monotonic() < deadline:
+            time.sleep(0.0002)
+        return self.handles.pop(rid, None)
 
     def after_step(self, _result: Any) -> None:
         if self.pending:
@@ -115,7 +129,6 @@ class _Core:
         engine = Engine.from_config(self.config)
         engine.step_observers.append(self.after_step)
         self.engine = engine
-        self.handles: dict[str, Any] = {}
         snap = engine.snapshot()
         info = EngineInfo(engine.model_name, snap.block_size, snap.pool_blocks, engine.max_context,
                           engine.vocab_size, snap.max_running, str(engine.checkpoint.path)
@@ -149,16 +162,17 @@ class _Core:
 
     def submit(self, msg: list[Any]) -> None:
         _, rid, prompt, max_new, sampling, stop_ids, group, priority, salt = msg
+        self.submitting.add(rid)
         try:
             params = self.sampling(sampling)
-            # Under the step lock: no step can finish the request before its handle is here.
-            with self.engine._step_lock:
-                self.handles[rid] = self.engine.submit(prompt, max_new, params, stop_token_ids=stop_ids,
-                                                       trust_group=group, priority=priority, request_id=rid,
-                                                       on_token=self.on_token, cache_salt=salt)
+            self.handles[rid] = self.engine.submit(prompt, max_new, params, stop_token_ids=stop_ids,
+                                                   trust_group=group, priority=priority, request_id=rid,
+                                                   on_token=self.on_token, cache_salt=salt)
         except Exception as exc:  # noqa: BLE001 -- the request's own refusal, told to its caller
             self.handles.pop(rid, None)
             self.send(("rejected", rid, _pickle_error(exc)))
+        finally:
+            self.submitting.discard(rid)
 
     def call(self, msg: list[Any]) -> None:
         _, call_id, method, args = msg

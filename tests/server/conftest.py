@@ -128,7 +128,10 @@ def process_gone(pid: int, within_s: float) -> bool:
 
 def start_server(workdir: Path, *args: str, tenants: str | None = TENANTS_TOML, startup_s: float = 180.0) -> LiveServer:
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "kvledger", "serve", "--host", "127.0.0.1", "--port", "0", *args]
+    # The engine in its own process: the live tests cross that seam (tests/server/inproc.py keeps the
+    # engine in the server's process); ARGS may say --no-engine-process.
+    cmd = [sys.executable, "-m", "kvledger", "serve", "--host", "127.0.0.1", "--port", "0", "--engine-process",
+           *args]
     if tenants is not None:
         path = workdir / "tenants.toml"
         path.write_text(tenants, encoding="utf-8")

@@ -58,10 +58,10 @@ def _need(*modules: str) -> None:
 @click.option("--drain-timeout", type=Float(0.0, 86_400.0), default=30.0, show_default=True,
               help="On SIGTERM, seconds running requests get to finish before they are cancelled.")
 @threads_option()
-@click.option("--engine-process/--no-engine-process", default=True, show_default=True,
-              help="Run the engine in a process of its own, fed over ZeroMQ, so the HTTP loop never holds up "
-                   "a step (vLLM's engine core does the same; its VLLM_ENABLE_V1_MULTIPROCESSING=0 is "
-                   "--no-engine-process). --no-engine-process runs it in a thread of the server's process.")
+@click.option("--engine-process/--no-engine-process", default=False, show_default=True,
+              help="Run the engine in a process of its own, fed over ZeroMQ one message per step, as vLLM's "
+                   "engine core runs (vLLM's VLLM_ENABLE_V1_MULTIPROCESSING=0 is --no-engine-process: the "
+                   "engine in a thread of the server's process). Not faster on 2 busy cores (docs/server.md).")
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               default="warning", show_default=True, help="uvicorn's log level (info adds an access log).")
 def serve_cmd(model: str, host: str, port: int, pool_blocks: int | None, pool: int | None, block_size: int,

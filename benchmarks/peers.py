@@ -20,7 +20,8 @@ For each configuration (`--configs`, default fp32 at 32 running, fp32 at 8 runni
 
 Every figure line notes the load average. Ends with one JSON line of every figure.
 Usage: python benchmarks/peers.py [--vllm-python /work/peers-vllm/bin/python] [--configs fp32:32,fp32:8,bf16:32]
-       [--repeats 2] [--rounds 1] [--threads 2] [--peers-dir ../shared/peers] [--attention-backend auto]
+       [--repeats 2] [--rounds 1] [--threads 2] [--vllm-bind nobind] [--peers-dir ../shared/peers]
+       [--attention-backend auto]
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ import torch  # noqa: E402
 
 from kvledger.runtime import native  # noqa: E402
 from kvledger.runtime.attention import attention_backends  # noqa: E402
+from kvledger.runtime.cpu_features import bf16_path, cpu_flags  # noqa: E402
 from kvledger.runtime.engine import Engine, load_decoder, resolve_model  # noqa: E402
 from kvledger.runtime.sampling import SamplingParams  # noqa: E402
 from kvledger.scheduler import SchedulerConfig  # noqa: E402
@@ -55,6 +57,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 POOL = "1GiB"  # vLLM CPU's KV space in the peers' runs (VLLM_CPU_KVCACHE_SPACE=1)
 STEP_TOKENS = 4096  # vLLM CPU's max_num_batched_tokens on this workload
 FIRST_K = 32  # the peers' README judges agreement on the first 32 tokens too
+# The CPU flags that decide a bf16 figure (state them beside every figure: the same job ran 2.3x faster in
+# bf16 for vLLM on a Xeon with AMX than on an AVX2-only EPYC).
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16")
 
 
 def find_peers(arg: str | None) -> Path:
@@ -155,12 +160,13 @@ def ensure_model(vllm_python: str, model_dir: Path, peers: Path) -> None:
 
 
 def run_vllm(vllm_python: str, peers: Path, model_dir: Path, out_dir: Path, dtype: str, batch: int, repeats: int,
-             threads: int) -> dict:
+             threads: int, bind: str | None = None) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "PEERS_MODEL_DIR": str(model_dir),
            "PEERS_OUT": str(out_dir)}
     env.pop("OMP_WAIT_POLICY", None)  # vLLM binds and manages its own OpenMP threads
     cmd = [vllm_python, str(peers / "run_vllm_cpu.py"), "--dtype", dtype, "--repeats", str(repeats),
-           "--max-num-seqs", str(batch), "--bind", f"0-{threads - 1}" if threads > 1 else "0", f"--tag=-kvl{batch}"]
+           "--max-num-seqs", str(batch), "--bind", bind or (f"0-{threads - 1}" if threads > 1 else "0"),
+           f"--tag=-kvl{batch}"]
     proc = subprocess.run(cmd, cwd=peers, env=env, capture_output=True, text=True, timeout=3600)
     record = None
     for line in proc.stdout.splitlines():
@@ -190,6 +196,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per system and round (median)")
     ap.add_argument("--rounds", type=int, default=1, help="ours-then-vLLM alternations per config")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-bind", default=None,
+                    help="VLLM_CPU_OMP_THREADS_BIND for vLLM's worker (default: cores 0..threads-1; 'nobind' on a "
+                         "shared host, where pinned threads collapse)")
     ap.add_argument("--peers-dir", default=None)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--vllm-model-dir", default=None, help="default: ${TMPDIR:-/tmp}/kvl-peers/smol_st")
@@ -212,11 +221,15 @@ def main() -> None:
     model_dir = Path(args.vllm_model_dir or Path(os.environ.get("TMPDIR", "/tmp")) / "kvl-peers" / "smol_st")
     if args.vllm_python:
         ensure_model(args.vllm_python, model_dir, peers)
+    flags = [f for f in MATRIX_FLAGS if f in cpu_flags()]
     print(f"kvledger native kernels: {native.status()}; threads {args.threads}; load {load_str()}", flush=True)
+    print(f"CPU flags: {' '.join(flags) or 'none of ' + ' '.join(MATRIX_FLAGS)}; kvledger bf16 path {bf16_path()}",
+          flush=True)
 
     figures: dict[str, object] = {"workload": str(peers), "prompts": len(prompts), "new_tokens": NEW_TOKENS,
                                   "threads": args.threads, "repeats": args.repeats, "rounds": args.rounds,
-                                  "native": native.status(), "configs": {}}
+                                  "native": native.status(), "cpu_flags": flags, "bf16_path": bf16_path(),
+                                  "configs": {}}
     with tempfile.TemporaryDirectory(prefix="kvl-peers-") as tmp:
         for dtype, batch in configs:
             rounds = []
@@ -227,7 +240,7 @@ def main() -> None:
                 line = f"{dtype} b{batch} round {rnd + 1}: " + fmt_side("kvledger", ours)
                 if args.vllm_python:
                     theirs = run_vllm(args.vllm_python, peers, model_dir, Path(tmp), dtype, batch, args.repeats,
-                                      args.threads)
+                                      args.threads, args.vllm_bind)
                     outs = theirs.pop("outputs")
                     if outs:
                         theirs["agreement_with_reference_fp32"] = agreement(outs, ref)

@@ -146,3 +146,20 @@ def test_default_kernels_are_native_where_built() -> None:
     else:
         assert default_kernels("cpu").name == "native", native.status()
     assert default_kernels("meta").name == "torch"
+
+
+def test_bf16_residual_stream_rounds_as_torch_does(nk: NativeKernels) -> None:
+    """The vectorised bf16 add rounds ties to even and keeps inf and NaN, as torch's bf16 add does:
+    1 + 2^-8 is a tie that stays at 1; 1 + 3 * 2^-8 and 1.0078125 + 2^-8 are ties that round up to even."""
+    x = torch.ones(3, 576, dtype=torch.bfloat16)
+    add = torch.full((3, 576), 2.0 ** -8, dtype=torch.bfloat16)
+    add[1] = 3 * 2.0 ** -8
+    x[2] = 1.0078125
+    x[0, :4] = torch.tensor([float("inf"), float("nan"), -3.0e38, 3.0e38])
+    add[0, :4] = torch.tensor([1.0, 1.0, -3.0e38, 3.0e38])
+    xn, xt = x.clone(), x.clone()
+    nk.rms_norm(xn, torch.ones(576, dtype=torch.bfloat16), 1e-5, add)
+    TK.rms_norm(xt, torch.ones(576, dtype=torch.bfloat16), 1e-5, add)
+    assert torch.equal(xn[:, 4:], xt[:, 4:]) and torch.equal(xn[0, :4].isnan(), xt[0, :4].isnan())
+    assert xn[0, 0] == float("inf") and xn[0, 2] == float("-inf") and xn[0, 3] == float("inf")
+    assert xn[0, 5] == 1.0 and xn[1, 5] == 1.015625 and xn[2, 5] == 1.015625

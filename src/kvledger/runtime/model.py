@@ -19,6 +19,7 @@ from ..core import KVLedger, KVSpec, SequenceState
 from ..errors import ConfigError
 from .attention import AttentionBackend, AttentionBatch, BackendFactory, attention_backend_factory
 from .config import DecoderConfig
+from .cpu_features import bf16_path
 from .kernels import LayerKernels, TorchKernels, default_kernels
 from .kv_store import KVStore
 from .weights import Checkpoint, resolve_checkpoint
@@ -52,6 +53,11 @@ WIDE_OUT = 8192
 PACK_ENV = "KVLEDGER_PACK_WEIGHTS"  # "0" turns weight packing off
 MLP_ROWS = 256  # row tile of the MLP on long steps (see MLP.forward)
 _PACKABLE = (torch.float32, torch.bfloat16)
+# On a CPU with AMX, bf16 products of at most this many rows against a narrow weight run on the calling
+# thread alone: one core finishes them in about the time a second OpenMP thread takes to wake under
+# OMP_WAIT_POLICY=PASSIVE (see cpu_features). 2-core Xeon with AMX, load ~2: 32 x 576 x 1728 took 130 us
+# on one thread against 193 us on two, 128 x 576 x 3072 438 against 487 us.
+AMX_ONE_THREAD_ROWS = 128
 
 
 class Linear(nn.Linear):
@@ -66,6 +72,7 @@ class Linear(nn.Linear):
     loading). Results agree with ``F.linear`` to float rounding (a different summation order)."""
 
     _packed: torch.Tensor | None = None
+    _one_thread_rows = 0  # products of at most this many rows run on the calling thread (AMX, bf16)
 
     def pack(self) -> bool:
         w = self.weight
@@ -79,13 +86,22 @@ class Linear(nn.Linear):
         except (RuntimeError, AttributeError):  # an op this torch build lacks: keep F.linear
             return False
         self._packed = packed
+        amx = w.dtype == torch.bfloat16 and self.out_features < WIDE_OUT and bf16_path() == "amx"
+        self._one_thread_rows = AMX_ONE_THREAD_ROWS if amx else 0
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
         if (packed is not None and x.dim() == 2 and (x.shape[0] >= PACKED_MIN_ROWS or self.out_features >= WIDE_OUT)
                 and x.dtype == packed.dtype and not (torch.is_grad_enabled() and x.requires_grad)):
-            return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            threads = torch.get_num_threads()
+            if x.shape[0] > self._one_thread_rows or threads == 1:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            torch.set_num_threads(1)  # restored at once (~0.2 us for the pair)
+            try:
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            finally:
+                torch.set_num_threads(threads)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -27,6 +27,7 @@ from ...errors import ConfigError
 NATIVE_ENV = "KVLEDGER_NATIVE"  # "0" = never load the kernels (pure torch)
 DIR_ENV = "KVLEDGER_NATIVE_DIR"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kvledger_native.cpp"
+HEADERS = (SOURCE.parent / "kvledger_bf16.h",)  # included by SOURCE: part of what the binary depends on
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 
@@ -49,7 +50,8 @@ def build_key() -> str:
     import torch
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), platform.machine().encode(),
+    for part in (SOURCE.read_bytes(), *(hdr.read_bytes() for hdr in HEADERS), torch.__version__.encode(),
+                 sys.version.encode(), platform.machine().encode(),
                  " ".join(CFLAGS + LDFLAGS).encode(), _cpu_flags().encode()):
         h.update(part)
         h.update(b"\0")

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvledger-installed
 # The native CPU kernels: compiled once per machine / torch version (KVLEDGER_NATIVE=0 skips them; the
 # runtime then uses its pure-torch paths).
-NATIVE_SRC   := $(wildcard src/kvledger/runtime/native/csrc/*.cpp) src/kvledger/runtime/native/__init__.py
+NATIVE_SRC   := $(wildcard src/kvledger/runtime/native/csrc/*.cpp src/kvledger/runtime/native/csrc/*.h) src/kvledger/runtime/native/__init__.py
 NATIVE_STAMP := $(VENV)/.kvledger-native
 
 .PHONY: install demo test test-vllm lint bench clean clean-cache fuzz mutation

@@ -18,7 +18,7 @@ from kvledger.runtime.kv_quant import quant_kivi_k, quant_token
 
 QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4"]
 BACKENDS = ["torch", "native"]
-NO_NATIVE = {"int8-channel"}  # no fused native loader yet: the torch path reads it
+NO_NATIVE: set[str] = set()  # every quantised format has a native loader and a fused decode
 
 
 def need(backend: str) -> None:

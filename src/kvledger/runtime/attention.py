@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.registry import Registry
+from ..core.sizing.kv_formats import KVFormat
 from ..errors import ConfigError
 from . import kv_quant, native
 from .kv_store import KVStore
@@ -274,13 +275,21 @@ def _table_tensor(tables: list[list[int]], context_lens: list[int], block_size: 
     return torch.tensor(rows, dtype=torch.int32)
 
 
+_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # rows the native KV writes take
 _NATIVE_PREFILL_DIMS = (64, 128)  # head dims paged_prefill is instantiated for
 # Plain KV dtypes the native kernels read and write directly (quantised formats have their own loaders).
 _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2)
 # The kernels' codes for a quantised tensor's layout (QuantKind in the C++), by (scales, element, K or V). A
 # rotated format stores the same codes (the backend turns queries and outputs), so it shares its kind.
 _QUANT_KINDS = {("token-head", "fp8_e4m3", "k"): 1, ("token-head", "fp8_e4m3", "v"): 1, ("token-head", "int8", "k"): 2,
-                ("token-head", "int8", "v"): 2, ("kivi", "uint8", "k"): 3, ("kivi", "uint8", "v"): 4}
+                ("token-head", "int8", "v"): 2, ("kivi", "uint8", "k"): 3, ("kivi", "uint8", "v"): 4,
+                ("channel", "int8", "k"): 5, ("channel", "int8", "v"): 2}
+_TURNED_V = {2: 6}  # values stored turned by H: the kernels' loaders (and the fused decode) turn them back
+
+
+def _quant_kind(fmt: KVFormat, kv: str) -> int:
+    kind = _QUANT_KINDS[(fmt.scales, fmt.element, kv)]
+    return _TURNED_V[kind] if kv == "v" and fmt.rotates("v") else kind
 
 
 def _quant_layout(store: KVStore) -> torch.Tensor:
@@ -288,7 +297,7 @@ def _quant_layout(store: KVStore) -> torch.Tensor:
     out: list[int] = []
     fmt = store.format
     for kv in "kv":
-        out.append(_QUANT_KINDS[(fmt.scales, fmt.element, kv)])
+        out.append(_quant_kind(fmt, kv))
         for name in ("codes", "scale", "min"):
             entry = store.offsets.get((kv, name))
             out.append(entry[0] if entry is not None else 0)
@@ -300,7 +309,10 @@ def _native_reads(store: KVStore) -> bool:
     if store.plain:
         return store.dtype in _NATIVE_KV_DTYPES
     fmt = store.format
-    return (fmt.scales, fmt.element, "k") in _QUANT_KINDS and not fmt.rotates("v")  # no loader turns values back
+    if (fmt.scales, fmt.element, "k") not in _QUANT_KINDS:
+        return False
+    # Turned values: the loaders turn them back (head dims a power of two, which the format requires anyway).
+    return not fmt.rotates("v") or _QUANT_KINDS[(fmt.scales, fmt.element, "v")] in _TURNED_V
 
 
 class NativePagedAttention:
@@ -326,6 +338,11 @@ class NativePagedAttention:
         self._plan: _NativePlan | None = None
         self._layout = None if store.plain else _quant_layout(store)
         self._no_residual = torch.empty(0)
+        # Per-token formats quantise on write in the kernels (kv_write_q); formats with a residual page
+        # write their open blocks' rows with kv_write (the store seals full blocks itself).
+        self._write_q = not store.plain and store.format.scales == "token-head" and hasattr(self.ops, "kv_write_q")
+        if not store.plain and store.format.has_residual:
+            store.residual_writer = self.ops.kv_write
 
     def plan(self, batch: AttentionBatch) -> None:
         bs, dev = self.store.block_size, self.store.device
@@ -390,7 +407,12 @@ class NativePagedAttention:
                            scale: float, window: int | None) -> torch.Tensor:
         """A quantised store: rows quantised on write (the store), dequantised by the kernels' loaders."""
         store = self.store
-        store.write(layer, plan.batch.slot_mapping, k, v)
+        if self._write_q and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype in _ROW_DTYPES:
+            # Turned keys are quantised from fp32, as the store does (v widened alike: the kernel takes one dtype).
+            kw, vw = (kv_quant.rotate(k.float()), v.float()) if store.format.rotates("k") else (k, v)
+            self.ops.kv_write_q(store.kv[layer], self._layout, store.block_size, plan.batch.slot_mapping, kw, vw)
+        else:
+            store.write(layer, plan.batch.slot_mapping, k, v)
         # Keys stored turned by H: the kernels score the queries turned alike ((q H) . (k H) = q . k).
         qk = kv_quant.rotate(q) if store.format.rotates("k") else q
         blocks = store.kv[layer]

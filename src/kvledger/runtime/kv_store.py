@@ -105,6 +105,7 @@ class _WritePlan:
     """One step's writes into an int4 store, decided once (``begin_write``) and applied per layer."""
 
     rows: torch.Tensor  # int64 [n]: residual row (page * block_size + offset) of each written row, -1: none
+    all_kept: bool  # every row goes to a residual page (a plain decode step)
     direct: list[tuple[int, list[int]]]  # blocks written whole this step: (block, the B rows in offset order)
     seal: list[tuple[int, int]]  # open blocks whose last row is written this step: (block, page)
 
@@ -129,6 +130,8 @@ class KVStore:
         self.plain = fmt.plain
         self.residual_slots = 0
         self.block_in_use: Callable[[int], bool] | None = None
+        # Writes rows into residual pages (k_page, v_page, rows, k, v), e.g. the native kv_write; None: torch.
+        self.residual_writer: Callable[..., None] | None = None
         L, B, H, D = spec.layers, self.block_size, self.kv_heads, self.head_dim
         if self.plain:
             self.dtype = torch_dtype(fmt.element)
@@ -313,7 +316,8 @@ class KVStore:
                 rows[i] = page * B + o
             if max(offsets) == B - 1:
                 seal.append((block, page))
-        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), direct, seal)
+        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), all(r >= 0 for r in rows),
+                                direct, seal)
 
     def write(
         self, layer: int, slots: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -352,8 +356,11 @@ class KVStore:
             plan = self._plan
             assert plan is not None
         B = self.block_size
-        keep = plan.rows >= 0
-        if bool(keep.any()):
+        writer = self.residual_writer
+        if (plan.all_kept and writer is not None and self.residual.device.type == "cpu" and k.stride(-1) == 1
+                and v.stride(-1) == 1 and k.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+            writer(self.residual[layer, 0], self.residual[layer, 1], plan.rows, k, v)
+        elif bool((keep := plan.rows >= 0).any()):
             dst = plan.rows[keep]
             flat = (self.residual_slots * B, self.kv_heads, self.head_dim)
             self.residual[layer, 0].view(flat)[dst] = k[keep].to(self.residual.dtype)

@@ -27,7 +27,7 @@ from ...errors import ConfigError
 NATIVE_ENV = "KVLEDGER_NATIVE"  # "0" = never load the kernels (pure torch)
 DIR_ENV = "KVLEDGER_NATIVE_DIR"
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kvledger_native.cpp"
-HEADERS = (SOURCE.parent / "kvledger_bf16.h",)  # included by SOURCE: part of what the binary depends on
+HEADERS = tuple(sorted(SOURCE.parent.glob("*.h")))  # included by SOURCE: part of what the binary depends on
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 LDFLAGS = ("-fopenmp",)
 

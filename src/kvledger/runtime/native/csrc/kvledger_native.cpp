@@ -20,6 +20,8 @@
 #include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -325,27 +327,17 @@ struct PlainCache {
   }
 };
 
-// e4m3fn code -> float, for the fp8 format's dequantisation.
-const float* fp8_table() {
-  static const std::vector<float> table = [] {
-    std::vector<float> t(256);
-    for (int i = 0; i < 256; ++i) {
-      c10::Float8_e4m3fn x;
-      x.x = static_cast<uint8_t>(i);
-      t[i] = static_cast<float>(x);
-    }
-    return t;
-  }();
-  return table.data();
-}
-
 inline float half_at(const uint8_t* p, int64_t i) {
   c10::Half h;
   std::memcpy(&h, p + 2 * i, 2);
   return static_cast<float>(h);
 }
 
-enum QuantKind : int64_t { kFp8Token = 1, kInt8Token = 2, kKiviK = 3, kKiviV = 4 };
+// kChanK: uint8 keys asymmetric per channel over the block (int8-channel); kInt8TokenRot: kInt8Token's codes of
+// rows turned by the Walsh-Hadamard matrix (int8-channel's values), turned back on read.
+enum QuantKind : int64_t { kFp8Token = 1, kInt8Token = 2, kKiviK = 3, kKiviV = 4, kChanK = 5, kInt8TokenRot = 6 };
+inline void fwht(float* x, int64_t n);        // kv_quant_fused.h
+inline float e4m3_scalar(uint8_t c);          // kv_quant_fused.h
 
 // One layer's K (or V) of a quantised store: the bytes of each block ([num_blocks, R]), where this
 // tensor's parts sit in a block (byte offsets), and for KIVI the residual pages of open blocks.
@@ -355,7 +347,6 @@ struct QuantCache {
   const void* res;          // [pages, bs, H, D] of res_type, or null
   int64_t res_type;         // 0 fp32, 1 bf16, 2 fp16
   const int32_t* res_map;   // [num_blocks]: page of an open block, -1 for a sealed one
-  const float* lut;
   inline const float* rows(int64_t blk, int64_t off, int64_t h, int64_t n, int64_t, float* tmp,
                            int64_t* stride) const {
     if (res_map && res_map[blk] >= 0) {
@@ -375,17 +366,28 @@ struct QuantCache {
     }
     const uint8_t* block = base + blk * R;
     *stride = D;
-    if (kind == kFp8Token || kind == kInt8Token) {
+    if (kind == kFp8Token || kind == kInt8Token || kind == kInt8TokenRot) {
       for (int64_t i = 0; i < n; ++i) {
         const int64_t r = (off + i) * H + h;
         const float sc = half_at(block + scale_off, r);
         const uint8_t* c = block + codes_off + r * D;
         float* o = tmp + i * D;
-        if (kind == kInt8Token) {
-          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(static_cast<int8_t>(c[d])) * sc;
+        if (kind == kFp8Token) {
+          for (int64_t d = 0; d < D; ++d) o[d] = e4m3_scalar(c[d]) * sc;
         } else {
-          for (int64_t d = 0; d < D; ++d) o[d] = lut[c[d]] * sc;
+          for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(static_cast<int8_t>(c[d])) * sc;
+          if (kind == kInt8TokenRot) fwht(o, D);
         }
+      }
+      return tmp;
+    }
+    if (kind == kChanK) {
+      const uint8_t* sp = block + scale_off + h * D * 2;
+      const uint8_t* mp = block + min_off + h * D * 2;
+      for (int64_t i = 0; i < n; ++i) {
+        const uint8_t* c = block + codes_off + ((off + i) * H + h) * D;
+        float* o = tmp + i * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<float>(c[d]) * half_at(sp, d) + half_at(mp, d);
       }
       return tmp;
     }
@@ -926,17 +928,17 @@ QuantPair quant_caches(const torch::Tensor& blocks, const torch::Tensor& layout,
   TORCH_CHECK(bs >= 1 && H >= 1 && D >= 2 && D % 2 == 0, "bad block size / heads / head dim");
   const int64_t* L = layout.data_ptr<int64_t>();
   const int64_t R = blocks.size(1);
-  const float* lut = fp8_table();
   QuantCache c[2];
   for (int t = 0; t < 2; ++t) {
     const int64_t kind = L[4 * t], co = L[4 * t + 1], so = L[4 * t + 2], mo = L[4 * t + 3];
-    const bool kivi = kind == kKiviK || kind == kKiviV;
-    TORCH_CHECK(kind >= kFp8Token && kind <= kKiviV, "unknown quantised kind ", kind);
+    const bool kivi = kind == kKiviK || kind == kKiviV, has_min = kivi || kind == kChanK;
+    TORCH_CHECK(kind >= kFp8Token && kind <= kInt8TokenRot, "unknown quantised kind ", kind);
+    TORCH_CHECK(kind != kInt8TokenRot || (D & (D - 1)) == 0, "turned values need a power-of-two head dim");
     const int64_t codes = kivi ? bs * H * D / 2 : bs * H * D;
-    const int64_t meta = kind == kKiviK ? H * D * 2 : bs * H * 2;
-    TORCH_CHECK(co >= 0 && co + codes <= R && so >= 0 && so + meta <= R && (!kivi || (mo >= 0 && mo + meta <= R)),
+    const int64_t meta = (kind == kKiviK || kind == kChanK) ? H * D * 2 : bs * H * 2;
+    TORCH_CHECK(co >= 0 && co + codes <= R && so >= 0 && so + meta <= R && (!has_min || (mo >= 0 && mo + meta <= R)),
                 "layout offsets outside the block");
-    c[t] = QuantCache{blocks.data_ptr<uint8_t>(), R, kind, co, so, mo, H, D, bs, nullptr, 0, nullptr, lut};
+    c[t] = QuantCache{blocks.data_ptr<uint8_t>(), R, kind, co, so, mo, H, D, bs, nullptr, 0, nullptr};
   }
   int64_t pages = 0;
   const int32_t* map = nullptr;
@@ -981,7 +983,10 @@ void check_tables(const torch::Tensor& block_tables, const int64_t* needed_block
   }
 }
 
-// paged_decode over a quantised layer (see paged_decode and quant_caches).
+#include "kv_quant_fused.h"
+
+// paged_decode over a quantised layer (see paged_decode and quant_caches): the fused kernels
+// (kv_quant_fused.h) where the shape has one, else the loader path.
 void paged_decode_q(torch::Tensor out, torch::Tensor q, torch::Tensor blocks, torch::Tensor layout, int64_t block_size,
                     int64_t kv_heads, torch::Tensor residual, torch::Tensor res_map, torch::Tensor block_tables,
                     torch::Tensor context_lens, torch::Tensor rows, double scale, int64_t window, int64_t partition) {
@@ -1004,6 +1009,20 @@ void paged_decode_q(torch::Tensor out, torch::Tensor q, torch::Tensor blocks, to
     need[b] = (lens[b] + block_size - 1) / block_size;
   }
   check_tables(block_tables, need.data(), B, qp);
+  bool fused = false;
+#define KVL_FUSED(ST, QT)                                                                                    \
+  case ST:                                                                                                   \
+    fused = fused_decode<QT>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, context_lens, rows, scale, \
+                             window, partition);                                                             \
+    break;
+  switch (q.scalar_type()) {
+    KVL_FUSED(at::kFloat, float)
+    KVL_FUSED(at::kBFloat16, c10::BFloat16)
+    KVL_FUSED(at::kHalf, c10::Half)
+    default: break;
+  }
+#undef KVL_FUSED
+  if (fused) return;
   switch (q.scalar_type()) {
     case at::kFloat:
       paged_decode_impl<float, QuantCache>(out, q, qp.k, qp.v, block_size, kv_heads, block_tables, context_lens, rows,
@@ -1331,6 +1350,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("blocks"), py::arg("layout"), py::arg("block_size"), py::arg("kv_heads"),
         py::arg("residual"), py::arg("res_map"), py::arg("block_tables"), py::arg("starts"), py::arg("query_lens"),
         py::arg("offsets"), py::arg("scale"), py::arg("window"));
+  m.def("kv_write_q", &kv_write_q, "quantise K/V rows of a per-token format into their slots", py::arg("blocks"),
+        py::arg("layout"), py::arg("block_size"), py::arg("slots"), py::arg("k"), py::arg("v"));
   m.def("kv_write", &kv_write, "write K/V rows into their cache slots", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slots"), py::arg("k"), py::arg("v"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after an in-place residual add", py::arg("out"), py::arg("x"),

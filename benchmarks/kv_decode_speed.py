@@ -1,0 +1,94 @@
+"""Decode speed of quantised KV formats against the fp32-KV engine, side by side in one invocation (issue 36).
+
+For every shape (batch sizes at --prompt tokens, then --long-batch sequences at --long tokens) it builds one
+engine per KV format (the uncompressed fp32 one first) on SmolLM2-135M, fp32 compute, and times greedy
+generation interleaved (fp32, int8, ..., fp32, int8, ...) so that load on a shared machine hits every
+format alike. Decode tok/s = B * (new - 1) / (median time of `new` tokens - median time of 1 token): the
+prefill (served from the prefix cache after the first call) and the first token are subtracted out.
+
+Prints one line per shape with each format's ratio to fp32, the load average at start and end, then one
+JSON line of every figure.
+Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-channel,int4,fp8-scaled] [--batches 1,8,32]
+       [--prompt 256] [--long 2048] [--long-batch 4] [--new 16] [--reps 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenMP (see the runtime docs)
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from kvledger.runtime.engine import Engine, resolve_model  # noqa: E402
+from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--formats", default="int8,int8-channel,int4,fp8-scaled")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--prompt", type=int, default=256)
+    ap.add_argument("--long", type=int, default=2048, help="context of the long shape (0: none)")
+    ap.add_argument("--long-batch", type=int, default=4)
+    ap.add_argument("--new", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--block-size", type=int, default=16)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    formats = ["fp32", *[f.strip() for f in args.formats.split(",") if f.strip()]]
+    ckpt = resolve_model(args.model)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ckpt.path))
+    tokens = list(corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path)))
+    shapes = [(int(b), args.prompt) for b in args.batches.split(",") if b.strip()]
+    if args.long:
+        shapes.append((args.long_batch, args.long))
+    figures: dict[str, object] = {"model": args.model, "threads": args.threads, "new": args.new, "reps": args.reps,
+                                  "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "shapes": []}
+    for batch, prompt in shapes:
+        prompts = [(tokens * 4)[i * 997: i * 997 + prompt] for i in range(batch)]
+        blocks = batch * -(-(prompt + args.new) // args.block_size) + 8
+        engines = {f: Engine.from_model(ckpt, num_blocks=blocks, block_size=args.block_size, kv_dtype=f,
+                                        allow_untested_kv=True) for f in formats}
+
+        def run(engine: Engine, new: int, prompts: list[list[int]] = prompts) -> float:
+            t = time.perf_counter()
+            engine.generate(prompts, new)
+            return time.perf_counter() - t
+
+        for engine in engines.values():
+            run(engine, 2)  # prefill once (the prefix cache serves it after) and initialise
+        times: dict[str, dict[str, list[float]]] = {f: {"one": [], "n": []} for f in formats}
+        load0 = os.getloadavg()[0]
+        for _ in range(args.reps):
+            for f, engine in engines.items():
+                times[f]["one"].append(run(engine, 1))
+                times[f]["n"].append(run(engine, args.new))
+        tps = {}
+        for f, t in times.items():
+            dt = statistics.median(t["n"]) - statistics.median(t["one"])
+            tps[f] = batch * (args.new - 1) / dt if dt > 0 else float("nan")
+        row = {"batch": batch, "context": prompt, "tokens_per_s": {f: round(v, 1) for f, v in tps.items()},
+               "vs_fp32": {f: round(tps[f] / tps["fp32"], 3) for f in formats[1:]},
+               "load": [round(load0, 2), round(os.getloadavg()[0], 2)]}
+        figures["shapes"].append(row)  # type: ignore[attr-defined]
+        ratios = ", ".join(f"{f} x{r}" for f, r in row["vs_fp32"].items())
+        print(f"batch {batch:>2} x {prompt:>4} tokens: fp32 {tps['fp32']:.1f} tok/s; {ratios} "
+              f"(load {row['load'][0]} -> {row['load'][1]})", flush=True)
+        del engines
+    figures["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+"""The native decode reads quantised codes in place (issue 36): fused dequantisation, e4m3 without a table, and the
+quantising write of the per-token formats, each held to the torch reference."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvledger.core import BlockTable, KVSpec
+from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend, native
+from kvledger.runtime.attention import _quant_layout
+
+QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4"]
+
+
+@pytest.fixture(autouse=True)
+def _native() -> None:
+    if os.environ.get(native.NATIVE_ENV) == "0":
+        pytest.skip("KVLEDGER_NATIVE=0: only the pure-torch paths")
+    native.require()
+
+
+@pytest.mark.parametrize("dim", [64, 32])  # 64: the fused decode; 32: the loader
+def test_every_finite_e4m3_code_reads_back_exactly_as_torchs_cast(dim: int) -> None:
+    """fp8-scaled's codes are decoded by bit arithmetic (no 256-entry table): each of the 254 finite codes,
+    times its row's scale, equals torch's float8_e4m3fn -> fp32 cast times that scale, bit for bit."""
+    spec = KVSpec(1, 1, dim, kv_dtype="fp8-scaled", block_size=16)
+    store = KVStore(spec, 1)
+    p = store.parts(0)
+    finite = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    codes = finite.repeat(-(-16 * dim // finite.numel()))[: 16 * dim].view(16, 1, dim)
+    p["v.codes"][0] = codes.view(torch.float8_e4m3fn)
+    p["v.scale"][0] = torch.linspace(0.5, 3.0, 16, dtype=torch.float16)[:, None]
+    ops = native.require()
+    q = torch.randn(16, 1, dim)
+    out = torch.empty_like(q)
+    # Sequence b has context b + 1 and a window of 1: it reads row b alone, so its output is that row.
+    ops.paged_decode_q(out, q, store.kv[0], _quant_layout(store), 16, 1, torch.empty(0), torch.empty(0),
+                       torch.zeros(16, 1, dtype=torch.int32), torch.arange(1, 17, dtype=torch.int32),
+                       torch.arange(16), 0.125, 1, 0)
+    want = codes.view(torch.float8_e4m3fn).float() * p["v.scale"][0].float()[..., None]
+    assert torch.equal(out, want)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8-scaled", "int8-hadamard"])
+def test_the_native_quantising_write_stores_the_bytes_the_torch_store_writes(fmt: str) -> None:
+    """kv_write_q quantises per token in C++ exactly as kv_quant.quant_token does: same codes, same scales,
+    for rows with an outlier channel, a zero row and bf16 input."""
+    stores = []
+    for backend in ("torch", "native"):
+        spec = KVSpec(1, 2, 64, kv_dtype=fmt, block_size=16)
+        store = KVStore(spec, 4)
+        be = make_attention_backend(backend, store)
+        g = torch.Generator().manual_seed(11)
+        for dtype in (torch.float32, torch.bfloat16):
+            q, k, v = (torch.randn(20, n, 64, generator=g).to(dtype) for n in (4, 2, 2))
+            k[:, :, 5] *= 40
+            v[3] = 0
+            table = [1, 3] if dtype == torch.float32 else [2, 0]
+            slots = torch.tensor(BlockTable(16, table).slot_mapping(0, 20))
+            be.plan(AttentionBatch([0], [20], [table], slots))
+            be.forward(0, q, k, v, scale=0.125)
+        stores.append(store)
+    assert torch.equal(stores[0].kv, stores[1].kv)
+
+
+@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
+@pytest.mark.parametrize("fmt", QUANTISED)
+def test_fused_decode_equals_attention_over_the_rows_the_store_holds(fmt: str, group: int, dim: int) -> None:
+    """Decode over sealed blocks (read in place from their codes) and an open block (its residual page), with
+    contexts split across work items, equals dense attention over the store's dequantised rows."""
+    kv_heads = 2
+    spec = KVSpec(1, kv_heads, dim, kv_dtype=fmt, block_size=16, residual_dtype="fp32")
+    store = KVStore(spec, 48, residual_slots=4)
+    be = make_attention_backend("native", store)
+    gen = torch.Generator().manual_seed(group * dim)
+    tables = [BlockTable(16, list(range(0, 22))), BlockTable(16, list(range(22, 26)))]
+    lens = [300, 45]
+    q = torch.randn(sum(lens), kv_heads * group, dim, generator=gen)
+    k = torch.randn(q.shape[0], kv_heads, dim, generator=gen) * 2 + 0.5
+    k[..., 7] += 15  # an outlier channel
+    v = torch.randn(q.shape[0], kv_heads, dim, generator=gen)
+    slots = [s for t, n in zip(tables, lens, strict=True) for s in t.slot_mapping(0, n)]
+    be.plan(AttentionBatch([0, 0], lens, [t.blocks for t in tables], torch.tensor(slots)))
+    be.forward(0, q, k, v, scale=dim ** -0.5)
+    qd = torch.randn(2, kv_heads * group, dim, generator=gen)
+    kd, vd = torch.randn(2, kv_heads, dim, generator=gen), torch.randn(2, kv_heads, dim, generator=gen)
+    dslots = [t.slot_mapping(n, n + 1)[0] for t, n in zip(tables, lens, strict=True)]
+    be.plan(AttentionBatch(lens, [1, 1], [t.blocks for t in tables], torch.tensor(dslots)))
+    out = be.forward(0, qd, kd, vd, scale=dim ** -0.5)
+    for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+        rk, rv = store.read(0, torch.tensor(t.slot_mapping(0, n + 1)), torch.float32)
+        rk, rv = rk.repeat_interleave(group, 1), rv.repeat_interleave(group, 1)
+        w = (torch.einsum("hd,khd->hk", qd[i], rk) * dim ** -0.5).softmax(-1)
+        ref = torch.einsum("hk,khd->hd", w, rv)
+        assert (out[i] - ref).abs().max() < 2e-5
+    if store.format.has_residual:
+        assert store.open_blocks() == 2  # 301 and 46 tokens: both tails are open

@@ -16,7 +16,7 @@ from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend, na
 from kvledger.runtime.host_store import HostKVStore
 from kvledger.runtime.kv_quant import quant_kivi_k, quant_token
 
-QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4"]
+QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4", "int4-hadamard"]
 BACKENDS = ["torch", "native"]
 NO_NATIVE: set[str] = set()  # every quantised format has a native loader and a fused decode
 
@@ -109,7 +109,8 @@ def test_reads_dequantise_within_the_formats_error(fmt: str) -> None:
     _write_all(store, slots, k, v)
     rk, rv = store.read(1, torch.tensor(slots), torch.float32)
     err = max(float((rk - k).norm() / k.norm()), float((rv - v).norm() / v.norm()))
-    bound = {"int8": 0.01, "int8-hadamard": 0.01, "int8-channel": 0.01, "fp8-scaled": 0.04, "int4": 0.12}[fmt]
+    bound = {"int8": 0.01, "int8-hadamard": 0.01, "int8-channel": 0.01, "fp8-scaled": 0.04, "int4": 0.12,
+             "int4-hadamard": 0.12}[fmt]
     assert 0 < err < bound
 
 

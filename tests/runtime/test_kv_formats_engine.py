@@ -24,7 +24,7 @@ from kvledger.scheduler import SchedulerConfig
 
 BS = 4
 NEW = 8
-QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4"]
+QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4", "int4-hadamard"]
 MODES = {
     "roomy": dict(num_blocks=200),
     "recompute": dict(num_blocks=14, scheduler_config=SchedulerConfig(

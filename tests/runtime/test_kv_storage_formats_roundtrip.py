@@ -19,13 +19,15 @@ from kvledger.runtime import KVStore
 from kvledger.runtime.kv_store import BlockBytes
 
 FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8-scaled", "int8", "int8-hadamard", "int8-channel",
-           "int4"]
+           "int4", "int4-hadamard"]
 # Largest error of a read against what was written, as a fraction of the written rows' largest magnitude.
 TOLERANCE = {"fp32": 0.0, "bf16": 2 ** -8, "fp16": 2 ** -11, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3,
              "fp8-scaled": 2 ** -4, "int8": 1 / 127, "int4": 0.15,
              # Turned rows (int8-hadamard's K, int8-channel's V; D = 8): an element's error is at most the row's
              # error norm, sqrt(D) half-steps of a step of at most sqrt(D) * max|x| / 127: D / 254 of the largest.
-             "int8-hadamard": 8 / 254, "int8-channel": 8 / 254}
+             "int8-hadamard": 8 / 254, "int8-channel": 8 / 254,
+             # 4-bit turned rows: sqrt(D) half-steps of a step of at most 2 sqrt(D) max|x| / 15.
+             "int4-hadamard": 8 / 15}
 LAYERS, HEADS, DIM, BS = 2, 2, 8, 4
 
 

@@ -106,6 +106,9 @@ DOCUMENTED_PARTS = {
                      ("v.codes", B8 * H2 * D32), ("v.scale", 2 * B8 * H2)],
     "int4": [("k.codes", B8 * H2 * D32 // 2), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
              ("v.codes", B8 * H2 * D32 // 2), ("v.scale", 2 * B8 * H2), ("v.min", 2 * B8 * H2)],
+    # K and V alike: 4-bit codes two per byte, an fp16 scale and minimum per token and head (no residual).
+    "int4-hadamard": [(f"{kv}.{n}", b) for kv in "kv" for n, b in (("codes", B8 * H2 * D32 // 2),
+                                                                  ("scale", 2 * B8 * H2), ("min", 2 * B8 * H2))],
 }
 
 
@@ -559,3 +562,67 @@ def test_unscaled_e5m2_saturates_values_beyond_its_range() -> None:
     store.write(0, [0], x, x)
     assert list(plain_bytes(store, 0)) == [0x7B, 0xFB, 0x7B, 0x3C]
     assert math.isfinite(float(store.read(0, torch.tensor([0]), torch.float32)[0].abs().max()))
+
+
+# ---- int4-hadamard --------------------------------------------------------------------------------------------
+# The normalised Walsh-Hadamard matrix of order 4 has entries +-1/2, so a row of small integers turns exactly.
+H4 = [[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]]
+
+
+def turn4(x: list[float]) -> list[float]:
+    return [sum(x[i] * H4[i][j] for i in range(4)) / 2 for j in range(4)]
+
+
+def f16_up(x: float) -> float:
+    """The smallest fp16 >= x (positive x), by the standard library."""
+    h = f16(x)
+    if h >= x:
+        return h
+    bits = struct.unpack("<H", struct.pack("<e", h))[0]
+    return struct.unpack("<e", struct.pack("<H", bits + 1))[0]
+
+
+def test_int4_hadamard_stores_the_turned_rows_codes_with_a_scale_and_minimum_per_token_and_head() -> None:
+    """K row [1, 2, 3, 4] turns to [5, -1, -2, 0]: minimum -2, step fp16-up(7 / 15), codes round((y + 2) / s);
+    V row [4, 0, 0, 0] turns to [2, 2, 2, 2]: step 0, codes 0, minimum 2. Layout per layer and block of 2 tokens,
+    1 head of 4: K codes [2, 1, 2] bytes, K scale [2, 1] fp16, K minimum [2, 1] fp16, then V alike: 24 bytes."""
+    store = quantised_store("int4-hadamard", block=2, heads=1, dim=4)
+    k = torch.tensor([[1.0, 2, 3, 4], [0, 0, 0, 0]]).view(2, 1, 4)
+    v = torch.tensor([[4.0, 0, 0, 0], [-1, 1, -1, 1]]).view(2, 1, 4)
+    write_rows(store, [2, 3], k, v)
+    assert turn4([1, 2, 3, 4]) == [5, -1, -2, 0] and turn4([4, 0, 0, 0]) == [2, 2, 2, 2]
+    assert turn4([-1, 1, -1, 1]) == [0, -2, 0, 0]
+    s0 = f16_up(7 / 15)
+    k_codes = [[round_half_even((y + 2) / s0) for y in (5, -1, -2, 0)], [0, 0, 0, 0]]
+    s1 = f16_up(2 / 15)
+    v_codes = [[0, 0, 0, 0], [round_half_even((y + 2) / s1) for y in (0, -2, 0, 0)]]
+    assert k_codes[0] == [15, 2, 0, 4] and v_codes[1] == [15, 0, 15, 15]
+    raw = layer_block_raw(store, 1)
+    assert len(raw) == 24
+    assert part(raw, 0, "u1", 4).tolist() == _packed(k_codes)
+    assert part(raw, 4, "<f2", 2).tobytes() == f16_bytes([s0, 0.0])
+    assert part(raw, 8, "<f2", 2).tobytes() == f16_bytes([-2.0, 0.0])
+    assert part(raw, 12, "u1", 4).tolist() == _packed(v_codes)
+    assert part(raw, 16, "<f2", 2).tobytes() == f16_bytes([0.0, s1])
+    assert part(raw, 20, "<f2", 2).tobytes() == f16_bytes([2.0, -2.0])
+    rk, rv = store.read(0, torch.tensor([2, 3]), torch.float64)
+    assert torch.equal(rv[0, 0], torch.tensor([4.0, 0, 0, 0], dtype=torch.float64))  # on its grid: exact
+    assert torch.equal(rk[1], k[1].double())
+    # Turned back, an element's error is at most the turned row's error norm: sqrt(D) half-steps.
+    assert ((rk - k.double()).abs() <= 2 * s0 / 2 * (1 + 2**-10)).all()
+    assert ((rv - v.double()).abs() <= 2 * s1 / 2 * (1 + 2**-10)).all()
+
+
+def test_int4_hadamard_a_turned_row_spanning_0_to_15_uses_every_code_once() -> None:
+    """y = [0, 1, ..., 15] turned back (x = y H, exact: entries of H are +-1/4 at D = 16) is stored as codes
+    0..15 with minimum 0 and step 1, and reads back exactly."""
+    y = torch.arange(16, dtype=torch.float64)
+    x = (y @ q.hadamard(16, torch.float64)).float()
+    assert torch.equal((x.double() @ q.hadamard(16, torch.float64)), y)
+    store = quantised_store("int4-hadamard", block=2, heads=1, dim=16)
+    write_rows(store, [0], x.view(1, 1, 16), x.view(1, 1, 16))
+    p = store.parts(0)
+    assert q._unpack(p["k.codes"][0, 0, 0]).tolist() == list(range(16))
+    assert p["k.scale"][0, 0, 0].item() == 1.0 and p["k.min"][0, 0, 0].item() == 0.0
+    rk, rv = store.read(0, torch.tensor([0]), torch.float32)
+    assert torch.equal(rk[0, 0], x) and torch.equal(rv[0, 0], x)

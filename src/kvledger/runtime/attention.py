@@ -283,8 +283,9 @@ _NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_
 # rotated format stores the same codes (the backend turns queries and outputs), so it shares its kind.
 _QUANT_KINDS = {("token-head", "fp8_e4m3", "k"): 1, ("token-head", "fp8_e4m3", "v"): 1, ("token-head", "int8", "k"): 2,
                 ("token-head", "int8", "v"): 2, ("kivi", "uint8", "k"): 3, ("kivi", "uint8", "v"): 4,
-                ("channel", "int8", "k"): 5, ("channel", "int8", "v"): 2}
-_TURNED_V = {2: 6}  # values stored turned by H: the kernels' loaders (and the fused decode) turn them back
+                ("channel", "int8", "k"): 5, ("channel", "int8", "v"): 2, ("token4", "uint8", "k"): 4,
+                ("token4", "uint8", "v"): 4}
+_TURNED_V = {2: 6, 4: 7}  # values stored turned by H: the kernels' loaders (and the fused decode) turn them back
 
 
 def _quant_kind(fmt: KVFormat, kv: str) -> int:
@@ -340,7 +341,8 @@ class NativePagedAttention:
         self._no_residual = torch.empty(0)
         # Per-token formats quantise on write in the kernels (kv_write_q); formats with a residual page
         # write their open blocks' rows with kv_write (the store seals full blocks itself).
-        self._write_q = not store.plain and store.format.scales == "token-head" and hasattr(self.ops, "kv_write_q")
+        self._write_q = (not store.plain and store.format.scales in ("token-head", "token4")
+                         and hasattr(self.ops, "kv_write_q"))
         if not store.plain and store.format.has_residual:
             store.residual_writer = self.ops.kv_write
 
@@ -409,7 +411,10 @@ class NativePagedAttention:
         store = self.store
         if self._write_q and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype in _ROW_DTYPES:
             # Turned keys are quantised from fp32, as the store does (v widened alike: the kernel takes one dtype).
-            kw, vw = (kv_quant.rotate(k.float()), v.float()) if store.format.rotates("k") else (k, v)
+            fmt = store.format
+            kw, vw = (kv_quant.rotate(k.float()), v.float()) if fmt.rotates("k") else (k, v)
+            if fmt.rotates("v"):
+                vw = kv_quant.rotate(v.float())
             self.ops.kv_write_q(store.kv[layer], self._layout, store.block_size, plan.batch.slot_mapping, kw, vw)
         else:
             store.write(layer, plan.batch.slot_mapping, k, v)

@@ -235,6 +235,14 @@ class KVStore:
             if self.format.rotates("v"):
                 v = q.rotate(v)
             return k.to(dtype), v.to(dtype)
+        if self.format.scales == "token4":
+            k = q.dequant_kivi_v(p["k.codes"][block, off], p["k.scale"][block, off], p["k.min"][block, off])
+            v = q.dequant_kivi_v(p["v.codes"][block, off], p["v.scale"][block, off], p["v.min"][block, off])
+            if self.format.rotates("k"):
+                k = q.rotate(k)
+            if self.format.rotates("v"):
+                v = q.rotate(v)
+            return k.to(dtype), v.to(dtype)
         if self.format.scales == "channel":
             k = q.dequant_channel(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
             v = q.dequant_token(p["v.codes"][block, off], p["v.scale"][block, off])
@@ -345,6 +353,15 @@ class KVStore:
                 codes, scale = q.quant_token(x, self.format.element)
                 p[f"{name}.codes"][block, off] = codes
                 p[f"{name}.scale"][block, off] = scale
+            return
+        if self.format.scales == "token4":
+            block, off = idx // self.block_size, idx % self.block_size
+            for name, x in (("k", k), ("v", v)):
+                x = q.rotate(x.float()) if self.format.rotates(name) else x.float()
+                codes, scale, low = q.quant_kivi_v(x)
+                p[f"{name}.codes"][block, off] = codes
+                p[f"{name}.scale"][block, off] = scale
+                p[f"{name}.min"][block, off] = low
             return
         self._write_kivi(layer, idx, k, v, p)
 
@@ -476,7 +493,7 @@ class KVStore:
             else:
                 residual.append(None)
         for i, (_s, d, n) in enumerate(ops):
-            if self.format.scales == "token-head" and n < B:
+            if self.format.scales in ("token-head", "token4") and n < B:
                 self._copy_token_rows(data[:, i], d, n)
             else:
                 self.kv[:, d] = data[:, i]

@@ -174,6 +174,29 @@ struct Fused {
     }
   }
 
+  // Per-token asymmetric 4-bit keys (int4-hadamard): s = scale_i * (q . codes_i) + min_i * sum(q), with q
+  // in [even | odd] channel order (qp) and qs[g] = sum of q_g.
+  static void scores_token4(const QuantCache& kc, const float* qp, const float* qs, int64_t blk, int64_t off,
+                            int64_t n, int64_t h, float* s, int64_t ld) {
+    const uint8_t* block = kc.base + blk * kc.R;
+    vf qv[G][NC];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < NC; ++c) qv[g][c] = loadu(qp + g * D + c * kW);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = (off + i) * kc.H + h;
+      const uint8_t* codes = block + kc.codes_off + r * (D / 2);
+      const float sc = half_at(block + kc.scale_off, r), mn = half_at(block + kc.min_off, r);
+      vf acc[G];
+      for (int g = 0; g < G; ++g) acc[g] = vf{};
+      for (int c = 0; c < HC; ++c) {
+        const v16u8 b = ld16(codes + c * 16);
+        const vf lo = cvt_u8(b & 15), hi = cvt_u8(b >> 4);
+        for (int g = 0; g < G; ++g) acc[g] += qv[g][c] * lo + qv[g][HC + c] * hi;
+      }
+      for (int g = 0; g < G; ++g) s[g * ld + i] = hsum(acc[g]) * sc + mn * qs[g];
+    }
+  }
+
   // acc[g] += sum_i (p[g][i] * scale_i) * codes_i (per-token int8 / e4m3 values; turned or not).
   template <bool E4M3>
   static void accumulate_token(const QuantCache& vc, float* acc, const float* p, int64_t ld, int64_t blk,
@@ -270,7 +293,8 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
   const BlockKernels plain = pick_kernels(G, D);
 
   at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), accp(G * D), scores, tile(bs * D), outv(D);
+    std::vector<float> qf(G * D), qperm(G * D), acc(G * D), accp(G * D), scores, tile(bs * D), outv(D);
+    float qsum[G];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
       const int64_t len = lens[b];
@@ -284,6 +308,15 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       const Q* qrow = qp + row_idx[b] * q_s0 + h * G * q_s1;
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(qrow[g * q_s1 + d]) * fscale;
+      if (kc.kind == kKiviV)  // per-token 4-bit keys: the query in [even | odd] order and its sum
+        for (int64_t g = 0; g < G; ++g) {
+          float sum = 0.f;
+          for (int64_t d = 0; d < D; ++d) {
+            qperm[g * D + (d % 2) * (D / 2) + d / 2] = qf[g * D + d];
+            sum += qf[g * D + d];
+          }
+          qsum[g] = sum;
+        }
       scores.resize(G * n);
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs, cnt = stop - t;
@@ -300,6 +333,8 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
           F::template scores_token<true>(kc, qf.data(), id, off, cnt, h, s, n);
         } else if (kc.kind == kChanK) {
           F::template scores_channel<false>(kc, qf.data(), id, off, cnt, h, s, n);
+        } else if (kc.kind == kKiviV) {
+          F::scores_token4(kc, qperm.data(), qsum, id, off, cnt, h, s, n);
         } else {
           F::template scores_channel<true>(kc, qf.data(), id, off, cnt, h, s, n);
         }
@@ -327,7 +362,7 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
           any_plain = true;
         } else if (vc.kind == kFp8Token) {
           F::template accumulate_token<true>(vc, acc.data(), pr, n, id, off, cnt, h);
-        } else if (vc.kind == kKiviV) {
+        } else if (vc.kind == kKiviV || vc.kind == kKiviVRot) {
           F::accumulate_kivi(vc, acc.data(), extra, pr, n, id, off, cnt, h);
         } else {  // kInt8Token, kInt8TokenRot
           F::template accumulate_token<false>(vc, acc.data(), pr, n, id, off, cnt, h);
@@ -337,15 +372,14 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       // acc (the sealed blocks, in the codes' order and space) -> natural channels, plus the open rows.
       for (int64_t g = 0; g < G; ++g) {
         float* a = acc.data() + g * D;
-        if (vc.kind == kKiviV) {
+        if (vc.kind == kKiviV || vc.kind == kKiviVRot) {
           for (int64_t j = 0; j < D / 2; ++j) {
             outv[2 * j] = a[j] + extra[g];
             outv[2 * j + 1] = a[D / 2 + j] + extra[g];
           }
           std::memcpy(a, outv.data(), D * sizeof(float));
-        } else if (vc.kind == kInt8TokenRot) {
-          fwht(a, D);
         }
+        if (vc.kind == kInt8TokenRot || vc.kind == kKiviVRot) fwht(a, D);
         if (any_plain)
           for (int64_t d = 0; d < D; ++d) a[d] += accp[g * D + d];
       }
@@ -421,9 +455,29 @@ bool fused_decode(torch::Tensor& out, const torch::Tensor& q, const QuantCache& 
 // ---- quantising write of the per-token formats ------------------------------------------------------
 // kv_quant.quant_token in C++, bit for bit: s = fp16(amax / top), code = round-half-even(clamp(x / s))
 // (int8) or e4m3(clamp(x / s)) (fp8-scaled), written into each row's slot of its block.
+// fp16 neighbours as kv_quant._fp16_down / _fp16_up: the largest fp16 <= x, the smallest fp16 >= x.
+inline c10::Half fp16_step(c10::Half h, bool up) {
+  const uint16_t b = h.x;
+  const bool neg = b & 0x8000, zero = (b & 0x7FFF) == 0;
+  uint16_t r;
+  if (zero) r = up ? 0x0001 : 0x8001;
+  else r = (neg == up) ? b - 1 : b + 1;
+  c10::Half out;
+  out.x = r;
+  return out;
+}
+inline c10::Half fp16_down(float x) {
+  const c10::Half h(x);
+  return static_cast<float>(h) > x ? fp16_step(h, false) : h;
+}
+inline c10::Half fp16_up(float x) {
+  const c10::Half h(x);
+  return static_cast<float>(h) < x ? fp16_step(h, true) : h;
+}
+
 template <typename S>
-void write_token_rows(uint8_t* base, int64_t R, int64_t kind, int64_t codes_off, int64_t scale_off, int64_t bs,
-                      int64_t H, int64_t D, const int64_t* slots, int64_t n, const torch::Tensor& src) {
+void write_token_rows(uint8_t* base, int64_t R, int64_t kind, int64_t codes_off, int64_t scale_off, int64_t min_off,
+                      int64_t bs, int64_t H, int64_t D, const int64_t* slots, int64_t n, const torch::Tensor& src) {
   const S* sp = src.data_ptr<S>();
   const int64_t s0 = src.stride(0), s1 = src.stride(1);
   const float top = kind == kInt8Token ? 127.f : 448.f;
@@ -433,6 +487,28 @@ void write_token_rows(uint8_t* base, int64_t R, int64_t kind, int64_t codes_off,
     const int64_t off = slots[i] % bs;
     for (int64_t h = 0; h < H; ++h) {
       const S* row = sp + i * s0 + h * s1;
+      if (kind == kKiviV) {  // kv_quant._asym over the row: minimum down, step up, codes 0..15, two per byte
+        float mn = std::numeric_limits<float>::infinity(), mx = -mn;
+        for (int64_t d = 0; d < D; ++d) {
+          x[d] = static_cast<float>(row[d]);
+          mn = std::min(mn, x[d]);
+          mx = std::max(mx, x[d]);
+        }
+        const c10::Half low = fp16_down(mn);
+        const float lowf = static_cast<float>(low);
+        const c10::Half step = fp16_up((mx - lowf) / 15.f);
+        const float st = std::max(static_cast<float>(step), 1e-30f);
+        const int64_t r = off * H + h;
+        std::memcpy(block + scale_off + 2 * r, &step, 2);
+        std::memcpy(block + min_off + 2 * r, &low, 2);
+        uint8_t* codes = block + codes_off + r * (D / 2);
+        for (int64_t j = 0; j < D / 2; ++j) {
+          const float a = std::min(15.f, std::max(0.f, std::nearbyint((x[2 * j] - lowf) / st)));
+          const float b = std::min(15.f, std::max(0.f, std::nearbyint((x[2 * j + 1] - lowf) / st)));
+          codes[j] = static_cast<uint8_t>(static_cast<int>(a) | (static_cast<int>(b) << 4));
+        }
+        continue;
+      }
       float amax = 0.f;
       for (int64_t d = 0; d < D; ++d) {
         x[d] = static_cast<float>(row[d]);
@@ -476,16 +552,21 @@ void kv_write_q(torch::Tensor blocks, torch::Tensor layout, int64_t block_size, 
   const int64_t* s = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(s[i] >= 0 && s[i] < limit, "kv_write_q: slot ", s[i], " out of range");
   for (int t = 0; t < 2; ++t) {
-    const int64_t kind = L[4 * t], co = L[4 * t + 1], so = L[4 * t + 2];
-    TORCH_CHECK(kind == kInt8Token || kind == kFp8Token, "kv_write_q: writes the per-token formats only");
-    TORCH_CHECK(co >= 0 && co + bs * H * D <= R && so >= 0 && so + bs * H * 2 <= R, "kv_write_q: layout outside the block");
+    // Turned kinds store the same codes (the caller turns the rows first).
+    const int64_t kind = L[4 * t] == kKiviVRot ? kKiviV : L[4 * t] == kInt8TokenRot ? kInt8Token : L[4 * t];
+    const int64_t co = L[4 * t + 1], so = L[4 * t + 2], mo = L[4 * t + 3];
+    TORCH_CHECK(kind == kInt8Token || kind == kFp8Token || kind == kKiviV, "kv_write_q: writes the per-token formats only");
+    TORCH_CHECK(kind != kKiviV || D % 2 == 0, "kv_write_q: 4-bit rows need an even head dim");
+    const int64_t cbytes = kind == kKiviV ? bs * H * D / 2 : bs * H * D;
+    TORCH_CHECK(co >= 0 && co + cbytes <= R && so >= 0 && so + bs * H * 2 <= R &&
+                    (kind != kKiviV || (mo >= 0 && mo + bs * H * 2 <= R)), "kv_write_q: layout outside the block");
     const torch::Tensor& src = t == 0 ? k : v;
     switch (src.scalar_type()) {
-      case at::kFloat: write_token_rows<float>(blocks.data_ptr<uint8_t>(), R, kind, co, so, bs, H, D, s, n, src); break;
+      case at::kFloat: write_token_rows<float>(blocks.data_ptr<uint8_t>(), R, kind, co, so, mo, bs, H, D, s, n, src); break;
       case at::kBFloat16:
-        write_token_rows<c10::BFloat16>(blocks.data_ptr<uint8_t>(), R, kind, co, so, bs, H, D, s, n, src);
+        write_token_rows<c10::BFloat16>(blocks.data_ptr<uint8_t>(), R, kind, co, so, mo, bs, H, D, s, n, src);
         break;
-      case at::kHalf: write_token_rows<c10::Half>(blocks.data_ptr<uint8_t>(), R, kind, co, so, bs, H, D, s, n, src); break;
+      case at::kHalf: write_token_rows<c10::Half>(blocks.data_ptr<uint8_t>(), R, kind, co, so, mo, bs, H, D, s, n, src); break;
       default: TORCH_CHECK(false, "kv_write_q: unsupported row dtype ", src.scalar_type());
     }
   }

@@ -335,7 +335,10 @@ inline float half_at(const uint8_t* p, int64_t i) {
 
 // kChanK: uint8 keys asymmetric per channel over the block (int8-channel); kInt8TokenRot: kInt8Token's codes of
 // rows turned by the Walsh-Hadamard matrix (int8-channel's values), turned back on read.
-enum QuantKind : int64_t { kFp8Token = 1, kInt8Token = 2, kKiviK = 3, kKiviV = 4, kChanK = 5, kInt8TokenRot = 6 };
+// kKiviVRot: kKiviV's codes of turned rows (int4-hadamard's values; its keys are kKiviV read by turned queries).
+enum QuantKind : int64_t {
+  kFp8Token = 1, kInt8Token = 2, kKiviK = 3, kKiviV = 4, kChanK = 5, kInt8TokenRot = 6, kKiviVRot = 7
+};
 inline void fwht(float* x, int64_t n);        // kv_quant_fused.h
 inline float e4m3_scalar(uint8_t c);          // kv_quant_fused.h
 
@@ -409,6 +412,7 @@ struct QuantCache {
           o[2 * j] = static_cast<float>(c[j] & 15) * sc + mn;
           o[2 * j + 1] = static_cast<float>(c[j] >> 4) * sc + mn;
         }
+        if (kind == kKiviVRot) fwht(o, D);
       }
     }
     return tmp;
@@ -931,9 +935,10 @@ QuantPair quant_caches(const torch::Tensor& blocks, const torch::Tensor& layout,
   QuantCache c[2];
   for (int t = 0; t < 2; ++t) {
     const int64_t kind = L[4 * t], co = L[4 * t + 1], so = L[4 * t + 2], mo = L[4 * t + 3];
-    const bool kivi = kind == kKiviK || kind == kKiviV, has_min = kivi || kind == kChanK;
-    TORCH_CHECK(kind >= kFp8Token && kind <= kInt8TokenRot, "unknown quantised kind ", kind);
-    TORCH_CHECK(kind != kInt8TokenRot || (D & (D - 1)) == 0, "turned values need a power-of-two head dim");
+    const bool kivi = kind == kKiviK || kind == kKiviV || kind == kKiviVRot, has_min = kivi || kind == kChanK;
+    TORCH_CHECK(kind >= kFp8Token && kind <= kKiviVRot, "unknown quantised kind ", kind);
+    TORCH_CHECK((kind != kInt8TokenRot && kind != kKiviVRot) || (D & (D - 1)) == 0,
+                "turned values need a power-of-two head dim");
     const int64_t codes = kivi ? bs * H * D / 2 : bs * H * D;
     const int64_t meta = (kind == kKiviK || kind == kChanK) ? H * D * 2 : bs * H * 2;
     TORCH_CHECK(co >= 0 && co + codes <= R && so >= 0 && so + meta <= R && (!has_min || (mo >= 0 && mo + meta <= R)),

@@ -23,6 +23,8 @@ ALLOWED: dict[str, set[str] | None] = {
     "jsonsafe": set(),
     # Where kvledger's cache is and what it holds (converted models, records): read by the runtime and the CLI.
     "cachedir": set(),
+    # How a process that runs the engine sets torch up (OpenMP waits, threads): the CLI and the engine process.
+    "torch_setup": set(),
     "core": {"errors", "units"},
     "scheduler": {"core", "errors", "units"},
     # How an engine is built (torch-free): read by the runtime, the server, the fleet and the CLI.
@@ -38,7 +40,7 @@ ALLOWED: dict[str, set[str] | None] = {
     "sim": {"core", "scheduler", "errors", "units", "jsonsafe", "placement", "workloads"},
     "lab": {"core", "scheduler", "errors", "units"},
     "weblab": {"lab", "core", "scheduler", "errors", "units"},
-    "server": {"core", "scheduler", "runtime", "engine_config", "workloads", "errors", "units"},
+    "server": {"core", "scheduler", "runtime", "engine_config", "workloads", "errors", "units", "torch_setup"},
     "loadgen": {"core", "scheduler", "workloads", "errors", "units"},
     # The Ray faces: Ray Serve deployments and request router over the placement package.
     "fleet": {"core", "scheduler", "runtime", "server", "engine_config", "errors", "units", "placement"},

@@ -95,6 +95,8 @@ def test_fused_decode_equals_attention_over_the_rows_the_store_holds(fmt: str, g
         rk, rv = rk.repeat_interleave(group, 1), rv.repeat_interleave(group, 1)
         w = (torch.einsum("hd,khd->hk", qd[i], rk) * dim ** -0.5).softmax(-1)
         ref = torch.einsum("hk,khd->hd", w, rv)
-        assert (out[i] - ref).abs().max() < 2e-5
+        # fp32 rounding only: the Hadamard formats turn values back once per output row (a 128-term sum),
+        # which reorders additions; a wrong code, scale or block shows as 1e-2 or more.
+        assert (out[i] - ref).abs().max() < (5e-5 if "hadamard" in fmt else 2e-5)
     if store.format.has_residual:
         assert store.open_blocks() == 2  # 301 and 46 tokens: both tails are open

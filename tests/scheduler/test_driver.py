@@ -89,16 +89,32 @@ def _calls(path: Path, names: set[str]) -> list[int]:
             and n.func.attr in names]
 
 
+# Files allowed a schedule/confirm call outside the Driver, each with why. vLLM's integration steps vLLM's own
+# scheduler (its schedule()), not ours. The hybrid-pool simulation and lab view step a GroupLedger directly
+# because the Scheduler and its step plan do not carry one block table per group yet: they move onto the
+# Driver when it does, and this list shrinks.
+NOT_OUR_SCHEDULER = {
+    "integrations/vllm/harness.py": "vLLM's Scheduler.schedule() on a fake model output",
+    "integrations/vllm/scheduler.py": "vLLM's AsyncScheduler.schedule() (the plugin's base class)",
+    "sim/hybrid.py": "a GroupLedger stepped by hand until the Scheduler carries group tables",
+    "weblab/hybrid_view.py": "a GroupLedger stepped by hand until the Scheduler carries group tables",
+}
+
+
 def test_only_the_driver_calls_schedule_and_confirm() -> None:
     """The engine, the simulator, the lab (and any face) step the scheduler through the Driver."""
-    offenders = {}
+    offenders, allowed = {}, set()
     for path in sorted(SRC.rglob("*.py")):
         if path == SRC / "scheduler" / "driver.py":
             continue
         lines = _calls(path, {"schedule", "confirm"})
-        if lines:
-            offenders[str(path.relative_to(SRC))] = lines
+        name = str(path.relative_to(SRC))
+        if lines and name in NOT_OUR_SCHEDULER:
+            allowed.add(name)
+        elif lines:
+            offenders[name] = lines
     assert offenders == {}
+    assert allowed == set(NOT_OUR_SCHEDULER)  # an exception no longer needed is removed from the list
     assert _calls(SRC / "scheduler" / "driver.py", {"schedule"})  # the check itself can fail
 
 

@@ -7,23 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..torch_setup import prepare_torch  # noqa: F401 -- the engine commands import it from here
+
 MAX_INPUT_BYTES = 256 * 2**20  # the largest requests file, trace or config a command reads
-
-
-def prepare_torch(threads: int | None = None) -> None:
-    """Set up torch for a command that runs the engine, before torch starts OpenMP: passive OpenMP
-    waits (on shared cores, spinning worker threads wait for each other's time slices and a small
-    matmul can take 100x longer), quiet profiler and transformers logs, then ``threads`` CPU threads.
-    The environment settings have no effect once torch is running; the thread count always does."""
-    import os
-
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    import torch
-
-    if threads is not None:
-        torch.set_num_threads(threads)
 
 
 def emit_json(data: Any) -> None:

@@ -285,7 +285,7 @@ def main() -> None:
     size = int(sys.stdin.buffer.readline())
     config, threads = pickle.loads(sys.stdin.buffer.read(size))
     _die_with_parent()
-    from ..cli.common import prepare_torch
+    from ..torch_setup import prepare_torch
 
     prepare_torch(threads)
     core = _Core(config, threads, in_addr, out_addr)

@@ -24,6 +24,7 @@ from ..core.sizing.hybrid import HybridPlan, hybrid_plan
 from ..core.types import Outcome
 from ..errors import ConfigError
 from ..workloads.requests import SimRequest
+from ..scheduler.metrics import percentile
 from .cost_model import CostModel
 
 SAMPLED_TOKEN = 7  # the id every simulated step samples (ids only feed the prefix index)
@@ -48,11 +49,10 @@ class _Live:
     first_token_s: float | None = None
 
 
-def _percentile(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+def _at(samples: list[float], q: float) -> float:
+    """The project's one percentile (linear interpolation, ``q`` in [0, 100]); nan when there is nothing."""
+    p = percentile(samples, q)
+    return math.nan if p is None else p
 
 
 def serve(requests: list[SimRequest], ledger: GroupLedger, cost: CostModel, *, max_num_batched_tokens: int = 8192,
@@ -144,8 +144,8 @@ def serve(requests: list[SimRequest], ledger: GroupLedger, cost: CostModel, *, m
     return {
         "requests": len(requests), "finished": finished, "never": never, "steps": steps,
         "offered_rps": offered, "served_rps": finished / makespan if makespan > 0 else math.inf,
-        "ttft_p50_ms": 1e3 * _percentile(ttft, 0.5), "ttft_p90_ms": 1e3 * _percentile(ttft, 0.9),
-        "tpot_p50_ms": 1e3 * _percentile(tpot, 0.5), "tpot_p90_ms": 1e3 * _percentile(tpot, 0.9),
+        "ttft_p50_ms": 1e3 * _at(ttft, 50), "ttft_p90_ms": 1e3 * _at(ttft, 90),
+        "tpot_p50_ms": 1e3 * _at(tpot, 50), "tpot_p90_ms": 1e3 * _at(tpot, 90),
         "peak_running": peak_running, "prefix_hit_tokens": hit_tokens,
     }
 

@@ -23,8 +23,8 @@ from ..core.sizing.geometry import KVSpec
 from ..core.sizing.hybrid import HybridPlan, hybrid_plan
 from ..core.types import Outcome
 from ..errors import ConfigError
-from ..workloads.requests import SimRequest
 from ..scheduler.metrics import percentile
+from ..workloads.requests import SimRequest
 from .cost_model import CostModel
 
 SAMPLED_TOKEN = 7  # the id every simulated step samples (ids only feed the prefix index)

@@ -83,7 +83,7 @@ def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.Capt
                                                              no_records: Path) -> None:
     out_dir = tmp_path / "report"
     rc, out, err = run(capsys, "quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "48",
-                       "--new-tokens", "6", "--json", "--out", str(out_dir), "--threads", "2")
+                       "--new-tokens", "6", "--json", "--out", str(out_dir), "--threads", "2", "--no-held-out")
     report = json.loads(out)
     assert rc == (0 if report["passed"] else 1), err  # a failed contract exits 1 (it used to exit 0)
     assert json.loads((out_dir / "quality.json").read_text())["cases"] == report["cases"]
@@ -114,13 +114,95 @@ def test_quality_exits_non_zero_when_the_contract_fails(capsys: pytest.CaptureFi
         {"metric": "ppl_rel_change", "agg": "max", "max": -1.0},  # no measurement can be below -100%
         {"metric": "attn_rel_err", "agg": "max", "max": 1.0}]}))
     args = ["quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "32", "--new-tokens", "2",
-            "--kinds", "prose", "--contract", str(contract), "--out", str(tmp_path / "r"), "--threads", "2"]
+            "--kinds", "prose", "--contract", str(contract), "--out", str(tmp_path / "r"), "--threads", "2",
+            "--no-held-out"]
     rc, out, err = run(capsys, *args)
     assert rc == 1 and "does not pass its contract" in out and "FAILS" in out
     assert err.count("\n") == 1 and "int8" in err and "fails its contract" in err and "ppl_rel_change" in err
     rc, out, err = run(capsys, *args, "--json")
     assert rc == 1 and json.loads(out)["passed"] is False and err.count("\n") == 1
     assert (tmp_path / "r" / "quality.json").is_file()  # the report is still written
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (None, "cannot read --held-out file"),
+    ("{not json", "is not valid JSON"),
+    ("[]", "must hold a non-empty JSON list of prompts"),
+    ('{"prompts": 3}', "must hold a non-empty JSON list of prompts"),
+    ('["a text", [1, -2, 3]]', "prompt 1 is neither a non-empty text nor a list of 2 to 8192 token ids"),
+    ('["   "]', "prompt 0 is neither"),
+    ('[[1, true]]', "prompt 0 is neither"),
+    ("[" + ",".join(['"x"'] * 65) + "]", "has 65 prompts; at most 64"),
+])
+def test_a_bad_held_out_file_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, content: str | None,
+                                          message: str) -> None:
+    path = tmp_path / "held.json"
+    if content is not None:
+        path.write_text(content)
+    rc, out, err = run(capsys, "quality", "--kv-dtype", "int8", "--held-out", str(path))
+    assert rc == 2 and not out
+    assert message in one_error_line(err)
+
+
+def test_held_out_and_no_held_out_exclude_each_other(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    rc, out, err = run(capsys, "quality", "--kv-dtype", "int8", "--held-out", str(tmp_path / "x.json"),
+                       "--no-held-out")
+    assert rc == 2 and "exclude each other" in one_error_line(err)
+
+
+def test_the_default_held_out_set_ships_with_the_package() -> None:
+    """A clean clone (no ../shared/peers) still has the held-out chat prompts: a bundled slice of them."""
+    from kvledger.runtime.measure.quality import DEFAULT_HELD_OUT, HELD_OUT_FILE, load_held_out
+
+    prompts, origin = load_held_out()
+    assert len(prompts) == DEFAULT_HELD_OUT == 4 and "bundled" in origin
+    assert all(p.text and p.text.startswith("<|im_start|>") and p.text.endswith("<|im_start|>assistant\n")
+               for p in prompts)
+    bundled = json.loads(HELD_OUT_FILE.read_text())["prompts"]
+    # all from the held-out half of the peer prompts, i with (i // 2) % 2 == 1: never the tune half
+    assert [b["peer_index"] for b in bundled] == [2, 3, 6, 7, 10, 11, 14, 15]
+
+
+@needs_smol
+def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, no_records: Path) -> None:
+    held = tmp_path / "held.json"
+    held.write_text(json.dumps(["The capital of France is Paris. The capital of Italy is",
+                                [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511]]))
+    contract = tmp_path / "tiny.json"  # a planted contract no format meets: KL below 1e-12
+    contract.write_text(json.dumps({"format": "int8", "thresholds": [
+        {"metric": "kl_mean", "agg": "max", "max": 1e-12},
+        {"metric": "greedy_agreement", "agg": "mean", "min": 0.0}]}))
+    args = ["quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "32", "--new-tokens", "3",
+            "--kinds", "prose", "--held-out", str(held), "--contract", str(contract), "--out", str(tmp_path / "r"),
+            "--threads", "2", "--json"]
+    rc, out, err = run(capsys, *args)
+    report = json.loads(out)
+    assert rc == 1 and report["passed"] is False
+    held_out = report["held_out"]
+    assert held_out["prompts"] == 2 and held_out["origin"] == str(held) and held_out["new_tokens"] == 3
+    cases = held_out["cases"]
+    assert [c["tokens"] for c in cases][1] == 11
+    for c in cases:
+        assert 0 <= c["common_prefix"] <= 3 and 0 <= c["greedy_agreement"] <= 1 and c["kl_mean"] > 0
+        assert set(c["bf16"]) >= {"ppl_rel_change", "ppl_change", "kl_mean", "greedy_agreement", "common_prefix"}
+        assert c["kl_mean"] > c["bf16"]["kl_mean"]  # int8 moves the distribution further than a bf16 cache
+    s = held_out["summary"]
+    assert s["kl_vs_bf16"] == pytest.approx(s["kl_mean_pooled"] / s["kl_mean_pooled_bf16"])
+    worst = max(cases, key=lambda c: c["kl_mean"])["prompt"]
+    assert s["kl_mean_worst_prompt"] == worst
+    # the verdict: each threshold on the texts and on the held-out prompts, the failed clause in words
+    assert [(v["set"], v["metric"], v["ok"]) for v in report["verdict"]] == [
+        ("texts", "kl_mean", False), ("texts", "greedy_agreement", True),
+        ("held-out prompts", "kl_mean", False), ("held-out prompts", "greedy_agreement", True)]
+    clause = report["verdict"][2]["clause"]
+    assert clause.startswith(f"KL mean on held-out prompt {worst} ") and clause.endswith("> 1e-12")
+    assert report["verdict"][0]["clause"].startswith("KL mean on prose at 32 tokens ")
+    assert report["verdict_line"].startswith("fails: KL mean on prose at 32 tokens")
+    assert clause in report["verdict_line"]
+    assert err.count("\n") == 1 and clause in err
+    # the old keys stay
+    assert {"cases", "summary", "verdict", "texts", "protocol", "passed"} <= set(report)
 
 
 @needs_smol

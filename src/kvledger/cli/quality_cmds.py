@@ -58,10 +58,34 @@ def _table(report: dict[str, Any]) -> Any:
     return t
 
 
+def _held_out_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    held = report["held_out"]
+    s, n = held["summary"], held["new_tokens"]
+    t = Table(title=f"held out: {held['prompts']} prompts ({held['origin']}), bf16 KV in brackets")
+    for col in ("prompt", "tokens", "ppl change", "KL mean", "attn err", f"greedy match /{n}",
+                f"free-running common prefix /{n}"):
+        t.add_column(col, justify="right")
+    for c in held["cases"]:
+        b = c["bf16"]
+        t.add_row(str(c["prompt"]), f"{c['tokens']:,}",
+                  f"{100 * c['ppl_change']:+.3f}% ({100 * b['ppl_change']:+.3f}%)",
+                  f"{c['kl_mean']:.2e} ({b['kl_mean']:.2e})", f"{c['attn_rel_err']:.4f}",
+                  f"{c['greedy_matching']} ({round(b['greedy_agreement'] * n)})",
+                  f"{c['common_prefix']} ({b['common_prefix']})")
+    t.add_row("pooled", "", f"{100 * s['ppl_change_pooled']:+.3f}% ({100 * s['ppl_change_pooled_bf16']:+.3f}%)",
+              f"{s['kl_mean_pooled']:.2e} ({s['kl_mean_pooled_bf16']:.2e}) = {s['kl_vs_bf16']:.2f}x", "",
+              f"{100 * s['greedy_agreement_mean']:.1f}% ({100 * s['greedy_agreement_mean_bf16']:.1f}%)",
+              f"{s['common_prefix_mean']:.1f} ({s['common_prefix_mean_bf16']:.1f}) = {s['common_prefix_vs_bf16']:.2f}x")
+    return t
+
+
 @click.command("quality", epilog=epilog(
     "kvledger quality --model smollm2-135m --kv-cache-dtype int8",
     "kvledger quality --kv-cache-dtype int4 --block-size 64 --out reports/int4",
     "kvledger quality --kv-cache-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
+    "kvledger quality --kv-cache-dtype int8-channel --held-out my_prompts.json   # your prompts, held out",
 ))
 @model_option()
 @engine_option("kv_dtype", required=True, type=DtypeName(lambda: list(quantized_formats())),
@@ -74,6 +98,10 @@ def _table(report: dict[str, Any]) -> Any:
               help="Greedy tokens generated after each context (the full protocol needs 128).")
 @click.option("--kinds", default="prose,code,chat", show_default=True,
               help="Text kinds: prose (bundled corpus), code (Python's stdlib), chat (Debian FAQs as a chat).")
+@click.option("--held-out", "held_out", default=None, metavar="FILE",
+              help="A JSON list of held-out prompts (texts, or lists of token ids) the format was not tuned on "
+                   "[4 bundled peer chat prompts].")
+@click.option("--no-held-out", is_flag=True, help="Score the texts only, not the held-out prompts.")
 @click.option("--contract", "contract_path", default=None,
               help="A contract JSON file of thresholds [the one shipped for the format].")
 @engine_option("attention_backend",
@@ -83,15 +111,22 @@ def _table(report: dict[str, Any]) -> Any:
 @threads_option()
 @click.option("--json", "as_json", is_flag=True, help="Print the report as one JSON object.")
 def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_tokens: int, kinds: str,
-                contract_path: str | None, attention_backend: str, out: str | None, no_record: bool,
-                threads: int | None, as_json: bool) -> None:
+                held_out: str | None, no_held_out: bool, contract_path: str | None, attention_backend: str,
+                out: str | None, no_record: bool, threads: int | None, as_json: bool) -> None:
     """Measure a quantised KV format against the uncompressed KV of the same model on prose, code and chat:
     perplexity and its change, next-token KL, per-layer attention error, greedy agreement. A report that
     meets the format's contract on the full protocol is recorded; the engine serves a quantised format only
-    with such a record (or --allow-untested-kv). Exits 1 when the report fails its contract."""
+    with such a record (or --allow-untested-kv). The same contract is also judged on held-out prompts (each
+    prompt a case, bf16's figures beside the format's, free-running common prefix). Exits 1 when the report
+    fails its contract, naming the clause."""
 
     ctx = _contexts(contexts)
     kind_list = _kinds(kinds)
+    if held_out is not None and no_held_out:
+        raise ConfigError("--held-out FILE and --no-held-out exclude each other")
+    from ..runtime.measure.quality import load_held_out
+
+    held = None if no_held_out else load_held_out(held_out)
     prepare_torch(threads)
     from rich.console import Console
 
@@ -111,6 +146,11 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     with err.status("measuring") as status:
         report = run.measure(kv_dtype, kinds=kind_list, contexts=ctx, new_tokens=new_tokens,
                              progress=lambda what: status.update(f"measuring {kv_dtype}: {what}"))
+        report["held_out"] = None
+        if held is not None:
+            report["held_out"] = run.measure_held_out(
+                kv_dtype, held[0], held[1], new_tokens=new_tokens,
+                progress=lambda what: status.update(f"measuring {kv_dtype}: {what}"))
     report = judge(report, contract)
     folder = Path(out) if out else cache_root() / "quality" / "reports" / f"{kv_dtype}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
@@ -126,14 +166,18 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
         return
     con = console()
     con.print(_table(report))
+    if report["held_out"]:
+        con.print(_held_out_table(report))
     for v in report["verdict"]:
         mark = "[green]ok[/green]" if v["ok"] else "[red]FAILS[/red]"
-        con.print(f"{mark} {v['threshold']}: {v['value']:.4g}")
+        con.print(f"{mark} {v['threshold']} ({v['set']}): {v['value']:.4g}")
     for t in report["texts"]:
         con.print(f"[dim]{t['kind']}: {t['origin']} (sha256 {t['sha256']}, {t['tokens']:,} tokens)[/dim]")
     verdict = "passes" if report["passed"] else "does not pass"
     con.print(f"{report['kv_format']} {verdict} its contract ({contract.source}); bytes per token "
               f"{report['bytes_per_token']:,} vs {report['baseline_bytes_per_token']:,}")
+    if not report["passed"]:
+        con.print(report["verdict_line"], markup=False)
     if report["record"]:
         con.print(f"recorded: {report['record']} (the engine now serves {kv_dtype} for these weights)")
     elif report["passed"] and not report["protocol"]["complete"]:
@@ -148,7 +192,7 @@ def _exit_unless_passed(report: dict[str, Any], source: str) -> None:
     script or CI step running `kvledger quality` stops."""
     if report["passed"]:
         return
-    failing = "; ".join(f"{v['threshold']}: {v['value']:.4g}" for v in report["verdict"] if not v["ok"])
+    failing = "; ".join(f"{v['clause']} ({v['threshold']}, {v['set']})" for v in report["verdict"] if not v["ok"])
     click.echo(f"kvledger: {report['kv_format']} fails its contract ({source}): {failing}", err=True)
     raise click.exceptions.Exit(1)
 

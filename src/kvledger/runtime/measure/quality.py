@@ -20,12 +20,20 @@ and each case reports:
 Texts come from what the package and the system ship (:func:`quality_texts`, each with its origin and
 hash): the bundled public-domain corpus (prose), a module of Python's own standard library (code), and
 Debian's package FAQs turned into a conversation with the model's chat template (chat).
+
+The contract is also scored **held out** (:meth:`QualityRun.measure_held_out`): on prompts no format was tuned
+on -- by default a bundled slice of the peer-runtime chat prompts (``kvledger/data/quality/held_out/``), or a
+JSON file the user gives -- each prompt is one case (teacher-forced perplexity change, KL and attention error
+over the prompt, greedy agreement on the baseline's path after it), with a bf16 KV cache's figures on the same
+prompt beside the format's, and the free-running common prefix with the baseline's greedy ids (the first
+divergence on the baseline's path is exactly where a free-running greedy run first differs).
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import math
 import sysconfig
 import time
@@ -51,6 +59,11 @@ FULL_PROTOCOL = {"kinds": list(KINDS), "min_short": 256, "min_long": 2048, "new_
 CODE_MODULE = "argparse.py"  # a long, stable module every CPython ships
 FAQ_FILES = ("/usr/share/doc/base-files/FAQ", "/usr/share/doc/man-db/FAQ", "/usr/share/doc/ncurses-base/FAQ")
 LOGIT_ROWS = 256  # next-token distributions are computed this many positions at a time
+HELD_OUT_FILE = Path(__file__).resolve().parents[2] / "data" / "quality" / "held_out" / "peer_chat.json"
+DEFAULT_HELD_OUT = 4  # of the bundled slice: 8 prompts with 128 greedy tokens took 368 s on 2 busy cores
+MAX_HELD_OUT = 64  # prompts in a held-out file
+MAX_HELD_OUT_TOKENS = 8192  # tokens in one held-out prompt
+MAX_HELD_OUT_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +170,59 @@ def quality_texts(tokenizer: Any = None, kinds: Sequence[str] = KINDS) -> list[T
         else:
             raise ConfigError(f"unknown text kind {kind!r} (known: {', '.join(KINDS)})")
     return out
+
+
+# ---- held-out prompts ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class HeldOutPrompt:
+    """One held-out prompt: token ids (used as given) or a text (tokenised as is, no chat template added)."""
+
+    name: str
+    text: str | None = None
+    ids: tuple[int, ...] | None = None
+
+
+def load_held_out(path: str | Path | None = None) -> tuple[list[HeldOutPrompt], str]:
+    """The prompts of a held-out file and where they come from; without ``path`` the bundled slice of the
+    peer chat prompts. A file is a JSON list whose items are texts, lists of token ids, or objects with
+    ``text`` or ``ids`` (optionally inside ``{"prompts": [...]}``); anything else is one ConfigError line.
+    The bundled default is cut to its first :data:`DEFAULT_HELD_OUT` prompts (two with the peers' shared
+    system header, two without) to keep a default run's time bounded."""
+    p = HELD_OUT_FILE if path is None else Path(path)
+    what = f"--held-out file {p}"
+    try:
+        if p.stat().st_size > MAX_HELD_OUT_BYTES:
+            raise ConfigError(f"{what} is larger than {MAX_HELD_OUT_BYTES // 2**20} MiB")
+        data = json.loads(p.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read {what}: {exc.strerror or exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ConfigError(f"{what} is not valid JSON: {str(exc)[:120]}") from None
+    items = data.get("prompts") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{what} must hold a non-empty JSON list of prompts (texts or lists of token ids)")
+    if len(items) > MAX_HELD_OUT:
+        raise ConfigError(f"{what} has {len(items)} prompts; at most {MAX_HELD_OUT}")
+    out = []
+    for i, item in enumerate(items):
+        name = str(i)
+        if isinstance(item, dict):
+            if "peer_index" in item:
+                name = f"{i} (peer {item['peer_index']})"
+            item = item.get("ids", item.get("text"))
+        if isinstance(item, str) and item.strip():
+            out.append(HeldOutPrompt(name, text=item))
+        elif (isinstance(item, list) and len(item) >= 2 and len(item) <= MAX_HELD_OUT_TOKENS
+              and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in item)):
+            out.append(HeldOutPrompt(name, ids=tuple(item)))
+        else:
+            raise ConfigError(f"{what}: prompt {i} is neither a non-empty text nor a list of 2 to "
+                              f"{MAX_HELD_OUT_TOKENS} token ids (non-negative integers)")
+    if path is None:
+        out = out[:DEFAULT_HELD_OUT]
+    origin = (f"kvledger's bundled slice of the peer chat prompts (kvledger/data/quality/held_out/{p.name}, "
+              f"the first {len(out)})" if path is None else str(p))
+    return out, origin
 
 
 # ---- measurement --------------------------------------------------------------------------------------
@@ -348,20 +414,167 @@ class QualityRun:
                 "seconds": round(time.perf_counter() - t0, 1),
                 "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
+    def measure_held_out(self, kv_dtype: str, prompts: Sequence[HeldOutPrompt], origin: str, *,
+                         new_tokens: int = DEFAULT_NEW_TOKENS,
+                         progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        """Each held-out prompt as one case, the format's figures beside a bf16 KV cache's, and pooled and
+        worst-prompt summaries (``report['held_out']``)."""
+        base_spec = kv_spec_for(self.ckpt, self.dtype, None, self.block_size)
+        bf16_spec = kv_spec_for(self.ckpt, self.dtype, "bf16", self.block_size)
+        spec = kv_spec_for(self.ckpt, self.dtype, kv_dtype, self.block_size)
+        vocab = len(self.tokenizer)
+        ids_list: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            ids = list(p.ids) if p.ids is not None else self.tokenizer(p.text, add_special_tokens=False).input_ids
+            if not 2 <= len(ids) <= MAX_HELD_OUT_TOKENS:
+                raise ConfigError(f"held-out prompt {i} has {len(ids)} tokens; it needs 2 to {MAX_HELD_OUT_TOKENS}")
+            if max(ids) >= vocab:
+                raise ConfigError(f"held-out prompt {i} has token id {max(ids)}, outside the model's vocabulary "
+                                  f"of {vocab}")
+            ids_list.append(ids)
+        t0 = time.perf_counter()
+        keys = [("held-greedy", tuple(ids), new_tokens) for ids in ids_list]
+        if progress:
+            progress(f"held-out: greedy generation, {len(ids_list)} prompts in one batch")
+        if any(k not in self._base for k in keys):
+            for k, out in zip(keys, _greedy(self._model, base_spec, ids_list, new_tokens, self.backend), strict=True):
+                self._base[k] = out
+        base_ids = [self._base[k] for k in keys]
+        bkeys = [("held-bf16", *k[1:]) for k in keys]
+        if any(k not in self._base for k in bkeys):
+            for k, out in zip(bkeys, _greedy(self._model, bf16_spec, ids_list, new_tokens, self.backend,
+                                               forced=base_ids), strict=True):
+                self._base[k] = out
+        fmt_ids = _greedy(self._model, spec, ids_list, new_tokens, self.backend, forced=base_ids)
+        cases = []
+        for i, (p, ids, gb, gf, bk) in enumerate(zip(prompts, ids_list, base_ids, fmt_ids, bkeys, strict=True)):
+            if progress:
+                progress(f"held-out prompt {i + 1}/{len(ids_list)} ({len(ids)} tokens)")
+            targets = torch.tensor(ids[1:])
+            hkey, bhkey = ("held-hidden", tuple(ids)), ("held-bf16-hidden", tuple(ids))
+            if hkey not in self._base:
+                self._base[hkey] = _teacher_forced(self._model, base_spec, ids, self.backend)[0]
+            hb = self._base[hkey]
+            if bhkey not in self._base:
+                h16 = _teacher_forced(self._model, bf16_spec, ids, self.backend)[0]
+                self._base[bhkey] = _compare_logits(self._model, hb[:-1], h16[:-1], targets)
+            b16 = self._base[bhkey]
+            hf, errors = _teacher_forced(self._model, spec, ids, self.backend)
+            figures = _compare_logits(self._model, hb[:-1], hf[:-1], targets)
+            layers = [errors[j] for j in sorted(errors)]
+            first, first16 = _first_difference(gb, gf), _first_difference(gb, self._base[bk])
+            cases.append({"prompt": i, "name": p.name, "tokens": len(ids), **figures,
+                          "ppl_change": (figures["ppl"] - figures["ppl_base"]) / figures["ppl_base"],
+                          "attn_rel_err": max(layers), "attn_rel_err_mean": sum(layers) / len(layers),
+                          "greedy_matching": sum(a == b for a, b in zip(gb, gf, strict=True)),
+                          "greedy_new_tokens": new_tokens,
+                          "greedy_agreement": sum(a == b for a, b in zip(gb, gf, strict=True)) / new_tokens,
+                          "first_divergence": first, "common_prefix": new_tokens if first is None else first,
+                          "bf16": {"ppl_rel_change": b16["ppl_rel_change"],
+                                   "ppl_change": (b16["ppl"] - b16["ppl_base"]) / b16["ppl_base"],
+                                   "kl_mean": b16["kl_mean"],
+                                   "greedy_agreement": sum(a == b for a, b in zip(gb, self._base[bk], strict=True))
+                                   / new_tokens,
+                                   "common_prefix": new_tokens if first16 is None else first16}})
+        return {"origin": origin, "prompts": len(cases), "new_tokens": new_tokens, "cases": cases,
+                "summary": _held_out_summary(cases), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+
+
+def _held_out_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """Pooled figures over every held-out position (not a mean of per-prompt figures) and the worst prompt of
+    each, for the format and for bf16 beside it."""
+    n = [c["tokens"] - 1 for c in cases]
+    total = sum(n)
+
+    def pooled_ppl_change(base_ppl: list[float], ppl: list[float]) -> float:
+        nb = sum(k * math.log(b) for k, b in zip(n, base_ppl, strict=True))
+        nf = sum(k * math.log(f) for k, f in zip(n, ppl, strict=True))
+        return math.exp(nf / total) / math.exp(nb / total) - 1
+
+    ppl16 = [c["ppl_base"] * (1 + c["bf16"]["ppl_change"]) for c in cases]
+    kl = sum(k * c["kl_mean"] for k, c in zip(n, cases, strict=True)) / total
+    kl16 = sum(k * c["bf16"]["kl_mean"] for k, c in zip(n, cases, strict=True)) / total
+    prefix = sum(c["common_prefix"] for c in cases) / len(cases)
+    prefix16 = sum(c["bf16"]["common_prefix"] for c in cases) / len(cases)
+    worst_ppl = max(cases, key=lambda c: c["ppl_rel_change"])
+    worst_kl = max(cases, key=lambda c: c["kl_mean"])
+    worst_agree = min(cases, key=lambda c: c["greedy_agreement"])
+    return {"ppl_change_pooled": pooled_ppl_change([c["ppl_base"] for c in cases], [c["ppl"] for c in cases]),
+            "ppl_change_pooled_bf16": pooled_ppl_change([c["ppl_base"] for c in cases], ppl16),
+            "ppl_rel_change_worst": worst_ppl["ppl_rel_change"], "ppl_rel_change_worst_prompt": worst_ppl["prompt"],
+            "ppl_rel_change_worst_bf16": max(c["bf16"]["ppl_rel_change"] for c in cases),
+            "kl_mean_pooled": kl, "kl_mean_pooled_bf16": kl16, "kl_vs_bf16": kl / kl16 if kl16 > 0 else math.inf,
+            "kl_mean_worst": worst_kl["kl_mean"], "kl_mean_worst_prompt": worst_kl["prompt"],
+            "greedy_agreement_mean": sum(c["greedy_agreement"] for c in cases) / len(cases),
+            "greedy_agreement_mean_bf16": sum(c["bf16"]["greedy_agreement"] for c in cases) / len(cases),
+            "greedy_agreement_worst": worst_agree["greedy_agreement"],
+            "greedy_agreement_worst_prompt": worst_agree["prompt"],
+            "common_prefix_mean": prefix, "common_prefix_mean_bf16": prefix16,
+            "common_prefix_vs_bf16": prefix / prefix16 if prefix16 > 0 else math.inf,
+            "identical": sum(c["first_divergence"] is None for c in cases),
+            "identical_bf16": sum(c["bf16"]["common_prefix"] == c["greedy_new_tokens"] for c in cases)}
+
+
+_WORDS = {"ppl_rel_change": "perplexity change", "kl_mean": "KL mean", "attn_rel_err": "attention error",
+          "greedy_agreement": "greedy agreement"}
+
+
+def _show(metric: str, value: float) -> str:
+    if metric == "ppl_rel_change":
+        return f"{100 * value:+.2f}%"
+    if metric == "greedy_agreement":
+        return f"{100 * value:.1f}%"
+    return f"{value:.3g}"
+
+
+def _bound(metric: str, value: float) -> str:
+    return f"{100 * value:g}%" if metric in ("ppl_rel_change", "greedy_agreement") else f"{value:g}"
+
+
+def _verdicts(contract: Any, cases: list[dict[str, Any]], where: Callable[[dict[str, Any]], str],
+              set_name: str) -> list[dict[str, Any]]:
+    """Each threshold over ``cases``, with the case that sets a max or min (``worst``) and the clause in words:
+    e.g. 'perplexity change on held-out prompt 7 +0.81% > 0.5%'."""
+    from .quality_records import evaluate
+
+    out = []
+    for v, t in zip(evaluate(contract, cases), contract.thresholds, strict=True):
+        word, bound = _WORDS.get(t.metric, t.metric), t.max if t.max is not None else t.min
+        op = ("<=" if v["ok"] else ">") if t.max is not None else (">=" if v["ok"] else "<")
+        if t.agg in ("max", "min"):
+            worst = (max if t.agg == "max" else min)(cases, key=lambda c: float(c[t.metric]))
+            shown = v["value"]
+            if t.metric == "ppl_rel_change":  # the signed change, as a user reads it
+                shown = worst.get("ppl_change", (worst["ppl"] - worst["ppl_base"]) / worst["ppl_base"])
+            clause = f"{word} on {where(worst)} {_show(t.metric, shown)} {op} {_bound(t.metric, bound)}"
+            v["worst"] = where(worst)
+        else:
+            clause = (f"{t.agg} {word} over the {set_name} {_show(t.metric, v['value'])} {op} "
+                      f"{_bound(t.metric, bound)}")
+        out.append({**v, "set": set_name, "clause": clause})
+    return out
+
 
 def judge(report: dict[str, Any], contract: Any) -> dict[str, Any]:
     """Add the contract, the verdict of each threshold, ``passed`` and a summary to ``report``."""
-    from .quality_records import evaluate
-
-    verdict = evaluate(contract, report["cases"])
     cases = report["cases"]
+    verdict = _verdicts(contract, cases, lambda c: f"{c['kind']} at {c['context']:,} tokens", "texts")
+    if report.get("held_out"):
+        verdict += _verdicts(contract, report["held_out"]["cases"], lambda c: f"held-out prompt {c['prompt']}",
+                             "held-out prompts")
+    passed = all(v["ok"] for v in verdict)
+    failing = [v["clause"] for v in verdict if not v["ok"]]
     summary = {"ppl_rel_change_max": max(c["ppl_rel_change"] for c in cases),
                "kl_mean_max": max(c["kl_mean"] for c in cases),
                "attn_rel_err_max": max(c["attn_rel_err"] for c in cases),
                "greedy_agreement_mean": sum(c["greedy_agreement"] for c in cases) / len(cases),
                "greedy_agreement_min": min(c["greedy_agreement"] for c in cases)}
-    return {**report, "contract": contract.to_dict(), "verdict": verdict, "summary": summary,
-            "passed": all(v["ok"] for v in verdict)}
+    return {**report, "contract": contract.to_dict(), "verdict": verdict, "summary": summary, "passed": passed,
+            "verdict_line": "passes" if passed else "fails: " + "; ".join(failing)}
 
 
 def plot_report(report: dict[str, Any], path: Path) -> Path:
@@ -408,5 +621,5 @@ def _main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - a de
     print(measure_format("smollm2-135m", args.kv_dtype, contexts=(64,), new_tokens=8))
 
 
-__all__ = ["DEFAULT_CONTEXTS", "DEFAULT_NEW_TOKENS", "KINDS", "QualityRun", "TextSource", "judge",
-           "measure_format", "plot_report", "quality_texts"]
+__all__ = ["DEFAULT_CONTEXTS", "DEFAULT_NEW_TOKENS", "HELD_OUT_FILE", "KINDS", "HeldOutPrompt", "QualityRun",
+           "TextSource", "judge", "load_held_out", "measure_format", "plot_report", "quality_texts"]

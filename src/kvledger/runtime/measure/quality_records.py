@@ -232,7 +232,7 @@ def save_record(report: dict[str, Any], folder: Path | None = None) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     name = f"{report['format']}-{report['weights_revision'].split(':')[-1]}-{int(time.time())}.json"
     keys = ("model", "weights_revision", "format", "kv_format", "kvledger_version", "contract", "verdict",
-            "summary", "cases", "texts", "passed", "protocol", "measured_at")
+            "summary", "cases", "texts", "passed", "protocol", "measured_at", "held_out", "verdict_line")
     record = {k: report[k] for k in keys if k in report}
     path = folder / name
     tmp = path.with_suffix(f".tmp{os.getpid()}")

@@ -163,6 +163,22 @@ def test_the_default_held_out_set_ships_with_the_package() -> None:
     assert [b["peer_index"] for b in bundled] == [2, 3, 6, 7, 10, 11, 14, 15]
 
 
+def test_the_int8_contracts_hold_the_held_out_set_to_bf16() -> None:
+    """Issue 36's int8 targets as clauses on the held-out set: pooled perplexity <= 0.2%, KL <= 2x bf16's,
+    free-running common prefix >= 0.9x bf16's; a bad held-out clause is one ConfigError line."""
+    from kvledger.errors import ConfigError
+    from kvledger.runtime.measure import quality_records as qr
+
+    for fmt in ("int8", "int8-channel", "int8-hadamard"):
+        held = {(t.metric, t.max, t.min) for t in qr.load_contract(fmt).held_out}
+        assert held == {("ppl_rel_change_pooled", 0.002, None), ("kl_vs_bf16", 2.0, None),
+                        ("common_prefix_vs_bf16", None, 0.9)}
+    assert [t.describe() for t in qr.load_contract("int4").held_out] == ["pooled ppl_rel_change_pooled <= 0.01"]
+    with pytest.raises(ConfigError, match="held_out threshold 0 needs a metric"):
+        qr.parse_contract({"format": "int8", "thresholds": [{"metric": "kl_mean", "agg": "max", "max": 1}],
+                           "held_out": [{"metric": "kl_mean", "max": 1}]}, "x.json")
+
+
 @needs_smol
 def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, no_records: Path) -> None:
@@ -172,7 +188,8 @@ def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
     contract = tmp_path / "tiny.json"  # a planted contract no format meets: KL below 1e-12
     contract.write_text(json.dumps({"format": "int8", "thresholds": [
         {"metric": "kl_mean", "agg": "max", "max": 1e-12},
-        {"metric": "greedy_agreement", "agg": "mean", "min": 0.0}]}))
+        {"metric": "greedy_agreement", "agg": "mean", "min": 0.0}],
+        "held_out": [{"metric": "kl_vs_bf16", "max": 1.0}, {"metric": "common_prefix_vs_bf16", "min": 0.0}]}))
     args = ["quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "32", "--new-tokens", "3",
             "--kinds", "prose", "--held-out", str(held), "--contract", str(contract), "--out", str(tmp_path / "r"),
             "--threads", "2", "--json"]
@@ -194,7 +211,11 @@ def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
     # the verdict: each threshold on the texts and on the held-out prompts, the failed clause in words
     assert [(v["set"], v["metric"], v["ok"]) for v in report["verdict"]] == [
         ("texts", "kl_mean", False), ("texts", "greedy_agreement", True),
-        ("held-out prompts", "kl_mean", False), ("held-out prompts", "greedy_agreement", True)]
+        ("held-out prompts", "kl_mean", False), ("held-out prompts", "greedy_agreement", True),
+        ("held-out prompts", "kl_vs_bf16", False), ("held-out prompts", "common_prefix_vs_bf16", True)]
+    ratio = report["verdict"][4]  # int8's KL is many times a bf16 cache's on the same prompts
+    assert ratio["clause"].startswith("pooled KL over the held-out prompts ") and ratio["clause"].endswith("> 1x")
+    assert ratio["value"] == pytest.approx(s["kl_vs_bf16"]) and s["kl_vs_bf16"] > 1
     clause = report["verdict"][2]["clause"]
     assert clause.startswith(f"KL mean on held-out prompt {worst} ") and clause.endswith("> 1e-12")
     assert report["verdict"][0]["clause"].startswith("KL mean on prose at 32 tokens ")

@@ -58,6 +58,10 @@ def _table(report: dict[str, Any]) -> Any:
     return t
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def _held_out_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
@@ -75,9 +79,10 @@ def _held_out_table(report: dict[str, Any]) -> Any:
                   f"{c['greedy_matching']} ({round(b['greedy_agreement'] * n)})",
                   f"{c['common_prefix']} ({b['common_prefix']})")
     t.add_row("pooled", "", f"{100 * s['ppl_change_pooled']:+.3f}% ({100 * s['ppl_change_pooled_bf16']:+.3f}%)",
-              f"{s['kl_mean_pooled']:.2e} ({s['kl_mean_pooled_bf16']:.2e}) = {s['kl_vs_bf16']:.2f}x", "",
+              f"{s['kl_mean_pooled']:.2e} ({s['kl_mean_pooled_bf16']:.2e}) = {_ratio(s['kl_vs_bf16'])}", "",
               f"{100 * s['greedy_agreement_mean']:.1f}% ({100 * s['greedy_agreement_mean_bf16']:.1f}%)",
-              f"{s['common_prefix_mean']:.1f} ({s['common_prefix_mean_bf16']:.1f}) = {s['common_prefix_vs_bf16']:.2f}x")
+              f"{s['common_prefix_mean']:.1f} ({s['common_prefix_mean_bf16']:.1f}) = "
+              f"{_ratio(s['common_prefix_vs_bf16'])}")
     return t
 
 

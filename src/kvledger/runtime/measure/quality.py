@@ -503,18 +503,19 @@ def _held_out_summary(cases: list[dict[str, Any]]) -> dict[str, Any]:
     worst_ppl = max(cases, key=lambda c: c["ppl_rel_change"])
     worst_kl = max(cases, key=lambda c: c["kl_mean"])
     worst_agree = min(cases, key=lambda c: c["greedy_agreement"])
-    return {"ppl_change_pooled": pooled_ppl_change([c["ppl_base"] for c in cases], [c["ppl"] for c in cases]),
+    pooled = pooled_ppl_change([c["ppl_base"] for c in cases], [c["ppl"] for c in cases])
+    return {"ppl_change_pooled": pooled, "ppl_rel_change_pooled": abs(pooled),
             "ppl_change_pooled_bf16": pooled_ppl_change([c["ppl_base"] for c in cases], ppl16),
             "ppl_rel_change_worst": worst_ppl["ppl_rel_change"], "ppl_rel_change_worst_prompt": worst_ppl["prompt"],
             "ppl_rel_change_worst_bf16": max(c["bf16"]["ppl_rel_change"] for c in cases),
-            "kl_mean_pooled": kl, "kl_mean_pooled_bf16": kl16, "kl_vs_bf16": kl / kl16 if kl16 > 0 else math.inf,
+            "kl_mean_pooled": kl, "kl_mean_pooled_bf16": kl16, "kl_vs_bf16": kl / kl16 if kl16 > 0 else None,
             "kl_mean_worst": worst_kl["kl_mean"], "kl_mean_worst_prompt": worst_kl["prompt"],
             "greedy_agreement_mean": sum(c["greedy_agreement"] for c in cases) / len(cases),
             "greedy_agreement_mean_bf16": sum(c["bf16"]["greedy_agreement"] for c in cases) / len(cases),
             "greedy_agreement_worst": worst_agree["greedy_agreement"],
             "greedy_agreement_worst_prompt": worst_agree["prompt"],
             "common_prefix_mean": prefix, "common_prefix_mean_bf16": prefix16,
-            "common_prefix_vs_bf16": prefix / prefix16 if prefix16 > 0 else math.inf,
+            "common_prefix_vs_bf16": prefix / prefix16 if prefix16 > 0 else None,
             "identical": sum(c["first_divergence"] is None for c in cases),
             "identical_bf16": sum(c["bf16"]["common_prefix"] == c["greedy_new_tokens"] for c in cases)}
 
@@ -559,6 +560,31 @@ def _verdicts(contract: Any, cases: list[dict[str, Any]], where: Callable[[dict[
     return out
 
 
+def _held_out_verdicts(contract: Any, summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """The contract's clauses on the held-out set as a whole: pooled perplexity change, KL and free-running
+    common prefix relative to a bf16 cache's on the same prompts."""
+    out = []
+    for t in getattr(contract, "held_out", ()):
+        if summary[t.metric] is None:  # bf16's figure is 0 (a bf16 compute dtype: bf16 KV is the baseline)
+            continue
+        value = float(summary[t.metric])
+        ok = t.check(value)
+        bound = t.max if t.max is not None else t.min
+        op = ("<=" if ok else ">") if t.max is not None else (">=" if ok else "<")
+        if t.metric == "ppl_rel_change_pooled":
+            clause = (f"pooled perplexity change over the held-out prompts {100 * summary['ppl_change_pooled']:+.2f}% "
+                      f"{op} {100 * bound:g}%")
+        elif t.metric == "kl_vs_bf16":
+            clause = (f"pooled KL over the held-out prompts {summary['kl_mean_pooled']:.3g} = {value:.2f}x bf16's "
+                      f"{summary['kl_mean_pooled_bf16']:.3g} {op} {bound:g}x")
+        else:
+            clause = (f"free-running mean common prefix over the held-out prompts {summary['common_prefix_mean']:.1f} "
+                      f"= {value:.2f}x bf16's {summary['common_prefix_mean_bf16']:.1f} {op} {bound:g}x")
+        out.append({"threshold": t.describe(), "metric": t.metric, "agg": t.agg, "value": value, "ok": ok,
+                    "set": "held-out prompts", "clause": clause})
+    return out
+
+
 def judge(report: dict[str, Any], contract: Any) -> dict[str, Any]:
     """Add the contract, the verdict of each threshold, ``passed`` and a summary to ``report``."""
     cases = report["cases"]
@@ -566,6 +592,7 @@ def judge(report: dict[str, Any], contract: Any) -> dict[str, Any]:
     if report.get("held_out"):
         verdict += _verdicts(contract, report["held_out"]["cases"], lambda c: f"held-out prompt {c['prompt']}",
                              "held-out prompts")
+        verdict += _held_out_verdicts(contract, report["held_out"]["summary"])
     passed = all(v["ok"] for v in verdict)
     failing = [v["clause"] for v in verdict if not v["ok"]]
     summary = {"ppl_rel_change_max": max(c["ppl_rel_change"] for c in cases),

@@ -126,14 +126,23 @@ class Contract:
     format: str
     thresholds: tuple[Threshold, ...]
     source: str
+    held_out: tuple[Threshold, ...] = ()  # on the held-out summary (pooled figures, ratios to bf16's)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "thresholds": [
-            {k: v for k, v in (("metric", t.metric), ("agg", t.agg), ("max", t.max), ("min", t.min)) if v is not None}
-            for t in self.thresholds], "source": self.source}
+        def rows(ts: tuple[Threshold, ...]) -> list[dict[str, Any]]:
+            return [{k: v for k, v in (("metric", t.metric), ("agg", t.agg), ("max", t.max), ("min", t.min))
+                     if v is not None} for t in ts]
+
+        out = {"format": self.format, "thresholds": rows(self.thresholds), "source": self.source}
+        if self.held_out:
+            out["held_out"] = rows(self.held_out)
+        return out
 
 
 METRICS = ("ppl_rel_change", "kl_mean", "attn_rel_err", "greedy_agreement")
+# Clauses on the held-out set as a whole (keys of ``report['held_out']['summary']``): pooled perplexity change,
+# KL pooled as a multiple of a bf16 cache's, free-running mean common prefix as a fraction of bf16's.
+HELD_OUT_METRICS = ("ppl_rel_change_pooled", "kl_vs_bf16", "common_prefix_vs_bf16")
 
 
 def _read_json(path: Path, what: str) -> Any:
@@ -150,25 +159,36 @@ def _read_json(path: Path, what: str) -> Any:
 def parse_contract(data: Any, source: str) -> Contract:
     if not isinstance(data, dict) or not isinstance(data.get("thresholds"), list) or not data["thresholds"]:
         raise ConfigError(f"contract {source}: needs a non-empty 'thresholds' list")
+    out = _thresholds(data["thresholds"], source, METRICS, "threshold")
+    held = data.get("held_out", [])
+    if not isinstance(held, list):
+        raise ConfigError(f"contract {source}: 'held_out' must be a list of thresholds")
+    held_out = _thresholds([{"agg": "pooled", **t} if isinstance(t, dict) else t for t in held], source,
+                           HELD_OUT_METRICS, "held_out threshold", ("pooled",))
+    fmt = data.get("format")
+    if not isinstance(fmt, str):
+        raise ConfigError(f"contract {source}: needs a 'format' name")
+    return Contract(fmt, tuple(out), source, tuple(held_out))
+
+
+def _thresholds(items: list[Any], source: str, metrics: tuple[str, ...], what: str,
+                aggs: tuple[str, ...] = AGGREGATIONS) -> list[Threshold]:
     out = []
-    for i, t in enumerate(data["thresholds"]):
-        if not isinstance(t, dict) or t.get("metric") not in METRICS or t.get("agg") not in AGGREGATIONS:
-            raise ConfigError(f"contract {source}: threshold {i} needs a metric ({', '.join(METRICS)}) and an agg "
-                              f"({', '.join(AGGREGATIONS)})")
+    for i, t in enumerate(items):
+        if not isinstance(t, dict) or t.get("metric") not in metrics or t.get("agg") not in aggs:
+            raise ConfigError(f"contract {source}: {what} {i} needs a metric ({', '.join(metrics)}) and an agg "
+                              f"({', '.join(aggs)})")
         bounds = {}
         for key in ("max", "min"):
             v = t.get(key)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or v != v
                                   or abs(v) > 1e9):
-                raise ConfigError(f"contract {source}: threshold {i} {key} must be a finite number")
+                raise ConfigError(f"contract {source}: {what} {i} {key} must be a finite number")
             bounds[key] = None if v is None else float(v)
         if (bounds["max"] is None) == (bounds["min"] is None):
-            raise ConfigError(f"contract {source}: threshold {i} needs exactly one of max or min")
+            raise ConfigError(f"contract {source}: {what} {i} needs exactly one of max or min")
         out.append(Threshold(t["metric"], t["agg"], bounds["max"], bounds["min"]))
-    fmt = data.get("format")
-    if not isinstance(fmt, str):
-        raise ConfigError(f"contract {source}: needs a 'format' name")
-    return Contract(fmt, tuple(out), source)
+    return out
 
 
 def load_contract(fmt: str, path: str | os.PathLike[str] | None = None) -> Contract:

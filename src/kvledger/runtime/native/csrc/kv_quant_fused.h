@@ -313,26 +313,8 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
 
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = std::max<int64_t>(max_len, lens[b]);
-  int64_t part_len = max_len;
-  if (partition > 0) {
-    part_len = partition;
-  } else if (partition < 0) {
-    const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads()), items = B * KVH;
-    if (items < want) {
-      const int64_t parts = (want + items - 1) / items;
-      part_len = std::max<int64_t>(64, (max_len + parts - 1) / parts);
-    }
-  }
-  part_len = std::max<int64_t>(1, part_len);
-  const int64_t P = std::max<int64_t>(1, (max_len + part_len - 1) / part_len);
-  std::vector<float> part_m, part_l, part_acc;
-  if (P > 1) {
-    part_m.assign(B * KVH * P * G, -std::numeric_limits<float>::infinity());
-    part_l.assign(B * KVH * P * G, 0.f);
-    part_acc.assign(B * KVH * P * G * D, 0.f);
-  }
+  SplitContexts split(lens, B, KVH, G, D, partition);
+  const int64_t P = split.P, part_len = split.part_len;
   const float fscale = static_cast<float>(scale);
   const BlockKernels plain = pick_kernels(G, D);
 
@@ -427,45 +409,10 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
         if (any_plain)
           for (int64_t d = 0; d < D; ++d) a[d] += accp[g * D + d];
       }
-      if (P == 1) {
-        Q* orow = op + row_idx[b] * o_s0 + h * G * o_s1;
-        for (int64_t g = 0; g < G; ++g) {
-          const float inv = 1.f / l[g];
-          for (int64_t d = 0; d < D; ++d) orow[g * o_s1 + d] = static_cast<Q>(acc[g * D + d] * inv);
-        }
-      } else {
-        const int64_t base = ((b * KVH + h) * P + p) * G;
-        for (int64_t g = 0; g < G; ++g) {
-          part_m[base + g] = m[g];
-          part_l[base + g] = l[g];
-          std::memcpy(&part_acc[(base + g) * D], acc.data() + g * D, D * sizeof(float));
-        }
-      }
+      split.finish(op, row_idx, o_s0, o_s1, KVH, b, h, p, acc.data(), m, l);
     }
   });
-  if (P == 1) return;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item % KVH, b = item / KVH;
-      Q* orow = op + row_idx[b] * o_s0 + h * G * o_s1;
-      for (int64_t g = 0; g < G; ++g) {
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t p = 0; p < P; ++p) mx = std::max(mx, part_m[(item * P + p) * G + g]);
-        float sum = 0.f;
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t p = 0; p < P; ++p) {
-          const int64_t idx = (item * P + p) * G + g;
-          if (part_l[idx] == 0.f) continue;
-          const float w = exp_neg(part_m[idx] - mx);
-          sum += part_l[idx] * w;
-          axpy(acc.data(), w, &part_acc[idx * D], D);
-        }
-        const float inv = 1.f / sum;
-        for (int64_t d = 0; d < D; ++d) orow[g * o_s1 + d] = static_cast<Q>(acc[d] * inv);
-      }
-    }
-  });
+  split.merge(op, row_idx, o_s0, o_s1, B, KVH);
 }
 
 template <typename Q, int D, int... Gs>

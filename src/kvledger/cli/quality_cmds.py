@@ -88,9 +88,8 @@ def _held_out_table(report: dict[str, Any]) -> Any:
 
 @click.command("quality", epilog=epilog(
     "kvledger quality --model smollm2-135m --kv-cache-dtype int8",
-    "kvledger quality --kv-cache-dtype int4 --block-size 64 --out reports/int4",
     "kvledger quality --kv-cache-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
-    "kvledger quality --kv-cache-dtype int8-channel --held-out my_prompts.json   # your prompts, held out",
+    "kvledger quality --kv-cache-dtype int8-channel --held-out my_prompts.json --out reports/int8c",
 ))
 @model_option()
 @engine_option("kv_dtype", required=True, type=DtypeName(lambda: list(quantized_formats())),

@@ -10,7 +10,7 @@ on a shared, oversubscribed machine, where a descheduled thread stalls the other
 
 Prints one line per shape with each format's ratio to fp32, the load average at start and end, then one
 JSON line of every figure.
-Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-channel,int4,fp8-scaled] [--batches 1,8,32]
+Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-token,int4,fp8-scaled] [--batches 1,8,32]
        [--prompt 256] [--long 2048] [--long-batch 4] [--new 16] [--reps 3] [--threads 2]
 """
 
@@ -34,7 +34,7 @@ from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--formats", default="int8,int8-channel,int4,fp8-scaled")
+    ap.add_argument("--formats", default="int8,int8-token,int4,fp8-scaled")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--long", type=int, default=2048, help="context of the long shape (0: none)")

@@ -11,12 +11,16 @@ For each format (bf16, fp8-scaled, int8, int4 by default):
 * decode tokens/s of the real engine (SmolLM2-135M on CPU, greedy, a batch of --batch prompts) relative to
   the uncompressed engine, runs interleaved (base, format, base, format, ...) so load hits both alike;
 * the quality figures of ``kvledger quality`` (prose, code and chat at --contexts, --new-tokens greedy
-  tokens), judged against the format's shipped contract. ``--record DIR`` stores passing reports there
-  (the shipped records in ``kvledger/data/quality/records`` were made this way).
+  tokens, and the held-out prompts: the bundled slice of the peer chat prompts or --held-out FILE, each
+  format beside a bf16 cache on the same prompts), judged against the format's shipped contract.
+  ``--record DIR`` stores reports that pass on the full protocol and the held-out prompts there (the
+  shipped records in ``kvledger/data/quality/records`` were made this way); ``--no-held-out`` records
+  nothing.
 
 Prints one line per format, then one JSON line of every figure.
 Usage: python benchmarks/kv_formats.py [--formats fp8-scaled,int8,int4] [--contexts 256,2048] [--new-tokens 128]
        [--batch 8] [--prompt 256] [--new 32] [--reps 3] [--threads 2] [--record DIR] [--skip-quality]
+       [--held-out FILE | --no-held-out]
 """
 
 from __future__ import annotations
@@ -75,6 +79,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--record", default=None, help="folder to store passing quality reports in")
     ap.add_argument("--skip-quality", action="store_true")
+    ap.add_argument("--held-out", default=None, metavar="FILE",
+                    help="held-out prompts (JSON) [the bundled slice of the peer chat prompts]")
+    ap.add_argument("--no-held-out", action="store_true", help="score the texts only (nothing is recorded)")
     args = ap.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     torch.set_num_threads(args.threads)
@@ -124,10 +131,11 @@ def main() -> None:
 
     run = None
     if not args.skip_quality:
-        from kvledger.runtime.measure.quality import QualityRun, judge
-        from kvledger.runtime.measure.quality_records import load_contract, save_record
+        from kvledger.runtime.measure.quality import QualityRun, judge, load_held_out
+        from kvledger.runtime.measure.quality_records import load_contract, record_blocker, save_record
 
         run = QualityRun(ckpt, args.model, block_size=bs)
+        held = None if args.no_held_out else load_held_out(args.held_out)
     contexts = [int(x) for x in args.contexts.split(",")]
     for fmt in formats:
         seed = seed_figures(fmt, bs)
@@ -143,20 +151,40 @@ def main() -> None:
         }
         if run is not None:
             t = time.perf_counter()
-            report = judge(run.measure(fmt, contexts=contexts, new_tokens=args.new_tokens), load_contract(fmt))
+            report = run.measure(fmt, contexts=contexts, new_tokens=args.new_tokens)
+            report["held_out"] = None if held is None else run.measure_held_out(fmt, held[0], held[1],
+                                                                                 new_tokens=args.new_tokens)
+            report = judge(report, load_contract(fmt))
+            hs = report["held_out"]["summary"] if report["held_out"] else None
             row["quality"] = {"passed": report["passed"], "complete_protocol": report["protocol"]["complete"],
+                              "verdict_line": report["verdict_line"],
                               "summary": report["summary"], "seconds": round(time.perf_counter() - t, 1),
                               "cases": [{k: c[k] for k in ("kind", "context", "ppl_base", "ppl", "ppl_rel_change",
                                                          "kl_mean", "attn_rel_err", "greedy_matching",
-                                                         "first_divergence")} for c in report["cases"]]}
-            if args.record and report["passed"] and report["protocol"]["complete"]:
+                                                         "first_divergence")} for c in report["cases"]],
+                              "held_out": None if hs is None else {
+                                  "origin": report["held_out"]["origin"], "summary": hs,
+                                  "cases": [{k: c[k] for k in ("prompt", "tokens", "ppl_change", "kl_mean",
+                                                             "greedy_agreement", "common_prefix", "bf16")}
+                                            for c in report["held_out"]["cases"]]}}
+            blocker = record_blocker(report)
+            if args.record and blocker is None:
                 row["quality"]["record"] = str(save_record(report, Path(args.record)))  # type: ignore[index]
+            elif args.record:
+                row["quality"]["not_recorded"] = blocker  # type: ignore[index]
         figures["formats"][fmt] = row  # type: ignore[index]
         q = row.get("quality") or {}
         s = q.get("summary") if isinstance(q, dict) else None
         quality = (f"; ppl change max {100 * s['ppl_rel_change_max']:.3f}%, greedy agreement mean "
                    f"{100 * s['greedy_agreement_mean']:.1f}% (min {100 * s['greedy_agreement_min']:.1f}%), "
                    f"contract {'passed' if q['passed'] else 'FAILED'}") if s else ""
+        h = q.get("held_out") if isinstance(q, dict) else None
+        if h:
+            hs = h["summary"]
+            quality += (f"; held out: ppl pooled {100 * hs['ppl_change_pooled']:+.3f}% (bf16 "
+                        f"{100 * hs['ppl_change_pooled_bf16']:+.3f}%), worst {100 * hs['ppl_rel_change_worst']:.3f}%, "
+                        f"KL {hs['kl_vs_bf16']:.2f}x bf16's, common prefix {hs['common_prefix_mean']:.1f} "
+                        f"(bf16 {hs['common_prefix_mean_bf16']:.1f}); {q['verdict_line']}")
         print(f"{fmt:>5}: {seed['bytes_per_token']:,} B/token (seed decoder, bf16 {seed_base['bytes_per_token']:,}); "
               f"{seed['blocks_in_512MiB']} blocks in 512 MiB = x{row['seed_blocks_vs_bf16']} bf16's "
               f"({seed_base['blocks_in_512MiB']}); seed requests admitted {seed['seed_requests_admitted']}/8 "

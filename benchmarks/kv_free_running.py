@@ -6,7 +6,7 @@ Each format's engine (SmolLM2-135M, fp32 compute, 16-token blocks) generates 128
 ``reference_outputs_fp32.json``: prompts identical in all 128 tokens, and the mean length of the common prefix.
 Figures per prompt set as in ``kv_quality.py`` (``tune``, ``heldout``, ``all``).
 
-Usage: python benchmarks/kv_free_running.py [--formats bf16,int8,int8-channel] [--threads 2]
+Usage: python benchmarks/kv_free_running.py [--formats bf16,int8,int8-token] [--threads 2]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--formats", default="bf16,int8,int8-channel")
+    ap.add_argument("--formats", default="bf16,int8,int8-token")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--peers", default=str(PEERS))
     args = ap.parse_args()

@@ -17,7 +17,7 @@ them open with the shared 256-token header, half do not), ``heldout`` (the other
 Choose a format's tunables on ``tune``; report ``heldout``. Prints one line per format and set, then one
 JSON line of every figure (bytes per token include every scale and minimum).
 
-Usage: python benchmarks/kv_quality.py [--formats bf16,int8] [--prompts all|tune|heldout] [--threads 2]
+Usage: python benchmarks/kv_quality.py [--formats bf16,int8,int8-token] [--prompts all|tune|heldout] [--threads 2]
        [--backend auto] [--batch 32]
 """
 
@@ -47,7 +47,7 @@ SETS = ("tune", "heldout", "all")
 # Variants measured while choosing int8's scheme, registered only in this process (--formats may name them).
 EXPERIMENTS = {
     "x-int8-hadamard-kv": ("token-head", "kv"),  # K and V turned, one scale per token
-    "x-int8-channel-k": ("channel", ""),  # int8-channel with values not turned
+    "x-int8-channel-k": ("channel", ""),  # int8 (per-channel keys) with values not turned
 }
 
 
@@ -132,7 +132,7 @@ def figures(stats: dict[str, list[float]], base: dict[str, list[float]], prompts
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--formats", default="bf16,int8")
+    ap.add_argument("--formats", default="bf16,int8,int8-token")
     ap.add_argument("--prompts", default="all", choices=SETS, help="which prompts to run (figures per set)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)

@@ -49,13 +49,17 @@ def test_quality_measures_only_quantised_formats(capsys: pytest.CaptureFixture[s
     assert rc == 2 and "bf16" in err  # plain formats have nothing to measure
 
 
+INT8_BLOCKS = (512 - 8 * 2) * 2**20 // (74240 * 16)  # 437
 SEED = ["--layers", "32", "--kv-heads", "8", "--head-dim", "128", "--block-size", "16", "--pool", "512MiB",
         "--prompt", "2048", "--max-new", "257"]
 
 
 @pytest.mark.parametrize(("fmt", "extra", "per_token", "blocks", "concurrent"), [
     ("bf16", [], 131072, 256, 1),
-    ("int8", [], 66560, 504, 3),  # 32 x 2 x 8 x (128 codes + 2 scale bytes): 1.97x the blocks of bf16
+    ("int8-token", [], 66560, 504, 3),  # 32 x 2 x 8 x (128 codes + 2 scale bytes): 1.97x the blocks of bf16
+    # keys 128 codes + an fp16 scale and minimum per channel over 16 tokens, values 128 codes + 2 scale bytes;
+    # eight 2 MiB residual pages (the partly written block, bf16) come off the pool first
+    ("int8", ["--max-num-seqs", "8"], 74240, INT8_BLOCKS, 3),
     ("fp8-scaled", [], 66560, 504, 3),
     ("fp8", [], 65536, 512, 3),  # vLLM's fp8: unscaled e4m3, no metadata, half of bf16
     ("fp8_e5m2", [], 65536, 512, 3),
@@ -89,9 +93,10 @@ def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.Capt
     assert json.loads((out_dir / "quality.json").read_text())["cases"] == report["cases"]
     assert (out_dir / "quality.png").stat().st_size > 0
     assert [(c["kind"], c["context"]) for c in report["cases"]] == [("prose", 48), ("code", 48), ("chat", 48)]
-    assert report["kv_format"] == "int8:sym,scale=fp16/token-head"
-    # int8 with its scales: 30 layers x 2 x 3 heads x (64 + 2) bytes against fp32's 30 x 2 x 3 x 64 x 4
-    assert (report["bytes_per_token"], report["baseline_bytes_per_token"]) == (11880, 46080)
+    assert report["kv_format"] == ("int8:k=asym/channel/group16,v=sym/token-head,rot=hadamard/v,meta=fp16,"
+                                   "residual=fp32/16")
+    # int8 with its scales: 30 layers x 3 heads x (64 + 4 x 64 / 16 + 64 + 2) bytes against fp32's 30 x 2 x 3 x 64 x 4
+    assert (report["bytes_per_token"], report["baseline_bytes_per_token"]) == (13140, 46080)
     for c in report["cases"]:
         assert math.isfinite(c["ppl_base"]) and c["ppl_base"] > 1
         assert c["ppl_rel_change"] < 0.05 and 0 <= c["kl_mean"] < 0.02 and c["kl_max"] >= c["kl_mean"]
@@ -100,7 +105,8 @@ def test_quality_reports_every_metric_on_prose_code_and_chat(capsys: pytest.Capt
         assert c["first_divergence"] is None or c["first_divergence"] < 6
     assert all(t["origin"] and t["sha256"] and t["tokens"] > 48 for t in report["texts"])
     assert "argparse.py" in report["texts"][1]["origin"] and "FAQ" in report["texts"][2]["origin"]
-    # A short protocol is judged but never recorded: a record needs 256 and 2,048 tokens and 128 greedy tokens.
+    # A short protocol is judged but never recorded: a record needs 256 and 2,048 tokens and 128 greedy tokens
+    # (and the held-out prompts).
     assert report["protocol"]["complete"] is False and report["record"] is None
     assert {v["metric"] for v in report["verdict"]} >= {"ppl_rel_change", "greedy_agreement"}
     assert not (no_records / "user-records").exists()
@@ -169,7 +175,7 @@ def test_the_int8_contracts_hold_the_held_out_set_to_bf16() -> None:
     from kvledger.errors import ConfigError
     from kvledger.runtime.measure import quality_records as qr
 
-    for fmt in ("int8", "int8-channel", "int8-hadamard"):
+    for fmt in ("int8", "int8-token", "int8-hadamard"):
         held = {(t.metric, t.max, t.min) for t in qr.load_contract(fmt).held_out}
         assert held == {("ppl_rel_change_pooled", 0.002, None), ("kl_vs_bf16", 2.0, None),
                         ("common_prefix_vs_bf16", None, 0.9)}
@@ -186,11 +192,11 @@ def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
     held.write_text(json.dumps(["The capital of France is Paris. The capital of Italy is",
                                 [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511]]))
     contract = tmp_path / "tiny.json"  # a planted contract no format meets: KL below 1e-12
-    contract.write_text(json.dumps({"format": "int8", "thresholds": [
+    contract.write_text(json.dumps({"format": "int8-token", "thresholds": [
         {"metric": "kl_mean", "agg": "max", "max": 1e-12},
         {"metric": "greedy_agreement", "agg": "mean", "min": 0.0}],
         "held_out": [{"metric": "kl_vs_bf16", "max": 1.0}, {"metric": "common_prefix_vs_bf16", "min": 0.0}]}))
-    args = ["quality", "--model", "smollm2-135m", "--kv-dtype", "int8", "--contexts", "32", "--new-tokens", "3",
+    args = ["quality", "--model", "smollm2-135m", "--kv-dtype", "int8-token", "--contexts", "32", "--new-tokens", "3",
             "--kinds", "prose", "--held-out", str(held), "--contract", str(contract), "--out", str(tmp_path / "r"),
             "--threads", "2", "--json"]
     rc, out, err = run(capsys, *args)
@@ -203,7 +209,7 @@ def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
     for c in cases:
         assert 0 <= c["common_prefix"] <= 3 and 0 <= c["greedy_agreement"] <= 1 and c["kl_mean"] > 0
         assert set(c["bf16"]) >= {"ppl_rel_change", "ppl_change", "kl_mean", "greedy_agreement", "common_prefix"}
-        assert c["kl_mean"] > c["bf16"]["kl_mean"]  # int8 moves the distribution further than a bf16 cache
+        assert c["kl_mean"] > c["bf16"]["kl_mean"]  # int8-token moves the distribution further than a bf16 cache
     s = held_out["summary"]
     assert s["kl_vs_bf16"] == pytest.approx(s["kl_mean_pooled"] / s["kl_mean_pooled_bf16"])
     worst = max(cases, key=lambda c: c["kl_mean"])["prompt"]
@@ -213,7 +219,7 @@ def test_held_out_prompts_are_judged_and_the_verdict_names_the_clause(
         ("texts", "kl_mean", False), ("texts", "greedy_agreement", True),
         ("held-out prompts", "kl_mean", False), ("held-out prompts", "greedy_agreement", True),
         ("held-out prompts", "kl_vs_bf16", False), ("held-out prompts", "common_prefix_vs_bf16", True)]
-    ratio = report["verdict"][4]  # int8's KL is many times a bf16 cache's on the same prompts
+    ratio = report["verdict"][4]  # int8-token's KL is many times a bf16 cache's on the same prompts
     assert ratio["clause"].startswith("pooled KL over the held-out prompts ") and ratio["clause"].endswith("> 1x")
     assert ratio["value"] == pytest.approx(s["kl_vs_bf16"]) and s["kl_vs_bf16"] > 1
     clause = report["verdict"][2]["clause"]
@@ -267,3 +273,21 @@ def test_serve_trace_runs_on_a_compressed_pool(capsys: pytest.CaptureFixture[str
     assert data["requests"] == 4 and data["output_tokens"] > 0
     # int4 in 16-token blocks on SmolLM2: 30 layers x 4,032 bytes per block / 16 tokens, scales included
     assert data["memory"]["kv_bytes_per_token"] == 7560 and data["memory"]["usage"]["active"] == 0
+
+
+@needs_smol
+def test_generate_runs_int8_out_of_the_box_and_refuses_int4(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only the records shipped with the package (the user's own set aside): int8's passes, int4 has none."""
+    from kvledger.runtime.measure import quality_records
+
+    monkeypatch.setattr(quality_records, "user_records", lambda: tmp_path / "user-records")
+    for name in ("int8", "int8-channel"):  # the former name is the same format and the same record
+        rc, out, err = run(capsys, "generate", "--model", "smollm2-135m", "The capital of France is", "--max-new",
+                           "4", "--kv-dtype", name)
+        assert rc == 0, err
+        assert "Paris" in out
+    rc, out, err = run(capsys, "generate", "--model", "smollm2-135m", "The capital of France is", "--max-new", "2",
+                       "--kv-dtype", "int4")
+    assert rc == 2 and not out
+    assert "KV format int4" in one_error_line(err) and "no passing quality record" in err

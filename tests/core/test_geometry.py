@@ -56,8 +56,8 @@ def test_dtype_sizes_and_hf_spellings():
     assert dtype_bytes("float8_e4m3fn") == 1
     assert dtype_bytes("float32") == 4
     assert seed(kv_dtype="fp8_e4m3").bytes_per_token == 65536  # the plain cast: one byte, no scale
-    # fp8 and int8 carry an fp16 scale per token and KV head: 32 x 2 x 8 x (128 + 2) bytes.
-    assert seed(kv_dtype="fp8-scaled").bytes_per_token == seed(kv_dtype="int8").bytes_per_token == 66560
+    # fp8-scaled and int8-token carry an fp16 scale per token and KV head: 32 x 2 x 8 x (128 + 2) bytes.
+    assert seed(kv_dtype="fp8-scaled").bytes_per_token == seed(kv_dtype="int8-token").bytes_per_token == 66560
     assert seed(kv_dtype="bfloat16") == seed(kv_dtype="bf16")  # stored under the short name
     with pytest.raises(ConfigError, match="unknown dtype"):
         dtype_bytes("fp4_unicorn")
@@ -258,9 +258,10 @@ def test_bytes_per_token_keeps_the_fraction_when_the_block_does_not_divide() -> 
     assert spec.layer_bytes_per_token == 40 / 3
 
 
-def test_fp8_and_int8_layouts_name_their_codes_and_scales() -> None:
-    """`kv_layout` (the report of one block's parts) names fp8/int8 values `codes`, each with a `scale`."""
-    for dtype in ("fp8-scaled", "int8"):
+def test_fp8_and_int8_token_layouts_name_their_codes_and_scales() -> None:
+    """`kv_layout` (the report of one block's parts) names fp8-scaled/int8-token values `codes`, each with a
+    `scale`."""
+    for dtype in ("fp8-scaled", "int8-token"):
         layout = kv_layout(KVSpec(layers=1, kv_heads=2, head_dim=8, kv_dtype=dtype, block_size=4))
         assert [(p["kv"], p["part"], p["shape"]) for p in layout] == [
             ("k", "codes", [4, 2, 8]), ("k", "scale", [4, 2]), ("v", "codes", [4, 2, 8]), ("v", "scale", [4, 2])]

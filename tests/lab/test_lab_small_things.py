@@ -18,11 +18,14 @@ def test_the_compressed_section_points_at_what_the_lab_shows(client, seed):
     section = section[:section.index("</section>")]
     assert "not available" not in section.lower()
     assert "int8" in section and 'href="#exercise"' in section
-    # What it promises holds: the exercise offers int8 and the same pool then holds 504 pages instead of 256.
+    # What it promises holds: the exercise offers int8 and the same pool then holds 451 pages instead of 256
+    # (int8-token 504).
     assert "int8" in client.get("/api/meta").json()["kv_dtypes"]
     plain = client.post("/api/admit", json=seed).json()
     packed = client.post("/api/admit", json=dict(seed, kv_dtype="int8")).json()
-    assert (plain["pool_blocks"], packed["pool_blocks"]) == (256, 504) and "504 pages instead of 256" in section
+    assert (plain["pool_blocks"], packed["pool_blocks"]) == (256, 451) and "451 pages instead of 256" in section
+    token = client.post("/api/admit", json=dict(seed, kv_dtype="int8-token")).json()
+    assert token["pool_blocks"] == 504 and "1,040&nbsp;KiB and 504 pages" in section
 
 
 @pytest.mark.parametrize("policy", ["full", "incremental", "predicted"])

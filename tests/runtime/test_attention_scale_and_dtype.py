@@ -141,7 +141,7 @@ def test_low_precision_queries_get_outputs_of_their_own_dtype(backend: str, dtyp
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8", "int8", "int4"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3", "fp8_e5m2", "fp8", "int8", "int8-token", "int4"])
 @pytest.mark.parametrize(("dim", "dtype"), [(16, torch.float32), (64, torch.float32), (16, torch.bfloat16),
                                             (64, torch.bfloat16)])
 def test_every_kv_format_is_attended_exactly_as_it_is_held(backend: str, kv_dtype: str, dim: int,

@@ -16,7 +16,7 @@ from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend, na
 from kvledger.runtime.host_store import HostKVStore
 from kvledger.runtime.kv_quant import quant_kivi_k, quant_token
 
-QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4", "int4-hadamard"]
+QUANTISED = ["fp8-scaled", "int8", "int8-token", "int8-hadamard", "int4", "int4-hadamard"]
 BACKENDS = ["torch", "native"]
 NO_NATIVE: set[str] = set()  # every quantised format has a native loader and a fused decode
 
@@ -42,8 +42,9 @@ def _write_all(store: KVStore, slots: list[int], k: torch.Tensor, v: torch.Tenso
 
 
 # ---- bytes ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize(("fmt", "block", "seqs"), [("fp8-scaled", 16, 0), ("int8", 16, 0), ("int4", 16, 8),
-                                                    ("int4", 64, 3), ("bf16", 16, 0), ("fp8_e4m3", 16, 0)])
+@pytest.mark.parametrize(("fmt", "block", "seqs"), [("fp8-scaled", 16, 0), ("int8-token", 16, 0), ("int8", 16, 4),
+                                                    ("int4", 16, 8), ("int4", 64, 3), ("bf16", 16, 0),
+                                                    ("fp8_e4m3", 16, 0)])
 def test_the_store_allocates_exactly_the_bytes_the_planner_states(fmt: str, block: int, seqs: int) -> None:
     """SmolLM2's geometry in a 64 MiB pool: the planner's blocks and residual pages are what the store holds."""
     spec = KVSpec(30, 3, 64, kv_dtype=fmt, block_size=block, residual_dtype="bf16")
@@ -56,35 +57,42 @@ def test_the_store_allocates_exactly_the_bytes_the_planner_states(fmt: str, bloc
 
 
 def test_bytes_per_token_count_scales_and_hit_the_targets_on_smollm2() -> None:
-    """Metadata included, against bf16 (23,040 B per token): int8/fp8 1.94x, int4 3.05x in 16-token
-    blocks and 3.56x in 64-token blocks (the block is the key quantisation group)."""
+    """Metadata included, against bf16 (23,040 B per token): int8-token/fp8 1.94x, int8 1.75x (a key scale and
+    minimum per channel per block), int4 3.05x in 16-token blocks and 3.56x in 64-token blocks (the block is
+    the key quantisation group)."""
     bf16 = KVSpec(30, 3, 64, kv_dtype="bf16").bytes_per_token
     assert bf16 == 23040
-    assert KVSpec(30, 3, 64, kv_dtype="int8").bytes_per_token == 30 * 2 * 3 * (64 + 2) == 11880
+    assert KVSpec(30, 3, 64, kv_dtype="int8-token").bytes_per_token == 30 * 2 * 3 * (64 + 2) == 11880
+    # int8: keys 64 codes + an fp16 scale and minimum per channel over 16 tokens, values 64 codes + one scale.
+    assert KVSpec(30, 3, 64, kv_dtype="int8").bytes_per_token == 30 * 3 * (64 + 2 * 2 * 64 // 16 + 64 + 2) == 13140
+    assert KVSpec(30, 3, 64, kv_dtype="int8-channel") == KVSpec(30, 3, 64, kv_dtype="int8")  # the former name
+    assert round(bf16 / 13140, 2) == 1.75
     assert KVSpec(30, 3, 64, kv_dtype="fp8-scaled").bytes_per_token == 11880
     assert KVSpec(30, 3, 64, kv_dtype="int4").bytes_per_token == 30 * 3 * (64 + 4 * 64 // 16 + 4) == 7560
     assert KVSpec(30, 3, 64, kv_dtype="int4", block_size=64).bytes_per_token == 6480
     assert bf16 / 11880 >= 1.9 and bf16 / 6480 >= 3.5
     # The seed's geometry: 128 KiB per token in bf16.
-    seed = KVSpec(32, 8, 128, kv_dtype="int8")
+    seed = KVSpec(32, 8, 128, kv_dtype="int8-token")
     assert seed.bytes_per_token == 66560 and seed.block_bytes == 1064960
     assert seed.pool_blocks("512MiB") == 504
 
 
 def test_a_compressed_blocks_identity_names_the_format_and_its_parameters() -> None:
     specs = [KVSpec(2, 2, 16, kv_dtype=f, block_size=b, residual_dtype=r)
-             for f, b, r in (("int8", 16, None), ("fp8-scaled", 16, None), ("int4", 16, "fp32"), ("int4", 64, "fp32"),
-                             ("int4", 16, "bf16"), ("fp8_e4m3", 16, None), ("bf16", 16, None))]
+             for f, b, r in (("int8-token", 16, None), ("fp8-scaled", 16, None), ("int4", 16, "fp32"),
+                             ("int4", 64, "fp32"), ("int4", 16, "bf16"), ("fp8_e4m3", 16, None), ("bf16", 16, None),
+                             ("int8", 16, "fp32"))]
     ids = [s.kv_format_id for s in specs]
     assert len(set(ids)) == len(ids)
-    assert ids[0] == "int8:sym,scale=fp16/token-head"
+    assert ids[0] == "int8-token:sym,scale=fp16/token-head"
+    assert ids[-1] == "int8:k=asym/channel/group16,v=sym/token-head,rot=hadamard/v,meta=fp16,residual=fp32/16"
     assert ids[2] == "int4:kivi,k=asym/channel/group16,v=asym/token,meta=fp16,residual=fp32/16"
-    assert KVSpec(2, 2, 16, kv_dtype="int8", residual_dtype="fp32") == specs[0]  # no residual: no field
+    assert KVSpec(2, 2, 16, kv_dtype="int8-token", residual_dtype="fp32") == specs[0]  # no residual: no field
 
 
 # ---- layouts and reads ------------------------------------------------------------------------------------
-def test_int8_layout_codes_then_fp16_scales_per_token_and_head() -> None:
-    store = _store("int8", layers=1, blocks=4)
+def test_int8_token_layout_codes_then_fp16_scales_per_token_and_head() -> None:
+    store = _store("int8-token", layers=1, blocks=4)
     k = torch.randn(4, 2, 16)
     v = torch.randn(4, 2, 16)
     _write_all(store, [8, 9, 10, 11], k, v)  # block 2, rows 0..3
@@ -109,7 +117,7 @@ def test_reads_dequantise_within_the_formats_error(fmt: str) -> None:
     _write_all(store, slots, k, v)
     rk, rv = store.read(1, torch.tensor(slots), torch.float32)
     err = max(float((rk - k).norm() / k.norm()), float((rv - v).norm() / v.norm()))
-    bound = {"int8": 0.01, "int8-hadamard": 0.01, "int8-channel": 0.01, "fp8-scaled": 0.04, "int4": 0.12,
+    bound = {"int8": 0.01, "int8-token": 0.01, "int8-hadamard": 0.01, "fp8-scaled": 0.04, "int4": 0.12,
              "int4-hadamard": 0.12}[fmt]
     assert 0 < err < bound
 

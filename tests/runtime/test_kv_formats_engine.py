@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kvledger.core import CacheContext
+from kvledger.core.sizing.kv_formats import quantized_formats
 from kvledger.errors import ConfigError
 from kvledger.runtime.engine import Engine, kv_spec_for, resolve_model
 from kvledger.runtime.measure.quality_records import (
@@ -24,7 +25,7 @@ from kvledger.scheduler import SchedulerConfig
 
 BS = 4
 NEW = 8
-QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4", "int4-hadamard"]
+QUANTISED = ["fp8-scaled", "int8", "int8-token", "int8-hadamard", "int4", "int4-hadamard"]
 MODES = {
     "roomy": dict(num_blocks=200),
     "recompute": dict(num_blocks=14, scheduler_config=SchedulerConfig(
@@ -126,13 +127,13 @@ def test_a_compressed_blocks_context_names_its_format(tiny_llama) -> None:
     assert other.root_digest() != ctx.root_digest()  # same tokens, other format: never the same block
 
 
-def test_the_new_int8_schemes_choose_the_fp32_caches_tokens_for_the_first_greedy_steps(tiny_llama) -> None:
-    """Turning keys (int8-hadamard) or scaling them per channel (int8-channel) keeps the engine's greedy
-    choices: the first 3 tokens of 6 prompts equal those of an fp32 cache, as the per-token int8 does."""
+def test_the_int8_schemes_choose_the_fp32_caches_tokens_for_the_first_greedy_steps(tiny_llama) -> None:
+    """Scaling keys per channel (int8), per token (int8-token) or turning them first (int8-hadamard) keeps the
+    engine's greedy choices: the first 3 tokens of 6 prompts equal those of an fp32 cache."""
     path, _ = tiny_llama
     prompts = _prompts(6, seed=7)
     want = [r.output for r in _engine(path, "fp32", "roomy").generate(prompts, 3)]
-    for fmt in ("int8", "int8-hadamard", "int8-channel"):
+    for fmt in ("int8", "int8-token", "int8-hadamard"):
         engine = _engine(path, fmt, "roomy")
         assert [r.output for r in engine.generate(prompts, 3)] == want, fmt
         _clean(engine)
@@ -155,23 +156,37 @@ def test_a_passing_record_for_the_weights_and_format_lets_the_engine_serve(tiny_
     ckpt = resolve_model(path)
     spec = kv_spec_for(ckpt, torch.float32, "int8", BS)
     report = {"model": str(path), "weights_revision": weights_revision(ckpt), "format": "int8",
-              "kv_format": spec.kv_format_id, "passed": True, "cases": [], "contract": {}}
+              "kv_format": spec.kv_format_id, "passed": True, "cases": [], "contract": {},
+              "protocol": {"complete": True}, "held_out": {"cases": [{"prompt": 0}]}, "verdict": []}
     saved = save_record(report)
     assert saved.parent == tmp_path / "quality" / "records"
     assert find_record(report["weights_revision"], spec.kv_format_id)[0] == saved
     assert Engine.from_model(path, block_size=BS, num_blocks=32, kv_dtype="int8").spec.kv_dtype == "int8"
+    # The former name is the same format: the same record serves it.
+    assert Engine.from_model(path, block_size=BS, num_blocks=32, kv_dtype="int8-channel").spec.kv_dtype == "int8"
     # The record names the exact format: int8 in other blocks is the same format; int4 is not covered.
     with pytest.raises(ConfigError, match="int4"):
         Engine.from_model(path, block_size=BS, num_blocks=32, kv_dtype="int4")
     with pytest.raises(ConfigError, match="only a report that meets"):
         save_record({**report, "passed": False})
+    # The record protocol: the full texts and the held-out prompts, every held-out clause of the contract scored.
+    with pytest.raises(ConfigError, match="full protocol"):
+        save_record({**report, "protocol": {"complete": False}})
+    with pytest.raises(ConfigError, match="held-out prompts scored"):
+        save_record({**report, "held_out": None})
+    clause = {"metric": "kl_vs_bf16", "max": 2.0}
+    with pytest.raises(ConfigError, match="not scored: kl_vs_bf16"):
+        save_record({**report, "contract": {"held_out": [clause]}})
+    assert save_record({**report, "contract": {"held_out": [clause]}, "verdict": [
+        {"metric": "kl_vs_bf16", "set": "held-out prompts", "ok": True}]}).is_file()
     saved.write_text("{not json")  # a damaged record authorises nothing
     with pytest.raises(ConfigError, match="no passing quality record"):
         require_record(spec, ckpt, "tiny")
 
 
 def test_contracts_ship_for_every_quantised_format_and_bad_ones_are_one_clear_error(tmp_path) -> None:
-    for fmt in ("fp8-scaled", "int8", "int4", "fp8_e4m3", "fp8_e5m2"):
+    assert "int8-channel" not in quantized_formats()  # a former name, not a format of its own
+    for fmt in quantized_formats():
         contract = load_contract(fmt)
         assert contract.format == fmt and contract.thresholds
     int8 = {t.metric: t for t in load_contract("int8").thresholds}

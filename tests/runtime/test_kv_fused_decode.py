@@ -12,7 +12,7 @@ from kvledger.core import BlockTable, KVSpec
 from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend, native
 from kvledger.runtime.attention import _quant_layout
 
-QUANTISED = ["fp8-scaled", "int8", "int8-hadamard", "int8-channel", "int4", "int4-hadamard"]
+QUANTISED = ["fp8-scaled", "int8", "int8-token", "int8-hadamard", "int4", "int4-hadamard"]
 
 
 @pytest.fixture(autouse=True)
@@ -44,7 +44,7 @@ def test_every_finite_e4m3_code_reads_back_exactly_as_torchs_cast(dim: int) -> N
     assert torch.equal(out, want)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8-scaled", "int8-hadamard", "int4-hadamard"])
+@pytest.mark.parametrize("fmt", ["int8-token", "fp8-scaled", "int8-hadamard", "int4-hadamard"])
 def test_the_native_quantising_write_stores_the_bytes_the_torch_store_writes(fmt: str) -> None:
     """kv_write_q quantises per token in C++ exactly as kv_quant does (quant_token; int4-hadamard's _asym over
     turned rows): same codes, scales and minimums, for rows with an outlier channel, a zero row and bf16 input."""

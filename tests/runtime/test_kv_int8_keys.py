@@ -15,7 +15,7 @@ from kvledger.errors import ConfigError
 from kvledger.runtime import AttentionBatch, KVStore, make_attention_backend
 from kvledger.runtime import kv_quant as q
 
-NEW_FORMATS = ["int8-hadamard", "int8-channel"]
+NEW_FORMATS = ["int8-hadamard", "int8"]
 
 
 def _outlier_keys(n: int, heads: int = 3, dim: int = 64, seed: int = 0) -> torch.Tensor:
@@ -88,8 +88,8 @@ def test_int8_hadamard_stores_rotated_codes_in_range_and_reads_back_within_half_
     assert torch.equal(rv, q.dequant_token(p["v.codes"][:2].flatten(0, 1), p["v.scale"][:2].flatten(0, 1)))
 
 
-def test_int8_channel_keys_get_a_grid_per_channel_over_the_block_values_one_scale_per_token() -> None:
-    spec = KVSpec(1, 3, 64, kv_dtype="int8-channel", block_size=16, residual_dtype="fp32")
+def test_int8_keys_get_a_grid_per_channel_over_the_block_values_one_scale_per_token() -> None:
+    spec = KVSpec(1, 3, 64, kv_dtype="int8", block_size=16, residual_dtype="fp32")
     store = KVStore(spec, 4, residual_slots=1)
     k, v = _outlier_keys(32), torch.randn(32, 3, 64)
     slots = _write(store, k, v)  # two whole blocks, quantised straight away
@@ -112,8 +112,8 @@ def test_int8_channel_keys_get_a_grid_per_channel_over_the_block_values_one_scal
     assert store.open_blocks() == 0
 
 
-def test_int8_channel_keeps_a_partly_written_block_unquantised_until_its_last_row() -> None:
-    spec = KVSpec(1, 2, 16, kv_dtype="int8-channel", block_size=4, residual_dtype="fp32")
+def test_int8_keeps_a_partly_written_block_unquantised_until_its_last_row() -> None:
+    spec = KVSpec(1, 2, 16, kv_dtype="int8", block_size=4, residual_dtype="fp32")
     store = KVStore(spec, 4, residual_slots=1)
     k, v = torch.randn(4, 2, 16), torch.randn(4, 2, 16)
     for i in range(3):
@@ -130,23 +130,24 @@ def test_int8_channel_keeps_a_partly_written_block_unquantised_until_its_last_ro
 
 @pytest.mark.parametrize("fmt", NEW_FORMATS)
 def test_an_outlier_channel_no_longer_costs_every_channel_its_precision(fmt: str) -> None:
-    """Against one scale per token (the old int8), keys with two 20x channels read back >= 3x closer."""
+    """Against one scale per token (int8-token, int8's former meaning), keys with two 20x channels read back
+    >= 3x closer."""
     k, v = _outlier_keys(64), torch.randn(64, 3, 64)
     errs = {}
-    for name in ("int8", fmt):
+    for name in ("int8-token", fmt):
         store = KVStore(KVSpec(1, 3, 64, kv_dtype=name, block_size=16, residual_dtype="fp32"), 4, residual_slots=1)
         rk, _ = store.read(0, _write(store, k, v), torch.float32)
         errs[name] = float((rk - k).norm() / k.norm())
-    assert errs[fmt] * 3 < errs["int8"]
+    assert errs[fmt] * 3 < errs["int8-token"]
 
 
 # ---- bytes and identity --------------------------------------------------------------------------------
 def test_bytes_per_token_count_every_scale_on_smollm2() -> None:
-    """int8-hadamard: int8's bytes exactly (the rotation is a fixed matrix, stored nowhere). int8-channel:
+    """int8-hadamard: int8-token's bytes exactly (the rotation is a fixed matrix, stored nowhere). int8:
     K codes plus an fp16 scale and minimum per channel per 16-token block, V codes plus an fp16 scale per
-    token: 1.75x fewer bytes than bf16 (int8's 1.94x)."""
+    token: 1.75x fewer bytes than bf16 (int8-token's 1.94x)."""
     assert KVSpec(30, 3, 64, kv_dtype="int8-hadamard").bytes_per_token == 30 * 2 * 3 * (64 + 2) == 11880
-    spec = KVSpec(30, 3, 64, kv_dtype="int8-channel", residual_dtype="fp32")
+    spec = KVSpec(30, 3, 64, kv_dtype="int8", residual_dtype="fp32")
     assert spec.bytes_per_token == 30 * 3 * (64 + 4 * 64 // 16 + 64 + 2) == 13140
     assert spec.block_bytes == 16 * 13140
     assert spec.residual_page_bytes == 30 * 2 * 16 * 3 * 64 * 4  # one fp32 page per running sequence
@@ -155,11 +156,14 @@ def test_bytes_per_token_count_every_scale_on_smollm2() -> None:
 
 def test_each_int8_scheme_has_its_own_identity_so_no_record_or_cached_block_crosses_over() -> None:
     ids = {f: KVSpec(2, 2, 16, kv_dtype=f, residual_dtype="fp32").kv_format_id
-           for f in ("int8", "int8-hadamard", "int8-channel")}
+           for f in ("int8", "int8-token", "int8-hadamard")}
     assert len(set(ids.values())) == 3
+    assert ids["int8-token"] == "int8-token:sym,scale=fp16/token-head"
     assert ids["int8-hadamard"] == "int8-hadamard:sym,rot=hadamard/k,scale=fp16/token-head"
-    assert ids["int8-channel"] == ("int8-channel:k=asym/channel/group16,v=sym/token-head,rot=hadamard/v,meta=fp16,"
-                                   "residual=fp32/16")
+    assert ids["int8"] == ("int8:k=asym/channel/group16,v=sym/token-head,rot=hadamard/v,meta=fp16,"
+                           "residual=fp32/16")
+    # A record or cached block made under the per-token meaning of int8 never stands for the new one.
+    assert not ids["int8"].startswith("int8:sym")
 
 
 # ---- attention ------------------------------------------------------------------------------------------

@@ -18,14 +18,14 @@ from kvledger.errors import ConfigError
 from kvledger.runtime import KVStore
 from kvledger.runtime.kv_store import BlockBytes
 
-FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8-scaled", "int8", "int8-hadamard", "int8-channel",
+FORMATS = ["fp32", "bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8-scaled", "int8-token", "int8-hadamard", "int8",
            "int4", "int4-hadamard"]
 # Largest error of a read against what was written, as a fraction of the written rows' largest magnitude.
 TOLERANCE = {"fp32": 0.0, "bf16": 2 ** -8, "fp16": 2 ** -11, "fp8_e4m3": 2 ** -4, "fp8_e5m2": 2 ** -3,
-             "fp8-scaled": 2 ** -4, "int8": 1 / 127, "int4": 0.15,
-             # Turned rows (int8-hadamard's K, int8-channel's V; D = 8): an element's error is at most the row's
+             "fp8-scaled": 2 ** -4, "int8-token": 1 / 127, "int4": 0.15,
+             # Turned rows (int8-hadamard's K, int8's V; D = 8): an element's error is at most the row's
              # error norm, sqrt(D) half-steps of a step of at most sqrt(D) * max|x| / 127: D / 254 of the largest.
-             "int8-hadamard": 8 / 254, "int8-channel": 8 / 254,
+             "int8-hadamard": 8 / 254, "int8": 8 / 254,
              # 4-bit turned rows: sqrt(D) half-steps of a step of at most 2 sqrt(D) max|x| / 15.
              "int4-hadamard": 8 / 15}
 LAYERS, HEADS, DIM, BS = 2, 2, 8, 4
@@ -33,7 +33,7 @@ LAYERS, HEADS, DIM, BS = 2, 2, 8, 4
 
 def spec(fmt: str) -> KVSpec:
     return KVSpec(LAYERS, HEADS, DIM, kv_dtype=fmt, block_size=BS,
-                  residual_dtype="fp32" if fmt in ("int4", "int8-channel") else None)
+                  residual_dtype="fp32" if fmt in ("int4", "int8") else None)
 
 
 def rows(n: int, seed: int) -> torch.Tensor:
@@ -191,8 +191,8 @@ def test_a_store_refuses_what_it_cannot_hold_naming_it() -> None:
         with pytest.raises(ConfigError, match=r"^the KV store needs at least one block, got "):
             KVStore(spec("fp32"), bad)  # type: ignore[arg-type]
     KVStore(spec("fp32"), 1)
-    with pytest.raises(ConfigError, match=r"^the runtime stores int8 for head dims divisible by 4, got 6$"):
-        KVStore(KVSpec(1, 1, 6, kv_dtype="int8", block_size=4), 2)
+    with pytest.raises(ConfigError, match=r"^the runtime stores int8-token for head dims divisible by 4, got 6$"):
+        KVStore(KVSpec(1, 1, 6, kv_dtype="int8-token", block_size=4), 2)
     for bad in (0, True, 1.5):
         with pytest.raises(ConfigError, match=r"^int4 needs at least one residual page, got "):
             KVStore(spec("int4"), 4, residual_slots=bad)  # type: ignore[arg-type]

@@ -310,12 +310,13 @@ def test_tier_sizes_and_codecs_are_refused_by_name() -> None:
     assert codec("none").encode(memoryview(b"xy")) == b"xy"
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
-def test_a_block_as_bytes_is_every_layer_and_an_open_int4_blocks_residual_page(fmt: str) -> None:
-    spec = KVSpec(2, 2, 8, kv_dtype=fmt, block_size=4, residual_dtype="fp32" if fmt == "int4" else None)
+@pytest.mark.parametrize("fmt", ["bf16", "int8-token", "int8", "int4"])
+def test_a_block_as_bytes_is_every_layer_and_an_open_blocks_residual_page(fmt: str) -> None:
+    """int8 and int4 keep an open block's rows in a residual page, which travels with the block's bytes."""
+    spec = KVSpec(2, 2, 8, kv_dtype=fmt, block_size=4, residual_dtype="fp32" if fmt in ("int8", "int4") else None)
     store = KVStore(spec, 4)
     rows = BlockRows(store)
-    if fmt == "int4":
+    if fmt in ("int8", "int4"):
         page = 2 * 2 * 4 * 2 * 8 * 4
         assert rows.flag_offset == -(-spec.block_bytes // 8) * 8 and rows.nbytes == rows.flag_offset + 8 + page
         k = torch.randn(3, 2, 8)

@@ -99,10 +99,10 @@ DOCUMENTED_PARTS = {
     "fp8_e4m3": [("k.values", B8 * H2 * D32), ("v.values", B8 * H2 * D32)],
     "fp8_e5m2": [("k.values", B8 * H2 * D32), ("v.values", B8 * H2 * D32)],
     "fp8-scaled": _TOKEN_HEAD,
-    "int8": _TOKEN_HEAD,
+    "int8-token": _TOKEN_HEAD,
     "int8-hadamard": _TOKEN_HEAD,  # the rotation is a fixed matrix: stored nowhere
     # K: uint8 codes, an fp16 scale and minimum per block, head and channel; V: int8 codes, a scale per token.
-    "int8-channel": [("k.codes", B8 * H2 * D32), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
+    "int8": [("k.codes", B8 * H2 * D32), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
                      ("v.codes", B8 * H2 * D32), ("v.scale", 2 * B8 * H2)],
     "int4": [("k.codes", B8 * H2 * D32 // 2), ("k.scale", 2 * H2 * D32), ("k.min", 2 * H2 * D32),
              ("v.codes", B8 * H2 * D32 // 2), ("v.scale", 2 * B8 * H2), ("v.min", 2 * B8 * H2)],
@@ -132,19 +132,20 @@ def test_a_formats_parts_and_bytes_are_the_documented_ones(fmt: str) -> None:
 
 
 def test_the_quantised_per_layer_sizes_differ_as_their_formulas_say() -> None:
-    """int8/fp8: 2BHD + 4BH; int4: BHD + 4HD + 4BH (fp16 scale and minimum per channel for K, per token for V)."""
-    assert KV_FORMATS["int8"].layer_block_bytes(B8, H2, D32) == 2 * 8 * 2 * 32 + 4 * 8 * 2 == 1088
+    """int8-token/fp8-scaled: 2BHD + 4BH; int4: BHD + 4HD + 4BH (fp16 scale and minimum per channel for K, per
+    token for V)."""
+    assert KV_FORMATS["int8-token"].layer_block_bytes(B8, H2, D32) == 2 * 8 * 2 * 32 + 4 * 8 * 2 == 1088
     assert KV_FORMATS["int4"].layer_block_bytes(B8, H2, D32) == 8 * 2 * 32 + 4 * 2 * 32 + 4 * 8 * 2 == 832
 
 
-# ---- int8-channel: K asymmetric per channel over the block, V turned then per token -------------------------
-def test_int8_channel_a_block_written_whole_stores_the_hand_computed_codes_scales_and_minimums() -> None:
+# ---- int8: K asymmetric per channel over the block, V turned then per token ---------------------------------
+def test_int8_a_block_written_whole_stores_the_hand_computed_codes_scales_and_minimums() -> None:
     """Channel 0 spans 0..255 (scale 1.0, minimum 0: codes are the values); channel 1 sits at a large steady
     offset, which the minimum absorbs (its codes span 0..255 over its spread, not over its magnitude);
     channel 2 is constant (scale 0, read back exactly). Bytes at the documented offsets: K codes, K scales,
     K minimums (fp16, ``H x D``), V codes, V scales (``B x H``)."""
     B, D = 4, 4
-    store = quantised_store("int8-channel", B, 1, D, blocks=1)
+    store = quantised_store("int8", B, 1, D, blocks=1)
     kcols = [[0.0, 255.0, 3.0, 128.0], [1000.0, 1002.0, 1001.0, 1000.5], [-7.0] * 4, [0.0] * 4]
     k = torch.tensor(kcols).T.contiguous().view(B, 1, D)  # row t = token t
     v = torch.tensor([[8.0, 0.0, 0.0, 0.0]] * B).view(B, 1, D)  # turned: every channel +-4
@@ -174,7 +175,7 @@ def test_int8_channel_a_block_written_whole_stores_the_hand_computed_codes_scale
     assert store.open_blocks() == 0
 
 
-# ---- int8: symmetric, s = amax / 127 per token and head ---------------------------------------------------
+# ---- int8-token (and int8's values): symmetric, s = amax / 127 per token and head ----------------------------
 def test_int8_a_row_of_every_integer_uses_the_full_code_range_with_scale_one() -> None:
     """amax 127 gives the scale 1.0 exactly: codes are the values, -127..127 (never -128), read back exactly."""
     x = torch.tensor(_row([float(c) for c in range(-127, 128)], 256)).view(1, 1, 256)
@@ -242,9 +243,9 @@ def test_int8_every_element_is_within_half_a_step_of_its_scale(magnitude: float)
     assert int(codes.min()) >= -127
 
 
-def test_int8_store_bytes_are_codes_then_fp16_scales_k_then_v() -> None:
+def test_int8_token_store_bytes_are_codes_then_fp16_scales_k_then_v() -> None:
     """Two tokens, two heads of 4: K codes [B, H, D] int8, K scales [B, H] fp16, then V the same."""
-    store = quantised_store("int8", block=2, heads=2, dim=4)
+    store = quantised_store("int8-token", block=2, heads=2, dim=4)
     k = torch.tensor([[[127.0, -1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]],
                       [[-254.0, 2.0, 3.0, 1.0], [1.27, -0.635, 0.0, 0.01]]])
     v = -k

@@ -143,6 +143,6 @@ def test_unsupported_stores() -> None:
     with pytest.raises(ConfigError, match="MLA"):
         KVStore(KVSpec(2, 1, 576, attention="mla", kv_lora_rank=512, rope_dim=64), 4)
     with pytest.raises(ConfigError, match="divisible by 4"):
-        KVStore(KVSpec(2, 2, 6, kv_dtype="int8"), 4)
+        KVStore(KVSpec(2, 2, 6, kv_dtype="int8-token"), 4)
     with pytest.raises(ConfigError, match="at least one block"):
         KVStore(KVSpec(2, 2, 8), 0)

@@ -1,7 +1,8 @@
 """The quality records shipped in ``kvledger/data/quality/records/``: each one lets the engine serve a
 quantised KV format for the bundled weights without ``--allow-untested-kv``, so each must still say what
 it vouches for. Checked from the records alone (no model run): the format's shipped contract holds on the
-record's own cases, the protocol was the complete one, and the record names the format as it is defined now
+record's own cases and on its held-out prompts (every held-out clause scored), the protocol was the complete
+one, and the record names the format as it is defined now
 -- a format whose definition changed has another identity, and a record of the old one must not pass for it.
 """
 
@@ -20,10 +21,11 @@ def shipped() -> list[tuple[Path, dict]]:
     return [(p, json.loads(p.read_text())) for p in sorted(qr.SHIPPED_RECORDS.glob("*.json"))]
 
 
-def test_the_int8_channel_record_ships_for_the_bundled_weights() -> None:
+def test_the_int8_record_ships_for_the_bundled_weights() -> None:
     formats = {rec["format"]: rec for _, rec in shipped()}
-    assert "int8-channel" in formats
-    assert formats["int8-channel"]["model"] == "smollm2-135m"
+    assert "int8" in formats
+    assert formats["int8"]["model"] == "smollm2-135m"
+    assert formats["int8"]["kv_format"].startswith("int8:k=asym/channel/")  # int8 is the per-channel-key format
 
 
 @pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")
@@ -34,13 +36,26 @@ def test_a_shipped_record_meets_its_formats_shipped_contract_on_the_complete_pro
     assert set(protocol["kinds"]) == {"prose", "code", "chat"} and max(protocol["contexts"]) >= 2048
     assert {(c["kind"], c["context"]) for c in record["cases"]} == {
         (k, n) for k in protocol["kinds"] for n in protocol["contexts"]}
-    verdict = qr.evaluate(qr.load_contract(record["format"]), record["cases"])
+    contract = qr.load_contract(record["format"])
+    verdict = qr.evaluate(contract, record["cases"])
     assert verdict and all(v["ok"] for v in verdict), [v for v in verdict if not v["ok"]]
+
+
+@pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")
+def test_a_shipped_record_meets_its_formats_shipped_contract_on_held_out_prompts(path: Path, record: dict) -> None:
+    assert qr.record_blocker(record) is None
+    contract, held = qr.load_contract(record["format"]), record["held_out"]
+    assert contract.held_out and held["prompts"] == len(held["cases"]) >= 4
+    verdict = qr.evaluate(contract, held["cases"])
+    assert verdict and all(v["ok"] for v in verdict), [v for v in verdict if not v["ok"]]
+    for t in contract.held_out:
+        assert t.check(held["summary"][t.metric]), (t.describe(), held["summary"][t.metric])
 
 
 @pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")
 def test_a_shipped_record_names_its_format_as_defined_now(path: Path, record: dict) -> None:
     fmt = get_kv_format(record["format"])
+    assert record["format"] == fmt.name  # recorded under the format's name now, not a former one
     residual = record["kv_format"].rsplit("residual=", 1)[-1].split("/")[0] if "residual=" in record["kv_format"] \
         else None
     assert record["kv_format"] == fmt.identity(16, residual), (

@@ -89,7 +89,7 @@ def _held_out_table(report: dict[str, Any]) -> Any:
 @click.command("quality", epilog=epilog(
     "kvledger quality --model smollm2-135m --kv-cache-dtype int8",
     "kvledger quality --kv-cache-dtype fp8 --contexts 64 --new-tokens 16 --json   # a quick look (not recorded)",
-    "kvledger quality --kv-cache-dtype int8-channel --held-out my_prompts.json --out reports/int8c",
+    "kvledger quality --kv-cache-dtype int8-token --held-out my_prompts.json --out reports/int8-token",
 ))
 @model_option()
 @engine_option("kv_dtype", required=True, type=DtypeName(lambda: list(quantized_formats())),
@@ -105,7 +105,8 @@ def _held_out_table(report: dict[str, Any]) -> Any:
 @click.option("--held-out", "held_out", default=None, metavar="FILE",
               help="A JSON list of held-out prompts (texts, or lists of token ids) the format was not tuned on "
                    "[4 bundled peer chat prompts].")
-@click.option("--no-held-out", is_flag=True, help="Score the texts only, not the held-out prompts.")
+@click.option("--no-held-out", is_flag=True,
+              help="Score the texts only, not the held-out prompts (a quick look: never recorded).")
 @click.option("--contract", "contract_path", default=None,
               help="A contract JSON file of thresholds [the one shipped for the format].")
 @engine_option("attention_backend",
@@ -119,9 +120,9 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
                 out: str | None, no_record: bool, threads: int | None, as_json: bool) -> None:
     """Measure a quantised KV format against the uncompressed KV of the same model on prose, code and chat:
     perplexity and its change, next-token KL, per-layer attention error, greedy agreement. A report that
-    meets the format's contract on the full protocol is recorded; the engine serves a quantised format only
-    with such a record (or --allow-untested-kv). The same contract is also judged on held-out prompts (each
-    prompt a case, bf16's figures beside the format's, free-running common prefix). Exits 1 when the report
+    meets the format's contract on the full protocol and on held-out prompts (each prompt a case, bf16's
+    figures beside the format's, free-running common prefix) is recorded; the engine serves a quantised
+    format only with such a record (or --allow-untested-kv). Exits 1 when the report
     fails its contract, naming the clause."""
 
     ctx = _contexts(contexts)
@@ -137,7 +138,7 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     from ..runtime.attention import attention_backends
     from ..runtime.engine import resolve_model
     from ..runtime.measure.quality import QualityRun, judge, plot_report
-    from ..runtime.measure.quality_records import load_contract, save_record
+    from ..runtime.measure.quality_records import load_contract, record_blocker, save_record
     from ..runtime.weights import cache_root
     from .common import console, emit_json
 
@@ -159,7 +160,8 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     folder = Path(out) if out else cache_root() / "quality" / "reports" / f"{kv_dtype}-{time.strftime('%Y%m%d-%H%M%S')}"
     folder.mkdir(parents=True, exist_ok=True)
     report["record"] = None
-    if report["passed"] and report["protocol"]["complete"] and not no_record:
+    blocker = record_blocker(report)
+    if blocker is None and not no_record:
         report["record"] = str(save_record(report))
     (folder / "quality.json").write_text(json.dumps(report, indent=1) + "\n")
     plot_report(report, folder / "quality.png")
@@ -184,9 +186,8 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
         con.print(report["verdict_line"], markup=False)
     if report["record"]:
         con.print(f"recorded: {report['record']} (the engine now serves {kv_dtype} for these weights)")
-    elif report["passed"] and not report["protocol"]["complete"]:
-        con.print("not recorded: a record needs the full protocol (prose, code and chat at <= 512 and >= 2,048 "
-                  "tokens, 128 greedy tokens)")
+    elif report["passed"] and blocker is not None:
+        con.print(f"not recorded: {blocker}")
     con.print(f"report: {folder / 'quality.json'}; plot: {folder / 'quality.png'}")
     _exit_unless_passed(report, contract.source)
 

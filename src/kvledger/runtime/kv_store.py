@@ -9,7 +9,7 @@ whole-model page, exactly the bytes the block pool charges ``KVSpec.block_bytes`
 :attr:`KVStore.block_view` shows the pool with the block id on dim 0, so a swap or an offload copies a
 block's whole byte layout whatever the format.
 
-int4 and int8-channel (keys quantised per channel over a whole block) also keep ``residual_slots`` unquantised
+int4 and int8 (keys quantised per channel over a whole block) also keep ``residual_slots`` unquantised
 residual pages (``residual[layers, 2, slots, block_size, kv_heads, head_dim]`` in ``spec.residual_dtype``): a
 block that is not yet full lives there (it is *open*) and is quantised into its packed bytes when its last row
 is written (then *sealed*). A sealed block is immutable: a later write of some of its rows (the last prompt
@@ -17,7 +17,7 @@ token of a fully cached prompt is recomputed) is dropped. Which block holds whic
 -1 for none), the map both attention paths read. Pages of blocks the ledger freed are reclaimed through
 ``block_in_use`` (the engine wires it to its ledger) when no page is free.
 
-int8-hadamard stores keys (int8-channel values) turned by the normalised Walsh-Hadamard matrix
+int8-hadamard stores keys (and int8 its values) turned by the normalised Walsh-Hadamard matrix
 (``kv_quant.rotate``); :meth:`read` turns them back, and a kernel reading int8-hadamard's codes in place turns
 the queries instead (same scores).
 """

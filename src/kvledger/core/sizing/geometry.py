@@ -12,7 +12,7 @@ from ...errors import ConfigError, InvariantError
 from ...units import format_bytes, parse_bytes
 from .. import checks
 from ..identity import CacheContext, request_context
-from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RESIDUAL_DTYPES, VLLM_NAMES, KVFormat
+from .kv_formats import ELEMENT_BYTES, KV_FORMATS, RENAMED, RESIDUAL_DTYPES, VLLM_NAMES, KVFormat
 
 # Bytes per stored K/V value, by format name (int4: half a byte). Metadata is not in this figure: a
 # format's bytes per token and per block come from its layout (`core.sizing.kv_formats`), which counts scales,
@@ -34,6 +34,7 @@ _DTYPE_ALIASES: dict[str, str] = {
     "fp8_e4m3fn": "fp8_e4m3",
     "float8_e5m2": "fp8_e5m2",
     **VLLM_NAMES,  # vLLM's "fp8" is the unscaled e4m3 cast
+    **RENAMED,  # a format's former name (int8-channel is int8)
 }
 
 ATTENTION_KINDS = ("full", "sliding", "mla", "hybrid")

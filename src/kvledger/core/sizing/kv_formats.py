@@ -17,21 +17,24 @@ Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names a
     kvledger's e4m3 codes with one fp16 scale per token and KV head: ``code = e4m3(x / s)``,
     ``s = amax / 448``. Not vLLM's ``fp8`` (which is unscaled): the scales cost 2 bytes per token and head.
 ``int8``
-    Symmetric int8 with one fp16 scale per token and KV head: ``code = round(x / s)``, ``s = amax / 127``.
-``int8-hadamard``
-    ``int8`` whose keys are first turned by a fixed orthogonal rotation per head (the normalised
-    Walsh-Hadamard matrix ``H``, ``H @ H.T = I``; head_dim a power of two): an outlier channel's energy is
-    spread over all channels, so one scale per token fits every channel. Scores are unchanged in exact
-    arithmetic (``(q H) . (k H) = q . k``): readers de-rotate the keys or rotate the queries alike. Same
-    bytes as ``int8``.
-``int8-channel``
     KIVI/KVQuant-style int8: keys asymmetric per channel over the block's tokens (uint8 codes, one fp16
     scale and minimum per block, head and channel: an outlier channel gets its own grid, and a channel
     with a large steady offset spends its 256 codes on its spread); values turned by the Walsh-Hadamard
     matrix per head (readers turn them back), then symmetric int8 with one fp16 scale per token and head.
     Like ``int4`` a block that is not yet full keeps its rows unquantised in a residual page. On
-    SmolLM2-135M it moves the next-token distribution least of the int8 schemes
-    (``benchmarks/kv_quality.py``; docs/kv_formats.md has the figures).
+    SmolLM2-135M it moves the next-token distribution no further than a bf16 cache does
+    (``benchmarks/kv_quality.py``; docs/kv_formats.md has the figures). Called ``int8-channel`` before; that
+    name is still read as ``int8`` (:data:`RENAMED`).
+``int8-token``
+    Symmetric int8 with one fp16 scale per token and KV head: ``code = round(x / s)``, ``s = amax / 127``.
+    What ``int8`` meant before: one scale per token cannot follow keys with outlier channels (SmolLM2's
+    reach 4.85x the row's RMS), so it fails the int8 contract there; kept selectable for comparison.
+``int8-hadamard``
+    ``int8-token`` whose keys are first turned by a fixed orthogonal rotation per head (the normalised
+    Walsh-Hadamard matrix ``H``, ``H @ H.T = I``; head_dim a power of two): an outlier channel's energy is
+    spread over all channels, so one scale per token fits every channel. Scores are unchanged in exact
+    arithmetic (``(q H) . (k H) = q . k``): readers de-rotate the keys or rotate the queries alike. Same
+    bytes as ``int8-token``.
 ``int4-hadamard``
     4-bit with keys and values both turned per head by the Walsh-Hadamard matrix (an outlier channel's
     energy spread over every channel, so one grid per token fits the row), then asymmetric per token and
@@ -45,7 +48,7 @@ Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names a
     quantised when its last row is written. The residual is charged per running sequence, not per
     block: see :meth:`KVFormat.residual_page_bytes`.
 
-Why per token and head for fp8-scaled and int8 (not per block and head): a block is written one token at a
+Why per token and head for fp8-scaled and int8-token (not per block and head): a block is written one token at a
 time during decode, so a block-wide scale is not known until the block is full; a per-token scale is
 fixed when the token is written, needs no requantisation and leaves copy-on-write a byte copy. It costs
 2 bytes per token and head (3% at ``D = 64``, 1.6% at ``D = 128``).
@@ -88,10 +91,14 @@ class Part:
         return self.count * ELEMENT_BYTES[self.element]
 
 
+# The format of the same bytes per value that turns nothing, named when a head_dim rules out the rotation.
+UNTURNED: dict[str, str] = {"int8": "int8-token", "int8-hadamard": "int8-token", "int4-hadamard": "int4"}
+
+
 @dataclass(frozen=True, slots=True)
 class KVFormat:
-    """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8-scaled/int8), ``channel``
-    (int8-channel: K asymmetric per channel per block, V per token), ``kivi`` (int4) or ``token4`` (int4-hadamard:
+    """A KV representation. ``scales``: ``none`` (plain), ``token-head`` (fp8-scaled/int8-token), ``channel``
+    (int8: K asymmetric per channel per block, V per token), ``kivi`` (int4) or ``token4`` (int4-hadamard:
     K and V asymmetric 4-bit per token and head). ``rotation``: which of K and V
     are turned per head by the normalised Walsh-Hadamard matrix before quantisation (``""``, ``k``, ``v``,
     ``kv``)."""
@@ -121,16 +128,17 @@ class KVFormat:
         if self.scales in ("kivi", "token4"):
             if mla and self.scales == "kivi":
                 raise ConfigError("the int4 format quantises K per channel and V per token; an MLA latent "
-                                  "cache is neither (use fp8-scaled or int8)")
+                                  "cache is neither (use fp8-scaled or int8-token)")
             if head_dim % 2:
                 raise ConfigError(f"int4 packs two values per byte: head_dim must be even, got {head_dim}")
         if self.scales == "channel" and mla:
             raise ConfigError(f"{self.name} quantises K per channel and V per token; an MLA latent cache is "
-                              "neither (use int8)")
+                              "neither (use int8-token)")
         if self.rotation and (head_dim <= 0 or head_dim & (head_dim - 1)):
             turned = " and ".join(w for kv, w in (("k", "keys"), ("v", "values")) if self.rotates(kv))
+            other = UNTURNED.get(self.name)
             raise ConfigError(f"{self.name} turns its {turned} by a Walsh-Hadamard matrix: head_dim must be a power "
-                              f"of two, got {head_dim}")
+                              f"of two, got {head_dim}" + (f" (use {other})" if other else ""))
 
     def parts(self, block_size: int, heads: int, head_dim: int) -> tuple[Part, ...]:
         """The arrays of one layer of one block, K first, in storage order."""
@@ -200,12 +208,13 @@ for _format in (
     _fmt("fp8_e5m2", "plain e5m2 cast, no scale (vLLM's layout, scale 1.0)", 8, True, "none", "fp8_e5m2"),
     _fmt("fp8-scaled", "e4m3 with an fp16 scale per token and KV head (kvledger's; vLLM's fp8 is unscaled)", 8, True,
          "token-head", "fp8_e4m3"),
-    _fmt("int8", "symmetric int8 with an fp16 scale per token and KV head", 8, True, "token-head", "int8"),
-    _fmt("int8-hadamard", "int8 with keys turned by a normalised Walsh-Hadamard matrix per head before quantising",
-         8, True, "token-head", "int8", "k"),
-    _fmt("int8-channel", "int8 with keys asymmetric per channel per block (KIVI-style), values turned by a "
+    _fmt("int8", "int8 with keys asymmetric per channel per block (KIVI-style), values turned by a "
          "Walsh-Hadamard matrix then per token, fp16 scales and minimums, unquantised residual for the partly "
          "written block", 8, True, "channel", "int8", "v"),
+    _fmt("int8-token", "symmetric int8 with an fp16 scale per token and KV head (int8's meaning before; fails the "
+         "int8 contract on models whose keys have outlier channels)", 8, True, "token-head", "int8"),
+    _fmt("int8-hadamard", "int8-token with keys turned by a normalised Walsh-Hadamard matrix per head before "
+         "quantising", 8, True, "token-head", "int8", "k"),
     _fmt("int4-hadamard", "4-bit with K and V turned by a Walsh-Hadamard matrix per head, then asymmetric per token "
          "and head (fp16 scale and minimum), no residual page", 4, True, "token4", "uint8", "kv"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
@@ -219,6 +228,11 @@ for _format in (
 VLLM_NAMES: dict[str, str] = {"fp8": "fp8_e4m3", "bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
+# Names a format had before and is still read by: a script written against the old name keeps working, and
+# means what the format means now (the identity, records and cached blocks all carry the new name).
+RENAMED: dict[str, str] = {"int8-channel": "int8"}
+
+
 def vllm_serves(fmt: KVFormat) -> bool:
     """Whether vLLM stores this format: plain values only (its fp8 caches keep at most a per-tensor scale,
     never a scale per token or a 4-bit code)."""
@@ -226,8 +240,10 @@ def vllm_serves(fmt: KVFormat) -> bool:
 
 
 def get_kv_format(name: str) -> KVFormat:
-    """A format by its name or vLLM's (``fp8`` is ``fp8_e4m3``)."""
-    found = KV_FORMATS.get(VLLM_NAMES.get(name, name) if isinstance(name, str) else name)
+    """A format by its name, vLLM's (``fp8`` is ``fp8_e4m3``) or a former one (:data:`RENAMED`)."""
+    if isinstance(name, str):
+        name = RENAMED.get(name, VLLM_NAMES.get(name, name))
+    found = KV_FORMATS.get(name)
     if found is None:
         raise ConfigError(f"unknown KV format {name!r} (known: {', '.join(KV_FORMATS)})")
     return found
@@ -238,5 +254,5 @@ def quantized_formats() -> list[str]:
     return [name for name, f in KV_FORMATS.items() if f.quantized]
 
 
-__all__ = ["ELEMENT_BYTES", "KV_FORMATS", "RESIDUAL_DTYPES", "VLLM_NAMES", "KVFormat", "Part", "get_kv_format",
-           "quantized_formats", "vllm_serves"]
+__all__ = ["ELEMENT_BYTES", "KV_FORMATS", "RENAMED", "RESIDUAL_DTYPES", "UNTURNED", "VLLM_NAMES", "KVFormat", "Part",
+           "get_kv_format", "quantized_formats", "vllm_serves"]

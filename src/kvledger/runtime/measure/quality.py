@@ -51,6 +51,7 @@ from ..engine import kv_spec_for, load_decoder, resolve_model
 from ..model import ModelRunner, SeqStep
 from ..weights import Checkpoint
 from .corpus import CORPUS_DIR, corpus_text
+from .quality_records import HELD_OUT_SET
 
 KINDS = ("prose", "code", "chat")
 DEFAULT_CONTEXTS = (256, 2048)
@@ -581,7 +582,7 @@ def _held_out_verdicts(contract: Any, summary: dict[str, Any]) -> list[dict[str,
             clause = (f"free-running mean common prefix over the held-out prompts {summary['common_prefix_mean']:.1f} "
                       f"= {value:.2f}x bf16's {summary['common_prefix_mean_bf16']:.1f} {op} {bound:g}x")
         out.append({"threshold": t.describe(), "metric": t.metric, "agg": t.agg, "value": value, "ok": ok,
-                    "set": "held-out prompts", "clause": clause})
+                    "set": HELD_OUT_SET, "clause": clause})
     return out
 
 
@@ -591,7 +592,7 @@ def judge(report: dict[str, Any], contract: Any) -> dict[str, Any]:
     verdict = _verdicts(contract, cases, lambda c: f"{c['kind']} at {c['context']:,} tokens", "texts")
     if report.get("held_out"):
         verdict += _verdicts(contract, report["held_out"]["cases"], lambda c: f"held-out prompt {c['prompt']}",
-                             "held-out prompts")
+                             HELD_OUT_SET)
         verdict += _held_out_verdicts(contract, report["held_out"]["summary"])
     passed = all(v["ok"] for v in verdict)
     failing = [v["clause"] for v in verdict if not v["ok"]]

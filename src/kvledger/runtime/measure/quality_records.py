@@ -244,10 +244,36 @@ def find_record(revision: str, format_id: str) -> tuple[Path, dict[str, Any]] | 
     return None
 
 
-def save_record(report: dict[str, Any], folder: Path | None = None) -> Path:
-    """Store a report that met its contract (``report['passed']``) as a record."""
+HELD_OUT_SET = "held-out prompts"  # the ``set`` of a verdict judged on the held-out prompts
+
+
+def record_blocker(report: dict[str, Any]) -> str | None:
+    """Why a judged report may not become a record, or None when it may: it must meet its contract on the full
+    protocol (every text kind, a short and a long context, 128 greedy tokens) and on held-out prompts, with
+    every held-out clause of its contract scored -- a format is never vouched for by the texts alone."""
     if report.get("passed") is not True:
-        raise ConfigError("only a report that meets its contract is recorded")
+        return "only a report that meets its contract is recorded"
+    protocol = report.get("protocol")
+    if not isinstance(protocol, dict) or protocol.get("complete") is not True:
+        return ("a record needs the full protocol (prose, code and chat at <= 512 and >= 2,048 tokens, 128 greedy "
+                "tokens)")
+    held = report.get("held_out")
+    if not isinstance(held, dict) or not held.get("cases"):
+        return ("a record needs the held-out prompts scored (the bundled slice, or --held-out FILE; not "
+                "--no-held-out)")
+    contract = report.get("contract") or {}
+    judged = {v.get("metric") for v in report.get("verdict", ()) if v.get("set") == HELD_OUT_SET}
+    missing = [t.get("metric") for t in contract.get("held_out", ()) if t.get("metric") not in judged]
+    if missing:
+        return f"a record needs every held-out clause of its contract scored; not scored: {', '.join(missing)}"
+    return None
+
+
+def save_record(report: dict[str, Any], folder: Path | None = None) -> Path:
+    """Store a judged report as a record, if :func:`record_blocker` finds nothing against it."""
+    blocker = record_blocker(report)
+    if blocker is not None:
+        raise ConfigError(blocker)
     folder = user_records() if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
     name = f"{report['format']}-{report['weights_revision'].split(':')[-1]}-{int(time.time())}.json"
@@ -279,6 +305,6 @@ def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tu
     return found
 
 
-__all__ = ["CONTRACTS", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "evaluate", "find_record",
-           "kvledger_version", "load_contract", "parse_contract", "require_record", "save_record", "user_records",
-           "weights_revision"]
+__all__ = ["CONTRACTS", "HELD_OUT_SET", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "evaluate",
+           "find_record", "kvledger_version", "load_contract", "parse_contract", "record_blocker", "require_record",
+           "save_record", "user_records", "weights_revision"]

@@ -139,8 +139,9 @@ FLAGS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
     "kv_dtype": (("--kv-cache-dtype", "--kv-dtype", "kv_dtype"), dict(
         type=DtypeName(_kv_formats, auto=True, also=_vllm_kv_names), default=None,
         help="KV cache format [auto: the compute dtype]. fp8 is vLLM's (= fp8_e4m3: an unscaled e4m3 cast, 1 byte "
-             "per value); fp8-scaled is kvledger's e4m3 with a scale per token and head. fp8*, int8 and int4 are "
-             "quantised and need a passing `kvledger quality` record for the model (docs/kv_formats.md).")),
+             "per value); fp8-scaled is kvledger's e4m3 with a scale per token and head; int8 scales keys per channel "
+             "(int8-token per token). fp8*, int8* and int4* are quantised and need a passing `kvledger quality` "
+             "record for the model (docs/kv_formats.md).")),
     "allow_untested_kv": (("--allow-untested-kv",), dict(
         is_flag=True, help="Serve a quantised KV format that has no passing quality record for the model.")),
     "block_size": (("--block-size",), dict(

@@ -34,7 +34,7 @@ def geometry_options(fn: Any) -> Any:
         click.option("--kv-heads", type=Int(1, 100_000), default=None, help="Total KV heads (instead of --model)."),
         click.option("--head-dim", type=Int(1, 100_000), default=None, help="Head dimension (instead of --model)."),
         engine_option("kv_dtype", help="KV cache format: vLLM's values (auto, fp8 = fp8_e4m3 unscaled, fp8_e5m2) or "
-                      "kvledger's (fp8-scaled, int8 and int4 count their scales; see docs/kv_formats.md) "
+                      "kvledger's (fp8-scaled, int8, int8-token and int4 count their scales; see docs/kv_formats.md) "
                       "[auto: the model's dtype]."),
         engine_option("tensor_parallel_size"),
         engine_option("block_size"),

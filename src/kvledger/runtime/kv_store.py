@@ -2,7 +2,7 @@
 
 Plain formats (fp32, bf16, fp16, and the unscaled fp8 casts) keep one tensor
 ``kv[layers, 2 (K, V), num_blocks, block_size, kv_heads, head_dim]`` of the storage dtype. Quantised
-formats with metadata (fp8-scaled and int8 with a scale per token and head, KIVI int4) keep one byte tensor
+formats with metadata (fp8-scaled and int8-token with a scale per token and head, int8, KIVI int4) keep one byte tensor
 ``kv[layers, num_blocks, layer_block_bytes]``: the bytes of one layer of one block, part after part in the
 order of :meth:`KVFormat.parts` (codes, scales, minimums; K, then V). Either way ledger block ``b`` is one
 whole-model page, exactly the bytes the block pool charges ``KVSpec.block_bytes`` for, and

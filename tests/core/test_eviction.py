@@ -228,7 +228,7 @@ def test_expiry_never_demotes_a_block_whose_priority_is_now_permanent() -> None:
     policy = ledger.pool.retained
     assert isinstance(policy, PriorityPolicy)
     assert policy.blocks() == [1, 0]  # 50 before 90
-    assert policy._level_of[0] != DEFAULT_PRIORITY
+    assert policy.level(0) != DEFAULT_PRIORITY
     assert run(ledger, "g", tokens(16, 400)) == [1]
 
 

@@ -99,7 +99,7 @@ def test_arc_evicts_from_the_recency_list_then_adapts_on_a_ghost_hit() -> None:
     use(arc, 7, times=2)  # T2, released before block 5
     use(arc, 5)  # T2 by its ghost
     use(arc, 6)  # T1, the one block there: |T1| = 1 = p, so T2 goes first
-    assert arc._p == 1.0
+    assert arc.target_size == 1.0
     assert arc.pop_victims(1) == [7]
     assert arc.pop_victims(2) == [5, 6]
 
@@ -126,10 +126,11 @@ def test_s3fifo_gives_a_used_main_block_another_round() -> None:
     use(s3, 1)
     s3.pop_victims(1)
     root(s3, 2, name="x")  # ghost hit: main
-    root(s3, 3, name="y")  # ghost hit: main
-    s3._ghost[b"y"] = None
+    root(s3, 3, name="y")  # small
+    use(s3, 3)
+    assert s3.pop_victims(1) == [3]  # unused while small: "y" goes to the ghost list
     s3.forget(3)
-    root(s3, 3, name="y")
+    root(s3, 3, name="y")  # ghost hit: main
     use(s3, 2, times=2)  # used again in main: one more round
     use(s3, 3)
     assert s3.pop_victims(1) == [3]

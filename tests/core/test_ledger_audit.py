@@ -8,6 +8,8 @@ from collections.abc import Callable
 
 import pytest
 
+from kvledger.core import native
+from kvledger.core.eviction import PriorityPolicy
 from kvledger.core.ledger import KVLedger, Request
 from kvledger.errors import InvariantError
 
@@ -17,7 +19,12 @@ BS = 4
 def healthy() -> KVLedger:
     """Every block state in one small pool: a running sequence with a forked, copy-on-write tail and a
     speculative slot, a retained prefix, a pending release held by a lease, a pin and free blocks."""
-    ledger = KVLedger(24, BS, policy="priority")
+    saved, native.MODULE = native.MODULE, None  # the policy's state in Python, so that a test can corrupt it
+    try:
+        policy = PriorityPolicy()
+    finally:
+        native.MODULE = saved
+    ledger = KVLedger(24, BS, policy=policy)
     ledger.admit(Request("cached", list(range(8)), 0)).raise_for_outcome()
     ledger.mark_computed("cached", 8)
     ledger.release("cached")  # 2 retained blocks

@@ -7,15 +7,21 @@ from collections import OrderedDict
 
 import pytest
 
-from kvledger.core import BlockPool
+from kvledger.core import BlockPool, native
 from kvledger.core.eviction import PriorityPolicy
 from kvledger.core.observe import EventLog
 from kvledger.errors import InvariantError, LedgerError, OutOfBlocksError
 
 
 def _pool_with_cache() -> BlockPool:
-    """Twelve blocks: 0..9 retained (written, indexed), 10 and 11 freed (anonymous)."""
-    pool = BlockPool(12, PriorityPolicy(clock=lambda: 0.0))
+    """Twelve blocks: 0..9 retained (written, indexed), 10 and 11 freed (anonymous). The policy keeps its
+    state in Python (not the C part), so that a test can corrupt it."""
+    saved, native.MODULE = native.MODULE, None
+    try:
+        policy = PriorityPolicy(clock=lambda: 0.0)
+    finally:
+        native.MODULE = saved
+    pool = BlockPool(12, policy)
     blocks = pool.allocate_many(12)
     assert blocks == list(range(12))
     for b in blocks[:10]:

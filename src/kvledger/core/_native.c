@@ -15,7 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define NATIVE_ABI 2 /* bumped whenever a function's contract changes; kvledger.core.native checks it */
+#define NATIVE_ABI 3 /* bumped whenever a function's contract changes; kvledger.core.native checks it */
 #define DIGEST 64
 #define MAX_TOKEN 0xFFFFFFFFULL
 
@@ -979,18 +979,1121 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
     return result;
 }
 
+/* ---- PolicyCore: the bookkeeping of the heap-ordered eviction policies -------------------------------
+ * kvledger.core.eviction.PriorityPolicy and the prefix-tree policies of kvledger.core.eviction_tree (LFU-DA,
+ * GDSF, ARC, S3-FIFO, SGLang priority) keep their state here when the C part is loaded; the Python classes
+ * are the reference (and the fallback), and the tests run both on the same random sequences and require
+ * the same victims. Every per-block fact lives in one array of Node indexed by block id (plain ints in
+ * [0, 2**26)); each queue's evictable blocks sit in an indexed 4-ary heap ordered by (k1, seq), so add,
+ * remove and each victim are O(log n). Where the Python classes keep stale heap entries and skip them
+ * lazily, this keeps exactly the evictable set in the heap (a tree policy's retained leaves: retained
+ * blocks none of whose children are retained); the minimum is the same either way, and so are the victims.
+ *
+ * Keys: LFU/GDSF k1 = L + uses x weight, seq = the entry's tick; ARC and SGLang seq = the tick drawn at
+ * placement (ARC k1 = 0, SGLang k1 = the priority); S3-FIFO seq = the block's FIFO stamp; the priority
+ * policy k1 = the level, seq = the tick at which the block joined that level. Ghost lists (ARC's B1/B2,
+ * S3-FIFO's ghost) are ordered sets of digests: slots on a linked list, found by hash. */
+
+enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
+#define PC_DEFAULT_PRIORITY 35
+#define PC_SMALL 0 /* S3-FIFO's queues; ARC's T1 = 0, T2 = 1 */
+#define PC_MAIN 1
+#define PC_MAX_FREQ 3
+
+typedef struct { /* an ordered set of digests: slots on a linked list, found through an open-addressing table */
+    PyObject **key;
+    Py_hash_t *hash;
+    int32_t *prev, *next, *tab; /* tab: slot numbers, -1 empty; linear probing, backward-shift deletion */
+    int32_t head, tail, free_head;
+    Py_ssize_t cap, len, tabsize;
+} Ghost;
+
+typedef struct {
+    double t;
+    int32_t b;
+} Expiry;
+
+typedef struct { /* a heap slot carries its block's key, so sifting reads only the heap's own memory */
+    double k1;
+    int64_t seq;
+    int32_t b;
+} Slot;
+
+typedef struct { /* one block's facts, together: an operation on a block touches one or two cache lines */
+    double k1;       /* retained: the key, then */
+    int64_t seq;     /* the tie-break */
+    int64_t gen, pgen; /* linked: its generation, its parent's at link time */
+    int64_t stamp;   /* S3: FIFO position */
+    double want_exp; /* PRIO: expiry of the wanted priority, NaN = never */
+    PyObject *digest; /* linked: its identity (a reference) */
+    Py_hash_t dhash; /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
+    int32_t hpos;    /* position in its queue's heap, -1 none */
+    int32_t parent, depth, kids; /* linked: parent block (-1 none), depth; retained children */
+    int32_t uses;    /* LFU, GDSF, ARC: releases counted (0: none) */
+    int16_t prio;    /* SGLang: -1 = none given; PRIO: the wanted priority */
+    uint8_t ret, queue, linked;
+    uint8_t flag;    /* ARC: often; S3: bit 0 freq set, bit 1 queue set, bit 2 stamp set; PRIO: want set */
+    int8_t freq;     /* S3 */
+    uint8_t s3q;     /* S3 */
+} Node;
+
+typedef struct {
+    PyObject_HEAD
+    int kind, queues;
+    Py_ssize_t cap;
+    Node *n;
+    Slot *heap[2];
+    Py_ssize_t hlen[2], size[2], count;
+    int64_t tick, gens;
+    double age, entry_key, p;
+    Py_ssize_t capacity, nwant;
+    Ghost ghost[2];
+    double *costs;
+    Py_ssize_t ncosts;
+    PyObject *cost_fn, *clock, *error;
+    Expiry *exp;
+    Py_ssize_t nexp, capexp;
+} PolicyCore;
+
+static PyTypeObject PolicyCoreType;
+
+/* ---- ghosts ----
+ * What an OrderedDict of digests does for ARC's B1/B2 and S3-FIFO's ghost (insert at the back if absent,
+ * delete, pop the oldest, membership), without a Python object per operation: digests are bytes whose hash
+ * is cached, compared by content. */
+static int ghost_init(Ghost *g) {
+    memset(g, 0, sizeof *g);
+    g->head = g->tail = g->free_head = -1;
+    return 0;
+}
+
+static void ghost_clear(Ghost *g) {
+    for (int32_t k = g->head; k >= 0; k = g->next[k]) Py_CLEAR(g->key[k]);
+    g->head = g->tail = -1;
+    g->len = 0;
+    g->free_head = -1;
+    for (Py_ssize_t i = g->cap - 1; i >= 0; i--) { /* every slot free again */
+        g->next[i] = g->free_head;
+        g->free_head = (int32_t)i;
+    }
+    for (Py_ssize_t i = 0; i < g->tabsize; i++) g->tab[i] = -1;
+}
+
+static void ghost_dealloc(Ghost *g) {
+    if (g->key != NULL) ghost_clear(g);
+    PyMem_Free(g->key);
+    PyMem_Free(g->hash);
+    PyMem_Free(g->prev);
+    PyMem_Free(g->next);
+    PyMem_Free(g->tab);
+}
+
+/* 1 equal, 0 not, -1 error. */
+static inline int ghost_eq(PyObject *a, PyObject *b) {
+    if (a == b) return 1;
+    if (PyBytes_CheckExact(a) && PyBytes_CheckExact(b))
+        return PyBytes_GET_SIZE(a) == PyBytes_GET_SIZE(b) &&
+               memcmp(PyBytes_AS_STRING(a), PyBytes_AS_STRING(b), (size_t)PyBytes_GET_SIZE(a)) == 0;
+    return PyObject_RichCompareBool(a, b, Py_EQ);
+}
+
+/* The table position holding d (hash h), or -1 absent, -2 error. */
+static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
+    if (g->tabsize == 0) return -1;
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)h & mask;
+    for (;;) {
+        int32_t k = g->tab[i];
+        if (k < 0) return -1;
+        if (g->hash[k] == h) {
+            int eq = ghost_eq(g->key[k], d);
+            if (eq < 0) return -2;
+            if (eq) return (Py_ssize_t)i;
+        }
+        i = (i + 1) & mask;
+    }
+}
+
+static void ghost_tab_insert(Ghost *g, int32_t k) {
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)g->hash[k] & mask;
+    while (g->tab[i] >= 0) i = (i + 1) & mask;
+    g->tab[i] = k;
+}
+
+static void ghost_tab_delete(Ghost *g, size_t i) {
+    size_t mask = (size_t)g->tabsize - 1, j = i;
+    for (;;) {
+        j = (j + 1) & mask;
+        int32_t k = g->tab[j];
+        if (k < 0) break;
+        size_t ideal = (size_t)g->hash[k] & mask;
+        /* k stays unless its ideal position is cyclically outside (i, j] */
+        int stays = i <= j ? (i < ideal && ideal <= j) : (i < ideal || ideal <= j);
+        if (!stays) {
+            g->tab[i] = k;
+            i = j;
+        }
+    }
+    g->tab[i] = -1;
+}
+
+/* Remove the slot at table position pos from the table and the list. */
+static void ghost_drop(Ghost *g, Py_ssize_t pos) {
+    int32_t k = g->tab[pos];
+    ghost_tab_delete(g, (size_t)pos);
+    int32_t p = g->prev[k], n = g->next[k];
+    if (p >= 0) g->next[p] = n; else g->head = n;
+    if (n >= 0) g->prev[n] = p; else g->tail = p;
+    Py_CLEAR(g->key[k]);
+    g->next[k] = g->free_head;
+    g->free_head = k;
+    g->len--;
+}
+
+/* del ghosts[d] (d's hash h) if there: 1 deleted, 0 absent, -1 error. */
+static int ghost_take(Ghost *g, PyObject *d, Py_hash_t h) {
+    Py_ssize_t pos = ghost_find(g, d, h);
+    if (pos == -2) return -1;
+    if (pos < 0) return 0;
+    ghost_drop(g, pos);
+    return 1;
+}
+
+static int ghost_grow(Ghost *g) {
+    Py_ssize_t cap = g->cap ? 2 * g->cap : 64;
+#define GHOST_GROW(field, type)                                                   \
+    do {                                                                          \
+        type *grown = PyMem_Realloc(g->field, sizeof(type) * (size_t)cap);        \
+        if (grown == NULL) return PyErr_NoMemory(), -1;                           \
+        g->field = grown;                                                         \
+    } while (0)
+    GHOST_GROW(key, PyObject *);
+    GHOST_GROW(hash, Py_hash_t);
+    GHOST_GROW(prev, int32_t);
+    GHOST_GROW(next, int32_t);
+#undef GHOST_GROW
+    Py_ssize_t tabsize = 4 * cap; /* at most a quarter full: short probes */
+    int32_t *tab = PyMem_Malloc(sizeof(int32_t) * (size_t)tabsize);
+    if (tab == NULL) return PyErr_NoMemory(), -1;
+    for (Py_ssize_t i = 0; i < tabsize; i++) tab[i] = -1;
+    PyMem_Free(g->tab);
+    g->tab = tab;
+    g->tabsize = tabsize;
+    for (int32_t k = g->head; k >= 0; k = g->next[k]) ghost_tab_insert(g, k);
+    for (Py_ssize_t i = cap - 1; i >= g->cap; i--) {
+        g->key[i] = NULL;
+        g->next[i] = g->free_head;
+        g->free_head = (int32_t)i;
+    }
+    g->cap = cap;
+    return 0;
+}
+
+/* ghosts[d] = None (d's hash h): appended when absent, left in place when there. */
+static int ghost_put(Ghost *g, PyObject *d, Py_hash_t h) {
+    Py_ssize_t pos = ghost_find(g, d, h);
+    if (pos == -2) return -1;
+    if (pos >= 0) return 0;
+    if (g->free_head < 0 && ghost_grow(g) < 0) return -1;
+    int32_t k = g->free_head;
+    g->free_head = g->next[k];
+    Py_INCREF(d);
+    g->key[k] = d;
+    g->hash[k] = h;
+    g->prev[k] = g->tail;
+    g->next[k] = -1;
+    if (g->tail >= 0) g->next[g->tail] = k; else g->head = k;
+    g->tail = k;
+    g->len++;
+    ghost_tab_insert(g, k);
+    return 0;
+}
+
+/* popitem(last=False) */
+static int ghost_pop_front(Ghost *g) {
+    int32_t k = g->head;
+    if (k < 0) return 0;
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)g->hash[k] & mask;
+    while (g->tab[i] != k) i = (i + 1) & mask;
+    ghost_drop(g, (Py_ssize_t)i);
+    return 0;
+}
+
+static PyObject *ghost_list(Ghost *g) {
+    PyObject *out = PyList_New(0);
+    if (out == NULL) return NULL;
+    for (int32_t k = g->head; k >= 0; k = g->next[k])
+        if (PyList_Append(out, g->key[k]) < 0) {
+            Py_DECREF(out);
+            return NULL;
+        }
+    return out;
+}
+
+/* ---- arrays ---- */
+#define PC_GROW(field, type)                                                            \
+    do {                                                                                \
+        type *grown = PyMem_Realloc(self->field, sizeof(type) * (size_t)cap);           \
+        if (grown == NULL) return PyErr_NoMemory(), -1;                                 \
+        memset(grown + self->cap, 0, sizeof(type) * (size_t)(cap - self->cap));        \
+        self->field = grown;                                                            \
+    } while (0)
+
+static int pc_reserve(PolicyCore *self, Py_ssize_t key) {
+    if (key < self->cap) return 0;
+    Py_ssize_t cap = self->cap ? self->cap : 64;
+    while (cap <= key) cap *= 2;
+    if (cap > ORDER_MAX) cap = ORDER_MAX;
+    PC_GROW(n, Node);
+    PC_GROW(heap[0], Slot);
+    PC_GROW(heap[1], Slot);
+    for (Py_ssize_t i = self->cap; i < cap; i++) {
+        self->n[i].hpos = -1;
+        self->n[i].prio = -1;
+    }
+    self->cap = cap;
+    return 0;
+}
+
+/* ---- heaps ---- */
+static inline int slot_less(const Slot *a, const Slot *b) {
+    return a->k1 < b->k1 || (a->k1 == b->k1 && a->seq < b->seq);
+}
+
+#define HEAP_D 4 /* a 4-ary heap: half the levels of a binary one, the four children on adjacent slots */
+
+static void heap_up(PolicyCore *s, int q, Py_ssize_t i) {
+    Slot *h = s->heap[q], x = h[i];
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / HEAP_D;
+        if (!slot_less(&x, &h[up])) break;
+        h[i] = h[up];
+        s->n[h[i].b].hpos = (int32_t)i;
+        i = up;
+    }
+    h[i] = x;
+    s->n[x.b].hpos = (int32_t)i;
+}
+
+static void heap_down(PolicyCore *s, int q, Py_ssize_t i) {
+    Slot *h = s->heap[q], x = h[i];
+    Py_ssize_t n = s->hlen[q];
+    for (;;) {
+        Py_ssize_t first = HEAP_D * i + 1, c = first;
+        if (first >= n) break;
+        Py_ssize_t last = first + HEAP_D < n ? first + HEAP_D : n;
+        for (Py_ssize_t j = first + 1; j < last; j++)
+            if (slot_less(&h[j], &h[c])) c = j;
+        if (!slot_less(&h[c], &x)) break;
+        h[i] = h[c];
+        s->n[h[i].b].hpos = (int32_t)i;
+        i = c;
+    }
+    h[i] = x;
+    s->n[x.b].hpos = (int32_t)i;
+}
+
+static void heap_push(PolicyCore *s, int32_t b) {
+    int q = s->n[b].queue;
+    Py_ssize_t i = s->hlen[q]++;
+    Slot x = {s->n[b].k1, s->n[b].seq, b};
+    s->heap[q][i] = x;
+    heap_up(s, q, i);
+}
+
+static void heap_remove(PolicyCore *s, int32_t b) {
+    int q = s->n[b].queue;
+    Py_ssize_t i = s->n[b].hpos, last = --s->hlen[q];
+    s->n[b].hpos = -1;
+    if (i == last) return;
+    Slot *h = s->heap[q];
+    h[i] = h[last];
+    s->n[h[i].b].hpos = (int32_t)i;
+    if (i > 0 && slot_less(&h[i], &h[(i - 1) / HEAP_D]))
+        heap_up(s, q, i);
+    else
+        heap_down(s, q, i);
+}
+
+/* ---- the tree ---- */
+static inline int32_t pc_parent(const PolicyCore *s, int32_t b) {
+    if (!s->n[b].linked) return -1;
+    int32_t p = s->n[b].parent;
+    return p >= 0 && s->n[p].linked && s->n[p].gen == s->n[b].pgen ? p : -1;
+}
+
+/* _take: the block leaves the retained set (a hit or a victim); its parent may become a leaf. */
+static void pc_take(PolicyCore *s, int32_t b) {
+    if (s->n[b].hpos >= 0) heap_remove(s, b);
+    s->n[b].ret = 0;
+    s->size[s->n[b].queue]--;
+    s->count--;
+    int32_t p = pc_parent(s, b);
+    if (p >= 0) {
+        if (--s->n[p].kids <= 0) {
+            s->n[p].kids = 0;
+            if (s->n[p].ret && s->n[p].hpos < 0) heap_push(s, p);
+        }
+    }
+}
+
+static Py_ssize_t pc_limit(const PolicyCore *s) {
+    Py_ssize_t limit = s->capacity > s->count ? s->capacity : s->count;
+    return limit > 1 ? limit : 1;
+}
+
+static double pc_cost(PolicyCore *s, int32_t depth) {
+    if (depth < s->ncosts && s->costs[depth] == s->costs[depth]) return s->costs[depth];
+    if (depth >= s->ncosts) {
+        Py_ssize_t n = s->ncosts ? s->ncosts : 64;
+        while (n <= depth) n *= 2;
+        double *grown = PyMem_Realloc(s->costs, sizeof(double) * (size_t)n);
+        if (grown == NULL) return PyErr_NoMemory(), -1.0;
+        for (Py_ssize_t i = s->ncosts; i < n; i++) grown[i] = Py_NAN;
+        s->costs = grown;
+        s->ncosts = n;
+    }
+    PyObject *value = PyObject_CallFunction(s->cost_fn, "i", (int)depth);
+    if (value == NULL) return -1.0;
+    double c = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    if (c == -1.0 && PyErr_Occurred()) return -1.0;
+    s->costs[depth] = c;
+    return c;
+}
+
+static int pc_now(PolicyCore *s, double *now) {
+    PyObject *value = PyObject_CallNoArgs(s->clock);
+    if (value == NULL) return -1;
+    *now = PyFloat_AsDouble(value);
+    Py_DECREF(value);
+    return *now == -1.0 && PyErr_Occurred() ? -1 : 0;
+}
+
+static int exp_push(PolicyCore *s, double t, int32_t b) {
+    if (s->nexp == s->capexp) {
+        Py_ssize_t cap = s->capexp ? 2 * s->capexp : 64;
+        Expiry *grown = PyMem_Realloc(s->exp, sizeof(Expiry) * (size_t)cap);
+        if (grown == NULL) return PyErr_NoMemory(), -1;
+        s->exp = grown;
+        s->capexp = cap;
+    }
+    Py_ssize_t i = s->nexp++;
+    Expiry e = {t, b};
+    while (i > 0) {
+        Py_ssize_t up = (i - 1) / 2;
+        Expiry u = s->exp[up];
+        if (u.t < e.t || (u.t == e.t && u.b <= e.b)) break;
+        s->exp[i] = u;
+        i = up;
+    }
+    s->exp[i] = e;
+    return 0;
+}
+
+static Expiry exp_pop(PolicyCore *s) {
+    Expiry top = s->exp[0], e = s->exp[--s->nexp];
+    Py_ssize_t i = 0, n = s->nexp;
+    for (;;) {
+        Py_ssize_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && (s->exp[c + 1].t < s->exp[c].t || (s->exp[c + 1].t == s->exp[c].t && s->exp[c + 1].b < s->exp[c].b)))
+            c++;
+        if (e.t < s->exp[c].t || (e.t == s->exp[c].t && e.b <= s->exp[c].b)) break;
+        s->exp[i] = s->exp[c];
+        i = c;
+    }
+    if (n > 0) s->exp[i] = e;
+    return top;
+}
+
+/* PriorityPolicy._expire: priorities whose time is up fall back to the default level (at its back). The
+ * clock is read only while an expiry is pending. */
+static int pc_expire(PolicyCore *s) {
+    if (s->nexp == 0) return 0;
+    double now;
+    if (pc_now(s, &now) < 0) return -1;
+    while (s->nexp && s->exp[0].t <= now) {
+        int32_t b = exp_pop(s).b;
+        if (!s->n[b].ret || s->n[b].k1 == PC_DEFAULT_PRIORITY) continue;
+        if (!s->n[b].flag || s->n[b].want_exp != s->n[b].want_exp || s->n[b].want_exp > now) continue;
+        if (s->n[b].hpos >= 0) heap_remove(s, b);
+        s->n[b].k1 = PC_DEFAULT_PRIORITY;
+        s->n[b].seq = s->tick++;
+        heap_push(s, b);
+    }
+    return 0;
+}
+
+/* _place: the block's queue and key as it becomes retained; -1 with an exception on failure. */
+static int pc_place(PolicyCore *s, int32_t b) {
+    switch (s->kind) {
+    case K_LFU:
+    case K_GDSF: {
+        int32_t uses = ++s->n[b].uses;
+        double w = 1.0;
+        if (s->kind == K_GDSF) {
+            w = pc_cost(s, s->n[b].linked ? s->n[b].depth : 0);
+            if (w == -1.0 && PyErr_Occurred()) {
+                s->n[b].uses--;
+                return -1;
+            }
+        }
+        double weighted = (double)uses * w;
+        s->n[b].queue = 0;
+        s->n[b].k1 = s->age + weighted;
+        s->n[b].seq = s->tick++;
+        return 0;
+    }
+    case K_ARC: {
+        int32_t uses = ++s->n[b].uses;
+        s->n[b].queue = (uses > 1 || s->n[b].flag) ? 1 : 0;
+        s->n[b].k1 = 0.0;
+        s->n[b].seq = s->tick++;
+        return 0;
+    }
+    case K_S3FIFO: {
+        int f = (s->n[b].flag & 1) ? s->n[b].freq : -1;
+        s->n[b].freq = (int8_t)(f + 1 < PC_MAX_FREQ ? f + 1 : PC_MAX_FREQ);
+        s->n[b].flag |= 1;
+        if (!(s->n[b].flag & 4)) {
+            s->n[b].stamp = s->tick++;
+            s->n[b].flag |= 4;
+        }
+        s->n[b].queue = (s->n[b].flag & 2) ? s->n[b].s3q : PC_SMALL;
+        s->n[b].k1 = 0.0;
+        s->n[b].seq = s->n[b].stamp;
+        return 0;
+    }
+    case K_SGLANG:
+        s->n[b].queue = 0;
+        s->n[b].k1 = s->n[b].prio >= 0 ? s->n[b].prio : PC_DEFAULT_PRIORITY;
+        s->n[b].seq = s->tick++;
+        return 0;
+    default: { /* K_PRIORITY */
+        int level = PC_DEFAULT_PRIORITY;
+        if (s->n[b].flag) {
+            level = s->n[b].prio;
+            double e = s->n[b].want_exp;
+            if (e == e) {
+                double now;
+                if (pc_now(s, &now) < 0) return -1;
+                if (e <= now)
+                    level = PC_DEFAULT_PRIORITY;
+                else if (exp_push(s, e, b) < 0)
+                    return -1;
+            }
+        }
+        s->n[b].queue = 0;
+        s->n[b].k1 = level;
+        s->n[b].seq = s->tick++;
+        return 0;
+    }
+    }
+}
+
+static int pc_add(PolicyCore *s, int32_t b) {
+    if (s->n[b].ret) {
+        PyErr_Format(s->error, "block %d is retained already", (int)b);
+        return -1;
+    }
+    if (pc_place(s, b) < 0) return -1;
+    s->n[b].ret = 1;
+    s->size[s->n[b].queue]++;
+    s->count++;
+    int32_t p = pc_parent(s, b);
+    if (p >= 0 && s->n[p].kids++ == 0 && s->n[p].hpos >= 0) heap_remove(s, p); /* no longer a leaf */
+    if (s->n[b].kids <= 0) heap_push(s, b);
+    return 0;
+}
+
+static void pc_requeue(PolicyCore *s, int32_t b, int q, int64_t key) {
+    if (s->n[b].hpos >= 0) heap_remove(s, b);
+    s->size[s->n[b].queue]--;
+    s->n[b].queue = (uint8_t)q;
+    s->n[b].k1 = 0.0;
+    s->n[b].seq = key;
+    s->size[q]++;
+    heap_push(s, b);
+}
+
+/* _evict_from: the queue's victim (taken), or -1 (none there). */
+static int32_t pc_evict_from(PolicyCore *s, int q) {
+    for (;;) {
+        if (s->hlen[q] == 0) return -1;
+        int32_t b = s->heap[q][0].b;
+        if (s->kind == K_S3FIFO) {
+            int f = (s->n[b].flag & 1) ? s->n[b].freq : 0;
+            if (q == PC_SMALL && f > 0) { /* used again while small: to main's tail */
+                s->n[b].freq = 0;
+                s->n[b].s3q = PC_MAIN;
+                s->n[b].flag |= 2;
+                s->n[b].stamp = s->tick++;
+                pc_requeue(s, b, PC_MAIN, s->n[b].stamp);
+                if (!s->size[PC_SMALL]) return -1;
+                continue;
+            }
+            if (q == PC_MAIN && f > 0) { /* another round */
+                s->n[b].freq = (int8_t)(f - 1);
+                s->n[b].stamp = s->tick++;
+                pc_requeue(s, b, PC_MAIN, s->n[b].stamp);
+                continue;
+            }
+        }
+        if (s->kind == K_LFU || s->kind == K_GDSF) s->entry_key = s->n[b].k1;
+        pc_take(s, b);
+        return b;
+    }
+}
+
+static int pc_order(const PolicyCore *s, int order[2]) {
+    if (s->kind == K_ARC) {
+        Py_ssize_t t1 = s->size[0];
+        int first = t1 && ((double)t1 > s->p || !s->size[1]) ? 0 : 1;
+        order[0] = first;
+        order[1] = 1 - first;
+        return 2;
+    }
+    if (s->kind == K_S3FIFO) {
+        Py_ssize_t small = s->size[PC_SMALL];
+        int first = small && ((double)small >= 0.1 * (double)s->count || !s->size[PC_MAIN]) ? PC_SMALL : PC_MAIN;
+        order[0] = first;
+        order[1] = 1 - first;
+        return 2;
+    }
+    order[0] = 0;
+    return 1;
+}
+
+static int pc_on_evict(PolicyCore *s, int32_t b) {
+    Ghost *g = NULL;
+    if (s->kind == K_LFU || s->kind == K_GDSF) {
+        if (s->entry_key > s->age) s->age = s->entry_key;
+        return 0;
+    }
+    if (s->kind == K_ARC)
+        g = &s->ghost[(s->n[b].uses > 1 || s->n[b].flag) ? 1 : 0];
+    else if (s->kind == K_S3FIFO && (s->n[b].flag & 2) && s->n[b].s3q == PC_SMALL)
+        g = &s->ghost[0];
+    if (g == NULL || !s->n[b].linked) return 0;
+    if (ghost_put(g, s->n[b].digest, s->n[b].dhash) < 0) return -1;
+    if (g->len > pc_limit(s)) return ghost_pop_front(g);
+    return 0;
+}
+
+/* pop_victims(n) into a new list; NULL with an exception set. */
+static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n) {
+    if (s->kind == K_PRIORITY) {
+        if (pc_expire(s) < 0) return NULL;
+        Py_ssize_t take = n < s->count ? n : s->count;
+        PyObject *out = PyList_New(take > 0 ? take : 0);
+        if (out == NULL) return NULL;
+        for (Py_ssize_t i = 0; i < take; i++) {
+            int32_t b = s->heap[0][0].b;
+            pc_take(s, b);
+            PyList_SET_ITEM(out, i, PyLong_FromLong(b));
+        }
+        if (take < n) {
+            Py_DECREF(out);
+            PyErr_SetString(s->error, "fewer retained blocks than requested victims");
+            return NULL;
+        }
+        return out;
+    }
+    if (n > s->count) {
+        PyErr_SetString(s->error, "fewer retained blocks than requested victims");
+        return NULL;
+    }
+    PyObject *out = PyList_New(n > 0 ? n : 0);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int order[2], nq = pc_order(s, order);
+        int32_t b = -1;
+        for (int j = 0; j < nq && b < 0; j++) b = pc_evict_from(s, order[j]);
+        if (b < 0) {
+            Py_DECREF(out);
+            PyErr_SetString(s->error, "no evictable leaf among the retained blocks");
+            return NULL;
+        }
+        PyObject *num = PyLong_FromLong(b);
+        if (num == NULL || pc_on_evict(s, b) < 0) {
+            Py_XDECREF(num);
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, i, num);
+    }
+    return out;
+}
+
+static void pc_forget(PolicyCore *s, int32_t b) {
+    if (b >= s->cap) return;
+    if (s->kind == K_PRIORITY) {
+        if (s->n[b].flag) {
+            s->n[b].flag = 0;
+            s->nwant--;
+        }
+        return;
+    }
+    if (!s->n[b].linked) return;
+    s->n[b].linked = 0;
+    Py_CLEAR(s->n[b].digest);
+    s->n[b].kids = 0;
+    switch (s->kind) {
+    case K_LFU:
+    case K_GDSF:
+        s->n[b].uses = 0;
+        break;
+    case K_ARC:
+        s->n[b].uses = 0;
+        s->n[b].flag = 0;
+        break;
+    case K_S3FIFO:
+        s->n[b].flag = 0;
+        break;
+    case K_SGLANG:
+        s->n[b].prio = -1;
+        break;
+    }
+}
+
+static int pc_link(PolicyCore *s, int32_t b, PyObject *digest, PyObject *parent, int32_t depth) {
+    int32_t up = -1;
+    if (parent != Py_None) {
+        Py_ssize_t p = order_key(parent);
+        if (p >= 0 && p != b && p < s->cap && s->n[p].linked) up = (int32_t)p;
+    }
+    Py_INCREF(digest);
+    Py_XSETREF(s->n[b].digest, digest);
+    s->n[b].gen = s->gens++;
+    s->n[b].parent = up;
+    s->n[b].pgen = up >= 0 ? s->n[up].gen : 0;
+    s->n[b].depth = depth;
+    s->n[b].linked = 1;
+    if (s->kind == K_ARC) {
+        Ghost *b1 = &s->ghost[0], *b2 = &s->ghost[1];
+        Py_hash_t h = s->n[b].dhash = PyObject_Hash(digest);
+        if (h == -1) return -1;
+        double step = b1->len ? (double)b2->len / (double)b1->len : 0.0, limit = (double)pc_limit(s);
+        int in1 = ghost_take(b1, digest, h); /* found: deleted (the step above was read before) */
+        if (in1 < 0) return -1;
+        if (in1) {
+            double grown = s->p + (1.0 >= step ? 1.0 : step);
+            s->p = limit <= grown ? limit : grown;
+            s->n[b].flag = 1;
+            return 0;
+        }
+        step = b2->len ? (double)b1->len / (double)b2->len : 0.0;
+        int in2 = ghost_take(b2, digest, h);
+        if (in2 < 0) return -1;
+        if (in2) {
+            double shrunk = s->p - (1.0 >= step ? 1.0 : step);
+            s->p = 0.0 >= shrunk ? 0.0 : shrunk;
+            s->n[b].flag = 1;
+        }
+    } else if (s->kind == K_S3FIFO) {
+        Py_hash_t h = s->n[b].dhash = PyObject_Hash(digest);
+        if (h == -1) return -1;
+        int in = ghost_take(&s->ghost[0], digest, h);
+        if (in < 0) return -1;
+        s->n[b].s3q = in ? PC_MAIN : PC_SMALL;
+        s->n[b].freq = -1;
+        s->n[b].stamp = s->tick++;
+        s->n[b].flag = 1 | 2 | 4;
+    }
+    return 0;
+}
+
+/* ---- the Python type ---- */
+
+/* A block id argument; -1 with TypeError set for anything else (the policies take block ids only). */
+static Py_ssize_t pc_key(PolicyCore *self, PyObject *o) {
+    Py_ssize_t k = order_key(o);
+    if (k < 0) {
+        PyErr_Format(PyExc_TypeError, "eviction policies take block ids (ints in 0..%d), got %R", ORDER_MAX - 1, o);
+        return -1;
+    }
+    if (pc_reserve(self, k) < 0) return -1;
+    return k;
+}
+
+static PyObject *pc_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    int kind;
+    PyObject *error, *clock = Py_None, *cost_fn = Py_None;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "PolicyCore() takes positional arguments only");
+        return NULL;
+    }
+    if (!PyArg_ParseTuple(args, "iO|OO:PolicyCore", &kind, &error, &clock, &cost_fn)) return NULL;
+    if (kind < 0 || kind >= K_COUNT || !PyExceptionClass_Check(error)) {
+        PyErr_SetString(PyExc_ValueError, "PolicyCore(kind, error class[, clock, cost_fn])");
+        return NULL;
+    }
+    PolicyCore *self = (PolicyCore *)type->tp_alloc(type, 0); /* zero-filled */
+    if (self == NULL) return NULL;
+    self->kind = kind;
+    self->queues = (kind == K_ARC || kind == K_S3FIFO) ? 2 : 1;
+    self->gens = 1;
+    self->error = Py_NewRef(error);
+    self->clock = Py_NewRef(clock);
+    self->cost_fn = Py_NewRef(cost_fn);
+    if (ghost_init(&self->ghost[0]) < 0 || ghost_init(&self->ghost[1]) < 0) {
+        Py_DECREF(self);
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void pc_free_arrays(PolicyCore *self) {
+    for (Py_ssize_t i = 0; i < self->cap; i++) Py_CLEAR(self->n[i].digest);
+    void *arrays[] = {self->n, self->heap[0], self->heap[1], self->costs, self->exp};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_Free(arrays[i]);
+}
+
+static void pc_dealloc(PolicyCore *self) {
+    pc_free_arrays(self);
+    ghost_dealloc(&self->ghost[0]);
+    ghost_dealloc(&self->ghost[1]);
+    Py_XDECREF(self->error);
+    Py_XDECREF(self->clock);
+    Py_XDECREF(self->cost_fn);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *pcm_add(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = pc_key(self, key);
+    if (b < 0 || pc_add(self, (int32_t)b) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* add_many(blocks): add each in order (stops at the first refused, as the Python loop does). */
+static PyObject *pcm_add_many(PolicyCore *self, PyObject *blocks) {
+    PyObject *seq = PySequence_Fast(blocks, "add_many takes a sequence of block ids");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject *const *items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t b = pc_key(self, items[i]);
+        if (b < 0 || pc_add(self, (int32_t)b) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+static int pc_remove(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    if (b < 0 || b >= self->cap || !self->n[b].ret) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return -1;
+    }
+    pc_take(self, (int32_t)b);
+    return 0;
+}
+
+static PyObject *pcm_remove(PolicyCore *self, PyObject *key) {
+    if (pc_remove(self, key) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *pcm_pop_victims(PolicyCore *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    return pc_pop(self, n);
+}
+
+/* take_victims(n): pop_victims(n), each victim also forgotten (the pool's eviction when nobody else
+ * needs to see the victims before they lose their identity). */
+static PyObject *pcm_take_victims(PolicyCore *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    PyObject *out = pc_pop(self, n);
+    if (out == NULL) return NULL;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); i++) pc_forget(self, (int32_t)PyLong_AsLong(PyList_GET_ITEM(out, i)));
+    return out;
+}
+
+static PyObject *pcm_forget(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    if (b >= 0) pc_forget(self, (int32_t)b);
+    Py_RETURN_NONE;
+}
+
+/* link(block, digest, parent, depth) */
+static PyObject *pcm_link(PolicyCore *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 4) {
+        PyErr_SetString(PyExc_TypeError, "link takes (block, digest, parent, depth)");
+        return NULL;
+    }
+    Py_ssize_t b = pc_key(self, args[0]);
+    if (b < 0) return NULL;
+    if (args[2] != Py_None) {
+        Py_ssize_t p = order_key(args[2]);
+        if (p >= 0 && pc_reserve(self, p) < 0) return NULL;
+    }
+    long depth = PyLong_AsLong(args[3]);
+    if (depth == -1 && PyErr_Occurred()) return NULL;
+    if (depth < 0 || depth > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "depth must be >= 0");
+        return NULL;
+    }
+    if (pc_link(self, (int32_t)b, args[1], args[2], (int32_t)depth) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* set_want(block, priority, expires_at | None): PriorityPolicy's remembered priority; SGLang's keeps the
+ * highest given (the Python side checked the value). */
+static PyObject *pcm_set_want(PolicyCore *self, PyObject *args) {
+    PyObject *key, *expires;
+    int priority;
+    if (!PyArg_ParseTuple(args, "OiO:set_want", &key, &priority, &expires)) return NULL;
+    Py_ssize_t b = pc_key(self, key);
+    if (b < 0) return NULL;
+    if (self->kind == K_SGLANG) {
+        if (priority > self->n[b].prio) self->n[b].prio = (int16_t)priority;
+        Py_RETURN_NONE;
+    }
+    double e = Py_NAN;
+    if (expires != Py_None) {
+        e = PyFloat_AsDouble(expires);
+        if (e == -1.0 && PyErr_Occurred()) return NULL;
+    }
+    if (!self->n[b].flag) self->nwant++;
+    self->n[b].flag = 1;
+    self->n[b].prio = (int16_t)priority;
+    self->n[b].want_exp = e;
+    Py_RETURN_NONE;
+}
+
+/* The retained blocks as (rank, k1, seq, block) rows, sorted: blocks() (every one) or peek() (leaves only). */
+typedef struct {
+    int rank;
+    double k1;
+    int64_t seq;
+    int32_t b;
+} Row;
+
+static int row_cmp(const void *x, const void *y) {
+    const Row *a = x, *b = y;
+    if (a->rank != b->rank) return a->rank < b->rank ? -1 : 1;
+    if (a->k1 != b->k1) return a->k1 < b->k1 ? -1 : 1;
+    return a->seq < b->seq ? -1 : a->seq > b->seq;
+}
+
+static PyObject *pc_sorted(PolicyCore *self, int leaves, Py_ssize_t limit) {
+    if (self->kind == K_PRIORITY && pc_expire(self) < 0) return NULL;
+    int order[2] = {0, 1}, rank[2] = {0, 1};
+    int nq = pc_order(self, order);
+    for (int j = 0; j < nq; j++) rank[order[j]] = j;
+    Row *rows = PyMem_Malloc(sizeof(Row) * (size_t)(self->count > 0 ? self->count : 1));
+    if (rows == NULL) return PyErr_NoMemory();
+    Py_ssize_t n = 0;
+    for (Py_ssize_t b = 0; b < self->cap; b++) {
+        if (!self->n[b].ret || (leaves && self->n[b].kids > 0)) continue;
+        Row r = {rank[self->n[b].queue], self->n[b].k1, self->n[b].seq, (int32_t)b};
+        rows[n++] = r;
+    }
+    qsort(rows, (size_t)n, sizeof(Row), row_cmp);
+    if (limit >= 0 && limit < n) n = limit;
+    PyObject *out = PyList_New(n);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        PyObject *num = PyLong_FromLong(rows[i].b);
+        if (num == NULL) Py_CLEAR(out); else PyList_SET_ITEM(out, i, num);
+    }
+    PyMem_Free(rows);
+    return out;
+}
+
+static PyObject *pcm_blocks(PolicyCore *self, PyObject *Py_UNUSED(ignored)) { return pc_sorted(self, 0, -1); }
+
+static PyObject *pcm_peek(PolicyCore *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    return pc_sorted(self, self->kind != K_PRIORITY, n > 0 ? n : 0);
+}
+
+static PyObject *pcm_clear(PolicyCore *self, PyObject *Py_UNUSED(ignored)) {
+    for (Py_ssize_t b = 0; b < self->cap; b++) {
+        Py_CLEAR(self->n[b].digest);
+        self->n[b].ret = self->n[b].linked = 0;
+        self->n[b].hpos = -1;
+        self->n[b].kids = 0;
+        self->n[b].uses = 0; /* every kind forgets its per-block facts */
+        self->n[b].flag = 0;
+        self->n[b].prio = -1;
+    }
+    self->hlen[0] = self->hlen[1] = self->size[0] = self->size[1] = self->count = 0;
+    self->nwant = self->nexp = 0;
+    self->age = 0.0;
+    self->p = 0.0;
+    ghost_clear(&self->ghost[0]);
+    ghost_clear(&self->ghost[1]);
+    Py_RETURN_NONE;
+}
+
+/* configure(num_blocks): the pool's size (the ghost lists' bound). */
+static PyObject *pcm_configure(PolicyCore *self, PyObject *arg) {
+    Py_ssize_t n = PyLong_AsSsize_t(arg);
+    if (n == -1 && PyErr_Occurred()) return NULL;
+    self->capacity = n;
+    Py_RETURN_NONE;
+}
+
+/* reset_costs(cost_fn): the block cost by depth changed; cost_fn(depth) -> float is asked again. */
+static PyObject *pcm_reset_costs(PolicyCore *self, PyObject *fn) {
+    Py_INCREF(fn);
+    Py_XSETREF(self->cost_fn, fn);
+    for (Py_ssize_t i = 0; i < self->ncosts; i++) self->costs[i] = Py_NAN;
+    Py_RETURN_NONE;
+}
+
+static PyObject *pcm_depth(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    return PyLong_FromLong(b >= 0 && b < self->cap && self->n[b].linked ? self->n[b].depth : 0);
+}
+
+static PyObject *pcm_digest(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    return Py_NewRef(b >= 0 && b < self->cap && self->n[b].linked ? self->n[b].digest : Py_None);
+}
+
+static PyObject *pcm_parent(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    int32_t p = b >= 0 && b < self->cap ? pc_parent(self, (int32_t)b) : -1;
+    if (p < 0) Py_RETURN_NONE;
+    return PyLong_FromLong(p);
+}
+
+/* level(block) -> int | None: the priority policy's level of a retained block. */
+static PyObject *pcm_level(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    if (b < 0 || b >= self->cap || !self->n[b].ret) Py_RETURN_NONE;
+    return PyLong_FromLong((long)self->n[b].k1);
+}
+
+/* state() -> dict: the scalars and ghost lists (for tests and reports). */
+static PyObject *pcm_state(PolicyCore *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *g0 = ghost_list(&self->ghost[0]), *g1 = ghost_list(&self->ghost[1]);
+    if (g0 == NULL || g1 == NULL) {
+        Py_XDECREF(g0);
+        Py_XDECREF(g1);
+        return NULL;
+    }
+    return Py_BuildValue("{s:d,s:d,s:N,s:N,s:n,s:n,s:n}", "age", self->age, "p", self->p, "ghost0", g0, "ghost1", g1,
+                         "size0", self->size[0], "size1", self->size[1], "wants", self->nwant + self->nexp);
+}
+
+static Py_ssize_t pc_len(PolicyCore *self) { return self->count; }
+
+static int pc_contains(PolicyCore *self, PyObject *key) {
+    Py_ssize_t b = order_key(key);
+    return b >= 0 && b < self->cap && self->n[b].ret;
+}
+
+static PyMethodDef pc_methods[] = {
+    {"add", (PyCFunction)pcm_add, METH_O, "A block becomes retained."},
+    {"add_many", (PyCFunction)pcm_add_many, METH_O, "Blocks become retained, in order."},
+    {"remove", (PyCFunction)pcm_remove, METH_O, "A request took the block back (KeyError if not retained)."},
+    {"pop_victims", (PyCFunction)pcm_pop_victims, METH_O, "Take the next n victims."},
+    {"take_victims", (PyCFunction)pcm_take_victims, METH_O, "Take the next n victims and forget them."},
+    {"forget", (PyCFunction)pcm_forget, METH_O, "The block lost its identity."},
+    {"link", (PyCFunction)(void (*)(void))pcm_link, METH_FASTCALL, "The block holds an identity under a parent."},
+    {"set_want", (PyCFunction)pcm_set_want, METH_VARARGS, "A request's priority for the block."},
+    {"blocks", (PyCFunction)pcm_blocks, METH_NOARGS, "Every retained block, in eviction order."},
+    {"peek", (PyCFunction)pcm_peek, METH_O, "The next n likely victims."},
+    {"clear", (PyCFunction)pcm_clear, METH_NOARGS, "Forget everything."},
+    {"configure", (PyCFunction)pcm_configure, METH_O, "The pool's size."},
+    {"reset_costs", (PyCFunction)pcm_reset_costs, METH_O, "A new block cost by depth."},
+    {"depth", (PyCFunction)pcm_depth, METH_O, "A linked block's depth (0 otherwise)."},
+    {"digest", (PyCFunction)pcm_digest, METH_O, "A linked block's digest (None otherwise)."},
+    {"parent", (PyCFunction)pcm_parent, METH_O, "A linked block's parent, if it still holds its identity."},
+    {"level", (PyCFunction)pcm_level, METH_O, "A retained block's priority level."},
+    {"state", (PyCFunction)pcm_state, METH_NOARGS, "Scalars and ghost lists."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PySequenceMethods pc_as_sequence = {
+    .sq_length = (lenfunc)pc_len,
+    .sq_contains = (objobjproc)pc_contains,
+};
+
+static PyTypeObject PolicyCoreType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvledger.core._native.PolicyCore",
+    .tp_basicsize = sizeof(PolicyCore),
+    .tp_dealloc = (destructor)pc_dealloc,
+    .tp_as_sequence = &pc_as_sequence,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "The heap-ordered eviction policies' bookkeeping (kvledger.core.eviction_tree).",
+    .tp_methods = pc_methods,
+    .tp_new = pc_new,
+};
+
+/* register_linked(index, digest, group, blocks, digests, start, trust_group, core) -> True | None:
+ * register_many, telling a native tree policy each new identity's parent (the block indexed under the
+ * previous digest) and depth. */
+static PyObject *native_register_linked(PyObject *Py_UNUSED(self), PyObject *args) {
+    PyObject *index, *digest, *group, *blocks, *digests, *trust, *core_obj;
+    Py_ssize_t start;
+    if (!PyArg_ParseTuple(args, "OOOOOnOO:register_linked", &index, &digest, &group, &blocks, &digests, &start, &trust,
+                          &core_obj))
+        return NULL;
+    if (!PyDict_CheckExact(index) || !PyList_CheckExact(digest) || !PyList_CheckExact(group) ||
+        PyList_GET_SIZE(group) != PyList_GET_SIZE(digest) || !PyList_CheckExact(blocks) ||
+        !PyList_CheckExact(digests) || start < 0 || PyList_GET_SIZE(blocks) < PyList_GET_SIZE(digests) ||
+        !Py_IS_TYPE(core_obj, &PolicyCoreType))
+        Py_RETURN_NONE;
+    PolicyCore *core = (PolicyCore *)core_obj;
+    Py_ssize_t n = PyList_GET_SIZE(digest), stop = PyList_GET_SIZE(digests);
+    for (Py_ssize_t i = start; i < stop; i++)
+        if (block_id(PyList_GET_ITEM(blocks, i), n) < 0 || !PyBytes_CheckExact(PyList_GET_ITEM(digests, i)))
+            Py_RETURN_NONE;
+    if (n > 0 && pc_reserve(core, n - 1) < 0) return NULL;
+    int prev_new = 0; /* digests[i - 1] was indexed by this call: its block is blocks[i - 1] */
+    for (Py_ssize_t i = start; i < stop; i++) {
+        PyObject *d = PyList_GET_ITEM(digests, i), *block = PyList_GET_ITEM(blocks, i);
+        int has = PyDict_Contains(index, d);
+        if (has < 0) return NULL;
+        if (has) {
+            prev_new = 0;
+            continue;
+        }
+        Py_ssize_t b = block_id(block, n);
+        if (PyDict_SetItem(index, d, block) < 0 || set_list_item(digest, b, d) < 0 || set_list_item(group, b, trust) < 0)
+            return NULL;
+        PyObject *parent = Py_None;
+        if (prev_new) {
+            parent = PyList_GET_ITEM(blocks, i - 1);
+        } else if (i > 0) {
+            parent = PyDict_GetItemWithError(index, PyList_GET_ITEM(digests, i - 1)); /* borrowed */
+            if (parent == NULL) {
+                if (PyErr_Occurred()) return NULL;
+                parent = Py_None;
+            } else if (order_key(parent) >= core->cap) {
+                parent = Py_None; /* never linked: the same as unknown */
+            }
+        }
+        if (pc_link(core, (int32_t)b, d, parent, (int32_t)i) < 0) return NULL;
+        prev_new = 1;
+    }
+    Py_RETURN_TRUE;
+}
+
 /* share_blocks(ref, leased, order, blocks) -> int | None: BlockPool.share for each block in order,
- * with the LRU order held by a BlockOrder: ref += 1; a block at ref 0 leaves the order (idle cache
- * taken again) unless it is leased (a deferred release picked up again: the returned count of those
+ * with the retained order held by a BlockOrder (LRU) or a PolicyCore (the heap policies): ref += 1; a
+ * block at ref 0 leaves the order (idle cache taken again) unless it is leased (a deferred release picked up again: the returned count of those
  * is subtracted from the pool's deferred count). None, changing nothing, for any other input --
  * including a block at ref 0 that the order does not hold, so that Python raises as it would. */
 static PyObject *native_share_blocks(PyObject *Py_UNUSED(self), PyObject *args) {
     PyObject *ref, *leased, *order_obj, *blocks;
     if (!PyArg_ParseTuple(args, "OOOO:share_blocks", &ref, &leased, &order_obj, &blocks)) return NULL;
-    if (!PyList_CheckExact(ref) || !PyList_CheckExact(leased) || !Py_IS_TYPE(order_obj, &BlockOrderType) ||
+    int tree = Py_IS_TYPE(order_obj, &PolicyCoreType);
+    if (!PyList_CheckExact(ref) || !PyList_CheckExact(leased) || (!tree && !Py_IS_TYPE(order_obj, &BlockOrderType)) ||
         PyList_GET_SIZE(leased) != PyList_GET_SIZE(ref))
         Py_RETURN_NONE;
-    BlockOrder *order = (BlockOrder *)order_obj;
+    BlockOrder *order = tree ? NULL : (BlockOrder *)order_obj;
+    PolicyCore *core = tree ? (PolicyCore *)order_obj : NULL;
     Py_ssize_t n = PyList_GET_SIZE(ref), count = 0;
     Py_ssize_t *ids = block_ids(blocks, n, &count);
     if (ids == NULL) {
@@ -1007,7 +2110,8 @@ static PyObject *native_share_blocks(PyObject *Py_UNUSED(self), PyObject *args) 
         Py_ssize_t b = ids[i];
         if (small_int(PyList_GET_ITEM(ref, b), &r) < 0 || small_int(PyList_GET_ITEM(leased, b), &l) < 0 ||
             r < 0 || r > LONG_MAX / 2 ||
-            (!seen[b] && r == 0 && l == 0 && (b >= order->cap || !order->member[b]))) {
+            (!seen[b] && r == 0 && l == 0 &&
+             (tree ? (b >= core->cap || !core->n[b].ret) : (b >= order->cap || !order->member[b])))) {
             PyMem_Free(seen);
             PyMem_Free(ids);
             Py_RETURN_NONE;
@@ -1021,7 +2125,9 @@ static PyObject *native_share_blocks(PyObject *Py_UNUSED(self), PyObject *args) 
         small_int(PyList_GET_ITEM(ref, b), &r);
         if (r == 0) {
             small_int(PyList_GET_ITEM(leased, b), &l);
-            if (l == 0)
+            if (l == 0 && tree)
+                pc_take(core, (int32_t)b);
+            else if (l == 0)
                 order_unlink(order, b);
             else
                 picked_up++;
@@ -1049,6 +2155,7 @@ static PyMethodDef native_methods[] = {
     {"register_many", native_register_many, METH_VARARGS, "Index new full blocks under their digests."},
     {"prefix_hits", native_prefix_hits, METH_VARARGS, "Admission's prefix lookup: hits, idle, pending, ready."},
     {"share_blocks", native_share_blocks, METH_VARARGS, "BlockPool.share for each block, the LRU order in a BlockOrder."},
+    {"register_linked", native_register_linked, METH_VARARGS, "register_many, telling a native tree policy each identity's parent and depth."},
     {"decode_fast", native_decode_fast, METH_VARARGS, "KVLedger.decode_step's common case: tokens inside a private tail block."},
     {NULL, NULL, 0, NULL},
 };
@@ -1060,7 +2167,7 @@ static struct PyModuleDef native_module = {
 };
 
 PyMODINIT_FUNC PyInit__native(void) {
-    if (PyType_Ready(&BlockOrderType) < 0) return NULL;
+    if (PyType_Ready(&BlockOrderType) < 0 || PyType_Ready(&PolicyCoreType) < 0) return NULL;
     if ((name_tokens = PyUnicode_InternFromString("tokens")) == NULL ||
         (name_num_prompt = PyUnicode_InternFromString("num_prompt")) == NULL ||
         (name_limit = PyUnicode_InternFromString("limit")) == NULL ||
@@ -1074,6 +2181,12 @@ PyMODINIT_FUNC PyInit__native(void) {
     Py_INCREF(&BlockOrderType);
     if (PyModule_AddObject(m, "BlockOrder", (PyObject *)&BlockOrderType) < 0) {
         Py_DECREF(&BlockOrderType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&PolicyCoreType);
+    if (PyModule_AddObject(m, "PolicyCore", (PyObject *)&PolicyCoreType) < 0) {
+        Py_DECREF(&PolicyCoreType);
         Py_DECREF(m);
         return NULL;
     }

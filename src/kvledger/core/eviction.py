@@ -137,10 +137,15 @@ class PriorityPolicy:
     first, least recently released within it. When a priority expires the block falls back to
     ``DEFAULT_PRIORITY`` (lazily, when the policy next picks victims). The application knows which
     prefixes will come back; recency alone cannot tell a system prompt from a stale answer.
+
+    With the native core loaded, the state lives in its ``PolicyCore`` (one heap ordered by level, then
+    the time the block joined that level: the same order as the buckets here); the code here is the
+    reference and the fallback. The native core reads the clock only while an expiry is pending.
     """
 
     name = "priority"
-    __slots__ = ("_levels", "_level_of", "_want", "_expiry", "_clock", "_count")
+    _native_kind: int | None = 0  # kvledger.core._native's PolicyCore kind (a subclass runs in Python)
+    __slots__ = ("_levels", "_level_of", "_want", "_expiry", "_clock", "_count", "_core")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._levels: dict[int, OrderedDict[int, None]] = {}
@@ -149,10 +154,27 @@ class PriorityPolicy:
         self._expiry: list[tuple[float, int]] = []  # heap of (expires_at, block) for raised levels
         self._clock = clock
         self._count = 0
+        kind = type(self).__dict__.get("_native_kind")
+        fast = native.MODULE
+        self._core: Any = None if fast is None or kind is None else fast.PolicyCore(kind, LedgerError, clock)
+
+    @property
+    def native_core(self) -> Any:
+        """The native ``PolicyCore`` holding this policy's state (the pool calls it directly), or None."""
+        return self._core
+
+    def level(self, block: int) -> int | None:
+        """The level a retained block sits at now (None: not retained)."""
+        if self._core is not None:
+            return self._core.level(block)
+        return self._level_of.get(block)
 
     def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
             raise ConfigError(f"priority must be an integer in 0..{MAX_PRIORITY}, got {priority!r}")
+        if self._core is not None:
+            self._core.set_want(block, priority, expires_at)
+            return
         self._want[block] = (priority, expires_at)
 
     def _level_for(self, block: int) -> int:
@@ -164,6 +186,11 @@ class PriorityPolicy:
         return priority
 
     def add(self, block: int) -> None:
+        if self._core is not None:
+            self._core.add(block)
+            return
+        if block in self._level_of:  # twice would count it twice (and corrupt the count)
+            raise LedgerError(f"block {block} is retained already")
         level = self._level_for(block)
         bucket = self._levels.get(level)
         if bucket is None:
@@ -173,10 +200,16 @@ class PriorityPolicy:
         self._count += 1
 
     def add_many(self, blocks: list[int]) -> None:
+        if self._core is not None:
+            self._core.add_many(blocks)
+            return
         for block in blocks:
             self.add(block)
 
     def remove(self, block: int) -> None:
+        if self._core is not None:
+            self._core.remove(block)
+            return
         level = self._level_of.pop(block)
         del self._levels[level][block]
         self._count -= 1
@@ -197,6 +230,8 @@ class PriorityPolicy:
             self._level_of[block] = DEFAULT_PRIORITY
 
     def pop_victims(self, n: int) -> list[int]:
+        if self._core is not None:
+            return self._core.pop_victims(n)
         self._expire()
         out: list[int] = []
         for level in sorted(self._levels):  # at most 101 levels
@@ -214,6 +249,8 @@ class PriorityPolicy:
 
     def peek(self, n: int) -> list[int]:
         """The next ``n`` victims, first victim first, without taking them."""
+        if self._core is not None:
+            return self._core.peek(n)
         self._expire()
         out: list[int] = []
         for level in sorted(self._levels):
@@ -225,20 +262,27 @@ class PriorityPolicy:
 
     def forget(self, block: int) -> None:
         """The block lost its identity (freed or evicted): its priority belongs to the old content."""
+        if self._core is not None:
+            self._core.forget(block)
+            return
         self._want.pop(block, None)
 
     def __len__(self) -> int:
-        return self._count
+        return self._count if self._core is None else len(self._core)
 
     def __contains__(self, block: int) -> bool:
-        return block in self._level_of
+        return block in self._level_of if self._core is None else block in self._core
 
     def blocks(self) -> list[int]:
+        if self._core is not None:
+            return self._core.blocks()
         self._expire()
         return [b for level in sorted(self._levels) for b in self._levels[level]]
 
 
     def clear(self) -> None:
+        if self._core is not None:
+            self._core.clear()
         self._levels.clear()
         self._level_of.clear()
         self._want.clear()
@@ -247,6 +291,8 @@ class PriorityPolicy:
 
     def is_empty(self) -> bool:
         """Nothing retained and nothing remembered (no priority, no pending expiry)."""
+        if self._core is not None:
+            return not len(self._core) and not self._core.state()["wants"]
         return not (self._count or self._level_of or self._want or self._expiry
                     or any(self._levels.values()))
 

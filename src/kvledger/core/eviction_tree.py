@@ -13,6 +13,12 @@ O(log n) and a victim is O(log n) amortised (stale entries are popped once each;
 when stale entries outnumber live ones). S3-FIFO and ARC move a block between queues at most a bounded
 number of times per use, so they stay O(log n) amortised per evicted block.
 
+When the ledger core's C part is loaded (:mod:`kvledger.core.native`) the same bookkeeping lives in its
+``PolicyCore`` (flat arrays per block id, one indexed heap per queue holding exactly the evictable leaves),
+and the pool calls it directly on its hot paths; the Python code here is the reference and the fallback
+(``KVLEDGER_NATIVE=0``, no compiler), and the tests run both on the same random sequences and require the
+same victims. The C part takes block ids only (ints in 0..2**26), as the pool gives.
+
 What a "use" is here: the policy sees a block when it becomes retained (``add``: a holder released it)
 and when a request takes it back (``remove``). A block shared by running requests is never retained
 between those uses, so the policies count *releases*: a block released twice was used twice.
@@ -20,6 +26,7 @@ between those uses, so the policies count *releases*: a block released twice was
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import time
@@ -28,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigError, LedgerError
+from . import native
 from .eviction import DEFAULT_PRIORITY, EVICTION_POLICIES, MAX_PRIORITY
 
 # Tokens of context at which a block's attention costs what its weights do (Llama-3.1-8B: 2 x 8e9 FLOPs per
@@ -42,13 +50,24 @@ def default_block_cost(depth: int, block_size: int) -> float:
     return block_size * (1.0 + (depth + 0.5) * block_size / ATTENTION_KNEE_TOKENS)
 
 
+def _cost_at_depth(costs: list[float], fn: Callable[[int], float] | None, block_size: int, depth: int) -> float:
+    """The block cost at ``depth``, memoised in ``costs`` in depth order (a cost callable is asked once per
+    depth, in order)."""
+    if depth >= len(costs):
+        for d in range(len(costs), depth + 1):
+            costs.append(fn(d) if fn is not None else default_block_cost(d, block_size))
+    return costs[depth]
+
+
 class TreePolicy:
     """Leaf-only eviction over per-queue heaps; subclasses choose the queue and the key."""
 
     name = ""
     queues = 1
+    # The native core's kind for this exact class (a subclass that overrides the hooks runs in Python).
+    _native_kind: int | None = None
     __slots__ = ("_clock", "_node", "_kids", "_entry", "_heaps", "_size", "_seq", "_gens", "_capacity",
-                 "_block_size", "_cost", "_costs")
+                 "_block_size", "_cost", "_costs", "_core")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -65,6 +84,16 @@ class TreePolicy:
         self._block_size = 16
         self._cost: Callable[[int], float] | None = None
         self._costs: list[float] = []  # block cost by depth, memoised
+        kind = type(self).__dict__.get("_native_kind")
+        fast = native.MODULE
+        # The C part's state when it is loaded: every method below then hands over to it.
+        self._core: Any = None if fast is None or kind is None else fast.PolicyCore(kind, LedgerError, clock,
+                                                                                      self._cost_table())
+
+    @property
+    def native_core(self) -> Any:
+        """The native ``PolicyCore`` holding this policy's state (the pool calls it directly), or None."""
+        return self._core
 
     # ---- what the ledger and the pool tell it --------------------------------------------------
     def configure(self, num_blocks: int, block_size: int) -> None:
@@ -72,6 +101,9 @@ class TreePolicy:
         self._capacity = num_blocks
         self._block_size = block_size
         self._costs = []
+        if self._core is not None:
+            self._core.configure(num_blocks)
+            self._core.reset_costs(self._cost_table())
 
     def set_block_cost(self, cost: Callable[[int], float] | None) -> None:
         """Seconds (or any unit) to recompute the block at a depth; None = the FLOP proxy."""
@@ -79,28 +111,38 @@ class TreePolicy:
             raise ConfigError("block cost must be a callable of the block's depth")
         self._cost = cost
         self._costs = []
+        if self._core is not None:
+            self._core.reset_costs(self._cost_table())
 
     def block_cost(self, block: int) -> float:
-        node = self._node.get(block)
-        depth = 0 if node is None else node[3]
-        costs = self._costs
-        if depth >= len(costs):
-            fn = self._cost
-            for d in range(len(costs), depth + 1):
-                costs.append(fn(d) if fn is not None else default_block_cost(d, self._block_size))
-        return costs[depth]
+        return self._cost_at(self.depth(block))
+
+    def _cost_at(self, depth: int) -> float:
+        return _cost_at_depth(self._costs, self._cost, self._block_size, depth)
+
+    def _cost_table(self) -> Callable[[int], float]:
+        """What the native core asks for a depth's cost: the same memo, without a reference back to the
+        policy (the core holds it; a cycle through a C object would never be collected)."""
+        return functools.partial(_cost_at_depth, self._costs, self._cost, self._block_size)
 
     def depth(self, block: int) -> int:
+        if self._core is not None:
+            return self._core.depth(block)
         node = self._node.get(block)
         return 0 if node is None else node[3]
 
     def digest(self, block: int) -> bytes | None:
+        if self._core is not None:
+            return self._core.digest(block)
         node = self._node.get(block)
         return None if node is None else node[4]
 
     def link(self, block: int, digest: bytes, parent: int | None, depth: int) -> None:
         """``block`` now holds the identity ``digest`` at ``depth`` under ``parent`` (None: a root, or
         unknown)."""
+        if self._core is not None:
+            self._core.link(block, digest, parent, depth)
+            return
         up = None if parent is None or parent == block else self._node.get(parent)
         self._node[block] = (next(self._gens), -1 if up is None else parent, 0 if up is None else up[0],
                              depth, digest)  # type: ignore[assignment]
@@ -108,6 +150,9 @@ class TreePolicy:
 
     def forget(self, block: int) -> None:
         """The block lost its identity (freed or evicted)."""
+        if self._core is not None:
+            self._core.forget(block)
+            return
         if self._node.pop(block, None) is None:
             return
         self._kids.pop(block, None)
@@ -118,6 +163,8 @@ class TreePolicy:
 
     # ---- the retained set ----------------------------------------------------------------------
     def _parent_of(self, block: int) -> int | None:
+        if self._core is not None:
+            return self._core.parent(block)
         node = self._node.get(block)
         if node is None or node[1] < 0:
             return None
@@ -125,6 +172,9 @@ class TreePolicy:
         return node[1] if up is not None and up[0] == node[2] else None
 
     def add(self, block: int) -> None:
+        if self._core is not None:
+            self._core.add(block)
+            return
         entry_of = self._entry
         if block in entry_of:
             raise LedgerError(f"block {block} is retained already")
@@ -143,6 +193,9 @@ class TreePolicy:
             heapq.heappush(self._heaps[queue], entry)
 
     def add_many(self, blocks: list[int]) -> None:
+        if self._core is not None:
+            self._core.add_many(blocks)
+            return
         add = self.add
         for block in blocks:
             add(block)
@@ -169,6 +222,9 @@ class TreePolicy:
 
     def remove(self, block: int) -> None:
         """A request took the block back (a prefix hit)."""
+        if self._core is not None:
+            self._core.remove(block)
+            return
         self._take(block)
         self._on_hit(block)
 
@@ -206,6 +262,8 @@ class TreePolicy:
         return block
 
     def pop_victims(self, n: int) -> list[int]:
+        if self._core is not None:
+            return self._core.pop_victims(n)
         if n > len(self._entry):
             raise LedgerError("fewer retained blocks than requested victims")
         out: list[int] = []
@@ -258,6 +316,8 @@ class TreePolicy:
     # ---- reports -------------------------------------------------------------------------------
     def blocks(self) -> list[int]:
         """Every retained block, in the order the policy would evict them if none moved (O(n log n))."""
+        if self._core is not None:
+            return self._core.blocks()
         order = self._queue_order()
         rank = {q: i for i, q in enumerate(order)}
         entries = sorted(self._entry.values(), key=lambda e: (rank.get(e[3], len(order)), e[0], e[1]))
@@ -265,18 +325,22 @@ class TreePolicy:
 
     def peek(self, n: int) -> list[int]:
         """The next ``n`` likely victims (leaves first), for write-back planning."""
+        if self._core is not None:
+            return self._core.peek(n)
         leaves = [e for e in self._entry.values() if not self._kids.get(e[2])]
         order = self._queue_order()
         rank = {q: i for i, q in enumerate(order)}
         return [e[2] for e in heapq.nsmallest(max(n, 0), leaves, key=lambda e: (rank.get(e[3], 9), e[0], e[1]))]
 
     def __len__(self) -> int:
-        return len(self._entry)
+        return len(self._entry) if self._core is None else len(self._core)
 
     def __contains__(self, block: int) -> bool:
-        return block in self._entry
+        return block in self._entry if self._core is None else block in self._core
 
     def clear(self) -> None:
+        if self._core is not None:
+            self._core.clear()
         self._entry.clear()
         self._heaps = [[] for _ in range(self.queues)]
         self._size = [0] * self.queues
@@ -289,6 +353,7 @@ class LFUPolicy(TreePolicy):
     block evicted, so old counts stop protecting blocks nobody uses any more; LRU among equal keys."""
 
     name = "lfu"
+    _native_kind = 1
     __slots__ = ("_uses", "_age", "_entry_key")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -330,6 +395,7 @@ class GDSFPolicy(LFUPolicy):
     long prompts cost more to recompute, so they stay longer at equal use."""
 
     name = "gdsf"
+    _native_kind = 2
     __slots__ = ()
 
     def _weight(self, block: int) -> float:
@@ -346,6 +412,7 @@ class ARCPolicy(TreePolicy):
 
     name = "arc"
     queues = 2
+    _native_kind = 3
     __slots__ = ("_uses", "_often", "_b1", "_b2", "_p")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -355,6 +422,11 @@ class ARCPolicy(TreePolicy):
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self._p = 0.0
+
+    @property
+    def target_size(self) -> float:
+        """ARC's target size ``p`` of T1 (moved by ghost hits)."""
+        return self._p if self._core is None else self._core.state()["p"]
 
     def _ghost_limit(self) -> int:
         return max(self._capacity, len(self._entry), 1)
@@ -412,6 +484,7 @@ class S3FIFOPolicy(TreePolicy):
 
     name = "s3fifo"
     queues = 2
+    _native_kind = 4
     __slots__ = ("_freq", "_queue", "_stamp", "_ghost")
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -492,6 +565,7 @@ class RadixPriorityPolicy(TreePolicy):
     and only leaves are evicted."""
 
     name = "sglang-priority"
+    _native_kind = 5
     __slots__ = ("_prio",)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
@@ -501,6 +575,9 @@ class RadixPriorityPolicy(TreePolicy):
     def set_priority(self, block: int, priority: int, expires_at: float | None) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
             raise ConfigError(f"priority must be an integer in 0..{MAX_PRIORITY}, got {priority!r}")
+        if self._core is not None:
+            self._core.set_want(block, priority, None)
+            return
         self._prio[block] = max(priority, self._prio.get(block, priority))
 
     def _place(self, block: int) -> tuple[int, Any]:

@@ -240,10 +240,13 @@ class KVLedger:
                 i = len(digests)
                 digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
                 digests.append(digest)
-                if pool.on_event is None and pool._policy_link is None and digest not in pool.index:
+                if pool.on_event is None and digest not in pool.index:
                     pool.index[digest] = blocks[i]  # BlockPool.register, inlined
                     pool.digest[blocks[i]] = digest
                     pool.group[blocks[i]] = group
+                    link = pool._policy_link
+                    if link is not None:  # a tree policy learns the block's parent and depth
+                        link(blocks[i], digest, pool.index.get(digests[i - 1]) if i else None, i)
                 else:
                     pool.register(blocks[i], digest, group, parent=digests[i - 1] if i else None, depth=i)
             if seq.retention:

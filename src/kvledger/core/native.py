@@ -23,7 +23,7 @@ import sys
 from types import ModuleType
 
 NATIVE_ENV = "KVLEDGER_NATIVE"  # "0" = never use the C part
-ABI = 2  # the interface version this Python code expects (NATIVE_ABI in _native.c)
+ABI = 3  # the interface version this Python code expects (NATIVE_ABI in _native.c)
 
 
 def _load() -> tuple[ModuleType | None, str]:

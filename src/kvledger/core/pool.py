@@ -27,7 +27,8 @@ EventHook = Callable[[str, int, bytes, "str | None"], None]
 
 class BlockPool:
     __slots__ = ("num_blocks", "ref", "leased", "digest", "group", "written", "_free", "retained", "index",
-                 "on_event", "on_evict", "deferred", "evictions", "_policy_forget", "_policy_link", "_native")
+                 "on_event", "on_evict", "deferred", "evictions", "_policy_forget", "_policy_link", "_native",
+                 "_core")
 
     def __init__(self, num_blocks: int, policy: EvictionPolicy | None = None) -> None:
         if num_blocks <= 0:
@@ -48,6 +49,13 @@ class BlockPool:
         # Policies that see the prefix tree (core.eviction_tree) are told each identity's parent and depth.
         self._policy_link: Callable[[int, bytes, int | None, int], None] | None = getattr(
             self.retained, "link", None)
+        # A policy whose state lives in the C part (kvledger.core._native.PolicyCore): the pool calls it
+        # directly, with no Python frame per block operation.
+        self._core = getattr(self.retained, "native_core", None)
+        if self._core is not None:
+            self._policy_forget = self._core.forget
+            if self._policy_link is not None:
+                self._policy_link = self._core.link
         self.index: dict[bytes, int] = {}
         self.on_event: EventHook | None = None
         # Told of every block evicted for a new allocation, before it loses its identity (the ledger's tier
@@ -82,9 +90,12 @@ class BlockPool:
             block = self._free.pop()
             self.ref[block] = 1
             return block
-        if self.retained and self.on_event is None and self._policy_forget is None and self.on_evict is None:
-            # The pool is full of cache (an engine's steady state): evict one block, inlined.
-            block = self.retained.pop_victims(1)[0]
+        core = self._core
+        if (self.retained and self.on_event is None and self.on_evict is None
+                and (self._policy_forget is None or core is not None)):
+            # The pool is full of cache (an engine's steady state): evict one block, inlined (a native
+            # policy forgets it as it takes it).
+            block = (self.retained.pop_victims(1) if core is None else core.take_victims(1))[0]
             self.evictions += 1
             del self.index[self.digest[block]]  # type: ignore[arg-type]
             self.digest[block] = None
@@ -108,11 +119,14 @@ class BlockPool:
             if n - take > len(self.retained):
                 free.extend(reversed(blocks))
                 raise OutOfBlocksError("no free or evictable block left in the pool")
-            victims = self.retained.pop_victims(n - take)
+            core = self._core
+            forgotten = core is not None and self.on_evict is None
+            # a native policy forgets its victims as it takes them, unless someone must see them first
+            victims = core.take_victims(n - take) if forgotten else self.retained.pop_victims(n - take)
             self.evictions += len(victims)
             if self.on_evict is not None:
                 self.on_evict(victims)
-            if (fast is not None and self.on_event is None and self._policy_forget is None
+            if (fast is not None and self.on_event is None and (self._policy_forget is None or forgotten)
                     and fast.clear_identity(victims, self.index, self.digest, self.group, self.written) is not None):
                 blocks += victims  # each lost its identity (index entry, digest, group, written) in one C call
             else:
@@ -155,7 +169,7 @@ class BlockPool:
         if fast is not None:
             if fast.add_refs(self.ref, blocks):
                 return  # every block was held already: one more reference each, in C
-            order = getattr(self.retained, "native_order", None)
+            order = self._core if self._core is not None else getattr(self.retained, "native_order", None)
             if order is not None:
                 picked_up = fast.share_blocks(self.ref, self.leased, order, blocks)
                 if picked_up is not None:
@@ -179,6 +193,11 @@ class BlockPool:
                 self.register(blocks[i], digests[i], group, parent=digests[i - 1] if i else None, depth=i)
             return
         link = self._policy_link
+        fast = self._native
+        if (link is not None and self._core is not None and fast is not None
+                and fast.register_linked(self.index, self.digest, self.group, blocks, digests, start, group,
+                                         self._core) is not None):
+            return  # registered and linked in one C call
         if link is not None:  # register, inlined, telling a tree policy each new identity's place
             index, block_digest_of, block_group = self.index, self.digest, self.group
             for i in range(start, len(digests)):
@@ -190,7 +209,6 @@ class BlockPool:
                     block_group[block] = group
                     link(block, d, index.get(digests[i - 1]) if i else None, i)
             return
-        fast = self._native
         if fast is not None and fast.register_many(self.index, self.digest, self.group, blocks, digests, start,
                                                    group) is not None:
             return
@@ -237,8 +255,8 @@ class BlockPool:
                     self._free.append(block)
                 if bad >= 0:
                     raise InvariantError(f"block {blocks[bad]} released more often than it was taken")
-                if keep:
-                    self.retained.add_many(keep)  # in release order: the first released is evicted first
+                if keep:  # in release order: the first released is evicted first
+                    (self.retained if self._core is None else self._core).add_many(keep)
                 return
         ref, digest, written, leased = self.ref, self.digest, self.written, self.leased
         keep = []

@@ -1,0 +1,179 @@
+"""The heap-ordered eviction policies (``priority`` and the prefix-tree ones) keep their state in the C part's
+``PolicyCore`` when it is loaded; the Python classes are the reference. These run both on the same random
+operation sequences -- as the pool drives a policy: identities linked under parents, releases, hits,
+victims, forgotten identities, priorities with expiry, ghost hits -- and require the same answer to every
+call, victims first; then whole ledgers on both cores must evict the same blocks and hit the same prefixes."""
+
+from __future__ import annotations
+
+import random
+from contextlib import contextmanager
+
+import pytest
+
+from kvledger.core import native
+from kvledger.core.eviction import make_policy
+from kvledger.core.identity import CacheContext
+from kvledger.core.ledger import KVLedger, Request
+
+NATIVE = native.MODULE
+pytestmark = pytest.mark.skipif(NATIVE is None, reason=f"the native core is not in use: {native.REASON}")
+HEAP_POLICIES = ["priority", "lfu", "gdsf", "arc", "s3fifo", "sglang-priority"]
+
+
+@contextmanager
+def core(fast: object):
+    saved = native.MODULE
+    native.MODULE = fast  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        native.MODULE = saved
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def pair(name: str) -> tuple[object, object, Clock, Clock]:
+    """The same policy twice: pure Python, then on the C part (each with its own clock)."""
+    clocks = Clock(), Clock()
+    with core(None):
+        ref = make_policy(name, clocks[0])
+    with core(NATIVE):
+        fast = make_policy(name, clocks[1])
+    assert getattr(ref, "native_core", None) is None and fast.native_core is not None
+    return ref, fast, clocks[0], clocks[1]
+
+
+def outcome(call):
+    try:
+        return ("ok", call())
+    except Exception as exc:  # noqa: BLE001 -- the error and its words must match too
+        return (type(exc).__name__, str(exc))
+
+
+def drive(name: str, seed: int, steps: int) -> int:
+    """One random sequence on both; returns how many victims were compared."""
+    rng = random.Random(seed)
+    ref, fast, clock_a, clock_b = pair(name)
+    tree = name != "priority"
+    n_blocks = rng.choice([6, 12, 40])
+    if tree:
+        capacity = rng.choice([4, n_blocks, 64])
+        for p in (ref, fast):
+            p.configure(capacity, 16)
+        if rng.random() < 0.5:
+            cost = (lambda d: 1.0 + (d % 7) * 0.3) if rng.random() < 0.5 else None
+            for p in (ref, fast):
+                p.set_block_cost(cost)
+    retained: set[int] = set()
+    linked: set[int] = set()
+    names = [f"d{i}".encode() for i in range(n_blocks * 2)]  # few names: identities come back (ghost hits)
+    compared = 0
+
+    def both(method: str, *args):
+        a = outcome(lambda: getattr(ref, method)(*args))
+        b = outcome(lambda: getattr(fast, method)(*args))
+        assert a == b, f"{name} seed {seed}: {method}{args} -> python {a}, native {b}"
+        return a
+
+    for _ in range(steps):
+        r = rng.random()
+        block = rng.randrange(n_blocks)
+        if r < 0.22 and tree and block not in retained:  # a new identity (a freed or evicted block reused)
+            both("forget", block)
+            linked.discard(block)
+            parents = [b for b in linked if b != block]
+            parent = rng.choice(parents) if parents and rng.random() < 0.8 else None
+            both("link", block, rng.choice(names), parent, rng.randrange(0, 40))
+            linked.add(block)
+        elif r < 0.5 and block not in retained:
+            both("add_many", [block])
+            retained.add(block)
+        elif r < 0.62 and retained:
+            b = rng.choice(sorted(retained))
+            both("remove", b)
+            retained.discard(b)
+        elif r < 0.78:
+            k = rng.randrange(0, 4) if rng.random() < 0.95 else len(retained) + 1  # sometimes too many
+            got = both("pop_victims", k)
+            if got[0] == "ok":
+                retained.difference_update(got[1])
+                compared += len(got[1])
+                for b in got[1]:  # the pool forgets a victim's identity
+                    both("forget", b)
+                    linked.discard(b)
+            else:
+                retained = set(fast.blocks())
+        elif r < 0.86:
+            expires = None if rng.random() < 0.5 else clock_a.now + rng.choice([0.5, 1.0, 3.0])
+            both("set_priority", block, rng.randrange(0, 101), expires)
+        elif r < 0.9:
+            step = rng.choice([0.5, 1.0, 2.0])
+            clock_a.now += step
+            clock_b.now += step
+        elif r < 0.93 and block not in retained:
+            both("forget", block)
+            linked.discard(block)
+        elif r < 0.95:
+            both("add", rng.choice(sorted(retained)) if retained else block)  # twice: refused alike
+            retained.add(block) if not retained else None
+        else:
+            both("peek", rng.randrange(0, 5))
+        assert len(ref) == len(fast) and ref.blocks() == fast.blocks(), f"{name} seed {seed}"
+        if tree:
+            b = rng.randrange(n_blocks)
+            assert ref.depth(b) == fast.depth(b) and ref.digest(b) == fast.digest(b)
+            assert ref._parent_of(b) == fast._parent_of(b)
+            assert ref.block_cost(b) == fast.block_cost(b)
+    if name == "arc":
+        assert ref.target_size == fast.target_size
+    if name == "priority":
+        assert ref.is_empty() == fast.is_empty()
+    both("clear")
+    assert len(fast) == 0 and fast.blocks() == []
+    return compared
+
+
+@pytest.mark.parametrize("name", HEAP_POLICIES)
+def test_the_c_part_picks_the_same_victims_as_the_python_reference(name: str) -> None:
+    compared = sum(drive(name, seed, 400) for seed in range(40))
+    assert compared > 800
+
+
+def _workload(name: str, fast: object, seed: int) -> tuple:
+    rng = random.Random(seed)
+    with core(fast):
+        ledger = KVLedger(rng.choice([24, 48, 96]), 4, prefix_caching=True, policy=name)
+    ctx = CacheContext(model="m", trust_group="g")
+    heads = [[rng.randrange(999) for _ in range(4 * rng.randrange(1, 6))] for _ in range(6)]
+    running: list[str] = []
+    trace = []
+    for i in range(250):
+        prompt = heads[rng.randrange(6)] + [rng.randrange(999) for _ in range(rng.randrange(0, 20))]
+        decision = ledger.admit(Request(f"r{i}", prompt, 6, ctx))
+        if decision.admitted:
+            ledger.mark_computed(f"r{i}", len(prompt))
+            for t in range(rng.randrange(0, 6)):
+                ledger.append_token(f"r{i}", 7 + t)
+            running.append(f"r{i}")
+        while running and (len(running) > 3 or not decision.admitted or rng.random() < 0.4):
+            ledger.release(running.pop(rng.randrange(len(running))))
+            if not decision.admitted:
+                break
+        trace.append((decision.admitted, decision.blocks_hit, ledger.pool.evictions))
+    ledger.check()
+    return trace, ledger.pool.retained.blocks()
+
+
+@pytest.mark.parametrize("name", HEAP_POLICIES)
+def test_ledgers_on_either_core_evict_and_hit_alike(name: str) -> None:
+    for seed in range(4):
+        ref, got = _workload(name, None, seed), _workload(name, NATIVE, seed)
+        assert got == ref, f"{name} seed {seed}"
+        assert ref[0][-1][2] > 20  # evictions happened

@@ -1001,7 +1001,8 @@ enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_MAX_FREQ 3
 
 typedef struct { /* an ordered set of digests: slots on a linked list, found through an open-addressing table */
-    PyObject **key;
+    PyObject **key;  /* NULL: the slot holds a 64-byte digest's content in inl (no reference to a cold object) */
+    uint8_t *inl;
     Py_hash_t *hash;
     int32_t *prev, *next, *tab; /* tab: slot numbers, -1 empty; linear probing, backward-shift deletion */
     int32_t head, tail, free_head;
@@ -1082,6 +1083,7 @@ static void ghost_clear(Ghost *g) {
 static void ghost_dealloc(Ghost *g) {
     if (g->key != NULL) ghost_clear(g);
     PyMem_Free(g->key);
+    PyMem_Free(g->inl);
     PyMem_Free(g->hash);
     PyMem_Free(g->prev);
     PyMem_Free(g->next);
@@ -1097,6 +1099,14 @@ static inline int ghost_eq(PyObject *a, PyObject *b) {
     return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
+/* Whether slot k holds d: 1, 0, -1 error. */
+static inline int ghost_holds(Ghost *g, int32_t k, PyObject *d) {
+    if (g->key[k] == NULL)
+        return PyBytes_CheckExact(d) && PyBytes_GET_SIZE(d) == DIGEST &&
+               memcmp(g->inl + (size_t)k * DIGEST, PyBytes_AS_STRING(d), DIGEST) == 0;
+    return ghost_eq(g->key[k], d);
+}
+
 /* The table position holding d (hash h), or -1 absent, -2 error. */
 static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
     if (g->tabsize == 0) return -1;
@@ -1105,7 +1115,7 @@ static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
         int32_t k = g->tab[i];
         if (k < 0) return -1;
         if (g->hash[k] == h) {
-            int eq = ghost_eq(g->key[k], d);
+            int eq = ghost_holds(g, k, d);
             if (eq < 0) return -2;
             if (eq) return (Py_ssize_t)i;
         }
@@ -1167,6 +1177,9 @@ static int ghost_grow(Ghost *g) {
         g->field = grown;                                                         \
     } while (0)
     GHOST_GROW(key, PyObject *);
+    uint8_t *inl = PyMem_Realloc(g->inl, (size_t)DIGEST * (size_t)cap);
+    if (inl == NULL) return PyErr_NoMemory(), -1;
+    g->inl = inl;
     GHOST_GROW(hash, Py_hash_t);
     GHOST_GROW(prev, int32_t);
     GHOST_GROW(next, int32_t);
@@ -1196,8 +1209,12 @@ static int ghost_put(Ghost *g, PyObject *d, Py_hash_t h) {
     if (g->free_head < 0 && ghost_grow(g) < 0) return -1;
     int32_t k = g->free_head;
     g->free_head = g->next[k];
-    Py_INCREF(d);
-    g->key[k] = d;
+    if (PyBytes_CheckExact(d) && PyBytes_GET_SIZE(d) == DIGEST) {
+        memcpy(g->inl + (size_t)k * DIGEST, PyBytes_AS_STRING(d), DIGEST);
+        g->key[k] = NULL;
+    } else {
+        g->key[k] = Py_NewRef(d);
+    }
     g->hash[k] = h;
     g->prev[k] = g->tail;
     g->next[k] = -1;
@@ -1221,11 +1238,16 @@ static int ghost_pop_front(Ghost *g) {
 static PyObject *ghost_list(Ghost *g) {
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    for (int32_t k = g->head; k >= 0; k = g->next[k])
-        if (PyList_Append(out, g->key[k]) < 0) {
+    for (int32_t k = g->head; k >= 0; k = g->next[k]) {
+        PyObject *key = g->key[k] != NULL ? Py_NewRef(g->key[k])
+                                          : PyBytes_FromStringAndSize((const char *)g->inl + (size_t)k * DIGEST, DIGEST);
+        if (key == NULL || PyList_Append(out, key) < 0) {
+            Py_XDECREF(key);
             Py_DECREF(out);
             return NULL;
         }
+        Py_DECREF(key);
+    }
     return out;
 }
 

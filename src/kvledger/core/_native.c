@@ -991,7 +991,8 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
  *
  * Keys: LFU/GDSF k1 = L + uses x weight, seq = the entry's tick; ARC and SGLang seq = the tick drawn at
  * placement (ARC k1 = 0, SGLang k1 = the priority); S3-FIFO seq = the block's FIFO stamp; the priority
- * policy k1 = the level, seq = the tick at which the block joined that level. Ghost lists (ARC's B1/B2,
+ * policy k1 = the level, seq = the tick at which the block joined that level, and its order needs no heap:
+ * one FIFO list per level (the Python buckets), O(1) throughout. Ghost lists (ARC's B1/B2,
  * S3-FIFO's ghost) are ordered sets of digests: slots on a linked list, found by hash. */
 
 enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
@@ -999,6 +1000,7 @@ enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_SMALL 0 /* S3-FIFO's queues; ARC's T1 = 0, T2 = 1 */
 #define PC_MAIN 1
 #define PC_MAX_FREQ 3
+#define PC_LEVELS 101 /* PRIO: levels 0..100 */
 
 typedef struct { /* an ordered set of digests: slots on a linked list, found through an open-addressing table */
     PyObject **key;  /* NULL: the slot holds a 64-byte digest's content in inl (no reference to a cold object) */
@@ -1029,6 +1031,7 @@ typedef struct { /* one block's facts, together: an operation on a block touches
     PyObject *digest; /* linked: its identity (a reference) */
     Py_hash_t dhash; /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
     int32_t hpos;    /* position in its queue's heap, -1 none */
+    int32_t lprev, lnext; /* PRIO: its level's FIFO list */
     int32_t parent, depth, kids; /* linked: parent block (-1 none), depth; retained children */
     int32_t uses;    /* LFU, GDSF, ARC: releases counted (0: none) */
     int16_t prio;    /* SGLang: -1 = none given; PRIO: the wanted priority */
@@ -1044,6 +1047,8 @@ typedef struct {
     Py_ssize_t cap;
     Node *n;
     Slot *heap[2];
+    int32_t lhead[PC_LEVELS], ltail[PC_LEVELS]; /* PRIO: one FIFO list per level, as the Python buckets */
+    uint64_t lmask[2];                          /* PRIO: which levels hold blocks */
     Py_ssize_t hlen[2], size[2], count;
     int64_t tick, gens;
     double age, entry_key, p;
@@ -1336,6 +1341,32 @@ static void heap_remove(PolicyCore *s, int32_t b) {
         heap_down(s, q, i);
 }
 
+/* ---- the priority policy's levels: a block joins its level's back, the lowest level's front goes first */
+static void level_append(PolicyCore *s, int32_t b) {
+    int lv = (int)s->n[b].k1;
+    s->n[b].lprev = s->ltail[lv];
+    s->n[b].lnext = -1;
+    if (s->ltail[lv] >= 0) s->n[s->ltail[lv]].lnext = b; else s->lhead[lv] = b;
+    s->ltail[lv] = b;
+    s->lmask[lv >> 6] |= 1ULL << (lv & 63);
+    s->n[b].hpos = 0; /* listed */
+}
+
+static void level_unlink(PolicyCore *s, int32_t b) {
+    int lv = (int)s->n[b].k1;
+    int32_t p = s->n[b].lprev, nx = s->n[b].lnext;
+    if (p >= 0) s->n[p].lnext = nx; else s->lhead[lv] = nx;
+    if (nx >= 0) s->n[nx].lprev = p; else s->ltail[lv] = p;
+    if (s->lhead[lv] < 0) s->lmask[lv >> 6] &= ~(1ULL << (lv & 63));
+    s->n[b].hpos = -1;
+}
+
+static int32_t level_first(const PolicyCore *s) {
+    if (s->lmask[0]) return s->lhead[__builtin_ctzll(s->lmask[0])];
+    if (s->lmask[1]) return s->lhead[64 + __builtin_ctzll(s->lmask[1])];
+    return -1;
+}
+
 /* ---- the tree ---- */
 static inline int32_t pc_parent(const PolicyCore *s, int32_t b) {
     if (!s->n[b].linked) return -1;
@@ -1345,7 +1376,10 @@ static inline int32_t pc_parent(const PolicyCore *s, int32_t b) {
 
 /* _take: the block leaves the retained set (a hit or a victim); its parent may become a leaf. */
 static void pc_take(PolicyCore *s, int32_t b) {
-    if (s->n[b].hpos >= 0) heap_remove(s, b);
+    if (s->kind == K_PRIORITY)
+        level_unlink(s, b);
+    else if (s->n[b].hpos >= 0)
+        heap_remove(s, b);
     s->n[b].ret = 0;
     s->size[s->n[b].queue]--;
     s->count--;
@@ -1438,10 +1472,10 @@ static int pc_expire(PolicyCore *s) {
         int32_t b = exp_pop(s).b;
         if (!s->n[b].ret || s->n[b].k1 == PC_DEFAULT_PRIORITY) continue;
         if (!s->n[b].flag || s->n[b].want_exp != s->n[b].want_exp || s->n[b].want_exp > now) continue;
-        if (s->n[b].hpos >= 0) heap_remove(s, b);
+        level_unlink(s, b);
         s->n[b].k1 = PC_DEFAULT_PRIORITY;
         s->n[b].seq = s->tick++;
-        heap_push(s, b);
+        level_append(s, b);
     }
     return 0;
 }
@@ -1523,6 +1557,10 @@ static int pc_add(PolicyCore *s, int32_t b) {
     s->size[s->n[b].queue]++;
     s->count++;
     int32_t p = pc_parent(s, b);
+    if (s->kind == K_PRIORITY) {
+        level_append(s, b);
+        return 0;
+    }
     if (p >= 0 && s->n[p].kids++ == 0 && s->n[p].hpos >= 0) heap_remove(s, p); /* no longer a leaf */
     if (s->n[b].kids <= 0) heap_push(s, b);
     return 0;
@@ -1610,7 +1648,7 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n) {
         PyObject *out = PyList_New(take > 0 ? take : 0);
         if (out == NULL) return NULL;
         for (Py_ssize_t i = 0; i < take; i++) {
-            int32_t b = s->heap[0][0].b;
+            int32_t b = level_first(s);
             pc_take(s, b);
             PyList_SET_ITEM(out, i, PyLong_FromLong(b));
         }
@@ -1755,6 +1793,7 @@ static PyObject *pc_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->kind = kind;
     self->queues = (kind == K_ARC || kind == K_S3FIFO) ? 2 : 1;
     self->gens = 1;
+    for (int lv = 0; lv < PC_LEVELS; lv++) self->lhead[lv] = self->ltail[lv] = -1;
     self->error = Py_NewRef(error);
     self->clock = Py_NewRef(clock);
     self->cost_fn = Py_NewRef(cost_fn);
@@ -1870,6 +1909,10 @@ static PyObject *pcm_set_want(PolicyCore *self, PyObject *args) {
     PyObject *key, *expires;
     int priority;
     if (!PyArg_ParseTuple(args, "OiO:set_want", &key, &priority, &expires)) return NULL;
+    if (priority < 0 || priority >= PC_LEVELS) {
+        PyErr_SetString(PyExc_ValueError, "priority must be in 0..100");
+        return NULL;
+    }
     Py_ssize_t b = pc_key(self, key);
     if (b < 0) return NULL;
     if (self->kind == K_SGLANG) {
@@ -1946,6 +1989,8 @@ static PyObject *pcm_clear(PolicyCore *self, PyObject *Py_UNUSED(ignored)) {
         self->n[b].prio = -1;
     }
     self->hlen[0] = self->hlen[1] = self->size[0] = self->size[1] = self->count = 0;
+    for (int lv = 0; lv < PC_LEVELS; lv++) self->lhead[lv] = self->ltail[lv] = -1;
+    self->lmask[0] = self->lmask[1] = 0;
     self->nwant = self->nexp = 0;
     self->age = 0.0;
     self->p = 0.0;

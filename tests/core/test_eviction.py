@@ -564,3 +564,18 @@ def test_a_policy_that_is_not_one_gets_one_clear_error() -> None:
     with pytest.raises(ConfigError) as exc:
         as_policy(used)
     assert str(exc.value) == "an eviction policy can serve one pool, from empty; this one already holds blocks"
+
+
+@pytest.mark.parametrize("fast", [None, native.MODULE], ids=["python", "native"])
+def test_the_priority_policy_refuses_a_block_retained_twice(fast: object) -> None:
+    """A block added twice used to be counted twice (len 2, one block listed): the pool's audit then saw a
+    count the policy could never pay back. Now it is refused, as the tree policies refuse it."""
+    saved, native.MODULE = native.MODULE, fast
+    try:
+        policy = PriorityPolicy(clock=lambda: 0.0)
+    finally:
+        native.MODULE = saved
+    policy.add(1)
+    with pytest.raises(LedgerError, match="block 1 is retained already"):
+        policy.add(1)
+    assert len(policy) == 1 and policy.blocks() == [1] and policy.pop_victims(1) == [1]

@@ -283,6 +283,20 @@ def test_the_mirror_holds_what_was_stored_and_not_removed() -> None:
     m.check()
 
 
+def test_a_hash_cached_twice_stays_until_its_last_copy_is_evicted() -> None:
+    """vLLM does not deduplicate: two requests that computed A at once each cache their own blocks (two
+    BlockStored for the same hashes); evicting one copy (one BlockRemoved) leaves the other hittable."""
+    m = VllmCacheMirror()
+    _feed(m, stored(A), stored(A), seq=0)
+    assert m.held() == 3 and m.counts.restored == 3
+    _feed(m, removed(A), seq=1)  # one physical copy of A's last block evicted
+    assert m.held() == 3 and m.would_hit(A + [1], hasher=HASHER).blocks == 3
+    _feed(m, removed(A), seq=2)  # and the other
+    assert m.held() == 2 and m.would_hit(A + [1], hasher=HASHER).blocks == 2
+    assert (m.counts.removed, m.counts.removed_copy) == (1, 1)
+    m.check()
+
+
 def test_check_catches_a_block_that_was_not_stored() -> None:
     m = VllmCacheMirror()
     _feed(m, stored(A))

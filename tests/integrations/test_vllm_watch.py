@@ -104,7 +104,8 @@ def removed(tokens: list[int]) -> _BlockRemoved:
 
 class FakeVllm:
     """vLLM's ZmqEventPublisher, as a subscriber sees it: (topic, 8-byte big-endian seq, msgpack payload);
-    a replay socket that answers (b"", start seq) with every buffered (seq, payload) then (-1, b"")."""
+    a replay socket that answers (b"", start seq) with every buffered (topic, seq, payload) then
+    (b"", -1, b""), as vLLM 0.32's ``_service_replay`` does."""
 
     def __init__(self, replay: bool = False, topic: str = "kv") -> None:
         self.ctx = zmq.Context()
@@ -153,8 +154,8 @@ class FakeVllm:
             self.replay_requests.append(first)
             for seq, buf in list(self.buffer):
                 if seq >= first:
-                    self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), buf))
-            self.router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+                    self.router.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), buf))
+            self.router.send_multipart((client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""))
 
     def close(self) -> None:
         self._stop.set()

@@ -5,8 +5,10 @@ replica.
 The wire (vLLM 0.32.0's ``ZmqEventPublisher``): a PUB socket sends multipart messages ``(topic, seq,
 payload)``, ``seq`` an 8-byte big-endian counter from 0 per process; an optional ROUTER socket
 (``replay_endpoint``) answers a request carrying an 8-byte start sequence with every buffered batch from
-there as ``(seq, payload)``, then ``(-1, b"")``. The subscriber here is read-only and single-threaded:
-``poll()`` takes what arrived, asks for a replay on a gap, and feeds the mirror in sequence order.
+there as ``(topic, seq, payload)``, then ``(b"", -1, b"")`` (releases before 0.32 left the topic out; both
+are read). The subscriber here is read-only and single-threaded: ``poll()`` takes what arrived, asks for a
+replay on a gap, and feeds the mirror in sequence order. vLLM binds its PUB only on a wildcard
+(``tcp://*:P``) or ``ipc://`` endpoint; given ``tcp://HOST:P`` it connects there instead.
 
 Metrics (vLLM's ``/metrics``): ``vllm:cache_config_info`` (an info gauge whose labels are the cache config:
 ``num_gpu_blocks``, ``block_size``, ``gpu_memory_utilization``, ``prefix_caching_hash_algo``...),
@@ -144,6 +146,8 @@ class EventSubscriber:
                     break
                 frames = sock.recv_multipart()
                 frames = frames[1:] if frames and frames[0] == b"" else frames
+                if len(frames) == 3:
+                    frames = frames[1:]  # vLLM 0.32 sends the topic first: (topic, seq, payload)
                 if len(frames) != 2:
                     break
                 seq = int.from_bytes(frames[0], "big", signed=True)

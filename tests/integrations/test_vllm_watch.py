@@ -621,6 +621,18 @@ def test_the_planner_predicts_vllms_pool_beside_vllms_own(capsys, monkeypatch) -
     assert (planner["block_bytes"], planner["gpu"]) == (2 << 20, "h100-80gb")
 
 
+def test_the_planners_bytes_follow_the_kv_dtype_vllm_stores(capsys) -> None:
+    """vLLM serving SmolLM2-135M with --dtype float32 stores 46,080 KV bytes a token (its metrics say only
+    cache_dtype="auto"); without --kv-dtype the planner takes the checkpoint's bf16, half that."""
+    sizes = {}
+    for extra in ((), ("--kv-dtype", "fp32")):
+        rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--model", "smollm2-135m", "--json",
+                           "--once", "--interval", "0.1", *extra)
+        assert rc == 0, err
+        sizes[extra] = json.loads(out)["pool"]["planner"]["kv_bytes_per_token"]
+    assert sizes == {(): 23040, ("--kv-dtype", "fp32"): 46080}
+
+
 def test_watch_with_nothing_listening_waits(capsys) -> None:
     rc, out, err = run(capsys, "watch", "--events", "tcp://127.0.0.1:9", "--metrics", "http://127.0.0.1:9/metrics",
                        "--once", "--interval", "0.2")

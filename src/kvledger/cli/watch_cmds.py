@@ -45,13 +45,15 @@ def _tokenize(prompt: str, tokenizer: str | None) -> list[int]:
     return list(TextCodec.from_pretrained(tokenizer).tok(prompt)["input_ids"])
 
 
-def _planner(model: str, tp: int, block_size: int, gpu: str | None = None, utilization: float | None = None) -> Any:
-    """Our planner's terms for the served model; with ``gpu``, the pool `kvledger plan --engine vllm` sizes there
-    (at vLLM's --gpu-memory-utilization, read from its metrics, else vLLM's default 0.9)."""
+def _planner(model: str, tp: int, block_size: int, gpu: str | None = None, utilization: float | None = None,
+             kv_dtype: str | None = None) -> Any:
+    """Our planner's terms for the served model (its KV in ``kv_dtype``, else the checkpoint's dtype); with ``gpu``,
+    the pool `kvledger plan --engine vllm` sizes there (at vLLM's --gpu-memory-utilization, read from its metrics,
+    else vLLM's default 0.9)."""
     from ..integrations.vllm_watch import PlannerTerms
     from .plan_cmds import resolve_spec
 
-    spec, cfg = resolve_spec(model, None, None, None, None, tp, block_size)
+    spec, cfg = resolve_spec(model, None, None, None, kv_dtype, tp, block_size)
     terms = PlannerTerms(model, spec.bytes_per_token, spec.block_bytes)
     if gpu is not None:
         from ..core.sizing.inventory import build_inventory
@@ -79,6 +81,8 @@ def _planner(model: str, tp: int, block_size: int, gpu: str | None = None, utili
 @engine_option("tensor_parallel_size",
                help="vLLM's tensor parallel size (the planner's figures are per rank, as vLLM's blocks are).")
 @engine_option("block_size", help="vLLM's block size, used until its metrics or a stored full block tell it.")
+@engine_option("kv_dtype", help="The KV dtype vLLM stores, for the planner's bytes: its --kv-cache-dtype, or its "
+               "--dtype when the cache follows the model (vLLM's metrics say only 'auto') [the checkpoint's dtype].")
 @click.option("--prompt", default=None, help="A prompt to predict the prefix-cache hit of (needs --tokenizer).")
 @click.option("--tokenizer", default=None, help="The served model's tokenizer folder (for --prompt).")
 @click.option("--prompt-ids", "prompt_ids", default=None,
@@ -99,7 +103,8 @@ def _planner(model: str, tp: int, block_size: int, gpu: str | None = None, utili
 @click.option("--top", type=Int(0, 100), default=5, show_default=True, help="Shared prefixes shown.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per snapshot instead of the view.")
 def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | None, model: str | None,
-              gpu: str | None, tensor_parallel_size: int, block_size: int, prompt: str | None, tokenizer: str | None,
+              gpu: str | None, tensor_parallel_size: int, block_size: int, kv_dtype: str | None, prompt: str | None,
+              tokenizer: str | None,
               prompt_ids: str | None, cache_salt: str | None, hash_algo: str | None, hash_seed: str | None,
               bytes_hashes: bool, interval: float, snapshots: int | None, once: bool, max_blocks: int | None, top: int,
               as_json: bool) -> None:
@@ -146,7 +151,7 @@ def watch_cmd(events: str, replay: str | None, topic: str, metrics_url: str | No
             bs = (metrics.block_size if metrics is not None else None) or mirror.block_size or block_size
             util = metrics.gpu_memory_utilization if metrics is not None else None
             if model is not None and (bs, util) not in planners:
-                planners[bs, util] = _planner(model, tensor_parallel_size, bs, gpu, util)
+                planners[bs, util] = _planner(model, tensor_parallel_size, bs, gpu, util, kv_dtype)
             heard = sub.stats.last_message_s
             data = {"vllm_schema": VLLM_VERSION, "events": events, "at": time.time(),
                     "last_event_age_s": None if heard is None else round(time.monotonic() - heard, 3),

@@ -380,7 +380,7 @@ def test_a_gap_is_replayed_from_vllms_replay_socket(vllm_replay: FakeVllm) -> No
         vllm_replay.publish(stored(A[4:8], A[:4]), send=False)
         vllm_replay.publish(stored(A[8:], A[:8]))
         drain(sub, 2)
-        assert vllm_replay.replay_requests == [1]
+        assert vllm_replay.replay_requests == [0]  # from the last batch applied (batch 0), to tell a gap from a restart
         m = sub.mirror
         assert m.snapshot()["sync"]["state"] == "live" and m.held() == 3
         assert m.would_hit(A + [1], hasher=HASHER).blocks == 3
@@ -399,7 +399,7 @@ def test_a_replay_that_no_longer_holds_the_gap_stays_stale(vllm_replay: FakeVllm
         vllm_replay.buffer = vllm_replay.buffer[2:]  # batch 1 fell out of the replay buffer
         vllm_replay.publish(stored(B[8:], B[:8]))
         drain(sub, 1)
-        assert vllm_replay.replay_requests == [1]
+        assert vllm_replay.replay_requests == [0]
         sync = sub.mirror.snapshot()["sync"]
         assert sync["state"] == "stale" and sync["lost_batches"] == 1
         assert sub.stats.replay_failures == 1
@@ -452,6 +452,30 @@ def test_a_restart_whose_first_batches_were_missed_is_replayed(vllm_replay: Fake
         assert snap["sync"]["state"] == "live" and snap["sync"]["restarts"] == 1 and sub.mirror.held() == 2
         assert sub.mirror.would_hit(B, hasher=HASHER).blocks == 2
         sub.mirror.check()
+    finally:
+        sub.close()
+
+
+def test_a_restart_whose_new_stream_already_counts_past_the_old_one_is_not_a_gap(vllm_replay: FakeVllm) -> None:
+    """The watch knew batches 0..1; vLLM restarted and its batches 0..2 were missed, so the next one heard is
+    3, past the old stream: no sequence number says "restart". Replaying from 2 would graft the new process's
+    batch 2 onto the old cache; the replay instead starts at 1, finds a different batch there, and starts over."""
+    sub = subscribe(vllm_replay)
+    try:
+        vllm_replay.publish(stored(A))
+        vllm_replay.publish(stored([7] * 4))
+        drain(sub, 2)
+        vllm_replay.restart()
+        for tokens in ([5] * 4, [6] * 4, [8] * 4):
+            vllm_replay.publish(stored(tokens), send=False)
+        vllm_replay.publish(stored(B[:4]))
+        drain(sub, 1)
+        m = sub.mirror
+        snap = m.snapshot()["sync"]
+        assert snap["restarts"] == 1 and snap["state"] == "live" and m.held() == 4
+        assert m.would_hit([7] * 4 + [1], hasher=HASHER).blocks == 0  # the old process's blocks are gone
+        assert m.would_hit(A + [1], hasher=HASHER).blocks == 1  # A's first block only: the new one stored it
+        m.check()
     finally:
         sub.close()
 

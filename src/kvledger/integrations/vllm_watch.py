@@ -132,15 +132,22 @@ class EventSubscriber:
         return 1
 
     def _replay(self, wanted: int, upto: int) -> bool:
-        """Ask vLLM's replay socket for batches ``wanted``..: True if it covered the gap up to ``upto``."""
+        """Ask vLLM's replay socket for batches ``wanted``..: True if it covered the gap up to ``upto``.
+
+        A gap may hide a restart whose new stream already counts past the old one: the replay then starts
+        one batch early, at the last one applied, and a different time stamp under that number is another
+        process's batch -- the mirror empties and replays the new process from 0."""
         zmq = self.zmq
         self.stats.replays += 1
+        last_ts = self.mirror.sync.last_ts
+        start = wanted - 1 if wanted > 0 and last_ts is not None else wanted
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         first: int | None = None
+        restarted = False
         try:
             sock.connect(self.replay_endpoint)
-            sock.send_multipart((b"", wanted.to_bytes(8, "big")))
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
             while True:
                 if not sock.poll(int(self.replay_timeout_s * 1000)):
                     break
@@ -158,12 +165,23 @@ class EventSubscriber:
                 if seq >= upto:
                     continue  # the live message itself is applied by the caller
                 try:
-                    self.mirror.ingest(seq, decode_batch(frames[1]))
-                    self.stats.replayed_batches += 1
+                    batch = decode_batch(frames[1])
                 except EventFormatError as exc:
                     self.mirror.bad_payload(str(exc))
+                    continue
+                if seq < wanted:  # the batch applied last, sent again: the same process if the same batch
+                    if batch.ts != last_ts:
+                        restarted = True
+                        break
+                    continue
+                self.mirror.ingest(seq, batch)
+                self.stats.replayed_batches += 1
         finally:
             sock.close(linger=0)
+        if restarted:
+            self.mirror.engine_restarted("vLLM restarted (a replayed batch differs from the one applied under its "
+                                         "number): replaying its new stream")
+            return self._replay(0, upto)
         if first is not None and first <= wanted:
             return True  # the replayed batches were applied in order: the gap never reached the mirror
         self.stats.replay_failures += 1

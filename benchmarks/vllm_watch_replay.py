@@ -333,6 +333,7 @@ def main() -> None:
             listener.stop_flag.set()
             listener.join(5)
             sub.close()
+            ref.sock.close(linger=0)
         server.stop()
     match = sum(r["predicted"] == r["cached_tokens"] for r in rows)
     result = {

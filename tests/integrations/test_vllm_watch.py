@@ -285,8 +285,9 @@ def test_the_mirror_holds_what_was_stored_and_not_removed() -> None:
 
 
 def test_a_hash_cached_twice_stays_until_its_last_copy_is_evicted() -> None:
-    """vLLM does not deduplicate: two requests that computed A at once each cache their own blocks (two
-    BlockStored for the same hashes); evicting one copy (one BlockRemoved) leaves the other hittable."""
+    """vLLM does not deduplicate: a prompt a whole number of blocks long recomputes its last block and caches
+    it again (a second BlockStored for the same hash); evicting one copy (one BlockRemoved) leaves the other
+    hittable."""
     m = VllmCacheMirror()
     _feed(m, stored(A), stored(A), seq=0)
     assert m.held() == 3 and m.counts.restored == 3

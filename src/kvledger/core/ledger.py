@@ -30,6 +30,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
@@ -37,6 +38,7 @@ from . import checks, native
 from .admission import AdmissionControl, FamilyLayout
 from .branches import Branches, beam_arguments
 from .eviction import EvictionPolicy, as_policy
+from .groups import KVCacheGroup
 from .identity import CacheContext, block_digest_at, prompt_digests
 from .lifetimes import CacheReset, LeaseBook, PinBook, lease_arguments
 from .observe import Counters, EventLog, prefix_figures
@@ -59,6 +61,7 @@ from .types import (
     pop_known,
     show,
 )
+from .windows import GroupTables
 
 MAX_POOL_BLOCKS = 2**24  # per-block facts live in flat lists: ~50 bytes of bookkeeping per block
 MAX_BLOCK_SIZE = 2**16  # tokens per block
@@ -72,6 +75,11 @@ class KVLedger:
     ``policy`` is an eviction policy object or a registered name (``core.eviction.EVICTION_POLICIES``:
     ``"lru"``, ``"priority"``); a named priority policy uses the ledger's ``clock``. Every argument is
     checked here: a wrong type or an out-of-range number is a :class:`ConfigError`.
+
+    ``kv_groups``: a hybrid model's KV cache groups (`core.groups.KVCacheGroup`, the first of full attention;
+    a block is one group's page). The sequence's table is the first group's; `core.windows.GroupTables` keeps
+    the others (a sliding group's reservation bounded by its window, its blocks released as they leave it),
+    ``step_tokens`` being the most tokens one work computes. None or one group: the uniform ledger, untouched.
     """
 
     def __init__(
@@ -84,6 +92,8 @@ class KVLedger:
         events: EventLog | None = None,
         max_pinned_fraction: float = 0.25,
         clock: Callable[[], float] = time.monotonic,
+        kv_groups: Sequence[KVCacheGroup] | None = None,
+        step_tokens: int = 8192,
     ) -> None:
         num_blocks = checks.count(num_blocks, "num_blocks", minimum=None)
         if num_blocks <= 0:
@@ -124,6 +134,18 @@ class KVLedger:
         self._branches = Branches(pool=pool, promises=promises, seqs=self._seqs, counters=self.counters,
                                   block_size=block_size, events=events)
         self._handoff = TierHandoff(pool, promises, self._leases, self.counters)
+        groups = tuple(kv_groups or ())
+        if not all(isinstance(g, KVCacheGroup) for g in groups):
+            raise ConfigError("kv_groups must be KVCacheGroup values")
+        # The groups after the first (None: a uniform pool, and every path below is as it always was).
+        self.groups: GroupTables | None = None
+        if len(groups) > 1:
+            if prefix_caching:
+                raise ConfigError("prefix caching over hybrid KV cache groups is not kept by KVLedger yet "
+                                  "(core.groups.GroupLedger has it): pass prefix_caching=False")
+            self.groups = GroupTables(pool, promises, groups, block_size,
+                                      checks.positive(step_tokens, "step_tokens"))
+            self._quotas.kv_groups = self.groups
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -478,6 +500,8 @@ class KVLedger:
         the next token), since siblings drafting into one shared block would overwrite each other's
         draft KV in the same step. All or nothing: refused, nothing changes."""
         slots = checks.count(slots, "lookahead slots")
+        if slots and self.groups is not None:
+            raise LedgerError("a hybrid KV pool takes no speculative slots yet")
         with self._lock:
             seq = self.sequence(request_id)
             n = len(seq.tokens)
@@ -584,6 +608,8 @@ class KVLedger:
             self._leases.hand_over(request_id, blocks)
         self.pool.release_many(blocks[::-1])
         self.promises.cancel(seq)
+        if self.groups is not None:
+            self.groups.close(request_id)
         return seq
 
     def take_copies(self) -> list[CopyOp]:
@@ -595,6 +621,8 @@ class KVLedger:
     # ---- admission (core/admission.py) ------------------------------------------------------------
     def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
+        if self.groups is not None:
+            return self._admit_grouped([request], keep_free, self._admission.can_admit, open_=False)
         return self._admission.can_admit(request, keep_free)
 
     def admit(self, request: Request, keep_free: int = 0) -> Decision:
@@ -604,6 +632,8 @@ class KVLedger:
 
         ``keep_free`` blocks must stay available after the admission: the watermark or emergency
         headroom of policies that do not reserve the whole output allowance."""
+        if self.groups is not None:
+            return self._admit_grouped([request], keep_free, self._admission.admit)
         return self._admission.admit(request, keep_free)
 
     def admit_family(self, requests: Sequence[Request], keep_free: int = 0) -> Decision:
@@ -627,7 +657,60 @@ class KVLedger:
         ``blocks_new`` count distinct blocks, ``blocks_promised`` every branch's reserved allowance
         plus the tail copies, ``blocks_branches`` what the branches after the first add to it, and
         ``blocks_total`` the family's distinct blocks at its reserved lengths."""
+        if self.groups is not None:
+            return self._admit_grouped(list(requests), keep_free,
+                                       lambda r, k: self._admission.admit_family([r], k))
         return self._admission.admit_family(requests, keep_free)
+
+    def _admit_grouped(self, requests: list[Request], keep_free: int, decide: Callable[[Request, int], Decision],
+                       open_: bool = True) -> Decision:
+        """A hybrid pool's admission: the first group's decision with the other groups' reservation kept free on
+        top, and on success that reservation promised -- one decision under the lock."""
+        if len(requests) != 1:
+            raise ConfigError("a hybrid KV pool admits one branch per request (no parallel sampling or beams yet)")
+        request = AdmissionControl.checked(requests[0])
+        if request.branches != 1 or request.lookahead:
+            raise ConfigError(f"request {request.request_id!r}: a hybrid KV pool takes no parallel sampling or "
+                              "speculative slots yet")
+        groups = self.groups
+        if groups is None:
+            raise InvariantError("a grouped admission on a uniform pool")
+        limit = len(request.prompt) + request.max_new_tokens
+        need = groups.need(limit)
+        with self._lock:
+            first = self._blocks_for(limit)
+            if first + need > self.pool.num_blocks:
+                self.counters.rejected_never += 1
+                return Decision(request.request_id, Outcome.NEVER,
+                                f"needs {first + need} blocks ({first} full-attention + {need} in its other KV "
+                                f"cache groups) but the pool has {self.pool.num_blocks}", first + need, 0, 0, 0, 0)
+            decision = decide(request, checks.count(keep_free, "keep_free") + need)
+            if not decision.admitted:
+                return decision
+            if open_:
+                groups.open(request.request_id, len(request.prompt), limit)
+            return replace(decision, blocks_total=decision.blocks_total + need,
+                           blocks_promised=decision.blocks_promised + need)
+
+    def group_tables(self, request_id: str, start: int, end: int) -> tuple[list[int], ...]:
+        """A hybrid pool: every KV cache group's block table for a work computing positions ``[start, end)`` --
+        the sequence's own table first, then the others (sliding groups having released what left the window,
+        `core.windows.GroupTables.tables`). The ledger's lists: read them, never change them."""
+        groups = self.groups
+        if groups is None:
+            raise LedgerError("group_tables: this pool is uniform (one KV cache group)")
+        with self._lock:
+            seq = self.sequence(request_id)
+            if end > len(seq.table.blocks) * self.block_size:
+                raise LedgerError(f"{request_id!r}: a work up to {end} passes its table")
+            return (seq.table.blocks, *groups.tables(request_id, start, end))
+
+    def group_blocks(self, request_id: str) -> list[int]:
+        """The blocks a sequence holds in the KV cache groups after the first ([] for a uniform pool)."""
+        if self.groups is None:
+            return []
+        with self._lock:
+            return self.groups.live(request_id)
 
     def family_layout(self, requests: Sequence[Request], digests: list[list[bytes]]) -> FamilyLayout:
         """The block-sharing trie of a family (pure; see :class:`~kvledger.core.admission.FamilyLayout`)."""
@@ -667,6 +750,8 @@ class KVLedger:
         """Fork ``parent_id`` into a new sequence ``child_id``. Returns the blocks newly promised (the
         child's output allowance plus one tail copy if the tail is partial). Raises AdmissionError when
         the pool cannot promise them now: a fork is an admission of one more branch."""
+        if self.groups is not None:
+            raise LedgerError("a hybrid KV pool does not fork sequences yet")
         with self._lock:
             return self._branches.fork(parent_id, child_id)
 
@@ -675,6 +760,8 @@ class KVLedger:
         continuation. Dropping releases only blocks no surviving beam holds (ref counts); a dropped
         beam's blocks that an in-flight step still reads stay until its lease ends. All or nothing."""
         pairs, dropped = beam_arguments(forks, drops)
+        if self.groups is not None:
+            raise LedgerError("a hybrid KV pool does not fork sequences yet")
         with self._lock:
             self._branches.beam_step(pairs, dropped, self._drop)
 
@@ -922,6 +1009,9 @@ class KVLedger:
             for blocks in self._pins.held():
                 for b in blocks:
                     refs[b] += 1
+            if self.groups is not None:
+                self.groups.check(self._seqs, refs)
+                promised += self.groups.total
             if refs != pool.ref:
                 bad = [b for b in range(pool.num_blocks) if refs[b] != pool.ref[b]][:8]
                 raise InvariantError(f"ref counts disagree with block tables and pins at blocks {bad}")

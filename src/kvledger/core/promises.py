@@ -101,6 +101,11 @@ class PromiseBook:
         self.total -= seq.promised
         seq.promised = 0
 
+    def claim(self, blocks: int) -> None:
+        """Blocks promised (or, negative, given back) in the KV cache groups after a hybrid model's first:
+        `core.windows.GroupTables` keeps their split per sequence and group."""
+        self.total += blocks
+
     # ---- copy-on-write copies of shared partial tails ---------------------------------------------
     def promise_copies(self, tail: int, copies: int = 1) -> None:
         """``copies`` more holders share the partial tail block ``tail``: each may need its own copy."""

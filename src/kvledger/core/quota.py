@@ -46,6 +46,7 @@ from .types import Decision, Outcome, SequenceState, show
 if TYPE_CHECKING:
     from .lifetimes import PinBook
     from .observe import Counters
+    from .windows import GroupTables
 
 MAX_QUOTA = 2**40  # bound on a trust group's cap (blocks)
 
@@ -146,7 +147,7 @@ class QuotaBook:
     """Every trust group's cap, and the group ledgers read against it. Owns the caps; reads the
     ledger's sequences, pins, promises and pool (it has no lock: the ledger calls it under its own)."""
 
-    __slots__ = ("_block_size", "_pins", "_pool", "_promises", "_seqs", "caps")
+    __slots__ = ("_block_size", "_pins", "_pool", "_promises", "_seqs", "caps", "kv_groups")
 
     def __init__(self, pool: BlockPool, promises: PromiseBook, seqs: Mapping[str, SequenceState], pins: PinBook,
                  block_size: int) -> None:
@@ -156,6 +157,7 @@ class QuotaBook:
         self._pins = pins
         self._block_size = block_size
         self.caps: dict[str, int] = {}  # trust group -> cap on its charged blocks
+        self.kv_groups: GroupTables | None = None  # a hybrid pool's KV cache groups after the first
 
     def cap(self, group: str) -> int | None:
         """``group``'s cap, None for none (O(1); no dict lookup while no group has one)."""
@@ -188,8 +190,15 @@ class QuotaBook:
                         over_quota=True)
 
     def _ledgers(self, only: str | None = None, strict: bool = False) -> dict[str, GroupUsage]:
-        return group_ledgers(self._seqs.values(), self._pins.held(), self._promises.copies, self._pool.group,
-                             self._block_size, only=only, strict=strict)
+        out = group_ledgers(self._seqs.values(), self._pins.held(), self._promises.copies, self._pool.group,
+                            self._block_size, only=only, strict=strict)
+        if self.kv_groups is not None:  # a hybrid pool: the other KV cache groups' blocks are their sequence's
+            for sid, gs in self.kv_groups.seqs.items():
+                g = self._seqs[sid].context.trust_group
+                if only is None or g == only:
+                    u = out.get(g) or GroupUsage(0, 0, 0)
+                    out[g] = GroupUsage(u.active + sum(gs.held), u.promised + sum(gs.promised), u.growth)
+        return out
 
     def usage_of(self, group: str) -> GroupUsage:
         u = self._ledgers(only=group).get(group)

@@ -121,7 +121,9 @@ class Work(NamedTuple):
     sequence's block table: position ``p`` lives at slot ``p % block_size`` of ``blocks[p // block_size]``,
     with room for the lookahead slots) and ``tokens`` (the branch's token ids; the work computes
     ``tokens[start:end]``). ``blocks`` and ``tokens`` are the scheduler's own lists, shared to keep a step
-    cheap: read them, never change them, and do not keep them past ``confirm``.
+    cheap: read them, never change them, and do not keep them past ``confirm``. ``groups``: a hybrid model's
+    block table per KV cache group (the first is ``blocks``; a sliding group's entries before its window are
+    ``core.groups.NULL_BLOCK``); empty for a uniform model, whose one table is ``blocks``.
     (A named tuple: hundreds are made every step, and tuples are the cheapest immutable record.)"""
 
     seq_id: str
@@ -133,6 +135,7 @@ class Work(NamedTuple):
     branch: int = 0
     blocks: Sequence[int] = ()
     tokens: Sequence[int] = ()
+    groups: tuple[Sequence[int], ...] = ()
 
     @property
     def request_id(self) -> str:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 
 from ..core.ledger import KVLedger
 from ..core.lifetimes import CacheReset
-from ..errors import InvariantError, LedgerError, OutOfBlocksError
+from ..errors import ConfigError, InvariantError, LedgerError, OutOfBlocksError
 from .admission import Admitter
 from .config import SchedulerConfig
 from .growth import GROWTH_ACTIONS, REJECTED_OUTGREW
@@ -78,6 +78,13 @@ class Scheduler:
         self.admitter = Admitter(self)  # restores swapped units and admits waiting ones
         self.tier_planner = TierPlanner(ledger, host, self.config, lease_owner=self.lease_owner,
                                         swap_leases=self._swap_leases, running=self.running)
+        # A hybrid pool (KV cache groups, `core.windows`): every work carries each group's table.
+        self._kv_groups = ledger.groups is not None
+        if self._kv_groups:
+            step = min(self.config.prefill_chunk, self.config.token_budget)
+            if step > ledger.groups.step_tokens:  # type: ignore[union-attr]
+                raise ConfigError(f"the hybrid pool bounds a sliding window's blocks for works of at most "
+                                  f"{ledger.groups.step_tokens} tokens, the scheduler plans {step}")  # type: ignore
 
     # ---- tiers (planned by the tier planner) ------------------------------------------------------
     @property
@@ -100,6 +107,9 @@ class Scheduler:
     def add(self, request: GenRequest) -> None:
         validate_request(request)
         rid = request.request_id
+        if self._kv_groups and (request.n > 1 or request.beam or request.lookahead):
+            raise ConfigError(f"request {rid!r}: a hybrid KV pool takes no parallel sampling, beams or "
+                              "speculative slots yet")
         if rid in self._all:
             raise LedgerError(f"request id {rid!r} already submitted")
         branches = [Branch(rid if i == 0 else f"{rid}/{i}", request, list(request.prompt), index=i)
@@ -255,6 +265,9 @@ class Scheduler:
         plan.copies.extend(self.ledger.take_copies())
         self._copies_from_host(plan)
         self.tier_planner.take_ops(plan)
+        blocks = [b for op in plan.copies for b in (op.src, op.dst)]
+        if self._kv_groups:
+            self._group_tables(plan, blocks)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
         # (A sequence has at most one work per plan; a restored one may also have none.)
@@ -264,12 +277,21 @@ class Scheduler:
         seqs += [w.seq_id for w in plan.prefills]
         if self._restored:
             seqs = list(dict.fromkeys(seqs + [br.seq_id for br in self._restored if br.status is Status.RUNNING]))
-        blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if seqs or blocks:
             plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks,
                                            owner=f"{self.lease_owner} step {plan.step}")
         self._in_flight = plan
         return plan
+
+    def _group_tables(self, plan: StepPlan, blocks: list[int]) -> None:
+        """A hybrid pool: give every work its KV cache groups' tables (a sliding group releases the blocks that
+        left its window first) and add their blocks to what the step leases."""
+        ledger = self.ledger
+        for works in (plan.prefills, plan.decodes):
+            for i, w in enumerate(works):
+                tables = ledger.group_tables(w.seq_id, w.start, w.end)
+                works[i] = w._replace(groups=tables)
+                blocks.extend(ledger.group_blocks(w.seq_id))
 
     def _branch(self, seq_id: str) -> Branch:
         try:
@@ -408,6 +430,9 @@ class Scheduler:
         mode, note = RECOVERY_MODES[force or self.config.recovery](
             self.costs, replay_tokens(self.ledger, branches), len(blocks))
         reason = why + note
+        if mode == "swap" and self._kv_groups:
+            mode = "recompute"
+            reason += "; a hybrid KV pool does not swap yet, recomputing instead"
         if mode == "swap" and (self.host is None or self.host.holdable < len(blocks)):
             mode = "recompute"
             reason += "; host pool cannot hold the blocks, recomputing instead"
@@ -486,7 +511,7 @@ class Scheduler:
                     continue
                 if budget <= 0:
                     return budget
-                decodes.append(make(Work, (br.seq_id, c, n, True, 0, br.request, br.index, br.blocks, tokens)))
+                decodes.append(make(Work, (br.seq_id, c, n, True, 0, br.request, br.index, br.blocks, tokens, ())))
                 decoding.append(br)
                 budget -= 1
             walk = [self._restored] if self._restored else []
@@ -525,7 +550,7 @@ class Scheduler:
                         continue
                     if budget <= 0:
                         return budget
-                    decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens)))
+                    decodes.append(make(Work, (br.seq_id, c, n, True, 0, req, br.index, br.blocks, tokens, ())))
                     decoding.append(br)
                     budget -= 1
                 else:

@@ -1,0 +1,157 @@
+"""The real scheduler over a hybrid KV pool (`KVLedger(kv_groups=...)`, `core.windows.GroupTables`): admission
+charges a sliding group only its window, every work carries one block table per group, the sliding groups' blocks
+leave while requests run, and preemption recomputes; a uniform pool's plans are unchanged."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvledger.core import KVLedger, Request
+from kvledger.core.groups import NULL_BLOCK, KVCacheGroup
+from kvledger.errors import ConfigError, InvariantError, LedgerError
+from kvledger.scheduler import GenRequest, Scheduler, SchedulerConfig
+from kvledger.scheduler.driver import Driver
+from kvledger.scheduler.execution import ConstantExecutor
+
+BS = 4
+WINDOW = 8
+GROUPS = (KVCacheGroup("full", 2), KVCacheGroup("sliding", 2, WINDOW), KVCacheGroup("sliding", 2, WINDOW))
+
+
+def _hybrid(num_blocks: int = 256, step: int = 16) -> KVLedger:
+    return KVLedger(num_blocks, BS, prefix_caching=False, kv_groups=GROUPS, step_tokens=step)
+
+
+class Recorder(ConstantExecutor):
+    """Records every work's group tables, checks the ledger each step, and samples token 7."""
+
+    def __init__(self, ledger: KVLedger) -> None:
+        super().__init__()
+        self.ledger = ledger
+        self.works: list = []
+        self.held: list[list[int]] = []
+
+    def execute(self, plan):  # type: ignore[no-untyped-def]
+        self.ledger.check()
+        for w in plan.works:
+            self.works.append((w.seq_id, w.start, w.end, tuple(tuple(t) for t in w.groups)))
+        self.held.append(self.ledger.groups.held_by_group())
+        return super().execute(plan)
+
+
+def _run(ledger: KVLedger, requests: list[GenRequest], config: SchedulerConfig | None = None):
+    sched = Scheduler(ledger, config or SchedulerConfig(token_budget=16, prefill_chunk=16))
+    ex = Recorder(ledger)
+    metrics = Driver(sched, ex, check_every=1).run(requests)
+    ledger.check()
+    return sched, ex, metrics
+
+
+def test_every_work_carries_each_groups_table_and_the_window_groups_let_go_while_it_runs() -> None:
+    ledger = _hybrid()
+    sched, ex, metrics = _run(ledger, [GenRequest("a", list(range(30)), 40)])
+    assert [m.generated for m in metrics] == [40]
+    for _seq, start, end, tables in ex.works:
+        full, *windows = tables
+        assert len(tables) == 3 and len(full) * BS >= end  # the full group keeps every block
+        for t in windows:
+            first = max(0, start - WINDOW + 1) // BS
+            assert all(b == NULL_BLOCK for b in t[:first])  # out of the window: no block
+            assert all(b != NULL_BLOCK for b in t[first:-(-end // BS)])  # the window and the work: blocks
+            assert not set(t) & set(full)  # distinct block ids from one pool
+    # 70 tokens: the full group ends with 18 blocks; a window group holds at most its prefill bound (7 blocks for
+    # 16-token chunks) and, once decoding, the decode step's (3) -- what a user sees as memory coming back.
+    last_full = len(ex.works[-1][3][0])
+    assert last_full == 18
+    assert max(h for step in ex.held for h in step) <= GROUPS[1].reserved_blocks(70, BS, 16) == 7
+    assert ex.held[-1] == [3, 3] and GROUPS[1].reserved_blocks(70, BS, 1) == 3
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0
+
+
+def test_admission_charges_a_sliding_group_its_window_not_the_request() -> None:
+    ledger = _hybrid(num_blocks=64)
+    d = ledger.admit(Request("a", list(range(100)), 100))
+    # 200 tokens: 50 full blocks; each sliding group min(50, ceil((8 - 1 + 16) / 4) + 1 = 7) blocks.
+    assert d.admitted and d.blocks_total == 50 + 7 + 7
+    ledger.check()
+    # Charged as if every layer were global it would need 3 x 50 blocks: never in 64.
+    never = ledger.admit(Request("b", list(range(200)), 100))
+    assert never.outcome.value == "never" and "full-attention" in never.reason
+    ledger.release("a")
+    ledger.check()
+
+
+def test_more_requests_run_at_once_than_a_uniform_pool_of_the_same_bytes_holds() -> None:
+    """96 pages of one group = 32 blocks of a uniform pool (each three groups' pages). A request of 80 tokens
+    reserves 20 uniform blocks (one runs at a time) but 20 + 7 + 7 = 34 hybrid pages while it prefills and
+    20 + 3 + 3 = 26 once it decodes (the window's bound shrinks to a decode step's): three run at once."""
+    reqs = [GenRequest(f"r{i}", list(range(i, i + 40)), 40) for i in range(8)]
+    peaks = {}
+    for name, ledger in (("hybrid", _hybrid(num_blocks=96)), ("uniform", KVLedger(32, BS, prefix_caching=False))):
+        sched = Scheduler(ledger, SchedulerConfig(token_budget=16, prefill_chunk=16))
+        seen: list[int] = []
+
+        class Count(ConstantExecutor):
+            def execute(self, plan):  # type: ignore[no-untyped-def]
+                seen.append(len(sched.running))  # noqa: B023 -- read while this run steps
+                return super().execute(plan)
+
+        metrics = Driver(sched, Count(), check_every=1).run(reqs)
+        assert len(metrics) == 8
+        peaks[name] = max(seen)
+    assert peaks == {"hybrid": 3, "uniform": 1}
+
+
+def test_growth_failure_preempts_by_recompute_and_every_request_finishes() -> None:
+    ledger = _hybrid(num_blocks=60)
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery="swap", token_budget=16,
+                          prefill_chunk=16)
+    reqs = [GenRequest(f"r{i}", list(range(i, i + 20)), 30) for i in range(6)]
+    sched, ex, metrics = _run(ledger, reqs, cfg)
+    assert sorted(m.request_id for m in metrics) == [f"r{i}" for i in range(6)]
+    assert all(m.generated == 30 for m in metrics)
+    assert sched.preemptions > 0  # swap asked for: a hybrid pool recomputes instead
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0
+
+
+def test_a_uniform_pools_works_carry_no_group_tables() -> None:
+    ledger = KVLedger(64, BS)
+    sched = Scheduler(ledger, SchedulerConfig(token_budget=16, prefill_chunk=16))
+    sched.add(GenRequest("a", list(range(10)), 3))
+    plan = sched.schedule()
+    assert [w.groups for w in plan.works] == [()]
+    sched.confirm(plan, {"a": [7]})
+    plan = sched.schedule()
+    assert [w.groups for w in plan.decodes] == [()]
+
+
+def test_what_a_hybrid_pool_does_not_take_yet_is_refused_in_one_error() -> None:
+    ledger = _hybrid()
+    sched = Scheduler(ledger, SchedulerConfig(token_budget=16, prefill_chunk=16))
+    for bad in (GenRequest("n", [1, 2, 3], 2, n=2), GenRequest("l", [1, 2, 3], 2, lookahead=2)):
+        with pytest.raises(ConfigError, match="hybrid KV pool"):
+            sched.add(bad)
+    with pytest.raises(ConfigError, match="at most 16 tokens"):
+        Scheduler(ledger, SchedulerConfig(token_budget=64, prefill_chunk=32))
+    with pytest.raises(ConfigError, match="prefix caching"):
+        KVLedger(64, BS, kv_groups=GROUPS)
+    ledger.admit(Request("a", [1, 2, 3, 4, 5], 4)).raise_for_outcome()
+    with pytest.raises(LedgerError, match="fork"):
+        ledger.fork("a", "b")
+    with pytest.raises(LedgerError, match="speculative"):
+        ledger.reserve_lookahead("a", 2)
+
+
+def test_the_audit_catches_a_window_block_kept_past_the_window() -> None:
+    ledger = _hybrid()
+    ledger.admit(Request("a", list(range(30)), 10)).raise_for_outcome()
+    ledger.group_tables("a", 0, 16)
+    ledger.mark_computed("a", 16)
+    ledger.group_tables("a", 16, 30)
+    ledger.check()
+    gs = ledger.groups.seqs["a"]
+    gs.nulled[0] = 0
+    gs.tables[0][0] = gs.tables[0][2]  # a live block before the window
+    with pytest.raises(InvariantError):
+        ledger.check()
+

@@ -141,3 +141,80 @@ def test_engine_under_preemption_equals_transformers(interleaved, mode: str) -> 
         assert engine.stats.swapped_out_blocks > 0 and engine.stats.swapped_in_blocks > 0
     engine.check()
     assert engine.ledger.usage().active == 0
+
+
+# ---- through KV cache groups: the window layers read their own group's table (runtime/kv_groups.py) ------------
+
+
+GROUPED = SchedulerConfig(token_budget=64, prefill_chunk=64)
+
+
+def _grouped_engine(path: Path, kind: str, **kw: object) -> Engine:
+    kw.setdefault("scheduler_config", GROUPED)
+    engine = Engine.from_model(path, block_size=4, backend=kind, kv_groups=True, **kw)
+    layout = engine.runner.layout
+    assert layout is not None and engine.ledger.groups is not None
+    assert {g.kind for g in layout.groups} == {"full", "sliding"}
+    return engine
+
+
+def test_sixteen_prompts_through_kv_groups_equal_transformers(interleaved, path_kind: str) -> None:
+    """The 16 prompts through the engine with one block table per KV cache group: every sliding layer reads its
+    group's table, whose blocks before the window are gone, and every output still equals transformers'."""
+    window, path, hf = interleaved
+    base = _prompts([20], seed=30)[0]
+    prompts = _prompts([9, 13, 17, 22, 26, 31, 12, 15], seed=31)
+    prompts += [base + p[:k] for p, k in zip(prompts, (1, 2, 3, 4, 5, 6, 7, 8), strict=True)]
+    new = 10
+    engine = _grouped_engine(path, path_kind, num_blocks=256)
+    results = engine.generate(prompts, new)
+    assert [r.output for r in results] == [_hf_generate(hf, p, new) for p in prompts]
+    engine.check()
+    assert engine.ledger.usage().active == 0
+
+
+def test_engine_under_preemption_through_kv_groups_equals_transformers(interleaved) -> None:
+    """16 requests in a small pool of group pages: growth fails, running requests are preempted and recomputed
+    (a hybrid pool swaps nothing yet: swap is asked for and recompute is what happens), every output exact."""
+    window, path, hf = interleaved
+    heads = _prompts([9, 10], seed=50)
+    prompts = [heads[i % 2] + p for i, p in enumerate(_prompts([1 + (3 * i) % 7 for i in range(16)], seed=51))]
+    new = 30
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery="swap", token_budget=16,
+                          prefill_chunk=16)
+    engine = _grouped_engine(path, "torch", num_blocks=30, host_blocks=96, scheduler_config=cfg)
+    results = engine.generate(prompts, new)
+    assert [r.output for r in results] == [_hf_generate(hf, p, new) for p in prompts]
+    assert engine.scheduler.preemptions > 0 and engine.stats.swapped_out_blocks == 0
+    engine.check()
+    assert engine.ledger.usage().active == 0
+
+
+def test_a_long_generation_gives_the_window_groups_blocks_back_while_it_runs(interleaved) -> None:
+    """What a user sees: over a 120-token generation the full-attention group's blocks grow with the sequence but
+    each sliding group holds only the few blocks its window covers, so the pool in use is well below what the same
+    sequence holds with every layer global -- measured while the engine runs, step by step."""
+    window, path, hf = interleaved
+    prompt, new = _prompts([24], seed=60)[0], 120
+    engine = _grouped_engine(path, "torch", num_blocks=256)
+    groups = engine.runner.layout.groups
+    page = engine.spec.block_bytes  # one group's page: `size` layers
+    seen: list[tuple[int, list[int]]] = []
+
+    def sample(_: object) -> None:
+        seq = engine.ledger.sequences()
+        if seq:
+            seen.append((len(engine.ledger.sequence(seq[0]).table.blocks), engine.ledger.groups.held_by_group()))
+
+    engine.step_observers.append(sample)
+    [result] = engine.generate([prompt], new)
+    assert result.output == _hf_generate(hf, prompt, new)
+    bound = -(-(window - 1 + 1) // 4) + 1  # a decode step's window: ceil((W - 1 + 1) / block) + 1 blocks
+    full_blocks, held = seen[-1]
+    assert full_blocks == -(-(len(prompt) + new - 1) // 4)  # 36 blocks: the full group keeps every one
+    assert all(h <= bound for h in held) and len(held) == len(groups) - 1
+    in_use = (full_blocks + sum(held)) * page
+    uniform = full_blocks * engine.runner.config.num_layers * engine.spec.layer_block_bytes
+    assert in_use < 0.6 * uniform  # 2 of 5 layers are global: the window layers' old pages went back
+    # ... and not only at the end: once past the window, the sliding groups never held more than their bound.
+    assert max(h for _, hs in seen[len(seen) // 4:] for h in hs) <= bound

@@ -49,6 +49,8 @@ class AttentionBatch:
     slot_mapping: torch.Tensor  # [total new tokens], int64, on the store's device
     positions: torch.Tensor = field(init=False)  # [total new tokens], int64, for RoPE
     offsets: list[int] = field(init=False)  # where each sequence's tokens begin in the packed layout
+    # A model with KV cache groups (runtime/kv_groups.py): the same step through each group's tables.
+    groups: list[AttentionBatch] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.starts)

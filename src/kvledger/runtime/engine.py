@@ -223,9 +223,12 @@ class Engine:
             cfg = scheduler_config or SchedulerConfig()
             if cfg.max_running > store.residual_slots:
                 scheduler_config = SchedulerConfig(**{**cfg.to_dict(), "max_running": store.residual_slots})
+        groups = runner.kv_groups
+        if groups is not None:
+            prefix_caching = False  # not kept across KV cache groups yet (core/windows.py)
         self.replica = Replica.assemble(store.num_blocks, self.spec.block_size, scheduler_config, eviction=eviction,
                                         prefix_caching=prefix_caching, host_blocks=host_blocks,
-                                        disk_blocks=disk_blocks, costs=costs)
+                                        disk_blocks=disk_blocks, costs=costs, kv_groups=groups)
         self.ledger = self.replica.ledger
         self.scheduler = self.replica.scheduler
         if store.residual_slots:  # pages of blocks the ledger freed are reclaimed by asking it
@@ -253,15 +256,17 @@ class Engine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, *, checkpoint: Checkpoint | None = None,
-                    backend: BackendFactory | None = None, **runtime: Any) -> Engine:
+                    backend: BackendFactory | None = None, kv_groups: bool = False, **runtime: Any) -> Engine:
         """The one build path: the engine ``config`` describes (:mod:`kvledger.runtime.loading` loads the
         model and sizes the pool). ``checkpoint``: the model already resolved; ``backend``: an attention
         backend factory instead of the configuration's name; ``runtime``: what is not configuration but
         wiring (``costs``, ``clock``, ``staging_blocks``, ``overlap_transfers``, ``model_name``,
-        ``max_context``)."""
+        ``max_context``). ``kv_groups``: keep a sliding/full-interleaved model's KV in KV cache groups (the window
+        layers' old blocks go back to the pool while requests run; no prefix caching, parallel sampling or swaps
+        yet: see runtime/kv_groups.py)."""
         from .loading import build_runner
 
-        ckpt, runner = build_runner(config, checkpoint, backend)
+        ckpt, runner = build_runner(config, checkpoint, backend, kv_groups=kv_groups)
         context = model_context(ckpt)
         if config.max_model_len is not None:
             if context is not None and config.max_model_len > context:

@@ -190,7 +190,7 @@ class TorchExecutor:
                 if self._wants_prompt(w):
                     full.append(row)
                 steps.append(SeqStep(list(w.tokens[w.start:w.end]), w.start, table,
-                                     BlockTable(bs, table).slot_mapping(w.start, w.end)))
+                                     BlockTable(bs, table).slot_mapping(w.start, w.end), w.groups))
                 if w.end - w.start == 1:
                     stats.decode_tokens += 1
                 else:

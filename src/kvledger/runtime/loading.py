@@ -25,6 +25,7 @@ from ..core.sizing.geometry import canonical_dtype, text_config
 from ..errors import ConfigError
 from ..scheduler import SchedulerConfig
 from .config import DecoderConfig
+from .kv_groups import group_store_spec, layer_groups
 from .model import BackendFactory, Decoder, LayerKernels, ModelRunner
 from .weights import Checkpoint, resolve_checkpoint
 
@@ -108,19 +109,22 @@ def load_runner(
     ckpt: Checkpoint, *, num_blocks: int | None = None, pool_bytes: int | str | None = None,
     block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
     backend: BackendFactory | None = None, kv_dtype: str | None = None, residual_slots: int | None = None,
-    kernels: LayerKernels | None = None, cached: bool = True,
+    kernels: LayerKernels | None = None, cached: bool = True, kv_groups: bool = False,
 ) -> ModelRunner:
     """A fresh KV store of ``num_blocks`` (or ``pool_bytes``: the blocks that fit beside the residual
-    pages) in ``kv_dtype`` (default: the compute dtype) around the decoder (cached unless ``cached=False``)."""
-    DecoderConfig.from_hf(ckpt.config)  # unsupported configs fail here, before any weight is read
+    pages) in ``kv_dtype`` (default: the compute dtype) around the decoder (cached unless ``cached=False``).
+    ``kv_groups``: the store of KV cache groups (a block is one group's page: ``pool_bytes`` buys more of them)."""
+    cfg = DecoderConfig.from_hf(ckpt.config)  # unsupported configs fail here, before any weight is read
     spec = kv_spec_for(ckpt, dtype, kv_dtype, block_size)
+    if kv_groups:
+        spec = group_store_spec(spec, layer_groups(cfg.windows).size)
     if (num_blocks is None) == (pool_bytes is None):
         raise ConfigError("give exactly one of num_blocks or pool_bytes for the KV pool")
     slots = residual_slots if spec.format.has_residual else None
     blocks = spec.pool_blocks(pool_bytes, slots or 0) if num_blocks is None else num_blocks
     blocks = checks.positive(blocks, "the KV pool's block count")
     return ModelRunner(load_decoder(ckpt, dtype, device, cached), spec, blocks, backend=backend, kernels=kernels,
-                       residual_slots=slots)
+                       residual_slots=slots, kv_groups=kv_groups)
 
 
 def kv_spec_for(ckpt: Checkpoint, dtype: torch.dtype, kv_dtype: str | None, block_size: int) -> KVSpec:
@@ -147,7 +151,7 @@ def residual_slots_for(spec: KVSpec, config: SchedulerConfig | None, num_blocks:
 
 
 def build_runner(config: EngineConfig, checkpoint: Checkpoint | None = None,
-                 backend: BackendFactory | None = None) -> tuple[Checkpoint, ModelRunner]:
+                 backend: BackendFactory | None = None, kv_groups: bool = False) -> tuple[Checkpoint, ModelRunner]:
     """The checkpoint and a fresh runner (KV store around the cached decoder) for ``config``:
     ``checkpoint`` if the caller resolved it already, ``backend`` a factory object instead of the
     configuration's backend name."""
@@ -160,7 +164,7 @@ def build_runner(config: EngineConfig, checkpoint: Checkpoint | None = None,
         slots = residual_slots_for(spec, config.scheduler, pool.get("num_blocks"))
     runner = load_runner(ckpt, block_size=config.block_size, dtype=compute, device=config.device,
                          backend=backend if backend is not None else config.attention_backend,
-                         kv_dtype=config.kv_dtype, residual_slots=slots, **pool)
+                         kv_dtype=config.kv_dtype, residual_slots=slots, kv_groups=kv_groups, **pool)
     return ckpt, runner
 
 

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..core import KVLedger, KVSpec, SequenceState
+from ..core.groups import KVCacheGroup
 from ..errors import ConfigError
 from .attention import AttentionBackend, AttentionBatch, BackendFactory, attention_backend_factory
 from .config import DecoderConfig
 from .cpu_features import bf16_path
 from .kernels import LayerKernels, TorchKernels, default_kernels
+from .kv_groups import GroupedAttention, LayerGroups, group_batch, group_store_spec, layer_groups
 from .kv_store import KVStore
 from .weights import Checkpoint, resolve_checkpoint
 
@@ -35,6 +37,8 @@ class SeqStep:
     start: int
     block_table: Sequence[int]
     slot_mapping: Sequence[int]
+    # A runner with KV cache groups: every group's table (the first is ``block_table``; see runtime/kv_groups.py).
+    group_tables: Sequence[Sequence[int]] = ()
 
     @classmethod
     def from_sequence(cls, seq: SequenceState, start: int, end: int | None = None) -> SeqStep:
@@ -282,11 +286,15 @@ class ModelRunner:
 
     def __init__(self, model: Decoder, spec: KVSpec, num_blocks: int, *,
                  backend: BackendFactory | str | None = None, pack_weights: bool | None = None,
-                 kernels: LayerKernels | None = None, residual_slots: int | None = None) -> None:
+                 kernels: LayerKernels | None = None, residual_slots: int | None = None,
+                 kv_groups: bool = False) -> None:
         """``backend``: an attention backend factory or a registered name (default ``"auto"``: the
         native CPU kernels when built, else the torch reference). ``kernels``: the elementwise layer
         kernels (default: native on CPU when built, else torch). ``residual_slots``: unquantised residual
-        pages of a format that keeps them (int4; one per sequence running at once)."""
+        pages of a format that keeps them (int4; one per sequence running at once). ``kv_groups``: a model
+        with sliding-window and full-attention layers keeps its KV in KV cache groups (runtime/kv_groups.py):
+        a block is one group's page (``spec`` is then the store's: ``size`` layers), every step comes with
+        each group's tables (`SeqStep.group_tables`), and the ledger releases the window groups' old blocks."""
         if pack_weights is None:
             pack_weights = os.environ.get(PACK_ENV, "1") != "0"
         if pack_weights and not getattr(model, "_kvledger_packed", False):
@@ -296,10 +304,15 @@ class ModelRunner:
         self.config = model.cfg
         self.spec = spec
         device = model.embed_tokens.weight.device
+        self.layout: LayerGroups | None = None
+        if kv_groups:
+            self.layout = layer_groups(model.cfg.windows, spec.layer_block_bytes)
+            spec = self.spec = group_store_spec(spec, self.layout.size)
         self.store = KVStore(spec, num_blocks, device, residual_slots=residual_slots)
         factory = attention_backend_factory(backend or "auto") if backend is None or isinstance(backend, str) \
             else backend
-        self.backend: AttentionBackend = factory(self.store)
+        self.backend: AttentionBackend = factory(self.store) if self.layout is None else \
+            GroupedAttention(factory, self.store, self.layout)
         self.kernels: LayerKernels = kernels if kernels is not None else default_kernels(device)
 
     @classmethod
@@ -328,8 +341,17 @@ class ModelRunner:
                            device=device, backend=backend, kv_dtype=kv_dtype, residual_slots=residual_slots,
                            kernels=kernels, cached=False)
 
-    def new_ledger(self, *, prefix_caching: bool = True) -> KVLedger:
-        """A ledger whose block ids address exactly this runner's KV store."""
+    @property
+    def kv_groups(self) -> tuple[KVCacheGroup, ...] | None:
+        """The KV cache groups this runner's store keeps (None: one uniform group)."""
+        return None if self.layout is None else self.layout.groups
+
+    def new_ledger(self, *, prefix_caching: bool = True, step_tokens: int = 8192) -> KVLedger:
+        """A ledger whose block ids address exactly this runner's KV store (with KV cache groups: the hybrid
+        ledger, without prefix caching, for works of at most ``step_tokens`` tokens)."""
+        if self.layout is not None:
+            return KVLedger(self.store.num_blocks, self.spec.block_size, prefix_caching=False,
+                            kv_groups=self.layout.groups, step_tokens=step_tokens)
         return KVLedger(self.store.num_blocks, self.spec.block_size, prefix_caching=prefix_caching)
 
     def _check(self, i: int, step: SeqStep) -> None:
@@ -366,6 +388,14 @@ class ModelRunner:
             block_tables=[list(s.block_table) for s in steps],
             slot_mapping=slots,
         )
+        if self.layout is not None:
+            groups = len(self.layout.groups)
+            if any(len(s.group_tables) != groups for s in steps):
+                raise ConfigError(f"every step of a model with {groups} KV cache groups needs {groups} group tables")
+            bs = self.spec.block_size
+            first = AttentionBatch(batch.starts, batch.query_lens, batch.block_tables, slots)
+            batch.groups = [first] + [group_batch(batch, [list(s.group_tables[g]) for s in steps], bs)
+                                      for g in range(1, groups)]
         keep = None
         if every_position:
             starts = [0]

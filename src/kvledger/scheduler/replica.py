@@ -10,9 +10,11 @@ is built after the scheduler).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.groups import KVCacheGroup
 from ..core.ledger import KVLedger
 from ..core.observe import EventLog
 from ..core.tiers import TierLedger
@@ -42,9 +44,16 @@ class Replica:
     def assemble(cls, num_blocks: int, block_size: int, config: SchedulerConfig | None = None, *,
                  eviction: str = "lru", prefix_caching: bool = True, host_blocks: int = 0, disk_blocks: int = 0,
                  costs: RecoveryCosts | None = None, events: EventLog | None = None,
-                 tiers: TierLedger | None = None) -> Replica:
-        """``tiers``: a tier ledger already built (else one from ``host_blocks`` and ``disk_blocks``)."""
-        ledger = KVLedger(num_blocks, block_size, prefix_caching=prefix_caching, policy=eviction, events=events)
+                 tiers: TierLedger | None = None, kv_groups: Sequence[KVCacheGroup] | None = None) -> Replica:
+        """``tiers``: a tier ledger already built (else one from ``host_blocks`` and ``disk_blocks``).
+        ``kv_groups``: a hybrid model's KV cache groups (the ledger charges and tables by group, for works of
+        the scheduler's largest chunk)."""
+        if kv_groups is not None and len(kv_groups) > 1:
+            cfg = config or SchedulerConfig()
+            ledger = KVLedger(num_blocks, block_size, prefix_caching=prefix_caching, policy=eviction, events=events,
+                              kv_groups=kv_groups, step_tokens=min(cfg.prefill_chunk, cfg.token_budget))
+        else:
+            ledger = KVLedger(num_blocks, block_size, prefix_caching=prefix_caching, policy=eviction, events=events)
         return cls.around(ledger, config, tiers=tiers if tiers is not None else tier_ledger(host_blocks, disk_blocks),
                           costs=costs)
 

@@ -155,3 +155,21 @@ def test_the_audit_catches_a_window_block_kept_past_the_window() -> None:
     with pytest.raises(InvariantError):
         ledger.check()
 
+
+
+def test_a_request_cancelled_mid_step_keeps_its_window_blocks_until_the_step_is_confirmed() -> None:
+    """The executor may still read a cancelled request's window blocks: they stay leased (not free for anyone)
+    until the step that names them is confirmed."""
+    ledger = _hybrid(num_blocks=64)
+    sched = Scheduler(ledger, SchedulerConfig(token_budget=16, prefill_chunk=16))
+    sched.add(GenRequest("a", list(range(12)), 4))
+    plan = sched.schedule()
+    window = [b for t in plan.prefills[0].groups[1:] for b in t if b != NULL_BLOCK]
+    assert window
+    sched.cancel("a")
+    assert all(ledger.pool.leased[b] and ledger.pool.ref[b] == 0 for b in window)
+    assert not set(window) & set(ledger.pool._free)
+    ledger.check()
+    sched.confirm(plan, {"a": [7]})
+    assert set(window) <= set(ledger.pool._free)
+    ledger.check()

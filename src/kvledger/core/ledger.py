@@ -604,8 +604,8 @@ class KVLedger:
             self.promises.redeem_copy(blocks[len(seq.tokens) // self.block_size])  # it leaves without copying
         if self._branches.copies:  # a copy into a block that is about to be released must never run
             self._branches.forget_copies_into(blocks)
-        if self._leases.any_sequence():
-            self._leases.hand_over(request_id, blocks)
+        if self._leases.any_sequence():  # (a hybrid pool's other groups' blocks are the sequence's too)
+            self._leases.hand_over(request_id, blocks if self.groups is None else blocks + self.groups.live(request_id))
         self.pool.release_many(blocks[::-1])
         self.promises.cancel(seq)
         if self.groups is not None:
@@ -705,12 +705,6 @@ class KVLedger:
                 raise LedgerError(f"{request_id!r}: a work up to {end} passes its table")
             return (seq.table.blocks, *groups.tables(request_id, start, end))
 
-    def group_blocks(self, request_id: str) -> list[int]:
-        """The blocks a sequence holds in the KV cache groups after the first ([] for a uniform pool)."""
-        if self.groups is None:
-            return []
-        with self._lock:
-            return self.groups.live(request_id)
 
     def family_layout(self, requests: Sequence[Request], digests: list[list[bytes]]) -> FamilyLayout:
         """The block-sharing trie of a family (pure; see :class:`~kvledger.core.admission.FamilyLayout`)."""

@@ -44,12 +44,14 @@ class GroupSeq:
     promised: list[int]
     reserved: list[int]
     window_from: int = 0  # the start of the last work the sliding groups dropped blocks for
+    decoding: bool = False  # the prompt is computed: the sliding groups' bounds are the decode step's
 
 
 class GroupTables:
     """See the module docstring. No lock: `KVLedger` takes its own around every call."""
 
-    __slots__ = ("block_size", "decode_tokens", "groups", "pool", "promises", "seqs", "step_tokens", "total")
+    __slots__ = ("_windows", "block_size", "decode_tokens", "groups", "pool", "promises", "seqs", "step_tokens",
+                 "total")
 
     def __init__(self, pool: BlockPool, promises: PromiseBook, groups: tuple[KVCacheGroup, ...], block_size: int,
                  step_tokens: int, decode_tokens: int = 1) -> None:
@@ -59,6 +61,7 @@ class GroupTables:
             raise ConfigError("state (linear attention / Mamba) groups are not kept by the scheduler's ledger yet")
         self.pool, self.promises = pool, promises
         self.groups = tuple(groups)
+        self._windows = [g.window or 0 for g in self.groups[1:]]  # per group after the first: its window, 0: full
         self.block_size, self.step_tokens, self.decode_tokens = block_size, step_tokens, decode_tokens
         self.seqs: dict[str, GroupSeq] = {}
         self.total = 0  # promised to the groups after the first (part of the PromiseBook's total)
@@ -85,53 +88,68 @@ class GroupTables:
     def tables(self, seq_id: str, start: int, end: int) -> tuple[list[int], ...]:
         """The tables of a work computing positions ``[start, end)``: sliding groups first release what left the
         window, then every group allocates up to ``end`` from the sequence's promise. The ledger's own lists:
-        read them, never change them."""
+        read them, never change them. O(groups) a step, plus the blocks it releases or allocates."""
         gs = self.seqs.get(seq_id)
         if gs is None:
             raise LedgerError(f"unknown sequence {seq_id!r}")
         if not 0 <= start < end <= gs.limit or end - start > self.step_tokens:
             raise LedgerError(f"{seq_id!r}: a work over [{start}, {end}) is outside its reservation of {gs.limit} "
                               f"tokens or longer than a step's {self.step_tokens}")
-        bs, pool = self.block_size, self.pool
-        decoding = start >= gs.prompt
-        if decoding and end - start > self.decode_tokens:
-            raise LedgerError(f"{seq_id!r}: a decode work of {end - start} tokens (at most {self.decode_tokens})")
-        for i, group in enumerate(self.groups[1:]):
-            table = gs.tables[i]
-            if group.kind == "sliding":
-                first = min(group.first_needed(start, bs), len(table))
-                lo = gs.nulled[i]
-                if first > lo:  # only the entries that left the window since the last work: O(1) a step
+        shrink = False
+        if start >= gs.prompt:
+            if end - start > self.decode_tokens:
+                raise LedgerError(f"{seq_id!r}: a decode work of {end - start} tokens (at most {self.decode_tokens})")
+            shrink = not gs.decoding
+        bs, pool, promises = self.block_size, self.pool, self.promises
+        want = -(-end // bs)
+        tables, nulled, held, promised = gs.tables, gs.nulled, gs.held, gs.promised
+        for i, window in enumerate(self._windows):
+            table = tables[i]
+            if window:
+                first = max(0, start - window + 1) // bs
+                if first > len(table):
+                    first = len(table)
+                lo = nulled[i]
+                if first > lo:  # only the entries that left the window since the last work
                     drop = [b for b in table[lo:first] if b != NULL_BLOCK]
                     table[lo:first] = [NULL_BLOCK] * (first - lo)
-                    gs.nulled[i] = first
+                    nulled[i] = first
                     if drop:
-                        pool.release_many(drop[::-1])
-                        gs.held[i] -= len(drop)
-                        gs.promised[i] += len(drop)
-                        self.total += len(drop)
-                        self.promises.claim(len(drop))
-                if decoding:
-                    # Past the prompt a step computes at most `decode_tokens`: the window's bound shrinks from the
-                    # prefill chunk's to the decode step's, and the difference is promised to nobody.
-                    spare = gs.reserved[i] - group.reserved_blocks(gs.limit, bs, self.decode_tokens)
-                    if spare > 0:
-                        gs.reserved[i] -= spare
-                        gs.promised[i] -= spare
-                        self.total -= spare
-                        self.promises.claim(-spare)
-            grow = -(-end // bs) - len(table)
+                        drop.reverse()
+                        pool.release_many(drop)
+                        n = len(drop)
+                        held[i] -= n
+                        promised[i] += n
+                        self.total += n
+                        promises.claim(n)
+                if shrink:
+                    self._shrink(gs, i)
+            grow = want - len(table)
             if grow > 0:
-                if grow > gs.promised[i]:
+                if grow > promised[i]:
                     raise InvariantError(f"group {i + 1} of {seq_id!r} needs {grow} blocks beyond its reservation "
-                                         f"({gs.promised[i]} promised)")
+                                         f"({promised[i]} promised)")
                 table.extend(pool.allocate_many(grow))
-                gs.held[i] += grow
-                gs.promised[i] -= grow
+                held[i] += grow
+                promised[i] -= grow
                 self.total -= grow
-                self.promises.claim(-grow)
+                promises.claim(-grow)
+        if shrink:
+            gs.decoding = True
         gs.window_from = start
-        return tuple(gs.tables)
+        return tuple(tables)
+
+    def _shrink(self, gs: GroupSeq, i: int) -> None:
+        """The prompt is computed: from now on a step computes at most ``decode_tokens``, so sliding group ``i``'s
+        bound shrinks from the prefill chunk's to the decode step's (after the window's release: what it holds is
+        within the new bound) and the difference is promised to nobody. Once per sequence."""
+        bound = self.groups[i + 1].reserved_blocks(gs.limit, self.block_size, self.decode_tokens)
+        spare = min(gs.reserved[i] - bound, gs.promised[i])
+        if spare > 0:
+            gs.reserved[i] -= spare
+            gs.promised[i] -= spare
+            self.total -= spare
+            self.promises.claim(-spare)
 
     def live(self, seq_id: str) -> list[int]:
         """The blocks the sequence holds in the groups after the first (what a step's lease must cover)."""

@@ -265,9 +265,8 @@ class Scheduler:
         plan.copies.extend(self.ledger.take_copies())
         self._copies_from_host(plan)
         self.tier_planner.take_ops(plan)
-        blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if self._kv_groups:
-            self._group_tables(plan, blocks)
+            self._group_tables(plan)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
         # (A sequence has at most one work per plan; a restored one may also have none.)
@@ -277,21 +276,21 @@ class Scheduler:
         seqs += [w.seq_id for w in plan.prefills]
         if self._restored:
             seqs = list(dict.fromkeys(seqs + [br.seq_id for br in self._restored if br.status is Status.RUNNING]))
+        blocks = [b for op in plan.copies for b in (op.src, op.dst)]
         if seqs or blocks:
             plan.lease = self.ledger.lease(request_ids=seqs, blocks=blocks,
                                            owner=f"{self.lease_owner} step {plan.step}")
         self._in_flight = plan
         return plan
 
-    def _group_tables(self, plan: StepPlan, blocks: list[int]) -> None:
+    def _group_tables(self, plan: StepPlan) -> None:
         """A hybrid pool: give every work its KV cache groups' tables (a sliding group releases the blocks that
-        left its window first) and add their blocks to what the step leases."""
-        ledger = self.ledger
+        left its window first). The step's lease of the work's sequence covers them: a sequence dropped while
+        leased hands every group's blocks over to the lease."""
+        group_tables = self.ledger.group_tables
         for works in (plan.prefills, plan.decodes):
             for i, w in enumerate(works):
-                tables = ledger.group_tables(w.seq_id, w.start, w.end)
-                works[i] = w._replace(groups=tables)
-                blocks.extend(ledger.group_blocks(w.seq_id))
+                works[i] = w._replace(groups=group_tables(w.seq_id, w.start, w.end))
 
     def _branch(self, seq_id: str) -> Branch:
         try:

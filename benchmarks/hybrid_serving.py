@@ -1,5 +1,6 @@
 """Gemma 3 27B served from a hybrid KV pool against a uniform one, on Mooncake's conversation trace: requests per
-second at the same SLO (docs/hybrid.md; `kvledger.sim.hybrid`).
+second at the same SLO (docs/hybrid.md; `kvledger.sim.hybrid`: the simulator's one step loop, the hybrid pool
+charged by KV cache group, neither pool with a prefix cache).
 
     PYTHONPATH=src .venv/bin/python benchmarks/hybrid_serving.py --limit 200 --out docs/img/hybrid_serving.png
 
@@ -19,12 +20,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvledger.core.groups import GroupLedger  # noqa: E402
 from kvledger.core.sizing.geometry import KVSpec  # noqa: E402
 from kvledger.core.sizing.inventory import build_inventory  # noqa: E402
 from kvledger.core.sizing.models import load_model_config  # noqa: E402
-from kvledger.sim.cost_model import CostModel, get_profile  # noqa: E402
-from kvledger.sim.hybrid import meets, pools, serve  # noqa: E402
+from kvledger.sim.hybrid import config, meets, pools, serve  # noqa: E402
 from kvledger.workloads.readers import load_mooncake  # noqa: E402
 from kvledger.workloads.transforms import at_rate  # noqa: E402
 
@@ -58,20 +57,19 @@ def main() -> None:
     inv = build_inventory(spec, cfg, gpu=args.gpu, engine="vllm")
     step = inv.max_batched_tokens or 8192
     seqs = inv.max_seqs or 256
-    plan, made = pools(spec, inv.kv_budget_bytes, max_model_len=args.max_model_len, step_tokens=step)
-    cost = CostModel(cfg, spec, get_profile(args.gpu))
+    plan, _ = pools(spec, inv.kv_budget_bytes, max_model_len=args.max_model_len, step_tokens=step)
     trace = [r for r in load_mooncake(args.trace) if r.prompt_len + max(1, r.output_len) <= args.max_model_len]
     trace = trace[: args.limit]
     rates = [float(x) for x in args.rates.split(",")]
     results: dict[str, list[dict]] = {"hybrid": [], "uniform": []}
     for rate in rates:
         reqs = at_rate(trace, rate)
-        for name, (blocks, groups) in made.items():
-            ledger = GroupLedger(blocks, spec.block_size, groups, step_tokens=step)
+        for name in ("hybrid", "uniform"):
             t0 = time.perf_counter()
-            run = serve(reqs, ledger, cost, max_num_batched_tokens=step, max_num_seqs=seqs)
-            run.update(pool=name, rate=rate, pool_blocks=blocks, block_bytes=ledger.block_bytes,
-                       meets_slo=meets(run, args.slo_ttft, args.slo_tpot), wall_s=round(time.perf_counter() - t0, 1))
+            run = serve(reqs, config(args.model, args.gpu, plan.uniform_pool_blocks, hybrid=name == "hybrid",
+                                     max_num_batched_tokens=step, max_num_seqs=seqs, max_model_len=args.max_model_len))
+            run.update(pool=name, rate=rate, meets_slo=meets(run, args.slo_ttft, args.slo_tpot),
+                       wall_s=round(time.perf_counter() - t0, 1))
             results[name].append(run)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in run.items()}), flush=True)
     best = {name: max((r["rate"] for r in runs if r["meets_slo"]), default=0.0) for name, runs in results.items()}

@@ -328,6 +328,9 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
 @click.option("--slo-percentile", type=click.Choice(["50", "90", "99"]), default="90", show_default=True,
               help="Sweep: the percentile the SLO targets apply to (a run meets the SLO only if it also serves "
                    ">= 95% of the offered rate).")
+@click.option("--kv-groups", is_flag=True,
+              help="Charge a sliding-window model by KV cache group, as vLLM's hybrid allocator (the same KV bytes in "
+                   "blocks of one group's page; needs --no-enable-prefix-caching).")
 @click.option("--prefix-bound", is_flag=True, help="Also print (and plot) the hit rate an unbounded cache allows.")
 @click.option("--fragmentation", is_flag=True, help="Run the fragmentation study on the trace's lengths instead "
               "of a simulation.")
@@ -368,7 +371,7 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
                  declared_max_new: int | None, start_s: float | None, duration_s: float | None, limit: int | None,
                  speedup: float | None, rate: float, arrival_cv: float, block_tokens: int, scale: float,
                  seed: int, out: str | None, no_report: bool, sweep: tuple[str, ...], slo_ttft: float | None,
-                 slo_tpot: float | None, slo_percentile: str, prefix_bound: bool, fragmentation: bool,
+                 slo_tpot: float | None, slo_percentile: str, kv_groups: bool, prefix_bound: bool, fragmentation: bool,
                  capacity_tokens: int, frag_max_len: int, frag_block_sizes: str, replicas: int | None, routers: int,
                  staleness: float, arm: str, routing: str, transit_ms: float, retries: int | None, min_match: int,
                  queue_weight: float, as_json: bool) -> None:
@@ -411,7 +414,7 @@ def simulate_cmd(trace: str | None, trace_format: str, workload: str | None, req
         profile = load_cpu_profile(profile_path)
     base = SimConfig(model=model, gpu=gpu, profile=profile, tp=tensor_parallel_size, policy=policy,
                      block_size=block_size,
-                     prefix_cache=enable_prefix_caching, eviction=eviction, trust_groups=groups,
+                     prefix_cache=enable_prefix_caching, kv_groups=kv_groups, eviction=eviction, trust_groups=groups,
                      host_pool_bytes=host_pool, offload_prefixes=offload_prefixes,
                      utilization=gpu_memory_utilization, pool_blocks=pool_blocks, device_memory=device_memory,
                      engine=engine,

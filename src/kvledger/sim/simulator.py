@@ -44,10 +44,12 @@ from typing import Any
 
 from ..core import checks
 from ..core.eviction import policy_names
+from ..core.groups import KVCacheGroup
 from ..core.identity import CacheContext
 from ..core.ledger import KVLedger
 from ..core.sizing.engines import check_engine
 from ..core.sizing.geometry import KVSpec, config_int, text_config
+from ..core.sizing.hybrid import hybrid_plan, is_hybrid
 from ..core.sizing.inventory import GPUS, build_inventory, count_parameters_per_rank
 from ..core.sizing.models import load_model_config
 from ..core.tiers import TierLedger
@@ -115,7 +117,10 @@ class SimConfig:
     feed_window: arrivals handed to the scheduler ahead of admission (admission only ever looks at the
     head of the queue, so this only bounds memory). check_every: run the ledger's full invariant check
     every N steps (0 = never; tests use 1). sample_every: record the per-step pool breakdown every N
-    steps (1 = every step).
+    steps (1 = every step). kv_groups: charge a model with sliding-window layers by KV cache group, as vLLM's hybrid
+    allocator does (`KVLedger(kv_groups=...)`, one table per group in every step plan): the pool is the same KV bytes
+    in blocks of one group's page (``pool_blocks``, when given, counts blocks of every layer, as without it); the
+    scheduler's hybrid pool keeps no prefix cache yet, so ``prefix_cache`` must be off.
     """
 
     model: str = "llama-3.1-8b"
@@ -123,6 +128,7 @@ class SimConfig:
     tp: int = 1
     block_size: int = 16
     prefix_cache: bool = True
+    kv_groups: bool = False
     eviction: str = "lru"
     trust_groups: str = "trace"
     host_pool_bytes: int = 0
@@ -172,6 +178,10 @@ class SimConfig:
             if getattr(self, name) is not None:
                 checks.positive(getattr(self, name), name)
         check_engine(self.engine)
+        checks.flag(self.kv_groups, "kv_groups")
+        if self.kv_groups and self.prefix_cache:
+            raise ConfigError("kv_groups: the scheduler's hybrid pool keeps no prefix cache yet; turn prefix_cache "
+                              "off (--no-enable-prefix-caching)")
         if self.eviction not in policy_names():
             raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
         DEMOTION_RULES.check(self.demotion, "demotion")
@@ -194,6 +204,8 @@ class SimConfig:
     def to_dict(self) -> dict[str, Any]:
         """Every setting, flat (scheduler keys beside the simulation's), as reports and sweeps name them."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("profile", "scheduler")}
+        if not self.kv_groups:
+            del out["kv_groups"]  # named only when on: a uniform run's report reads as it always did
         out.update(self.scheduler.to_dict())
         if self.profile is not None:
             out["profile"] = self.profile.name
@@ -289,10 +301,12 @@ class Deployment:
     max_model_len: int | None
     host_blocks: int
     disk_blocks: int = 0
+    kv_groups: tuple[KVCacheGroup, ...] | None = None  # a pool charged by KV cache group (SimConfig.kv_groups)
+    group_block_bytes: int = 0  # ... whose block is one group's page
 
     @property
     def block_bytes(self) -> int:
-        return self.spec.block_bytes
+        return self.group_block_bytes or self.spec.block_bytes
 
     def tiers(self) -> TierLedger | None:
         """A fresh ledger of the tiers below the device pool (None without any)."""
@@ -339,7 +353,20 @@ def build_deployment(config: SimConfig) -> Deployment:
         max_len = config_int(text_config(cfg), "max_position_embeddings", default=None)
     host_blocks = config.host_pool_bytes // spec.block_bytes if config.host_pool_bytes else 0
     disk_blocks = config.disk_pool_bytes // spec.block_bytes if config.disk_pool_bytes else 0
-    return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks, disk_blocks)
+    groups: tuple[KVCacheGroup, ...] | None = None
+    group_bytes = 0
+    if config.kv_groups:
+        if not is_hybrid(spec):
+            raise ConfigError(f"kv_groups: {config.model} has no sliding-window layers to group")
+        step = min(config.scheduler.prefill_chunk, config.scheduler.token_budget)
+        hybrid = hybrid_plan(spec, pool_blocks * spec.block_bytes, max_len or 8192, step)
+        # The same KV bytes in blocks of one group's page; full groups first (the ledger keeps the first).
+        planned = sorted(hybrid.groups, key=lambda g: g.kind != "full")
+        groups = tuple(KVCacheGroup(g.kind, g.layers, g.window, g.layer_block_bytes) for g in planned)
+        pool_blocks, group_bytes = hybrid.pool_blocks, hybrid.block_bytes
+        source += f"; KV cache groups: {len(groups)} of {hybrid.group_size} layers, {pool_blocks:,} blocks"
+    return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks, disk_blocks,
+                      groups, group_bytes)
 
 
 def tier_links(dep: Deployment, tiers: TierLedger | None, staging_blocks: int) -> Callable[[int], Any] | None:
@@ -357,7 +384,7 @@ def recovery_costs(dep: Deployment, staging_blocks: int = 32) -> RecoveryCosts:
     per_token = 2 * (params.attention + params.mlp + params.embedding)
     transfer = dep.profile.link("host", staging_blocks=staging_blocks)
     return RecoveryCosts(flops_per_token=float(per_token), flops_per_s=dep.profile.effective_flops,
-                         block_bytes=dep.spec.block_bytes, transfer=transfer)
+                         block_bytes=dep.block_bytes, transfer=transfer)
 
 
 # ---- results ---------------------------------------------------------------------------------------
@@ -584,7 +611,7 @@ class Simulator:
         bs = dep.spec.block_size
         replica = Replica.assemble(dep.pool_blocks, bs, cfg.scheduler, eviction=cfg.eviction,
                                    prefix_caching=cfg.prefix_cache, tiers=dep.tiers(),
-                                   costs=recovery_costs(dep, cfg.staging_blocks))
+                                   costs=recovery_costs(dep, cfg.staging_blocks), kv_groups=dep.kv_groups)
         ledger, host, sched = replica.ledger, replica.tiers, replica.scheduler
         block_cost = dep.block_cost
         set_cost = getattr(ledger.pool.retained, "set_block_cost", None)

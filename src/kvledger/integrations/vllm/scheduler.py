@@ -9,13 +9,14 @@ from typing import Any
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 
 from ...errors import ConfigError, InvariantError
+from .lean import LeanSteps
 from .manager import LedgerKVCacheManager
 from .options import Options
 
 logger = logging.getLogger(__name__)
 
 
-class VllmLedgerScheduler(AsyncScheduler):
+class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
     """vLLM's scheduler with kvledger's ledger as its KV cache manager; exported as
     ``kvledger.integrations.vllm.Scheduler`` (the package docstring says what it gives)."""
 
@@ -39,24 +40,32 @@ class VllmLedgerScheduler(AsyncScheduler):
             options=self.kvledger_options, model=str(config.model_config.model) if config.model_config else "",
             kv_format=str(self.cache_config.cache_dtype))
         del old  # vLLM's own manager and its block pool: never used
+        self._kvl_init_lean()
 
     def add_request(self, request: Any) -> None:
         if not self.enable_kv_cache_events:
             # kvledger's ledger hashes blocks itself (its own identity); vLLM's per-request block hashes only
             # feed the events, so without them vLLM need not hash every block of every generated token.
             request._block_hasher = None
+        self._kvl_note_request(request)
         super().add_request(request)
 
-    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+    def schedule(self, throttle_prefills: bool = False) -> Any:
         manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
         manager.sync_tokens(self.running)
-        out = super().schedule(*args, **kwargs)
+        if not throttle_prefills and self._kvl_lean_now():
+            out = self._kvl_schedule()
+        else:
+            out = super().schedule(throttle_prefills)
         if self.kvledger_options.check:
             self._check()
         return out
 
-    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-        out = super().update_from_output(*args, **kwargs)
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if self._kvl_lean_now() and self._kvl_lean_output(scheduler_output, model_runner_output):
+            out = self._kvl_update_from_output(scheduler_output, model_runner_output)
+        else:
+            out = super().update_from_output(scheduler_output, model_runner_output)
         manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
         if manager.refused:
             self._end_refused(manager, out)

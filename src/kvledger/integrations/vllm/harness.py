@@ -54,6 +54,11 @@ def scheduler_class(name: str) -> type:
     raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {name!r}")
 
 
+def fake_token(position: int) -> int:
+    """The fake model's token after ``position`` computed tokens (distinct for positions < 32000)."""
+    return (position * 7919) % 32000
+
+
 @dataclass(slots=True)
 class Harness:
     """A scheduler and what a fake engine needs to drive it."""
@@ -71,10 +76,12 @@ class Harness:
     _queue: list = field(default_factory=list)
 
     def add(self, request_id: str, prompt: list[int], max_tokens: int, *, cache_salt: str | None = None,
-            ignore_eos: bool = True) -> Any:
+            ignore_eos: bool = True, stop_after: int | None = None) -> Any:
+        """``stop_after``: the request stops (a stop token) after that many output tokens."""
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
-        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
+        stop = None if stop_after is None else [fake_token(len(prompt) + stop_after - 1)]
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop)
         req = Request(request_id, list(prompt), sp, None, block_hasher=self.hasher, cache_salt=cache_salt)
         self.scheduler.add_request(req)
         return req
@@ -92,7 +99,7 @@ class Harness:
         for rid in req_ids:
             r = reqs[rid]
             end = r.num_computed_tokens  # already advanced by schedule()
-            sampled.append([] if r.is_prefill_chunk else [(end * 7919) % 32000])
+            sampled.append([] if r.is_prefill_chunk else [fake_token(end)])
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled)
         self._queue.append((out, mro))

@@ -27,7 +27,8 @@ anything else at start-up).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -37,14 +38,31 @@ from vllm.v1.metrics.stats import PrefixCacheStats
 from vllm.v1.request import Request as VllmRequest
 from vllm.v1.request import RequestStatus
 
-from ...core.identity import CacheContext, request_context
+from ...core.identity import CacheContext, prompt_digests, request_context
 from ...core.ledger import KVLedger
 from ...core.types import Outcome, Request
-from ...errors import ConfigError, OutOfBlocksError
+from ...errors import AdmissionError, ConfigError, OutOfBlocksError
+from ...scheduler.policies import OutputLengthTracker
 from .options import Options
+
+logger = logging.getLogger(__name__)
 
 _RUNNING = RequestStatus.RUNNING
 _WAITING = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+_LEARNED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # lengths ``predicted`` learns
+
+
+@dataclass(slots=True)
+class PinState:
+    """One pinned prefix: its block digests, and how many of its leading blocks the ledger pins now."""
+
+    name: str
+    tokens: tuple[int, ...]
+    context: CacheContext
+    digests: list[bytes] = field(default_factory=list)
+    pinned: int = 0
+    tried: int = 0  # the ready blocks at the last refusal: not retried until more are ready
+    refused: str = ""  # why the ledger refused it last (logged once per reason)
 
 
 class LedgerBlocks(KVCacheBlocks):
@@ -150,13 +168,57 @@ class LedgerKVCacheManager:
         self.mamba_shared_prefix_checkpoint = False
         self.coordinator = CoordinatorView((GroupView(block_size, groups[0].kv_cache_spec),))
         self.retained_hit_group_ids: tuple[int, ...] = ()
+        self.lengths = OutputLengthTracker()  # output lengths of finished requests (``predicted`` admission)
+        self._pins: list[PinState] = []
         if enable_kv_cache_events:
             self.ledger.pool.on_event = self._on_event
+
+    # ---- pinned prefixes ------------------------------------------------------------------------------
+    def add_pins(self, pins: list[tuple[tuple[int, ...], str | None]]) -> None:
+        """Prefixes (token ids, cache_salt) to keep: each pins its full blocks as soon as they are computed
+        (:meth:`refresh_pins`) and they are never evicted from then on."""
+        if pins and not self.enable_caching:
+            raise ConfigError("kvledger pins need vLLM's prefix caching (--enable-prefix-caching)")
+        for i, (tokens, salt) in enumerate(pins):
+            ctx = self._context_for(salt)
+            digests = prompt_digests(ctx.root_digest(), tokens, self.block_size, self.ledger._native)
+            if not digests:
+                raise ConfigError(f"kvledger pin {i} is shorter than one block ({self.block_size} tokens)")
+            self._pins.append(PinState(f"vllm-pin-{i}", tuple(tokens), ctx, list(digests)))
+
+    def refresh_pins(self) -> None:
+        """Pin what has been computed of each pinned prefix since the last call (cheap when nothing did)."""
+        pool = self.ledger.pool
+        index, written = pool.index, pool.written
+        for pin in self._pins:
+            ready, digests = pin.pinned, pin.digests
+            while ready < len(digests):
+                b = index.get(digests[ready])
+                if b is None or not written[b]:
+                    break
+                ready += 1
+            if ready == pin.pinned or (pin.refused and ready <= pin.tried):
+                continue
+            if pin.pinned:
+                self.ledger.unpin(pin.name)
+                pin.pinned = 0
+            try:
+                pin.pinned = self.ledger.pin(pin.name, pin.tokens, pin.context)
+                pin.refused = ""
+            except AdmissionError as exc:
+                if str(exc) != pin.refused:
+                    logger.warning("kvledger: prefix %s is not pinned: %s", pin.name, exc)
+                pin.refused, pin.tried = str(exc), ready
+
+    def pinned_blocks(self) -> dict[str, int]:
+        return {pin.name: pin.pinned for pin in self._pins}
 
     # ---- the ledger's view of a vLLM request --------------------------------------------------------
     def _context(self, request: VllmRequest) -> CacheContext:
         """vLLM's ``cache_salt`` is the trust group (and joins the identity): two salts never share."""
-        salt = request.cache_salt
+        return self._context_for(request.cache_salt)
+
+    def _context_for(self, salt: str | None) -> CacheContext:
         ctx = self._contexts.get(salt)
         if ctx is None:
             ctx = self._contexts[salt] = request_context(trust_group=salt or "default", model=self._model,
@@ -174,7 +236,18 @@ class LedgerKVCacheManager:
         head = max(n - 1, 1)
         total = min(request.num_prompt_tokens + request.max_tokens, self.max_model_len)
         allowance = max(total - head, n - head)
-        reserve = allowance if self.options.admission == "full" else n - head
+        admission = self.options.admission
+        if admission == "full":
+            reserve = allowance
+        elif admission == "incremental":
+            reserve = n - head
+        else:  # predicted: the quantile of finished output lengths, less what the request already produced
+            reserve = allowance
+            lengths = self.lengths
+            if len(lengths) >= self.options.predicted_min_samples:
+                remaining = allowance - (n - head)
+                more = lengths.quantile(self.options.predicted_quantile) - request.num_output_tokens
+                reserve = (n - head) + max(min(remaining, more), min(1, remaining))
         req = Request(rid, tuple(request.all_token_ids[:head]), allowance, self._context(request),
                       reserve_new_tokens=reserve, read_prefix_cache=not request.skip_reading_prefix_cache,
                       readmission=request.num_preemptions > 0)
@@ -344,10 +417,13 @@ class LedgerKVCacheManager:
             ledger.mark_computed(rid, min(done, len(seq.tokens)))
         if self.enable_kv_cache_events:
             self._flush_stored(request, seq)
-        if request.status == _RUNNING:
+        status = request.status
+        if status == _RUNNING:
             ledger.preempt(rid)
         else:
             ledger.release(rid)
+            if status in _LEARNED:
+                self.lengths.observe(request.num_output_tokens)
 
     def pop_blocks_for_free(self, request: VllmRequest) -> list[KVCacheBlock]:
         raise NotImplementedError("kvledger's vLLM manager does not defer frees (no KV connector support)")
@@ -364,8 +440,14 @@ class LedgerKVCacheManager:
             self.ledger.invalidate(idle)
 
     def reset_prefix_cache(self) -> bool:
+        if not self._seqs:  # pins go with the cache (vLLM resets it after a weight update); they return as recomputed
+            for pin in self._pins:
+                if pin.pinned:
+                    self.ledger.unpin(pin.name)
+                    pin.pinned = 0
         outcome = self.ledger.reset_prefix_cache()
         if not outcome.done:
+            self.refresh_pins()
             return False
         self._pending.clear()
         if self.enable_kv_cache_events:

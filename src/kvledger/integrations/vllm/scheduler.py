@@ -40,6 +40,7 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
             options=self.kvledger_options, model=str(config.model_config.model) if config.model_config else "",
             kv_format=str(self.cache_config.cache_dtype))
         del old  # vLLM's own manager and its block pool: never used
+        self.kv_cache_manager.add_pins(self._pin_tokens())
         self._kvl_init_lean()
 
     def add_request(self, request: Any) -> None:
@@ -53,6 +54,8 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
     def schedule(self, throttle_prefills: bool = False) -> Any:
         manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
         manager.sync_tokens(self.running)
+        if manager._pins:
+            manager.refresh_pins()
         if not throttle_prefills and self._kvl_lean_now():
             out = self._kvl_schedule()
         else:
@@ -72,6 +75,23 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
         if self.kvledger_options.check:
             self._check()
         return out
+
+    def _pin_tokens(self) -> list[tuple[tuple[int, ...], str | None]]:
+        """The pinned prefixes as token ids: text is tokenized as vLLM tokenizes a completion prompt."""
+        pins = []
+        tokenizer = None
+        for pin in self.kvledger_options.pins:
+            tokens = pin.tokens
+            if pin.prompt is not None:
+                if tokenizer is None:
+                    from vllm.tokenizers import cached_tokenizer_from_config
+                    tokenizer = cached_tokenizer_from_config(self.vllm_config.model_config)
+                    if tokenizer is None:
+                        raise ConfigError("kvledger pins given as text need the model's tokenizer "
+                                          "(not --skip-tokenizer-init); give prompt_token_ids instead")
+                tokens = tuple(tokenizer.encode(pin.prompt))
+            pins.append((tokens, pin.cache_salt))
+        return pins
 
     def _check(self) -> None:
         """The ledger's laws, and the ledger's sequences are exactly vLLM's running requests."""

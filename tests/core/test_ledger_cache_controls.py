@@ -155,3 +155,28 @@ def test_a_policy_object_that_already_holds_blocks_is_refused() -> None:
     used.add(3)
     with pytest.raises(ConfigError):
         KVLedger(8, 4, policy=used)
+
+
+# ---- an engine that computes prompts in chunks (vLLM) ----------------------------------------------
+
+def test_share_pending_false_never_shares_a_block_another_request_is_still_computing() -> None:
+    ledger = KVLedger(32, 4)
+    prompt = list(range(16))  # 4 blocks
+    ledger.admit(Request("a", prompt, 4)).raise_for_outcome()
+    ledger.mark_computed("a", 8)  # a's first chunk: blocks 0, 1 written; 2, 3 still being computed
+    ledger.admit(Request("b", prompt + [99], 4, share_pending=False)).raise_for_outcome()
+    ledger.admit(Request("c", prompt + [98], 4)).raise_for_outcome()
+    a, b, c = (ledger.sequence(r).table.blocks for r in "abc")
+    assert b[:2] == a[:2] and not set(b[2:]) & set(a)  # b computes its own copy of blocks 2, 3
+    assert c[:4] == a[:4]  # the default shares them (an engine that waits for pending blocks)
+    ledger.check()
+
+
+def test_append_tokens_unconfirmed_marks_no_block_written() -> None:
+    ledger = KVLedger(32, 4)
+    ledger.admit(Request("a", list(range(11)), 4, reserve_new_tokens=4)).raise_for_outcome()
+    ledger.append_tokens("a", [11, 12], confirm=False)  # the prompt's tail: known, not run yet
+    assert not any(ledger.pool.written[b] for b in ledger.sequence("a").table.blocks)
+    ledger.append_tokens("a", [13])  # a sampled token confirms everything before it
+    assert [ledger.pool.written[b] for b in ledger.sequence("a").table.blocks[:3]] == [True, True, True]
+    ledger.check()

@@ -187,3 +187,51 @@ def test_kvledger_watch_mirrors_exactly_what_the_ledger_caches() -> None:
     cached = {manager._vhash[b] for b in range(pool.num_blocks) if pool.digest[b] is not None}
     assert {key[2] for key in mirror.blocks} == cached and len(cached) > 0
     mirror.check()
+
+
+def chunked_pair(name: str, kv_events: bool = False):
+    """``a``'s 8-block prompt in chunks (64 tokens alone, then 32 beside ``b``); ``b`` (the same prompt,
+    another tail) arrives while a's later blocks are still to be computed."""
+    h = build_scheduler(name, num_blocks=64, max_num_batched_tokens=64, long_prefill_token_threshold=32, max_num_seqs=8,
+                        kv_events=kv_events,
+                        additional_config={"kvledger": {"check": True}} if name == "kvledger" else None)
+    prompt = list(range(1, 1 + 8 * BS))
+    h.add("a", prompt + [5, 5], 4)
+    return h, prompt
+
+
+def test_a_request_never_shares_a_block_another_is_still_computing() -> None:
+    tables = {}
+    for name in ("vllm", "kvledger"):
+        h, prompt = chunked_pair(name)
+        h.step()  # a: tokens 0-63 (blocks 0-3)
+        h.add("b", prompt + [9, 9], 4)
+        out = h.step()  # a: tokens 64-95 (blocks 4, 5); b hits blocks 0-5 and computes 6, 7 itself
+        new = {r.req_id: r for r in out.scheduled_new_reqs}
+        assert new["b"].num_computed_tokens == 6 * BS
+        manager = h.scheduler.kv_cache_manager
+        a_ids, b_ids = manager.get_block_ids("a")[0], new["b"].block_ids[0]
+        assert b_ids[:6] == a_ids[:6]
+        assert not set(b_ids[6:]) & set(a_ids)  # blocks 6, 7: b's own, as vLLM gives it
+        h.run()
+        tables[name] = h.outputs
+    assert tables["kvledger"] == tables["vllm"]
+
+
+def test_a_chunked_prompts_blocks_are_stored_as_they_are_computed_as_vllm_announces_them() -> None:
+    from vllm.distributed.kv_events import BlockStored
+    per_step = {}
+    for name in ("vllm", "kvledger"):
+        h, _ = chunked_pair(name, kv_events=True)
+        sched = h.scheduler
+        published: list = []
+        publish = sched.kv_event_publisher.publish
+        sched.kv_event_publisher.publish = lambda batch, seen=published, send=publish: seen.append(batch) or send(batch)
+        steps = []
+        while sched.has_unfinished_requests():
+            published.clear()
+            h.step()
+            steps.append([x for b in published for e in b.events if isinstance(e, BlockStored) for x in e.block_hashes])
+        per_step[name] = steps
+    assert [len(s) for s in per_step["kvledger"][:2]] == [4, 4]  # as each chunk runs, not 8 at admission
+    assert per_step["kvledger"] == per_step["vllm"]

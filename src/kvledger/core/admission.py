@@ -376,8 +376,9 @@ class AdmissionControl:
         return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason, over_quota=over_quota)
 
     # ---- the one decision and the one commit (under the lock) -----------------------------------
-    def _hits(self, layout: FamilyLayout, digests: Sequence[bytes], read: bool) -> _Hits:
-        """The family's prefix hits; ``digests``: a chain's (its prompt's), unused for a trie."""
+    def _hits(self, layout: FamilyLayout, digests: Sequence[bytes], read: bool, share_pending: bool = True) -> _Hits:
+        """The family's prefix hits; ``digests``: a chain's (its prompt's), unused for a trie.
+        ``share_pending=False``: a chain's hits stop at its first block not yet written."""
         nodes = layout.nodes
         if not (self._caching and read):
             return [] if layout.chain else [None] * nodes, [], 0, 0, -1
@@ -402,6 +403,10 @@ class AdmissionControl:
                         pending += 1
                     elif ready == len(hits) - 1:
                         ready += 1  # leading hits already written: readable at once
+            if pending and not share_pending:
+                hits = hits[:ready]
+                retained = sum(1 for b in hits if ref[b] == 0 and not leased[b])
+                pending = 0
             return [], hits, retained, pending, ready
         of_node: list[int | None] = [None] * nodes
         parents = layout.parents
@@ -418,7 +423,7 @@ class AdmissionControl:
         branches of one new request, whose decision speaks of one branch's blocks (``blocks_total``) and
         of the branches apart (``blocks_branches``); otherwise of the family's distinct blocks."""
         head = members[0]
-        hits = self._hits(layout, digests, head.read_prefix_cache)
+        hits = self._hits(layout, digests, head.read_prefix_cache, head.share_pending)
         _, hit_blocks, retained, pending, _ = hits
         hit_count = len(hit_blocks)
         bs = self._block_size

@@ -289,17 +289,19 @@ class KVLedger:
             self._grow(seq, checked[0][1])
             return copies[before:]
 
-    def append_tokens(self, request_id: str, token_ids: Iterable[int]) -> None:
+    def append_tokens(self, request_id: str, token_ids: Iterable[int], *, confirm: bool = True) -> None:
         """Append several tokens to one sequence. A bad token id or a length past ``max_new_tokens``
         changes nothing; growth past the reservation with no block left appends the tokens before it
-        and raises :class:`OutOfBlocksError`."""
+        and raises :class:`OutOfBlocksError`. ``confirm=False``: the tokens are known but nothing has
+        run over them yet (a prompt's tail that an engine computes in chunks), so appending them marks
+        no earlier block written; :meth:`mark_computed` does as each chunk runs."""
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
             raise ConfigError(f"{request_id!r}: token ids must be a sequence of integers, got {show(token_ids)}")
         with self._lock:
             seq = self.sequence(request_id)
             checked, fits = self._check_growth([(seq, t) for t in token_ids])
             for _, token in checked[:fits]:
-                self._grow(seq, token)
+                self._grow(seq, token, confirm)
             if fits < len(checked):
                 raise self._no_room(seq)
 
@@ -466,22 +468,25 @@ class KVLedger:
             out.append((seq, token))  # type: ignore[arg-type]
         return out, (len(out) if fits < 0 else fits)
 
-    def _grow(self, seq: SequenceState, token: int) -> None:
-        """Append one checked token (see :meth:`_check_growth`)."""
+    def _grow(self, seq: SequenceState, token: int, confirm: bool = True) -> None:
+        """Append one checked token (see :meth:`_check_growth`); ``confirm``: see :meth:`append_tokens`."""
         tokens = seq.tokens
         n = len(tokens)
         if n % self.block_size == 0:
-            self._boundary(seq, n)
+            self._boundary(seq, n, confirm)
         else:
-            self._computed(seq, n)  # sampling this token confirms every earlier token (cheap if no new block)
+            if confirm:
+                self._computed(seq, n)  # sampling this token confirms every earlier token (cheap if no new block)
             if seq.cow_tail:
                 self._branches.copy_on_write(seq, n)
         tokens.append(token)
 
-    def _boundary(self, seq: SequenceState, n: int) -> None:
-        """Token ``n`` starts a new block: the blocks before are fully written, and the new block comes
-        from the sequence's promise or, past its reservation, from unpromised capacity."""
-        self._computed(seq, n)
+    def _boundary(self, seq: SequenceState, n: int, confirm: bool = True) -> None:
+        """Token ``n`` starts a new block: the blocks before are fully written (unless the token is not
+        ``confirm``-ed), and the new block comes from the sequence's promise or, past its reservation,
+        from unpromised capacity."""
+        if confirm:
+            self._computed(seq, n)
         seq.cow_tail = False  # a full tail is immutable and shared as is; the new block is private
         blocks = seq.table.blocks
         if n < len(blocks) * self.block_size:

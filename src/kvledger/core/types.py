@@ -88,6 +88,9 @@ class Request:
     full blocks still enter the prefix index for later requests when no block holds that identity yet.
     ``readmission=True`` marks a request the scheduler brings back after preemption; its admission
     and prefix-cache figures are counted apart from first admissions (``KVLedger.stats()``).
+    ``share_pending=False``: a prompt block another request is still computing (indexed, not yet
+    written) is not shared; the prompt's hits stop before it and the request computes its own copy, as
+    vLLM does (an engine that writes every block it computes must never write into a shared one).
     """
 
     request_id: str
@@ -101,6 +104,7 @@ class Request:
     family: str | None = None  # the request a re-admitted branch belongs to (defaults to request_id)
     read_prefix_cache: bool = True
     readmission: bool = False
+    share_pending: bool = True
 
     def __post_init__(self) -> None:
         if type(self.request_id) is not str or not self.request_id:
@@ -136,6 +140,7 @@ class Request:
             raise ConfigError(f"request {rid!r}: family must be a non-empty string or None")
         checks.flag(self.read_prefix_cache, f"request {rid!r}: read_prefix_cache")
         checks.flag(self.readmission, f"request {rid!r}: readmission")
+        checks.flag(self.share_pending, f"request {rid!r}: share_pending")
         for name, value in (("max_new_tokens", max_new), ("reserve_new_tokens", reserve), ("branches", branches),
                             ("lookahead", lookahead), ("retention", retention)):
             if getattr(self, name) is not value:

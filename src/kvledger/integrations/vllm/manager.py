@@ -165,6 +165,7 @@ class LedgerKVCacheManager:
         self._events: list[KVCacheEvent] = []
         self.refused: dict[str, str] = {}  # request id -> why the ledger can never admit it (the scheduler ends it)
         self._stored: list[int] = []  # ledger blocks given an identity by the current call
+        self._unannounced: dict[str, list[int]] = {}  # request -> its indexed blocks not computed yet
         self.mamba_shared_prefix_checkpoint = False
         self.coordinator = CoordinatorView((GroupView(block_size, groups[0].kv_cache_spec),))
         self.retained_hit_group_ids: tuple[int, ...] = ()
@@ -250,7 +251,7 @@ class LedgerKVCacheManager:
                 reserve = (n - head) + max(min(remaining, more), min(1, remaining))
         req = Request(rid, tuple(request.all_token_ids[:head]), allowance, self._context(request),
                       reserve_new_tokens=reserve, read_prefix_cache=not request.skip_reading_prefix_cache,
-                      readmission=request.num_preemptions > 0)
+                      readmission=request.num_preemptions > 0, share_pending=False)
         self._pending[rid] = req
         return req
 
@@ -341,7 +342,8 @@ class LedgerKVCacheManager:
             seq = self._seqs[rid]  # its written hits are the ones get_computed_blocks reported (same state)
             n = request.num_tokens
             if len(seq.tokens) < n:
-                ledger.append_tokens(rid, request.all_token_ids[len(seq.tokens):n])  # within the promise
+                # within the promise; known, not computed: blocks become written as vLLM schedules them
+                ledger.append_tokens(rid, request.all_token_ids[len(seq.tokens):n], confirm=False)
             if slots > n:
                 ledger.reserve_lookahead(rid, slots - n)
             if not delay_cache_blocks:
@@ -525,11 +527,20 @@ class LedgerKVCacheManager:
             self._events.append(BlockRemoved(block_hashes=[vhash], medium="GPU", group_idx=0))
 
     def _flush_stored(self, request: VllmRequest, seq: Any) -> None:
-        """The blocks ``request``'s last operation gave an identity, as one vLLM ``BlockStored``
-        (its hashes are vLLM's own, from ``request.block_hashes``)."""
+        """The blocks ``request``'s last operation gave an identity, as one vLLM ``BlockStored`` per run
+        of blocks (its hashes are vLLM's own, from ``request.block_hashes``) -- once their KV is computed,
+        as vLLM caches a block: a chunked prompt's later blocks are announced with their chunk."""
         stored, self._stored = self._stored, []
+        rid = request.request_id
+        later = self._unannounced.pop(rid, None)
+        if later:
+            stored = later + stored
         if not stored:
             return
+        written = self.ledger.pool.written
+        if not all(written[b] for b in stored):
+            self._unannounced[rid] = [b for b in stored if not written[b]]
+            stored = [b for b in stored if written[b]]
         where = {b: i for i, b in enumerate(seq.table.blocks)}
         hashes = request.block_hashes
         bs = self.block_size

@@ -4,7 +4,7 @@ environment. Standard library only, so the options are checked (and tested) with
 ``--additional-config '{"kvledger": {"admission": "full", "eviction": "lru", "check": false,
 "quotas": {"tenant-a": 512}, "pins": [[1, 2, 3, ...], {"prompt": "You are ...", "cache_salt": "a"}]}}'``;
 each key may also come from ``KVLEDGER_VLLM_<KEY>`` (``ADMISSION``, ``EVICTION``, ``CHECK``,
-``PREDICTED_QUANTILE``, ``PREDICTED_MIN_SAMPLES``, ``PINS`` as JSON), which ``additional_config``
+``PREDICTED_QUANTILE``, ``PREDICTED_MIN_SAMPLES``, ``PINS`` as JSON, ``METRICS``), which ``additional_config``
 overrides. An unknown key or value is a
 :class:`~kvledger.errors.ConfigError` naming the choices: vLLM fails at start-up, not mid-run.
 """
@@ -26,7 +26,7 @@ from ...errors import ConfigError
 # output lengths of requests finished so far (the full allowance until ``predicted_min_samples`` have
 # finished); growth beyond it as ``incremental`` (kvledger's scheduler's policy of the same name).
 ADMISSION_POLICIES = ("full", "incremental", "predicted")
-KEYS = ("admission", "eviction", "check", "quotas", "predicted_quantile", "predicted_min_samples", "pins")
+KEYS = ("admission", "eviction", "check", "quotas", "predicted_quantile", "predicted_min_samples", "pins", "metrics")
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +76,7 @@ class Options:
     predicted_quantile: float = 0.9
     predicted_min_samples: int = 20
     pins: tuple[Pin, ...] = field(default=())
+    metrics: bool = True  # kvledger: Prometheus metrics beside vLLM's (integrations/vllm/metrics.py)
 
     def __post_init__(self) -> None:
         if self.admission not in ADMISSION_POLICIES:
@@ -84,8 +85,9 @@ class Options:
         if EVICTION_POLICIES.get(self.eviction) is None:
             raise ConfigError(f"kvledger eviction must be one of {', '.join(EVICTION_POLICIES.keys())}; "
                               f"got {self.eviction!r}")
-        if type(self.check) is not bool:
-            raise ConfigError(f"kvledger check must be true or false, got {self.check!r}")
+        for name in ("check", "metrics"):
+            if type(getattr(self, name)) is not bool:
+                raise ConfigError(f"kvledger {name} must be true or false, got {getattr(self, name)!r}")
         for group, blocks in self.quotas:
             if type(group) is not str or type(blocks) is not int or blocks < 0:
                 raise ConfigError(f"kvledger quotas map a cache_salt to a block count >= 0, got {group!r}: {blocks!r}")
@@ -104,8 +106,9 @@ class Options:
         for key in ("admission", "eviction"):
             if ENV_PREFIX + key.upper() in env:
                 values[key] = env[ENV_PREFIX + key.upper()].strip().lower()
-        if ENV_PREFIX + "CHECK" in env:
-            values["check"] = _flag(env[ENV_PREFIX + "CHECK"], ENV_PREFIX + "CHECK")
+        for key in ("check", "metrics"):
+            if ENV_PREFIX + key.upper() in env:
+                values[key] = _flag(env[ENV_PREFIX + key.upper()], ENV_PREFIX + key.upper())
         for key, kind in (("predicted_quantile", float), ("predicted_min_samples", int)):
             name = ENV_PREFIX + key.upper()
             if name in env:
@@ -127,7 +130,8 @@ class Options:
             if unknown:
                 raise ConfigError(f"additional_config['kvledger'] has unknown keys {sorted(unknown)}; "
                                   f"known: {', '.join(KEYS)}")
-            for key in ("admission", "eviction", "check", "predicted_quantile", "predicted_min_samples", "pins"):
+            for key in ("admission", "eviction", "check", "predicted_quantile", "predicted_min_samples", "pins",
+                        "metrics"):
                 if key in section:
                     values[key] = section[key]
             quotas = section.get("quotas") or {}

@@ -41,6 +41,13 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
             kv_format=str(self.cache_config.cache_dtype))
         del old  # vLLM's own manager and its block pool: never used
         self.kv_cache_manager.add_pins(self._pin_tokens())
+        self._kvl_metrics = None
+        if self.kvledger_options.metrics:
+            from .metrics import LedgerMetrics
+            name = config.model_config.served_model_name if config.model_config else None
+            if isinstance(name, (list, tuple)):
+                name = name[0] if name else None
+            self._kvl_metrics = LedgerMetrics(str(name or (config.model_config.model if config.model_config else "")))
         self._kvl_init_lean()
 
     def add_request(self, request: Any) -> None:
@@ -72,6 +79,8 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
         manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
         if manager.refused:
             self._end_refused(manager, out)
+        if self._kvl_metrics is not None:
+            self._kvl_metrics.maybe_update(manager.ledger)
         if self.kvledger_options.check:
             self._check()
         return out
@@ -96,12 +105,17 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
     def _check(self) -> None:
         """The ledger's laws, and the ledger's sequences are exactly vLLM's running requests."""
         manager: LedgerKVCacheManager = self.kv_cache_manager  # type: ignore[assignment]
-        manager.check()
-        held = set(manager.ledger.sequences())
-        running = {r.request_id for r in self.running}
-        if held != running:
-            raise InvariantError(f"ledger sequences {sorted(held - running)} are not running in vLLM, "
-                                 f"running {sorted(running - held)} hold no sequence")
+        try:
+            manager.check()
+            held = set(manager.ledger.sequences())
+            running = {r.request_id for r in self.running}
+            if held != running:
+                raise InvariantError(f"ledger sequences {sorted(held - running)} are not running in vLLM, "
+                                     f"running {sorted(running - held)} hold no sequence")
+        except InvariantError:
+            if self._kvl_metrics is not None:
+                self._kvl_metrics.check_failed()
+            raise
 
     def _end_refused(self, manager: LedgerKVCacheManager, outputs: dict[int, Any]) -> None:
         """Requests the ledger can never admit (over their trust group's quota) end with an error output,

@@ -13,7 +13,8 @@ wall clock. ``vllm`` is vLLM's ``Scheduler`` (the figure the peers README report
 
 Prints one line per scheduler per round, then one JSON line with the medians and the ratios.
 usage (vLLM venv python, kvledger on PYTHONPATH): python benchmarks/vllm_manager_step.py
-    [--rounds 2] [--steps 200] [--warmup 80] [--admission full|incremental] [--schedulers vllm,vllm-async,kvledger]
+    [--rounds 2] [--steps 200] [--warmup 80] [--admission full|incremental|predicted]
+    [--schedulers vllm,vllm-async,kvledger]
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=80)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--admission", choices=("full", "incremental"), default="full")
+    ap.add_argument("--admission", choices=("full", "incremental", "predicted"), default="full")
     ap.add_argument("--schedulers", default="vllm,vllm-async,kvledger")
     args = ap.parse_args()
     names = args.schedulers.split(",")

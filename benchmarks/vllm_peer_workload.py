@@ -23,7 +23,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scheduler", choices=("vllm", "kvledger"), default="kvledger")
-    ap.add_argument("--admission", choices=("full", "incremental"), default="full")
+    ap.add_argument("--admission", choices=("full", "incremental", "predicted"), default="full")
     ap.add_argument("--blocks", type=int, default=None, help="num_gpu_blocks_override (memory pressure)")
     ap.add_argument("--check", action="store_true", help="kvledger: KVLedger.check() after every step")
     ap.add_argument("--peers", default=os.environ.get("PEERS_DIR", "../shared/peers"))

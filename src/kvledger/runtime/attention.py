@@ -30,6 +30,7 @@ from ..core.registry import Registry
 from ..core.sizing.kv_formats import KVFormat
 from ..errors import ConfigError
 from . import kv_quant, native
+from .cpu_features import bf16_path
 from .kv_store import KVStore
 
 
@@ -347,6 +348,12 @@ class NativePagedAttention:
                          and hasattr(self.ops, "kv_write_q"))
         if not store.plain and store.format.has_residual:
             store.residual_writer = self.ops.kv_write
+        # bf16 over a bf16 store on a CPU with AVX-512 BF16 (AMX CPUs have it too): decode scores as bf16 dot
+        # products on the rows as stored, instead of widening each row to fp32 first (csrc/kvledger_bf16_decode.h).
+        self._decode = self.ops.paged_decode
+        if (store.plain and store.dtype == torch.bfloat16 and getattr(self.ops, "HAS_BF16_DOTS", False)
+                and bf16_path() != "avx2"):
+            self._decode = self.ops.paged_decode_bf16
 
     def plan(self, batch: AttentionBatch) -> None:
         bs, dev = self.store.block_size, self.store.device
@@ -403,8 +410,8 @@ class NativePagedAttention:
         else:
             self._sdpa_prefills(plan, layer, q, k, v, out, scale, window)
         if plan.decode_rows is not None:
-            self.ops.paged_decode(out, q, kc, vc, plan.decode_tables, plan.decode_lens, plan.decode_rows,
-                                  scale, window or 0, self.partition)
+            self._decode(out, q, kc, vc, plan.decode_tables, plan.decode_lens, plan.decode_rows,
+                         scale, window or 0, self.partition)
         return out
 
     def _forward_quantised(self, plan: _NativePlan, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

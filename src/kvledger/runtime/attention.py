@@ -421,6 +421,7 @@ class NativePagedAttention:
         if self._write_q and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype in _ROW_DTYPES:
             # Turned keys are quantised from fp32, as the store does (v widened alike: the kernel takes one dtype).
             fmt = store.format
+            k = store.stored_keys(layer, k)
             kw, vw = (kv_quant.rotate(k.float()), v.float()) if fmt.rotates("k") else (k, v)
             if fmt.rotates("v"):
                 vw = kv_quant.rotate(v.float())
@@ -428,7 +429,9 @@ class NativePagedAttention:
         else:
             store.write(layer, plan.batch.slot_mapping, k, v)
         # Keys stored turned by H: the kernels score the queries turned alike ((q H) . (k H) = q . k).
-        qk = kv_quant.rotate(q) if store.format.rotates("k") else q
+        # Smoothed keys ((k - mu) / s): the queries times s score them softmax-equal to q . k.
+        qk = q if store.smoothing is None else store.smoothing.query(layer, q)
+        qk = kv_quant.rotate(qk) if store.format.rotates("k") else qk
         blocks = store.kv[layer]
         residual = store.residual[layer] if store.residual_slots else self._no_residual
         res_map = store.res_map if store.residual_slots else self._no_residual

@@ -19,7 +19,8 @@ token of a fully cached prompt is recomputed) is dropped. Which block holds whic
 
 int8-hadamard stores keys (and int8 its values) turned by the normalised Walsh-Hadamard matrix
 (``kv_quant.rotate``); :meth:`read` turns them back, and a kernel reading int8-hadamard's codes in place turns
-the queries instead (same scores).
+the queries instead (same scores). int4-smooth stores keys smoothed by the model's static constants
+(``kv_smoothing``: ``(k - mu) / s`` before turning); :meth:`read` undoes them, the native kernels score ``q * s``.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 from ..core.sizing.geometry import KVSpec
 from ..errors import ConfigError, InvariantError
 from . import kv_quant as q
+from .kv_smoothing import KVSmoothing
 
 # Element names of the core's formats -> torch storage dtypes.
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -114,7 +116,9 @@ class KVStore:
     """All K/V pages of one rank. Block ids and slots come from the ledger's tables."""
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu", *,
-                 residual_slots: int | None = None) -> None:
+                 residual_slots: int | None = None, smoothing: KVSmoothing | None = None) -> None:
+        """``smoothing``: the model's static key constants, required by (and only used for) a format that
+        smooths keys (int4-smooth)."""
         if spec.attention == "mla":
             raise ConfigError("the runtime KV store holds K and V heads; MLA latent caches are not supported")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -133,6 +137,13 @@ class KVStore:
         # Writes rows into residual pages (k_page, v_page, rows, k, v), e.g. the native kv_write; None: torch.
         self.residual_writer: Callable[..., None] | None = None
         L, B, H, D = spec.layers, self.block_size, self.kv_heads, self.head_dim
+        self.smoothing: KVSmoothing | None = None
+        if fmt.smooth:
+            if smoothing is None:
+                raise ConfigError(f"{fmt.name} stores keys smoothed by the model's calibrated constants; the store "
+                                  "was given none")
+            smoothing.check(L, H, D)
+            self.smoothing = smoothing
         if self.plain:
             self.dtype = torch_dtype(fmt.element)
             # Zero-filled so unwritten slots are finite: a kernel reading a padded tail never sees NaN.
@@ -242,6 +253,8 @@ class KVStore:
                 k = q.rotate(k)
             if self.format.rotates("v"):
                 v = q.rotate(v)
+            if self.smoothing is not None:
+                k = self.smoothing.unsmooth(layer, k)
             return k.to(dtype), v.to(dtype)
         if self.format.scales == "channel":
             k = q.dequant_channel(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
@@ -356,7 +369,7 @@ class KVStore:
             return
         if self.format.scales == "token4":
             block, off = idx // self.block_size, idx % self.block_size
-            for name, x in (("k", k), ("v", v)):
+            for name, x in (("k", self.stored_keys(layer, k)), ("v", v)):
                 x = q.rotate(x.float()) if self.format.rotates(name) else x.float()
                 codes, scale, low = q.quant_kivi_v(x)
                 p[f"{name}.codes"][block, off] = codes
@@ -364,6 +377,10 @@ class KVStore:
                 p[f"{name}.min"][block, off] = low
             return
         self._write_kivi(layer, idx, k, v, p)
+
+    def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """Keys as the format quantises them before any turning: smoothed (fp32) when it smooths, else ``k``."""
+        return k if self.smoothing is None else self.smoothing.smooth(layer, k)
 
     def _write_kivi(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     p: dict[str, torch.Tensor]) -> None:

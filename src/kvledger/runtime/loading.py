@@ -96,6 +96,7 @@ def load_decoder(ckpt: Checkpoint, dtype: torch.dtype = torch.float32, device: s
         model = Decoder(cfg)
     model.load_hf_state(ckpt.tensors(), dtype, device)
     model.eval()
+    model.checkpoint = ckpt  # which weights: a format with calibrated constants (int4-smooth) looks them up
     if not cached:
         return model
     with _DECODER_LOCK:

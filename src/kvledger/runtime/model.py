@@ -308,7 +308,12 @@ class ModelRunner:
         if kv_groups:
             self.layout = layer_groups(model.cfg.windows, spec.layer_block_bytes)
             spec = self.spec = group_store_spec(spec, self.layout.size)
-        self.store = KVStore(spec, num_blocks, device, residual_slots=residual_slots)
+        smoothing = None
+        if spec.format.smooth:
+            from .kv_smoothing import for_model
+
+            smoothing = for_model(model)
+        self.store = KVStore(spec, num_blocks, device, residual_slots=residual_slots, smoothing=smoothing)
         factory = attention_backend_factory(backend or "auto") if backend is None or isinstance(backend, str) \
             else backend
         self.backend: AttentionBackend = factory(self.store) if self.layout is None else \

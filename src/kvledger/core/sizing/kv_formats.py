@@ -40,6 +40,13 @@ Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names a
     energy spread over every channel, so one grid per token fits the row), then asymmetric per token and
     head: two codes per byte, one fp16 scale and minimum per token and head (KIVI's value scheme), no
     residual page. ``4 / (1 + 4/D)`` fewer bytes than bf16 at any block size: 3.56x at ``D = 64``.
+``int4-smooth``
+    ``int4-hadamard`` whose keys are first smoothed by static constants calibrated once per model (not
+    per token, so no bytes per token): ``(k - mu) / s`` per layer, KV head and channel, then turned and
+    quantised as ``int4-hadamard``. Subtracting ``mu`` shifts every score of a query by the same
+    ``q . mu`` (softmax unchanged), and dividing a channel by ``s`` is undone by multiplying the query's
+    channel by ``s``, so scores are unchanged in exact arithmetic; the rotation then no longer spreads a
+    channel's large steady offset over the row. Same bytes as ``int4-hadamard``.
 ``int4``
     KIVI-style asymmetric 4-bit, two values per byte. Keys per channel within the block (the block is
     the quantisation group: ``B`` tokens share a scale and minimum per channel), values per token (one
@@ -101,7 +108,8 @@ class KVFormat:
     (int8: K asymmetric per channel per block, V per token), ``kivi`` (int4) or ``token4`` (int4-hadamard:
     K and V asymmetric 4-bit per token and head). ``rotation``: which of K and V
     are turned per head by the normalised Walsh-Hadamard matrix before quantisation (``""``, ``k``, ``v``,
-    ``kv``)."""
+    ``kv``). ``smooth``: which of K and V are stored smoothed by static calibrated per-channel constants
+    (``(x - mu) / s``, the model's own, see ``runtime.kv_smoothing``): ``""`` or ``k``."""
 
     name: str
     summary: str
@@ -110,6 +118,7 @@ class KVFormat:
     scales: str
     element: str  # element type of the stored values (int4 codes are packed into uint8)
     rotation: str = ""
+    smooth: str = ""
 
     def rotates(self, kv: str) -> bool:
         """Whether ``kv`` ('k' or 'v') is stored turned by the Walsh-Hadamard matrix."""
@@ -131,6 +140,8 @@ class KVFormat:
                                   "cache is neither (use fp8-scaled or int8-token)")
             if head_dim % 2:
                 raise ConfigError(f"int4 packs two values per byte: head_dim must be even, got {head_dim}")
+        if self.smooth and mla:
+            raise ConfigError(f"{self.name} smooths keys per KV head and channel; an MLA latent cache has neither")
         if self.scales == "channel" and mla:
             raise ConfigError(f"{self.name} quantises K per channel and V per token; an MLA latent cache is "
                               "neither (use int8-token)")
@@ -185,7 +196,8 @@ class KVFormat:
             rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""
             return f"{self.name}:{kind}{rot},scale=fp16/token-head"
         if self.scales == "token4":
-            return f"{self.name}:k=v=asym4/token-head,rot=hadamard/{self.rotation or '-'},meta=fp16"
+            smooth = f",smooth={self.smooth}:(x-mu)/s,static/channel,calib=v1" if self.smooth else ""
+            return f"{self.name}:k=v=asym4/token-head,rot=hadamard/{self.rotation or '-'}{smooth},meta=fp16"
         if self.scales == "channel":
             rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""
             return (f"{self.name}:k=asym/channel/group{block_size},v=sym/token-head{rot},meta=fp16,"
@@ -195,8 +207,8 @@ class KVFormat:
 
 
 def _fmt(name: str, summary: str, bits: int, quantized: bool, scales: str, element: str,
-         rotation: str = "") -> KVFormat:
-    return KVFormat(name, summary, bits, quantized, scales, element, rotation)
+         rotation: str = "", smooth: str = "") -> KVFormat:
+    return KVFormat(name, summary, bits, quantized, scales, element, rotation, smooth)
 
 
 KV_FORMATS: Registry[KVFormat] = Registry("KV format")
@@ -217,6 +229,8 @@ for _format in (
          "quantising", 8, True, "token-head", "int8", "k"),
     _fmt("int4-hadamard", "4-bit with K and V turned by a Walsh-Hadamard matrix per head, then asymmetric per token "
          "and head (fp16 scale and minimum), no residual page", 4, True, "token4", "uint8", "kv"),
+    _fmt("int4-smooth", "int4-hadamard with keys first smoothed by the model's calibrated per-channel mean and scale "
+         "(static, scores unchanged)", 4, True, "token4", "uint8", "kv", "k"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
          "unquantised residual for the partly written block", 4, True, "kivi", "uint8"),
 ):

@@ -8,10 +8,11 @@ prefill (served from the prefix cache after the first call) and the first token 
 clocks are kept: wall time, and the process's CPU time (both threads' work; far steadier than wall time
 on a shared, oversubscribed machine, where a descheduled thread stalls the other at every barrier).
 
-Prints one line per shape with each format's ratio to fp32, the load average at start and end, then one
-JSON line of every figure.
+Prints the CPU's vector flags that pick the decode kernels (AVX-512 VNNI: the integer-dot kernels for
+int8 (per-channel) / int4 keys and int8-token / 4-bit values; ``--int-dot off`` takes the float kernels), one line per
+shape with each format's ratio to fp32, the load average at start and end, then one JSON line of every figure.
 Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-token,int4,fp8-scaled] [--batches 1,8,32]
-       [--prompt 256] [--long 2048] [--long-batch 4] [--new 16] [--reps 3] [--threads 2]
+       [--prompt 256] [--long 2048] [--long-batch 4] [--new 16] [--reps 3] [--threads 2] [--int-dot on|off]
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from kvledger.runtime import native  # noqa: E402
+from kvledger.runtime.cpu_features import cpu_flags  # noqa: E402
 from kvledger.runtime.engine import Engine, resolve_model  # noqa: E402
 from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
 
@@ -43,7 +46,15 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--int-dot", choices=["on", "off"], default="on",
+                    help="integer-dot decode kernels where the build has them (off: the float kernels)")
     args = ap.parse_args()
+    ops = native.load()
+    int_dot = bool(ops.int_dot(1 if args.int_dot == "on" else 0)) if ops is not None and hasattr(ops, "int_dot") \
+        else False
+    flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
+    print(f"CPU flags: {' '.join(flags) or 'none of AVX-512 / AMX'}; integer-dot kernels {'on' if int_dot else 'off'}",
+          flush=True)
     torch.set_num_threads(args.threads)
     formats = ["fp32", *[f.strip() for f in args.formats.split(",") if f.strip()]]
     ckpt = resolve_model(args.model)
@@ -55,7 +66,8 @@ def main() -> None:
     if args.long:
         shapes.append((args.long_batch, args.long))
     figures: dict[str, object] = {"model": args.model, "threads": args.threads, "new": args.new, "reps": args.reps,
-                                  "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "shapes": []}
+                                  "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "shapes": [],
+                                  "cpu_flags": flags, "int_dot": int_dot}
     for batch, prompt in shapes:
         text = tokens * (1 + prompt // max(1, len(tokens)))
         prompts = [text[(i * 997) % (len(text) - prompt + 1):][:prompt] for i in range(batch)]

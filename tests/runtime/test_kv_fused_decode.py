@@ -66,11 +66,23 @@ def test_the_native_quantising_write_stores_the_bytes_the_torch_store_writes(fmt
     assert torch.equal(stores[0].kv, stores[1].kv)
 
 
-@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
-@pytest.mark.parametrize("fmt", QUANTISED)
-def test_fused_decode_equals_attention_over_the_rows_the_store_holds(fmt: str, group: int, dim: int) -> None:
-    """Decode over sealed blocks (read in place from their codes) and an open block (its residual page), with
-    contexts split across work items, equals dense attention over the store's dequantised rows."""
+@pytest.fixture
+def int_dot():
+    """Switches the integer-dot kernels (AVX-512 VNNI builds) for one test: int_dot(False) -> the float kernels."""
+    ops = native.require()
+    before = ops.int_dot(-1)
+
+    def switch(on: bool) -> bool:
+        return ops.int_dot(1 if on else 0)
+
+    yield switch
+    ops.int_dot(1 if before else 0)
+
+
+def _decode_and_reference(fmt: str, group: int, dim: int) -> tuple[torch.Tensor, list[torch.Tensor], KVStore]:
+    """Decode one token for two sequences (300 and 45 tokens of context: sealed blocks read in place from their
+    codes, an open block from its residual page, contexts split across work items) and dense attention over
+    the store's dequantised rows."""
     kv_heads = 2
     spec = KVSpec(1, kv_heads, dim, kv_dtype=fmt, block_size=16, residual_dtype="fp32")
     store = KVStore(spec, 48, residual_slots=4)
@@ -90,13 +102,46 @@ def test_fused_decode_equals_attention_over_the_rows_the_store_holds(fmt: str, g
     dslots = [t.slot_mapping(n, n + 1)[0] for t, n in zip(tables, lens, strict=True)]
     be.plan(AttentionBatch(lens, [1, 1], [t.blocks for t in tables], torch.tensor(dslots)))
     out = be.forward(0, qd, kd, vd, scale=dim ** -0.5)
+    refs = []
     for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
         rk, rv = store.read(0, torch.tensor(t.slot_mapping(0, n + 1)), torch.float32)
         rk, rv = rk.repeat_interleave(group, 1), rv.repeat_interleave(group, 1)
         w = (torch.einsum("hd,khd->hk", qd[i], rk) * dim ** -0.5).softmax(-1)
-        ref = torch.einsum("hk,khd->hd", w, rv)
+        refs.append(torch.einsum("hk,khd->hd", w, rv))
+    return out, refs, store
+
+
+@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
+@pytest.mark.parametrize("fmt", QUANTISED)
+def test_fused_decode_equals_attention_over_the_rows_the_store_holds(fmt: str, group: int, dim: int, int_dot) -> None:
+    """Decode over sealed blocks (read in place from their codes) and an open block (its residual page), with
+    contexts split across work items, equals dense attention over the store's dequantised rows (the float
+    kernels)."""
+    int_dot(False)
+    out, refs, store = _decode_and_reference(fmt, group, dim)
+    for i, ref in enumerate(refs):
         # fp32 rounding only: the Hadamard formats turn values back once per output row (a 128-term sum),
         # which reorders additions; a wrong code, scale or block shows as 1e-2 or more.
         assert (out[i] - ref).abs().max() < (5e-5 if "hadamard" in fmt else 2e-5)
     if store.format.has_residual:
         assert store.open_blocks() == 2  # 301 and 46 tokens: both tails are open
+
+
+# The formats with integer-dot kernels: int8-channel / int4 keys, int8 / 4-bit per-token values.
+INT_DOT = ["int8", "int8-hadamard", "int8-channel", "int4", "int4-hadamard"]
+
+
+@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
+@pytest.mark.parametrize("fmt", INT_DOT)
+def test_integer_dot_decode_stays_within_its_stated_error(fmt: str, group: int, dim: int, int_dot) -> None:
+    """The integer-dot kernels (a 15-bit query against the key codes, 15-bit weights against the value codes)
+    give dense attention over the store's rows to within 1e-3 (outputs of size ~1; their error measures
+    ~1e-5 to 2e-4), and they do run: their output is not the float kernels' bit for bit."""
+    if not int_dot(True):
+        pytest.skip("this build has no integer-dot kernels (no AVX-512 VNNI)")
+    out, refs, _ = _decode_and_reference(fmt, group, dim)
+    int_dot(False)
+    out_float, _, _ = _decode_and_reference(fmt, group, dim)
+    for i, ref in enumerate(refs):
+        assert (out[i] - ref).abs().max() < 1e-3
+    assert not torch.equal(out, out_float)

@@ -125,6 +125,16 @@ inline void hsum16(const float* v, float* out) {
 #endif
 }
 
+// fp16 -> fp32 for n values.
+inline void halves(const uint8_t* p, float* out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 2 * i))));
+#endif
+  for (; i < n; ++i) out[i] = half_at(p, i);
+}
+
 // ---- fused block kernels ----------------------------------------------------------------------------
 // One KV head's `n` rows of one sealed block starting at row `off`. q: G x D scaled fp32 queries.
 
@@ -172,12 +182,14 @@ struct Fused {
     const uint8_t* block = kc.base + blk * kc.R;
     const uint8_t* sp = block + kc.scale_off + h * D * 2;
     const uint8_t* mp = block + kc.min_off + h * D * 2;
-    alignas(64) float qe[G * D];
+    alignas(64) float qe[G * D], scs[D], mns[D];
+    halves(sp, scs, D);
+    halves(mp, mns, D);
     float qc[G];
     for (int g = 0; g < G; ++g) {
       float c0 = 0.f;
       for (int d = 0; d < D; ++d) {
-        const float sc = half_at(sp, d), mn = half_at(mp, d), qd = q[g * D + d];
+        const float sc = scs[d], mn = mns[d], qd = q[g * D + d];
         c0 += qd * mn;
         const int pos = FOUR ? (d % 2) * (D / 2) + d / 2 : d;
         qe[g * D + pos] = qd * sc;
@@ -296,6 +308,292 @@ struct Fused {
   }
 };
 
+// ---- integer dot products (AVX-512 VNNI) --------------------------------------------------------------
+// Where the build has AVX-512 VNNI (the binary is compiled per machine with -march=native), decode over
+// int8-channel / int4 keys and int8 / 4-bit per-token values runs on integer dot products instead of
+// widening every code to fp32:
+// - keys: the block's per-channel scales are folded into the query (q' = q * s), q' is quantised to two
+//   int8 terms per channel (Q = 128 * hi + lo, |Q| <= 127 * 128, q' ~ a * Q: 15 bits, far finer than the
+//   8- or 4-bit keys), and 16 rows at a time are transposed by 4-byte columns so vpdpbusd (u8 codes x s8
+//   query) sums every token's dot in its own lane. The rounding left over, sum_d (q'_d - a Q_d) c_d, is
+//   taken at the codes' centre (c_d ~ 127.5, or 7.5 for nibbles): exact in the mean, off by
+//   sum_d r_d (c_d - centre) with |r_d| <= a / 2.
+// - values: the weights p_i * scale_i of one block are quantised per query head to int16 (w ~ b * W,
+//   W <= 32767) and pairs of rows are interleaved so vpdpwssd (s16 x s16) accumulates two tokens at once;
+//   each block's int32 sums are scaled by b into fp32. Accumulators sit in a fixed permutation of the
+//   channels (unpermuted once per work item, by permuted_pos).
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define KVL_INT_DOT 1
+#else
+#define KVL_INT_DOT 0
+#endif
+
+// On by default where built; off: the float kernels (their exactness tests, and comparisons).
+inline std::atomic<bool>& int_dot_on() {
+  static std::atomic<bool> on{KVL_INT_DOT == 1};
+  return on;
+}
+
+// Where lane l of value accumulator v (16 lanes each, D / 16 of them) sits in the float accumulator's order
+// (natural channels; [even | odd] channels for 4-bit codes).
+inline int64_t permuted_pos(bool four, int64_t D, int64_t v, int64_t l) {
+  const int64_t L = l / 4, m = l % 4;
+  if (four) return ((v % 4) >= 2 ? D / 2 : 0) + 32 * (v / 4) + 8 * L + 4 * (v % 2) + m;
+  return 32 * (v / 2) + 8 * L + 4 * (v % 2) + m;
+}
+
+#if KVL_INT_DOT
+template <int G, int D>
+struct IntDot {
+  static constexpr int NC = D / 16;
+
+  struct Query {  // q' ~ a * (128 * hi + lo); score = a * (codes . Q) + c
+    alignas(64) int8_t hi[G][D];
+    alignas(64) int8_t lo[G][D];
+    float a[G], c[G];
+  };
+
+  // qe: G x D floats in the codes' channel order; c[g] = q_g . mn (mn null: 0) + centre * sum_d (qe - a Q).
+  static void quantise(const float* qe, const float* q, const float* mn, float centre, Query& Q) {
+    for (int g = 0; g < G; ++g) {
+      __m512 mx = _mm512_setzero_ps();
+      for (int c = 0; c < NC; ++c) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qe + g * D + 16 * c)));
+      const float amax = _mm512_reduce_max_ps(mx);
+      const float a = amax / 16256.f, inv = amax > 0.f ? 16256.f / amax : 0.f;
+      __m512 t = _mm512_setzero_ps();
+      for (int c = 0; c < NC; ++c) {
+        const __m512 x = _mm512_loadu_ps(qe + g * D + 16 * c);
+        const __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(x, _mm512_set1_ps(inv)));
+        const __m512i hi = _mm512_srai_epi32(_mm512_add_epi32(qi, _mm512_set1_epi32(64)), 7);
+        const __m512i lo = _mm512_sub_epi32(qi, _mm512_slli_epi32(hi, 7));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(Q.hi[g] + 16 * c), _mm512_cvtepi32_epi8(hi));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(Q.lo[g] + 16 * c), _mm512_cvtepi32_epi8(lo));
+        const __m512 r = _mm512_fnmadd_ps(_mm512_set1_ps(a), _mm512_cvtepi32_ps(qi), x);
+        t = _mm512_fmadd_ps(r, _mm512_set1_ps(centre), t);
+        if (mn) t = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_loadu_ps(mn + 16 * c), t);
+      }
+      Q.a[g] = a;
+      Q.c[g] = _mm512_reduce_add_ps(t);
+    }
+  }
+
+  // s[g * ld + i] = a_g * (codes_i . Q_g) + c_g for the n rows at codes0 + i * stride (u8 codes, or FOUR:
+  // two nibbles a byte, low = even channel, against [even | odd] query bytes).
+  // SIGNED: s8 codes read as u8 (c + 128, by flipping the top bit; Q's constant takes the 128 back) and the
+  // scores times each row's scale tok[i].
+  template <bool FOUR, bool SIGNED = false>
+  static void scores(const uint8_t* codes0, int64_t stride, int64_t n, const Query& Q, float* s, int64_t ld,
+                     const float* tok = nullptr) {
+    constexpr int RB = FOUR ? D / 2 : D;  // bytes a row
+    constexpr bool HALF = RB == 32;       // two rows to a 64-byte register
+    constexpr int CH = HALF ? 1 : RB / 64;
+    constexpr int NA = HALF ? 2 : 4;      // groups of 4 registers
+    constexpr int NT = FOUR ? 4 : 2;      // query terms: hi, lo (even, odd)
+    alignas(64) __m512i qv[G][CH][4][NT];
+    for (int g = 0; g < G; ++g)
+      for (int k = 0; k < CH; ++k)
+        for (int t = 0; t < NT; ++t) {
+          const int8_t* src = (t % 2 == 0 ? Q.hi[g] : Q.lo[g]) + (FOUR ? (t / 2) * (D / 2) : 64 * k);
+          const __m512i z = HALF ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)))
+                                 : _mm512_loadu_si512(src);
+          qv[g][k][0][t] = _mm512_shuffle_epi32(z, _MM_PERM_AAAA);
+          qv[g][k][1][t] = _mm512_shuffle_epi32(z, _MM_PERM_BBBB);
+          qv[g][k][2][t] = _mm512_shuffle_epi32(z, _MM_PERM_CCCC);
+          qv[g][k][3][t] = _mm512_shuffle_epi32(z, _MM_PERM_DDDD);
+        }
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - i0);
+      auto row = [&](int64_t t) { return codes0 + (i0 + std::min<int64_t>(t, m - 1)) * stride; };
+      __m512i acc[G][NA];
+      for (int a = 0; a < NA; ++a) {
+        __m512i h[G], l[G];
+        for (int g = 0; g < G; ++g) h[g] = l[g] = _mm512_setzero_si512();
+        for (int k = 0; k < CH; ++k) {
+          __m512i r[4];
+          for (int j = 0; j < 4; ++j) {
+            if constexpr (HALF) {
+              const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(4 * a + j)));
+              const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row(4 * a + j + 8)));
+              r[j] = _mm512_inserti64x4(_mm512_castsi256_si512(x0), x1, 1);
+            } else {
+              r[j] = _mm512_loadu_si512(row(4 * a + j) + 64 * k);
+            }
+          }
+          // 4 x 4 transpose of 4-byte columns within each 128-bit lane: u[c] lane L dword j = register j's
+          // column 4L + c.
+          const __m512i t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+          const __m512i t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+          __m512i u[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+          if constexpr (SIGNED)
+            for (int c = 0; c < 4; ++c) u[c] = _mm512_xor_si512(u[c], _mm512_set1_epi8(static_cast<char>(0x80)));
+          for (int c = 0; c < 4; ++c) {
+            if constexpr (FOUR) {
+              const __m512i lo = _mm512_and_si512(u[c], nib);
+              const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(u[c], 4), nib);
+              for (int g = 0; g < G; ++g) {
+                h[g] = _mm512_dpbusd_epi32(h[g], lo, qv[g][k][c][0]);
+                l[g] = _mm512_dpbusd_epi32(l[g], lo, qv[g][k][c][1]);
+                h[g] = _mm512_dpbusd_epi32(h[g], hi, qv[g][k][c][2]);
+                l[g] = _mm512_dpbusd_epi32(l[g], hi, qv[g][k][c][3]);
+              }
+            } else {
+              for (int g = 0; g < G; ++g) {
+                h[g] = _mm512_dpbusd_epi32(h[g], u[c], qv[g][k][c][0]);
+                l[g] = _mm512_dpbusd_epi32(l[g], u[c], qv[g][k][c][1]);
+              }
+            }
+          }
+        }
+        for (int g = 0; g < G; ++g) acc[g][a] = _mm512_add_epi32(_mm512_slli_epi32(h[g], 7), l[g]);
+      }
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1u);
+      for (int g = 0; g < G; ++g) {
+        __m512i f;
+        if constexpr (HALF) {  // lanes of acc[a]: 0, 1 -> tokens 4a.., 2, 3 -> tokens 4a + 8..
+          const __m512i p = _mm512_add_epi32(_mm512_shuffle_i32x4(acc[g][0], acc[g][1], 0x88),
+                                             _mm512_shuffle_i32x4(acc[g][0], acc[g][1], 0xDD));
+          f = _mm512_shuffle_i32x4(p, p, 0xD8);
+        } else {  // every lane of acc[a] -> tokens 4a..4a+3
+          const __m512i p = _mm512_add_epi32(_mm512_shuffle_i32x4(acc[g][0], acc[g][1], 0x44),
+                                             _mm512_shuffle_i32x4(acc[g][0], acc[g][1], 0xEE));
+          const __m512i q = _mm512_add_epi32(_mm512_shuffle_i32x4(acc[g][2], acc[g][3], 0x44),
+                                             _mm512_shuffle_i32x4(acc[g][2], acc[g][3], 0xEE));
+          f = _mm512_add_epi32(_mm512_shuffle_i32x4(p, q, 0x88), _mm512_shuffle_i32x4(p, q, 0xDD));
+        }
+        __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_set1_ps(Q.a[g]), _mm512_set1_ps(Q.c[g]));
+        if constexpr (SIGNED) v = _mm512_mul_ps(v, _mm512_loadu_ps(tok + i0));
+        _mm512_mask_storeu_ps(s + g * ld + i0, mask, v);
+      }
+    }
+  }
+
+  // Per-channel keys of one sealed block (int8-channel: u8; FOUR: KIVI nibbles) scored by integer dots.
+  template <bool FOUR>
+  static void scores_channel(const QuantCache& kc, const float* q, int64_t blk, int64_t off, int64_t n, int64_t h,
+                             float* s, int64_t ld) {
+    const uint8_t* block = kc.base + blk * kc.R;
+    alignas(64) float sc[D], mn[D], qe[G * D];
+    halves(block + kc.scale_off + h * D * 2, sc, D);
+    halves(block + kc.min_off + h * D * 2, mn, D);
+    for (int g = 0; g < G; ++g) {
+      if constexpr (FOUR) {
+        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
+        for (int c = 0; c < NC; c += 2) {
+          const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_loadu_ps(sc + 16 * c));
+          const __m512 x1 =
+              _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c + 16), _mm512_loadu_ps(sc + 16 * c + 16));
+          _mm512_storeu_ps(qe + g * D + 8 * c, _mm512_permutex2var_ps(x0, ev, x1));
+          _mm512_storeu_ps(qe + g * D + D / 2 + 8 * c, _mm512_permutex2var_ps(x0, od, x1));
+        }
+      } else {
+        for (int c = 0; c < NC; ++c)
+          _mm512_storeu_ps(qe + g * D + 16 * c,
+                           _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_loadu_ps(sc + 16 * c)));
+      }
+    }
+    Query Q;
+    quantise(qe, q, mn, FOUR ? 7.5f : 127.5f, Q);
+    constexpr int64_t RB = FOUR ? D / 2 : D;
+    scores<FOUR>(block + kc.codes_off + (off * kc.H + h) * RB, kc.H * RB, n, Q, s, ld);
+  }
+
+  // Per-token int8 keys (int8, int8-hadamard): the query quantised once per work item (quantise_token).
+  static void quantise_token(const float* q, Query& Q) {
+    alignas(64) float m128[D];
+    for (int d = 0; d < D; ++d) m128[d] = -128.f;
+    quantise(q, q, m128, 128.f, Q);  // c = -128 sum(q) + 128 sum(q - a Q) = -128 a sum(Q)
+  }
+  static void scores_token(const QuantCache& kc, const Query& Q, int64_t blk, int64_t off, int64_t n, int64_t h,
+                           float* s, int64_t ld) {
+    const uint8_t* block = kc.base + blk * kc.R;
+    alignas(64) float tok[16 * ((256 + 15) / 16)];
+    for (int64_t i0 = 0; i0 < n; i0 += 256) {
+      const int64_t m = std::min<int64_t>(256, n - i0);
+      for (int64_t i = 0; i < m; ++i) tok[i] = half_at(block + kc.scale_off, (off + i0 + i) * kc.H + h);
+      scores<false, true>(block + kc.codes_off + ((off + i0) * kc.H + h) * D, kc.H * D, m, Q, s + i0, ld, tok);
+    }
+  }
+
+  // facc (G x D, permuted_pos order) += sum_i (p_i * scale_i) * codes_i over one sealed block's n rows of
+  // per-token values: s8 codes, or FOUR: KIVI nibbles (minimums' share, and the codes' centre, into extra[g]).
+  template <bool FOUR>
+  static void accumulate(const QuantCache& vc, float* facc, float* extra, const float* p, int64_t ld, int64_t blk,
+                         int64_t off, int64_t n, int64_t h) {
+    constexpr int RB = FOUR ? D / 2 : D;
+    constexpr int NV = D / 16;
+    const uint8_t* block = vc.base + blk * vc.R;
+    const int64_t stride = vc.H * RB;
+    const uint8_t* codes0 = block + vc.codes_off + (off * vc.H + h) * RB;
+    for (int64_t i0 = 0; i0 < n; i0 += 16) {
+      const int64_t m = std::min<int64_t>(16, n - i0);
+      const __mmask16 mask = static_cast<__mmask16>((1u << m) - 1u);
+      alignas(64) float scv[16] = {}, mnv[16] = {};
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t r = (off + i0 + i) * vc.H + h;
+        scv[i] = half_at(block + vc.scale_off, r);
+        if constexpr (FOUR) mnv[i] = half_at(block + vc.min_off, r);
+      }
+      alignas(64) int32_t wp[G][8];
+      float b[G];
+      for (int g = 0; g < G; ++g) {
+        const __m512 pv = _mm512_maskz_loadu_ps(mask, p + g * ld + i0);
+        const __m512 w = _mm512_mul_ps(pv, _mm512_load_ps(scv));
+        // 4-bit codes enter centred (c - 8): their weights' rounding then has no common part in every channel
+        // (which turned values would gather into one channel); the 8 * sum(w) taken out is exact.
+        if constexpr (FOUR)
+          extra[g] += _mm512_reduce_add_ps(_mm512_fmadd_ps(pv, _mm512_load_ps(mnv), _mm512_mul_ps(w, _mm512_set1_ps(8.f))));
+        const float wmax = _mm512_reduce_max_ps(w);
+        b[g] = wmax / 32767.f;
+        const float inv = wmax > 0.f ? 32767.f / wmax : 0.f;
+        const __m512i W = _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(inv)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(wp[g]), _mm512_cvtepi32_epi16(W));
+      }
+      __m512i ia[G][NV];
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < NV; ++v) ia[g][v] = _mm512_setzero_si512();
+      const __m512i low4 = _mm512_set1_epi16(0x0F), eight = _mm512_set1_epi16(8);
+      for (int64_t j = 0; 2 * j < m; ++j) {
+        const uint8_t* r0 = codes0 + (i0 + 2 * j) * stride;
+        const uint8_t* r1 = 2 * j + 1 < m ? r0 + stride : r0;  // its weight is 0
+        __m512i wv[G];
+        for (int g = 0; g < G; ++g) wv[g] = _mm512_set1_epi32(wp[g][j]);
+        for (int c = 0; c < RB / 32; ++c) {
+          const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32 * c));
+          const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32 * c));
+          if constexpr (FOUR) {
+            const __m512i x0 = _mm512_cvtepu8_epi16(y0), x1 = _mm512_cvtepu8_epi16(y1);
+            const __m512i l0 = _mm512_sub_epi16(_mm512_and_si512(x0, low4), eight);
+            const __m512i l1 = _mm512_sub_epi16(_mm512_and_si512(x1, low4), eight);
+            const __m512i h0 = _mm512_sub_epi16(_mm512_srli_epi16(x0, 4), eight);
+            const __m512i h1 = _mm512_sub_epi16(_mm512_srli_epi16(x1, 4), eight);
+            const __m512i z[4] = {_mm512_unpacklo_epi16(l0, l1), _mm512_unpackhi_epi16(l0, l1),
+                                  _mm512_unpacklo_epi16(h0, h1), _mm512_unpackhi_epi16(h0, h1)};
+            for (int g = 0; g < G; ++g)
+              for (int k = 0; k < 4; ++k) ia[g][4 * c + k] = _mm512_dpwssd_epi32(ia[g][4 * c + k], z[k], wv[g]);
+          } else {
+            const __m512i x0 = _mm512_cvtepi8_epi16(y0), x1 = _mm512_cvtepi8_epi16(y1);
+            const __m512i z0 = _mm512_unpacklo_epi16(x0, x1), z1 = _mm512_unpackhi_epi16(x0, x1);
+            for (int g = 0; g < G; ++g) {
+              ia[g][2 * c] = _mm512_dpwssd_epi32(ia[g][2 * c], z0, wv[g]);
+              ia[g][2 * c + 1] = _mm512_dpwssd_epi32(ia[g][2 * c + 1], z1, wv[g]);
+            }
+          }
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < NV; ++v) {
+          float* dst = facc + g * D + 16 * v;
+          _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[g][v]), _mm512_set1_ps(b[g]),
+                                                _mm512_loadu_ps(dst)));
+        }
+    }
+  }
+};
+#endif  // KVL_INT_DOT
+
 // Paged decode over a quantised layer with the fused block kernels: paged_decode_impl's work split
 // (sequence, KV head, context partition; flash-decoding merge when partitioned), its softmax, its loader
 // for open blocks. Requires D in {64, 128} and 1 <= G <= 8 (fused_decode picks it only then).
@@ -304,6 +602,15 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
                        int64_t bs, int64_t KVH, const torch::Tensor& block_tables, const torch::Tensor& context_lens,
                        const torch::Tensor& rows, double scale, int64_t window, int64_t partition) {
   using F = Fused<G, D>;
+#if KVL_INT_DOT
+  using I = IntDot<G, D>;
+  const bool idot = int_dot_on().load(std::memory_order_relaxed);
+#else
+  constexpr bool idot = false;
+#endif
+  const bool v_int = idot && (vc.kind == kInt8Token || vc.kind == kInt8TokenRot || vc.kind == kKiviV ||
+                              vc.kind == kKiviVRot);
+  const bool v_four = vc.kind == kKiviV || vc.kind == kKiviVRot;
   const int64_t B = block_tables.size(0), max_blocks = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
@@ -319,7 +626,8 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
   const BlockKernels plain = pick_kernels(G, D);
 
   at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), qperm(G * D), acc(G * D), accp(G * D), scores, tile(bs * D), outv(D);
+    std::vector<float> qf(G * D), qperm(G * D), acc(G * D), accp(G * D), facc(G * D), scores, tile(bs * D),
+        outv(D);
     float qsum[G];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
@@ -344,6 +652,11 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
           qsum[g] = sum;
         }
       scores.resize(G * n);
+#if KVL_INT_DOT
+      typename I::Query qtok;
+      const bool k_tok = idot && kc.kind == kInt8Token;
+      if (k_tok) I::quantise_token(qf.data(), qtok);
+#endif
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs, cnt = stop - t;
         if (stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
@@ -354,14 +667,26 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
           const float* kr = kc.rows(id, off, h, cnt, D, tile.data(), &ks);
           plain.scores(qf.data(), kr, ks, cnt, s, n);
         } else if (kc.kind == kInt8Token) {
+#if KVL_INT_DOT
+          if (k_tok) I::scores_token(kc, qtok, id, off, cnt, h, s, n);
+          else
+#endif
           F::template scores_token<false>(kc, qf.data(), id, off, cnt, h, s, n);
         } else if (kc.kind == kFp8Token) {
           F::template scores_token<true>(kc, qf.data(), id, off, cnt, h, s, n);
         } else if (kc.kind == kChanK) {
+#if KVL_INT_DOT
+          if (idot) I::template scores_channel<false>(kc, qf.data(), id, off, cnt, h, s, n);
+          else
+#endif
           F::template scores_channel<false>(kc, qf.data(), id, off, cnt, h, s, n);
         } else if (kc.kind == kKiviV) {
           F::scores_token4(kc, qperm.data(), qsum, id, off, cnt, h, s, n);
         } else {
+#if KVL_INT_DOT
+          if (idot) I::template scores_channel<true>(kc, qf.data(), id, off, cnt, h, s, n);
+          else
+#endif
           F::template scores_channel<true>(kc, qf.data(), id, off, cnt, h, s, n);
         }
         t = stop;
@@ -375,6 +700,7 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       }
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(accp.begin(), accp.end(), 0.f);
+      if (v_int) std::fill(facc.begin(), facc.end(), 0.f);
       bool any_plain = false;
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs, cnt = stop - t;
@@ -386,6 +712,12 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
           const float* vr = vc.rows(id, off, h, cnt, D, tile.data(), &vs);
           plain.accumulate(accp.data(), pr, n, vr, vs, cnt);
           any_plain = true;
+#if KVL_INT_DOT
+        } else if (v_int && v_four) {
+          I::template accumulate<true>(vc, facc.data(), extra, pr, n, id, off, cnt, h);
+        } else if (v_int) {
+          I::template accumulate<false>(vc, facc.data(), extra, pr, n, id, off, cnt, h);
+#endif
         } else if (vc.kind == kFp8Token) {
           F::template accumulate_token<true>(vc, acc.data(), pr, n, id, off, cnt, h);
         } else if (vc.kind == kKiviV || vc.kind == kKiviVRot) {
@@ -398,6 +730,9 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       // acc (the sealed blocks, in the codes' order and space) -> natural channels, plus the open rows.
       for (int64_t g = 0; g < G; ++g) {
         float* a = acc.data() + g * D;
+        if (v_int)  // the integer kernels' accumulators -> the codes' order
+          for (int64_t v = 0; v < D / 16; ++v)
+            for (int64_t l = 0; l < 16; ++l) a[permuted_pos(v_four, D, v, l)] = facc[g * D + 16 * v + l];
         if (vc.kind == kKiviV || vc.kind == kKiviVRot) {
           for (int64_t j = 0; j < D / 2; ++j) {
             outv[2 * j] = a[j] + extra[g];

@@ -417,9 +417,13 @@ struct QuantCache {
     }
     return tmp;
   }
-  inline void prefetch(int64_t blk, int64_t, int64_t, int64_t) const {
-    const char* p = reinterpret_cast<const char*>(base + blk * R + codes_off);
-    __builtin_prefetch(p, 0, 3);
+  // The next block's code rows of head h (rows of several heads interleave; the hardware prefetcher sees
+  // a 1-in-H stride across a block's bytes and block tables jump between blocks).
+  inline void prefetch(int64_t blk, int64_t h, int64_t n, int64_t D_) const {
+    const int64_t rb = (kind == kKiviK || kind == kKiviV || kind == kKiviVRot) ? D_ / 2 : D_;
+    const char* p = reinterpret_cast<const char*>(base + blk * R + codes_off + h * rb);
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + i * H * rb + o, 0, 3);
   }
 };
 
@@ -1390,6 +1394,13 @@ void silu_mul(torch::Tensor out, torch::Tensor gate_up, int64_t inter) {
   }
 }
 
+// Whether decode over int8-channel / int4 keys and int8 / 4-bit values takes the integer-dot kernels (AVX-512
+// VNNI builds only): on < 0 asks, 0 / 1 switch them off / on. Returns the setting in force.
+bool int_dot(int64_t on) {
+  if (on >= 0) int_dot_on().store(KVL_INT_DOT == 1 && on > 0);
+  return int_dot_on().load();
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1414,6 +1425,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::arg("scale"), py::arg("window"));
   m.def("kv_write_q", &kv_write_q, "quantise K/V rows of a per-token format into their slots", py::arg("blocks"),
         py::arg("layout"), py::arg("block_size"), py::arg("slots"), py::arg("k"), py::arg("v"));
+  m.def("int_dot", &int_dot, "integer-dot decode kernels: query (-1) or switch them off (0) / on (1)",
+        py::arg("on") = -1);
   m.def("kv_write", &kv_write, "write K/V rows into their cache slots", py::arg("k_cache"), py::arg("v_cache"),
         py::arg("slots"), py::arg("k"), py::arg("v"));
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally after an in-place residual add", py::arg("out"), py::arg("x"),

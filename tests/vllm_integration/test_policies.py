@@ -100,3 +100,41 @@ def test_pins_are_counted_and_go_with_a_cache_reset() -> None:
 def test_bad_pins_or_prediction_stop_vllm_at_start_up(options: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build_scheduler("kvledger", additional_config={"kvledger": options})
+
+
+def shared_prefix_flood(h) -> None:
+    """Four system prompts reused between one-off prompts, in a pool that must evict: every policy's victims
+    matter, and a hit on a block another policy would have dropped changes only what is computed, never tokens."""
+    rng = random.Random(11)
+    systems = [[rng.randrange(100, 32000) for _ in range(3 * BS)] for _ in range(4)]
+    for i in range(24):
+        prompt = (systems[i % 4] if i % 3 else []) + [rng.randrange(100, 32000) for _ in range(20 + i)]
+        h.add(f"q{i}", prompt, 6)
+        if i % 4 == 3:
+            h.run()
+    h.run()
+
+
+@pytest.mark.parametrize("eviction", ["lru", "priority", "lfu", "gdsf", "arc", "s3fifo", "sglang-priority"])
+def test_every_registered_eviction_policy_runs_inside_vllm(eviction: str) -> None:
+    """Each of our eviction policies as vLLM's cache order, with check() after every step: the same tokens
+    as stock vLLM, every request finished, and the pool's conservation law held throughout."""
+    from kvledger.core.eviction import EVICTION_POLICIES
+
+    assert eviction in EVICTION_POLICIES  # the list here is the registry's; a new policy joins it
+    stock = build_scheduler("vllm", num_blocks=30)
+    shared_prefix_flood(stock)
+    ours = build_scheduler("kvledger", num_blocks=30, additional_config={"kvledger": {"check": True,
+                                                                                      "eviction": eviction}})
+    shared_prefix_flood(ours)
+    assert ours.outputs == stock.outputs and len(ours.finished) == 24
+    ledger = ours.scheduler.kv_cache_manager.ledger
+    assert ledger.pool.evictions > 20  # the policy chose victims, many times
+    assert ledger.policy_name == eviction
+    ledger.check()
+
+
+def test_the_eviction_list_above_is_the_registry() -> None:
+    from kvledger.core.eviction import EVICTION_POLICIES
+
+    assert set(EVICTION_POLICIES) == {"lru", "priority", "lfu", "gdsf", "arc", "s3fifo", "sglang-priority"}

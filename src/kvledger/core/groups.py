@@ -42,6 +42,7 @@ that states their laws must be read side by side: each one's rule is the others'
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import ConfigError, InvariantError, LedgerError
@@ -98,6 +99,38 @@ class KVCacheGroup:
         if self.kind != "sliding":
             return 0
         return max(0, computed - self.window + 1) // block_size  # type: ignore[operator]
+
+
+def longest_hit(groups: Sequence[KVCacheGroup], cached: Callable[[int, int], int | None], limit: int,
+                block_size: int) -> tuple[int, list[list[int]]]:
+    """vLLM's ``find_longest_cache_hit`` over KV cache groups: (the most blocks, at most ``limit``, every group
+    serves, the cached blocks each group takes). ``cached(g, j)``: group g's readable block for prompt block j, or
+    None. A full group needs every block before the hit; a sliding group only those its window still reads
+    (``first_needed``), so a sliding group's miss caps the hit just below it."""
+    hit = limit
+    for g, group in enumerate(groups):  # full groups first: a prefix-closed bound
+        if group.kind == "full":
+            n = 0
+            while n < hit and cached(g, n) is not None:
+                n += 1
+            hit = n
+    for g, group in enumerate(groups):
+        if group.kind != "sliding":
+            continue
+        # The longest n <= hit whose window blocks [first_needed(n*bs), n) are all cached.
+        n = hit
+        while n > 0:
+            first = group.first_needed(n * block_size, block_size)
+            miss = next((j for j in range(n - 1, first - 1, -1) if cached(g, j) is None), None)
+            if miss is None:
+                break
+            n = miss  # no length past a missing block can use it
+        hit = n
+    out = []
+    for g, group in enumerate(groups):
+        first = group.first_needed(hit * block_size, block_size)
+        out.append([cached(g, j) for j in range(first, hit)])  # type: ignore[misc]
+    return hit, out
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,41 +403,17 @@ class GroupLedger:
                      ) -> tuple[int, list[list[int]]]:
         """(blocks every group serves, the cached blocks each group takes), at most ``cap`` blocks. At least the
         prompt's last token is always computed, so its logits exist: the hit ends before it."""
-        groups = self.groups
         if not digests:
-            return 0, [[] for _ in groups]
-        index, keys, bs = self.pool.index, self._group_keys, self.block_size
+            return 0, [[] for _ in self.groups]
+        index, keys = self.pool.index, self._group_keys
         written = self.pool.written
-        limit = min(len(digests), (prompt_len - 1) // bs, len(digests) if cap is None else cap)
+        limit = min(len(digests), (prompt_len - 1) // self.block_size, len(digests) if cap is None else cap)
 
         def cached(g: int, j: int) -> int | None:
             b = index.get(digests[j] + keys[g])
             return b if b is not None and written[b] else None
 
-        hit = limit
-        for g, group in enumerate(groups):  # full groups first: a prefix-closed bound
-            if group.kind == "full":
-                n = 0
-                while n < hit and cached(g, n) is not None:
-                    n += 1
-                hit = n
-        for g, group in enumerate(groups):
-            if group.kind != "sliding":
-                continue
-            # The longest n <= hit whose window blocks [first_needed(n*bs), n) are all cached.
-            n = hit
-            while n > 0:
-                first = group.first_needed(n * bs, bs)
-                miss = next((j for j in range(n - 1, first - 1, -1) if cached(g, j) is None), None)
-                if miss is None:
-                    break
-                n = miss  # no length past a missing block can use it
-            hit = n
-        out = []
-        for g, group in enumerate(groups):
-            first = group.first_needed(hit * bs, bs)
-            out.append([cached(g, j) for j in range(first, hit)])  # type: ignore[misc]
-        return hit, out
+        return longest_hit(self.groups, cached, limit, self.block_size)
 
     # ---- steps ------------------------------------------------------------------------------------
     def schedule(self, request_id: str, num_tokens: int) -> tuple[list[int], ...]:
@@ -630,4 +639,4 @@ class GroupLedger:
 
 
 __all__ = ["GROUP_KINDS", "NULL_BLOCK", "GroupDecision", "GroupLedger", "GroupRequest", "KVCacheGroup", "MMItem",
-           "block_key"]
+           "block_key", "longest_hit"]

@@ -133,8 +133,6 @@ def test_what_a_hybrid_pool_does_not_take_yet_is_refused_in_one_error() -> None:
             sched.add(bad)
     with pytest.raises(ConfigError, match="at most 16 tokens"):
         Scheduler(ledger, SchedulerConfig(token_budget=64, prefill_chunk=32))
-    with pytest.raises(ConfigError, match="prefix caching"):
-        KVLedger(64, BS, kv_groups=GROUPS)
     ledger.admit(Request("a", [1, 2, 3, 4, 5], 4)).raise_for_outcome()
     with pytest.raises(LedgerError, match="fork"):
         ledger.fork("a", "b")
@@ -172,4 +170,61 @@ def test_a_request_cancelled_mid_step_keeps_its_window_blocks_until_the_step_is_
     ledger.check()
     sched.confirm(plan, {"a": [7]})
     assert set(window) <= set(ledger.pool._free)
+    ledger.check()
+
+
+def test_a_prefix_hit_through_the_groups_is_the_longest_every_group_serves() -> None:
+    """The second prompt shares 40 tokens (10 blocks) with the first, which has finished: the full group serves
+    all 10 from the cache, the window groups only need their last blocks ([8, 10): W = 8), which they dropped out
+    of the first request's window but kept as retained cache. So the second request computes from token 40, and
+    its window tables start with the first's blocks."""
+    ledger = KVLedger(256, BS, kv_groups=GROUPS, step_tokens=16)
+    head = list(range(100, 140))
+    _, ex_a, _ = _run(ledger, [GenRequest("a", head + [1, 2, 3, 4], 6)])
+    a_windows = [t for _s, start, end, (_full, *ws) in ex_a.works if start == 32 for t in ws]
+    assert ledger.usage().active == 0
+    _, ex_b, metrics = _run(ledger, [GenRequest("b", head + [5, 6, 7, 8, 9], 6)])
+    assert [m.generated for m in metrics] == [6]
+    _seq, start, _end, (full, *windows) = ex_b.works[0]
+    assert start == 40  # not 0: the hit every group agreed on
+    assert ledger.stats()["prefix_cache"]["hit_blocks"] == 10
+    for mine, theirs in zip(windows, a_windows, strict=True):
+        assert mine[:8] == (NULL_BLOCK,) * 8  # out of the window at position 40: nothing taken
+        assert mine[8:10] == theirs[8:10]  # the first request's window blocks, back from the retained cache
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0
+
+
+def test_requests_sharing_a_head_at_once_hand_their_window_blocks_on() -> None:
+    """Eight requests with one 24-token head run together; the ones admitted later hit the first's blocks (every
+    group's), and as each one's window moves on the shared blocks pass to whoever still holds them: the audit
+    holds every step, every request finishes and the pool ends empty of promises."""
+    ledger = KVLedger(160, BS, kv_groups=GROUPS, step_tokens=16)
+    head = list(range(50, 74))
+    reqs = [GenRequest(f"r{i}", head + [i, i + 1, i + 2], 12) for i in range(8)]
+    sched = Scheduler(ledger, SchedulerConfig(token_budget=16, prefill_chunk=16))
+    ex = Recorder(ledger)
+    metrics = Driver(sched, ex, check_every=1).run(reqs[:1])
+    metrics += Driver(sched, ex, check_every=1).run(reqs[1:])
+    ledger.check()
+    assert sorted(m.generated for m in metrics) == [12] * 8
+    assert ledger.stats()["prefix_cache"]["hit_blocks"] >= 7 * 6
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0
+
+
+def test_a_window_groups_missing_block_caps_the_hit_below_it() -> None:
+    """vLLM's rule: a sliding group that lost block 9 can serve a hit of 9 blocks (it needs [7, 9) there), so the
+    whole hit is 9 blocks even though the full group has all 10."""
+    ledger = KVLedger(256, BS, kv_groups=GROUPS, step_tokens=16)
+    head = list(range(100, 140))
+    _, ex_a, _ = _run(ledger, [GenRequest("a", head + [1, 2, 3, 4], 6)])
+    lost = next(ws[0][9] for _s, start, _e, (_full, *ws) in ex_a.works if start == 32)
+    ledger.pool.evict(lost)
+    ledger.check()
+    d = ledger.admit(Request("b", head + [5, 6, 7, 8, 9], 6))
+    assert d.admitted and d.blocks_hit == 9
+    assert ledger.ready_tokens("b") == 36
+    tables = ledger.group_tables("b", 36, 45)
+    assert tables[2][9] != NULL_BLOCK and tables[1][9] != lost
+    ledger.check()
+    ledger.release("b")
     ledger.check()

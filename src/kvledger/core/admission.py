@@ -143,7 +143,7 @@ class AdmissionControl:
     owns none of them but the digest memo); decisions run under ``lock``, hashing outside it."""
 
     __slots__ = ("_block_size", "_caching", "_clock", "_counters", "_lock", "_memo", "_native", "_pool",
-                 "_promises", "_quotas", "_seqs")
+                 "_promises", "_quotas", "_seqs", "hit_cap", "on_commit")
 
     def __init__(self, *, lock: threading.RLock, pool: BlockPool, promises: PromiseBook, quotas: QuotaBook,
                  seqs: dict[str, SequenceState], counters: Counters, block_size: int, prefix_caching: bool,
@@ -159,6 +159,11 @@ class AdmissionControl:
         self._native = native
         self._clock = clock
         self._memo: OrderedDict[str, tuple] = OrderedDict()  # requests told "not now": their digests
+        # A hybrid pool's hooks, set by the ledger around one admission (None on a uniform pool): how many of a
+        # prompt's leading hits every KV cache group serves, and what to take once the hits are held (before any
+        # allocation could evict a retained block the other groups hit).
+        self.hit_cap: Callable[[Sequence[bytes], list[int]], int] | None = None
+        self.on_commit: Callable[[], None] | None = None
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self._block_size)
@@ -407,12 +412,27 @@ class AdmissionControl:
                 hits = hits[:ready]
                 retained = sum(1 for b in hits if ref[b] == 0 and not leased[b])
                 pending = 0
+            cap = self.hit_cap
+            if cap is not None and hits:
+                n = cap(digests, hits)
+                if n < len(hits):
+                    hits = hits[:n]
+                    retained = sum(1 for b in hits if ref[b] == 0 and not leased[b])
+                    pending = sum(1 for b in hits if not written[b])
+                    ready = next((i for i, b in enumerate(hits) if not written[b]), n)
             return [], hits, retained, pending, ready
         of_node: list[int | None] = [None] * nodes
         parents = layout.parents
         for node, d in enumerate(layout.digests):  # a parent always precedes its children
             if parents[node] < 0 or of_node[parents[node]] is not None:
                 of_node[node] = index.get(d)  # type: ignore[arg-type]
+        cap = self.hit_cap
+        if cap is not None and len(layout.paths) == 1:  # a hybrid pool's one branch: its path is its blocks
+            path = layout.paths[0]
+            lead = self._leading_hits(list(path), of_node)
+            n = cap(layout.digests, [of_node[node] for node in path[:lead]])  # type: ignore[arg-type,misc]
+            for node in path[n:]:
+                of_node[node] = None
         blocks = [b for b in of_node if b is not None]
         return (of_node, blocks, sum(1 for b in blocks if ref[b] == 0 and not leased[b]),
                 sum(1 for b in blocks if not written[b]), -1)
@@ -494,6 +514,8 @@ class AdmissionControl:
                 chain_digests = list(chain_digests)
             if hit_blocks:
                 pool.share_many(hit_blocks)
+            if self.on_commit is not None:
+                self.on_commit()
             chain = hit_blocks + pool.allocate_many(layout.nodes - len(hit_blocks) + tail_count)
             if self._caching:  # the new full prompt blocks: pending until written
                 pool.register_many(chain, chain_digests, len(hit_blocks), group)
@@ -508,6 +530,8 @@ class AdmissionControl:
             lead = self._leading_hits(path, of_node)
             if lead:
                 pool.share_many([of_node[n] for n in path[:lead]])  # type: ignore[misc]
+        if self.on_commit is not None:
+            self.on_commit()
         fresh_nodes = [n for n in range(layout.nodes) if of_node[n] is None]
         fresh = pool.allocate_many(len(fresh_nodes) + tail_count)
         phys: list[int] = [b if b is not None else -1 for b in of_node]

@@ -140,11 +140,8 @@ class KVLedger:
         # The groups after the first (None: a uniform pool, and every path below is as it always was).
         self.groups: GroupTables | None = None
         if len(groups) > 1:
-            if prefix_caching:
-                raise ConfigError("prefix caching over hybrid KV cache groups is not kept by KVLedger yet "
-                                  "(core.groups.GroupLedger has it): pass prefix_caching=False")
             self.groups = GroupTables(pool, promises, groups, block_size,
-                                      checks.positive(step_tokens, "step_tokens"))
+                                      checks.positive(step_tokens, "step_tokens"), prefix_caching=prefix_caching)
             self._quotas.kv_groups = self.groups
 
     # ---- queries --------------------------------------------------------------------------------
@@ -273,6 +270,8 @@ class KVLedger:
                     pool.register(blocks[i], digest, group, parent=digests[i - 1] if i else None, depth=i)
             if seq.retention:
                 self._admission.apply_retention(seq.retention, blocks, first, full)
+        if self.groups is not None and self.prefix_caching:
+            self.groups.register(seq.request_id, seq.digests, full)
 
     def append_token(self, request_id: str, token_id: int) -> list[CopyOp]:
         """Append one sampled token. Sampling it means the model has run over every earlier token, so
@@ -680,8 +679,17 @@ class KVLedger:
         groups = self.groups
         if groups is None:
             raise InvariantError("a grouped admission on a uniform pool")
-        limit = len(request.prompt) + request.max_new_tokens
+        prompt_len = len(request.prompt)
+        limit = prompt_len + request.max_new_tokens
         need = groups.need(limit)
+        rid = request.request_id
+        opened: list[bool] = []
+
+        def take() -> None:  # the first group holds its hits: the other groups take theirs before any allocation
+            groups.open(rid, prompt_len, limit, groups.agreed_hit)
+            opened.append(True)
+
+        admission = self._admission
         with self._lock:
             first = self._blocks_for(limit)
             if first + need > self.pool.num_blocks:
@@ -689,11 +697,18 @@ class KVLedger:
                 return Decision(request.request_id, Outcome.NEVER,
                                 f"needs {first + need} blocks ({first} full-attention + {need} in its other KV "
                                 f"cache groups) but the pool has {self.pool.num_blocks}", first + need, 0, 0, 0, 0)
-            decision = decide(request, checks.count(keep_free, "keep_free") + need)
+            groups.forget_hit()
+            if self.prefix_caching:
+                admission.hit_cap = lambda digests, hits: groups.agreed(digests, hits, prompt_len)
+            admission.on_commit = take if open_ else None
+            try:
+                decision = decide(request, checks.count(keep_free, "keep_free") + need)
+            finally:
+                admission.hit_cap = admission.on_commit = None
             if not decision.admitted:
                 return decision
-            if open_:
-                groups.open(request.request_id, len(request.prompt), limit)
+            if open_ and not opened:
+                groups.open(rid, prompt_len, limit)
             return replace(decision, blocks_total=decision.blocks_total + need,
                            blocks_promised=decision.blocks_promised + need)
 

@@ -16,17 +16,26 @@ group's reservation and window):
   that read them was confirmed) and its promise grows back by as many: the pool gets them back while the sequence
   runs. The table keeps ``NULL_BLOCK`` in their place, so position p still lives in entry ``p // block_size``.
 
-Its law (`check`): per sequence and group, held + promised == reserved, held <= reserved, no live block before the
-window; every live block is held once. Not yet kept here (the ledger refuses them for a hybrid pool): prefix hits in
-these groups (so the ledger's prefix caching is off), forks and beams, speculative slots, tiers and swaps.
+With prefix caching, a group's block is indexed under the first group's digest of the same prompt block keyed by
+the group (`core.groups.GroupLedger`'s keys) once its tokens are written (`register`); a block a sliding group drops
+out of the window stays in the index as retained cache, as vLLM does. A prefix hit is the longest length every group
+serves (`agreed`, with `core.groups.longest_hit`): a sliding group only needs the blocks its window still reads. A
+hit block may be held by several sequences: its capacity is carried by exactly one holder, its owner (the one that
+allocated it, or took it back from the retained cache), and passes to another holder when the owner lets go, so a
+drop re-promises a block only when one really came back.
+
+Its law (`check`): per sequence and group, held (owned) + promised == reserved, no live block before the window;
+every live block is owned once and referenced by each holder. Not yet kept here (the ledger refuses them for a
+hybrid pool): forks and beams, speculative slots, tiers and swaps.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, InvariantError, LedgerError
-from .groups import NULL_BLOCK, KVCacheGroup
+from .groups import NULL_BLOCK, KVCacheGroup, longest_hit
 from .pool import BlockPool
 from .promises import PromiseBook
 
@@ -34,7 +43,8 @@ from .promises import PromiseBook
 @dataclass(slots=True)
 class GroupSeq:
     """One sequence's tables in the groups after the first: per group, the table, how many leading entries are
-    ``NULL_BLOCK``, the live blocks, the blocks still promised and the reservation."""
+    ``NULL_BLOCK``, the live blocks it owns, the blocks still promised, the reservation, the live blocks it holds
+    without owning them (prefix hits others carry) and how many leading entries are in the prefix index."""
 
     limit: int
     prompt: int
@@ -45,16 +55,18 @@ class GroupSeq:
     reserved: list[int]
     window_from: int = 0  # the start of the last work the sliding groups dropped blocks for
     decoding: bool = False  # the prompt is computed: the sliding groups' bounds are the decode step's
+    shared: list[int] | None = None
+    registered: list[int] | None = None
 
 
 class GroupTables:
     """See the module docstring. No lock: `KVLedger` takes its own around every call."""
 
-    __slots__ = ("_windows", "block_size", "decode_tokens", "groups", "pool", "promises", "seqs", "step_tokens",
-                 "total")
+    __slots__ = ("_hit", "_holders", "_keys", "_owner", "_windows", "block_size", "decode_tokens", "groups", "pool",
+                 "prefix_caching", "promises", "seqs", "step_tokens", "total")
 
     def __init__(self, pool: BlockPool, promises: PromiseBook, groups: tuple[KVCacheGroup, ...], block_size: int,
-                 step_tokens: int, decode_tokens: int = 1) -> None:
+                 step_tokens: int, decode_tokens: int = 1, prefix_caching: bool = False) -> None:
         if len(groups) < 2 or groups[0].kind != "full":
             raise ConfigError("a hybrid pool needs at least two KV cache groups, the first of full attention")
         if any(g.kind == "state" for g in groups):
@@ -65,25 +77,135 @@ class GroupTables:
         self.block_size, self.step_tokens, self.decode_tokens = block_size, step_tokens, decode_tokens
         self.seqs: dict[str, GroupSeq] = {}
         self.total = 0  # promised to the groups after the first (part of the PromiseBook's total)
+        self.prefix_caching = prefix_caching
+        self._keys = [bytes((i,)) for i in range(len(self.groups))]  # GroupLedger's: a digest keyed by group
+        # With prefix caching: every live block's owner, and the holders of the blocks held by several sequences.
+        self._owner: dict[int, str] = {}
+        self._holders: dict[int, list[str]] = {}
+        self._hit: tuple[int, list[list[int]]] = (0, [])  # the last `agreed` hit, which `open` takes
 
     def need(self, limit: int) -> int:
         """Blocks a sequence of ``limit`` tokens reserves in the groups after the first."""
         bs, step = self.block_size, self.step_tokens
         return sum(g.reserved_blocks(limit, bs, step) for g in self.groups[1:])
 
-    def open(self, seq_id: str, prompt: int, limit: int) -> None:
+    def agreed(self, digests: Sequence[bytes], hits: list[int], prompt_len: int) -> int:
+        """How many of the first group's leading prefix hits ``hits`` every group serves (written blocks only; the
+        prompt's last token is always computed). Remembers each group's blocks for the `open` that follows."""
+        bs, index, written, keys = self.block_size, self.pool.index, self.pool.written, self._keys
+        limit = min(len(hits), (prompt_len - 1) // bs)
+
+        def cached(g: int, j: int) -> int | None:
+            if g == 0:
+                b: int | None = hits[j]
+            else:
+                b = index.get(digests[j] + keys[g])
+            return b if b is not None and written[b] else None
+
+        hit, per_group = longest_hit(self.groups, cached, limit, bs)
+        self._hit = (hit, per_group[1:])
+        return hit
+
+    @property
+    def agreed_hit(self) -> int:
+        """The blocks of the last `agreed` hit."""
+        return self._hit[0]
+
+    def forget_hit(self) -> None:
+        """No hit for the next `open` (the admission read no cache)."""
+        self._hit = (0, [])
+
+    def open(self, seq_id: str, prompt: int, limit: int, hit: int = 0) -> None:
         """Promise a newly admitted sequence its reservation in every group after the first (the caller decided
-        it fits, under the ledger's lock)."""
+        it fits, under the ledger's lock); with a prefix hit of ``hit`` blocks, take each group's hit blocks that
+        `agreed` found (a block nobody holds is taken back from the retained cache and owned)."""
         if seq_id in self.seqs:
             raise LedgerError(f"sequence {seq_id!r} already holds group tables")
         bs, step = self.block_size, self.step_tokens
         reserved = [g.reserved_blocks(limit, bs, step) for g in self.groups[1:]]
         n = len(reserved)
-        self.seqs[seq_id] = GroupSeq(limit, prompt, [[] for _ in range(n)], [0] * n, [0] * n, list(reserved),
-                                     reserved)
+        gs = self.seqs[seq_id] = GroupSeq(limit, prompt, [[] for _ in range(n)], [0] * n, [0] * n, list(reserved),
+                                          reserved)
         blocks = sum(reserved)
         self.total += blocks
         self.promises.claim(blocks)
+        if not self.prefix_caching:
+            return
+        gs.shared, gs.registered = [0] * n, [0] * n
+        got, per_group = self._hit
+        self._hit = (0, [])
+        if not hit:
+            return
+        if got != hit:
+            raise InvariantError(f"{seq_id!r}: a hit of {hit} blocks, the groups agreed on {got}")
+        pool, owner, holders = self.pool, self._owner, self._holders
+        for i, taken in enumerate(per_group):
+            first = hit - len(taken)
+            gs.tables[i] = [NULL_BLOCK] * first + taken
+            gs.nulled[i] = first
+            gs.registered[i] = hit
+            for b in taken:
+                if pool.ref[b] == 0:  # retained cache: this sequence carries it now
+                    owner[b] = seq_id
+                    gs.held[i] += 1
+                    gs.promised[i] -= 1
+                    self.total -= 1
+                    self.promises.claim(-1)
+                else:
+                    holding = holders.get(b)
+                    if holding is None:
+                        holders[b] = [owner[b], seq_id]
+                    else:
+                        holding.append(seq_id)
+                    gs.shared[i] += 1
+            pool.share_many(taken)
+        gs.window_from = hit * bs
+
+    def register(self, seq_id: str, digests: Sequence[bytes], full: int) -> None:
+        """The first ``full`` blocks' tokens are written: index each group's live blocks among them under the
+        prompt block's digest keyed by the group (an identity already indexed keeps its block)."""
+        gs = self.seqs.get(seq_id)
+        if gs is None or gs.registered is None:
+            return
+        pool, keys = self.pool, self._keys
+        full = min(full, len(digests))
+        for i, table in enumerate(gs.tables):
+            start = gs.registered[i]
+            if start >= full:
+                continue
+            key = keys[i + 1]
+            for j in range(start, min(full, len(table))):
+                b = table[j]
+                if b != NULL_BLOCK and pool.register(b, digests[j] + key):
+                    pool.written[b] = True
+            gs.registered[i] = full
+
+    def _let_go(self, seq_id: str, gs: GroupSeq, i: int, blocks: list[int]) -> None:
+        """Group ``i``'s ``blocks`` leave the sequence (with prefix caching): an owned block re-promises its
+        capacity only when it really comes back; one another sequence still holds passes to that holder."""
+        owner, holders, seqs, pool = self._owner, self._holders, self.seqs, self.pool
+        for b in blocks:
+            holding = holders.get(b)
+            if holding is not None:
+                holding.remove(seq_id)
+                if len(holding) == 1:
+                    del holders[b]
+            if owner.get(b) == seq_id:
+                gs.held[i] -= 1
+                gs.promised[i] += 1
+                if holding:
+                    heir = owner[b] = holding[0]
+                    hs = seqs[heir]
+                    hs.held[i] += 1
+                    hs.promised[i] -= 1
+                    hs.shared[i] -= 1  # type: ignore[index]
+                else:
+                    del owner[b]
+                    self.total += 1
+                    self.promises.claim(1)
+            else:
+                gs.shared[i] -= 1  # type: ignore[index]
+            pool.release(b)
 
     def tables(self, seq_id: str, start: int, end: int) -> tuple[list[int], ...]:
         """The tables of a work computing positions ``[start, end)``: sliding groups first release what left the
@@ -114,7 +236,10 @@ class GroupTables:
                     drop = [b for b in table[lo:first] if b != NULL_BLOCK]
                     table[lo:first] = [NULL_BLOCK] * (first - lo)
                     nulled[i] = first
-                    if drop:
+                    if drop and self.prefix_caching:
+                        drop.reverse()
+                        self._let_go(seq_id, gs, i, drop)
+                    elif drop:
                         drop.reverse()
                         pool.release_many(drop)
                         n = len(drop)
@@ -129,7 +254,11 @@ class GroupTables:
                 if grow > promised[i]:
                     raise InvariantError(f"group {i + 1} of {seq_id!r} needs {grow} blocks beyond its reservation "
                                          f"({promised[i]} promised)")
-                table.extend(pool.allocate_many(grow))
+                fresh = pool.allocate_many(grow)
+                table.extend(fresh)
+                if self.prefix_caching:
+                    for b in fresh:
+                        self._owner[b] = seq_id
                 held[i] += grow
                 promised[i] -= grow
                 self.total -= grow
@@ -144,7 +273,8 @@ class GroupTables:
         bound shrinks from the prefill chunk's to the decode step's (after the window's release: what it holds is
         within the new bound) and the difference is promised to nobody. Once per sequence."""
         bound = self.groups[i + 1].reserved_blocks(gs.limit, self.block_size, self.decode_tokens)
-        spare = min(gs.reserved[i] - bound, gs.promised[i])
+        shared = gs.shared[i] if gs.shared is not None else 0  # blocks whose capacity may yet pass to it
+        spare = min(gs.reserved[i] - bound, gs.promised[i] - shared)
         if spare > 0:
             gs.reserved[i] -= spare
             gs.promised[i] -= spare
@@ -160,10 +290,14 @@ class GroupTables:
 
     def close(self, seq_id: str) -> None:
         """The sequence left (finished, preempted, cancelled): its blocks return, tail first, its promises end."""
-        gs = self.seqs.pop(seq_id, None)
+        gs = self.seqs.get(seq_id)
         if gs is None:
             return
-        for table in gs.tables:
+        if self.prefix_caching:
+            for i, table in enumerate(gs.tables):
+                self._let_go(seq_id, gs, i, [b for b in reversed(table) if b != NULL_BLOCK])
+        del self.seqs[seq_id]
+        for table in gs.tables if not self.prefix_caching else ():
             live = [b for b in reversed(table) if b != NULL_BLOCK]
             if live:
                 self.pool.release_many(live)
@@ -186,8 +320,10 @@ class GroupTables:
                 table = gs.tables[i]
                 live = [b for b in table if b != NULL_BLOCK]
                 g = i + 1
-                if len(live) != gs.held[i]:
-                    raise InvariantError(f"{seq_id!r} group {g}: {len(live)} live blocks, held says {gs.held[i]}")
+                owned = len(live) if gs.shared is None else sum(1 for b in live if self._owner.get(b) == seq_id)
+                if owned != gs.held[i] or len(live) - owned != (gs.shared[i] if gs.shared is not None else 0):
+                    raise InvariantError(f"{seq_id!r} group {g}: {owned} of {len(live)} live blocks owned, held "
+                                         f"says {gs.held[i]}")
                 if gs.promised[i] < 0 or gs.held[i] + gs.promised[i] != gs.reserved[i]:
                     raise InvariantError(f"{seq_id!r} group {g}: held {gs.held[i]} + promised {gs.promised[i]} "
                                          f"!= reserved {gs.reserved[i]}")
@@ -200,6 +336,13 @@ class GroupTables:
                 for b in live:
                     refs[b] += 1
                 promised += gs.promised[i]
+        if self.prefix_caching:
+            live = {b for gs in self.seqs.values() for table in gs.tables for b in table if b != NULL_BLOCK}
+            if set(self._owner) != live:
+                raise InvariantError("group blocks' owners disagree with the live blocks")
+            for b, holding in self._holders.items():
+                if len(holding) < 2 or self._owner.get(b) not in holding:
+                    raise InvariantError(f"group block {b}: holders {holding}, owner {self._owner.get(b)!r}")
         if promised != self.total:
             raise InvariantError(f"groups' promises {self.total} != the sequences' {promised}")
         for seq_id in known:

@@ -160,16 +160,19 @@ def _grouped_engine(path: Path, kind: str, **kw: object) -> Engine:
 
 def test_sixteen_prompts_through_kv_groups_equal_transformers(interleaved, path_kind: str) -> None:
     """The 16 prompts through the engine with one block table per KV cache group: every sliding layer reads its
-    group's table, whose blocks before the window are gone, and every output still equals transformers'."""
+    group's table, whose blocks before the window are gone, and every output still equals transformers'. The
+    second batch's seven prompts with the shared 20-token head are prefix hits every group serves: the full group
+    from its blocks, the sliding groups from the last blocks of the window, kept as cache after they left it."""
     window, path, hf = interleaved
     base = _prompts([20], seed=30)[0]
     prompts = _prompts([9, 13, 17, 22, 26, 31, 12, 15], seed=31)
     prompts += [base + p[:k] for p, k in zip(prompts, (1, 2, 3, 4, 5, 6, 7, 8), strict=True)]
     new = 10
     engine = _grouped_engine(path, path_kind, num_blocks=256)
-    results = engine.generate(prompts, new)
+    results = engine.generate(prompts[:9], new) + engine.generate(prompts[9:], new)
     assert [r.output for r in results] == [_hf_generate(hf, p, new) for p in prompts]
     engine.check()
+    assert engine.ledger.stats()["prefix_cache"]["hit_blocks"] >= 7 * 5  # the head's 5 blocks, 7 times
     assert engine.ledger.usage().active == 0
 
 

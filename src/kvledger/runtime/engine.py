@@ -224,8 +224,6 @@ class Engine:
             if cfg.max_running > store.residual_slots:
                 scheduler_config = SchedulerConfig(**{**cfg.to_dict(), "max_running": store.residual_slots})
         groups = runner.kv_groups
-        if groups is not None:
-            prefix_caching = False  # not kept across KV cache groups yet (core/windows.py)
         self.replica = Replica.assemble(store.num_blocks, self.spec.block_size, scheduler_config, eviction=eviction,
                                         prefix_caching=prefix_caching, host_blocks=host_blocks,
                                         disk_blocks=disk_blocks, costs=costs, kv_groups=groups)

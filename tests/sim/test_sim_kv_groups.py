@@ -16,8 +16,9 @@ GEMMA3 = str(Path(__file__).resolve().parents[2] / "examples" / "configs" / "gem
 
 
 def _config(**kw: object) -> SimConfig:
-    return SimConfig(model=GEMMA3, gpu="h200-141gb", pool_blocks=738, prefix_cache=False, token_budget=2048,
-                     prefill_chunk=2048, max_running=64, max_model_len=8192, check_every=1, **kw)
+    kw.setdefault("prefix_cache", False)
+    return SimConfig(model=GEMMA3, gpu="h200-141gb", pool_blocks=738, token_budget=2048, prefill_chunk=2048,
+                     max_running=64, max_model_len=8192, check_every=1, **kw)
 
 
 def test_the_hybrid_pool_runs_more_at_once_and_answers_sooner_through_the_driver() -> None:
@@ -40,8 +41,20 @@ def test_the_hybrid_pool_runs_more_at_once_and_answers_sooner_through_the_driver
     assert hybrid["throughput_req_s"] > 1.25 * uniform["throughput_req_s"]
 
 
-def test_kv_groups_need_sliding_layers_and_no_prefix_cache() -> None:
-    with pytest.raises(ConfigError, match="prefix cache"):
-        SimConfig(model=GEMMA3, kv_groups=True)
+def test_a_shared_prefix_is_served_from_the_cache_by_every_group() -> None:
+    """Sixteen requests with one 2,000-token head, arriving one after another: with the prefix cache the hybrid pool
+    serves each later head from the cache (the full group's blocks and the sliding groups' last window blocks, kept
+    after they left the window), as the uniform pool does."""
+    reqs = [SimRequest(f"r{i}", 2.0 * i, Prompt([(7, 2000), (10000 * i, 500)]), 20) for i in range(16)]
+    hits = {}
+    for kv_groups in (False, True):
+        sim = Simulator(_config(kv_groups=kv_groups, prefix_cache=True))
+        summary = sim.run(reqs).summary()
+        assert summary["completed"] == 16 and sim.scheduler.ledger.usage().active == 0
+        hits[kv_groups] = summary["prefix_hit_tokens"]
+    assert hits[True] == hits[False] >= 15 * 1984  # each later head's full blocks (16 tokens a block)
+
+
+def test_kv_groups_need_sliding_layers() -> None:
     with pytest.raises(ConfigError, match="no sliding-window layers"):
         Simulator(SimConfig(model="llama-3.1-8b", pool_blocks=100, prefix_cache=False, kv_groups=True))

@@ -7,7 +7,7 @@ The hybrid pool is the KV cache groups `core.sizing.hybrid.hybrid_plan` makes fo
 the uniform pool's bytes (exactly the blocks `kvledger plan` reports). The step shape is vLLM's default: every running
 decode gets one token, then prefills share ``max_num_batched_tokens`` (one chunk may take all of it), up to
 ``max_num_seqs`` running; admission reserves a request's whole output (the scheduler's ``full`` policy), so nothing is
-preempted. Neither pool keeps a prefix cache (the scheduler's hybrid pool has none yet). Step times come from the
+preempted. Neither pool keeps a prefix cache (the pools' capacity alone is compared). Step times come from the
 roofline `CostModel`, which already charges sliding layers only their window. The study behind docs/hybrid.md is
 `benchmarks/hybrid_serving.py`.
 """

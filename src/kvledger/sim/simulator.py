@@ -119,8 +119,8 @@ class SimConfig:
     every N steps (0 = never; tests use 1). sample_every: record the per-step pool breakdown every N
     steps (1 = every step). kv_groups: charge a model with sliding-window layers by KV cache group, as vLLM's hybrid
     allocator does (`KVLedger(kv_groups=...)`, one table per group in every step plan): the pool is the same KV bytes
-    in blocks of one group's page (``pool_blocks``, when given, counts blocks of every layer, as without it); the
-    scheduler's hybrid pool keeps no prefix cache yet, so ``prefix_cache`` must be off.
+    in blocks of one group's page (``pool_blocks``, when given, counts blocks of every layer, as without it); a prefix
+    hit is the longest every group serves.
     """
 
     model: str = "llama-3.1-8b"
@@ -179,9 +179,6 @@ class SimConfig:
                 checks.positive(getattr(self, name), name)
         check_engine(self.engine)
         checks.flag(self.kv_groups, "kv_groups")
-        if self.kv_groups and self.prefix_cache:
-            raise ConfigError("kv_groups: the scheduler's hybrid pool keeps no prefix cache yet; turn prefix_cache "
-                              "off (--no-enable-prefix-caching)")
         if self.eviction not in policy_names():
             raise ConfigError(f"eviction must be one of {', '.join(policy_names())}; got {self.eviction!r}")
         DEMOTION_RULES.check(self.demotion, "demotion")

@@ -133,6 +133,10 @@ def test_what_a_hybrid_pool_does_not_take_yet_is_refused_in_one_error() -> None:
             sched.add(bad)
     with pytest.raises(ConfigError, match="at most 16 tokens"):
         Scheduler(ledger, SchedulerConfig(token_budget=64, prefill_chunk=32))
+    from kvledger.core.tiers import TierLedger
+
+    with pytest.raises(ConfigError, match="hybrid KV pool demotes"):
+        KVLedger(64, BS, kv_groups=GROUPS).attach_tiers(TierLedger([("host", 8)]))
     ledger.admit(Request("a", [1, 2, 3, 4, 5], 4)).raise_for_outcome()
     with pytest.raises(LedgerError, match="fork"):
         ledger.fork("a", "b")

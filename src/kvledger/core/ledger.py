@@ -850,6 +850,8 @@ class KVLedger:
             raise ConfigError(f"attach_tiers takes a TierLedger, got {type(tiers).__name__}")
         if tiers is not None and not self.prefix_caching:
             raise ConfigError("demoting prefix blocks to a lower tier needs prefix caching")
+        if tiers is not None and self.groups is not None:
+            raise ConfigError("a hybrid KV pool demotes no prefix blocks to a lower tier yet")
         with self._lock:
             self._handoff.attach(tiers)
 

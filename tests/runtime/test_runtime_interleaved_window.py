@@ -176,19 +176,25 @@ def test_sixteen_prompts_through_kv_groups_equal_transformers(interleaved, path_
     assert engine.ledger.usage().active == 0
 
 
-def test_engine_under_preemption_through_kv_groups_equals_transformers(interleaved) -> None:
-    """16 requests in a small pool of group pages: growth fails, running requests are preempted and recomputed
-    (a hybrid pool swaps nothing yet: swap is asked for and recompute is what happens), every output exact."""
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_engine_under_preemption_through_kv_groups_equals_transformers(interleaved, mode: str) -> None:
+    """16 requests in a small pool of group pages: growth fails and running requests are preempted -- recomputed,
+    or swapped out and back with every group's blocks (a sliding group's window blocks only) -- and every output
+    equals transformers'."""
     window, path, hf = interleaved
     heads = _prompts([9, 10], seed=50)
     prompts = [heads[i % 2] + p for i, p in enumerate(_prompts([1 + (3 * i) % 7 for i in range(16)], seed=51))]
     new = 30
-    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery="swap", token_budget=16,
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery=mode, token_budget=16,
                           prefill_chunk=16)
     engine = _grouped_engine(path, "torch", num_blocks=30, host_blocks=96, scheduler_config=cfg)
     results = engine.generate(prompts, new)
     assert [r.output for r in results] == [_hf_generate(hf, p, new) for p in prompts]
-    assert engine.scheduler.preemptions > 0 and engine.stats.swapped_out_blocks == 0
+    assert engine.scheduler.preemptions > 0
+    if mode == "swap":
+        assert engine.stats.swapped_out_blocks > 0 and engine.stats.swapped_in_blocks > 0
+    else:
+        assert engine.stats.swapped_out_blocks == 0
     engine.check()
     assert engine.ledger.usage().active == 0
 

@@ -232,3 +232,34 @@ def test_a_window_groups_missing_block_caps_the_hit_below_it() -> None:
     ledger.check()
     ledger.release("b")
     ledger.check()
+
+
+def test_a_swap_preemption_moves_every_groups_blocks_out_and_back() -> None:
+    """With a host pool, a hybrid pool's victim is swapped, not recomputed: its full group's table and its window
+    groups' live blocks go to the host, come back into fresh blocks of each group at the entries the window reads,
+    and the request resumes where it was; the audit holds every step."""
+    from kvledger.scheduler.replica import Replica
+
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery="swap", token_budget=16,
+                          prefill_chunk=16)
+    replica = Replica.assemble(60, BS, cfg, host_blocks=200, kv_groups=GROUPS)
+    ledger = replica.ledger
+    moved: list[tuple[int, int]] = []
+    window_blocks: set[int] = set()
+
+    class Swaps(Recorder):
+        def execute(self, plan):  # type: ignore[no-untyped-def]
+            window_blocks.update(b for w in plan.works for t in w.groups[1:] for b in t if b != NULL_BLOCK)
+            moved.append((len(plan.swap_out), len(plan.swap_in)))
+            swapped_window = [d for d, _h in plan.swap_out if d in window_blocks]
+            if plan.swap_out:
+                assert swapped_window  # the window groups' blocks travel with the full group's
+            return super().execute(plan)
+
+    reqs = [GenRequest(f"r{i}", list(range(i, i + 20)), 30) for i in range(6)]
+    metrics = Driver(replica.scheduler, Swaps(ledger), check_every=1).run(reqs)
+    ledger.check()
+    assert sorted(m.generated for m in metrics) == [30] * 6
+    assert replica.scheduler.preemptions > 0
+    assert sum(o for o, _i in moved) > 0 and sum(i for _o, i in moved) > 0
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0

@@ -726,6 +726,26 @@ class KVLedger:
             return (seq.table.blocks, *groups.tables(request_id, start, end))
 
 
+    def group_entries(self, request_id: str) -> list[tuple[int, int, int]]:
+        """A hybrid pool: ``(group, entry, block)`` of each live block of the groups after the first (group 1 is
+        the second): what swapping the sequence out copies besides its own table."""
+        if self.groups is None:
+            return []
+        with self._lock:
+            return self.groups.live_entries(request_id)
+
+    def restore_group_tables(self, request_id: str, computed: int, host: dict[tuple[int, int], int]
+                             ) -> list[tuple[int, int]] | None:
+        """A hybrid pool: a swapped-in sequence's other groups' blocks for its first ``computed`` tokens, filled
+        from ``host[(group, entry)]``: the ``(host slot, block)`` copies, or None when the host copy lacks an entry
+        (recompute from 0). See `core.windows.GroupTables.restore`."""
+        groups = self.groups
+        if groups is None:
+            raise LedgerError("restore_group_tables: this pool is uniform (one KV cache group)")
+        with self._lock:
+            self.sequence(request_id)
+            return groups.restore(request_id, computed, host)
+
     def family_layout(self, requests: Sequence[Request], digests: list[list[bytes]]) -> FamilyLayout:
         """The block-sharing trie of a family (pure; see :class:`~kvledger.core.admission.FamilyLayout`)."""
         return FamilyLayout.of(requests, digests, self.block_size, self.prefix_caching)

@@ -26,7 +26,8 @@ drop re-promises a block only when one really came back.
 
 Its law (`check`): per sequence and group, held (owned) + promised == reserved, no live block before the window;
 every live block is owned once and referenced by each holder. Not yet kept here (the ledger refuses them for a
-hybrid pool): forks and beams, speculative slots, tiers and swaps.
+hybrid pool): forks and beams, speculative slots and tiers. A swap moves each group's live blocks (`live_entries`)
+and `restore` puts them back at the entries the window reads.
 """
 
 from __future__ import annotations
@@ -267,6 +268,90 @@ class GroupTables:
             gs.decoding = True
         gs.window_from = start
         return tuple(tables)
+
+    def live_entries(self, seq_id: str) -> list[tuple[int, int, int]]:
+        """``(group, entry, block)`` of every live block the sequence holds after the first group (``group`` 1
+        for the second group): what a swap-out copies."""
+        gs = self.seqs.get(seq_id)
+        if gs is None:
+            return []
+        return [(i + 1, j, b) for i, table in enumerate(gs.tables) for j, b in enumerate(table) if b != NULL_BLOCK]
+
+    def restore(self, seq_id: str, computed: int, host: dict[tuple[int, int], int]) -> list[tuple[int, int]] | None:
+        """A swapped-out sequence is back with its first ``computed`` tokens readable: give every group the
+        entries a query at ``computed`` reads (a sliding group its window's, a full group all), each either a
+        prefix hit it took at admission or a new block (from its promise) filled from the host copy ``host[(group,
+        entry)]``. Returns the ``(host slot, block)`` copies, or None when an entry is neither (or lies before
+        the hits' window): then every group lets its blocks go and the caller recomputes from 0."""
+        gs = self.seqs.get(seq_id)
+        if gs is None:
+            raise LedgerError(f"unknown sequence {seq_id!r}")
+        bs = self.block_size
+        last = -(-computed // bs)
+        spans = []
+        for i, group in enumerate(self.groups[1:]):
+            table, first = gs.tables[i], group.first_needed(computed, bs)
+            missing = first < gs.nulled[i] or any(
+                not (j < len(table) and table[j] != NULL_BLOCK) and (i + 1, j) not in host for j in range(first, last))
+            if missing:
+                self._empty(seq_id, gs)
+                return None
+            spans.append(first)
+        copies: list[tuple[int, int]] = []
+        for i, first in enumerate(spans):
+            table = gs.tables[i]
+            if first > gs.nulled[i]:  # hits the window no longer reads
+                lo, hi = gs.nulled[i], min(first, len(table))
+                drop = [b for b in table[lo:hi] if b != NULL_BLOCK]
+                table[lo:hi] = [NULL_BLOCK] * (hi - lo)
+                if len(table) < first:
+                    table.extend([NULL_BLOCK] * (first - len(table)))
+                gs.nulled[i] = first
+                if drop:
+                    drop.reverse()
+                    if self.prefix_caching:
+                        self._let_go(seq_id, gs, i, drop)
+                    else:
+                        self.pool.release_many(drop)
+                        gs.held[i] -= len(drop)
+                        gs.promised[i] += len(drop)
+                        self.total += len(drop)
+                        self.promises.claim(len(drop))
+            grow = last - len(table)
+            if grow > 0:
+                if grow > gs.promised[i]:
+                    raise InvariantError(f"group {i + 1} of {seq_id!r} needs {grow} blocks beyond its reservation")
+                start = len(table)
+                fresh = self.pool.allocate_many(grow)
+                table.extend(fresh)
+                if self.prefix_caching:
+                    for b in fresh:
+                        self._owner[b] = seq_id
+                gs.held[i] += grow
+                gs.promised[i] -= grow
+                self.total -= grow
+                self.promises.claim(-grow)
+                copies.extend((host[(i + 1, start + k)], b) for k, b in enumerate(fresh))
+        gs.window_from = computed
+        return copies
+
+    def _empty(self, seq_id: str, gs: GroupSeq) -> None:
+        """Let every live block of the sequence's groups go (it computes from 0 again)."""
+        for i, table in enumerate(gs.tables):
+            live = [b for b in reversed(table) if b != NULL_BLOCK]
+            if self.prefix_caching:
+                self._let_go(seq_id, gs, i, live)
+            elif live:
+                self.pool.release_many(live)
+                gs.held[i] -= len(live)
+                gs.promised[i] += len(live)
+                self.total += len(live)
+                self.promises.claim(len(live))
+            table.clear()
+            gs.nulled[i] = 0
+            if gs.registered is not None:
+                gs.registered[i] = 0
+        gs.window_from = 0
 
     def _shrink(self, gs: GroupSeq, i: int) -> None:
         """The prompt is computed: from now on a step computes at most ``decode_tokens``, so sliding group ``i``'s

@@ -107,6 +107,16 @@ class Admitter:
                                   if ready < seq.hit_blocks else br.in_ledger - 1)
                 if i == 0:
                     cached = min(ready * bs, br.in_ledger - 1)
+                if br.group_host or s._kv_groups:  # a hybrid pool: the other groups' window comes back too
+                    copies = ledger.restore_group_tables(br.seq_id, br.computed,
+                                                         {(g, j): h for g, j, h in br.group_host})
+                    if copies is None:  # the host copy lacks an entry the window reads: recompute it all
+                        br.computed = 0
+                        if i == 0:
+                            cached = 0
+                    else:
+                        restored_blocks.update(b for _h, b in copies)
+                        plan.swap_in.extend(copies)
                 if len(br.tokens) > br.in_ledger and (ready < seq.hit_blocks or br.computed < br.in_ledger - 1):
                     br.refill_end = br.in_ledger
                 br.hits_counted = max(br.computed, cached)

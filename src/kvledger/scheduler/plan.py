@@ -86,6 +86,8 @@ class Branch:
     deferred: bool = False  # could not grow this step
     limit: int = 0  # prompt + max_new_tokens: the length at which the branch is done
     host_blocks: list[int] = field(default_factory=list)  # while swapped: host copy of each block
+    # While swapped from a hybrid pool: (KV cache group, table entry, host copy) of its other groups' blocks.
+    group_host: list[tuple[int, int, int]] = field(default_factory=list)
     index: int = 0  # the branch index (sampling keys, result order)
     blocks: list[int] = field(default_factory=list)  # while running: the ledger's block table of the branch
     hit_end: int = 0  # while running: tokens covered by the prefix hits found at its admission

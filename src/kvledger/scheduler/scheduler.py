@@ -145,6 +145,9 @@ class Scheduler:
         for br in unit:
             freed.update(br.host_blocks)
             br.host_blocks = []
+            if br.group_host:
+                freed.update(h for _g, _j, h in br.group_host)
+                br.group_host = []
         if freed and self.host is not None:
             self.host.free(sorted(freed))
 
@@ -218,9 +221,11 @@ class Scheduler:
             if rid in swapped_now:
                 for br in unit:
                     host_owner.update(dict.fromkeys(br.host_blocks, rid))
+                    host_owner.update(dict.fromkeys((h for _g, _j, h in br.group_host), rid))
         restored_owner: dict[int, str] = {}
         for br in self._restored:
             restored_owner.update(dict.fromkeys(br.host_blocks, br.request.request_id))
+            restored_owner.update(dict.fromkeys((h for _g, _j, h in br.group_host), br.request.request_id))
         # A copy into a block swapped out this step fills it for the host copy: it is the victim's.
         for d, h in plan.swap_out:
             dst_owner.setdefault(d, host_owner.get(h))  # type: ignore[arg-type]
@@ -426,19 +431,23 @@ class Scheduler:
         # Distinct blocks of the family in table order (head first), so that ending the swap lease
         # releases them tail first, as any release does.
         blocks = list(dict.fromkeys(b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks))
+        # A hybrid pool (one branch): its other KV cache groups' live blocks travel too, each group's own pages.
+        entries = self.ledger.group_entries(branches[0].seq_id) if self._kv_groups else []
         mode, note = RECOVERY_MODES[force or self.config.recovery](
-            self.costs, replay_tokens(self.ledger, branches), len(blocks))
+            self.costs, replay_tokens(self.ledger, branches), len(blocks) + len(entries))
         reason = why + note
-        if mode == "swap" and self._kv_groups:
-            mode = "recompute"
-            reason += "; a hybrid KV pool does not swap yet, recomputing instead"
-        if mode == "swap" and (self.host is None or self.host.holdable < len(blocks)):
+        if mode == "swap" and (self.host is None or self.host.holdable < len(blocks) + len(entries)):
             mode = "recompute"
             reason += "; host pool cannot hold the blocks, recomputing instead"
         if mode == "swap":
             assert self.host is not None
             host_of = dict(zip(blocks, self.host.allocate(len(blocks)), strict=True))
             plan.swap_out.extend(host_of.items())
+            if entries:
+                slots = self.host.allocate(len(entries))
+                plan.swap_out.extend((b, h) for (_g, _j, b), h in zip(entries, slots, strict=True))
+                branches[0].group_host = [(g, j, h) for (g, j, _b), h in zip(entries, slots, strict=True)]
+                blocks = blocks + [b for _g, _j, b in entries]
             # A copy-on-write copy recorded this step (a branch's first write into a shared tail) must
             # still run: the executor makes copies before swap-outs, so the host gets the filled block.
             # Taken now, because dropping the sequences below discards copies into their blocks.

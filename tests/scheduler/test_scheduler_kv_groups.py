@@ -263,3 +263,28 @@ def test_a_swap_preemption_moves_every_groups_blocks_out_and_back() -> None:
     assert replica.scheduler.preemptions > 0
     assert sum(o for o, _i in moved) > 0 and sum(i for _o, i in moved) > 0
     assert ledger.usage().active == 0 and ledger.usage().promised == 0
+
+
+def test_a_restore_fills_the_window_entries_from_the_host_or_gives_up_on_a_missing_one() -> None:
+    """After 30 tokens a window group (W = 8, 4-token blocks) reads entries 5 to 7: those come back from the host into
+    fresh blocks; with entry 5's copy missing nothing comes back and every group's table is empty (recompute)."""
+    ledger = _hybrid()
+    prompt = list(range(30))
+    for host in ({(g, j): 100 * g + j for g in (1, 2) for j in range(5, 8)}, {(1, 6): 16, (1, 7): 17}):
+        ledger.admit(Request("a", prompt, 10)).raise_for_outcome()
+        copies = ledger.restore_group_tables("a", 29, host)
+        ledger.check()
+        tables = ledger.groups.seqs["a"].tables
+        if len(host) == 6:
+            assert copies is not None and sorted(h for h, _b in copies) == sorted(host.values())
+            for g in (1, 2):
+                assert tables[g - 1][:5] == [NULL_BLOCK] * 5 and NULL_BLOCK not in tables[g - 1][5:8]
+                assert {(100 * g + j, tables[g - 1][j]) for j in range(5, 8)} <= set(copies)
+            ledger.group_tables("a", 29, 30)  # the work that resumes there
+        else:
+            assert copies is None and tables == [[], []]
+            ledger.group_tables("a", 0, 16)  # it computes from 0
+        ledger.check()
+        ledger.release("a")
+        ledger.check()
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0

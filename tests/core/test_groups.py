@@ -14,7 +14,7 @@ from kvledger.core.groups import NULL_BLOCK, GroupLedger, KVCacheGroup, MMItem
 from kvledger.core.sizing.geometry import KVSpec
 from kvledger.core.sizing.hybrid import hybrid_plan
 from kvledger.core.types import Outcome
-from kvledger.errors import ConfigError, LedgerError
+from kvledger.errors import ConfigError, InvariantError, LedgerError
 
 ROOT = Path(__file__).resolve().parents[2]
 FULL = KVCacheGroup("full", layers=2, layer_block_bytes=100)
@@ -122,6 +122,24 @@ def test_state_group_holds_one_block_and_disables_hits() -> None:
     led.release("a")
     assert led.admit("b", list(range(12)), 4).hit_tokens == 0
     led.check()
+
+
+def test_check_states_the_state_groups_law() -> None:
+    """A state group holds its one block from the first step to release: one handed back early (a bug that keeps
+    every other count balanced, the block turned back into a promise) is caught."""
+    state = KVCacheGroup("state", layers=3, layer_block_bytes=100)
+    led = _ledger(groups=(FULL, state))
+    led.admit("a", list(range(12)), 4)
+    _run(led, "a", chunk=4)
+    led.check()
+    req = led.requests["a"]
+    led.pool.release(req.tables[1].pop())
+    req.held[1] -= 1
+    req.own[1] -= 1
+    req.promised[1] += 1
+    led.promised += 1
+    with pytest.raises(InvariantError, match="state group holds 0 of its 1 blocks"):
+        led.check()
 
 
 def test_bad_input_is_refused_without_a_change() -> None:

@@ -611,6 +611,10 @@ class GroupLedger:
                             raise InvariantError(f"{rid!r} group {g}: a block before the window is still held")
                     elif NULL_BLOCK in table:
                         raise InvariantError(f"{rid!r} group {g}: a {group.kind} group dropped a block")
+                    if group.kind == "state" and (req.computed or req.scheduled) and req.held[g] != req.reserved[g]:
+                        # A state is fixed-size: from its first step to its release a request holds all of it.
+                        raise InvariantError(f"{rid!r} group {g}: a state group holds {req.held[g]} of its "
+                                             f"{req.reserved[g]} blocks after its first step")
                     for b in live:
                         refs[b] += 1
                         if owner.setdefault(b, g) != g:

@@ -20,8 +20,9 @@ from types import SimpleNamespace
 
 def run(case: dict) -> dict:
     import torch
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
     from vllm.v1.core import kv_cache_utils as u
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     common = dict(block_size=case["block_size"], num_kv_heads=case["kv_heads"], head_size=case["head_dim"],
@@ -30,13 +31,26 @@ def run(case: dict) -> dict:
     sliding = SlidingWindowSpec(sliding_window=case["window"], **common)
     # Layer order as the model declares it: `pattern` sliding layers then one global, repeated (Gemma 3), or
     # alternating (gpt-oss); the grouping only counts kinds, so the order changes no figure.
+    # State layers (kind "mamba"): vLLM's own Mamba-2 state shapes, one page per request; the case's block size is
+    # the raised hybrid one, and `unify_kv_cache_spec_page_size` pads the state page up to the attention page.
+    state = None
+    if "mamba2" in case:
+        m = case["mamba2"]
+        shapes = MambaStateShapeCalculator.mamba2_state_shape(
+            tp_world_size=1, intermediate_size=m["intermediate_size"], n_groups=m["n_groups"],
+            num_heads=m["num_heads"], head_dim=m["head_dim"], state_size=m["state_size"],
+            conv_kernel=m["conv_kernel"])
+        state = MambaSpec(block_size=case["block_size"], shapes=tuple(shapes),
+                          dtypes=(torch.bfloat16, torch.bfloat16))
     specs: dict[str, object] = {}
     for i, kind in enumerate(case["layer_kinds"]):
-        specs[f"model.layers.{i}.self_attn"] = sliding if kind == "sliding" else full
+        specs[f"model.layers.{i}.self_attn"] = {"sliding": sliding, "mamba": state}.get(kind, full)
+    state_page = state.page_size_bytes if state is not None else None
+    specs = u.unify_kv_cache_spec_page_size(specs)
     layout = KVCacheLayout[case.get("layout", "LBHNC")]
     cfg = SimpleNamespace(
         cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout, num_gpu_blocks_override=None,
-                                     prefix_cache_retention_interval=None),
+                                     prefix_cache_retention_interval=None, mamba_cache_mode="none"),
         attention_config=SimpleNamespace(hisparse_config=None),
         model_config=SimpleNamespace(max_model_len=case["max_model_len"]),
         parallel_config=SimpleNamespace(decode_context_parallel_size=1),
@@ -50,6 +64,7 @@ def run(case: dict) -> dict:
     return {
         "groups": [[type(g.kv_cache_spec).__name__, len(g.layer_names)] for g in groups],
         "page_size_bytes": full.page_size_bytes,
+        **({"state_page_bytes": state_page} if state_page is not None else {}),
         "num_blocks": kv_config.num_blocks,
         "bytes_per_block": u._get_kv_cache_bytes_per_block(groups, layout),
         "blocks_per_request": per_group,

@@ -116,7 +116,7 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
                              max_new, groups, prefix_cache, model or "explicit", branches, policy))
     data = {"kv_bytes_per_token": spec.bytes_per_token, "block_bytes": spec.block_bytes,
             "pool_bytes": pool_bytes, **({"pool_sized_by": sized} if sized else {}), **result}
-    hybrid = _hybrid_admit(spec, int(pool_bytes), prompt + max_new)
+    hybrid = _hybrid_admit(spec, int(pool_bytes), prompt + max_new, cfg)
     if hybrid is not None:
         data["hybrid"] = hybrid.to_dict()
     con = _admission_console(spec, data, as_json, geometry)
@@ -157,12 +157,15 @@ def admit(model: str | None, layers: int | None, kv_heads: int | None, head_dim:
             f"(finish: {', '.join(g['finish_reasons'])}).")
 
 
-def _hybrid_admit(spec: Any, pool_bytes: int, tokens: int) -> Any:
-    """The hybrid pool the same bytes make for a model with sliding layers (one block table per KV cache
-    group; a sliding group holds its window beside one step of the scheduler's default 8,192 tokens)."""
+def _hybrid_admit(spec: Any, pool_bytes: int, tokens: int, cfg: Any = None) -> Any:
+    """The hybrid pool the same bytes make for a model with sliding or state layers (one block table per KV cache
+    group; a sliding group holds its window beside one step of the scheduler's default 8,192 tokens, a state
+    group one fixed block)."""
+    from ..core.sizing.geometry import state_geometry
     from ..core.sizing.hybrid import hybrid_plan, is_hybrid
 
-    return hybrid_plan(spec, pool_bytes, tokens, 8192) if is_hybrid(spec) else None
+    state = state_geometry(cfg, spec.tp) if cfg is not None else None
+    return hybrid_plan(spec, pool_bytes, tokens, 8192, state) if is_hybrid(spec, state) else None
 
 
 def _admission_console(spec: Any, data: dict[str, Any], as_json: bool, geometry: bool = True) -> Any:

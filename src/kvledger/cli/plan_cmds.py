@@ -326,8 +326,10 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         weights_bytes=weights, workspace_bytes=workspace, vocab=vocab,
         peaks=load_measured_peaks(peaks_file) if peaks_file else None,
     )
+    # The weight plan counts attention and MLP tensors only: a model with Mamba / linear-attention layers is sized
+    # from --pool, or --gpu with --params / --weights, not from its config's tensors.
     try:
-        inv = build_inventory(spec, cfg, **kwargs)
+        inv = build_inventory(spec, None if _state(cfg, spec) is not None else cfg, **kwargs)
     except DoesNotFit as exc:
         raise ConfigError(f"{exc}" + _hints(fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new))) from None
     data: dict[str, Any] = {**base, **inv.to_dict()}
@@ -340,7 +342,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     if ctx_len is not None:
         data["context"] = ctx_len
         data["max_concurrency_for_context"] = round(inv.max_concurrency(ctx_len), 2)
-        hybrid = _hybrid(spec, inv, ctx_len)
+        hybrid = _hybrid(spec, inv, ctx_len, _state(cfg, spec))
         if hybrid is not None:
             data["hybrid"] = hybrid.to_dict()
     if prompt is not None and max_new is not None:
@@ -386,15 +388,23 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         con.print("[dim]--explain shows each term's formula and source[/dim]")
 
 
-def _hybrid(spec: Any, inv: Any, ctx_len: int) -> Any:
-    """The hybrid pool (one block table per KV cache group, sliding groups bounded by their window) the same
-    KV budget makes, for a model with sliding layers; None for a uniform model."""
+def _state(cfg: Any, spec: Any) -> Any:
+    """The model's Mamba / linear-attention state layers (None without a config or without such layers)."""
+    from ..core.sizing.geometry import state_geometry
+
+    return state_geometry(cfg, spec.tp) if cfg is not None else None
+
+
+def _hybrid(spec: Any, inv: Any, ctx_len: int, state: Any = None) -> Any:
+    """The hybrid pool (one block table per KV cache group, sliding groups bounded by their window, state groups
+    one fixed block) the same KV budget makes, for a model with sliding or state layers; None for a uniform
+    model."""
     from ..core.sizing.hybrid import hybrid_plan, is_hybrid
 
-    if not is_hybrid(spec):
+    if not is_hybrid(spec, state):
         return None
     in_flight = inv.max_batched_tokens or 8192
-    return hybrid_plan(spec, inv.kv_budget_bytes - inv.residual_bytes, ctx_len, in_flight)
+    return hybrid_plan(spec, inv.kv_budget_bytes - inv.residual_bytes, ctx_len, in_flight, state)
 
 
 def _hybrid_lines(plan: Any) -> list[str]:
@@ -404,10 +414,13 @@ def _hybrid_lines(plan: Any) -> list[str]:
         f"{kind}: {row['layers']} layers in {row['groups']} group(s), {row['blocks_per_request']:,} blocks = "
         f"{format_bytes(row['kv_bytes_per_request'])}" for kind, row in plan.by_kind().items())
     pad = f", {plan.padding_layers} padding layer(s)" if plan.padding_layers else ""
+    held = f"sliding groups hold their window beside {plan.in_flight_tokens:,} in-flight tokens"
+    if "state" in plan.by_kind():
+        held = (f"state groups hold one block per request whatever its length; attention blocks of "
+                f"{plan.block_size:,} tokens, raised so a page holds one layer's state")
     return [
-        f"hybrid pool (a block table per KV cache group of {plan.group_size} layers{pad}; sliding groups hold "
-        f"their window beside {plan.in_flight_tokens:,} in-flight tokens): {plan.pool_blocks:,} blocks of "
-        f"{format_bytes(plan.block_bytes)}",
+        f"hybrid pool (a block table per KV cache group of {plan.group_size} layers{pad}; {held}): "
+        f"{plan.pool_blocks:,} blocks of {format_bytes(plan.block_bytes)}",
         f"  a request of {plan.tokens:,} tokens holds {format_bytes(plan.kv_bytes_per_request)} ({kinds}) "
         f"against {format_bytes(plan.uniform_bytes_per_request)} in the uniform pool",
         f"  maximum concurrency for {plan.tokens:,} tokens per request: {plan.max_concurrency:.2f}x hybrid vs "

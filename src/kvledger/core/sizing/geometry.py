@@ -324,6 +324,83 @@ class KVSpec:
                    sliding_layers=sliding, **common)
 
 
+@dataclass(frozen=True, slots=True)
+class StateGeometry:
+    """The fixed-size state of a model's Mamba-2 or gated-delta-net (linear attention) layers on one rank:
+    a conv state and a temporal (SSM) state per layer and request, whatever the sequence length (vLLM's
+    ``MambaSpec.shapes``, ``MambaStateShapeCalculator``). ``kind`` is "mamba" or "linear_attention". `KVSpec`
+    counts these layers among its ``layers`` (the uniform pool charges them per token like attention layers);
+    ``core.sizing.hybrid.hybrid_plan`` gives them their own groups."""
+
+    kind: str
+    layers: int
+    conv_shape: tuple[int, int]
+    ssm_shape: tuple[int, int, int]
+    dtype_bytes: int  # conv and temporal state in the model's dtype (vLLM's mamba_cache_dtype "auto")
+
+    @property
+    def layer_state_bytes(self) -> int:
+        """One layer's state for one request (vLLM's ``MambaSpec.page_size_bytes`` before padding)."""
+        (a, b), (c, d, e) = self.conv_shape, self.ssm_shape
+        return (a * b + c * d * e) * self.dtype_bytes
+
+
+_STATE_KINDS = {"mamba": "mamba", "linear_attention": "linear_attention"}
+
+
+def state_geometry(cfg: dict[str, Any], tp: int = 1) -> StateGeometry | None:
+    """The state layers a config declares in ``layer_types`` or ``layers_block_type`` ("mamba":
+    Granite-4.0-H / Nemotron-H / Zamba2 style Mamba-2; "linear_attention": Qwen3-Next's gated delta net);
+    None when it declares none."""
+    cfg = text_config(cfg)
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        kinds = cfg.get("layers_block_type")
+    if not isinstance(kinds, list):
+        return None
+    found = {_STATE_KINDS[str(k)] for k in kinds if str(k) in _STATE_KINDS}
+    if not found:
+        return None
+    if len(found) > 1:
+        raise ConfigError("a config with both Mamba and linear-attention layers is not planned")
+    kind = found.pop()
+    layers = sum(1 for k in kinds if str(k) in _STATE_KINDS)
+    width = _state_dtype_bytes(default_dtype(cfg))
+
+    def split(n: int, what: str) -> int:
+        if n % tp:
+            raise ConfigError(f"tp={tp} must divide {what} ({n})")
+        return n // tp
+
+    if kind == "mamba":
+        heads = config_int(cfg, "mamba_n_heads")
+        head_dim = config_int(cfg, "mamba_d_head")
+        d_state = config_int(cfg, "mamba_d_state")
+        groups = config_int(cfg, "mamba_n_groups", default=1)
+        d_conv = config_int(cfg, "mamba_d_conv", default=4)
+        inner = config_int(cfg, "mamba_expand", default=2) * config_int(cfg, "hidden_size")
+        if groups % tp:  # vLLM's extra_groups_for_head_shards: groups replicated up to tp
+            groups = tp
+        conv = (d_conv - 1, split(inner + 2 * groups * d_state, "the Mamba conv width"))
+        ssm = (split(heads, "mamba_n_heads"), head_dim, d_state)
+    else:
+        k_heads = config_int(cfg, "linear_num_key_heads")
+        v_heads = config_int(cfg, "linear_num_value_heads")
+        k_dim = config_int(cfg, "linear_key_head_dim")
+        v_dim = config_int(cfg, "linear_value_head_dim")
+        d_conv = config_int(cfg, "linear_conv_kernel_dim", default=4)
+        conv = (d_conv - 1, split(2 * k_heads * k_dim + v_heads * v_dim, "the linear-attention conv width"))
+        ssm = (split(v_heads, "linear_num_value_heads"), v_dim, k_dim)
+    return StateGeometry(kind, layers, conv, ssm, width)
+
+
+def _state_dtype_bytes(kv_dtype: str) -> int:
+    name = canonical_dtype(kv_dtype)
+    if name not in ("bf16", "fp16", "fp32"):
+        raise ConfigError(f"state layers are planned in bf16, fp16 or fp32 (the model's dtype), not {name}")
+    return 4 if name == "fp32" else 2
+
+
 def _exact(n: int, d: int) -> int | float:
     return n // d if n % d == 0 else n / d
 
@@ -417,7 +494,7 @@ def _sliding_layout(cfg: dict[str, Any], layers: int) -> tuple[int | None, int]:
 
 
 __all__ = [
-    "ATTENTION_KINDS", "ELEMENT_BYTES", "KV_DTYPE_BYTES", "KV_FORMATS", "KVSpec", "canonical_dtype", "config_int",
-    "default_dtype",
+    "ATTENTION_KINDS", "ELEMENT_BYTES", "KV_DTYPE_BYTES", "KV_FORMATS", "KVSpec", "StateGeometry", "canonical_dtype",
+    "config_int", "default_dtype", "state_geometry",
     "dtype_bytes", "text_config",
 ]

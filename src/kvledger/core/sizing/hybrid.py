@@ -14,6 +14,11 @@ arithmetic, as vLLM's v1 hybrid manager does it (``vllm/v1/core/kv_cache_utils.p
   ``ceil(min(W - 1 + in-flight tokens, L) / block) + 1`` (``SlidingWindowSpec.max_memory_usage_bytes``:
   during a chunked prefill the window's W - 1 tokens stay beside the chunk being computed, and a window
   that does not start on a block boundary straddles one more block);
+- a state group (Mamba-2 / gated-delta-net layers) holds one block per request whatever its length
+  (``MambaSpec.max_memory_usage_bytes`` with no prefix caching and no speculation); its page is the layer's
+  fixed state, so the attention block size is raised until an attention page holds it, a multiple of the
+  kernel's block alignment, and the state page is padded up to the attention page
+  (``Platform._align_hybrid_block_size``, ``unify_kv_cache_spec_page_size``);
 - the concurrency for ``max_model_len`` tokens is the pool's blocks over the sum of every group's blocks
   (``get_max_concurrency_for_kv_cache_config``).
 
@@ -28,11 +33,14 @@ from typing import Any
 
 from ...errors import ConfigError
 from .. import checks
-from .geometry import KVSpec
+from .geometry import KVSpec, StateGeometry
 
 # vLLM uses the larger kind's layer count as the group size when it is under this multiple of the smaller
 # (gpt-oss-20b + an EAGLE drafter: 12 sliding + 13 full pad to 13 + 13, not 12 + 24).
 GROUP_SIZE_SLACK = 1.5
+# The attention kernel's block alignment vLLM rounds a hybrid attention/Mamba block size to (FlashAttention on
+# CUDA: multiples of 16 tokens).
+KERNEL_BLOCK_ALIGNMENT = 16
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -44,10 +52,10 @@ class KVGroupPlan:
     """One KV cache group of a hybrid pool: its layers, what one of its blocks really holds, and what a request
     of the planned length takes from the pool in it."""
 
-    kind: str  # "full" | "sliding"
+    kind: str  # "full" | "sliding" | "state"
     layers: int  # real layers in the group (the rest of the group's block is padding)
     window: int | None
-    layer_block_bytes: int  # one layer's page: what `KVFormat.parts` lays out for one block of one layer
+    layer_block_bytes: int  # one layer's page: what `KVFormat.parts` lays out (a state layer: its fixed state)
     blocks_per_request: int
 
     @property
@@ -80,6 +88,7 @@ class HybridPlan:
     uniform_block_bytes: int
     uniform_pool_blocks: int
     uniform_blocks_per_request: int
+    block_size: int = 16  # tokens per block of the hybrid pool (raised so a page holds a state layer's state)
 
     @property
     def kv_bytes_per_request(self) -> int:
@@ -117,6 +126,7 @@ class HybridPlan:
     def to_dict(self) -> dict[str, Any]:
         return {
             "tokens": self.tokens, "in_flight_tokens": self.in_flight_tokens, "group_size": self.group_size,
+            **({"block_size": self.block_size} if "state" in self.by_kind() else {}),
             "padding_layers": self.padding_layers, "block_bytes": self.block_bytes, "pool_blocks": self.pool_blocks,
             "blocks_per_request": self.blocks_per_request, "kv_bytes_per_request": self.kv_bytes_per_request,
             "exact_bytes_per_request": self.exact_bytes_per_request,
@@ -130,9 +140,9 @@ class HybridPlan:
         }
 
 
-def is_hybrid(spec: KVSpec) -> bool:
-    """Whether a hybrid pool would charge this model differently: some of its layers slide."""
-    return spec.attention in ("sliding", "hybrid") and bool(spec.sliding_layers)
+def is_hybrid(spec: KVSpec, state: StateGeometry | None = None) -> bool:
+    """Whether a hybrid pool would charge this model differently: some of its layers slide or keep a state."""
+    return state is not None or (spec.attention in ("sliding", "hybrid") and bool(spec.sliding_layers))
 
 
 def sliding_blocks(window: int, block_size: int, tokens: int, in_flight_tokens: int) -> int:
@@ -142,11 +152,12 @@ def sliding_blocks(window: int, block_size: int, tokens: int, in_flight_tokens: 
     return _cdiv(min(window - 1 + in_flight_tokens, tokens), block_size) + 1
 
 
-def group_layout(full_layers: int, sliding_layers: int) -> tuple[int, list[tuple[str, int]]]:
+def group_layout(full_layers: int, sliding_layers: int, state_layers: int = 0) -> tuple[int, list[tuple[str, int]]]:
     """vLLM's grouping: (group size, [(kind, real layers) per group]), full groups after sliding ones as vLLM
     lists them for a model whose first layer slides. A kind of ``n`` layers splits into ``ceil(n / size)``
     groups taking every ``k``-th layer, so their sizes differ by at most one."""
-    counts = [(kind, n) for kind, n in (("sliding", sliding_layers), ("full", full_layers)) if n]
+    counts = [(kind, n) for kind, n in (("sliding", sliding_layers), ("full", full_layers), ("state", state_layers))
+              if n]
     if not counts:
         raise ConfigError("a hybrid pool needs at least one layer")
     small, large = min(n for _, n in counts), max(n for _, n in counts)
@@ -158,20 +169,31 @@ def group_layout(full_layers: int, sliding_layers: int) -> tuple[int, list[tuple
     return size, groups
 
 
-def hybrid_plan(spec: KVSpec, kv_budget_bytes: int, tokens: int, in_flight_tokens: int) -> HybridPlan:
+def hybrid_plan(spec: KVSpec, kv_budget_bytes: int, tokens: int, in_flight_tokens: int,
+                state: StateGeometry | None = None) -> HybridPlan:
     """The hybrid pool a KV budget of ``kv_budget_bytes`` makes for ``spec``, against the uniform pool of the
     same budget, for requests of ``tokens`` tokens (vLLM's ``max_model_len``) with ``in_flight_tokens`` tokens
     scheduled per step (vLLM: ``max_num_batched_tokens`` times the concurrent batches, one without async
-    scheduling)."""
+    scheduling). ``state`` (`geometry.state_geometry`) names the state layers among ``spec.layers``."""
     checks.positive(kv_budget_bytes, "kv_budget_bytes")
     checks.positive(tokens, "tokens")
     checks.positive(in_flight_tokens, "in_flight_tokens")
     page = spec.layer_block_bytes
     bs = spec.block_size
-    size, layout = group_layout(spec.layers - spec.sliding_layers, spec.sliding_layers)
+    state_layers = state.layers if state is not None else 0
+    if state is not None:
+        if state_layers + spec.sliding_layers >= spec.layers:
+            raise ConfigError("a hybrid pool with state layers needs at least one full-attention layer")
+        bs = hybrid_block_size(spec, state)
+        page = spec.layer_block_bytes * bs // spec.block_size
+    size, layout = group_layout(spec.layers - spec.sliding_layers - state_layers, spec.sliding_layers, state_layers)
     full_blocks = _cdiv(tokens, bs)
     groups = []
     for kind, n in layout:
+        if kind == "state":
+            assert state is not None  # layout has a state kind only for a spec with state layers
+            groups.append(KVGroupPlan(kind, n, None, state.layer_state_bytes, 1))
+            continue
         if kind == "sliding":
             window = spec.sliding_window
             if window is None:  # KVSpec gives every sliding layer a window
@@ -186,8 +208,22 @@ def hybrid_plan(spec: KVSpec, kv_budget_bytes: int, tokens: int, in_flight_token
         padding_layers=len(layout) * size - spec.layers, groups=tuple(groups), block_bytes=block_bytes,
         pool_blocks=kv_budget_bytes // block_bytes, blocks_per_request=sum(g.blocks_per_request for g in groups),
         uniform_block_bytes=spec.block_bytes, uniform_pool_blocks=kv_budget_bytes // spec.block_bytes,
-        uniform_blocks_per_request=full_blocks,
+        uniform_blocks_per_request=_cdiv(tokens, spec.block_size), block_size=bs,
     )
 
 
-__all__ = ["HybridPlan", "KVGroupPlan", "group_layout", "hybrid_plan", "is_hybrid", "sliding_blocks"]
+def hybrid_block_size(spec: KVSpec, state: StateGeometry | None, alignment: int = KERNEL_BLOCK_ALIGNMENT) -> int:
+    """Tokens per block of a hybrid attention/state pool: the smallest multiple of the kernel's block alignment
+    (at least the configured block size) whose attention page holds one state layer's state (vLLM's
+    ``Platform._align_hybrid_block_size``); the configured block size when that already holds it."""
+    if state is None:
+        return spec.block_size
+    per_token = spec.layer_block_bytes // spec.block_size
+    if per_token * spec.block_size != spec.layer_block_bytes:
+        raise ConfigError("a KV format whose page is not whole bytes per token cannot share a pool with states")
+    align = max(alignment, spec.block_size)
+    return max(spec.block_size, align * _cdiv(state.layer_state_bytes, align * per_token))
+
+
+__all__ = ["HybridPlan", "KVGroupPlan", "group_layout", "hybrid_block_size", "hybrid_plan", "is_hybrid",
+           "sliding_blocks"]

@@ -328,8 +328,12 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     )
     # The weight plan counts attention and MLP tensors only: a model with Mamba / linear-attention layers is sized
     # from --pool, or --gpu with --params / --weights, not from its config's tensors.
+    state = _state(cfg, spec)
+    if state is not None and pool is None and params is None and weights is None:
+        raise ConfigError(f"the weight plan does not count {state.kind} layers: give --pool, or --params / --weights "
+                          "with --gpu or --device-memory")
     try:
-        inv = build_inventory(spec, None if _state(cfg, spec) is not None else cfg, **kwargs)
+        inv = build_inventory(spec, None if state is not None else cfg, **kwargs)
     except DoesNotFit as exc:
         raise ConfigError(f"{exc}" + _hints(fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new))) from None
     data: dict[str, Any] = {**base, **inv.to_dict()}
@@ -342,7 +346,7 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
     if ctx_len is not None:
         data["context"] = ctx_len
         data["max_concurrency_for_context"] = round(inv.max_concurrency(ctx_len), 2)
-        hybrid = _hybrid(spec, inv, ctx_len, _state(cfg, spec))
+        hybrid = _hybrid(spec, inv, ctx_len, state)
         if hybrid is not None:
             data["hybrid"] = hybrid.to_dict()
     if prompt is not None and max_new is not None:

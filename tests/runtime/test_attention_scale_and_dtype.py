@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+from int_dot import decode_tol
 from kvledger.core import BlockTable, KVSpec
 from kvledger.errors import ConfigError
 from kvledger.runtime import (
@@ -150,7 +151,7 @@ def test_every_kv_format_is_attended_exactly_as_it_is_held(backend: str, kv_dtyp
     blocks open in their residual pages, later steps seal them; scales differ step to step; bf16 queries
     get bf16 outputs."""
     run = Run(backend, dim=dim, kv_dtype=kv_dtype, dtype=dtype, seed=2)
-    tol = 1e-4 if dtype == torch.float32 else 8e-2  # bf16: K/V read as bf16 too
+    tol = decode_tol(backend, kv_dtype, 1e-4) if dtype == torch.float32 else 8e-2  # bf16: K/V read as bf16 too
     run.step({0: 6, 1: 4, 2: 1}, scale=0.8, tol=tol)
     run.step({0: 3, 1: 1, 2: 1, 3: 9}, scale=0.15, tol=tol)
     run.step({0: 1, 1: 1, 2: 1, 3: 1}, scale=1.1, tol=tol)

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ...errors import ConfigError
+from ...errors import ConfigError, InvariantError
 from .. import checks
 from .geometry import KVSpec, StateGeometry
 
@@ -191,7 +191,8 @@ def hybrid_plan(spec: KVSpec, kv_budget_bytes: int, tokens: int, in_flight_token
     groups = []
     for kind, n in layout:
         if kind == "state":
-            assert state is not None  # layout has a state kind only for a spec with state layers
+            if state is None:  # layout has a state kind only for a spec with state layers
+                raise InvariantError("a state group was laid out for a spec without state layers")
             groups.append(KVGroupPlan(kind, n, None, state.layer_state_bytes, 1))
             continue
         if kind == "sliding":

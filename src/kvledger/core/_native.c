@@ -1022,30 +1022,41 @@ typedef struct { /* a heap slot carries its block's key, so sifting reads only t
     int32_t b;
 } Slot;
 
-typedef struct { /* one block's facts, together: an operation on a block touches one or two cache lines */
+#if defined(__GNUC__) || defined(__clang__)
+#define PC_LINE_ALIGNED __attribute__((aligned(64)))
+#else
+#define PC_LINE_ALIGNED
+#endif
+
+typedef struct { /* one block's facts, together: the first cache line holds what a parent is asked (is
+                  * it linked, of which generation, how many retained children, its heap place and key),
+                  * so the leaf rule costs one line per parent; the nodes are 64-byte aligned */
     double k1;       /* retained: the key, then */
     int64_t seq;     /* the tie-break */
     int64_t gen, pgen; /* linked: its generation, its parent's at link time */
     int64_t stamp;   /* S3: FIFO position */
-    double want_exp; /* PRIO: expiry of the wanted priority, NaN = never */
-    PyObject *digest; /* linked: its identity (a reference) */
-    Py_hash_t dhash; /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
     int32_t hpos;    /* position in its queue's heap, -1 none */
-    int32_t lprev, lnext; /* PRIO: its level's FIFO list */
-    int32_t parent, depth, kids; /* linked: parent block (-1 none), depth; retained children */
+    int32_t parent, kids; /* linked: parent block (-1 none); retained children */
     int32_t uses;    /* LFU, GDSF, ARC: releases counted (0: none) */
     int16_t prio;    /* SGLang: -1 = none given; PRIO: the wanted priority */
     uint8_t ret, queue, linked;
     uint8_t flag;    /* ARC: often; S3: bit 0 freq set, bit 1 queue set, bit 2 stamp set; PRIO: want set */
     int8_t freq;     /* S3 */
     uint8_t s3q;     /* S3 */
-} Node;
+    /* second line */
+    double want_exp; /* PRIO: expiry of the wanted priority, NaN = never */
+    PyObject *digest; /* linked: its identity (a reference) */
+    Py_hash_t dhash; /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
+    int32_t lprev, lnext; /* PRIO: its level's FIFO list */
+    int32_t depth;   /* linked: depth */
+} PC_LINE_ALIGNED Node;
 
 typedef struct {
     PyObject_HEAD
     int kind, queues;
     Py_ssize_t cap;
     Node *n;
+    void *nraw; /* n's allocation (n is its first 64-byte aligned address) */
     Slot *heap[2];
     int32_t lhead[PC_LEVELS], ltail[PC_LEVELS]; /* PRIO: one FIFO list per level, as the Python buckets */
     uint64_t lmask[2];                          /* PRIO: which levels hold blocks */
@@ -1270,7 +1281,16 @@ static int pc_reserve(PolicyCore *self, Py_ssize_t key) {
     Py_ssize_t cap = self->cap ? self->cap : 64;
     while (cap <= key) cap *= 2;
     if (cap > ORDER_MAX) cap = ORDER_MAX;
-    PC_GROW(n, Node);
+    {
+        void *raw = PyMem_Malloc(sizeof(Node) * (size_t)cap + 64);
+        if (raw == NULL) return PyErr_NoMemory(), -1;
+        Node *grown = (Node *)(((uintptr_t)raw + 63) & ~(uintptr_t)63);
+        if (self->cap) memcpy(grown, self->n, sizeof(Node) * (size_t)self->cap);
+        memset(grown + self->cap, 0, sizeof(Node) * (size_t)(cap - self->cap));
+        PyMem_Free(self->nraw);
+        self->nraw = raw;
+        self->n = grown;
+    }
     PC_GROW(heap[0], Slot);
     PC_GROW(heap[1], Slot);
     for (Py_ssize_t i = self->cap; i < cap; i++) {
@@ -1390,6 +1410,32 @@ static void pc_take(PolicyCore *s, int32_t b) {
             if (s->n[p].ret && s->n[p].hpos < 0) heap_push(s, p);
         }
     }
+}
+
+/* pc_take for the root of queue q's heap (a victim). When its parent becomes a leaf of the same queue the
+ * parent takes the root's place and sifts down, instead of the last slot sifting down from the root and
+ * the parent sifting up from the bottom: a chain evicted leaf first (its parent released just before it,
+ * so older) stops after one level. The heap holds the same set either way; keys are unique (seq is a
+ * tick), so the minimum, and every victim, is the same. */
+static void pc_take_root(PolicyCore *s, int32_t b, int q) {
+    s->n[b].ret = 0;
+    s->size[q]--;
+    s->count--;
+    int32_t p = pc_parent(s, b);
+    int push = 0;
+    if (p >= 0 && --s->n[p].kids <= 0) {
+        s->n[p].kids = 0;
+        push = s->n[p].ret && s->n[p].hpos < 0;
+    }
+    if (push && s->n[p].queue == q) {
+        s->n[b].hpos = -1;
+        Slot x = {s->n[p].k1, s->n[p].seq, p};
+        s->heap[q][0] = x;
+        heap_down(s, q, 0);
+        return;
+    }
+    heap_remove(s, b);
+    if (push) heap_push(s, p);
 }
 
 static Py_ssize_t pc_limit(const PolicyCore *s) {
@@ -1567,6 +1613,18 @@ static int pc_add(PolicyCore *s, int32_t b) {
 }
 
 static void pc_requeue(PolicyCore *s, int32_t b, int q, int64_t key) {
+    if (s->n[b].hpos >= 0 && s->n[b].queue == q) { /* same queue, a later key: sift down in place */
+        Py_ssize_t i = s->n[b].hpos;
+        s->n[b].k1 = 0.0;
+        s->n[b].seq = key;
+        s->heap[q][i].k1 = 0.0;
+        s->heap[q][i].seq = key;
+        if (i > 0 && slot_less(&s->heap[q][i], &s->heap[q][(i - 1) / HEAP_D]))
+            heap_up(s, q, i);
+        else
+            heap_down(s, q, i);
+        return;
+    }
     if (s->n[b].hpos >= 0) heap_remove(s, b);
     s->size[s->n[b].queue]--;
     s->n[b].queue = (uint8_t)q;
@@ -1600,7 +1658,7 @@ static int32_t pc_evict_from(PolicyCore *s, int q) {
             }
         }
         if (s->kind == K_LFU || s->kind == K_GDSF) s->entry_key = s->n[b].k1;
-        pc_take(s, b);
+        pc_take_root(s, b, q);
         return b;
     }
 }
@@ -1640,8 +1698,12 @@ static int pc_on_evict(PolicyCore *s, int32_t b) {
     return 0;
 }
 
-/* pop_victims(n) into a new list; NULL with an exception set. */
-static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n) {
+static void pc_forget(PolicyCore *s, int32_t b);
+
+/* pop_victims(n) into a new list, each victim also forgotten when forget is set; NULL with an exception
+ * set. (A victim is a leaf: no block retained after it names it as parent, so forgetting it at once
+ * changes nothing the later victims of the same call depend on.) */
+static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n, int forget) {
     if (s->kind == K_PRIORITY) {
         if (pc_expire(s) < 0) return NULL;
         Py_ssize_t take = n < s->count ? n : s->count;
@@ -1650,6 +1712,7 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n) {
         for (Py_ssize_t i = 0; i < take; i++) {
             int32_t b = level_first(s);
             pc_take(s, b);
+            if (forget) pc_forget(s, b);
             PyList_SET_ITEM(out, i, PyLong_FromLong(b));
         }
         if (take < n) {
@@ -1680,6 +1743,7 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n) {
             Py_DECREF(out);
             return NULL;
         }
+        if (forget) pc_forget(s, b);
         PyList_SET_ITEM(out, i, num);
     }
     return out;
@@ -1806,7 +1870,7 @@ static PyObject *pc_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 
 static void pc_free_arrays(PolicyCore *self) {
     for (Py_ssize_t i = 0; i < self->cap; i++) Py_CLEAR(self->n[i].digest);
-    void *arrays[] = {self->n, self->heap[0], self->heap[1], self->costs, self->exp};
+    void *arrays[] = {self->nraw, self->heap[0], self->heap[1], self->costs, self->exp};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_Free(arrays[i]);
 }
 
@@ -1861,7 +1925,7 @@ static PyObject *pcm_remove(PolicyCore *self, PyObject *key) {
 static PyObject *pcm_pop_victims(PolicyCore *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    return pc_pop(self, n);
+    return pc_pop(self, n, 0);
 }
 
 /* take_victims(n): pop_victims(n), each victim also forgotten (the pool's eviction when nobody else
@@ -1869,10 +1933,7 @@ static PyObject *pcm_pop_victims(PolicyCore *self, PyObject *arg) {
 static PyObject *pcm_take_victims(PolicyCore *self, PyObject *arg) {
     Py_ssize_t n = PyLong_AsSsize_t(arg);
     if (n == -1 && PyErr_Occurred()) return NULL;
-    PyObject *out = pc_pop(self, n);
-    if (out == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out); i++) pc_forget(self, (int32_t)PyLong_AsLong(PyList_GET_ITEM(out, i)));
-    return out;
+    return pc_pop(self, n, 1);
 }
 
 static PyObject *pcm_forget(PolicyCore *self, PyObject *key) {

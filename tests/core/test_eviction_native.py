@@ -73,7 +73,8 @@ def drive(name: str, seed: int, steps: int) -> int:
                 p.set_block_cost(cost)
     retained: set[int] = set()
     linked: set[int] = set()
-    names = [f"d{i}".encode() for i in range(n_blocks * 2)]  # few names: identities come back (ghost hits)
+    # few names: identities come back (ghost hits); half of them 64 bytes, as the pool's digests are
+    names = [f"d{i}".encode().ljust(64 if i % 2 else 0, b"#") for i in range(n_blocks * 2)]
     compared = 0
 
     def both(method: str, *args):
@@ -101,12 +102,24 @@ def drive(name: str, seed: int, steps: int) -> int:
             retained.discard(b)
         elif r < 0.78:
             k = rng.randrange(0, 4) if rng.random() < 0.95 else len(retained) + 1  # sometimes too many
-            got = both("pop_victims", k)
+            core = getattr(fast, "native_core", None)
+            if core is not None and rng.random() < 0.5:  # the pool's call: victims forgotten as they are taken
+                got = outcome(lambda: ref.pop_victims(k))
+                if got[0] == "ok":
+                    for b in got[1]:
+                        ref.forget(b)
+                taken = outcome(lambda: core.take_victims(k))
+                assert got == taken, f"{name} seed {seed}: take_victims({k}) -> python {got}, native {taken}"
+                forgotten = True
+            else:
+                got = both("pop_victims", k)
+                forgotten = False
             if got[0] == "ok":
                 retained.difference_update(got[1])
                 compared += len(got[1])
                 for b in got[1]:  # the pool forgets a victim's identity
-                    both("forget", b)
+                    if not forgotten:
+                        both("forget", b)
                     linked.discard(b)
             else:
                 retained = set(fast.blocks())

@@ -1002,11 +1002,17 @@ enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_MAX_FREQ 3
 #define PC_LEVELS 101 /* PRIO: levels 0..100 */
 
+typedef struct { /* a ghost slot: everything its list and its table need on one line or two */
+    PyObject *key; /* NULL: the slot holds a 64-byte digest's content in inl (no reference to a cold object) */
+    Py_hash_t hash;
+    int32_t prev, next;
+} GSlot;
+
 typedef struct { /* an ordered set of digests: slots on a linked list, found through an open-addressing table */
-    PyObject **key;  /* NULL: the slot holds a 64-byte digest's content in inl (no reference to a cold object) */
+    GSlot *slot;
     uint8_t *inl;
-    Py_hash_t *hash;
-    int32_t *prev, *next, *tab; /* tab: slot numbers, -1 empty; linear probing, backward-shift deletion */
+    uint64_t *tab; /* 0 empty, else the hash's low 32 bits << 32 | slot + 1: probing and the backward shift
+                    * read the table alone; linear probing, backward-shift deletion */
     int32_t head, tail, free_head;
     Py_ssize_t cap, len, tabsize;
 } Ghost;
@@ -1085,24 +1091,21 @@ static int ghost_init(Ghost *g) {
 }
 
 static void ghost_clear(Ghost *g) {
-    for (int32_t k = g->head; k >= 0; k = g->next[k]) Py_CLEAR(g->key[k]);
+    for (int32_t k = g->head; k >= 0; k = g->slot[k].next) Py_CLEAR(g->slot[k].key);
     g->head = g->tail = -1;
     g->len = 0;
     g->free_head = -1;
     for (Py_ssize_t i = g->cap - 1; i >= 0; i--) { /* every slot free again */
-        g->next[i] = g->free_head;
+        g->slot[i].next = g->free_head;
         g->free_head = (int32_t)i;
     }
-    for (Py_ssize_t i = 0; i < g->tabsize; i++) g->tab[i] = -1;
+    if (g->tabsize) memset(g->tab, 0, sizeof(uint64_t) * (size_t)g->tabsize);
 }
 
 static void ghost_dealloc(Ghost *g) {
-    if (g->key != NULL) ghost_clear(g);
-    PyMem_Free(g->key);
+    if (g->slot != NULL) ghost_clear(g);
+    PyMem_Free(g->slot);
     PyMem_Free(g->inl);
-    PyMem_Free(g->hash);
-    PyMem_Free(g->prev);
-    PyMem_Free(g->next);
     PyMem_Free(g->tab);
 }
 
@@ -1117,60 +1120,72 @@ static inline int ghost_eq(PyObject *a, PyObject *b) {
 
 /* Whether slot k holds d: 1, 0, -1 error. */
 static inline int ghost_holds(Ghost *g, int32_t k, PyObject *d) {
-    if (g->key[k] == NULL)
+    if (g->slot[k].key == NULL)
         return PyBytes_CheckExact(d) && PyBytes_GET_SIZE(d) == DIGEST &&
                memcmp(g->inl + (size_t)k * DIGEST, PyBytes_AS_STRING(d), DIGEST) == 0;
-    return ghost_eq(g->key[k], d);
+    return ghost_eq(g->slot[k].key, d);
 }
+
+static inline uint64_t ghost_entry(Py_hash_t h, int32_t k) {
+    return (uint64_t)(uint32_t)h << 32 | (uint32_t)(k + 1);
+}
+
+static inline int32_t ghost_entry_slot(uint64_t e) { return (int32_t)(uint32_t)e - 1; }
 
 /* The table position holding d (hash h), or -1 absent, -2 error. */
 static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
     if (g->tabsize == 0) return -1;
-    size_t mask = (size_t)g->tabsize - 1, i = (size_t)h & mask;
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
+    uint32_t low = (uint32_t)h;
     for (;;) {
-        int32_t k = g->tab[i];
-        if (k < 0) return -1;
-        if (g->hash[k] == h) {
-            int eq = ghost_holds(g, k, d);
-            if (eq < 0) return -2;
-            if (eq) return (Py_ssize_t)i;
+        uint64_t e = g->tab[i];
+        if (e == 0) return -1;
+        if ((uint32_t)(e >> 32) == low) {
+            int32_t k = ghost_entry_slot(e);
+            if (g->slot[k].hash == h) {
+                int eq = ghost_holds(g, k, d);
+                if (eq < 0) return -2;
+                if (eq) return (Py_ssize_t)i;
+            }
         }
         i = (i + 1) & mask;
     }
 }
 
 static void ghost_tab_insert(Ghost *g, int32_t k) {
-    size_t mask = (size_t)g->tabsize - 1, i = (size_t)g->hash[k] & mask;
-    while (g->tab[i] >= 0) i = (i + 1) & mask;
-    g->tab[i] = k;
+    Py_hash_t h = g->slot[k].hash;
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
+    while (g->tab[i] != 0) i = (i + 1) & mask;
+    g->tab[i] = ghost_entry(h, k);
 }
 
 static void ghost_tab_delete(Ghost *g, size_t i) {
     size_t mask = (size_t)g->tabsize - 1, j = i;
     for (;;) {
         j = (j + 1) & mask;
-        int32_t k = g->tab[j];
-        if (k < 0) break;
-        size_t ideal = (size_t)g->hash[k] & mask;
-        /* k stays unless its ideal position is cyclically outside (i, j] */
+        uint64_t e = g->tab[j];
+        if (e == 0) break;
+        size_t ideal = (size_t)(uint32_t)(e >> 32) & mask;
+        /* the entry stays unless its ideal position is cyclically outside (i, j] */
         int stays = i <= j ? (i < ideal && ideal <= j) : (i < ideal || ideal <= j);
         if (!stays) {
-            g->tab[i] = k;
+            g->tab[i] = e;
             i = j;
         }
     }
-    g->tab[i] = -1;
+    g->tab[i] = 0;
 }
 
 /* Remove the slot at table position pos from the table and the list. */
 static void ghost_drop(Ghost *g, Py_ssize_t pos) {
-    int32_t k = g->tab[pos];
+    int32_t k = ghost_entry_slot(g->tab[pos]);
     ghost_tab_delete(g, (size_t)pos);
-    int32_t p = g->prev[k], n = g->next[k];
-    if (p >= 0) g->next[p] = n; else g->head = n;
-    if (n >= 0) g->prev[n] = p; else g->tail = p;
-    Py_CLEAR(g->key[k]);
-    g->next[k] = g->free_head;
+    GSlot *x = &g->slot[k];
+    int32_t p = x->prev, n = x->next;
+    if (p >= 0) g->slot[p].next = n; else g->head = n;
+    if (n >= 0) g->slot[n].prev = p; else g->tail = p;
+    Py_CLEAR(x->key);
+    x->next = g->free_head;
     g->free_head = k;
     g->len--;
 }
@@ -1186,31 +1201,22 @@ static int ghost_take(Ghost *g, PyObject *d, Py_hash_t h) {
 
 static int ghost_grow(Ghost *g) {
     Py_ssize_t cap = g->cap ? 2 * g->cap : 64;
-#define GHOST_GROW(field, type)                                                   \
-    do {                                                                          \
-        type *grown = PyMem_Realloc(g->field, sizeof(type) * (size_t)cap);        \
-        if (grown == NULL) return PyErr_NoMemory(), -1;                           \
-        g->field = grown;                                                         \
-    } while (0)
-    GHOST_GROW(key, PyObject *);
+    GSlot *slot = PyMem_Realloc(g->slot, sizeof(GSlot) * (size_t)cap);
+    if (slot == NULL) return PyErr_NoMemory(), -1;
+    g->slot = slot;
     uint8_t *inl = PyMem_Realloc(g->inl, (size_t)DIGEST * (size_t)cap);
     if (inl == NULL) return PyErr_NoMemory(), -1;
     g->inl = inl;
-    GHOST_GROW(hash, Py_hash_t);
-    GHOST_GROW(prev, int32_t);
-    GHOST_GROW(next, int32_t);
-#undef GHOST_GROW
-    Py_ssize_t tabsize = 4 * cap; /* at most a quarter full: short probes */
-    int32_t *tab = PyMem_Malloc(sizeof(int32_t) * (size_t)tabsize);
+    Py_ssize_t tabsize = 2 * cap; /* at most half full */
+    uint64_t *tab = PyMem_Calloc((size_t)tabsize, sizeof(uint64_t));
     if (tab == NULL) return PyErr_NoMemory(), -1;
-    for (Py_ssize_t i = 0; i < tabsize; i++) tab[i] = -1;
     PyMem_Free(g->tab);
     g->tab = tab;
     g->tabsize = tabsize;
-    for (int32_t k = g->head; k >= 0; k = g->next[k]) ghost_tab_insert(g, k);
+    for (int32_t k = g->head; k >= 0; k = g->slot[k].next) ghost_tab_insert(g, k);
     for (Py_ssize_t i = cap - 1; i >= g->cap; i--) {
-        g->key[i] = NULL;
-        g->next[i] = g->free_head;
+        g->slot[i].key = NULL;
+        g->slot[i].next = g->free_head;
         g->free_head = (int32_t)i;
     }
     g->cap = cap;
@@ -1224,17 +1230,18 @@ static int ghost_put(Ghost *g, PyObject *d, Py_hash_t h) {
     if (pos >= 0) return 0;
     if (g->free_head < 0 && ghost_grow(g) < 0) return -1;
     int32_t k = g->free_head;
-    g->free_head = g->next[k];
+    GSlot *x = &g->slot[k];
+    g->free_head = x->next;
     if (PyBytes_CheckExact(d) && PyBytes_GET_SIZE(d) == DIGEST) {
         memcpy(g->inl + (size_t)k * DIGEST, PyBytes_AS_STRING(d), DIGEST);
-        g->key[k] = NULL;
+        x->key = NULL;
     } else {
-        g->key[k] = Py_NewRef(d);
+        x->key = Py_NewRef(d);
     }
-    g->hash[k] = h;
-    g->prev[k] = g->tail;
-    g->next[k] = -1;
-    if (g->tail >= 0) g->next[g->tail] = k; else g->head = k;
+    x->hash = h;
+    x->prev = g->tail;
+    x->next = -1;
+    if (g->tail >= 0) g->slot[g->tail].next = k; else g->head = k;
     g->tail = k;
     g->len++;
     ghost_tab_insert(g, k);
@@ -1245,8 +1252,8 @@ static int ghost_put(Ghost *g, PyObject *d, Py_hash_t h) {
 static int ghost_pop_front(Ghost *g) {
     int32_t k = g->head;
     if (k < 0) return 0;
-    size_t mask = (size_t)g->tabsize - 1, i = (size_t)g->hash[k] & mask;
-    while (g->tab[i] != k) i = (i + 1) & mask;
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)g->slot[k].hash & mask;
+    while (ghost_entry_slot(g->tab[i]) != k) i = (i + 1) & mask;
     ghost_drop(g, (Py_ssize_t)i);
     return 0;
 }
@@ -1254,9 +1261,9 @@ static int ghost_pop_front(Ghost *g) {
 static PyObject *ghost_list(Ghost *g) {
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    for (int32_t k = g->head; k >= 0; k = g->next[k]) {
-        PyObject *key = g->key[k] != NULL ? Py_NewRef(g->key[k])
-                                          : PyBytes_FromStringAndSize((const char *)g->inl + (size_t)k * DIGEST, DIGEST);
+    for (int32_t k = g->head; k >= 0; k = g->slot[k].next) {
+        PyObject *key = g->slot[k].key != NULL ? Py_NewRef(g->slot[k].key)
+                                               : PyBytes_FromStringAndSize((const char *)g->inl + (size_t)k * DIGEST, DIGEST);
         if (key == NULL || PyList_Append(out, key) < 0) {
             Py_XDECREF(key);
             Py_DECREF(out);
@@ -1702,7 +1709,8 @@ static void pc_forget(PolicyCore *s, int32_t b);
 
 /* pop_victims(n) into a new list, each victim also forgotten when forget is set; NULL with an exception
  * set. (A victim is a leaf: no block retained after it names it as parent, so forgetting it at once
- * changes nothing the later victims of the same call depend on.) */
+ * changes nothing the later victims of the same call depend on. A tree policy refuses a call before
+ * taking any victim; "no evictable leaf" midway cannot happen, a finite retained set has a leaf.) */
 static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n, int forget) {
     if (s->kind == K_PRIORITY) {
         if (pc_expire(s) < 0) return NULL;
@@ -1712,7 +1720,7 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n, int forget) {
         for (Py_ssize_t i = 0; i < take; i++) {
             int32_t b = level_first(s);
             pc_take(s, b);
-            if (forget) pc_forget(s, b);
+            if (forget && take == n) pc_forget(s, b); /* a refused call forgets nothing */
             PyList_SET_ITEM(out, i, PyLong_FromLong(b));
         }
         if (take < n) {

@@ -1030,8 +1030,10 @@ typedef struct { /* a heap slot carries its block's key, so sifting reads only t
 
 #if defined(__GNUC__) || defined(__clang__)
 #define PC_LINE_ALIGNED __attribute__((aligned(64)))
+#define PC_PREFETCH(p) __builtin_prefetch(p)
 #else
 #define PC_LINE_ALIGNED
+#define PC_PREFETCH(p) ((void)(p))
 #endif
 
 typedef struct { /* one block's facts, together: the first cache line holds what a parent is asked (is
@@ -1134,7 +1136,7 @@ static inline int32_t ghost_entry_slot(uint64_t e) { return (int32_t)(uint32_t)e
 
 /* The table position holding d (hash h), or -1 absent, -2 error. */
 static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
-    if (g->tabsize == 0) return -1;
+    if (g->len == 0) return -1;
     size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
     uint32_t low = (uint32_t)h;
     for (;;) {
@@ -1439,10 +1441,14 @@ static void pc_take_root(PolicyCore *s, int32_t b, int q) {
         Slot x = {s->n[p].k1, s->n[p].seq, p};
         s->heap[q][0] = x;
         heap_down(s, q, 0);
-        return;
+    } else {
+        heap_remove(s, b);
+        if (push) heap_push(s, p);
     }
-    heap_remove(s, b);
-    if (push) heap_push(s, p);
+    if (s->hlen[q]) { /* the next victim is likely the new root: its parent's line on the way meanwhile */
+        int32_t up = s->n[s->heap[q][0].b].parent;
+        if (up >= 0 && up < s->cap) PC_PREFETCH(&s->n[up]);
+    }
 }
 
 static Py_ssize_t pc_limit(const PolicyCore *s) {

@@ -1042,7 +1042,12 @@ typedef struct { /* one block's facts, together: the first cache line holds what
     double k1;       /* retained: the key, then */
     int64_t seq;     /* the tie-break */
     int64_t gen, pgen; /* linked: its generation, its parent's at link time */
-    int64_t stamp;   /* S3: FIFO position */
+    union {
+        int64_t stamp; /* S3: FIFO position */
+        struct {
+            int32_t lprev, lnext; /* PRIO: its level's FIFO list */
+        };
+    };
     int32_t hpos;    /* position in its queue's heap, -1 none */
     int32_t parent, kids; /* linked: parent block (-1 none); retained children */
     int32_t uses;    /* LFU, GDSF, ARC: releases counted (0: none) */
@@ -1055,7 +1060,6 @@ typedef struct { /* one block's facts, together: the first cache line holds what
     double want_exp; /* PRIO: expiry of the wanted priority, NaN = never */
     PyObject *digest; /* linked: its identity (a reference) */
     Py_hash_t dhash; /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
-    int32_t lprev, lnext; /* PRIO: its level's FIFO list */
     int32_t depth;   /* linked: depth */
 } PC_LINE_ALIGNED Node;
 
@@ -1133,6 +1137,11 @@ static inline uint64_t ghost_entry(Py_hash_t h, int32_t k) {
 }
 
 static inline int32_t ghost_entry_slot(uint64_t e) { return (int32_t)(uint32_t)e - 1; }
+
+/* Ask for the table line a probe for hash h starts on (the misses of two probes then overlap). */
+static inline void ghost_prefetch(const Ghost *g, Py_hash_t h) {
+    if (g->len) PC_PREFETCH(&g->tab[(size_t)(uint32_t)h & ((size_t)g->tabsize - 1)]);
+}
 
 /* The table position holding d (hash h), or -1 absent, -2 error. */
 static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
@@ -1706,8 +1715,14 @@ static int pc_on_evict(PolicyCore *s, int32_t b) {
     else if (s->kind == K_S3FIFO && (s->n[b].flag & 2) && s->n[b].s3q == PC_SMALL)
         g = &s->ghost[0];
     if (g == NULL || !s->n[b].linked) return 0;
+    Py_ssize_t limit = pc_limit(s);
+    ghost_prefetch(g, s->n[b].dhash);
+    if (g->len >= limit && g->head >= 0) ghost_prefetch(g, g->slot[g->head].hash); /* the pop's line too */
     if (ghost_put(g, s->n[b].digest, s->n[b].dhash) < 0) return -1;
-    if (g->len > pc_limit(s)) return ghost_pop_front(g);
+    if (g->len > limit) {
+        ghost_pop_front(g);
+        if (g->head >= 0) PC_PREFETCH(&g->slot[g->head]); /* the next pop's slot */
+    }
     return 0;
 }
 
@@ -1811,6 +1826,8 @@ static int pc_link(PolicyCore *s, int32_t b, PyObject *digest, PyObject *parent,
         Ghost *b1 = &s->ghost[0], *b2 = &s->ghost[1];
         Py_hash_t h = s->n[b].dhash = PyObject_Hash(digest);
         if (h == -1) return -1;
+        ghost_prefetch(b1, h);
+        ghost_prefetch(b2, h);
         double step = b1->len ? (double)b2->len / (double)b1->len : 0.0, limit = (double)pc_limit(s);
         int in1 = ghost_take(b1, digest, h); /* found: deleted (the step above was read before) */
         if (in1 < 0) return -1;

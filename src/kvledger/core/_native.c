@@ -1036,9 +1036,9 @@ typedef struct { /* a heap slot carries its block's key, so sifting reads only t
 #define PC_PREFETCH(p) ((void)(p))
 #endif
 
-typedef struct { /* one block's facts, together: the first cache line holds what a parent is asked (is
-                  * it linked, of which generation, how many retained children, its heap place and key),
-                  * so the leaf rule costs one line per parent; the nodes are 64-byte aligned */
+typedef struct { /* one block's facts, together, on one 64-byte line (the nodes are aligned): what a
+                  * parent is asked (is it linked, of which generation, how many retained children, its
+                  * heap place and key), so the leaf rule costs one line per parent */
     double k1;       /* retained: the key, then */
     int64_t seq;     /* the tie-break */
     int64_t gen, pgen; /* linked: its generation, its parent's at link time */
@@ -1056,18 +1056,22 @@ typedef struct { /* one block's facts, together: the first cache line holds what
     uint8_t flag;    /* ARC: often; S3: bit 0 freq set, bit 1 queue set, bit 2 stamp set; PRIO: want set */
     int8_t freq;     /* S3 */
     uint8_t s3q;     /* S3 */
-    /* second line */
-    double want_exp; /* PRIO: expiry of the wanted priority, NaN = never */
-    PyObject *digest; /* linked: its identity (a reference) */
-    Py_hash_t dhash; /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
-    int32_t depth;   /* linked: depth */
 } PC_LINE_ALIGNED Node;
+_Static_assert(sizeof(Node) == 64, "a node is one cache line");
+
+typedef struct { /* a block's facts read once per link or eviction, apart: the nodes stay one line each */
+    PyObject *digest; /* linked: its identity (a reference) */
+    Py_hash_t dhash;  /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
+    double want_exp;  /* PRIO: expiry of the wanted priority, NaN = never */
+    int32_t depth;    /* linked: depth */
+} Cold;
 
 typedef struct {
     PyObject_HEAD
     int kind, queues;
     Py_ssize_t cap;
     Node *n;
+    Cold *c;    /* beside n, by block id */
     void *nraw; /* n's allocation (n is its first 64-byte aligned address) */
     Slot *heap[2];
     int32_t lhead[PC_LEVELS], ltail[PC_LEVELS]; /* PRIO: one FIFO list per level, as the Python buckets */
@@ -1309,6 +1313,7 @@ static int pc_reserve(PolicyCore *self, Py_ssize_t key) {
         self->nraw = raw;
         self->n = grown;
     }
+    PC_GROW(c, Cold);
     PC_GROW(heap[0], Slot);
     PC_GROW(heap[1], Slot);
     for (Py_ssize_t i = self->cap; i < cap; i++) {
@@ -1539,7 +1544,7 @@ static int pc_expire(PolicyCore *s) {
     while (s->nexp && s->exp[0].t <= now) {
         int32_t b = exp_pop(s).b;
         if (!s->n[b].ret || s->n[b].k1 == PC_DEFAULT_PRIORITY) continue;
-        if (!s->n[b].flag || s->n[b].want_exp != s->n[b].want_exp || s->n[b].want_exp > now) continue;
+        if (!s->n[b].flag || s->c[b].want_exp != s->c[b].want_exp || s->c[b].want_exp > now) continue;
         level_unlink(s, b);
         s->n[b].k1 = PC_DEFAULT_PRIORITY;
         s->n[b].seq = s->tick++;
@@ -1556,7 +1561,7 @@ static int pc_place(PolicyCore *s, int32_t b) {
         int32_t uses = ++s->n[b].uses;
         double w = 1.0;
         if (s->kind == K_GDSF) {
-            w = pc_cost(s, s->n[b].linked ? s->n[b].depth : 0);
+            w = pc_cost(s, s->n[b].linked ? s->c[b].depth : 0);
             if (w == -1.0 && PyErr_Occurred()) {
                 s->n[b].uses--;
                 return -1;
@@ -1597,7 +1602,7 @@ static int pc_place(PolicyCore *s, int32_t b) {
         int level = PC_DEFAULT_PRIORITY;
         if (s->n[b].flag) {
             level = s->n[b].prio;
-            double e = s->n[b].want_exp;
+            double e = s->c[b].want_exp;
             if (e == e) {
                 double now;
                 if (pc_now(s, &now) < 0) return -1;
@@ -1716,9 +1721,9 @@ static int pc_on_evict(PolicyCore *s, int32_t b) {
         g = &s->ghost[0];
     if (g == NULL || !s->n[b].linked) return 0;
     Py_ssize_t limit = pc_limit(s);
-    ghost_prefetch(g, s->n[b].dhash);
+    ghost_prefetch(g, s->c[b].dhash);
     if (g->len >= limit && g->head >= 0) ghost_prefetch(g, g->slot[g->head].hash); /* the pop's line too */
-    if (ghost_put(g, s->n[b].digest, s->n[b].dhash) < 0) return -1;
+    if (ghost_put(g, s->c[b].digest, s->c[b].dhash) < 0) return -1;
     if (g->len > limit) {
         ghost_pop_front(g);
         if (g->head >= 0) PC_PREFETCH(&g->slot[g->head]); /* the next pop's slot */
@@ -1789,7 +1794,7 @@ static void pc_forget(PolicyCore *s, int32_t b) {
     }
     if (!s->n[b].linked) return;
     s->n[b].linked = 0;
-    Py_CLEAR(s->n[b].digest);
+    Py_CLEAR(s->c[b].digest);
     s->n[b].kids = 0;
     switch (s->kind) {
     case K_LFU:
@@ -1816,15 +1821,15 @@ static int pc_link(PolicyCore *s, int32_t b, PyObject *digest, PyObject *parent,
         if (p >= 0 && p != b && p < s->cap && s->n[p].linked) up = (int32_t)p;
     }
     Py_INCREF(digest);
-    Py_XSETREF(s->n[b].digest, digest);
+    Py_XSETREF(s->c[b].digest, digest);
     s->n[b].gen = s->gens++;
     s->n[b].parent = up;
     s->n[b].pgen = up >= 0 ? s->n[up].gen : 0;
-    s->n[b].depth = depth;
+    s->c[b].depth = depth;
     s->n[b].linked = 1;
     if (s->kind == K_ARC) {
         Ghost *b1 = &s->ghost[0], *b2 = &s->ghost[1];
-        Py_hash_t h = s->n[b].dhash = PyObject_Hash(digest);
+        Py_hash_t h = s->c[b].dhash = PyObject_Hash(digest);
         if (h == -1) return -1;
         ghost_prefetch(b1, h);
         ghost_prefetch(b2, h);
@@ -1846,7 +1851,7 @@ static int pc_link(PolicyCore *s, int32_t b, PyObject *digest, PyObject *parent,
             s->n[b].flag = 1;
         }
     } else if (s->kind == K_S3FIFO) {
-        Py_hash_t h = s->n[b].dhash = PyObject_Hash(digest);
+        Py_hash_t h = s->c[b].dhash = PyObject_Hash(digest);
         if (h == -1) return -1;
         int in = ghost_take(&s->ghost[0], digest, h);
         if (in < 0) return -1;
@@ -1900,8 +1905,8 @@ static PyObject *pc_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static void pc_free_arrays(PolicyCore *self) {
-    for (Py_ssize_t i = 0; i < self->cap; i++) Py_CLEAR(self->n[i].digest);
-    void *arrays[] = {self->nraw, self->heap[0], self->heap[1], self->costs, self->exp};
+    for (Py_ssize_t i = 0; i < self->cap; i++) Py_CLEAR(self->c[i].digest);
+    void *arrays[] = {self->nraw, self->c, self->heap[0], self->heap[1], self->costs, self->exp};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_Free(arrays[i]);
 }
 
@@ -2019,7 +2024,7 @@ static PyObject *pcm_set_want(PolicyCore *self, PyObject *args) {
     if (!self->n[b].flag) self->nwant++;
     self->n[b].flag = 1;
     self->n[b].prio = (int16_t)priority;
-    self->n[b].want_exp = e;
+    self->c[b].want_exp = e;
     Py_RETURN_NONE;
 }
 
@@ -2072,7 +2077,7 @@ static PyObject *pcm_peek(PolicyCore *self, PyObject *arg) {
 
 static PyObject *pcm_clear(PolicyCore *self, PyObject *Py_UNUSED(ignored)) {
     for (Py_ssize_t b = 0; b < self->cap; b++) {
-        Py_CLEAR(self->n[b].digest);
+        Py_CLEAR(self->c[b].digest);
         self->n[b].ret = self->n[b].linked = 0;
         self->n[b].hpos = -1;
         self->n[b].kids = 0;
@@ -2109,12 +2114,12 @@ static PyObject *pcm_reset_costs(PolicyCore *self, PyObject *fn) {
 
 static PyObject *pcm_depth(PolicyCore *self, PyObject *key) {
     Py_ssize_t b = order_key(key);
-    return PyLong_FromLong(b >= 0 && b < self->cap && self->n[b].linked ? self->n[b].depth : 0);
+    return PyLong_FromLong(b >= 0 && b < self->cap && self->n[b].linked ? self->c[b].depth : 0);
 }
 
 static PyObject *pcm_digest(PolicyCore *self, PyObject *key) {
     Py_ssize_t b = order_key(key);
-    return Py_NewRef(b >= 0 && b < self->cap && self->n[b].linked ? self->n[b].digest : Py_None);
+    return Py_NewRef(b >= 0 && b < self->cap && self->n[b].linked ? self->c[b].digest : Py_None);
 }
 
 static PyObject *pcm_parent(PolicyCore *self, PyObject *key) {

@@ -983,11 +983,12 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
  * kvledger.core.eviction.PriorityPolicy and the prefix-tree policies of kvledger.core.eviction_tree (LFU-DA,
  * GDSF, ARC, S3-FIFO, SGLang priority) keep their state here when the C part is loaded; the Python classes
  * are the reference (and the fallback), and the tests run both on the same random sequences and require
- * the same victims. Every per-block fact lives in one array of Node indexed by block id (plain ints in
- * [0, 2**26)); each queue's evictable blocks sit in an indexed 4-ary heap ordered by (k1, seq), so add,
- * remove and each victim are O(log n). Where the Python classes keep stale heap entries and skip them
- * lazily, this keeps exactly the evictable set in the heap (a tree policy's retained leaves: retained
- * blocks none of whose children are retained); the minimum is the same either way, and so are the victims.
+ * the same victims. Every per-block fact lives in one 64-byte Node indexed by block id (plain ints in
+ * [0, 2**26); what a link or an eviction reads once, in a Cold beside it); each queue's evictable
+ * blocks sit in an indexed 4-ary heap ordered by (k1, seq), so add, remove and each victim are O(log n).
+ * Where the Python classes keep stale heap entries and skip them lazily, this keeps exactly the evictable
+ * set in the heap (a tree policy's retained leaves: retained blocks none of whose children are retained);
+ * the minimum is the same either way, and so are the victims.
  *
  * Keys: LFU/GDSF k1 = L + uses x weight, seq = the entry's tick; ARC and SGLang seq = the tick drawn at
  * placement (ARC k1 = 0, SGLang k1 = the priority); S3-FIFO seq = the block's FIFO stamp; the priority

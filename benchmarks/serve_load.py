@@ -195,8 +195,8 @@ def measure_vllm_client(name: str, url: str, index: int, rate: float, args: argp
     return report
 
 
-PHASES = ("http_to_run_s", "tokenize_s", "run_to_engine_s", "queue_s", "prefill_s", "decode_s", "first_token_to_server_s",
-          "finish_to_server_s", "detokenize_s", "e2e_s")
+PHASES = ("http_to_run_s", "tokenize_s", "run_to_engine_s", "queue_s", "prefill_s", "decode_s",
+          "first_token_to_server_s", "finish_to_server_s", "detokenize_s", "e2e_s")
 
 
 def phases(path: Path) -> dict[str, float | None]:

@@ -5,7 +5,8 @@ int4, int4-hadamard) scores keys and sums values with integer dot products: the 
 weights are quantised to 15 bits, so the output is within about 1e-3 of dense attention over the stored rows
 (tests/runtime/test_kv_fused_decode.py pins 1e-3 on its data, and the float kernels' exactness beside it), not
 within float rounding: the multi-step attention tests measured up to 1.3e-3 at softmax scale 1.1 (sharper
-scores magnify the query's rounding), so they hold the integer path to 2e-3. Everywhere else (torch path, float kernels, fp8 formats, prefill) the caller's exact bound holds.
+scores magnify the query's rounding), so they hold the integer path to 2e-3. Everywhere else (torch path,
+float kernels, fp8 formats, prefill) the caller's exact bound holds.
 """
 
 from __future__ import annotations

@@ -104,11 +104,11 @@ def drive(name: str, seed: int, steps: int) -> int:
             k = rng.randrange(0, 4) if rng.random() < 0.95 else len(retained) + 1  # sometimes too many
             core = getattr(fast, "native_core", None)
             if core is not None and rng.random() < 0.5:  # the pool's call: victims forgotten as they are taken
-                got = outcome(lambda: ref.pop_victims(k))
+                got = outcome(lambda k=k: ref.pop_victims(k))
                 if got[0] == "ok":
                     for b in got[1]:
                         ref.forget(b)
-                taken = outcome(lambda: core.take_victims(k))
+                taken = outcome(lambda k=k, core=core: core.take_victims(k))
                 assert got == taken, f"{name} seed {seed}: take_victims({k}) -> python {got}, native {taken}"
                 forgotten = True
             else:

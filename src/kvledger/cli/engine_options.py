@@ -281,5 +281,5 @@ def engine_options(*names: str, server: bool = False) -> Callable[[Any], Any]:
     return apply
 
 
-__all__ = ["COMPUTE_DTYPES", "CPU_ENGINE_REFUSALS", "FLAGS", "SERVER_DEFAULTS", "MAX_RUNTIME_BLOCKS", "DtypeName", "RefusedKnob",
-           "cpu_engine_refusals", "engine_option", "engine_options", "refused_knob"]
+__all__ = ["COMPUTE_DTYPES", "CPU_ENGINE_REFUSALS", "FLAGS", "SERVER_DEFAULTS", "MAX_RUNTIME_BLOCKS", "DtypeName",
+           "RefusedKnob", "cpu_engine_refusals", "engine_option", "engine_options", "refused_knob"]

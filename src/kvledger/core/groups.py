@@ -32,8 +32,9 @@ block for a drafter; `MMItem` images key only the blocks they cover.
 held <= reserved (a sliding group carries the capacity of the blocks it owns; a block shared by a prefix hit has
 one owner among its holders, and passes to another holder when its owner drops it); across groups, the blocks the
 tables hold carry exactly the pool's references, and the pool's ``free + active + retained == total``. Every
-operation is O(blocks it touches); the lock makes the ledger thread-safe. `KVLedger` is untouched: uniform models
-keep its behaviour and speed.
+operation is O(blocks it touches); the lock makes the ledger thread-safe. The scheduler's own hybrid pool is
+`KVLedger(kv_groups=...)` (`core/windows.py`); both take the group arithmetic (`KVCacheGroup`) and the hit rule
+(`longest_hit`) from here, and uniform pools take none of these paths.
 
 The module is past 600 lines because admission, the window's release, the shared-block ownership and the audit
 that states their laws must be read side by side: each one's rule is the others' invariant.

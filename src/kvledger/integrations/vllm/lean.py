@@ -41,7 +41,10 @@ def plain(request: Any) -> bool:
 
 
 class LeanSteps:
-    """Mixed into kvledger's ``AsyncScheduler`` subclass (see the module docstring)."""
+    """Mixed into kvledger's ``AsyncScheduler`` subclass (see the module docstring). A mixin, not an object
+    of its own, because these methods are vLLM's own ``schedule`` / ``update_from_output`` rewritten: they read
+    and write the scheduler's state (queues, requests, budgets, stats) exactly where vLLM's methods do, so they
+    must run as that scheduler; the module only keeps them apart from the adapter's wiring in scheduler.py."""
 
     _kvl_lean_config: bool
     _kvl_complex: set[str]

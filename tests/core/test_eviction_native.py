@@ -7,10 +7,10 @@ call, victims first; then whole ledgers on both cores must evict the same blocks
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 
 import pytest
 
+from fuzzing import core  # build ledgers with a given core (None: pure Python); one owner
 from kvledger.core import native
 from kvledger.core.eviction import make_policy
 from kvledger.core.identity import CacheContext
@@ -21,14 +21,6 @@ pytestmark = pytest.mark.skipif(NATIVE is None, reason=f"the native core is not 
 HEAP_POLICIES = ["priority", "lfu", "gdsf", "arc", "s3fifo", "sglang-priority"]
 
 
-@contextmanager
-def core(fast: object):
-    saved = native.MODULE
-    native.MODULE = fast  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        native.MODULE = saved
 
 
 class Clock:

@@ -19,7 +19,6 @@ import subprocess
 import sys
 import sysconfig
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from fuzzing import core  # build ledgers with a given core (None: pure Python); one owner
 from kvledger.core import identity, native
 from kvledger.core.eviction import LRUPolicy
 from kvledger.core.identity import CacheContext, chain_digests, token_bytes
@@ -40,15 +40,6 @@ needs_native = pytest.mark.skipif(NATIVE is None, reason=f"the native core is no
 REPO = Path(__file__).resolve().parents[2]
 
 
-@contextmanager
-def core(fast: object):
-    """Build ledgers (and policies) with the given core: ``None`` for pure Python, or the C module."""
-    saved = native.MODULE
-    native.MODULE = fast  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        native.MODULE = saved
 
 
 @pytest.fixture(params=["python", "native"])

@@ -291,3 +291,18 @@ def test_generate_runs_int8_out_of_the_box_and_refuses_int4(capsys: pytest.Captu
                        "--kv-dtype", "int4")
     assert rc == 2 and not out
     assert "KV format int4" in one_error_line(err) and "no passing quality record" in err
+
+
+@needs_smol
+def test_an_unrecorded_format_is_refused_before_the_first_use_converts_the_model(
+        capsys: pytest.CaptureFixture[str], no_records: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a fresh machine (empty cache) the refusal comes first, not after a minute of converting the GGUF."""
+    cache = no_records / "empty-cache"
+    monkeypatch.setenv("KVLEDGER_CACHE", str(cache))
+    for command in (["generate", "--model", "smollm2-135m", "hi", "--max-new", "2"],
+                    ["serve-trace", "--trace", str(Path(__file__).resolve().parents[1] / "data" / "traces"
+                                                   / "mooncake_conversation_head300.jsonl"), "--limit", "1"]):
+        rc, out, err = run(capsys, *command, "--kv-dtype", "int4")
+        assert rc == 2 and not out
+        assert "KV format int4 has no passing quality record for smollm2-135m" in one_error_line(err)
+        assert not [p for p in (cache / "models").glob("gguf-*") if p.is_dir()], "converted before refusing"

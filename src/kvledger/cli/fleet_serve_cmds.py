@@ -185,8 +185,9 @@ def _resolve_model(config: Any) -> None:
     passing quality record."""
     prepare_torch()  # before torch loads: see `kvledger serve`
     from ..runtime.engine import resolve_model
-    from ..runtime.loading import compute_dtype, kv_spec_for, model_context
+    from ..runtime.loading import compute_dtype, kv_spec_for, model_context, refuse_untested_kv_early
 
+    refuse_untested_kv_early(config.model, config.kv_dtype, config.allow_untested_kv)
     ckpt = resolve_model(config.model)
     context, length = model_context(ckpt), config.max_model_len
     if length is not None and context is not None and length > context:

@@ -123,8 +123,11 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
     from ..runtime.engine import Engine, resolve_model
     from ..runtime.sampling import SamplingParams
 
+    from ..runtime.loading import refuse_untested_kv_early
+
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                             beam_width=beam_width)
+    refuse_untested_kv_early(model, kv_dtype, allow_untested_kv)
     ckpt = resolve_model(model)
     # The config is checked (and the weights loaded) before the tokenizer: an unsupported model fails
     # with the runner's reason, not a tokenizer's.
@@ -264,8 +267,10 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     from ..runtime.engine import Engine, model_context, resolve_model
     from ..runtime.measure.corpus import PromptSynth, block_keys, corpus_tokens
     from ..runtime.sampling import SamplingParams
+    from ..runtime.loading import refuse_untested_kv_early
     from ..sim.report import run_summary, write_run_report
 
+    refuse_untested_kv_early(model, kv_dtype, allow_untested_kv)
     ckpt = resolve_model(model)
     engine = Engine.from_model(ckpt, block_size=block_size, host_blocks=host_blocks, disk_blocks=disk_blocks,
                                disk_dir=disk_dir, tier_compression=tier_compression, eviction=eviction,

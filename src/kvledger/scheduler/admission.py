@@ -110,8 +110,8 @@ class Admitter:
                 if br.group_host or s._kv_groups:  # a hybrid pool: the other groups' window comes back too
                     copies = ledger.restore_group_tables(br.seq_id, br.computed,
                                                          {(g, j): h for g, j, h in br.group_host})
-                    if copies is None:  # the host copy lacks an entry the window reads: recompute it all
-                        br.computed = 0
+                    if copies is None:  # the host copy lacks an entry the window or a state needs: recompute it all
+                        br.computed = br.refill_resume = 0
                         if i == 0:
                             cached = 0
                     else:

@@ -326,14 +326,9 @@ def plan_cmd(model: str | None, layers: int | None, kv_heads: int | None, head_d
         weights_bytes=weights, workspace_bytes=workspace, vocab=vocab,
         peaks=load_measured_peaks(peaks_file) if peaks_file else None,
     )
-    # The weight plan counts attention and MLP tensors only: a model with Mamba / linear-attention layers is sized
-    # from --pool, or --gpu with --params / --weights, not from its config's tensors.
     state = _state(cfg, spec)
-    if state is not None and pool is None and params is None and weights is None:
-        raise ConfigError(f"the weight plan does not count {state.kind} layers: give --pool, or --params / --weights "
-                          "with --gpu or --device-memory")
     try:
-        inv = build_inventory(spec, None if state is not None else cfg, **kwargs)
+        inv = build_inventory(spec, cfg, **kwargs)
     except DoesNotFit as exc:
         raise ConfigError(f"{exc}" + _hints(fit_hints(spec, cfg, kwargs, prompt=prompt, max_new=max_new))) from None
     data: dict[str, Any] = {**base, **inv.to_dict()}

@@ -7,7 +7,10 @@ Families: Llama-style dense decoders (Llama, Mistral, Qwen2/Qwen3, Gemma 1/2/3, 
 of experts (Mixtral's `num_local_experts`, Qwen-MoE's `num_experts` with an optional shared expert,
 DeepSeek's `n_routed_experts` with shared experts and leading dense layers), and DeepSeek-V2/V3 MLA.
 Sliding-window and hybrid (sliding + global) attention change the KV cache, not the weights.
-Layers that are not attention (Mamba, linear attention) are refused: their state is not a KV cache.
+Mamba-2 (Granite-4.0-H / Nemotron-H style, ``mamba_*`` keys) and gated-delta-net (Qwen3-Next, ``linear_*`` keys)
+layers named in ``layer_types`` / ``layers_block_type`` are counted by their mixers' tensors (HF's ``Mamba2Mixer``
+and ``Qwen3NextGatedDeltaNet``, split as vLLM's ``MambaMixer2`` / ``Qwen3NextGatedDeltaNet`` shard them), in the
+``attention`` group (the token mixer); other non-attention layers, or these without their geometry, are refused.
 
 Weight formats (`WEIGHT_FORMATS`) size each quantizable matmul weight; embeddings, the LM head, norms,
 biases and MoE routers stay at the checkpoint's own precision, as every quantization method leaves them.
@@ -78,11 +81,17 @@ def _is_mla(cfg: dict[str, Any]) -> bool:
     return cfg.get("kv_lora_rank") is not None
 
 
+# The state-layer kinds whose mixers are counted, and the key a config must give for their geometry.
+_STATE_LAYER_KEYS = {"mamba": "mamba_n_heads", "linear_attention": "linear_num_value_heads"}
+
+
 def _check_layer_types(cfg: dict[str, Any]) -> None:
     for key in ("layer_types", "layers_block_type", "hybrid_override_pattern"):
         kinds = cfg.get(key)
         if isinstance(kinds, list | str):
             odd = sorted({str(k) for k in kinds if any(w in str(k).lower() for w in _NON_ATTENTION_LAYERS)})
+            if isinstance(kinds, list):
+                odd = [k for k in odd if _STATE_LAYER_KEYS.get(k) not in cfg]
             if odd:
                 raise ConfigError(f"model config key {key!r} has non-attention layers ({', '.join(odd)}); "
                                   "kvledger plans KV caches of attention layers only")
@@ -118,10 +127,14 @@ def model_tensors(cfg: dict[str, Any], tp: int = 1, *, vocab_pad: int = 1) -> li
     out = [Tensor("embed_tokens", "embedding", rows, hidden)]
     if not tied:
         out.append(Tensor("lm_head", "lm_head", hidden, rows, linear=False))
+    kind, state_layers = _state_layers(cfg)
     if _is_mla(cfg):
         out += _mla_attention(cfg, tp, hidden, layers)
     else:
-        out += _dense_attention(cfg, tp, hidden, layers, model_type)
+        out += _dense_attention(cfg, tp, hidden, layers - state_layers, model_type)
+    if state_layers:
+        out += (_mamba_mixer if kind == "mamba" else _gated_delta_net)(cfg, tp, hidden, state_layers)
+        out.append(Tensor("layer_norms", "norms", 2, hidden, state_layers))
     out += _mlp(cfg, tp, hidden, layers, model_type)
     out.append(Tensor("norm", "norms", 1, hidden))  # the final norm
     return [t for t in out if t.count and t.rows and t.cols]
@@ -135,8 +148,9 @@ def _dense_attention(cfg: dict[str, Any], tp: int, hidden: int, layers: int, mod
     # KVSpec owns the "split, or replicate one head per rank" rule; reuse it.
     kv_per_rank = KVSpec(layers=1, kv_heads=kv_heads, head_dim=head_dim, tp=tp).kv_heads_per_rank
     q, kv = q_heads * head_dim, kv_per_rank * head_dim
+    gate = 2 if model_type == "qwen3_next" else 1  # Qwen3-Next's q_proj also yields the output gate
     out = [
-        Tensor("q_proj", "attention", hidden, q, layers, linear=True),
+        Tensor("q_proj", "attention", hidden, gate * q, layers, linear=True),
         Tensor("k_proj", "attention", hidden, kv, layers, linear=True),
         Tensor("v_proj", "attention", hidden, kv, layers, linear=True),
         Tensor("o_proj", "attention", q, hidden, layers, linear=True),
@@ -151,6 +165,67 @@ def _dense_attention(cfg: dict[str, Any], tp: int, hidden: int, layers: int, mod
     if model_type.startswith(("qwen3", "gemma3")):
         out.append(Tensor("qk_norms", "norms", 2, head_dim, layers))  # per-head q_norm and k_norm
     return out
+
+
+def _state_layers(cfg: dict[str, Any]) -> tuple[str, int]:
+    """(kind, count) of the Mamba-2 / gated-delta-net layers `_check_layer_types` let through; ("", 0) for none."""
+    kinds = cfg.get("layer_types")
+    if not isinstance(kinds, list):
+        kinds = cfg.get("layers_block_type")
+    if not isinstance(kinds, list):
+        return "", 0
+    found = {str(k) for k in kinds if str(k) in _STATE_LAYER_KEYS}
+    if len(found) > 1:
+        raise ConfigError("a config with both Mamba and linear-attention layers is not planned")
+    return (found.pop(), sum(1 for k in kinds if str(k) in _STATE_LAYER_KEYS)) if found else ("", 0)
+
+
+def _mamba_mixer(cfg: dict[str, Any], tp: int, hidden: int, layers: int) -> list[Tensor]:
+    """Mamba-2 mixers per rank (HF ``Mamba2Mixer`` / ``GraniteMoeHybridMambaLayer``): in_proj to the gate, x, B, C and
+    dt; a depthwise conv over x, B, C; A_log, D and dt_bias per head; a gated RMSNorm; out_proj. vLLM's
+    ``MambaMixer2`` splits heads and the inner width by ``tp`` and replicates the B/C groups up to ``tp``."""
+    heads = config_int(cfg, "mamba_n_heads")
+    d_state = config_int(cfg, "mamba_d_state")
+    groups = config_int(cfg, "mamba_n_groups", default=1)
+    d_conv = config_int(cfg, "mamba_d_conv", default=4)
+    inner = config_int(cfg, "mamba_expand", default=2) * hidden
+    if heads % tp or inner % tp:
+        raise ConfigError(f"tp={tp} must divide mamba_n_heads ({heads}) and the Mamba inner width ({inner})")
+    if groups % tp:
+        groups = tp
+    h, i, bc = heads // tp, inner // tp, 2 * (groups // tp) * d_state
+    proj_bias = bool(cfg.get("mamba_proj_bias", False))
+    out = [Tensor("mamba.in_proj", "attention", hidden, 2 * i + bc + h, layers, linear=True),
+           Tensor("mamba.conv1d", "attention", d_conv, i + bc, layers),
+           Tensor("mamba.A_log,D,dt_bias", "attention", 3, h, layers),
+           Tensor("mamba.norm", "norms", 1, i, layers),
+           Tensor("mamba.out_proj", "attention", i, hidden, layers, linear=True)]
+    if cfg.get("mamba_conv_bias", True):
+        out.append(Tensor("mamba.conv1d.bias", "attention", 1, i + bc, layers))
+    if proj_bias:
+        out.append(Tensor("mamba.proj_bias", "attention", 1, 2 * i + bc + h + hidden, layers))
+    return out
+
+
+def _gated_delta_net(cfg: dict[str, Any], tp: int, hidden: int, layers: int) -> list[Tensor]:
+    """Qwen3-Next's gated delta net per rank (HF ``Qwen3NextGatedDeltaNet``): in_proj_qkvz and in_proj_ba, a depthwise
+    conv over q, k, v, A_log and dt_bias per value head, a gated RMSNorm over one head, out_proj; heads split by
+    ``tp``."""
+    k_heads = config_int(cfg, "linear_num_key_heads")
+    v_heads = config_int(cfg, "linear_num_value_heads")
+    k_dim = config_int(cfg, "linear_key_head_dim")
+    v_dim = config_int(cfg, "linear_value_head_dim")
+    d_conv = config_int(cfg, "linear_conv_kernel_dim", default=4)
+    if k_heads % tp or v_heads % tp:
+        raise ConfigError(f"tp={tp} must divide linear_num_key_heads ({k_heads}) and linear_num_value_heads "
+                          f"({v_heads})")
+    key, value, vh = k_heads // tp * k_dim, v_heads // tp * v_dim, v_heads // tp
+    return [Tensor("linear_attn.in_proj_qkvz", "attention", hidden, 2 * key + 2 * value, layers, linear=True),
+            Tensor("linear_attn.in_proj_ba", "attention", hidden, 2 * vh, layers, linear=True),
+            Tensor("linear_attn.conv1d", "attention", d_conv, 2 * key + value, layers),
+            Tensor("linear_attn.A_log,dt_bias", "attention", 2, vh, layers),
+            Tensor("linear_attn.norm", "norms", 1, v_dim, layers),
+            Tensor("linear_attn.out_proj", "attention", value, hidden, layers, linear=True)]
 
 
 def _mla_attention(cfg: dict[str, Any], tp: int, hidden: int, layers: int) -> list[Tensor]:

@@ -56,5 +56,5 @@ def test_a_shared_prefix_is_served_from_the_cache_by_every_group() -> None:
 
 
 def test_kv_groups_need_sliding_layers() -> None:
-    with pytest.raises(ConfigError, match="no sliding-window layers"):
+    with pytest.raises(ConfigError, match="no sliding-window or state layers"):
         Simulator(SimConfig(model="llama-3.1-8b", pool_blocks=100, prefix_cache=False, kv_groups=True))

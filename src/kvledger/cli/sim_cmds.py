@@ -329,8 +329,8 @@ def _simulate(config: Any, requests: list[Any], progress: Any = None) -> Any:
               help="Sweep: the percentile the SLO targets apply to (a run meets the SLO only if it also serves "
                    ">= 95% of the offered rate).")
 @click.option("--kv-groups", is_flag=True,
-              help="Charge a sliding-window model by KV cache group, as vLLM's hybrid allocator (the same KV bytes in "
-                   "blocks of one group's page).")
+              help="Charge a sliding-window or Mamba / linear-attention model by KV cache group, as vLLM's hybrid "
+                   "allocator (the same KV bytes in blocks of one group's page; one block per state group a request).")
 @click.option("--prefix-bound", is_flag=True, help="Also print (and plot) the hit rate an unbounded cache allows.")
 @click.option("--fragmentation", is_flag=True, help="Run the fragmentation study on the trace's lengths instead "
               "of a simulation.")

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import checks
-from ..core.sizing.geometry import KVSpec, config_int, dtype_bytes, text_config
+from ..core.sizing.geometry import KVSpec, config_int, dtype_bytes, state_geometry, text_config
 from ..core.sizing.gpus import GPU, GPUS
 from ..core.sizing.models import load_model_config
 from ..core.sizing.params import count_parameters_per_rank, default_weight_dtype, weight_plan, weights_bytes_per_rank
@@ -254,7 +254,7 @@ class StepBreakdown:
     linear_flops: int  # projections, MLP (active experts only) and lm_head
     attention_flops: int  # QK^T and AV over each token's context
     weight_bytes: int  # every weight on the rank, read once per step
-    kv_bytes: int  # KV cache read for context, plus the new tokens' KV written
+    kv_bytes: int  # KV cache read for context, plus the new tokens' KV written (state layers: each state in, out)
     compute_s: float
     memory_s: float
     overhead_s: float
@@ -331,7 +331,14 @@ class CostModel:
         else:
             head_dim = config_int(cfg, "head_dim", default=None) or hidden // heads
             self.prefill_dims = self.decode_dims = (head_dim, head_dim)
-        self.full_layers = spec.layers - spec.sliding_layers
+        # Mamba-2 / gated-delta-net layers attend to nothing: each sequence in a step reads and writes its fixed
+        # state once per layer (`geometry.state_geometry`), and each token updates it (a multiply-add per state
+        # element, then the output's read of it: 4 FLOPs per element).
+        state = state_geometry(cfg, tp)
+        self.state_layers = state.layers if state is not None else 0
+        self.state_layer_bytes = state.layer_state_bytes if state is not None else 0
+        self.state_flops_per_token = 4 * math.prod(state.ssm_shape) * self.state_layers if state is not None else 0
+        self.full_layers = spec.layers - spec.sliding_layers - self.state_layers
         self.sliding_layers = spec.sliding_layers
         self.window = spec.sliding_window or 0
         self.kv_layer_bytes_per_token = spec.layer_bytes_per_token
@@ -415,11 +422,13 @@ class CostModel:
             return StepBreakdown(0, 0, 0, 0, 0, 0, 0, 0.0, 0.0, 0.0)
         logit_rows = n_prefill + n_decode
         linear = 2 * self.linear_params_per_token * tokens + 2 * self.lm_head_params * logit_rows
+        linear += self.state_flops_per_token * tokens
         qk, v = self.prefill_dims
         attention = 2 * (qk + v) * self.heads_per_rank * pre_pairs
         qk, v = self.decode_dims
         attention += 2 * (qk + v) * self.heads_per_rank * dec_pairs
         kv_bytes = (pre_kv + dec_kv) * self.kv_layer_bytes_per_token
+        kv_bytes += 2 * self.state_layers * self.state_layer_bytes * logit_rows  # each sequence's states, in and out
         weight_bytes = self.weight_bytes_per_step
         profile = self.profile
         return StepBreakdown(

@@ -1,34 +1,35 @@
-"""Serving a sliding-window model from a hybrid KV pool against a uniform one: the same trace, GPU, cost model and
-scheduling rule, only the pool differs -- a thin face over the simulator, whose one step loop (the real scheduler, the
-driver, the cost model's executor) charges the hybrid pool by KV cache group (`SimConfig(kv_groups=True)`,
-`KVLedger(kv_groups=...)`).
+"""Serving a sliding-window or state-layer (Mamba-2 / gated-delta-net) model from a hybrid KV pool against a uniform
+one: the same trace, GPU, cost model and scheduling rule, only the pool differs -- a thin face over the simulator,
+whose one step loop (the real scheduler, the driver, the cost model's executor) charges the hybrid pool by KV cache
+group (`SimConfig(kv_groups=True)`, `KVLedger(kv_groups=...)`).
 
 The hybrid pool is the KV cache groups `core.sizing.hybrid.hybrid_plan` makes for the model (vLLM's grouping) from
 the uniform pool's bytes (exactly the blocks `kvledger plan` reports). The step shape is vLLM's default: every running
 decode gets one token, then prefills share ``max_num_batched_tokens`` (one chunk may take all of it), up to
 ``max_num_seqs`` running; admission reserves a request's whole output (the scheduler's ``full`` policy), so nothing is
 preempted. Neither pool keeps a prefix cache (the pools' capacity alone is compared). Step times come from the
-roofline `CostModel`, which already charges sliding layers only their window. The study behind docs/hybrid.md is
-`benchmarks/hybrid_serving.py`.
+roofline `CostModel`, which already charges sliding layers only their window and state layers their fixed state.
+The study behind docs/hybrid.md is `benchmarks/hybrid_serving.py`.
 """
-
 from __future__ import annotations
 
 import math
 from typing import Any
 
 from ..core.groups import KVCacheGroup
-from ..core.sizing.geometry import KVSpec
+from ..core.sizing.geometry import KVSpec, StateGeometry
 from ..core.sizing.hybrid import HybridPlan, hybrid_plan
 from ..scheduler.metrics import percentile
 from ..workloads.requests import SimRequest
 from .simulator import SimConfig, Simulator
 
 
-def pools(spec: KVSpec, kv_budget_bytes: int, *, max_model_len: int, step_tokens: int) -> tuple[HybridPlan, dict[
-        str, tuple[int, list[KVCacheGroup]]]]:
-    """The hybrid plan, and per pool ("hybrid", "uniform") its block count and KV cache groups."""
-    plan = hybrid_plan(spec, kv_budget_bytes, max_model_len, step_tokens)
+def pools(spec: KVSpec, kv_budget_bytes: int, *, max_model_len: int, step_tokens: int,
+          state: StateGeometry | None = None) -> tuple[HybridPlan, dict[str, tuple[int, list[KVCacheGroup]]]]:
+    """The hybrid plan, and per pool ("hybrid", "uniform") its block count and KV cache groups. ``state``
+    (`geometry.state_geometry`): the model's Mamba / linear-attention layers, one block per request per state group
+    (the hybrid pool's block then holds ``plan.block_size`` tokens)."""
+    plan = hybrid_plan(spec, kv_budget_bytes, max_model_len, step_tokens, state)
     hybrid = [KVCacheGroup(g.kind, g.layers, g.window, g.layer_block_bytes) for g in plan.groups]
     uniform = [KVCacheGroup("full", spec.layers, None, spec.layer_block_bytes)]
     return plan, {"hybrid": (plan.pool_blocks, hybrid), "uniform": (plan.uniform_pool_blocks, uniform)}

@@ -48,7 +48,7 @@ from ..core.groups import KVCacheGroup
 from ..core.identity import CacheContext
 from ..core.ledger import KVLedger
 from ..core.sizing.engines import check_engine
-from ..core.sizing.geometry import KVSpec, config_int, text_config
+from ..core.sizing.geometry import KVSpec, config_int, state_geometry, text_config
 from ..core.sizing.hybrid import hybrid_plan, is_hybrid
 from ..core.sizing.inventory import GPUS, build_inventory, count_parameters_per_rank
 from ..core.sizing.models import load_model_config
@@ -117,10 +117,12 @@ class SimConfig:
     feed_window: arrivals handed to the scheduler ahead of admission (admission only ever looks at the
     head of the queue, so this only bounds memory). check_every: run the ledger's full invariant check
     every N steps (0 = never; tests use 1). sample_every: record the per-step pool breakdown every N
-    steps (1 = every step). kv_groups: charge a model with sliding-window layers by KV cache group, as vLLM's hybrid
-    allocator does (`KVLedger(kv_groups=...)`, one table per group in every step plan): the pool is the same KV bytes
-    in blocks of one group's page (``pool_blocks``, when given, counts blocks of every layer, as without it); a prefix
-    hit is the longest every group serves.
+    steps (1 = every step). kv_groups: charge a model with sliding-window or state (Mamba-2 / gated-delta-net) layers
+    by KV cache group, as vLLM's hybrid allocator does (`KVLedger(kv_groups=...)`, one table per group in every step
+    plan): the pool is the same KV bytes in blocks of one group's page (``pool_blocks``, when given, counts blocks of
+    every layer, as without it; with state layers a block holds the tokens that make a page hold one layer's state,
+    and a request holds one block per state group); a prefix hit is the longest every group serves (none with a state
+    group: no state is cached).
     """
 
     model: str = "llama-3.1-8b"
@@ -300,10 +302,16 @@ class Deployment:
     disk_blocks: int = 0
     kv_groups: tuple[KVCacheGroup, ...] | None = None  # a pool charged by KV cache group (SimConfig.kv_groups)
     group_block_bytes: int = 0  # ... whose block is one group's page
+    group_block_size: int = 0  # ... of this many tokens (raised until a page holds a state layer's state)
 
     @property
     def block_bytes(self) -> int:
         return self.group_block_bytes or self.spec.block_bytes
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block of the pool the ledger keeps."""
+        return self.group_block_size or self.spec.block_size
 
     def tiers(self) -> TierLedger | None:
         """A fresh ledger of the tiers below the device pool (None without any)."""
@@ -313,7 +321,7 @@ class Deployment:
         """Seconds a prefix hit on the block at ``depth`` saves: the compute time of its tokens attending
         to the ``depth`` blocks before them -- its marginal cost inside a busy, compute-bound prefill step
         (a step's weight reads and fixed overheads are paid whether the block is recomputed or not)."""
-        bs = self.spec.block_size
+        bs = self.block_size
         return self.cost.breakdown([(bs, depth * bs)]).compute_s
 
 
@@ -351,19 +359,28 @@ def build_deployment(config: SimConfig) -> Deployment:
     host_blocks = config.host_pool_bytes // spec.block_bytes if config.host_pool_bytes else 0
     disk_blocks = config.disk_pool_bytes // spec.block_bytes if config.disk_pool_bytes else 0
     groups: tuple[KVCacheGroup, ...] | None = None
-    group_bytes = 0
+    group_bytes = group_block_size = 0
     if config.kv_groups:
-        if not is_hybrid(spec):
-            raise ConfigError(f"kv_groups: {config.model} has no sliding-window layers to group")
+        state = state_geometry(cfg, spec.tp)
+        if not is_hybrid(spec, state):
+            raise ConfigError(f"kv_groups: {config.model} has no sliding-window or state layers to group")
         step = min(config.scheduler.prefill_chunk, config.scheduler.token_budget)
-        hybrid = hybrid_plan(spec, pool_blocks * spec.block_bytes, max_len or 8192, step)
-        # The same KV bytes in blocks of one group's page; full groups first (the ledger keeps the first).
+        hybrid = hybrid_plan(spec, pool_blocks * spec.block_bytes, max_len or 8192, step, state)
+        # The same KV bytes in blocks of one group's page; full groups first (the ledger keeps the first). With
+        # state layers the block holds `hybrid.block_size` tokens (a page holds a layer's state), one per state
+        # group per request.
         planned = sorted(hybrid.groups, key=lambda g: g.kind != "full")
         groups = tuple(KVCacheGroup(g.kind, g.layers, g.window, g.layer_block_bytes) for g in planned)
         pool_blocks, group_bytes = hybrid.pool_blocks, hybrid.block_bytes
+        group_block_size = hybrid.block_size
         source += f"; KV cache groups: {len(groups)} of {hybrid.group_size} layers, {pool_blocks:,} blocks"
+        if state is not None:
+            source += f" of {group_block_size} tokens"
+        # The tiers below hold the pool's blocks: as many of one group's page as their bytes take.
+        host_blocks = config.host_pool_bytes // group_bytes if config.host_pool_bytes else 0
+        disk_blocks = config.disk_pool_bytes // group_bytes if config.disk_pool_bytes else 0
     return Deployment(spec, cfg, profile, cost, pool_blocks, source, inventory, max_len, host_blocks, disk_blocks,
-                      groups, group_bytes)
+                      groups, group_bytes, group_block_size)
 
 
 def tier_links(dep: Deployment, tiers: TierLedger | None, staging_blocks: int) -> Callable[[int], Any] | None:
@@ -433,7 +450,7 @@ class SimResult:
 
     @property
     def pool_slots(self) -> int:
-        return self.deployment.pool_blocks * self.deployment.spec.block_size
+        return self.deployment.pool_blocks * self.deployment.block_size
 
     def summary(self) -> dict[str, Any]:
         return summarize(self)
@@ -605,7 +622,7 @@ class Simulator:
         cfg, dep = self.config, self.dep
         wall0 = time.perf_counter()
         workload, notes = prepare_workload(requests, cfg, dep.max_model_len)
-        bs = dep.spec.block_size
+        bs = dep.block_size
         replica = Replica.assemble(dep.pool_blocks, bs, cfg.scheduler, eviction=cfg.eviction,
                                    prefix_caching=cfg.prefix_cache, tiers=dep.tiers(),
                                    costs=recovery_costs(dep, cfg.staging_blocks), kv_groups=dep.kv_groups)

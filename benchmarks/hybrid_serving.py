@@ -1,8 +1,11 @@
-"""Gemma 3 27B served from a hybrid KV pool against a uniform one, on Mooncake's conversation trace: requests per
-second at the same SLO (docs/hybrid.md; `kvledger.sim.hybrid`: the simulator's one step loop, the hybrid pool
-charged by KV cache group, neither pool with a prefix cache).
+"""Gemma 3 27B (or a Mamba-2 / linear-attention model, its state layers one block a request) served from a hybrid KV
+pool against a uniform one, on Mooncake's conversation trace: requests per second at the same SLO (docs/hybrid.md;
+`kvledger.sim.hybrid`: the simulator's one step loop, the hybrid pool charged by KV cache group, neither pool with a
+prefix cache).
 
     PYTHONPATH=src .venv/bin/python benchmarks/hybrid_serving.py --limit 200 --out docs/img/hybrid_serving.png
+    PYTHONPATH=src .venv/bin/python benchmarks/hybrid_serving.py --model examples/configs/granite-4-h-small-style.json \
+        --kv-budget 4e9 --rates 1,2,4,8
 
 Both pools get the KV bytes `kvledger plan` leaves on the GPU (vLLM's accounting); the trace's arrivals are
 replayed at a sweep of rates; a rate meets the SLO when p90 TTFT and TPOT are within the targets and at least
@@ -20,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from kvledger.core.sizing.geometry import KVSpec  # noqa: E402
+from kvledger.core.sizing.geometry import KVSpec, state_geometry  # noqa: E402
 from kvledger.core.sizing.inventory import build_inventory  # noqa: E402
 from kvledger.core.sizing.models import load_model_config  # noqa: E402
 from kvledger.sim.hybrid import config, meets, pools, serve  # noqa: E402
@@ -38,6 +41,8 @@ def main() -> None:
     ap.add_argument("--slo-ttft", type=float, default=10000.0, help="p90 TTFT target, ms")
     ap.add_argument("--slo-tpot", type=float, default=100.0, help="p90 TPOT target, ms")
     ap.add_argument("--max-model-len", type=int, default=32768)
+    ap.add_argument("--kv-budget", type=float, default=None,
+                    help="KV bytes of both pools (default: what `kvledger plan` leaves on the GPU)")
     ap.add_argument("--out", default=None, help="write the plot here (PNG)")
     ap.add_argument("--plot-from", nargs="*", default=None,
                     help="draw --out from these runs' JSON lines instead of running (merges sweeps)")
@@ -57,7 +62,9 @@ def main() -> None:
     inv = build_inventory(spec, cfg, gpu=args.gpu, engine="vllm")
     step = inv.max_batched_tokens or 8192
     seqs = inv.max_seqs or 256
-    plan, _ = pools(spec, inv.kv_budget_bytes, max_model_len=args.max_model_len, step_tokens=step)
+    budget = int(args.kv_budget) if args.kv_budget else inv.kv_budget_bytes
+    # A Mamba / linear-attention model: its state layers are state groups, one block a request.
+    plan, _ = pools(spec, budget, max_model_len=args.max_model_len, step_tokens=step, state=state_geometry(cfg))
     trace = [r for r in load_mooncake(args.trace) if r.prompt_len + max(1, r.output_len) <= args.max_model_len]
     trace = trace[: args.limit]
     rates = [float(x) for x in args.rates.split(",")]
@@ -73,7 +80,7 @@ def main() -> None:
             results[name].append(run)
             print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in run.items()}), flush=True)
     best = {name: max((r["rate"] for r in runs if r["meets_slo"]), default=0.0) for name, runs in results.items()}
-    print(json.dumps({"model": args.model, "gpu": args.gpu, "kv_budget_bytes": inv.kv_budget_bytes,
+    print(json.dumps({"model": args.model, "gpu": args.gpu, "kv_budget_bytes": budget,
                       "requests": len(trace), "slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot,
                       "max_rate_meeting_slo": best, "hybrid_plan": plan.to_dict()["by_kind"]}))
     if args.out:
@@ -101,7 +108,7 @@ def _plot(results: dict[str, list[dict]], best: dict[str, float], args: argparse
         ax.set_xlabel("offered rate (requests / s)")
         ax.set_title(title)
         ax.legend(fontsize=8)
-    fig.suptitle(f"Gemma 3 27B on one {args.gpu}, Mooncake conversation trace ({args.limit} requests): "
+    fig.suptitle(f"{Path(args.model).stem} on one {args.gpu}, Mooncake conversation trace ({args.limit} requests): "
                  "hybrid vs uniform KV pool", fontsize=10)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)

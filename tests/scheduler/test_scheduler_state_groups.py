@@ -183,6 +183,26 @@ def test_a_swap_takes_the_state_out_and_back_only_to_resume_where_it_stood() -> 
     assert ledger.usage().active == 0 and ledger.usage().promised == 0
 
 
+def test_a_swapped_request_resumes_from_its_state_never_from_0() -> None:
+    """With a host pool, the scheduler swaps victims: every state comes back and its request resumes exactly where
+    the state stood -- also a decoding request whose sampled token was not yet in the ledger (the scheduler would
+    otherwise recompute its last token, which a state cannot take twice, and so the whole request) -- so no request
+    computes from 0 twice."""
+    cfg = SchedulerConfig(policy="incremental", on_growth_failure="preempt", recovery="swap", token_budget=16,
+                          prefill_chunk=16)
+    replica = Replica.assemble(60, BS, cfg, host_blocks=200, prefix_caching=False, kv_groups=GROUPS)
+    ledger = replica.ledger
+    ex = StateExecutor(ledger)
+    reqs = [GenRequest(f"r{i}", list(range(i, i + 20)), 30) for i in range(6)]
+    metrics = Driver(replica.scheduler, ex, check_every=1).run(reqs)
+    ledger.check()
+    assert sorted(m.generated for m in metrics) == [30] * 6
+    assert replica.scheduler.preemptions > 0 and ex.restored >= 2 * replica.scheduler.preemptions
+    starts = [seq for seq, start, _end, _t in ex.works if start == 0]
+    assert sorted(starts) == [f"r{i}" for i in range(6)]  # one work from 0 each: none recomputed
+    assert ledger.usage().active == 0 and ledger.usage().promised == 0
+
+
 def test_the_audit_catches_a_state_block_handed_back_early() -> None:
     ledger = _ledger()
     ledger.admit(Request("a", list(range(30)), 10)).raise_for_outcome()

@@ -102,9 +102,14 @@ class Admitter:
                 # Prefix hits need no transfer, but one that another request is still filling cannot
                 # be read yet: recompute from there. A prefill cut short by the swap resumes where it was.
                 ready = next((j for j in range(seq.hit_blocks) if not written[blocks[j]]), seq.hit_blocks)
-                br.refill_resume = min(br.computed, br.in_ledger - 1)
-                br.computed = min(br.computed, br.in_ledger - 1, ready * bs
-                                  if ready < seq.hit_blocks else br.in_ledger - 1)
+                # Every token the ledger knows is restored; the last is recomputed (its logits) unless the token
+                # it sampled waits to enter the ledger and a state group's state already took it in (a state
+                # cannot go back a token: resuming one early would recompute the whole request).
+                top = br.in_ledger - 1
+                if len(br.tokens) > br.in_ledger and s._kv_state:
+                    top = br.in_ledger
+                br.refill_resume = min(br.computed, top)
+                br.computed = min(br.computed, top, ready * bs if ready < seq.hit_blocks else top)
                 if i == 0:
                     cached = min(ready * bs, br.in_ledger - 1)
                 if br.group_host or s._kv_groups:  # a hybrid pool: the other groups' window comes back too

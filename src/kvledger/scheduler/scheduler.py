@@ -80,6 +80,7 @@ class Scheduler:
                                         swap_leases=self._swap_leases, running=self.running)
         # A hybrid pool (KV cache groups, `core.windows`): every work carries each group's table.
         self._kv_groups = ledger.groups is not None
+        self._kv_state = self._kv_groups and any(g.kind == "state" for g in ledger.groups.groups)  # type: ignore[union-attr]
         if self._kv_groups:
             step = min(self.config.prefill_chunk, self.config.token_budget)
             if step > ledger.groups.step_tokens:  # type: ignore[union-attr]

@@ -39,6 +39,7 @@ def test_state_groups_are_charged_one_block_a_request_through_the_driver() -> No
     assert dep.kv_groups[1].layer_block_bytes == STATE_BYTES
     assert sims[True].scheduler.ledger.groups.need(3040) == 5  # the state groups' one block each
     assert (uniform["pool_blocks"], hybrid["pool_blocks"]) == (400, 72)
+    assert (uniform["block_size"], hybrid["block_size"]) == (16, 528)  # what the report shows
     assert uniform["completed"] == hybrid["completed"] == 12
     assert (uniform["peak_running"], hybrid["peak_running"]) == (2, 6)
     assert hybrid["throughput_req_s"] > 2 * uniform["throughput_req_s"]

@@ -470,7 +470,7 @@ def summarize(result: SimResult) -> dict[str, Any]:
         memory[key] = (sum(v * w for v, w in zip(col, weights, strict=True)) / (total_w * pool)) if total_w else 0.0
     return {
         "model": cfg.model, "gpu": dep.profile.name, "tp": cfg.tp, "policy": cfg.scheduler.policy,
-        "block_size": cfg.block_size, "prefix_cache": cfg.prefix_cache, "eviction": cfg.eviction,
+        "block_size": dep.block_size, "prefix_cache": cfg.prefix_cache, "eviction": cfg.eviction,
         "trust_groups": cfg.trust_groups,
         "pool_blocks": dep.pool_blocks, "pool_bytes": dep.pool_blocks * dep.block_bytes,
         "block_bytes": dep.block_bytes, "pool_source": dep.pool_source,

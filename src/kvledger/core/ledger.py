@@ -78,7 +78,8 @@ class KVLedger:
 
     ``kv_groups``: a hybrid model's KV cache groups (`core.groups.KVCacheGroup`, the first of full attention;
     a block is one group's page). The sequence's table is the first group's; `core.windows.GroupTables` keeps
-    the others (a sliding group's reservation bounded by its window, its blocks released as they leave it),
+    the others (a sliding group's reservation bounded by its window, its blocks released as they leave it; a state
+    group's one block per sequence held for its life),
     ``step_tokens`` being the most tokens one work computes. None or one group: the uniform ledger, untouched.
     """
 

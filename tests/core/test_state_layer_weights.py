@@ -56,6 +56,19 @@ def test_gated_delta_net_mixers_by_hand() -> None:
     assert count_parameters(QWEN3_NEXT).total == 20_268_064
 
 
+def test_qwen3_next_80b_a3b_geometry_counts_80b() -> None:
+    """Qwen3-Next-80B-A3B's geometry (hidden 2,048; 48 layers, 3 gated-delta-net : 1 gated attention; 512 experts of
+    512, top 10, a shared expert; vocab 151,936, untied): 79,674,391,296 parameters, what transformers 5.24 counts
+    for the same config and the model card's '80B in total'."""
+    cfg = {**QWEN3_NEXT, "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
+           "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120, "moe_intermediate_size": 512,
+           "shared_expert_intermediate_size": 512, "num_experts": 512, "num_experts_per_tok": 10,
+           "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+           "linear_value_head_dim": 128, "vocab_size": 151936,
+           "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 12}
+    assert count_parameters(cfg).total == 79_674_391_296
+
+
 def test_state_layers_without_their_geometry_are_still_refused() -> None:
     cfg = json.loads(GRANITE.read_text())
     del cfg["mamba_n_heads"]

@@ -184,8 +184,8 @@ def _resolve_model(config: Any) -> None:
     model, a model length past its context or past a replica's pool, a quantised KV format without a
     passing quality record."""
     prepare_torch()  # before torch loads: see `kvledger serve`
-    from ..runtime.engine import resolve_model
-    from ..runtime.loading import compute_dtype, kv_spec_for, model_context, refuse_untested_kv_early
+    from ..runtime.engine import refuse_untested_kv_early, resolve_model
+    from ..runtime.loading import compute_dtype, kv_spec_for, model_context
 
     refuse_untested_kv_early(config.model, config.kv_dtype, config.allow_untested_kv)
     ckpt = resolve_model(config.model)

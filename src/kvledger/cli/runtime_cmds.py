@@ -120,10 +120,8 @@ def generate_cmd(prompt: str, model: str, max_new: int, temperature: float, top_
                  allow_untested_kv: bool, as_json: bool) -> None:
     """Generate text for PROMPT with the real runtime and print a memory summary."""
     prepare_torch(threads)
-    from ..runtime.engine import Engine, resolve_model
+    from ..runtime.engine import Engine, refuse_untested_kv_early, resolve_model
     from ..runtime.sampling import SamplingParams
-
-    from ..runtime.loading import refuse_untested_kv_early
 
     params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, n=n,
                             beam_width=beam_width)
@@ -264,10 +262,9 @@ def serve_trace_cmd(trace_path: str, trace_format: str, rate: float, limit: int,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..errors import KVLedgerError
-    from ..runtime.engine import Engine, model_context, resolve_model
+    from ..runtime.engine import Engine, model_context, refuse_untested_kv_early, resolve_model
     from ..runtime.measure.corpus import PromptSynth, block_keys, corpus_tokens
     from ..runtime.sampling import SamplingParams
-    from ..runtime.loading import refuse_untested_kv_early
     from ..sim.report import run_summary, write_run_report
 
     refuse_untested_kv_early(model, kv_dtype, allow_untested_kv)

@@ -167,6 +167,21 @@ class EngineSnapshot:
 _IDS = itertools.count()
 
 
+def refuse_untested_kv_early(model: str | os.PathLike[str], kv_dtype: str | None, allow_untested_kv: bool) -> None:
+    """Refuse a quantised ``kv_dtype`` that no quality record allows for ``model``'s GGUF before the first use
+    converts it (a minute): the refusal the engine would give after loading, given first. Call it before
+    :func:`resolve_model` wherever the KV format is known."""
+    if kv_dtype is None or allow_untested_kv:
+        return
+    from .loading import model_source
+
+    source = model_source(model)
+    if source.is_file() and source.suffix == ".gguf":
+        from .measure.quality_records import require_any_record
+
+        require_any_record(source, kv_dtype, str(model))
+
+
 class Engine:
     """Continuous batching over one :class:`ModelRunner` and one :class:`Scheduler`, stepped by a
     :class:`Driver` on the wall clock.
@@ -264,6 +279,8 @@ class Engine:
         yet: see runtime/kv_groups.py)."""
         from .loading import build_runner
 
+        if checkpoint is None:
+            refuse_untested_kv_early(config.model, config.kv_dtype, config.allow_untested_kv)
         ckpt, runner = build_runner(config, checkpoint, backend, kv_groups=kv_groups)
         context = model_context(ckpt)
         if config.max_model_len is not None:
@@ -711,4 +728,5 @@ class Engine:
 
 
 __all__ = ["BUNDLED_MODELS", "Engine", "EngineSnapshot", "EngineStats", "RequestHandle", "RequestResult",
-           "TokenCallback", "TokenEvent", "load_decoder", "load_runner", "model_context", "resolve_model"]
+           "TokenCallback", "TokenEvent", "load_decoder", "load_runner", "model_context", "refuse_untested_kv_early",
+           "resolve_model"]

@@ -71,19 +71,6 @@ def model_source(model: str | os.PathLike[str]) -> Path:
     return Path(name).expanduser()
 
 
-def refuse_untested_kv_early(model: str | os.PathLike[str], kv_dtype: str | None, allow_untested_kv: bool) -> None:
-    """Refuse a quantised ``kv_dtype`` that no quality record allows for ``model``'s GGUF before the first use
-    converts it (a minute): the refusal the engine would give after loading, given first. Call it before
-    :func:`resolve_model` wherever the KV format is known."""
-    if kv_dtype is None or allow_untested_kv:
-        return
-    source = model_source(model)
-    if source.is_file() and source.suffix == ".gguf":
-        from .measure.quality_records import require_any_record
-
-        require_any_record(source, kv_dtype, str(model))
-
-
 def resolve_model(model: str | os.PathLike[str]) -> Checkpoint:
     """A bundled model name (``smollm2-135m``), a Hugging Face folder, or a ``.gguf`` file."""
     return resolve_checkpoint(model_source(model))
@@ -174,8 +161,6 @@ def build_runner(config: EngineConfig, checkpoint: Checkpoint | None = None,
     """The checkpoint and a fresh runner (KV store around the cached decoder) for ``config``:
     ``checkpoint`` if the caller resolved it already, ``backend`` a factory object instead of the
     configuration's backend name."""
-    if checkpoint is None:
-        refuse_untested_kv_early(config.model, config.kv_dtype, config.allow_untested_kv)
     ckpt = checkpoint if checkpoint is not None else resolve_model(config.model)
     compute = compute_dtype(config.dtype)
     spec = kv_spec_for(ckpt, compute, config.kv_dtype, config.block_size)
@@ -190,4 +175,4 @@ def build_runner(config: EngineConfig, checkpoint: Checkpoint | None = None,
 
 
 __all__ = ["BUNDLED_MODELS", "RESIDUAL_SLOTS_DEFAULT", "build_runner", "compute_dtype", "kv_spec_for",
-           "load_decoder", "load_runner", "model_context", "model_source", "refuse_untested_kv_early", "residual_slots_for", "resolve_model"]
+           "load_decoder", "load_runner", "model_context", "model_source", "residual_slots_for", "resolve_model"]

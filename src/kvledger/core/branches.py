@@ -16,12 +16,14 @@ draft tokens there, so a child starts with the blocks covering the parent's toke
 promised the rest of its reservation.
 
 :class:`Branches` is a collaborator of :class:`~kvledger.core.ledger.KVLedger`: it owns the copy queue and
-runs under the ledger's lock.
+runs under the ledger's lock. On a hybrid pool (``groups``, `core.windows.GroupTables`) a fork also shares the
+other KV cache groups' live blocks and promises the child its reservation there, in the same decision.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from ..errors import AdmissionError, ConfigError, LedgerError, OutOfBlocksError
 from .observe import Counters, EventLog
@@ -30,6 +32,9 @@ from .promises import PromiseBook
 from .table import BlockTable
 from .types import CopyOp, SequenceState, find_sequence, show
 
+if TYPE_CHECKING:
+    from .windows import GroupTables
+
 
 class Branches:
     """Forks, beam steps and copy-on-write for one ledger's sequences; owns the copies the runtime has
@@ -37,7 +42,7 @@ class Branches:
     sequence for the call (kept here it would make every ledger a reference cycle, freed only by the
     cyclic garbage collector, whose pauses then grow with every dropped ledger)."""
 
-    __slots__ = ("_block_size", "_counters", "_events", "_pool", "_promises", "_seqs", "copies")
+    __slots__ = ("_block_size", "_counters", "_events", "_pool", "_promises", "_seqs", "copies", "groups")
 
     def __init__(self, *, pool: BlockPool, promises: PromiseBook, seqs: dict[str, SequenceState],
                  counters: Counters, block_size: int, events: EventLog | None) -> None:
@@ -48,6 +53,7 @@ class Branches:
         self._block_size = block_size
         self._events = events
         self.copies: list[CopyOp] = []  # copy instructions the runtime has not taken yet
+        self.groups: GroupTables | None = None  # a hybrid pool's groups after the first (set by the ledger)
 
     def take_copies(self) -> list[CopyOp]:
         copies, self.copies = self.copies, []
@@ -77,7 +83,8 @@ class Branches:
         """A child's promise (its reservation beyond the blocks covering the parent's tokens; the
         parent's speculative blocks are not shared) plus one copy of a partial tail."""
         covered = -(-len(parent.tokens) // self._block_size)
-        return max(0, parent.reserved_blocks - covered) + (1 if len(parent.tokens) % self._block_size else 0)
+        need = max(0, parent.reserved_blocks - covered) + (1 if len(parent.tokens) % self._block_size else 0)
+        return need if self.groups is None else need + self.groups.fork_need(parent.request_id)
 
     def _fork_unchecked(self, parent: SequenceState, child_id: str) -> None:
         bs = self._block_size
@@ -106,6 +113,8 @@ class Branches:
         )
         self._promises.promise(child, promise)
         self._seqs[child_id] = child
+        if self.groups is not None:
+            self.groups.fork(parent.request_id, child_id)
         self._counters.forks += 1
 
     def copy_on_write(self, seq: SequenceState, n: int) -> None:
@@ -150,6 +159,8 @@ class Branches:
         # Decide before changing anything: the drops give back at least their promises.
         need = sum(self._fork_need(seqs[p]) for p, _ in forks)
         available = self._promises.unpromised() + sum(seqs[rid].promised for rid in drops)
+        if self.groups is not None:
+            available += sum(self.groups.promised_of(rid) for rid in drops)
         if need > available:
             raise AdmissionError(f"beam step needs {need} blocks for its forks, {max(available, 0)} available")
         for rid in drops:

@@ -144,6 +144,8 @@ class KVLedger:
             self.groups = GroupTables(pool, promises, groups, block_size,
                                       checks.positive(step_tokens, "step_tokens"), prefix_caching=prefix_caching)
             self._quotas.kv_groups = self.groups
+            self._branches.groups = self.groups
+            self.groups.on_copy = self._group_copy
 
     # ---- queries --------------------------------------------------------------------------------
     @property
@@ -608,7 +610,7 @@ class KVLedger:
         if seq.cow_tail:
             self.promises.redeem_copy(blocks[len(seq.tokens) // self.block_size])  # it leaves without copying
         if self._branches.copies:  # a copy into a block that is about to be released must never run
-            self._branches.forget_copies_into(blocks)
+            self._branches.forget_copies_into(blocks if self.groups is None else blocks + self.groups.live(request_id))
         if self._leases.any_sequence():  # (a hybrid pool's other groups' blocks are the sequence's too)
             self._leases.hand_over(request_id, blocks if self.groups is None else blocks + self.groups.live(request_id))
         self.pool.release_many(blocks[::-1])
@@ -616,6 +618,12 @@ class KVLedger:
         if self.groups is not None:
             self.groups.close(request_id)
         return seq
+
+    def _group_copy(self, src: int, dst: int, slots: int) -> None:
+        """A hybrid pool's group copied a shared block for a work about to write into it: the runtime copies the
+        first ``slots`` positions before the step, like a forked tail's (`take_copies`)."""
+        self._branches.copies.append(CopyOp(src, dst, slots))
+        self.counters.copies += 1
 
     def take_copies(self) -> list[CopyOp]:
         """Copy-on-write instructions recorded since the last call; the runtime executes them before
@@ -627,7 +635,8 @@ class KVLedger:
     def can_admit(self, request: Request, keep_free: int = 0) -> Decision:
         """The decision :meth:`admit` would take now, without changing anything."""
         if self.groups is not None:
-            return self._admit_grouped([request], keep_free, self._admission.can_admit, open_=False)
+            return self._admit_grouped([request], keep_free, lambda rs, k: self._admission.can_admit(rs[0], k),
+                                       open_=False)
         return self._admission.can_admit(request, keep_free)
 
     def admit(self, request: Request, keep_free: int = 0) -> Decision:
@@ -638,7 +647,7 @@ class KVLedger:
         ``keep_free`` blocks must stay available after the admission: the watermark or emergency
         headroom of policies that do not reserve the whole output allowance."""
         if self.groups is not None:
-            return self._admit_grouped([request], keep_free, self._admission.admit)
+            return self._admit_grouped([request], keep_free, lambda rs, k: self._admission.admit(rs[0], k))
         return self._admission.admit(request, keep_free)
 
     def admit_family(self, requests: Sequence[Request], keep_free: int = 0) -> Decision:
@@ -663,39 +672,56 @@ class KVLedger:
         plus the tail copies, ``blocks_branches`` what the branches after the first add to it, and
         ``blocks_total`` the family's distinct blocks at its reserved lengths."""
         if self.groups is not None:
-            return self._admit_grouped(list(requests), keep_free,
-                                       lambda r, k: self._admission.admit_family([r], k))
+            if isinstance(requests, (str, bytes, Request)) or not hasattr(requests, "__iter__"):
+                raise ConfigError("admit_family takes a sequence of Request, one per branch")
+            return self._admit_grouped(list(requests), keep_free, self._admission.admit_family, family=True)
         return self._admission.admit_family(requests, keep_free)
 
-    def _admit_grouped(self, requests: list[Request], keep_free: int, decide: Callable[[Request, int], Decision],
-                       open_: bool = True) -> Decision:
+    def _admit_grouped(self, requests: list[Request], keep_free: int,
+                       decide: Callable[[list[Request], int], Decision], open_: bool = True,
+                       family: bool = False) -> Decision:
         """A hybrid pool's admission: the first group's decision with the other groups' reservation kept free on
-        top, and on success that reservation promised -- one decision under the lock."""
-        if len(requests) != 1:
-            raise ConfigError("a hybrid KV pool admits one branch per request (no parallel sampling or beams yet)")
-        request = AdmissionControl.checked(requests[0])
-        if request.branches != 1 or request.lookahead:
-            raise ConfigError(f"request {request.request_id!r}: a hybrid KV pool takes no parallel sampling or "
-                              "speculative slots yet")
+        top, and on success that reservation promised -- one decision under the lock. Every branch is promised
+        its own reservation per group and opens its own tables there, the branches of a new request (``branches=n``)
+        each with the prompt's hit (`core.windows.GroupTables.open`). A re-admitted family of several branches
+        reads no prefix cache (the hit every group serves is agreed for one prompt, not a family's trie)."""
+        reqs = [AdmissionControl.checked(r) for r in requests]
+        if not reqs:
+            raise ConfigError("admit_family needs at least one request")
+        if any(r.lookahead for r in reqs):
+            raise ConfigError(f"request {reqs[0].request_id!r}: a hybrid KV pool takes no speculative slots yet")
         groups = self.groups
         if groups is None:
             raise InvariantError("a grouped admission on a uniform pool")
-        prompt_len = len(request.prompt)
-        limit = prompt_len + request.max_new_tokens
-        need = groups.need(limit)
-        rid = request.request_id
+        head = reqs[0]
+        if family and len(reqs) > 1:  # a family's hits are not agreed per group: its branches recompute
+            reqs = [replace(r, read_prefix_cache=False) for r in reqs]
+        head = reqs[0]
+        prompt_len = len(head.prompt)
+        limits = [len(r.prompt) + r.max_new_tokens for r in reqs]
+        if family:
+            ids = [r.request_id for r in reqs]
+        else:
+            ids = [head.request_id, *(f"{head.request_id}/{i}" for i in range(1, head.branches))]
+            limits = limits * head.branches
+        need = sum(groups.need(lim) for lim in limits)
         opened: list[bool] = []
 
-        def take() -> None:  # the first group holds its hits: the other groups take theirs before any allocation
-            groups.open(rid, prompt_len, limit, groups.agreed_hit)
+        def open_all(hit: int) -> None:
+            for i, (rid, lim) in enumerate(zip(ids, limits, strict=True)):
+                groups.open(rid, len(reqs[min(i, len(reqs) - 1)].prompt), lim, hit)
+            groups.forget_hit()
             opened.append(True)
+
+        def take() -> None:  # the first group holds its hits: the other groups take theirs before any allocation
+            open_all(groups.agreed_hit)
 
         admission = self._admission
         with self._lock:
-            first = self._blocks_for(limit)
+            first = self._blocks_for(limits[0])
             if first + need > self.pool.num_blocks:
                 self.counters.rejected_never += 1
-                return Decision(request.request_id, Outcome.NEVER,
+                return Decision(head.family or head.request_id, Outcome.NEVER,
                                 f"needs {first + need} blocks ({first} full-attention + {need} in its other KV "
                                 f"cache groups) but the pool has {self.pool.num_blocks}", first + need, 0, 0, 0, 0)
             groups.forget_hit()
@@ -703,13 +729,13 @@ class KVLedger:
                 admission.hit_cap = lambda digests, hits: groups.agreed(digests, hits, prompt_len)
             admission.on_commit = take if open_ else None
             try:
-                decision = decide(request, checks.count(keep_free, "keep_free") + need)
+                decision = decide(reqs, checks.count(keep_free, "keep_free") + need)
             finally:
                 admission.hit_cap = admission.on_commit = None
             if not decision.admitted:
                 return decision
             if open_ and not opened:
-                groups.open(rid, prompt_len, limit)
+                open_all(0)
             return replace(decision, blocks_total=decision.blocks_total + need,
                            blocks_promised=decision.blocks_promised + need)
 
@@ -785,8 +811,6 @@ class KVLedger:
         """Fork ``parent_id`` into a new sequence ``child_id``. Returns the blocks newly promised (the
         child's output allowance plus one tail copy if the tail is partial). Raises AdmissionError when
         the pool cannot promise them now: a fork is an admission of one more branch."""
-        if self.groups is not None:
-            raise LedgerError("a hybrid KV pool does not fork sequences yet")
         with self._lock:
             return self._branches.fork(parent_id, child_id)
 
@@ -795,8 +819,6 @@ class KVLedger:
         continuation. Dropping releases only blocks no surviving beam holds (ref counts); a dropped
         beam's blocks that an in-flight step still reads stay until its lease ends. All or nothing."""
         pairs, dropped = beam_arguments(forks, drops)
-        if self.groups is not None:
-            raise LedgerError("a hybrid KV pool does not fork sequences yet")
         with self._lock:
             self._branches.beam_step(pairs, dropped, self._drop)
 

@@ -31,16 +31,26 @@ hit block may be held by several sequences: its capacity is carried by exactly o
 allocated it, or took it back from the retained cache), and passes to another holder when the owner lets go, so a
 drop re-promises a block only when one really came back.
 
+Forks (n > 1, beams) share the same way: a child holds every live block of its parent in every group (a full
+group the whole prefix, a sliding group the blocks its window still reads) and is promised its own reservation per
+group, as under full reservation each branch is charged its own allowance (a sliding group's is bounded by the
+window, which the branch will hold alone once it diverges). A work writing into a block another sequence still
+holds -- a partial tail -- first takes a copy from its own promise (`on_copy`: the ledger's copy-on-write queue,
+run before the step); the last holder writes in place. The branches of one new request (``branches=n``) each
+open their own tables here (with the same prefix hit): their prompt works may run in different steps (a token
+budget splits them), and a sliding group's blocks one branch released cannot serve another that lags, so each
+computes the prompt into its own window (the first group's prompt blocks stay shared, written alike by each).
+
 Its law (`check`): per sequence and group, held (owned) + promised == reserved, no live block before the window;
 every live block is owned once and referenced by each holder; a state group reserves exactly one block, holds at most
 one, never shares it, and from its first work to its end holds it. Not yet kept here (the ledger refuses them for a
-hybrid pool): forks and beams, speculative slots and tiers. A swap moves each group's live blocks (`live_entries`)
-and `restore` puts them back at the entries the window reads.
+hybrid pool): speculative slots and tiers. A swap moves each group's live blocks (`live_entries`) and `restore` puts
+them back at the entries the window reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError, InvariantError, LedgerError
@@ -73,7 +83,7 @@ class GroupTables:
     """See the module docstring. No lock: `KVLedger` takes its own around every call."""
 
     __slots__ = ("_hit", "_holders", "_keys", "_owner", "_state", "_windows", "block_size", "decode_tokens", "groups",
-                 "pool", "prefix_caching", "promises", "seqs", "step_tokens", "total")
+                 "on_copy", "pool", "prefix_caching", "promises", "seqs", "step_tokens", "total")
 
     def __init__(self, pool: BlockPool, promises: PromiseBook, groups: tuple[KVCacheGroup, ...], block_size: int,
                  step_tokens: int, decode_tokens: int = 1, prefix_caching: bool = False) -> None:
@@ -88,10 +98,12 @@ class GroupTables:
         self.total = 0  # promised to the groups after the first (part of the PromiseBook's total)
         self.prefix_caching = prefix_caching
         self._keys = [bytes((i,)) for i in range(len(self.groups))]  # GroupLedger's: a digest keyed by group
-        # With prefix caching: every live block's owner, and the holders of the blocks held by several sequences.
+        # Every live block's owner, and the holders of the blocks held by several sequences (hits, forks).
         self._owner: dict[int, str] = {}
         self._holders: dict[int, list[str]] = {}
         self._hit: tuple[int, list[list[int]]] = (0, [])  # the last `agreed` hit, which `open` takes
+        # (src, dst, slots): a shared block copied before a work writes into it (the ledger queues a CopyOp).
+        self.on_copy: Callable[[int, int, int], None] | None = None
 
     def need(self, limit: int) -> int:
         """Blocks a sequence of ``limit`` tokens reserves in the groups after the first."""
@@ -129,22 +141,22 @@ class GroupTables:
     def open(self, seq_id: str, prompt: int, limit: int, hit: int = 0) -> None:
         """Promise a newly admitted sequence its reservation in every group after the first (the caller decided
         it fits, under the ledger's lock); with a prefix hit of ``hit`` blocks, take each group's hit blocks that
-        `agreed` found (a block nobody holds is taken back from the retained cache and owned)."""
+        `agreed` found (a block nobody holds is taken back from the retained cache and owned). The branches of
+        one request each take the same hit: the caller forgets it (`forget_hit`) once they are open."""
         if seq_id in self.seqs:
             raise LedgerError(f"sequence {seq_id!r} already holds group tables")
         bs, step = self.block_size, self.step_tokens
         reserved = [g.reserved_blocks(limit, bs, step) for g in self.groups[1:]]
         n = len(reserved)
         gs = self.seqs[seq_id] = GroupSeq(limit, prompt, [[] for _ in range(n)], [0] * n, [0] * n, list(reserved),
-                                          reserved)
+                                          reserved, shared=[0] * n)
         blocks = sum(reserved)
         self.total += blocks
         self.promises.claim(blocks)
         if not self.prefix_caching:
             return
-        gs.shared, gs.registered = [0] * n, [0] * n
+        gs.registered = [0] * n
         got, per_group = self._hit
-        self._hit = (0, [])
         if not hit:
             return
         if got != hit:
@@ -192,8 +204,8 @@ class GroupTables:
             gs.registered[i] = full
 
     def _let_go(self, seq_id: str, gs: GroupSeq, i: int, blocks: list[int]) -> None:
-        """Group ``i``'s ``blocks`` leave the sequence (with prefix caching): an owned block re-promises its
-        capacity only when it really comes back; one another sequence still holds passes to that holder."""
+        """Group ``i``'s ``blocks`` leave the sequence: an owned block re-promises its capacity only when it
+        really comes back; one another sequence still holds passes to that holder."""
         owner, holders, seqs, pool = self._owner, self._holders, self.seqs, self.pool
         for b in blocks:
             holding = holders.get(b)
@@ -237,7 +249,7 @@ class GroupTables:
         if 0 < start != gs.state_at and True in state:
             raise LedgerError(f"{seq_id!r}: a work from {start}, but its state groups' states stand at "
                               f"{gs.state_at} (a state cannot go back: recompute from 0)")
-        bs, pool, promises = self.block_size, self.pool, self.promises
+        bs, pool, promises, holders = self.block_size, self.pool, self.promises, self._holders
         want = -(-end // bs)
         tables, nulled, held, promised = gs.tables, gs.nulled, gs.held, gs.promised
         for i, window in enumerate(self._windows):
@@ -251,19 +263,15 @@ class GroupTables:
                     drop = [b for b in table[lo:first] if b != NULL_BLOCK]
                     table[lo:first] = [NULL_BLOCK] * (first - lo)
                     nulled[i] = first
-                    if drop and self.prefix_caching:
+                    if drop:
                         drop.reverse()
                         self._let_go(seq_id, gs, i, drop)
-                    elif drop:
-                        drop.reverse()
-                        pool.release_many(drop)
-                        n = len(drop)
-                        held[i] -= n
-                        promised[i] += n
-                        self.total += n
-                        promises.claim(n)
                 if shrink:
                     self._shrink(gs, i)
+            if holders:  # a block another sequence still holds is copied before this work writes into it
+                for j in range(start // bs, min(want, len(table))):
+                    if table[j] in holders:
+                        self._copy_on_write(seq_id, gs, i, j, start)
             grow = (1 if state[i] else want) - len(table)  # a state group: one block, whatever the length
             if grow > 0:
                 if grow > promised[i]:
@@ -271,9 +279,8 @@ class GroupTables:
                                          f"({promised[i]} promised)")
                 fresh = pool.allocate_many(grow)
                 table.extend(fresh)
-                if self.prefix_caching:
-                    for b in fresh:
-                        self._owner[b] = seq_id
+                for b in fresh:
+                    self._owner[b] = seq_id
                 held[i] += grow
                 promised[i] -= grow
                 self.total -= grow
@@ -283,6 +290,83 @@ class GroupTables:
         gs.window_from = start
         gs.state_at = end
         return tuple(tables)
+
+    def _copy_on_write(self, seq_id: str, gs: GroupSeq, i: int, j: int, start: int) -> None:
+        """Group ``i``'s entry ``j`` is shared and a work from ``start`` writes into it: a new block from the
+        sequence's promise takes its place, with the positions before ``start`` copied (`on_copy`)."""
+        table = gs.tables[i]
+        src = table[j]
+        if gs.promised[i] - (gs.shared[i] if gs.shared is not None else 0) < 0:
+            raise InvariantError(f"group {i + 1} of {seq_id!r}: no promise left for a copy")
+        self._let_go(seq_id, gs, i, [src])
+        dst = table[j] = self.pool.allocate()
+        self._owner[dst] = seq_id
+        gs.held[i] += 1
+        gs.promised[i] -= 1
+        self.total -= 1
+        self.promises.claim(-1)
+        slots = start - j * self.block_size
+        if slots > 0:
+            if self.on_copy is None:
+                raise InvariantError("a hybrid pool copied a shared block with nobody to run the copy")
+            self.on_copy(src, dst, min(slots, self.block_size))
+
+    def fork_need(self, parent_id: str) -> int:
+        """Blocks a fork of ``parent_id`` is promised in the groups after the first: the parent's reservation in
+        each (the child shares the parent's live blocks and may come to carry them)."""
+        gs = self.seqs.get(parent_id)
+        if gs is None:
+            raise LedgerError(f"unknown sequence {parent_id!r}")
+        self._refuse_state_fork()
+        return sum(gs.reserved)
+
+    def _refuse_state_fork(self) -> None:
+        if True in self._state:  # a state is the sequence's own and never shared: a branch needs a copy of it
+            raise LedgerError("forks, n > 1 and beams on a pool with state groups are not supported yet (a branch "
+                              "would need its own copy of each state)")
+
+    def promised_of(self, seq_id: str) -> int:
+        """Blocks still promised to the sequence in the groups after the first (what dropping it gives back)."""
+        gs = self.seqs.get(seq_id)
+        return 0 if gs is None else sum(gs.promised)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """``child_id`` becomes a branch of ``parent_id`` (the caller decided `fork_need` fits, under the ledger's
+        lock): it holds every live block of the parent in every group and is promised the parent's reservation."""
+        if child_id in self.seqs:
+            raise LedgerError(f"sequence {child_id!r} already holds group tables")
+        parent = self.seqs.get(parent_id)
+        if parent is None:
+            raise LedgerError(f"unknown sequence {parent_id!r}")
+        n = len(parent.tables)
+        self._refuse_state_fork()
+        child = self.seqs[child_id] = GroupSeq(
+            parent.limit, parent.prompt, [[] for _ in range(n)], [0] * n, [0] * n, list(parent.reserved),
+            list(parent.reserved), window_from=parent.window_from, state_at=parent.state_at,
+            decoding=parent.decoding, shared=[0] * n, registered=None if parent.registered is None else [0] * n)
+        blocks = sum(parent.reserved)
+        self.total += blocks
+        self.promises.claim(blocks)
+        self._share(parent, child_id, child)
+
+    def _share(self, parent: GroupSeq, child_id: str, child: GroupSeq) -> None:
+        """``child`` (holding nothing) takes the parent's tables: every live block held by both."""
+        pool, owner, holders = self.pool, self._owner, self._holders
+        for i, table in enumerate(parent.tables):
+            child.tables[i] = list(table)
+            child.nulled[i] = parent.nulled[i]
+            live = [b for b in table if b != NULL_BLOCK]
+            for b in live:
+                holding = holders.get(b)
+                if holding is None:
+                    holders[b] = [owner[b], child_id]
+                else:
+                    holding.append(child_id)
+            pool.share_many(live)
+            child.shared[i] = len(live)  # type: ignore[index]
+            if child.registered is not None and parent.registered is not None:
+                child.registered[i] = parent.registered[i]
+        child.window_from = parent.window_from
 
     def live_entries(self, seq_id: str) -> list[tuple[int, int, int]]:
         """``(group, entry, block)`` of every live block the sequence holds after the first group (``group`` 1
@@ -337,14 +421,7 @@ class GroupTables:
                 gs.nulled[i] = first
                 if drop:
                     drop.reverse()
-                    if self.prefix_caching:
-                        self._let_go(seq_id, gs, i, drop)
-                    else:
-                        self.pool.release_many(drop)
-                        gs.held[i] -= len(drop)
-                        gs.promised[i] += len(drop)
-                        self.total += len(drop)
-                        self.promises.claim(len(drop))
+                    self._let_go(seq_id, gs, i, drop)
             grow = last - len(table)
             if grow > 0:
                 if grow > gs.promised[i]:
@@ -352,9 +429,8 @@ class GroupTables:
                 start = len(table)
                 fresh = self.pool.allocate_many(grow)
                 table.extend(fresh)
-                if self.prefix_caching:
-                    for b in fresh:
-                        self._owner[b] = seq_id
+                for b in fresh:
+                    self._owner[b] = seq_id
                 gs.held[i] += grow
                 gs.promised[i] -= grow
                 self.total -= grow
@@ -380,15 +456,7 @@ class GroupTables:
     def _empty(self, seq_id: str, gs: GroupSeq) -> None:
         """Let every live block of the sequence's groups go (it computes from 0 again)."""
         for i, table in enumerate(gs.tables):
-            live = [b for b in reversed(table) if b != NULL_BLOCK]
-            if self.prefix_caching:
-                self._let_go(seq_id, gs, i, live)
-            elif live:
-                self.pool.release_many(live)
-                gs.held[i] -= len(live)
-                gs.promised[i] += len(live)
-                self.total += len(live)
-                self.promises.claim(len(live))
+            self._let_go(seq_id, gs, i, [b for b in reversed(table) if b != NULL_BLOCK])
             table.clear()
             gs.nulled[i] = 0
             if gs.registered is not None:
@@ -420,14 +488,9 @@ class GroupTables:
         gs = self.seqs.get(seq_id)
         if gs is None:
             return
-        if self.prefix_caching:
-            for i, table in enumerate(gs.tables):
-                self._let_go(seq_id, gs, i, [b for b in reversed(table) if b != NULL_BLOCK])
+        for i, table in enumerate(gs.tables):
+            self._let_go(seq_id, gs, i, [b for b in reversed(table) if b != NULL_BLOCK])
         del self.seqs[seq_id]
-        for table in gs.tables if not self.prefix_caching else ():
-            live = [b for b in reversed(table) if b != NULL_BLOCK]
-            if live:
-                self.pool.release_many(live)
         promised = sum(gs.promised)
         self.total -= promised
         self.promises.claim(-promised)
@@ -447,7 +510,7 @@ class GroupTables:
                 table = gs.tables[i]
                 live = [b for b in table if b != NULL_BLOCK]
                 g = i + 1
-                owned = len(live) if gs.shared is None else sum(1 for b in live if self._owner.get(b) == seq_id)
+                owned = sum(1 for b in live if self._owner.get(b) == seq_id)
                 if owned != gs.held[i] or len(live) - owned != (gs.shared[i] if gs.shared is not None else 0):
                     raise InvariantError(f"{seq_id!r} group {g}: {owned} of {len(live)} live blocks owned, held "
                                          f"says {gs.held[i]}")
@@ -469,13 +532,14 @@ class GroupTables:
                 for b in live:
                     refs[b] += 1
                 promised += gs.promised[i]
-        if self.prefix_caching:
-            live = {b for gs in self.seqs.values() for table in gs.tables for b in table if b != NULL_BLOCK}
-            if set(self._owner) != live:
-                raise InvariantError("group blocks' owners disagree with the live blocks")
-            for b, holding in self._holders.items():
-                if len(holding) < 2 or self._owner.get(b) not in holding:
-                    raise InvariantError(f"group block {b}: holders {holding}, owner {self._owner.get(b)!r}")
+        live_of = {sid: {b for table in gs.tables for b in table if b != NULL_BLOCK} for sid, gs in self.seqs.items()}
+        if set(self._owner) != set().union(*live_of.values()):
+            raise InvariantError("group blocks' owners disagree with the live blocks")
+        for b, holding in self._holders.items():
+            if len(holding) < 2 or self._owner.get(b) not in holding or len(set(holding)) != len(holding):
+                raise InvariantError(f"group block {b}: holders {holding}, owner {self._owner.get(b)!r}")
+            if any(b not in live_of.get(h, ()) for h in holding):
+                raise InvariantError(f"group block {b}: a holder in {holding} does not hold it")
         if promised != self.total:
             raise InvariantError(f"groups' promises {self.total} != the sequences' {promised}")
         for seq_id in known:

@@ -183,6 +183,8 @@ class TorchExecutor:
         for w in works:
             blocks = w.blocks
             key = (w.start, w.end, tuple(blocks[: -(-w.end // bs)]), tuple(w.tokens[w.start:w.end]))
+            if w.groups:  # KV cache groups: the same only through every group's same blocks
+                key += tuple(tuple(t[: -(-w.end // bs)]) for t in w.groups[1:])
             row = seen.get(key)
             if row is None:
                 row = seen[key] = len(steps)

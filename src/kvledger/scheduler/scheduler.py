@@ -108,9 +108,8 @@ class Scheduler:
     def add(self, request: GenRequest) -> None:
         validate_request(request)
         rid = request.request_id
-        if self._kv_groups and (request.n > 1 or request.beam or request.lookahead):
-            raise ConfigError(f"request {rid!r}: a hybrid KV pool takes no parallel sampling, beams or "
-                              "speculative slots yet")
+        if self._kv_groups and request.lookahead:
+            raise ConfigError(f"request {rid!r}: a hybrid KV pool takes no speculative slots yet")
         if rid in self._all:
             raise LedgerError(f"request id {rid!r} already submitted")
         branches = [Branch(rid if i == 0 else f"{rid}/{i}", request, list(request.prompt), index=i)
@@ -215,6 +214,8 @@ class Scheduler:
             for br in branches:
                 for b in br.blocks:
                     dst_owner[b] = rid
+                if self._kv_groups:  # a copy of a shared group block (copy-on-write) lands in a group's table
+                    dst_owner.update(dict.fromkeys(self.ledger.groups.live(br.seq_id), rid))  # type: ignore
         host_owner: dict[int, str] = {}
         swapped_now = self._swapped_now
         for unit in self.swapped:
@@ -268,11 +269,11 @@ class Scheduler:
         budget = self._schedule_running(plan, budget)
         self.admitter.admit(plan, budget)
         self.admitter.liveness(plan)
+        if self._kv_groups:  # (before the copies are taken: a work writing into a shared group block copies it)
+            self._group_tables(plan)
         plan.copies.extend(self.ledger.take_copies())
         self._copies_from_host(plan)
         self.tier_planner.take_ops(plan)
-        if self._kv_groups:
-            self._group_tables(plan)
         # Lease everything the plan names until confirm: the sequences that compute or are restored,
         # and both ends of every copy (the source may belong to a sibling that is not scheduled).
         # (A sequence has at most one work per plan; a restored one may also have none.)
@@ -432,23 +433,26 @@ class Scheduler:
         # Distinct blocks of the family in table order (head first), so that ending the swap lease
         # releases them tail first, as any release does.
         blocks = list(dict.fromkeys(b for br in branches for b in self.ledger.sequence(br.seq_id).table.blocks))
-        # A hybrid pool (one branch): its other KV cache groups' live blocks travel too, each group's own pages.
-        entries = self.ledger.group_entries(branches[0].seq_id) if self._kv_groups else []
+        # A hybrid pool: every branch's other KV cache groups' live blocks travel too (a block the branches share
+        # once), each group's own pages.
+        entries = [self.ledger.group_entries(br.seq_id) for br in branches] if self._kv_groups else []
+        distinct = list(dict.fromkeys(b for es in entries for _g, _j, b in es))
         mode, note = RECOVERY_MODES[force or self.config.recovery](
-            self.costs, replay_tokens(self.ledger, branches), len(blocks) + len(entries))
+            self.costs, replay_tokens(self.ledger, branches), len(blocks) + len(distinct))
         reason = why + note
-        if mode == "swap" and (self.host is None or self.host.holdable < len(blocks) + len(entries)):
+        if mode == "swap" and (self.host is None or self.host.holdable < len(blocks) + len(distinct)):
             mode = "recompute"
             reason += "; host pool cannot hold the blocks, recomputing instead"
         if mode == "swap":
             assert self.host is not None
             host_of = dict(zip(blocks, self.host.allocate(len(blocks)), strict=True))
             plan.swap_out.extend(host_of.items())
-            if entries:
-                slots = self.host.allocate(len(entries))
-                plan.swap_out.extend((b, h) for (_g, _j, b), h in zip(entries, slots, strict=True))
-                branches[0].group_host = [(g, j, h) for (g, j, _b), h in zip(entries, slots, strict=True)]
-                blocks = blocks + [b for _g, _j, b in entries]
+            if distinct:
+                group_host = dict(zip(distinct, self.host.allocate(len(distinct)), strict=True))
+                plan.swap_out.extend(group_host.items())
+                for br, es in zip(branches, entries, strict=True):
+                    br.group_host = [(g, j, group_host[b]) for g, j, b in es]
+                blocks = blocks + distinct
             # A copy-on-write copy recorded this step (a branch's first write into a shared tail) must
             # still run: the executor makes copies before swap-outs, so the host gets the filled block.
             # Taken now, because dropping the sequences below discards copies into their blocks.

@@ -2,7 +2,7 @@
 attention) runs exactly: random-weight Qwen2 and Ministral (Mistral's interleaved family) configs with a window
 shorter than every prompt, 16 prompts, greedy,
 equal to transformers' eager reference token for token -- batched, with prefix hits, after a fork, and through the
-engine under preemption by recompute and by swap."""
+engine under preemption by recompute and by swap; through KV cache groups the same, with n > 1, beams and forks."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from kvledger.core import Request
 from kvledger.runtime import ModelRunner, SeqStep, generate_greedy, native
 from kvledger.runtime.engine import Engine
 from kvledger.runtime.kernels import NativeKernels, TorchKernels
+from kvledger.runtime.sampling import SamplingParams
 from kvledger.scheduler import SchedulerConfig
 
 
@@ -227,3 +228,113 @@ def test_a_long_generation_gives_the_window_groups_blocks_back_while_it_runs(int
     assert in_use < 0.6 * uniform  # 2 of 5 layers are global: the window layers' old pages went back
     # ... and not only at the end: once past the window, the sliding groups never held more than their bound.
     assert max(h for _, hs in seen[len(seen) // 4:] for h in hs) <= bound
+
+
+def _branch_prompts(window: int) -> list[list[int]]:
+    heads = _prompts([11], seed=70)
+    prompts = [heads[0] + p if i % 2 else p for i, p in enumerate(_prompts([9, 10, 12, 14, 11, 10, 15, 13], seed=71))]
+    assert min(map(len, prompts)) > window
+    return prompts
+
+
+def test_n_greedy_branches_through_kv_groups_equal_transformers(interleaved, path_kind: str) -> None:
+    """8 prompts with n=3 greedy branches through the KV cache groups: the branches share the full group's prompt
+    blocks (its partial tail copied on write) and each writes its own window; every branch's output equals
+    transformers' greedy run of its prompt alone."""
+    window, path, hf = interleaved
+    prompts = _branch_prompts(window)
+    engine = _grouped_engine(path, path_kind, num_blocks=256)
+    results = engine.generate(prompts, 10, SamplingParams(n=3))
+    for prompt, result in zip(prompts, results, strict=True):
+        assert result.outputs == [_hf_generate(hf, prompt, 10)] * 3
+    assert engine.ledger.stats()["lifetimes"]["forks"] >= 16  # two branches forked per request
+    engine.check()
+    assert engine.ledger.usage().active == 0
+
+
+@pytest.mark.parametrize("mode", ["roomy", "recompute", "swap"])
+def test_seeded_branches_and_beams_through_kv_groups_equal_the_uniform_pool(interleaved, mode: str) -> None:
+    """Seeded sampling (branch i draws from (seed, i, position)) and beam search (the beams fork after every step:
+    each group's window blocks shared, a partial tail copied on write) through the KV cache groups give exactly the
+    uniform pool's outputs (exact against transformers in the tests above and in test_engine.py) -- roomy with
+    n=3 / width 3, and with n=2 / width 2 in a pool of 52 group pages where families are preempted whole and
+    recomputed, or swapped out with every branch's group blocks and back."""
+    window, path, hf = interleaved
+    prompts = _branch_prompts(window)
+    if mode == "roomy":
+        kw: dict = dict(num_blocks=256)
+        prompts, width, new = prompts[:6], 3, 12
+    else:
+        kw = dict(num_blocks=52, host_blocks=200, scheduler_config=SchedulerConfig(
+            policy="incremental", on_growth_failure="preempt", recovery=mode, token_budget=16, prefill_chunk=16))
+        width, new = 2, 30
+    preempted = 0
+    for sampling in (SamplingParams(temperature=1.0, seed=11, n=width), SamplingParams(beam_width=width)):
+        grouped = _grouped_engine(path, "torch", **kw)
+        got = grouped.generate(prompts, new, sampling)
+        uniform = Engine.from_model(path, block_size=4, backend="torch", num_blocks=256).generate(prompts, new,
+                                                                                                  sampling)
+        assert [r.outputs for r in got] == [r.outputs for r in uniform]
+        if sampling.beam:
+            # (summed fp32 log-probabilities of ~80: a recompute's chunking moves the last bits)
+            assert [x for r in got for x in r.scores] == pytest.approx([x for r in uniform for x in r.scores],
+                                                                        rel=1e-6)
+            assert grouped.ledger.stats()["lifetimes"]["forks"] > 0
+        preempted += grouped.scheduler.preemptions
+        if mode == "swap":
+            assert (grouped.stats.swapped_out_blocks > 0) == (grouped.scheduler.preemptions > 0)
+        grouped.check()
+        assert grouped.ledger.usage().active == 0
+    assert (preempted > 0) == (mode != "roomy")
+
+
+def test_a_fork_through_kv_groups_equals_transformers(interleaved, path_kind: str) -> None:
+    """A fork after k generated tokens on the KV cache groups: the two branches continue from different forced
+    tokens (the best and the second best), each through its own windows after the shared ones, and each equals
+    transformers' greedy run of its own sequence."""
+    window, path, hf = interleaved
+    engine = _grouped_engine(path, path_kind, num_blocks=128)
+    runner, ledger = engine.runner, engine.ledger
+    bs = ledger.block_size
+    done: dict[str, int] = {"a": 0}  # positions whose KV each sequence has written
+
+    def step(rids: list[str]) -> torch.Tensor:
+        steps = []
+        for rid in rids:
+            seq = ledger.sequence(rid)
+            start, end = done[rid], seq.num_tokens
+            tables = ledger.group_tables(rid, start, end)
+            steps.append(SeqStep(seq.tokens[start:end], start, list(tables[0]),
+                                 [tables[0][p // bs] * bs + p % bs for p in range(start, end)], tables))
+        runner.store.copy_blocks(ledger.take_copies())
+        logits = runner.forward(steps)
+        for rid in rids:
+            done[rid] = ledger.sequence(rid).num_tokens
+            ledger.mark_computed(rid, done[rid])
+        return logits
+
+    prompt, k, new = _prompts([13], seed=80)[0], 5, 8
+    ledger.admit(Request("a", prompt, k + new)).raise_for_outcome()
+    for _ in range(k):
+        ledger.append_token("a", int(step(["a"])[0].argmax()))
+    logits = step(["a"])[0]
+    first, second = logits.topk(2).indices.tolist()
+    ledger.fork("a", "b")
+    done["b"] = done["a"]
+    ledger.check()
+    assert ledger.groups.seqs["a"].tables == ledger.groups.seqs["b"].tables  # every group's blocks shared
+    ledger.append_token("a", first)
+    ledger.append_token("b", second)
+    for _ in range(new - 1):
+        logits = step(["a", "b"])
+        for rid, token in zip(("a", "b"), logits.argmax(-1).tolist(), strict=True):
+            ledger.append_token(rid, token)
+        ledger.check()
+    assert ledger.counters.copies > 0
+    head = ledger.sequence("a").tokens[:len(prompt) + k]
+    for rid, forced in (("a", first), ("b", second)):
+        assert ledger.sequence(rid).tokens[len(head) + 1:] == _hf_generate(hf, head + [forced], new - 1)
+    ledger.release("a")
+    ledger.release("b")
+    ledger.check()
+    assert ledger.usage().active == 0

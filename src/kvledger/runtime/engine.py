@@ -275,8 +275,8 @@ class Engine:
         backend factory instead of the configuration's name; ``runtime``: what is not configuration but
         wiring (``costs``, ``clock``, ``staging_blocks``, ``overlap_transfers``, ``model_name``,
         ``max_context``). ``kv_groups``: keep a sliding/full-interleaved model's KV in KV cache groups (the window
-        layers' old blocks go back to the pool while requests run; no prefix caching, parallel sampling or swaps
-        yet: see runtime/kv_groups.py)."""
+        layers' old blocks go back to the pool while requests run; prefix caching, swaps, n > 1, beams and forks run
+        on it, speculative slots and tiers not yet: see runtime/kv_groups.py)."""
         from .loading import build_runner
 
         if checkpoint is None:

@@ -93,8 +93,9 @@ def _episode(seed: int) -> tuple[GroupEngine, Scheduler, dict]:
     num_blocks = rng.randint(60, 90)
     ledger = KVLedger(num_blocks, BS, prefix_caching=caching, kv_groups=GROUPS, step_tokens=8)
     recovery = rng.choice(["recompute", "swap"])
-    cfg = SchedulerConfig(policy=rng.choice(["full", "incremental", "incremental", "incremental"]), recovery=recovery, token_budget=16,
-                          prefill_chunk=8, victim=rng.choice(["latest", "priority"]), max_running=6)
+    policy = rng.choice(["full", "incremental", "incremental", "incremental"])
+    cfg = SchedulerConfig(policy=policy, recovery=recovery, token_budget=16, prefill_chunk=8,
+                          victim=rng.choice(["latest", "priority"]), max_running=6)
     s = Scheduler(ledger, cfg, host=HostPool(400) if recovery == "swap" else None)
     engine = GroupEngine(s)
     driver = Driver(s, engine, check_every=1, stall_steps=200)

@@ -42,10 +42,10 @@ budget splits them), and a sliding group's blocks one branch released cannot ser
 computes the prompt into its own window (the first group's prompt blocks stay shared, written alike by each).
 
 Its law (`check`): per sequence and group, held (owned) + promised == reserved, no live block before the window;
-every live block is owned once and referenced by each holder; a state group reserves exactly one block, holds at most
-one, never shares it, and from its first work to its end holds it. Not yet kept here (the ledger refuses them for a
-hybrid pool): speculative slots and tiers. A swap moves each group's live blocks (`live_entries`) and `restore` puts
-them back at the entries the window reads.
+every live block is owned once and referenced by each holder, and every holder holds it; a state group reserves
+exactly one block, holds at most one, never shares it, and from its first work to its end holds it. Not yet kept here
+(the ledger refuses them for a hybrid pool): speculative slots and tiers, and forks on a pool with state groups. A swap
+moves each group's live blocks (`live_entries`) and `restore` puts them back at the entries the window reads.
 """
 
 from __future__ import annotations

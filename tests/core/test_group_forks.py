@@ -111,8 +111,12 @@ class Model:
 
 
 def _step(m: Model, i: int, heads: list[list[int]], leases: list[int], full: bool) -> None:
-    """One random operation."""
+    """One random operation. A lease is a step in flight: taken, a sequence dropped under it (its blocks wait for
+    the lease), ended before the next operation (the scheduler plans group tables only once the step is confirmed:
+    a window block released under a lease is not back yet)."""
     rng, led = m.rng, m.led
+    while leases:
+        led.end_lease(leases.pop())
     live = list(m.done)
     op = rng.random()
     if op < 0.15 or not live:
@@ -149,10 +153,14 @@ def _step(m: Model, i: int, heads: list[list[int]], leases: list[int], full: boo
         m.swap_out(rid)
     elif op < 0.94 and m.host:
         m.swap_in(rng.choice(sorted(m.host)))
-    elif op < 0.97 and full:
-        leases.append(led.lease([rid], owner="t"))
-    elif leases:
-        led.end_lease(leases.pop(rng.randrange(len(leases))))
+    elif full:
+        leases.append(led.lease([rid, *(r for r in live if rng.random() < 0.3)], owner="step"))
+        victim = rng.choice(live)
+        if rng.random() < 0.5:
+            led.preempt(victim)
+        else:
+            led.release(victim)
+        del m.done[victim]
 
 
 @pytest.mark.parametrize("seed", range(12))

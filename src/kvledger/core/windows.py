@@ -82,8 +82,8 @@ class GroupSeq:
 class GroupTables:
     """See the module docstring. No lock: `KVLedger` takes its own around every call."""
 
-    __slots__ = ("_hit", "_holders", "_keys", "_owner", "_state", "_windows", "block_size", "decode_tokens", "groups",
-                 "on_copy", "pool", "prefix_caching", "promises", "seqs", "step_tokens", "total")
+    __slots__ = ("_hit", "_holders", "_keys", "_lazy", "_owner", "_state", "_windows", "block_size", "decode_tokens",
+                 "groups", "on_copy", "pool", "prefix_caching", "promises", "seqs", "step_tokens", "total")
 
     def __init__(self, pool: BlockPool, promises: PromiseBook, groups: tuple[KVCacheGroup, ...], block_size: int,
                  step_tokens: int, decode_tokens: int = 1, prefix_caching: bool = False) -> None:
@@ -98,7 +98,10 @@ class GroupTables:
         self.total = 0  # promised to the groups after the first (part of the PromiseBook's total)
         self.prefix_caching = prefix_caching
         self._keys = [bytes((i,)) for i in range(len(self.groups))]  # GroupLedger's: a digest keyed by group
-        # Every live block's owner, and the holders of the blocks held by several sequences (hits, forks).
+        # Every live block's owner, and the holders of the blocks held by several sequences (hits, forks). Without
+        # prefix caching only forks share blocks, so owners are written only then (``_lazy``): a live block `_owner`
+        # does not name is owned by its one holder, and a pool that never forked keeps no per-block entries.
+        self._lazy = not prefix_caching
         self._owner: dict[int, str] = {}
         self._holders: dict[int, list[str]] = {}
         self._hit: tuple[int, list[list[int]]] = (0, [])  # the last `agreed` hit, which `open` takes
@@ -207,13 +210,22 @@ class GroupTables:
         """Group ``i``'s ``blocks`` leave the sequence: an owned block re-promises its capacity only when it
         really comes back; one another sequence still holds passes to that holder."""
         owner, holders, seqs, pool = self._owner, self._holders, self.seqs, self.pool
+        if self._lazy and not owner:  # nothing was ever shared (or it is all gone): every block is its own
+            n = len(blocks)
+            pool.release_many(blocks)
+            gs.held[i] -= n
+            gs.promised[i] += n
+            self.total += n
+            self.promises.claim(n)
+            return
+        mine = seq_id if self._lazy else None  # an unnamed block is owned by its one holder (see __init__)
         for b in blocks:
             holding = holders.get(b)
             if holding is not None:
                 holding.remove(seq_id)
                 if len(holding) == 1:
                     del holders[b]
-            if owner.get(b) == seq_id:
+            if owner.get(b, mine) == seq_id:
                 gs.held[i] -= 1
                 gs.promised[i] += 1
                 if holding:
@@ -223,7 +235,7 @@ class GroupTables:
                     hs.promised[i] -= 1
                     hs.shared[i] -= 1  # type: ignore[index]
                 else:
-                    del owner[b]
+                    owner.pop(b, None)
                     self.total += 1
                     self.promises.claim(1)
             else:
@@ -279,8 +291,9 @@ class GroupTables:
                                          f"({promised[i]} promised)")
                 fresh = pool.allocate_many(grow)
                 table.extend(fresh)
-                for b in fresh:
-                    self._owner[b] = seq_id
+                if not self._lazy:
+                    for b in fresh:
+                        self._owner[b] = seq_id
                 held[i] += grow
                 promised[i] -= grow
                 self.total -= grow
@@ -300,7 +313,8 @@ class GroupTables:
             raise InvariantError(f"group {i + 1} of {seq_id!r}: no promise left for a copy")
         self._let_go(seq_id, gs, i, [src])
         dst = table[j] = self.pool.allocate()
-        self._owner[dst] = seq_id
+        if not self._lazy:
+            self._owner[dst] = seq_id
         gs.held[i] += 1
         gs.promised[i] -= 1
         self.total -= 1
@@ -347,9 +361,9 @@ class GroupTables:
         blocks = sum(parent.reserved)
         self.total += blocks
         self.promises.claim(blocks)
-        self._share(parent, child_id, child)
+        self._share(parent_id, parent, child_id, child)
 
-    def _share(self, parent: GroupSeq, child_id: str, child: GroupSeq) -> None:
+    def _share(self, parent_id: str, parent: GroupSeq, child_id: str, child: GroupSeq) -> None:
         """``child`` (holding nothing) takes the parent's tables: every live block held by both."""
         pool, owner, holders = self.pool, self._owner, self._holders
         for i, table in enumerate(parent.tables):
@@ -358,8 +372,8 @@ class GroupTables:
             live = [b for b in table if b != NULL_BLOCK]
             for b in live:
                 holding = holders.get(b)
-                if holding is None:
-                    holders[b] = [owner[b], child_id]
+                if holding is None:  # (unnamed: the parent, its one holder, owns it)
+                    holders[b] = [owner.setdefault(b, parent_id), child_id]
                 else:
                     holding.append(child_id)
             pool.share_many(live)
@@ -429,8 +443,9 @@ class GroupTables:
                 start = len(table)
                 fresh = self.pool.allocate_many(grow)
                 table.extend(fresh)
-                for b in fresh:
-                    self._owner[b] = seq_id
+                if not self._lazy:
+                    for b in fresh:
+                        self._owner[b] = seq_id
                 gs.held[i] += grow
                 gs.promised[i] -= grow
                 self.total -= grow
@@ -510,7 +525,7 @@ class GroupTables:
                 table = gs.tables[i]
                 live = [b for b in table if b != NULL_BLOCK]
                 g = i + 1
-                owned = sum(1 for b in live if self._owner.get(b) == seq_id)
+                owned = sum(1 for b in live if self._owner.get(b, seq_id if self._lazy else None) == seq_id)
                 if owned != gs.held[i] or len(live) - owned != (gs.shared[i] if gs.shared is not None else 0):
                     raise InvariantError(f"{seq_id!r} group {g}: {owned} of {len(live)} live blocks owned, held "
                                          f"says {gs.held[i]}")
@@ -533,8 +548,15 @@ class GroupTables:
                     refs[b] += 1
                 promised += gs.promised[i]
         live_of = {sid: {b for table in gs.tables for b in table if b != NULL_BLOCK} for sid, gs in self.seqs.items()}
-        if set(self._owner) != set().union(*live_of.values()):
+        every = set().union(*live_of.values())
+        if not (set(self._owner) <= every if self._lazy else set(self._owner) == every):
             raise InvariantError("group blocks' owners disagree with the live blocks")
+        holding_count: dict[int, int] = {}
+        for blocks in live_of.values():
+            for b in blocks:
+                holding_count[b] = holding_count.get(b, 0) + 1
+        if any(c > 1 and len(self._holders.get(b, ())) != c for b, c in holding_count.items()):
+            raise InvariantError("a group block held by several sequences is not listed with its holders")
         for b, holding in self._holders.items():
             if len(holding) < 2 or self._owner.get(b) not in holding or len(set(holding)) != len(holding):
                 raise InvariantError(f"group block {b}: holders {holding}, owner {self._owner.get(b)!r}")

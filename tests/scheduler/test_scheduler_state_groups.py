@@ -246,3 +246,17 @@ def test_fuzz_state_sliding_and_full_groups_through_the_scheduler(seed: int, rec
     assert sorted((m.request_id, m.generated) for m in metrics) == sorted((r.request_id, r.max_new_tokens)
                                                                          for r in reqs)
     assert ledger.usage().active == 0 and ledger.usage().promised == 0 and ledger.groups.seqs == {}
+
+
+def test_a_fork_on_a_pool_with_state_groups_is_refused_and_changes_nothing() -> None:
+    """A state is its sequence's own (never shared): a fork would need a copy of each state, not built yet, so it is
+    refused in one error before anything is promised; admitting n branches (each its own state) still works."""
+    ledger = _ledger(64)
+    ledger.admit(Request("a", list(range(10)), 6))
+    before = ledger.usage()
+    with pytest.raises(LedgerError, match="state groups"):
+        ledger.fork("a", "a-1")
+    assert ledger.usage() == before
+    ledger.check()
+    assert ledger.admit(Request("b", list(range(10)), 6, branches=2)).outcome.value == "admitted"
+    ledger.check()

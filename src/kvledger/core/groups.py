@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from ..errors import ConfigError, InvariantError, LedgerError
 from . import checks
 from .eviction import EvictionPolicy
-from .identity import block_digest, prompt_digests
+from .identity import MMItem, block_key, mm_prompt_digests
 from .pool import BlockPool
 from .types import Outcome, as_token_id
 
@@ -146,36 +146,6 @@ def longest_hit(groups: Sequence[KVCacheGroup], cached: Callable[[int, int], int
         first = group.first_needed(hit * block_size, block_size)
         out.append([cached(g, j) for j in range(first, hit)])  # type: ignore[misc]
     return hit, out
-
-
-@dataclass(frozen=True, slots=True)
-class MMItem:
-    """A multimodal input (an image) whose placeholder tokens cover prompt positions ``[offset, offset + length)``.
-    Its hash is an extra key of exactly the blocks it covers, with the item's offset relative to each block (vLLM's
-    per-block ``(mm hash, offset)``): text blocks before the image keep their plain digests and are shared across
-    requests with different images; the blocks it covers, and every block after them, are the image's own."""
-
-    mm_hash: str
-    offset: int
-    length: int
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.mm_hash, str) or not self.mm_hash:
-            raise ConfigError("MMItem.mm_hash must be a non-empty string")
-        checks.count(self.offset, "MMItem.offset")
-        checks.positive(self.length, "MMItem.length")
-
-
-def block_key(parent: bytes, tokens: list[int], start: int, mm_items: tuple[MMItem, ...] = ()) -> bytes:
-    """The digest of the block of ``tokens`` at prompt position ``start``: the cache identity's chain
-    (`identity.block_digest`), and for a block an image covers, the image's hash and offset folded in."""
-    digest = block_digest(parent, tokens)
-    end = start + len(tokens)
-    extra = [f"{m.mm_hash}@{m.offset - start}".encode() for m in mm_items
-             if m.offset < end and start < m.offset + m.length]
-    if extra:
-        digest = block_digest(digest + b"\x00mm\x00" + b"\x00".join(extra), [])
-    return digest
 
 
 @dataclass(slots=True)
@@ -406,13 +376,7 @@ class GroupLedger:
         self._partial_of[block] = parts
 
     def _prompt_digests(self, root: bytes, tokens: list[int], items: tuple[MMItem, ...]) -> list[bytes]:
-        if not items:
-            return prompt_digests(root, tokens, self.block_size)
-        bs, out, parent = self.block_size, [], root
-        for j in range(len(tokens) // bs):
-            parent = block_key(parent, tokens[j * bs:(j + 1) * bs], j * bs, items)
-            out.append(parent)
-        return out
+        return mm_prompt_digests(root, tokens, self.block_size, items)
 
     def _longest_hit(self, digests: list[bytes], prompt_len: int, cap: int | None = None
                      ) -> tuple[int, list[list[int]]]:

@@ -38,6 +38,7 @@ from types import ModuleType
 
 from ..errors import ConfigError
 from . import native
+from . import checks
 from .checks import show
 
 DIGEST_BYTES = 64  # BLAKE2b's native 512-bit output: no truncation step on the hot path
@@ -227,3 +228,61 @@ def block_digest_at(parent: bytes, tokens: list[int], start: int, block_size: in
         if digest is not None:
             return digest
     return _blake2b(parent + token_bytes(tokens[start : start + block_size])).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class MMItem:
+    """A multimodal input (an image) whose placeholder tokens cover prompt positions ``[offset, offset + length)``.
+    Its hash is an extra key of exactly the blocks it covers, with the item's offset relative to each block (vLLM's
+    per-block ``(mm hash, offset)``): text blocks before the image keep their plain digests and are shared across
+    requests with different images; the blocks it covers, and every block after them (the chain), are the image's
+    own."""
+
+    mm_hash: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.mm_hash, str) or not self.mm_hash:
+            raise ConfigError("MMItem.mm_hash must be a non-empty string")
+        checks.count(self.offset, "MMItem.offset")
+        checks.positive(self.length, "MMItem.length")
+
+
+def mm_items_of(items: object, prompt_len: int, what: str) -> tuple[MMItem, ...]:
+    """``items`` as a tuple of `MMItem` values inside a prompt of ``prompt_len`` tokens (else a ConfigError)."""
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise ConfigError(f"{what}: mm_items must be MMItem values, got {show(items)}")
+    out = tuple(items)  # type: ignore[arg-type]
+    if not all(isinstance(m, MMItem) and m.offset + m.length <= prompt_len for m in out):
+        raise ConfigError(f"{what}: mm_items must be MMItem values inside the prompt")
+    return out
+
+
+def block_key(parent: bytes, tokens: list[int], start: int, mm_items: tuple[MMItem, ...] = ()) -> bytes:
+    """The digest of the block of ``tokens`` at prompt position ``start``: the chain (`block_digest`), and for a
+    block an image covers, the image's hash and offset folded in (a block no image covers: `block_digest`)."""
+    digest = block_digest(parent, tokens)
+    end = start + len(tokens)
+    extra = [f"{m.mm_hash}@{m.offset - start}".encode() for m in mm_items
+             if m.offset < end and start < m.offset + m.length]
+    if extra:
+        digest = block_digest(digest + b"\x00mm\x00" + b"\x00".join(extra), [])
+    return digest
+
+
+def mm_prompt_digests(root: bytes, tokens: Sequence[int], block_size: int, mm_items: tuple[MMItem, ...],
+                      fast: ModuleType | None = None) -> list[bytes]:
+    """`prompt_digests` with images: the full blocks' digests, each block an image covers keyed by it
+    (`block_key`). The blocks before the first image are `prompt_digests`' own (computed by it)."""
+    if not mm_items:
+        return prompt_digests(root, tokens, block_size, fast)
+    first = min(m.offset for m in mm_items) // block_size  # blocks before it: plain
+    out = prompt_digests(root, tokens[:first * block_size], block_size, fast)
+    check_tokens(tokens[first * block_size:], fast)
+    parent = out[-1] if out else root
+    tokens = list(tokens)
+    for j in range(first, len(tokens) // block_size):
+        parent = block_key(parent, tokens[j * block_size:(j + 1) * block_size], j * block_size, mm_items)
+        out.append(parent)
+    return out

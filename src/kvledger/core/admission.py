@@ -51,7 +51,7 @@ from types import ModuleType
 
 from ..errors import ConfigError, LedgerError
 from . import checks
-from .identity import check_tokens, prompt_digests
+from .identity import check_tokens, mm_prompt_digests, prompt_digests
 from .observe import Counters
 from .pool import BlockPool
 from .promises import PromiseBook, declared_blocks
@@ -211,9 +211,11 @@ class AdmissionControl:
         if memo:  # usually empty: most requests are admitted at their first attempt
             with self._lock:
                 hit = memo.get(request.request_id)
-            if hit is not None and hit[0] is request.prompt and hit[1] == root:
+            if hit is not None and hit[0] is request.prompt and hit[1] == self._memo_key(request, root):
                 return hit[2]  # a tuple: never changed; the commit takes a list of it
-        if caching:
+        if caching and request.mm_items:  # the blocks an image covers are keyed by it (checks the ids too)
+            digests = mm_prompt_digests(root, request.prompt, self._block_size, request.mm_items, self._native)
+        elif caching:
             digests = prompt_digests(root, request.prompt, self._block_size, self._native)  # checks the ids too
         else:
             check_tokens(request.prompt, self._native)  # token ids in [0, 2**32), with or without caching
@@ -224,7 +226,7 @@ class AdmissionControl:
 
     def _remember(self, request: Request, digests: Sequence[bytes]) -> None:
         """Keep a waiting request's digests for its next attempt (bounded; oldest forgotten first)."""
-        root = request.context.root_digest() if self._caching else b""
+        root = self._memo_key(request, request.context.root_digest() if self._caching else b"")
         with self._lock:
             memo = self._memo
             held = memo.get(request.request_id)
@@ -233,6 +235,11 @@ class AdmissionControl:
             memo[request.request_id] = (request.prompt, root, tuple(digests))
             if len(memo) > _MEMO_LIMIT:
                 memo.popitem(last=False)
+
+    @staticmethod
+    def _memo_key(request: Request, root: bytes) -> object:
+        """What remembered digests were computed from besides the prompt: the root, and the images if any."""
+        return (root, request.mm_items) if request.mm_items else root
 
     def remembered(self) -> list[str]:
         """The waiting requests whose digests are remembered, oldest first."""
@@ -368,6 +375,8 @@ class AdmissionControl:
                 raise ConfigError(f"request {r.request_id!r}: every branch of a family has one cache context")
             if r.readmission != head.readmission or r.read_prefix_cache != head.read_prefix_cache:
                 raise ConfigError(f"request {r.request_id!r}: readmission and read_prefix_cache are per family")
+            if r.drop_last_hit_block != head.drop_last_hit_block:
+                raise ConfigError(f"request {r.request_id!r}: drop_last_hit_block is per family")
         if len({r.request_id for r in reqs}) != len(reqs):
             raise ConfigError(f"family {family!r} names a branch twice")
         return reqs
@@ -381,9 +390,12 @@ class AdmissionControl:
         return Decision(family, Outcome.NEVER, reason, need, 0, 0, 0, 0, detail=reason, over_quota=over_quota)
 
     # ---- the one decision and the one commit (under the lock) -----------------------------------
-    def _hits(self, layout: FamilyLayout, digests: Sequence[bytes], read: bool, share_pending: bool = True) -> _Hits:
+    def _hits(self, layout: FamilyLayout, digests: Sequence[bytes], read: bool, share_pending: bool = True,
+              drop_last: Sequence[int] | None = None) -> _Hits:
         """The family's prefix hits; ``digests``: a chain's (its prompt's), unused for a trie.
-        ``share_pending=False``: a chain's hits stop at its first block not yet written."""
+        ``share_pending=False``: a chain's hits stop at its first block not yet written. ``drop_last``: each
+        path's prompt length, when every path's hit gives up its last block (``Request.drop_last_hit_block``:
+        vLLM's rule, the hit stopping before the prompt's last token first)."""
         nodes = layout.nodes
         if not (self._caching and read):
             return [] if layout.chain else [None] * nodes, [], 0, 0, -1
@@ -413,13 +425,14 @@ class AdmissionControl:
                 retained = sum(1 for b in hits if ref[b] == 0 and not leased[b])
                 pending = 0
             cap = self.hit_cap
-            if cap is not None and hits:
-                n = cap(digests, hits)
-                if n < len(hits):
-                    hits = hits[:n]
-                    retained = sum(1 for b in hits if ref[b] == 0 and not leased[b])
-                    pending = sum(1 for b in hits if not written[b])
-                    ready = next((i for i, b in enumerate(hits) if not written[b]), n)
+            n = cap(digests, hits) if cap is not None and hits else len(hits)
+            if drop_last is not None:
+                n = max(0, min(n, (drop_last[0] - 1) // self._block_size) - 1)
+            if n < len(hits):
+                hits = hits[:n]
+                retained = sum(1 for b in hits if ref[b] == 0 and not leased[b])
+                pending = sum(1 for b in hits if not written[b])
+                ready = next((i for i, b in enumerate(hits) if not written[b]), n)
             return [], hits, retained, pending, ready
         of_node: list[int | None] = [None] * nodes
         parents = layout.parents
@@ -433,6 +446,16 @@ class AdmissionControl:
             n = cap(layout.digests, [of_node[node] for node in path[:lead]])  # type: ignore[arg-type,misc]
             for node in path[n:]:
                 of_node[node] = None
+        if drop_last is not None:
+            bs = self._block_size
+            keep = [max(0, min(self._leading_hits(list(path), of_node), (n - 1) // bs) - 1)
+                    for path, n in zip(layout.paths, drop_last, strict=True)]
+            for path, k in zip(layout.paths, keep, strict=True):
+                for node in path[k:]:
+                    of_node[node] = None
+            for node in range(nodes):  # a parent precedes its children: a hit's parent stays a hit
+                if parents[node] >= 0 and of_node[parents[node]] is None:
+                    of_node[node] = None
         blocks = [b for b in of_node if b is not None]
         return (of_node, blocks, sum(1 for b in blocks if ref[b] == 0 and not leased[b]),
                 sum(1 for b in blocks if not written[b]), -1)
@@ -443,7 +466,8 @@ class AdmissionControl:
         branches of one new request, whose decision speaks of one branch's blocks (``blocks_total``) and
         of the branches apart (``blocks_branches``); otherwise of the family's distinct blocks."""
         head = members[0]
-        hits = self._hits(layout, digests, head.read_prefix_cache, head.share_pending)
+        hits = self._hits(layout, digests, head.read_prefix_cache, head.share_pending,
+                          [len(r.prompt) for r in members] if head.drop_last_hit_block else None)
         _, hit_blocks, retained, pending, _ = hits
         hit_count = len(hit_blocks)
         bs = self._block_size
@@ -582,7 +606,7 @@ class AdmissionControl:
                 max_new_tokens=r.max_new_tokens, table=BlockTable(bs, blocks), promised=0,
                 digests=ds, computed_mark=min(ready * bs, n), written_blocks=ready,
                 hit_blocks=hit_count, cow_tail=tail >= 0 and tail_holders[tail] > 1, family=family,
-                retention=r.retention, reserved_blocks=reserved, readmitted=r.readmission,
+                retention=r.retention, reserved_blocks=reserved, readmitted=r.readmission, mm_items=r.mm_items,
             )
             promises.promise(seq, reserved + (-n // bs))
         for group_id, holders in enumerate(layout.tail_holders):
@@ -615,7 +639,7 @@ class AdmissionControl:
                 max_new_tokens=request.max_new_tokens, table=BlockTable(bs, chain[:] if i else chain), promised=0,
                 digests=digests[:] if i else digests, computed_mark=min(ready * bs, n), written_blocks=ready,
                 hit_blocks=hit_count, cow_tail=shared_tail, family=family, retention=request.retention,
-                reserved_blocks=reserved, readmitted=request.readmission,
+                reserved_blocks=reserved, readmitted=request.readmission, mm_items=request.mm_items,
             )
             promises.promise(seq, promise)
         if shared_tail:

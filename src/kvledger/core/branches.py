@@ -109,7 +109,7 @@ class Branches:
             digests=list(parent.digests), computed_mark=parent.computed_mark,
             written_blocks=parent.written_blocks, hit_blocks=parent.hit_blocks, cow_tail=cow,
             family=parent.family, retention=parent.retention, reserved_blocks=parent.reserved_blocks,
-            readmitted=parent.readmitted,
+            readmitted=parent.readmitted, mm_items=parent.mm_items,
         )
         self._promises.promise(child, promise)
         self._seqs[child_id] = child

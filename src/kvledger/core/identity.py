@@ -249,13 +249,13 @@ class MMItem:
         checks.positive(self.length, "MMItem.length")
 
 
-def mm_items_of(items: object, prompt_len: int, what: str) -> tuple[MMItem, ...]:
-    """``items`` as a tuple of `MMItem` values inside a prompt of ``prompt_len`` tokens (else a ConfigError)."""
+def mm_items_of(items: object, limit: int, what: str) -> tuple[MMItem, ...]:
+    """``items`` as a tuple of `MMItem` values within the first ``limit`` positions (else a ConfigError)."""
     if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
         raise ConfigError(f"{what}: mm_items must be MMItem values, got {show(items)}")
     out = tuple(items)  # type: ignore[arg-type]
-    if not all(isinstance(m, MMItem) and m.offset + m.length <= prompt_len for m in out):
-        raise ConfigError(f"{what}: mm_items must be MMItem values inside the prompt")
+    if not all(isinstance(m, MMItem) and m.offset + m.length <= limit for m in out):
+        raise ConfigError(f"{what}: mm_items must be MMItem values within the first {limit} positions")
     return out
 
 

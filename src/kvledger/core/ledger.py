@@ -39,7 +39,7 @@ from .admission import AdmissionControl, FamilyLayout
 from .branches import Branches, beam_arguments
 from .eviction import EvictionPolicy, as_policy
 from .groups import KVCacheGroup
-from .identity import CacheContext, block_digest_at, prompt_digests
+from .identity import CacheContext, block_digest_at, block_key, prompt_digests
 from .lifetimes import CacheReset, LeaseBook, PinBook, lease_arguments
 from .observe import Counters, EventLog, prefix_figures
 from .offload import TierHandoff
@@ -260,7 +260,11 @@ class KVLedger:
             first = len(digests)
             while len(digests) < full:
                 i = len(digests)
-                digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
+                if seq.mm_items:  # a block an image covers (the prompt's partial tail) is keyed by it
+                    digest = block_key(digests[-1] if digests else seq.root, tokens[i * bs:(i + 1) * bs], i * bs,
+                                       seq.mm_items)
+                else:
+                    digest = block_digest_at(digests[-1] if digests else seq.root, tokens, i * bs, bs, self._native)
                 digests.append(digest)
                 if pool.on_event is None and digest not in pool.index:
                     pool.index[digest] = blocks[i]  # BlockPool.register, inlined

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import AdmissionError, ConfigError, LedgerError
 from . import checks
 from .checks import show
-from .identity import CacheContext, request_context
+from .identity import CacheContext, MMItem, mm_items_of, request_context
 from .table import BlockTable
 
 _DEFAULT_CONTEXT = request_context()
@@ -91,6 +91,11 @@ class Request:
     ``share_pending=False``: a prompt block another request is still computing (indexed, not yet
     written) is not shared; the prompt's hits stop before it and the request computes its own copy, as
     vLLM does (an engine that writes every block it computes must never write into a shared one).
+    ``drop_last_hit_block=True`` (vLLM's rule with an EAGLE drafter): the hit first stops before the
+    prompt's last token, then gives up its last block, whose tokens are computed again so the drafter gets
+    their hidden states, which the cache does not keep. ``mm_items``: the prompt's images (`MMItem`); each
+    is an extra key of exactly the blocks it covers, so text blocks before an image are shared across
+    requests with different images, while the blocks it covers and every later one are the image's own.
     """
 
     request_id: str
@@ -105,6 +110,8 @@ class Request:
     read_prefix_cache: bool = True
     readmission: bool = False
     share_pending: bool = True
+    drop_last_hit_block: bool = False  # give up the prefix hit's last block (a drafter recomputes it: EAGLE)
+    mm_items: tuple[MMItem, ...] = ()  # the prompt's images: each keys only the blocks it covers
 
     def __post_init__(self) -> None:
         if type(self.request_id) is not str or not self.request_id:
@@ -141,6 +148,12 @@ class Request:
         checks.flag(self.read_prefix_cache, f"request {rid!r}: read_prefix_cache")
         checks.flag(self.readmission, f"request {rid!r}: readmission")
         checks.flag(self.share_pending, f"request {rid!r}: share_pending")
+        checks.flag(self.drop_last_hit_block, f"request {rid!r}: drop_last_hit_block")
+        if type(self.mm_items) is not tuple or self.mm_items:
+            # Within the prompt and its output allowance: a re-admitted swapped sequence's prompt is the part
+            # the pool held, its images may lie in the tokens it gets back later (keyed as they fill).
+            object.__setattr__(self, "mm_items", mm_items_of(self.mm_items, len(self.prompt) + max_new,
+                                                             f"request {rid!r}"))
         for name, value in (("max_new_tokens", max_new), ("reserve_new_tokens", reserve), ("branches", branches),
                             ("lookahead", lookahead), ("retention", retention)):
             if getattr(self, name) is not value:
@@ -217,6 +230,7 @@ class SequenceState:
     # End of the draft slots the last reserve_lookahead made (positions len(tokens)..draft_end - 1). They
     # are private to this sequence: check() names one that lies in a block another sequence holds.
     draft_end: int = 0
+    mm_items: tuple[MMItem, ...] = ()  # the prompt's images: a block filled later that one covers is keyed by it
 
     def __post_init__(self) -> None:
         self.limit = self.num_prompt + self.max_new_tokens

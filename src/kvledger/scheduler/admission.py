@@ -55,7 +55,7 @@ class Admitter:
         return Request(br.seq_id, prompt, remaining + (len(br.tokens) - n), req.context,
                        reserve_new_tokens=min(reserve, remaining), branches=req.n if fresh else 1,
                        lookahead=req.lookahead, family=req.request_id, read_prefix_cache=req.read_prefix_cache,
-                       readmission=readmission)
+                       readmission=readmission, drop_last_hit_block=req.drop_last_hit_block, mm_items=req.mm_items)
 
     def admit_unit(self, unit: list[Branch], plan: StepPlan) -> tuple[Outcome, bool]:
         """Admit one unit. Returns the outcome and whether a refusal came from its group's quota."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
-from ..core.identity import CacheContext, request_context
+from ..core.identity import CacheContext, MMItem, mm_items_of, request_context
 from ..core.types import CopyOp
 from ..errors import ConfigError
 
@@ -38,6 +38,8 @@ class GenRequest:
     payload: Any = None
     beam: bool = False
     read_prefix_cache: bool = True  # False: write the prefix cache but never read it (prompt logprobs)
+    drop_last_hit_block: bool = False  # a drafter (EAGLE) recomputes the prefix hit's last block: vLLM's rule
+    mm_items: tuple[MMItem, ...] = ()  # the prompt's images: each keys only the prompt blocks it covers
 
 
 def _is_int(value: object) -> bool:
@@ -59,6 +61,10 @@ def validate_request(request: GenRequest) -> None:
         raise ConfigError(f"request {rid!r}: priority must be an integer, got {request.priority!r}")
     if not request.prompt:
         raise ConfigError(f"request {rid!r} needs a non-empty prompt")
+    if not isinstance(request.drop_last_hit_block, bool):
+        raise ConfigError(f"request {rid!r}: drop_last_hit_block must be a bool, got {request.drop_last_hit_block!r}")
+    if request.mm_items != ():
+        mm_items_of(request.mm_items, len(request.prompt), f"request {rid!r}")
     if not isinstance(request.arrival_s, int | float) or request.arrival_s != request.arrival_s:
         raise ConfigError(f"request {rid!r}: arrival_s must be a number, got {request.arrival_s!r}")
 

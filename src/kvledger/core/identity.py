@@ -37,8 +37,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 from ..errors import ConfigError
-from . import native
-from . import checks
+from . import checks, native
 from .checks import show
 
 DIGEST_BYTES = 64  # BLAKE2b's native 512-bit output: no truncation step on the hot path

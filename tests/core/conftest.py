@@ -2,12 +2,60 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from types import ModuleType
 
 import pytest
 
+from kvledger.core import native
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Request
+
+# The core's test modules that never reach the ledger core's C part (kvledger.core._native): the sizing
+# planner's, the catalogues', the block table's and the identity's value encoding. On either core they run
+# the same code, so test_native_core.py's pure-Python pass leaves them out; the tripwire below fails any of
+# their tests that reads the C part (and that pass refuses a listed module that starts a subprocess, which
+# the tripwire cannot see), so a module cannot stay listed once it exercises code with a native twin.
+NO_NATIVE_TWIN = frozenset({
+    "test_checks.py", "test_geometry.py", "test_gpu_catalogue.py", "test_identity_encoding.py", "test_inventory.py",
+    "test_measured_peaks.py", "test_plan.py", "test_registries.py", "test_table.py", "test_vllm_kv_formats.py",
+    "test_weights.py",
+})
+
+
+class _Tripwire(ModuleType):
+    """The C part, as ``native.MODULE``, noting each of its names that is read (then reading it)."""
+
+    def __init__(self, real: ModuleType, read: list[str]) -> None:
+        super().__init__(real.__name__)
+        object.__setattr__(self, "_real_and_read", (real, read))
+
+    def __getattribute__(self, name: str) -> object:
+        if name in ("_real_and_read", "__class__"):
+            return object.__getattribute__(self, name)
+        real, read = object.__getattribute__(self, "_real_and_read")
+        read.append(name)
+        return getattr(real, name)
+
+
+@pytest.fixture(autouse=True)
+def _no_native_twin_tripwire(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """In a module of ``NO_NATIVE_TWIN``, a test that reaches the C part fails (in its teardown)."""
+    if request.path.name not in NO_NATIVE_TWIN or native.MODULE is None:
+        yield
+        return
+    read: list[str] = []
+    monkeypatch.setattr(native, "MODULE", _Tripwire(native.MODULE, read))
+    yield
+    assert not read, (f"{request.path.name} reaches the ledger core's C part (kvledger.core._native."
+                      f"{read[0]}): take it off NO_NATIVE_TWIN in tests/core/conftest.py so that the "
+                      "pure-Python pass of test_native_core.py runs it")
+
+
+@pytest.fixture()
+def no_native_twin() -> frozenset[str]:
+    """The names of the core's test modules that never reach the C part (``NO_NATIVE_TWIN``)."""
+    return NO_NATIVE_TWIN
 
 
 @pytest.fixture()

@@ -182,3 +182,51 @@ def test_ledgers_on_either_core_evict_and_hit_alike(name: str) -> None:
         ref, got = _workload(name, None, seed), _workload(name, NATIVE, seed)
         assert got == ref, f"{name} seed {seed}"
         assert ref[0][-1][2] > 20  # evictions happened
+
+
+def _ghosts(policy: object) -> list[list[bytes]]:
+    core = getattr(policy, "native_core", None)
+    if core is not None:
+        state = core.state()
+        return [state["ghost0"], state["ghost1"]] if policy.name == "arc" else [state["ghost0"]]
+    return [list(policy._b1), list(policy._b2)] if policy.name == "arc" else [list(policy._ghost)]
+
+
+@pytest.mark.parametrize("name", ["arc", "s3fifo"])
+def test_ghost_lists_keep_the_python_order_through_growth_and_takes(name: str) -> None:
+    """Ghost lists of hundreds of digests -- grown, emptied from the front when over the bound, digests taken
+    out of the middle when their identity comes back -- hold the same digests in the same order on both."""
+    for seed in range(3):
+        rng = random.Random(seed)
+        ref, fast, _, _ = pair(name)
+        n_blocks = 400
+        for p in (ref, fast):
+            p.configure(rng.choice([150, 300]), 16)
+        names = [f"g{i}".encode().ljust(64, b"#") for i in range(1500)]
+        retained: set[int] = set()
+        for step in range(6000):
+            block = rng.randrange(n_blocks)
+            r = rng.random()
+            if r < 0.45 and block not in retained:
+                digest = rng.choice(names[: 300 + step // 6])  # old identities come back, new ones keep coming
+                for p in (ref, fast):
+                    p.forget(block)
+                    p.link(block, digest, None, 0)
+                    p.add(block)
+                retained.add(block)
+            elif r < 0.55 and retained:
+                b = rng.choice(sorted(retained))
+                for p in (ref, fast):
+                    p.remove(b)
+                retained.discard(b)
+            elif retained:
+                k = min(len(retained), rng.randrange(1, 6))
+                got = ref.pop_victims(k)
+                assert fast.pop_victims(k) == got, f"{name} seed {seed} step {step}"
+                for b in got:
+                    for p in (ref, fast):
+                        p.forget(b)
+                retained.difference_update(got)
+            if step % 97 == 0:
+                assert _ghosts(fast) == _ghosts(ref), f"{name} seed {seed} step {step}"
+        assert _ghosts(fast) == _ghosts(ref) and max(map(len, _ghosts(ref))) > 100

@@ -1087,6 +1087,7 @@ typedef struct {
     PyObject *cost_fn, *clock, *error;
     Expiry *exp;
     Py_ssize_t nexp, capexp;
+    PyObject **ints; /* by block id: its int, made the first time it is a victim and kept (no allocation after) */
 } PolicyCore;
 
 static PyTypeObject PolicyCoreType;
@@ -1315,6 +1316,7 @@ static int pc_reserve(PolicyCore *self, Py_ssize_t key) {
         self->n = grown;
     }
     PC_GROW(c, Cold);
+    PC_GROW(ints, PyObject *);
     PC_GROW(heap[0], Slot);
     PC_GROW(heap[1], Slot);
     for (Py_ssize_t i = self->cap; i < cap; i++) {
@@ -1734,6 +1736,12 @@ static int pc_on_evict(PolicyCore *s, int32_t b) {
 
 static void pc_forget(PolicyCore *s, int32_t b);
 
+/* A new reference to the int b: made the first time, then kept (a victim costs no allocation). */
+static inline PyObject *pc_int(PolicyCore *s, int32_t b) {
+    if (s->ints[b] == NULL && (s->ints[b] = PyLong_FromLong(b)) == NULL) return NULL;
+    return Py_NewRef(s->ints[b]);
+}
+
 /* pop_victims(n) into a new list, each victim also forgotten when forget is set; NULL with an exception
  * set. (A victim is a leaf: no block retained after it names it as parent, so forgetting it at once
  * changes nothing the later victims of the same call depend on. A tree policy refuses a call before
@@ -1748,7 +1756,12 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n, int forget) {
             int32_t b = level_first(s);
             pc_take(s, b);
             if (forget && take == n) pc_forget(s, b); /* a refused call forgets nothing */
-            PyList_SET_ITEM(out, i, PyLong_FromLong(b));
+            PyObject *num = pc_int(s, b);
+            if (num == NULL) {
+                Py_DECREF(out);
+                return NULL;
+            }
+            PyList_SET_ITEM(out, i, num);
         }
         if (take < n) {
             Py_DECREF(out);
@@ -1772,7 +1785,7 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n, int forget) {
             PyErr_SetString(s->error, "no evictable leaf among the retained blocks");
             return NULL;
         }
-        PyObject *num = PyLong_FromLong(b);
+        PyObject *num = pc_int(s, b);
         if (num == NULL || pc_on_evict(s, b) < 0) {
             Py_XDECREF(num);
             Py_DECREF(out);
@@ -1906,8 +1919,11 @@ static PyObject *pc_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
 }
 
 static void pc_free_arrays(PolicyCore *self) {
-    for (Py_ssize_t i = 0; i < self->cap; i++) Py_CLEAR(self->c[i].digest);
-    void *arrays[] = {self->nraw, self->c, self->heap[0], self->heap[1], self->costs, self->exp};
+    for (Py_ssize_t i = 0; i < self->cap; i++) {
+        Py_CLEAR(self->c[i].digest);
+        Py_CLEAR(self->ints[i]);
+    }
+    void *arrays[] = {self->nraw, self->c, self->heap[0], self->heap[1], self->costs, self->exp, self->ints};
     for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_Free(arrays[i]);
 }
 

@@ -1,0 +1,296 @@
+"""Screen 4-bit KV schemes on tuning texts: teacher-forced KL of SmolLM2's next-token distribution with
+fake-quantised K/V (every position attends to the quantised rows, as the store's prefill does) against the
+fp32-KV forward. Tuning texts only (never the contract's texts or held-out prompts): the first 512 tokens of
+Python's ``textwrap.py`` and of the Apache-2.0 licence, and 4 ``tune`` peer prompts with their 128 reference
+ids. Each scheme is named by its key and value quantisers and its bytes per token (metadata included).
+
+Usage: python benchmarks/kv_4bit_screen.py [--schemes a,b] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvledger.runtime.kv_smoothing import for_model
+from kvledger.runtime.loading import load_decoder, resolve_model
+
+PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers"
+
+
+def hadamard(d: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < d:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / math.sqrt(d)
+
+
+def bf16(x):
+    return x.to(torch.bfloat16).float()
+
+
+def f16(x):
+    return x.half().float()
+
+
+def asym(x, bits, dim):
+    """Asymmetric grid over ``dim`` (fp16 scale and minimum)."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    n = 2 ** bits - 1
+    s = f16(((hi - lo) / n).clamp_min(1e-8))
+    lo = f16(lo)
+    return (((x - lo) / s).round().clamp(0, n)) * s + lo
+
+
+def sym_logscale(x, bits, dim, scale_bits=8):
+    """Symmetric grid over ``dim`` whose scale is stored as a ``scale_bits`` log code (1/8-octave steps)."""
+    n = 2 ** (bits - 1) - 1
+    a = x.abs().amax(dim, keepdim=True).clamp_min(1e-6)
+    # round the scale UP to the next 1/8 octave so the grid covers amax
+    s = torch.exp2(torch.ceil(torch.log2(a / n) * 8) / 8)
+    return (x / s).round().clamp(-n - 1, n) * s
+
+
+def blocks(x, bs=16):
+    """[T, H, D] -> [nb, bs, H, D] padded (pad rows copy the last row)."""
+    t = x.shape[0]
+    pad = (-t) % bs
+    if pad:
+        x = torch.cat((x, x[-1:].expand(pad, *x.shape[1:])), 0)
+    return x.view(-1, bs, *x.shape[1:]), t
+
+
+def unblock(xb, t):
+    return xb.reshape(-1, *xb.shape[2:])[:t]
+
+
+# ---- quantisers: f(layer, x [T, H, D]) -> x_hat ----
+
+def q_none(layer, x, ctx):
+    return x
+
+
+def q_tok4_turned(layer, x, ctx, bits=4):
+    H = ctx["H"]
+    y = x @ H
+    return asym(y, bits, -1) @ H.T
+
+
+def q_tok_turned_mu(layer, x, ctx, bits=4, scale=True):
+    mu, s = ctx["mu"][layer], ctx["s"][layer]
+    H = ctx["H"]
+    if not scale:
+        s = torch.ones_like(s)
+    y = ((x - mu) / s) @ H
+    return (asym(y, bits, -1) @ H.T) * s + mu
+
+
+def q_kivi(layer, x, ctx, bits=4, bs=16):
+    xb, t = blocks(x, bs)
+    return unblock(asym(xb, bits, 1), t)
+
+
+def q_chan_sym_log(layer, x, ctx, bits=4, bs=16, center=True):
+    mu = ctx["mu"][layer] if center else 0
+    xb, t = blocks(x - mu, bs)
+    return unblock(sym_logscale(xb, bits, 1), t) + mu
+
+
+def q_chan_asym_log(layer, x, ctx, bits=4, bs=16, cover=False):
+    """Per channel per block, asymmetric, step and minimum one byte each: the step a log code (1/8-octave
+    steps, rounded up), the minimum a whole number of steps (``floor(lo / s)``). ``cover``: the step sized for
+    ``n - 1`` intervals, so the grid always reaches the block's maximum (without it the top may clip)."""
+    xb, t = blocks(x, bs)
+    lo, hi = xb.amin(1, keepdim=True), xb.amax(1, keepdim=True)
+    n = 2 ** bits - 1
+    s = torch.exp2(torch.ceil(torch.log2(((hi - lo) / (n - 1 if cover else n)).clamp_min(1e-6)) * 8) / 8)
+    lo_q = torch.floor(lo / s) * s
+    return unblock(((xb - lo_q) / s).round().clamp(0, n) * s + lo_q, t)
+
+
+def q_tok_sym_log_turned(layer, x, ctx, bits=4):
+    """Turned, symmetric per token and head, the scale a 1-byte log code: ``D / 2 + 1`` bytes at 4 bits."""
+    H = ctx["H"]
+    return sym_logscale(x @ H, bits, -1) @ H.T
+
+
+def q_kivi_outliers(layer, x, ctx, bits=4, bs=16, keep=4):
+    """KIVI per channel per block, the ``keep`` values per (block, head) farthest from their channel's block
+    median kept exact (fp16 + a 2-byte index each) and left out of the grid."""
+    xb, t = blocks(x, bs)  # [nb, bs, H, D]
+    med = xb.median(1, keepdim=True).values
+    dev = (xb - med).abs().permute(0, 2, 1, 3).reshape(xb.shape[0], xb.shape[2], -1)  # [nb, H, bs*D]
+    idx = dev.topk(keep, -1).indices
+    mask = torch.zeros_like(dev, dtype=torch.bool).scatter_(-1, idx, True)
+    mask = mask.view(xb.shape[0], xb.shape[2], bs, -1).permute(0, 2, 1, 3)
+    inl = torch.where(mask, med.expand_as(xb), xb)
+    q = asym(inl, bits, 1)
+    return unblock(torch.where(mask, f16(xb), q), t)
+
+
+NF4 = torch.tensor([-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0, 0.0796, 0.1609, 0.2461,
+                    0.3379, 0.4407, 0.5626, 0.7230, 1.0])
+
+
+def q_kivi_nf4(layer, x, ctx, bs=16):
+    """Per channel per block like KIVI, but the 16 levels are NF4's (normal quantiles) over the block's
+    [min, max] (centre and half-range in fp16): denser near the centre."""
+    xb, t = blocks(x, bs)
+    lo, hi = xb.amin(1, keepdim=True), xb.amax(1, keepdim=True)
+    c, r = f16((hi + lo) / 2), f16(((hi - lo) / 2).clamp_min(1e-8))
+    u = ((xb - c) / r)[..., None]
+    q = NF4[(u - NF4).abs().argmin(-1)]
+    return unblock(q * r + c, t)
+
+
+QUANT = {
+    "knf4": q_kivi_nf4,
+    "vsym4l": q_tok_sym_log_turned,
+    "kivi4o": q_kivi_outliers,
+    "kivi4o8": lambda layer, x, c: q_kivi_outliers(layer, x, c, keep=8),
+    "none": q_none,
+    "bf16": lambda layer, x, c: bf16(x),
+    "tok4h": q_tok4_turned,
+    "tok5h": lambda layer, x, c: q_tok4_turned(layer, x, c, 5),
+    "tok3h": lambda layer, x, c: q_tok4_turned(layer, x, c, 3),
+    "smooth4": q_tok_turned_mu,
+    "smooth5": lambda layer, x, c: q_tok_turned_mu(layer, x, c, 5),
+    "mu4": lambda layer, x, c: q_tok_turned_mu(layer, x, c, 4, False),
+    "kivi4": q_kivi,
+    "kivi3": lambda layer, x, c: q_kivi(layer, x, c, 3),
+    "kivi5": lambda layer, x, c: q_kivi(layer, x, c, 5),
+    "chsym4": q_chan_sym_log,
+    "chsym4nc": lambda layer, x, c: q_chan_sym_log(layer, x, c, center=False),
+    "chasym4": q_chan_asym_log,
+    "chasym4c": lambda layer, x, c: q_chan_asym_log(layer, x, c, cover=True),
+    "chasym5": lambda layer, x, c: q_chan_asym_log(layer, x, c, 5),
+    "chasym3": lambda layer, x, c: q_chan_asym_log(layer, x, c, 3),
+}
+
+
+QUANT["prekivi4"] = lambda layer, x, c: q_kivi(layer, x, c)
+QUANT["prekivi4"].pre_rope = True
+
+
+# Bytes per token, KV head and layer of each quantiser at D = 64, 16-token blocks, metadata included
+# ("none": the side left exact, fp32 here; a screen of the other side alone has no byte figure).
+BYTES = {"none": None, "bf16": 128, "tok4h": 36, "tok5h": 44, "tok3h": 28, "smooth4": 36, "smooth5": 44, "mu4": 36,
+         "kivi4": 48, "kivi3": 40, "kivi5": 56, "chsym4": 36, "chsym4nc": 36, "chasym4": 40, "chasym4c": 40,
+         "chasym5": 48, "chasym3": 32, "vsym4l": 33, "kivi4o": 49, "kivi4o8": 50, "knf4": 48, "prekivi4": 48}
+BF16_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes
+SINK_SEQ = 23040  # one token's K and V at bf16 over every layer and head: per sequence
+
+
+def rope(x, cos, sin):
+    half = x.shape[-1] // 2
+    rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+@torch.inference_mode()
+def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None):
+    """Logits at every position; ``kq``/``vq`` quantise post-RoPE K / V per layer; the first ``sink`` rows
+    are kept bf16. ``per_layer``: {layer: (kq, vq)} overrides."""
+    t = len(ids)
+    pos = torch.arange(t)
+    ang = pos.float()[:, None] * model.inv_freq[None, :]
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos(), ang.sin()
+    x = model.embed_tokens(torch.tensor(ids))
+    for li, layer in enumerate(model.layers):
+        a = layer.self_attn
+        h = layer.input_layernorm(x)
+        q, k, v = a.qkv_proj(h).split(a.split, -1)
+        q = rope(q.view(t, a.heads, a.head_dim), cos, sin)
+        kpre = k.view(t, a.kv_heads, a.head_dim)
+        k = rope(kpre, cos, sin)
+        v = v.view(t, a.kv_heads, a.head_dim)
+        fk, fv = (per_layer or {}).get(li, (kq, vq))
+        if fk is not None:
+            # keys quantised before RoPE (RoPE applied to the dequantised key) where the quantiser says so
+            kh = rope(fk(li, kpre, ctx), cos, sin) if getattr(fk, "pre_rope", False) else fk(li, k, ctx)
+            vh = fv(li, v, ctx)
+            if sink:
+                kh = torch.cat((bf16(k[:sink]), kh[sink:]))
+                vh = torch.cat((bf16(v[:sink]), vh[sink:]))
+            k, v = kh, vh
+        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, scale=a.scale, enable_gqa=True)[0].transpose(0, 1)
+        x = x + a.o_proj(o.reshape(t, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.norm(x)).float()
+
+
+def texts(tok):
+    out = []
+    for p in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py", Path("/usr/share/common-licenses/Apache-2.0")):
+        out.append(("text:" + p.name, tok(p.read_text(), add_special_tokens=False).input_ids[:512]))
+    wl = json.loads((PEERS / "workload.json").read_text())
+    ref = json.loads((PEERS / "reference_outputs_fp32.json").read_text())["outputs"]
+    tune = [i for i in range(len(wl["requests"])) if (i // 2) % 2 == 0][:4]
+    for i in tune:
+        r = ref[i]
+        rid = r["ids"] if isinstance(r, dict) else r
+        out.append((f"peer{i}", wl["requests"][i]["ids"] + list(rid)))
+    return out
+
+
+def kl_and_ppl(base, lg, ids):
+    lp, lq = F.log_softmax(base[:-1], -1), F.log_softmax(lg[:-1], -1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    tgt = torch.tensor(ids[1:])
+    nll_b = -lp.gather(1, tgt[:, None]).squeeze(1)
+    nll_q = -lq.gather(1, tgt[:, None]).squeeze(1)
+    return kl, nll_b, nll_q
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemes", default="tok4h/tok4h,kivi4/tok4h")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoTokenizer
+
+    ckpt = resolve_model("smollm2-135m")
+    model = load_decoder(ckpt, torch.float32, cached=False)
+    tok = AutoTokenizer.from_pretrained(str(ckpt.path))
+    sm = for_model(model)  # int4-smooth's shipped constants for these weights
+    ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale}
+    data = texts(tok)
+    bases = [forward(model, ids) for _, ids in data]
+    results = []
+    for scheme in args.schemes.split(","):
+        t0 = time.time()
+        parts = scheme.split("/")
+        kname, vname = parts[0], parts[1]
+        sink = int(parts[2][4:]) if len(parts) > 2 and parts[2].startswith("sink") else 0
+        kls, nb, nq, worst = [], [], [], []
+        for (_, ids), base in zip(data, bases, strict=True):
+            lg = forward(model, ids, QUANT[kname], QUANT[vname], ctx, sink)
+            kl, a, b = kl_and_ppl(base, lg, ids)
+            kls.append(kl)
+            nb.append(a)
+            nq.append(b)
+            worst.append((math.exp(b.mean()) / math.exp(a.mean()) - 1) * 100)
+        kl = torch.cat(kls).mean().item()
+        ppl = (math.exp(torch.cat(nq).mean()) / math.exp(torch.cat(nb).mean()) - 1) * 100
+        per = None if BYTES[kname] is None or BYTES[vname] is None else BYTES[kname] + BYTES[vname]
+        bpt = None if per is None else per * 90
+        results.append({"scheme": scheme, "bytes_per_token": bpt, "ratio": bpt and round(BF16_TOKEN / bpt, 3),
+                        "sink_bytes_per_sequence": SINK_SEQ if sink else 0, "kl": kl, "ppl_pooled_pct": ppl,
+                        "ppl_per_text_pct": worst})
+        print(f"{scheme:28s} B/token {bpt}  KL {kl:.3e}  ppl pooled {ppl:+.2f}%  per text " +
+              " ".join(f"{w:+.1f}" for w in worst) + f"  ({time.time() - t0:.0f}s)", flush=True)
+    print(json.dumps({"texts": [n for n, _ in data], "results": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,9 +2,12 @@
 fake-quantised K/V (every position attends to the quantised rows, as the store's prefill does) against the
 fp32-KV forward. Tuning texts only (never the contract's texts or held-out prompts): the first 512 tokens of
 Python's ``textwrap.py`` and of the Apache-2.0 licence, and 4 ``tune`` peer prompts with their 128 reference
-ids. Each scheme is named by its key and value quantisers and its bytes per token (metadata included).
+ids. A scheme is ``KEYS/VALUES[/sinkN|/xsinkN]`` (quantiser names: :data:`QUANT`; ``sinkN`` keeps the first N
+tokens' K and V at bf16, ``xsinkN`` also leaves them out of block 0's per-channel ranges); each prints its KL,
+perplexity change and bytes per token (metadata included, :data:`BYTES`), then one JSON line of every figure.
+Results and what they say: docs/kv_formats.md, "Screened since".
 
-Usage: python benchmarks/kv_4bit_screen.py [--schemes a,b] [--threads 2]
+Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,smooth4/tok4h] [--threads 2]
 """
 
 from __future__ import annotations
@@ -195,9 +198,9 @@ def rope(x, cos, sin):
 
 
 @torch.inference_mode()
-def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None):
+def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, exclude=False):
     """Logits at every position; ``kq``/``vq`` quantise post-RoPE K / V per layer; the first ``sink`` rows
-    are kept bf16. ``per_layer``: {layer: (kq, vq)} overrides."""
+    are kept bf16 (``exclude``: and left out of their block's grid). ``per_layer``: {layer: (kq, vq)} overrides."""
     t = len(ids)
     pos = torch.arange(t)
     ang = pos.float()[:, None] * model.inv_freq[None, :]
@@ -214,9 +217,13 @@ def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None):
         v = v.view(t, a.kv_heads, a.head_dim)
         fk, fv = (per_layer or {}).get(li, (kq, vq))
         if fk is not None:
+            kin, kpin, vin = k, kpre, v
+            if sink and exclude:  # the kept rows take no part in their block's grid: the next row stands in
+                kin, kpin, vin = (torch.cat((y[sink:sink + 1].expand(sink, *y.shape[1:]), y[sink:]))
+                                  for y in (k, kpre, v))
             # keys quantised before RoPE (RoPE applied to the dequantised key) where the quantiser says so
-            kh = rope(fk(li, kpre, ctx), cos, sin) if getattr(fk, "pre_rope", False) else fk(li, k, ctx)
-            vh = fv(li, v, ctx)
+            kh = rope(fk(li, kpin, ctx), cos, sin) if getattr(fk, "pre_rope", False) else fk(li, kin, ctx)
+            vh = fv(li, vin, ctx)
             if sink:
                 kh = torch.cat((bf16(k[:sink]), kh[sink:]))
                 vh = torch.cat((bf16(v[:sink]), vh[sink:]))
@@ -271,10 +278,12 @@ def main():
         t0 = time.time()
         parts = scheme.split("/")
         kname, vname = parts[0], parts[1]
-        sink = int(parts[2][4:]) if len(parts) > 2 and parts[2].startswith("sink") else 0
+        # sinkN: the first N rows kept bf16; xsinkN: and left out of block 0's per-channel ranges
+        sink = int(parts[2].split("sink")[1]) if len(parts) > 2 and "sink" in parts[2] else 0
+        exclude = len(parts) > 2 and parts[2].startswith("x")
         kls, nb, nq, worst = [], [], [], []
         for (_, ids), base in zip(data, bases, strict=True):
-            lg = forward(model, ids, QUANT[kname], QUANT[vname], ctx, sink)
+            lg = forward(model, ids, QUANT[kname], QUANT[vname], ctx, sink, exclude=exclude)
             kl, a, b = kl_and_ppl(base, lg, ids)
             kls.append(kl)
             nb.append(a)
@@ -285,7 +294,7 @@ def main():
         per = None if BYTES[kname] is None or BYTES[vname] is None else BYTES[kname] + BYTES[vname]
         bpt = None if per is None else per * 90
         results.append({"scheme": scheme, "bytes_per_token": bpt, "ratio": bpt and round(BF16_TOKEN / bpt, 3),
-                        "sink_bytes_per_sequence": SINK_SEQ if sink else 0, "kl": kl, "ppl_pooled_pct": ppl,
+                        "sink_bytes_per_sequence": SINK_SEQ * sink, "kl": kl, "ppl_pooled_pct": ppl,
                         "ppl_per_text_pct": worst})
         print(f"{scheme:28s} B/token {bpt}  KL {kl:.3e}  ppl pooled {ppl:+.2f}%  per text " +
               " ".join(f"{w:+.1f}" for w in worst) + f"  ({time.time() - t0:.0f}s)", flush=True)

@@ -9,12 +9,10 @@ clocks are kept: wall time, and the process's CPU time (both threads' work; far 
 on a shared, oversubscribed machine, where a descheduled thread stalls the other at every barrier).
 
 Prints the CPU's vector flags that pick the decode kernels (AVX-512 VNNI: the integer-dot kernels for
-int8 (per-channel) / int4 keys and int8-token / 4-bit values; ``--int-dot off`` takes the float kernels; AMX-INT8:
-tile products for int8's key blocks; ``--amx off`` takes VNNI for them), one line per shape with each format's
-ratio to fp32, the load average at start and end, then one JSON line of every figure.
+int8 (per-channel) / int4 keys and int8-token / 4-bit values; ``--int-dot off`` takes the float kernels), one line per
+shape with each format's ratio to fp32, the load average at start and end, then one JSON line of every figure.
 Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-token,int4,fp8-scaled] [--batches 1,8,32]
        [--prompt 256] [--long 2048] [--long-batch 4] [--new 16] [--reps 3] [--threads 2] [--int-dot on|off]
-       [--amx on|off]
 """
 
 from __future__ import annotations
@@ -50,16 +48,13 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--int-dot", choices=["on", "off"], default="on",
                     help="integer-dot decode kernels where the build has them (off: the float kernels)")
-    ap.add_argument("--amx", choices=["on", "off"], default="on",
-                    help="AMX tile products for int8 key blocks where the build and kernel allow (off: VNNI)")
     args = ap.parse_args()
     ops = native.load()
     int_dot = bool(ops.int_dot(1 if args.int_dot == "on" else 0)) if ops is not None and hasattr(ops, "int_dot") \
         else False
-    amx = bool(ops.amx(1 if args.amx == "on" else 0)) if ops is not None and hasattr(ops, "amx") else False
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
-    print(f"CPU flags: {' '.join(flags) or 'none of AVX-512 / AMX'}; integer-dot kernels {'on' if int_dot else 'off'}"
-          f"; AMX key tiles {'on' if amx else 'off'}", flush=True)
+    print(f"CPU flags: {' '.join(flags) or 'none of AVX-512 / AMX'}; integer-dot kernels {'on' if int_dot else 'off'}",
+          flush=True)
     torch.set_num_threads(args.threads)
     formats = ["fp32", *[f.strip() for f in args.formats.split(",") if f.strip()]]
     ckpt = resolve_model(args.model)
@@ -72,7 +67,7 @@ def main() -> None:
         shapes.append((args.long_batch, args.long))
     figures: dict[str, object] = {"model": args.model, "threads": args.threads, "new": args.new, "reps": args.reps,
                                   "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "shapes": [],
-                                  "cpu_flags": flags, "int_dot": int_dot, "amx": amx}
+                                  "cpu_flags": flags, "int_dot": int_dot}
     for batch, prompt in shapes:
         text = tokens * (1 + prompt // max(1, len(tokens)))
         prompts = [text[(i * 997) % (len(text) - prompt + 1):][:prompt] for i in range(batch)]

@@ -146,36 +146,3 @@ def test_integer_dot_decode_stays_within_its_stated_error(fmt: str, group: int, 
     for i, ref in enumerate(refs):
         assert (out[i] - ref).abs().max() < 1e-3
     assert not torch.equal(out, out_float)
-
-
-@pytest.fixture
-def amx():
-    """Switches the AMX tile products for int8 key blocks (AMX-INT8 builds) for one test; amx(False) -> VNNI."""
-    ops = native.require()
-    if not hasattr(ops, "amx"):
-        pytest.skip("a native build without the AMX switch")
-    before = ops.amx(-1)
-
-    def switch(on: bool) -> bool:
-        return ops.amx(1 if on else 0)
-
-    yield switch
-    ops.amx(1 if before else 0)
-
-
-@pytest.mark.parametrize(("group", "dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
-@pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_amx_key_tiles_give_the_vnni_kernels_output_bit_for_bit(fmt: str, group: int, dim: int, int_dot, amx) -> None:
-    """int8 / int4 (per-channel) key blocks scored by AMX tile products (the code rows as the A tile, the quantised
-    query's terms as B's columns) equal the VNNI kernel's output bit for bit: the same 15-bit query, exact int32
-    dots, the same float steps after; contexts start mid-block (split work items) and end in an open block."""
-    if not int_dot(True):
-        pytest.skip("this build has no integer-dot kernels (no AVX-512 VNNI)")
-    if not amx(True):
-        pytest.skip("no AMX-INT8 here (or the kernel refused the tile state)")
-    out, refs, _ = _decode_and_reference(fmt, group, dim)
-    amx(False)
-    out_vnni, _, _ = _decode_and_reference(fmt, group, dim)
-    assert torch.equal(out, out_vnni)
-    for i, ref in enumerate(refs):
-        assert (out[i] - ref).abs().max() < 1e-3

@@ -334,13 +334,6 @@ inline std::atomic<bool>& int_dot_on() {
   return on;
 }
 
-// How many blocks ahead of the fused decode's score pass its keys and values are prefetched (0: the keys of the
-// next block only).
-inline std::atomic<int64_t>& fused_prefetch_blocks() {
-  static std::atomic<int64_t> n{4};
-  return n;
-}
-
 // Where lane l of value accumulator v (16 lanes each, D / 16 of them) sits in the float accumulator's order
 // (natural channels; [even | odd] channels for 4-bit codes).
 inline int64_t permuted_pos(bool four, int64_t D, int64_t v, int64_t l) {
@@ -601,163 +594,6 @@ struct IntDot {
 };
 #endif  // KVL_INT_DOT
 
-// ---- AMX tiles for per-channel keys (int8, int4) -------------------------------------------------------------
-// Where the build has AMX-INT8 as well (Sapphire Rapids and later), a sealed int8 key block is scored by one
-// tile product per 16 rows: the block's u8 code rows are the A tile as they lie in the cache (tileloadd takes
-// the row stride, so no transpose), the G query heads' two 8-bit terms (IntDot::Query: folded with the block's
-// scales and quantised exactly as the VNNI kernel does, so the two paths agree bit for bit) are the B tile's
-// 2G columns, and tdpbusd leaves every (row, term) dot in C. Linux hands out the tile state only on request
-// (arch_prctl ARCH_REQ_XCOMP_PERM, once per process); where it refuses, or amx(0) says so, the VNNI kernel runs.
-#if KVL_INT_DOT && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#define KVL_AMX 1
-#else
-#define KVL_AMX 0
-#endif
-
-inline std::atomic<int>& amx_setting() {  // 1 on, 0 off; the default: on where built and the kernel allows it
-  static std::atomic<int> on{-1};
-  return on;
-}
-
-inline bool amx_permitted() {
-#if KVL_AMX
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
-
-inline bool amx_on() {
-  int v = amx_setting().load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = amx_permitted() ? 1 : 0;
-    amx_setting().store(v);
-  }
-  return v == 1;
-}
-
-#if KVL_AMX
-template <int G, int D>
-struct AmxKeys {
-  static constexpr int KC = D / 64;   // 64-byte K chunks (one A and one B tile each)
-  static constexpr int N = 2 * G;     // B columns: hi, lo of each query head
-  static_assert(KC == 1 || KC == 2, "D in {64, 128}");
-  static_assert(N <= 16, "G <= 8");
-
-  struct alignas(64) Config {
-    uint8_t palette = 1, start_row = 0, reserved[14] = {};
-    uint16_t colsb[16] = {};
-    uint8_t rows[16] = {};
-  };
-
-  // C (tmm0): 16 rows x N int32; A (tmm1, tmm3): 16 code rows x 64 bytes; B (tmm2, tmm4): 16 x N dwords.
-  static void configure() {
-    Config c;
-    c.rows[0] = 16, c.colsb[0] = N * 4;
-    for (int k = 0; k < KC; ++k) {
-      c.rows[1 + 2 * k] = 16, c.colsb[1 + 2 * k] = 64;
-      c.rows[2 + 2 * k] = 16, c.colsb[2 + 2 * k] = N * 4;
-    }
-    _tile_loadconfig(&c);
-  }
-  static void release() { _tile_release(); }
-
-  // The sealed key block's rows [off, off + n) of head h: s[g * ld + i] as IntDot::scores_channel<FOUR> gives
-  // them. Reads the 16-row groups that hold those rows whole (rows outside them are scored and dropped), so
-  // bs % 16 == 0. FOUR (int4's KIVI keys): each group's nibbles are first spread to bytes, [low | high] =
-  // [even | odd channels], the order the query is quantised in.
-  template <bool FOUR>
-  static void scores_channel(const QuantCache& kc, const float* q, int64_t blk, int64_t off, int64_t n, int64_t h,
-                             float* s, int64_t ld) {
-    using I = IntDot<G, D>;
-    constexpr int NC = D / 16;
-    const uint8_t* block = kc.base + blk * kc.R;
-    alignas(64) float sc[D], mn[D], qe[G * D];
-    halves(block + kc.scale_off + h * D * 2, sc, D);
-    halves(block + kc.min_off + h * D * 2, mn, D);
-    for (int g = 0; g < G; ++g) {
-      if constexpr (FOUR) {
-        const __m512i ev = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-        const __m512i od = _mm512_add_epi32(ev, _mm512_set1_epi32(1));
-        for (int c = 0; c < NC; c += 2) {
-          const __m512 x0 = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_loadu_ps(sc + 16 * c));
-          const __m512 x1 =
-              _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c + 16), _mm512_loadu_ps(sc + 16 * c + 16));
-          _mm512_storeu_ps(qe + g * D + 8 * c, _mm512_permutex2var_ps(x0, ev, x1));
-          _mm512_storeu_ps(qe + g * D + D / 2 + 8 * c, _mm512_permutex2var_ps(x0, od, x1));
-        }
-      } else {
-        for (int c = 0; c < NC; ++c)
-          _mm512_storeu_ps(qe + g * D + 16 * c,
-                           _mm512_mul_ps(_mm512_loadu_ps(q + g * D + 16 * c), _mm512_loadu_ps(sc + 16 * c)));
-      }
-    }
-    typename I::Query Q;
-    I::quantise(qe, q, mn, FOUR ? 7.5f : 127.5f, Q);
-    // B in the tiles' pair-of-4-bytes order: row k of chunk c holds every column's bytes 4k..4k+3 of that chunk.
-    alignas(64) int32_t bq[KC][16][N];
-    for (int g = 0; g < G; ++g) {
-      const int32_t* hi = reinterpret_cast<const int32_t*>(Q.hi[g]);
-      const int32_t* lo = reinterpret_cast<const int32_t*>(Q.lo[g]);
-      for (int k = 0; k < D / 4; ++k) {
-        bq[k / 16][k % 16][2 * g] = hi[k];
-        bq[k / 16][k % 16][2 * g + 1] = lo[k];
-      }
-    }
-    constexpr int64_t RB = FOUR ? D / 2 : D;
-    const int64_t stride = kc.H * RB;
-    const uint8_t* codes = block + kc.codes_off + h * RB;
-    alignas(64) int32_t cb[16][16];
-    alignas(64) uint8_t spread[FOUR ? 16 : 1][D];
-    const __m512i rows16 = _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240);
-    for (int64_t r0 = off - off % 16; r0 < off + n; r0 += 16) {
-      const uint8_t* a = codes + r0 * stride;
-      int64_t as = stride;
-      if constexpr (FOUR) {
-        for (int i = 0; i < 16; ++i) {
-          if constexpr (D == 64) {
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + i * stride));
-            const __m256i m = _mm256_set1_epi8(0x0F);
-            _mm256_store_si256(reinterpret_cast<__m256i*>(spread[i]), _mm256_and_si256(x, m));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(spread[i] + 32), _mm256_and_si256(_mm256_srli_epi16(x, 4), m));
-          } else {
-            const __m512i x = _mm512_loadu_si512(a + i * stride);
-            const __m512i m = _mm512_set1_epi8(0x0F);
-            _mm512_store_si512(spread[i], _mm512_and_si512(x, m));
-            _mm512_store_si512(spread[i] + 64, _mm512_and_si512(_mm512_srli_epi16(x, 4), m));
-          }
-        }
-        a = &spread[0][0];
-        as = D;
-      }
-      _tile_zero(0);
-      _tile_loadd(1, a, as);
-      _tile_loadd(2, &bq[0][0][0], N * 4);
-      _tile_dpbusd(0, 1, 2);
-      if constexpr (KC == 2) {
-        _tile_loadd(3, a + 64, as);
-        _tile_loadd(4, &bq[1][0][0], N * 4);
-        _tile_dpbusd(0, 3, 4);
-      }
-      _tile_stored(0, &cb[0][0], 64);
-      const int64_t j0 = std::max<int64_t>(off, r0) - r0, j1 = std::min<int64_t>(off + n, r0 + 16) - r0;
-      const __mmask16 mask = static_cast<__mmask16>(((1u << j1) - 1u) & ~((1u << j0) - 1u));
-      for (int g = 0; g < G; ++g) {
-        const __m512i hv = _mm512_i32gather_epi32(rows16, &cb[0][2 * g], 4);
-        const __m512i lv = _mm512_i32gather_epi32(rows16, &cb[0][2 * g + 1], 4);
-        const __m512i f = _mm512_add_epi32(_mm512_slli_epi32(hv, 7), lv);
-        const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_set1_ps(Q.a[g]), _mm512_set1_ps(Q.c[g]));
-        _mm512_mask_storeu_ps(s + g * ld + (r0 - off), mask, v);
-      }
-    }
-  }
-};
-#endif  // KVL_AMX
-
 // Paged decode over a quantised layer with the fused block kernels: paged_decode_impl's work split
 // (sequence, KV head, context partition; flash-decoding merge when partitioned), its softmax, its loader
 // for open blocks. Requires D in {64, 128} and 1 <= G <= 8 (fused_decode picks it only then).
@@ -771,9 +607,6 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
   const bool idot = int_dot_on().load(std::memory_order_relaxed);
 #else
   constexpr bool idot = false;
-#endif
-#if KVL_AMX
-  const bool amx = idot && (kc.kind == kChanK || kc.kind == kKiviK) && bs % 16 == 0 && amx_on();
 #endif
   const bool v_int = idot && (vc.kind == kInt8Token || vc.kind == kInt8TokenRot || vc.kind == kKiviV ||
                               vc.kind == kKiviVRot);
@@ -791,15 +624,11 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
   const int64_t P = split.P, part_len = split.part_len;
   const float fscale = static_cast<float>(scale);
   const BlockKernels plain = pick_kernels(G, D);
-  const int64_t ahead = fused_prefetch_blocks().load(std::memory_order_relaxed);
 
   at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), qperm(G * D), acc(G * D), accp(G * D), facc(G * D), scores, tile(bs * D),
         outv(D);
     float qsum[G];
-#if KVL_AMX
-    if (amx) AmxKeys<G, D>::configure();
-#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
       const int64_t len = lens[b];
@@ -828,21 +657,9 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       const bool k_tok = idot && kc.kind == kInt8Token;
       if (k_tok) I::quantise_token(qf.data(), qtok);
 #endif
-      // The score pass fetches keys and values `ahead` blocks in front of it: a work item's codes (a few hundred
-      // KB at long contexts) then sit in L2 by the value pass, and the misses overlap instead of stalling each
-      // block's first row.
-      const int64_t last_blk = (hi - 1) / bs;
-      for (int64_t j = lo / bs; j < std::min(last_blk + 1, lo / bs + ahead); ++j) {
-        kc.prefetch(table[j], h, bs, D);
-        vc.prefetch(table[j], h, bs, D);
-      }
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs, cnt = stop - t;
-        if (ahead == 0 && stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
-        if (ahead > 0 && blk + ahead <= last_blk) {
-          kc.prefetch(table[blk + ahead], h, bs, D);
-          vc.prefetch(table[blk + ahead], h, bs, D);
-        }
+        if (stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
         const int64_t id = table[blk];
         float* s = scores.data() + (t - lo);
         if (kc.res_map && kc.res_map[id] >= 0) {
@@ -858,10 +675,6 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
         } else if (kc.kind == kFp8Token) {
           F::template scores_token<true>(kc, qf.data(), id, off, cnt, h, s, n);
         } else if (kc.kind == kChanK) {
-#if KVL_AMX
-          if (amx) AmxKeys<G, D>::template scores_channel<false>(kc, qf.data(), id, off, cnt, h, s, n);
-          else
-#endif
 #if KVL_INT_DOT
           if (idot) I::template scores_channel<false>(kc, qf.data(), id, off, cnt, h, s, n);
           else
@@ -870,10 +683,6 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
         } else if (kc.kind == kKiviV) {
           F::scores_token4(kc, qperm.data(), qsum, id, off, cnt, h, s, n);
         } else {
-#if KVL_AMX
-          if (amx) AmxKeys<G, D>::template scores_channel<true>(kc, qf.data(), id, off, cnt, h, s, n);
-          else
-#endif
 #if KVL_INT_DOT
           if (idot) I::template scores_channel<true>(kc, qf.data(), id, off, cnt, h, s, n);
           else
@@ -937,9 +746,6 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       }
       split.finish(op, row_idx, o_s0, o_s1, KVH, b, h, p, acc.data(), m, l);
     }
-#if KVL_AMX
-    if (amx) AmxKeys<G, D>::release();
-#endif
   });
   split.merge(op, row_idx, o_s0, o_s1, B, KVH);
 }

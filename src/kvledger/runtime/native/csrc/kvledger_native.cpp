@@ -21,8 +21,6 @@
 #include <c10/util/Half.h>
 
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -426,17 +424,6 @@ struct QuantCache {
     const char* p = reinterpret_cast<const char*>(base + blk * R + codes_off + h * rb);
     for (int64_t i = 0; i < n; ++i)
       for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + i * H * rb + o, 0, 3);
-    // Its metadata too (fp16 scales and minimums: per channel, D of them for head h; per token, one a row): a
-    // miss on them stalls the block's first step as long as a miss on its codes.
-    const char* b = reinterpret_cast<const char*>(base + blk * R);
-    const bool chan = kind == kChanK || kind == kKiviK;
-    const int64_t first = chan ? h * D_ * 2 : h * 2, last = chan ? first + D_ * 2 : ((n - 1) * H + h) * 2 + 2;
-    for (int64_t o = first; o < last; o += 64) {
-      __builtin_prefetch(b + scale_off + o, 0, 3);
-      if (min_off) __builtin_prefetch(b + min_off + o, 0, 3);
-    }
-    __builtin_prefetch(b + scale_off + last - 1, 0, 3);
-    if (min_off) __builtin_prefetch(b + min_off + last - 1, 0, 3);
   }
 };
 
@@ -1409,19 +1396,6 @@ void silu_mul(torch::Tensor out, torch::Tensor gate_up, int64_t inter) {
 
 // Whether decode over int8-channel / int4 keys and int8 / 4-bit values takes the integer-dot kernels (AVX-512
 // VNNI builds only): on < 0 asks, 0 / 1 switch them off / on. Returns the setting in force.
-// Whether the int8 (per-channel) key blocks take AMX tile products (AMX-INT8 builds whose kernel grants the tile
-// state, with the integer-dot kernels on): on < 0 asks, 0 / 1 switch them off / on. Returns the setting in force.
-bool amx(int64_t on) {
-  if (on >= 0) amx_setting().store(on > 0 && amx_permitted() ? 1 : 0);
-  return amx_on();
-}
-
-// Blocks the fused quantised decode prefetches ahead of its score pass (keys and values); n < 0 asks.
-int64_t fused_prefetch(int64_t n) {
-  if (n >= 0) fused_prefetch_blocks().store(n);
-  return fused_prefetch_blocks().load();
-}
-
 bool int_dot(int64_t on) {
   if (on >= 0) int_dot_on().store(KVL_INT_DOT == 1 && on > 0);
   return int_dot_on().load();
@@ -1451,10 +1425,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("offsets"), py::arg("scale"), py::arg("window"));
   m.def("kv_write_q", &kv_write_q, "quantise K/V rows of a per-token format into their slots", py::arg("blocks"),
         py::arg("layout"), py::arg("block_size"), py::arg("slots"), py::arg("k"), py::arg("v"));
-  m.def("amx", &amx, "AMX tile products for int8 key blocks: query (-1) or switch them off (0) / on (1)",
-        py::arg("on") = -1);
-  m.def("fused_prefetch", &fused_prefetch, "blocks the fused quantised decode prefetches ahead (-1: ask)",
-        py::arg("n") = -1);
   m.def("int_dot", &int_dot, "integer-dot decode kernels: query (-1) or switch them off (0) / on (1)",
         py::arg("on") = -1);
   m.def("kv_write", &kv_write, "write K/V rows into their cache slots", py::arg("k_cache"), py::arg("v_cache"),

@@ -146,3 +146,38 @@ def test_integer_dot_decode_stays_within_its_stated_error(fmt: str, group: int, 
     for i, ref in enumerate(refs):
         assert (out[i] - ref).abs().max() < 1e-3
     assert not torch.equal(out, out_float)
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "int8"])
+def test_a_small_decode_runs_unsplit_on_the_calling_thread(fmt: str) -> None:
+    """A decode step of a few hundred token x KV-head rows is not split into flash-decoding partitions for
+    threads to share (waking the pool costs more than it saves): with the automatic partition its output is the
+    unsplit decode's bit for bit, while a split (which sums in another order) is not; a long one still splits."""
+    from kvledger.runtime.attention import _quant_layout
+
+    ops = native.require()
+    spec = KVSpec(1, 2, 64, kv_dtype=fmt, block_size=16)
+    store = KVStore(spec, 200)
+    gen = torch.Generator().manual_seed(5)
+    n = 2000
+    table = list(range(0, 2000 // 16 + 1))
+    slots = torch.tensor(BlockTable(16, table).slot_mapping(0, n))
+    store.write(0, slots, torch.randn(n, 2, 64, generator=gen), torch.randn(n, 2, 64, generator=gen))
+    q = torch.randn(1, 6, 64, generator=gen)
+    tables = torch.tensor([table], dtype=torch.int32)
+
+    def decode(length: int, partition: int) -> torch.Tensor:
+        out = torch.empty_like(q)
+        lens = torch.tensor([length], dtype=torch.int32)
+        if fmt == "fp32":
+            kc, vc = store.blocks(0)
+            ops.paged_decode(out, q, kc, vc, tables, lens, torch.arange(1), 0.125, 0, partition)
+        else:
+            e = torch.empty(0)
+            ops.paged_decode_q(out, q, store.kv[0], _quant_layout(store), 16, 2, e, e, tables, lens, torch.arange(1),
+                               0.125, 0, partition)
+        return out
+
+    assert torch.equal(decode(300, -1), decode(300, 300))  # 600 rows: inline, unsplit
+    assert not torch.equal(decode(300, 150), decode(300, 300))  # a split is visible in the bits
+    assert not torch.equal(decode(2000, -1), decode(2000, 2000))  # 4,000 rows: split for the threads

@@ -620,12 +620,13 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
 
+  const bool inline_ = decode_inline(lens, B, KVH, window, &partition);
   SplitContexts split(lens, B, KVH, G, D, partition);
   const int64_t P = split.P, part_len = split.part_len;
   const float fscale = static_cast<float>(scale);
   const BlockKernels plain = pick_kernels(G, D);
 
-  at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * KVH * P, inline_ ? B * KVH * P : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), qperm(G * D), acc(G * D), accp(G * D), facc(G * D), scores, tile(bs * D),
         outv(D);
     float qsum[G];

@@ -427,6 +427,24 @@ struct QuantCache {
   }
 };
 
+// A decode step whose whole attention is a few tens of microseconds (token x KV-head rows below this) runs on
+// the calling thread, unsplit: waking torch's sleeping OpenMP workers (OMP_WAIT_POLICY=PASSIVE) costs more
+// than a second thread saves there, and on a loaded machine a woken worker waits for a core (SmolLM2 at
+// batch 1 x 256 tokens: ~1.2 ms a call inside a step, against ~20 us of work).
+constexpr int64_t kInlineDecodeRows = 2048;
+
+// Whether paged decode runs inline (see kInlineDecodeRows); *partition becomes one part when it was automatic.
+inline bool decode_inline(const int32_t* lens, int64_t B, int64_t KVH, int64_t window, int64_t* partition) {
+  int64_t rows = 0, max_len = 1;
+  for (int64_t b = 0; b < B; ++b) {
+    rows += (window > 0 ? std::min<int64_t>(lens[b], window) : lens[b]) * KVH;
+    max_len = std::max<int64_t>(max_len, lens[b]);
+  }
+  if (rows >= kInlineDecodeRows) return false;
+  if (*partition < 0) *partition = max_len;
+  return true;
+}
+
 // Flash-decoding's split of long contexts, shared by the decode over plain caches and the fused decode over
 // quantised ones: how long each partition is (contexts are split only when there are too few (sequence, KV
 // head) items to keep every thread busy, and partitions stay >= 64 tokens to amortise their merge), each work
@@ -527,12 +545,13 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const KC& kc,
   const int64_t q_s0 = q.stride(0), q_s1 = q.stride(1);
   const int64_t o_s0 = out.stride(0), o_s1 = out.stride(1);
 
+  const bool inline_ = decode_inline(lens, B, KVH, window, &partition);
   SplitContexts split(lens, B, KVH, G, D, partition);
   const int64_t P = split.P, part_len = split.part_len;
   const float fscale = static_cast<float>(scale);
   const BlockKernels kern = pick_kernels(G, D);
 
-  at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * KVH * P, inline_ ? B * KVH * P : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, tile(bs * D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);

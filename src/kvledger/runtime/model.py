@@ -62,6 +62,19 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 # OMP_WAIT_POLICY=PASSIVE (see cpu_features). 2-core Xeon with AMX, load ~2: 32 x 576 x 1728 took 130 us
 # on one thread against 193 us on two, 128 x 576 x 3072 438 against 487 us.
 AMX_ONE_THREAD_ROWS = 128
+# Those products go instead, where the native kernels are built, to a SplitLinear: the weight cut by output
+# columns into SPLIT_PIECES packed pieces that the calling thread and one helper thread claim as they come
+# (csrc/kvledger_helper_pool.h): both cores work with no OpenMP wake-up on the caller's path.
+# KVLEDGER_SPLIT_PRODUCTS=0 keeps them on one thread.
+SPLIT_ENV = "KVLEDGER_SPLIT_PRODUCTS"
+# Two pieces: each claimed piece is one more oneDNN call (~10-20 us), and a helper that loses its core while
+# holding a piece makes the caller wait. Peer workload, bf16 at 32 running, load 9-12: two pieces x1.09 the
+# one-thread tok/s, four x0.80.
+SPLIT_PIECES = int(os.environ.get("KVLEDGER_SPLIT_PIECES", "2"))
+SPLIT_ALIGN = 64  # piece widths in whole 64-column blocks (oneDNN's AMX tiles are 16 or 32 wide)
+# Up to this many rows a piece's product is bit for bit the whole product's columns (at 128 rows oneDNN
+# blocks a narrow piece differently: 1-2 outputs in 10^5 moved by one bf16 ulp), so the split changes no result.
+SPLIT_MAX_ROWS = 64
 
 
 class Linear(nn.Linear):
@@ -77,6 +90,7 @@ class Linear(nn.Linear):
 
     _packed: torch.Tensor | None = None
     _one_thread_rows = 0  # products of at most this many rows run on the calling thread (AMX, bf16)
+    _split: object | None = None  # native SplitLinear for those products: caller and helper thread share them
 
     def pack(self) -> bool:
         w = self.weight
@@ -92,7 +106,30 @@ class Linear(nn.Linear):
         self._packed = packed
         amx = w.dtype == torch.bfloat16 and self.out_features < WIDE_OUT and bf16_path() == "amx"
         self._one_thread_rows = AMX_ONE_THREAD_ROWS if amx else 0
+        self._split = self._split_pieces(w) if amx else None
         return True
+
+    def _split_pieces(self, w: torch.Tensor) -> object | None:
+        """The weight cut into SPLIT_PIECES column ranges, each packed, as one native SplitLinear (or None:
+        no native build, switched off, or too narrow to cut)."""
+        if os.environ.get(SPLIT_ENV, "1") == "0":
+            return None
+        from . import native
+
+        mod = native.load()
+        if mod is None or not hasattr(mod, "SplitLinear"):
+            return None
+        blocks = self.out_features // SPLIT_ALIGN
+        if blocks < 2:
+            return None
+        pieces = min(SPLIT_PIECES, blocks)
+        edges = [SPLIT_ALIGN * (blocks * i // pieces) for i in range(pieces)] + [self.out_features]
+        with torch.no_grad():
+            packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach()[lo:hi].contiguous(), 32)
+                      for lo, hi in zip(edges, edges[1:], strict=False)]
+            bias = [None if self.bias is None else self.bias.detach()[lo:hi].contiguous()
+                    for lo, hi in zip(edges, edges[1:], strict=False)]
+        return mod.SplitLinear(packed, bias, edges)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self._packed
@@ -101,6 +138,8 @@ class Linear(nn.Linear):
             threads = torch.get_num_threads()
             if x.shape[0] > self._one_thread_rows or threads == 1:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            if self._split is not None and x.shape[0] <= SPLIT_MAX_ROWS:
+                return self._split.forward(x)
             torch.set_num_threads(1)  # restored at once (~0.2 us for the pair)
             try:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")

@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "kvledger_bf16.h"
+#include "kvledger_helper_pool.h"
 
 namespace {
 
@@ -1452,6 +1453,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual_add"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up", py::arg("out"), py::arg("gate_up"), py::arg("inter"));
+  py::class_<kvl_pool::SplitLinear>(m, "SplitLinear",
+                                    "a linear layer cut by output columns, run on the caller and one helper thread")
+      .def(py::init<std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, std::vector<int64_t>>(),
+           py::arg("packed"), py::arg("bias"), py::arg("offsets"))
+      .def("forward", &kvl_pool::SplitLinear::forward, py::arg("x"))
+      .def_property_readonly("pieces", &kvl_pool::SplitLinear::pieces);
+  m.def("helper_enabled", [](int on) {
+        if (on >= 0) kvl_pool::Helper::get().set_enabled(on > 0);
+        return kvl_pool::Helper::get().enabled();
+      }, "the helper thread of SplitLinear: query (-1) or switch it off (0) / on (1)", py::arg("on") = -1);
+  m.def("helper_pieces", [] { return kvl_pool::Helper::get().pieces_by_helper(); },
+        "pieces the helper thread has run so far");
 #ifdef KVL_BF16_DOTS
   m.attr("HAS_BF16_DOTS") = true;
 #else

@@ -116,3 +116,35 @@ def test_the_backend_takes_it_for_a_bf16_store_unless_told_avx2(monkeypatch: pyt
         pytest.skip("this CPU's bf16 path is avx2")
     assert (bf16._decode is m.paged_decode_bf16) is fast
     assert fp32._decode is m.paged_decode
+
+
+def test_the_helper_thread_shares_the_decode_and_changes_no_bit() -> None:
+    """The kernel's (sequence, head, partition) items go to the calling thread and the helper thread of
+    csrc/kvledger_helper_pool.h in ranges claimed as they come: the same output whoever ran an item, with
+    one thread, and with the helper off; and the helper does take ranges (waits for a time slice if busy)."""
+    import time
+
+    m = ops()
+    q, kc, vc, tables, ctx, rows = case(3, 64, [410, 17, 300, 95, 64, 200, 33, 128], seed=5)
+    threads = torch.get_num_threads()
+
+    def run() -> torch.Tensor:
+        out = torch.full_like(q, 7.0)
+        m.paged_decode_bf16(out, q, kc, vc, tables, ctx, rows, 0.125, 0, 0)
+        return out
+
+    try:
+        torch.set_num_threads(1)
+        alone = run()
+        torch.set_num_threads(2)
+        m.helper_enabled(0)
+        caller_only = run()
+        m.helper_enabled(1)
+        before, deadline, shared = m.helper_pieces(), time.monotonic() + 30, []
+        while m.helper_pieces() == before and time.monotonic() < deadline:
+            shared.append(run())
+    finally:
+        m.helper_enabled(1)
+        torch.set_num_threads(threads)
+    assert m.helper_pieces() > before
+    assert torch.equal(caller_only, alone) and all(torch.equal(s, alone) for s in shared)

@@ -95,7 +95,9 @@ void decode(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
   const int64_t P = split.P, part_len = split.part_len;
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, B * KVH * P, 1, [&](int64_t begin, int64_t end) {
+  // On the caller and the helper thread (kvledger_helper_pool.h): the products before and after keep it awake,
+  // so no OpenMP worker is woken per layer; eight ranges balance uneven contexts.
+  kvl_pool::parallel_for(B * KVH * P, 8, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(G * D), scores_buf, m(G), l(G);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);

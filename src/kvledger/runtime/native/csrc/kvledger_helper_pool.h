@@ -158,6 +158,31 @@ class Helper {
   bool enabled_ = true;
 };
 
+// fn(begin, end) over [0, n) like at::parallel_for, but on the calling thread and the helper in up to
+// `pieces` ranges claimed as they come, each thread with one OpenMP thread. Falls back to at::parallel_for
+// when torch has one thread, inside a parallel region, or with the helper off. For kernels whose items write
+// disjoint outputs (the result does not depend on which thread ran an item).
+template <typename F>
+void parallel_for(int64_t n, int64_t pieces, const F& fn) {
+  if (n <= 0) return;
+  Helper& h = Helper::get();
+  const int threads = omp_get_max_threads();
+  if (threads < 2 || omp_in_parallel() || !h.enabled() || n < 2) {
+    at::parallel_for(0, n, 1, fn);
+    return;
+  }
+  const int64_t p = std::min<int64_t>(std::max<int64_t>(pieces, 2), n);
+  const std::function<void(int)> piece = [&](int i) { fn(n * i / p, n * (i + 1) / p); };
+  omp_set_num_threads(1);
+  try {
+    h.run(static_cast<int>(p), piece);
+  } catch (...) {
+    omp_set_num_threads(threads);
+    throw;
+  }
+  omp_set_num_threads(threads);
+}
+
 // A linear layer whose weight is cut by output columns into pieces, each packed for oneDNN
 // (torch.ops.mkldnn._reorder_linear_weight): forward(x) runs the pieces' products on the calling thread
 // and the helper, each with one thread, into one output. Each output column is one piece's product,

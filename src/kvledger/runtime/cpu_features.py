@@ -6,8 +6,9 @@ product is threaded: with AMX a decode step's ``32 x 576 x 1728`` bf16 product i
 finishes in about as long as it takes to wake a second OpenMP thread under ``OMP_WAIT_POLICY=PASSIVE``
 (50-150 us on a shared 2-core machine), so such products skip OpenMP: cut in two column pieces that the
 calling thread and one helper thread of the native kernels claim as they come, or on the calling thread
-alone without the native build (:class:`kvledger.runtime.model.Linear`). Without AMX the arithmetic dominates and both threads pay off,
-so AVX-512 BF16 and AVX2-only CPUs keep today's path. On both ``amx`` and ``avx512_bf16`` a bf16 decode's
+alone without the native build (:class:`kvledger.runtime.model.Linear`). Without AMX the arithmetic
+dominates and both threads pay off, so AVX-512 BF16 and AVX2-only CPUs keep today's path. On both ``amx``
+and ``avx512_bf16`` a bf16 decode's
 attention scores are AVX-512 BF16 dot products on the cached rows as stored (``paged_decode_bf16``); on
 ``avx2`` the rows are widened to fp32 first.
 

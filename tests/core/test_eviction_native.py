@@ -13,6 +13,7 @@ import pytest
 from fuzzing import core  # build ledgers with a given core (None: pure Python); one owner
 from kvledger.core import native
 from kvledger.core.eviction import make_policy
+from kvledger.core.eviction_tree import GHOST_KEY_BYTES, ARCPolicy, S3FIFOPolicy
 from kvledger.core.identity import CacheContext
 from kvledger.core.ledger import KVLedger, Request
 
@@ -194,15 +195,18 @@ def _ghosts(policy: object) -> list[list[bytes]]:
 
 @pytest.mark.parametrize("name", ["arc", "s3fifo"])
 def test_ghost_lists_keep_the_python_order_through_growth_and_takes(name: str) -> None:
-    """Ghost lists of hundreds of digests -- grown, emptied from the front when over the bound, digests taken
-    out of the middle when their identity comes back -- hold the same digests in the same order on both."""
+    """Ghost lists of hundreds of keys -- grown, emptied from the front when over the bound, keys taken out of
+    the middle when their identity comes back -- hold the same keys (a digest's first GHOST_KEY_BYTES) in
+    the same order on both; two digests alike in those bytes are one ghost on both."""
     for seed in range(3):
         rng = random.Random(seed)
         ref, fast, _, _ = pair(name)
         n_blocks = 400
         for p in (ref, fast):
             p.configure(rng.choice([150, 300]), 16)
-        names = [f"g{i}".encode().ljust(64, b"#") for i in range(1500)]
+        # pairs of digests alike in their first GHOST_KEY_BYTES and different after them
+        names = [f"g{i // 2}".encode().ljust(GHOST_KEY_BYTES, b"#") + f"{i}".encode().ljust(48, b"#")
+                 for i in range(1500)]
         retained: set[int] = set()
         for step in range(6000):
             block = rng.randrange(n_blocks)
@@ -230,3 +234,16 @@ def test_ghost_lists_keep_the_python_order_through_growth_and_takes(name: str) -
             if step % 97 == 0:
                 assert _ghosts(fast) == _ghosts(ref), f"{name} seed {seed} step {step}"
         assert _ghosts(fast) == _ghosts(ref) and max(map(len, _ghosts(ref))) > 100
+        assert {len(key) for ghosts in _ghosts(fast) for key in ghosts} == {GHOST_KEY_BYTES}
+
+
+@pytest.mark.parametrize("kind", [ARCPolicy._native_kind, S3FIFOPolicy._native_kind])
+def test_the_c_part_refuses_a_ghost_key_width_it_was_not_built_for(kind: int) -> None:
+    """The ghost key's width has one owner (eviction_tree.GHOST_KEY_BYTES): a C part built for another
+    refuses to start rather than answer differently from the Python reference."""
+    assert NATIVE.PolicyCore(kind, ValueError, None, None, GHOST_KEY_BYTES) is not None
+    for width in (GHOST_KEY_BYTES * 2, 64):
+        with pytest.raises(ValueError, match="ghosts by"):
+            NATIVE.PolicyCore(kind, ValueError, None, None, width)
+    with pytest.raises(ValueError, match="ghosts by"):
+        NATIVE.PolicyCore(kind, ValueError)

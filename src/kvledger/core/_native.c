@@ -994,7 +994,7 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
  * placement (ARC k1 = 0, SGLang k1 = the priority); S3-FIFO seq = the block's FIFO stamp; the priority
  * policy k1 = the level, seq = the tick at which the block joined that level, and its order needs no heap:
  * one FIFO list per level (the Python buckets), O(1) throughout. Ghost lists (ARC's B1/B2,
- * S3-FIFO's ghost) are ordered sets of digests: slots on a linked list, found by hash. */
+ * S3-FIFO's ghost) are ordered sets of ghost keys: slots on a linked list, found by hash. */
 
 enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_DEFAULT_PRIORITY 35
@@ -1003,15 +1003,26 @@ enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_MAX_FREQ 3
 #define PC_LEVELS 101 /* PRIO: levels 0..100 */
 
-typedef struct { /* a ghost slot: everything its list and its table need on one line or two */
-    PyObject *key; /* NULL: the slot holds a 64-byte digest's content in inl (no reference to a cold object) */
-    Py_hash_t hash;
+/* A ghost's key is its digest's first PC_GHOST_KEY bytes (eviction_tree.GHOST_KEY_BYTES owns the width
+ * and hands it to PolicyCore(), which refuses any other): a ghost only hints that an identity was evicted
+ * lately, and 128 bits of BLAKE2b keep that hint exact in practice at a quarter of the 64 bytes. Held
+ * as two uint64, a slot is half a line and no digest object is read when a block becomes a ghost. */
+#define PC_GHOST_KEY 16
+_Static_assert(PC_GHOST_KEY == 2 * sizeof(uint64_t), "a ghost key is two uint64");
+
+typedef struct { /* a ghost slot: its key, list links and (for the rare object key) its hash */
+    uint64_t k[2]; /* key == NULL: the key's 16 bytes; else k[0] = the key object's hash */
+    PyObject *key; /* NULL, or digest[:16] as an object (digests shorter than 16 bytes, or not bytes) */
     int32_t prev, next;
 } GSlot;
 
-typedef struct { /* an ordered set of digests: slots on a linked list, found through an open-addressing table */
+typedef struct { /* what is looked up or put: a 16-byte key, or an object key with its hash */
+    uint64_t k[2];
+    PyObject *obj; /* borrowed */
+} GKey;
+
+typedef struct { /* an ordered set of ghost keys: slots on a linked list, found through an open-addressing table */
     GSlot *slot;
-    uint8_t *inl;
     uint64_t *tab; /* 0 empty, else the hash's low 32 bits << 32 | slot + 1: probing and the backward shift
                     * read the table alone; linear probing, backward-shift deletion */
     int32_t head, tail, free_head;
@@ -1062,9 +1073,10 @@ _Static_assert(sizeof(Node) == 64, "a node is one cache line");
 
 typedef struct { /* a block's facts read once per link or eviction, apart: the nodes stay one line each */
     PyObject *digest; /* linked: its identity (a reference) */
-    Py_hash_t dhash;  /* the digest's hash, read at link (the ghost lists use it when the block is evicted) */
+    uint64_t gk[2];   /* ARC, S3: its ghost key, copied at link (gkinl), else gk[0] = digest[:16]'s hash */
     double want_exp;  /* PRIO: expiry of the wanted priority, NaN = never */
     int32_t depth;    /* linked: depth */
+    uint8_t gkinl;    /* gk holds the key's 16 bytes */
 } Cold;
 
 typedef struct {
@@ -1093,9 +1105,9 @@ typedef struct {
 static PyTypeObject PolicyCoreType;
 
 /* ---- ghosts ----
- * What an OrderedDict of digests does for ARC's B1/B2 and S3-FIFO's ghost (insert at the back if absent,
- * delete, pop the oldest, membership), without a Python object per operation: digests are bytes whose hash
- * is cached, compared by content. */
+ * What an OrderedDict of digest[:16] does for ARC's B1/B2 and S3-FIFO's ghost (insert at the back if absent,
+ * delete, pop the oldest, membership), without a Python object per operation: a digest of 16 bytes or more
+ * is held as its first 16 bytes, hashed by mixing them; anything else as the object digest[:16]. */
 static int ghost_init(Ghost *g) {
     memset(g, 0, sizeof *g);
     g->head = g->tail = g->free_head = -1;
@@ -1117,7 +1129,6 @@ static void ghost_clear(Ghost *g) {
 static void ghost_dealloc(Ghost *g) {
     if (g->slot != NULL) ghost_clear(g);
     PyMem_Free(g->slot);
-    PyMem_Free(g->inl);
     PyMem_Free(g->tab);
 }
 
@@ -1130,27 +1141,38 @@ static inline int ghost_eq(PyObject *a, PyObject *b) {
     return PyObject_RichCompareBool(a, b, Py_EQ);
 }
 
-/* Whether slot k holds d: 1, 0, -1 error. */
-static inline int ghost_holds(Ghost *g, int32_t k, PyObject *d) {
-    if (g->slot[k].key == NULL)
-        return PyBytes_CheckExact(d) && PyBytes_GET_SIZE(d) == DIGEST &&
-               memcmp(g->inl + (size_t)k * DIGEST, PyBytes_AS_STRING(d), DIGEST) == 0;
-    return ghost_eq(g->slot[k].key, d);
+/* The hash of a 16-byte key: its bits are BLAKE2b's, mixed so that keys made by hand spread too. */
+static inline uint64_t ghost_mix(const uint64_t k[2]) {
+    uint64_t x = k[0] ^ (k[1] * 0x9E3779B97F4A7C15ULL);
+    x ^= x >> 32;
+    x *= 0xD6E8FEB86659FD93ULL;
+    return x ^ (x >> 32);
 }
 
-static inline uint64_t ghost_entry(Py_hash_t h, int32_t k) {
+static inline uint64_t gkey_hash(const GKey *q) { return q->obj == NULL ? ghost_mix(q->k) : q->k[0]; }
+
+static inline uint64_t gslot_hash(const GSlot *x) { return x->key == NULL ? ghost_mix(x->k) : x->k[0]; }
+
+/* Whether slot k holds q: 1, 0, -1 error. */
+static inline int ghost_holds(Ghost *g, int32_t k, const GKey *q) {
+    const GSlot *x = &g->slot[k];
+    if (q->obj == NULL) return x->key == NULL && x->k[0] == q->k[0] && x->k[1] == q->k[1];
+    return x->key != NULL && x->k[0] == q->k[0] ? ghost_eq(x->key, q->obj) : 0;
+}
+
+static inline uint64_t ghost_entry(uint64_t h, int32_t k) {
     return (uint64_t)(uint32_t)h << 32 | (uint32_t)(k + 1);
 }
 
 static inline int32_t ghost_entry_slot(uint64_t e) { return (int32_t)(uint32_t)e - 1; }
 
 /* Ask for the table line a probe for hash h starts on (the misses of two probes then overlap). */
-static inline void ghost_prefetch(const Ghost *g, Py_hash_t h) {
+static inline void ghost_prefetch(const Ghost *g, uint64_t h) {
     if (g->len) PC_PREFETCH(&g->tab[(size_t)(uint32_t)h & ((size_t)g->tabsize - 1)]);
 }
 
-/* The table position holding d (hash h), or -1 absent, -2 error. */
-static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
+/* The table position holding q (hash h), or -1 absent, -2 error. */
+static Py_ssize_t ghost_find(Ghost *g, const GKey *q, uint64_t h) {
     if (g->len == 0) return -1;
     size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
     uint32_t low = (uint32_t)h;
@@ -1158,19 +1180,16 @@ static Py_ssize_t ghost_find(Ghost *g, PyObject *d, Py_hash_t h) {
         uint64_t e = g->tab[i];
         if (e == 0) return -1;
         if ((uint32_t)(e >> 32) == low) {
-            int32_t k = ghost_entry_slot(e);
-            if (g->slot[k].hash == h) {
-                int eq = ghost_holds(g, k, d);
-                if (eq < 0) return -2;
-                if (eq) return (Py_ssize_t)i;
-            }
+            int eq = ghost_holds(g, ghost_entry_slot(e), q);
+            if (eq < 0) return -2;
+            if (eq) return (Py_ssize_t)i;
         }
         i = (i + 1) & mask;
     }
 }
 
 static void ghost_tab_insert(Ghost *g, int32_t k) {
-    Py_hash_t h = g->slot[k].hash;
+    uint64_t h = gslot_hash(&g->slot[k]);
     size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
     while (g->tab[i] != 0) i = (i + 1) & mask;
     g->tab[i] = ghost_entry(h, k);
@@ -1207,9 +1226,9 @@ static void ghost_drop(Ghost *g, Py_ssize_t pos) {
     g->len--;
 }
 
-/* del ghosts[d] (d's hash h) if there: 1 deleted, 0 absent, -1 error. */
-static int ghost_take(Ghost *g, PyObject *d, Py_hash_t h) {
-    Py_ssize_t pos = ghost_find(g, d, h);
+/* del ghosts[q] (q's hash h) if there: 1 deleted, 0 absent, -1 error. */
+static int ghost_take(Ghost *g, const GKey *q, uint64_t h) {
+    Py_ssize_t pos = ghost_find(g, q, h);
     if (pos == -2) return -1;
     if (pos < 0) return 0;
     ghost_drop(g, pos);
@@ -1221,9 +1240,6 @@ static int ghost_grow(Ghost *g) {
     GSlot *slot = PyMem_Realloc(g->slot, sizeof(GSlot) * (size_t)cap);
     if (slot == NULL) return PyErr_NoMemory(), -1;
     g->slot = slot;
-    uint8_t *inl = PyMem_Realloc(g->inl, (size_t)DIGEST * (size_t)cap);
-    if (inl == NULL) return PyErr_NoMemory(), -1;
-    g->inl = inl;
     Py_ssize_t tabsize = 2 * cap; /* at most half full */
     uint64_t *tab = PyMem_Calloc((size_t)tabsize, sizeof(uint64_t));
     if (tab == NULL) return PyErr_NoMemory(), -1;
@@ -1240,22 +1256,18 @@ static int ghost_grow(Ghost *g) {
     return 0;
 }
 
-/* ghosts[d] = None (d's hash h): appended when absent, left in place when there. */
-static int ghost_put(Ghost *g, PyObject *d, Py_hash_t h) {
-    Py_ssize_t pos = ghost_find(g, d, h);
+/* ghosts[q] = None (q's hash h): appended when absent, left in place when there. */
+static int ghost_put(Ghost *g, const GKey *q, uint64_t h) {
+    Py_ssize_t pos = ghost_find(g, q, h);
     if (pos == -2) return -1;
     if (pos >= 0) return 0;
     if (g->free_head < 0 && ghost_grow(g) < 0) return -1;
     int32_t k = g->free_head;
     GSlot *x = &g->slot[k];
     g->free_head = x->next;
-    if (PyBytes_CheckExact(d) && PyBytes_GET_SIZE(d) == DIGEST) {
-        memcpy(g->inl + (size_t)k * DIGEST, PyBytes_AS_STRING(d), DIGEST);
-        x->key = NULL;
-    } else {
-        x->key = Py_NewRef(d);
-    }
-    x->hash = h;
+    x->k[0] = q->k[0];
+    x->k[1] = q->k[1];
+    x->key = Py_XNewRef(q->obj);
     x->prev = g->tail;
     x->next = -1;
     if (g->tail >= 0) g->slot[g->tail].next = k; else g->head = k;
@@ -1269,7 +1281,7 @@ static int ghost_put(Ghost *g, PyObject *d, Py_hash_t h) {
 static int ghost_pop_front(Ghost *g) {
     int32_t k = g->head;
     if (k < 0) return 0;
-    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)g->slot[k].hash & mask;
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)gslot_hash(&g->slot[k]) & mask;
     while (ghost_entry_slot(g->tab[i]) != k) i = (i + 1) & mask;
     ghost_drop(g, (Py_ssize_t)i);
     return 0;
@@ -1280,7 +1292,7 @@ static PyObject *ghost_list(Ghost *g) {
     if (out == NULL) return NULL;
     for (int32_t k = g->head; k >= 0; k = g->slot[k].next) {
         PyObject *key = g->slot[k].key != NULL ? Py_NewRef(g->slot[k].key)
-                                               : PyBytes_FromStringAndSize((const char *)g->inl + (size_t)k * DIGEST, DIGEST);
+                                               : PyBytes_FromStringAndSize((const char *)g->slot[k].k, PC_GHOST_KEY);
         if (key == NULL || PyList_Append(out, key) < 0) {
             Py_XDECREF(key);
             Py_DECREF(out);
@@ -1712,6 +1724,21 @@ static int pc_order(const PolicyCore *s, int order[2]) {
     return 1;
 }
 
+/* Block b's ghost key (set at link) into q, and its hash; q->obj is a new reference or NULL. */
+static int pc_ghost_key(PolicyCore *s, int32_t b, GKey *q, uint64_t *h) {
+    q->k[0] = s->c[b].gk[0];
+    q->k[1] = s->c[b].gk[1];
+    q->obj = NULL;
+    if (!s->c[b].gkinl) { /* a digest under 16 bytes (or not bytes): its key object, made again */
+        q->obj = PySequence_GetSlice(s->c[b].digest, 0, PC_GHOST_KEY);
+        if (q->obj == NULL) return -1;
+    }
+    *h = gkey_hash(q);
+    return 0;
+}
+
+static int pc_link_ghosts(PolicyCore *s, int32_t b, const GKey *q, uint64_t h);
+
 static int pc_on_evict(PolicyCore *s, int32_t b) {
     Ghost *g = NULL;
     if (s->kind == K_LFU || s->kind == K_GDSF) {
@@ -1724,9 +1751,14 @@ static int pc_on_evict(PolicyCore *s, int32_t b) {
         g = &s->ghost[0];
     if (g == NULL || !s->n[b].linked) return 0;
     Py_ssize_t limit = pc_limit(s);
-    ghost_prefetch(g, s->c[b].dhash);
-    if (g->len >= limit && g->head >= 0) ghost_prefetch(g, g->slot[g->head].hash); /* the pop's line too */
-    if (ghost_put(g, s->c[b].digest, s->c[b].dhash) < 0) return -1;
+    GKey q;
+    uint64_t h;
+    if (pc_ghost_key(s, b, &q, &h) < 0) return -1;
+    ghost_prefetch(g, h);
+    if (g->len >= limit && g->head >= 0) ghost_prefetch(g, gslot_hash(&g->slot[g->head])); /* the pop's line too */
+    int rc = ghost_put(g, &q, h);
+    Py_XDECREF(q.obj);
+    if (rc < 0) return -1;
     if (g->len > limit) {
         ghost_pop_front(g);
         if (g->head >= 0) PC_PREFETCH(&g->slot[g->head]); /* the next pop's slot */
@@ -1841,14 +1873,36 @@ static int pc_link(PolicyCore *s, int32_t b, PyObject *digest, PyObject *parent,
     s->n[b].pgen = up >= 0 ? s->n[up].gen : 0;
     s->c[b].depth = depth;
     s->n[b].linked = 1;
+    if (s->kind != K_ARC && s->kind != K_S3FIFO) return 0;
+    if (PyBytes_CheckExact(digest) && PyBytes_GET_SIZE(digest) >= PC_GHOST_KEY) {
+        memcpy(s->c[b].gk, PyBytes_AS_STRING(digest), PC_GHOST_KEY);
+        s->c[b].gkinl = 1;
+    } else { /* rare (tests): digest[:16] as an object, compared as Python compares it */
+        PyObject *obj = PySequence_GetSlice(digest, 0, PC_GHOST_KEY);
+        if (obj == NULL) return -1;
+        Py_hash_t oh = PyObject_Hash(obj);
+        Py_DECREF(obj);
+        if (oh == -1) return -1;
+        s->c[b].gk[0] = (uint64_t)oh;
+        s->c[b].gk[1] = 0;
+        s->c[b].gkinl = 0;
+    }
+    GKey q;
+    uint64_t h;
+    if (pc_ghost_key(s, b, &q, &h) < 0) return -1;
+    int rc = pc_link_ghosts(s, b, &q, h);
+    Py_XDECREF(q.obj);
+    return rc;
+}
+
+/* Whether the linked block's ghost key q is in a ghost list (taken out if so), and what that does. */
+static int pc_link_ghosts(PolicyCore *s, int32_t b, const GKey *q, uint64_t h) {
     if (s->kind == K_ARC) {
         Ghost *b1 = &s->ghost[0], *b2 = &s->ghost[1];
-        Py_hash_t h = s->c[b].dhash = PyObject_Hash(digest);
-        if (h == -1) return -1;
         ghost_prefetch(b1, h);
         ghost_prefetch(b2, h);
         double step = b1->len ? (double)b2->len / (double)b1->len : 0.0, limit = (double)pc_limit(s);
-        int in1 = ghost_take(b1, digest, h); /* found: deleted (the step above was read before) */
+        int in1 = ghost_take(b1, q, h); /* found: deleted (the step above was read before) */
         if (in1 < 0) return -1;
         if (in1) {
             double grown = s->p + (1.0 >= step ? 1.0 : step);
@@ -1857,17 +1911,15 @@ static int pc_link(PolicyCore *s, int32_t b, PyObject *digest, PyObject *parent,
             return 0;
         }
         step = b2->len ? (double)b1->len / (double)b2->len : 0.0;
-        int in2 = ghost_take(b2, digest, h);
+        int in2 = ghost_take(b2, q, h);
         if (in2 < 0) return -1;
         if (in2) {
             double shrunk = s->p - (1.0 >= step ? 1.0 : step);
             s->p = 0.0 >= shrunk ? 0.0 : shrunk;
             s->n[b].flag = 1;
         }
-    } else if (s->kind == K_S3FIFO) {
-        Py_hash_t h = s->c[b].dhash = PyObject_Hash(digest);
-        if (h == -1) return -1;
-        int in = ghost_take(&s->ghost[0], digest, h);
+    } else {
+        int in = ghost_take(&s->ghost[0], q, h);
         if (in < 0) return -1;
         s->n[b].s3q = in ? PC_MAIN : PC_SMALL;
         s->n[b].freq = -1;
@@ -1893,13 +1945,19 @@ static Py_ssize_t pc_key(PolicyCore *self, PyObject *o) {
 static PyObject *pc_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     int kind;
     PyObject *error, *clock = Py_None, *cost_fn = Py_None;
+    Py_ssize_t ghost_key = -1;
     if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
         PyErr_SetString(PyExc_TypeError, "PolicyCore() takes positional arguments only");
         return NULL;
     }
-    if (!PyArg_ParseTuple(args, "iO|OO:PolicyCore", &kind, &error, &clock, &cost_fn)) return NULL;
+    if (!PyArg_ParseTuple(args, "iO|OOn:PolicyCore", &kind, &error, &clock, &cost_fn, &ghost_key)) return NULL;
     if (kind < 0 || kind >= K_COUNT || !PyExceptionClass_Check(error)) {
-        PyErr_SetString(PyExc_ValueError, "PolicyCore(kind, error class[, clock, cost_fn])");
+        PyErr_SetString(PyExc_ValueError, "PolicyCore(kind, error class[, clock, cost_fn, ghost_key_bytes])");
+        return NULL;
+    }
+    if ((kind == K_ARC || kind == K_S3FIFO) && ghost_key != PC_GHOST_KEY) { /* the Python side owns the width */
+        PyErr_Format(PyExc_ValueError, "PolicyCore keys its ghosts by %d bytes of a digest, the policy asks %zd",
+                     PC_GHOST_KEY, ghost_key);
         return NULL;
     }
     PolicyCore *self = (PolicyCore *)type->tp_alloc(type, 0); /* zero-filled */

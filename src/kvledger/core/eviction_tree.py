@@ -91,7 +91,8 @@ class TreePolicy:
         fast = native.MODULE
         # The C part's state when it is loaded: every method below then hands over to it.
         self._core: Any = None if fast is None or kind is None else fast.PolicyCore(kind, LedgerError, clock,
-                                                                                      self._cost_table())
+                                                                                      self._cost_table(),
+                                                                                      GHOST_KEY_BYTES)
 
     @property
     def native_core(self) -> Any:
@@ -407,11 +408,19 @@ class GDSFPolicy(LFUPolicy):
 
 T1, T2 = 0, 1
 
+# A ghost (ARC's B1/B2, S3-FIFO's ghost list) is keyed by its digest's first GHOST_KEY_BYTES bytes, not
+# the whole 64: a ghost is only a hint that an identity was evicted recently, and 128 bits of BLAKE2b
+# output tell two identities apart with a chance of ~2^-128 of a false match (the cache's identity itself
+# already relies on the hash resisting collisions), at a quarter of the memory per ghost. The C part
+# (PolicyCore) is handed this width at construction and refuses any other, so both answer alike.
+GHOST_KEY_BYTES = 16
+
 
 class ARCPolicy(TreePolicy):
     """Adaptive Replacement Cache (Megiddo and Modha): T1 holds blocks used once, T2 blocks used again,
-    each LRU; ghosts B1/B2 remember the digests evicted from each, and a miss that finds its digest in a
-    ghost moves the target size ``p`` of T1 toward the list that would have kept it."""
+    each LRU; ghosts B1/B2 remember the digests (their first GHOST_KEY_BYTES) evicted from each, and a
+    miss that finds its digest in a ghost moves the target size ``p`` of T1 toward the list that would have
+    kept it."""
 
     name = "arc"
     queues = 2
@@ -435,13 +444,14 @@ class ARCPolicy(TreePolicy):
         return max(self._capacity, len(self._entry), 1)
 
     def _on_link(self, block: int, digest: bytes) -> None:
-        if digest in self._b1:
+        key = digest[:GHOST_KEY_BYTES]
+        if key in self._b1:
             self._p = min(float(self._ghost_limit()), self._p + max(1.0, len(self._b2) / len(self._b1)))
-            del self._b1[digest]
+            del self._b1[key]
             self._often.add(block)
-        elif digest in self._b2:
+        elif key in self._b2:
             self._p = max(0.0, self._p - max(1.0, len(self._b1) / len(self._b2)))
-            del self._b2[digest]
+            del self._b2[key]
             self._often.add(block)
 
     def _place(self, block: int) -> tuple[int, Any]:
@@ -456,7 +466,7 @@ class ARCPolicy(TreePolicy):
         ghosts = self._b2 if (self._uses.get(block, 0) > 1 or block in self._often) else self._b1
         digest = self.digest(block)
         if digest is not None:
-            ghosts[digest] = None
+            ghosts[digest[:GHOST_KEY_BYTES]] = None
             if len(ghosts) > self._ghost_limit():
                 ghosts.popitem(last=False)
 
@@ -498,8 +508,9 @@ class S3FIFOPolicy(TreePolicy):
         self._ghost: OrderedDict[bytes, None] = OrderedDict()
 
     def _on_link(self, block: int, digest: bytes) -> None:
-        if digest in self._ghost:
-            del self._ghost[digest]
+        key = digest[:GHOST_KEY_BYTES]
+        if key in self._ghost:
+            del self._ghost[key]
             self._queue[block] = MAIN
         else:
             self._queue[block] = SMALL
@@ -544,7 +555,7 @@ class S3FIFOPolicy(TreePolicy):
         if self._queue.get(block) == SMALL:
             digest = self.digest(block)
             if digest is not None:
-                self._ghost[digest] = None
+                self._ghost[digest[:GHOST_KEY_BYTES]] = None
                 if len(self._ghost) > max(self._capacity, len(self._entry), 1):
                     self._ghost.popitem(last=False)
 
@@ -605,5 +616,5 @@ _HELP = {
 for _cls in TREE_POLICIES:
     EVICTION_POLICIES.register(_cls.name, _cls, _HELP[_cls.name])
 
-__all__ = ["ATTENTION_KNEE_TOKENS", "ARCPolicy", "GDSFPolicy", "LFUPolicy", "RadixPriorityPolicy",
+__all__ = ["ATTENTION_KNEE_TOKENS", "ARCPolicy", "GDSFPolicy", "GHOST_KEY_BYTES", "LFUPolicy", "RadixPriorityPolicy",
            "S3FIFOPolicy", "TREE_POLICIES", "TreePolicy", "default_block_cost"]

@@ -1073,11 +1073,14 @@ _Static_assert(sizeof(Node) == 64, "a node is one cache line");
 
 typedef struct { /* a block's facts read once per link or eviction, apart: the nodes stay one line each */
     PyObject *digest; /* linked: its identity (a reference) */
-    uint64_t gk[2];   /* ARC, S3: its ghost key, copied at link (gkinl), else gk[0] = digest[:16]'s hash */
-    double want_exp;  /* PRIO: expiry of the wanted priority, NaN = never */
+    union {           /* one kind's fact or the other's: a record stays half a line */
+        uint64_t gk[2];  /* ARC, S3: its ghost key, copied at link (gkinl), else gk[0] = digest[:16]'s hash */
+        double want_exp; /* PRIO: expiry of the wanted priority, NaN = never */
+    };
     int32_t depth;    /* linked: depth */
     uint8_t gkinl;    /* gk holds the key's 16 bytes */
 } Cold;
+_Static_assert(sizeof(Cold) == 32, "a block's cold record is half a line");
 
 typedef struct {
     PyObject_HEAD
@@ -2091,6 +2094,7 @@ static PyObject *pcm_set_want(PolicyCore *self, PyObject *args) {
         if (priority > self->n[b].prio) self->n[b].prio = (int16_t)priority;
         Py_RETURN_NONE;
     }
+    if (self->kind != K_PRIORITY) Py_RETURN_NONE; /* the others keep no wanted priority (want_exp is PRIO's) */
     double e = Py_NAN;
     if (expires != Py_None) {
         e = PyFloat_AsDouble(expires);

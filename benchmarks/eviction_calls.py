@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--requests must be >= 1")
     policies = [p.strip() for p in args.eviction.split(",") if p.strip()]
     runs = {p: profile(p, args.case, args.requests) for p in policies}
-    names = sorted({n for r in runs.values() for n in r}, key=lambda n: -max(r.get(n, (0, 0))[0] for r in runs.values()))
+    names = sorted({n for r in runs.values() for n in r},
+                   key=lambda n: -max(r.get(n, (0, 0))[0] for r in runs.values()))
     print(f"eviction_calls: case {args.case}, {args.requests} requests, core "
           f"{'native' if native.MODULE is not None else 'python'}; calls per request (own us per request)")
     print(f"{'':44s}" + "".join(f"{p:>18s}" for p in policies))

@@ -264,8 +264,14 @@ def require_any_record(gguf: Path, kv_dtype: str, model_name: str) -> None:
             if data.get("weights_revision") == revision and isinstance(fid, str) and fid.split(":")[0] == fmt.name:
                 return
     raise ConfigError(f"KV format {fmt.name} has no passing quality record for {model_name or gguf} (weights "
-                      f"{revision}): measure it with `kvledger quality --model {model_name or gguf} --kv-cache-dtype "
-                      f"{fmt.name}` (a passing report is recorded), or pass --allow-untested-kv / allow_untested_kv=True")
+                      f"{revision}): {_how_to_record(fmt.name, model_name or str(gguf))}")
+
+
+def _how_to_record(fmt: str, model: str, block_size: int = 16) -> str:
+    """What a refusal tells the user to do (one wording for every refusal of an unrecorded format)."""
+    return (f"measure it with `kvledger quality --model {model} --kv-cache-dtype {fmt}"
+            + (f" --block-size {block_size}" if block_size != 16 else "")
+            + "` (a passing report is recorded), or pass --allow-untested-kv / allow_untested_kv=True")
 
 
 HELD_OUT_SET = "held-out prompts"  # the ``set`` of a verdict judged on the held-out prompts
@@ -315,9 +321,7 @@ def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tu
     """The passing record that allows serving ``spec``'s quantised format with ``ckpt``'s weights, or one
     :class:`ConfigError` line saying how to get one."""
     fmt = spec.kv_dtype
-    how = (f"measure it with `kvledger quality --model {model_name or '<model>'} --kv-cache-dtype {fmt}"
-           + (f" --block-size {spec.block_size}" if spec.block_size != 16 else "")
-           + "` (a passing report is recorded), or pass --allow-untested-kv / allow_untested_kv=True")
+    how = _how_to_record(fmt, model_name or "<model>", spec.block_size)
     if ckpt is None:
         raise ConfigError(f"KV format {fmt} is quantised and the engine cannot identify its weights to find a "
                           f"quality record: {how}")
@@ -330,5 +334,5 @@ def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tu
 
 
 __all__ = ["CONTRACTS", "HELD_OUT_SET", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "evaluate",
-           "find_record", "kvledger_version", "load_contract", "parse_contract", "record_blocker", "require_any_record", "require_record",
-           "save_record", "user_records", "weights_revision"]
+           "find_record", "kvledger_version", "load_contract", "parse_contract", "record_blocker", "require_any_record",
+           "require_record", "save_record", "user_records", "weights_revision"]

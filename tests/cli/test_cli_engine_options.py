@@ -175,9 +175,9 @@ def test_vllm_and_kvledger_names_of_the_step_knobs_are_one_option(command: str) 
     assert (ours["max_num_seqs"], ours["max_num_batched_tokens"]) == (vllm["max_num_seqs"],
                                                                       vllm["max_num_batched_tokens"]) == (7, 512)
     default = _parsed(command)
-    # The server steps as vLLM's CPU server does (2048 tokens: a prompt arriving with others starts
-    # sooner); offline commands keep 8192.
-    assert (default["max_num_seqs"], default["max_num_batched_tokens"]) == (256, 2048 if command == "serve" else 8192)
+    # The server steps in 1024 tokens (a prompt arriving with others starts sooner; docs/server.md); offline
+    # commands keep 8192.
+    assert (default["max_num_seqs"], default["max_num_batched_tokens"]) == (256, 1024 if command == "serve" else 8192)
 
 
 @pytest.mark.parametrize("command", ["generate x", "serve-trace --trace t.csv", "serve", "simulate", "plan"])

@@ -631,12 +631,7 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
         outv(D);
     float qsum[G];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
-      const int64_t len = lens[b];
-      int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      int64_t hi = len;
-      lo = std::max(lo, p * part_len);
-      hi = std::min(hi, (p + 1) * part_len);
+      const auto [b, h, p, lo, hi] = split.item_range(item, lens, KVH, window);
       if (lo >= hi) continue;
       const int64_t n = hi - lo;
       const int32_t* table = tables + b * max_blocks;

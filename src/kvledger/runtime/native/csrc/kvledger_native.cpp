@@ -477,6 +477,17 @@ struct SplitContexts {
     }
   }
 
+  // Work item ``item`` (sequence b, KV head h, partition p, in that nesting) and the token range [lo, hi) it
+  // attends over: its partition of the context, cut to the last ``window`` tokens when window > 0 (empty: lo >= hi).
+  struct Item { int64_t b, h, p, lo, hi; };
+  Item item_range(int64_t item, const int32_t* lens, int64_t KVH, int64_t window) const {
+    const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
+    const int64_t len = lens[b];
+    const int64_t lo = std::max<int64_t>(window > 0 ? std::max<int64_t>(0, len - window) : 0, p * part_len);
+    const int64_t hi = std::min<int64_t>(len, (p + 1) * part_len);
+    return {b, h, p, lo, hi};
+  }
+
   // One work item's result: its output rows when the context is whole, else its partial state.
   template <typename Q>
   void finish(Q* op, const int64_t* row_idx, int64_t o_s0, int64_t o_s1, int64_t KVH, int64_t b, int64_t h,
@@ -555,12 +566,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const KC& kc,
   at::parallel_for(0, B * KVH * P, inline_ ? B * KVH * P : 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores, tile(bs * D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t p = item % P, h = (item / P) % KVH, b = item / (P * KVH);
-      const int64_t len = lens[b];
-      int64_t lo = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      int64_t hi = len;
-      lo = std::max(lo, p * part_len);
-      hi = std::min(hi, (p + 1) * part_len);
+      const auto [b, h, p, lo, hi] = split.item_range(item, lens, KVH, window);
       if (lo >= hi) continue;
       const int64_t n = hi - lo;
       const int32_t* table = tables + b * max_blocks;

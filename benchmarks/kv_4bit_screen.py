@@ -13,12 +13,15 @@ Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,smooth4/
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
+import re
 import sysconfig
 import time
 from pathlib import Path
 
+import kv_codebooks as cbq  # beside this script
 import torch
 import torch.nn.functional as F
 
@@ -191,6 +194,98 @@ BF16_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 b
 SINK_SEQ = 23040  # one token's K and V at bf16 over every layer and head: per sequence
 
 
+# Codebook quantisers (kv_codebooks.py), learned on calibration texts: ``[p]pq{d}x{bits}[s]`` product
+# quantisation in d-channel sub-vectors (d = 2: RoPE pairs), ``[p]nuq{bits}[s]`` per-channel levels; ``p``: keys
+# before RoPE (RoPE applied to the dequantised key); ``s``: an fp16 per-row (token, head) RMS scale; ``nuqa{bits}``:
+# per-channel levels with ``64 * bits`` bits a row spread over the channels by what their error costs (keys: the
+# variance times the query energy of the channel; values: times the squared norm of its o_proj columns).
+CODEBOOK = re.compile(r"^(?P<pre>p?)(?:pq(?P<d>\d)x(?P<bits>\d+)|nuq(?P<a>a?)(?P<nbits>\d+))(?P<s>s?)$")
+CODEBOOK_CACHE = Path("/tmp/kv_codebooks")
+
+
+def quantiser(name, slot):
+    """The quantiser a scheme names for ``slot`` ("k" or "v"), with ``.bytes`` per token, head and layer."""
+    m = CODEBOOK.match(name)
+    if m is None:
+        f = QUANT[name]
+        f.bytes = BYTES[name]
+        return f
+    d, bits = (1, int(m["nbits"])) if m["nbits"] else (int(m["d"]), int(m["bits"]))
+    scaled, pre, alloc = bool(m["s"]), bool(m["pre"]) and slot == "k", bool(m["a"])
+    source = "v" if slot == "v" else "kpre" if pre else "k"
+    if alloc and scaled:
+        raise ValueError(f"{name}: allocated levels take no row scale")
+
+    def f(layer, x, ctx):
+        cb = ctx["codebooks"](source, d, bits, scaled, alloc)[layer]
+        codes, s = cbq.encode(x, cb, scaled)
+        return cbq.decode(codes, cb, s)
+
+    f.pre_rope = pre
+    f.bytes = cbq.code_bytes(64, d, bits, scaled)
+    # allocated levels: stored here padded to 2 ** 8 a channel (the bound; fewer are used)
+    f.model_bytes = cbq.codebook_bytes(30, 3, 64, d, 8 if alloc else bits)
+    return f
+
+
+def calibration_texts(tok):
+    """Texts the codebooks learn from, apart from every text the screen scores and from the quality
+    contract's texts (bundled corpus, ``argparse.py``, Debian FAQs) and held-out prompts (peers 2, 3, 6, 7, ...):
+    the first 1,024 tokens of ``difflib.py`` and of the GPL-3 licence, and the ``tune`` peer prompts 8, 9, 12,
+    13, 16 and 17 with their reference ids."""
+    out = []
+    for p in (Path(sysconfig.get_paths()["stdlib"]) / "difflib.py", Path("/usr/share/common-licenses/GPL-3")):
+        out.append(tok(p.read_text(), add_special_tokens=False).input_ids[:1024])
+    wl = json.loads((PEERS / "workload.json").read_text())
+    ref = json.loads((PEERS / "reference_outputs_fp32.json").read_text())["outputs"]
+    for i in (8, 9, 12, 13, 16, 17):
+        r = ref[i]
+        out.append(wl["requests"][i]["ids"] + list(r["ids"] if isinstance(r, dict) else r))
+    return out
+
+
+def codebook_source(model, tok):
+    """A memoised ``(source, d, bits, scaled) -> [per-layer codebooks]``, fitted on :func:`calibration_texts`
+    (their K/V rows tapped from the exact forward) and cached under :data:`CODEBOOK_CACHE`."""
+    calib, taps, memo = calibration_texts(tok), [], {}
+    tag = hashlib.sha256(json.dumps(calib).encode()).hexdigest()[:12]
+
+    def importance(li, source):
+        if source == "v":  # |o_proj column|^2 summed over the query heads that read this KV head
+            a = model.layers[li].self_attn
+            w = (a.o_proj.weight.float() ** 2).sum(0).view(a.kv_heads, -1, a.head_dim).sum(1)
+            return w
+        e = sum(t[li]["qepre" if source == "kpre" else "qe"] for t in taps)
+        return e / sum(len(t[li]["k"]) for t in taps)
+
+    def get(source, d, bits, scaled, alloc=False):
+        key = (source, d, bits, scaled, alloc)
+        if key not in memo:
+            path = CODEBOOK_CACHE / f"{source}_{d}x{bits}{'a' if alloc else ''}{'s' if scaled else ''}_{tag}.pt"
+            if path.exists():
+                memo[key] = torch.load(path)
+            else:
+                if not taps:
+                    for ids in calib:
+                        layers = []
+                        forward(model, ids, taps=layers)
+                        taps.append(layers)
+                t0 = time.time()
+                if alloc:
+                    memo[key] = [cbq.fit_allocated(torch.cat([t[li][source] for t in taps]),
+                                                   importance(li, source), 64 * bits)[1] for li in range(len(taps[0]))]
+                else:
+                    memo[key] = [cbq.fit(torch.cat([t[li][source] for t in taps]), d, bits, scaled)
+                                 for li in range(len(taps[0]))]
+                print(f"  codebooks {source} {d}x{bits}{'s' if scaled else ''}: fitted on "
+                      f"{sum(len(c) for c in calib)} calibration tokens in {time.time() - t0:.0f}s", flush=True)
+                CODEBOOK_CACHE.mkdir(exist_ok=True)
+                torch.save(memo[key], path)
+        return memo[key]
+
+    return get
+
+
 def rope(x, cos, sin):
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -198,9 +293,10 @@ def rope(x, cos, sin):
 
 
 @torch.inference_mode()
-def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, exclude=False):
+def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, exclude=False, taps=None):
     """Logits at every position; ``kq``/``vq`` quantise post-RoPE K / V per layer; the first ``sink`` rows
-    are kept bf16 (``exclude``: and left out of their block's grid). ``per_layer``: {layer: (kq, vq)} overrides."""
+    are kept bf16 (``exclude``: and left out of their block's grid). ``per_layer``: {layer: (kq, vq)} overrides.
+    ``taps``: a list that receives each layer's exact ``{"kpre", "k", "v"}`` rows (calibration)."""
     t = len(ids)
     pos = torch.arange(t)
     ang = pos.float()[:, None] * model.inv_freq[None, :]
@@ -211,10 +307,15 @@ def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, excl
         a = layer.self_attn
         h = layer.input_layernorm(x)
         q, k, v = a.qkv_proj(h).split(a.split, -1)
-        q = rope(q.view(t, a.heads, a.head_dim), cos, sin)
+        qv = q.view(t, a.heads, a.head_dim)
+        q = rope(qv, cos, sin)
         kpre = k.view(t, a.kv_heads, a.head_dim)
         k = rope(kpre, cos, sin)
         v = v.view(t, a.kv_heads, a.head_dim)
+        if taps is not None:  # and each KV head's query energy per channel (summed over its query heads)
+            taps.append({"kpre": kpre, "k": k, "v": v,
+                         "qe": (q ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2)),
+                         "qepre": (qv ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2))})
         fk, fv = (per_layer or {}).get(li, (kq, vq))
         if fk is not None:
             kin, kpin, vin = k, kpre, v
@@ -270,7 +371,7 @@ def main():
     model = load_decoder(ckpt, torch.float32, cached=False)
     tok = AutoTokenizer.from_pretrained(str(ckpt.path))
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
-    ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale}
+    ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
     data = texts(tok)
     bases = [forward(model, ids) for _, ids in data]
     results = []
@@ -278,12 +379,13 @@ def main():
         t0 = time.time()
         parts = scheme.split("/")
         kname, vname = parts[0], parts[1]
+        fk, fv = quantiser(kname, "k"), quantiser(vname, "v")
         # sinkN: the first N rows kept bf16; xsinkN: and left out of block 0's per-channel ranges
         sink = int(parts[2].split("sink")[1]) if len(parts) > 2 and "sink" in parts[2] else 0
         exclude = len(parts) > 2 and parts[2].startswith("x")
         kls, nb, nq, worst = [], [], [], []
         for (_, ids), base in zip(data, bases, strict=True):
-            lg = forward(model, ids, QUANT[kname], QUANT[vname], ctx, sink, exclude=exclude)
+            lg = forward(model, ids, fk, fv, ctx, sink, exclude=exclude)
             kl, a, b = kl_and_ppl(base, lg, ids)
             kls.append(kl)
             nb.append(a)
@@ -291,10 +393,12 @@ def main():
             worst.append((math.exp(b.mean()) / math.exp(a.mean()) - 1) * 100)
         kl = torch.cat(kls).mean().item()
         ppl = (math.exp(torch.cat(nq).mean()) / math.exp(torch.cat(nb).mean()) - 1) * 100
-        per = None if BYTES[kname] is None or BYTES[vname] is None else BYTES[kname] + BYTES[vname]
-        bpt = None if per is None else per * 90
+        per = None if fk.bytes is None or fv.bytes is None else fk.bytes + fv.bytes
+        bpt = None if per is None else round(per * 90)
+        model_bytes = getattr(fk, "model_bytes", 0) + getattr(fv, "model_bytes", 0)
         results.append({"scheme": scheme, "bytes_per_token": bpt, "ratio": bpt and round(BF16_TOKEN / bpt, 3),
-                        "sink_bytes_per_sequence": SINK_SEQ * sink, "kl": kl, "ppl_pooled_pct": ppl,
+                        "sink_bytes_per_sequence": SINK_SEQ * sink,
+                        "codebook_bytes_per_model": model_bytes, "kl": kl, "ppl_pooled_pct": ppl,
                         "ppl_per_text_pct": worst})
         print(f"{scheme:28s} B/token {bpt}  KL {kl:.3e}  ppl pooled {ppl:+.2f}%  per text " +
               " ".join(f"{w:+.1f}" for w in worst) + f"  ({time.time() - t0:.0f}s)", flush=True)

@@ -1,0 +1,167 @@
+"""Codebook quantisers for the 4-bit KV screen (benchmarks/kv_4bit_screen.py): Lloyd's k-means codebooks
+learned on calibration rows, applied as product quantisation of a head's row. A row of ``D`` channels is cut
+into ``D / d`` sub-vectors of ``d`` channels, each replaced by the index of its nearest centroid in its own
+codebook of ``2 ** bits`` entries: ``d = 2`` pairs channel ``j`` with ``j + D / 2`` (the pairs RoPE turns
+together, so a pre-RoPE codebook commutes with RoPE as CommVQ's does); ``d = 1`` is a per-channel
+non-uniform scalar grid (KVQuant-style levels). An optional per-row scale (the row's RMS, fp16) is divided out
+before the lookup and multiplied back after. Codebooks are per model (layer, KV head, sub-vector), not per
+token: their bytes are stated apart from the bytes per token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def pair_order(dim: int, d: int) -> torch.Tensor:
+    """Channel order that puts each sub-vector's channels side by side: for ``d = 1`` the identity; for even
+    ``d``, RoPE pairs ``(j, j + dim / 2)`` in turn, ``d / 2`` consecutive pairs to a sub-vector."""
+    if d == 1:
+        return torch.arange(dim)
+    if d % 2 or dim % d:
+        raise ValueError(f"sub-vector width {d} must be 1 or an even divisor of {dim}")
+    half = dim // 2
+    return torch.stack((torch.arange(half), torch.arange(half) + half), -1).reshape(-1)
+
+
+def to_subvectors(x: torch.Tensor, d: int) -> torch.Tensor:
+    """``[..., D]`` -> ``[..., D / d, d]`` in :func:`pair_order`."""
+    return x[..., pair_order(x.shape[-1], d)].reshape(*x.shape[:-1], x.shape[-1] // d, d)
+
+
+def from_subvectors(s: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`to_subvectors`."""
+    dim = s.shape[-2] * s.shape[-1]
+    flat = s.reshape(*s.shape[:-2], dim)
+    out = torch.empty_like(flat)
+    out[..., pair_order(dim, s.shape[-1])] = flat
+    return out
+
+
+def nearest(x: torch.Tensor, cb: torch.Tensor, chunk_elems: int = 2 ** 22) -> torch.Tensor:
+    """Index of the nearest centroid (squared Euclidean) per group: ``x [G, N, d]``, ``cb [G, k, d]`` ->
+    ``[G, N]`` int64. One batched product per chunk: ``[x, 1] . [-2c, |c|^2]`` is ``|x - c|^2 - |x|^2``."""
+    g, n, _ = x.shape
+    k = cb.shape[1]
+    xa = torch.cat((x, torch.ones(g, n, 1)), -1)
+    ca = torch.cat((-2 * cb, (cb * cb).sum(-1, keepdim=True)), -1).transpose(1, 2).contiguous()
+    out = torch.empty(g, n, dtype=torch.long)
+    step = max(1, chunk_elems // max(1, g * k))
+    for i in range(0, n, step):
+        out[:, i:i + step] = torch.bmm(xa[:, i:i + step], ca).argmin(-1)
+    return out
+
+
+def grid_init(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Initial centroids for ``d`` of 1 or 2: the product of per-channel quantiles (``k`` of them for one
+    channel; ``2 ** ceil(b / 2)`` by ``2 ** floor(b / 2)`` for two), at the midpoints ``(i + 0.5) / m``."""
+    g, n, d = x.shape
+    bits = k.bit_length() - 1
+    if d not in (1, 2) or 2 ** bits != k:
+        raise ValueError("grid_init takes 1 or 2 channels and a power-of-two k")
+    sizes = [k] if d == 1 else [2 ** ((bits + 1) // 2), 2 ** (bits // 2)]
+    axes = [torch.quantile(x[..., c], (torch.arange(m) + 0.5) / m, dim=1).T for c, m in enumerate(sizes)]
+    if d == 1:
+        return axes[0][..., None]
+    a, b = axes  # [G, m0], [G, m1]
+    return torch.stack((a[:, :, None].expand(-1, -1, sizes[1]), b[:, None, :].expand(-1, sizes[0], -1)), -1
+                       ).reshape(g, k, 2)
+
+
+def kmeans(x: torch.Tensor, k: int, iters: int = 12) -> torch.Tensor:
+    """Lloyd's k-means per group, ``x [G, N, d]`` (d of 1 or 2) -> centroids ``[G, k, d]`` (fp32),
+    deterministic: :func:`grid_init`, then ``iters`` rounds of assign-and-average. A centroid left with no
+    points keeps its place."""
+    x = x.float()
+    g, n, d = x.shape
+    cb = grid_init(x, k)
+    for _ in range(iters):
+        idx = nearest(x, cb)
+        sums = torch.zeros(g, k, d).scatter_add_(1, idx[..., None].expand(g, n, d), x)
+        counts = torch.zeros(g, k).scatter_add_(1, idx, torch.ones(g, n))
+        cb = torch.where(counts[..., None] > 0, sums / counts.clamp_min(1)[..., None], cb)
+    return cb
+
+
+def row_scale(x: torch.Tensor) -> torch.Tensor:
+    """A row's RMS over its last axis, rounded to fp16 (what a per-row scale stores), never below 1e-6."""
+    return x.pow(2).mean(-1, keepdim=True).sqrt().clamp_min(1e-6).half().float()
+
+
+def fit(x: torch.Tensor, d: int, bits: int, scaled: bool, iters: int = 12, max_rows: int = 8192) -> torch.Tensor:
+    """Codebooks for rows ``x [N, H, D]`` (one set per head): ``[H, D / d, 2 ** bits, d]``, rounded to fp16.
+    ``scaled``: learned on the rows divided by their :func:`row_scale`. At most ``max_rows`` rows are used
+    (evenly spaced)."""
+    if x.shape[0] > max_rows:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_rows).long()]
+    if scaled:
+        x = x / row_scale(x)
+    s = to_subvectors(x.float(), d)  # [N, H, G, d]
+    n, h, g, _ = s.shape
+    cb = kmeans(s.permute(1, 2, 0, 3).reshape(h * g, n, d), 2 ** bits, iters)
+    return cb.half().float().view(h, g, 2 ** bits, d)
+
+
+def encode(x: torch.Tensor, cb: torch.Tensor, scaled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows ``x [N, H, D]`` -> codes ``[N, H, D / d]`` (int64, each in ``[0, 2 ** bits)``) and the fp16 row
+    scales ``[N, H, 1]`` (None unless ``scaled``)."""
+    h, g, k, d = cb.shape
+    s = row_scale(x) if scaled else None
+    sub = to_subvectors(x.float() / s if scaled else x.float(), d)  # [N, H, G, d]
+    n = sub.shape[0]
+    codes = nearest(sub.permute(1, 2, 0, 3).reshape(h * g, n, d), cb.reshape(h * g, k, d))
+    return codes.view(h, g, n).permute(2, 0, 1), s
+
+
+def decode(codes: torch.Tensor, cb: torch.Tensor, s: torch.Tensor | None) -> torch.Tensor:
+    """Codes ``[N, H, G]`` (and row scales) -> rows ``[N, H, D]``."""
+    h, g, _, d = cb.shape
+    hi = torch.arange(h)[None, :, None]
+    gi = torch.arange(g)[None, None, :]
+    x = from_subvectors(cb[hi, gi, codes])
+    return x * s if s is not None else x
+
+
+def code_bytes(dim: int, d: int, bits: int, scaled: bool) -> float:
+    """Bytes per row and head: the packed codes, plus 2 for an fp16 row scale."""
+    return dim // d * bits / 8 + (2 if scaled else 0)
+
+
+def codebook_bytes(layers: int, heads: int, dim: int, d: int, bits: int) -> int:
+    """Bytes of one model's codebooks at fp16: per layer, head and sub-vector, ``2 ** bits`` entries of ``d``."""
+    return layers * heads * (dim // d) * 2 ** bits * d * 2
+
+
+def allocate(err: torch.Tensor, total_bits: int, max_bits: int = 8) -> torch.Tensor:
+    """Bits per channel ``[G]`` summing to ``total_bits``, handed out one at a time (greedy), each to the channel
+    whose modelled error it cuts most (ties: the lower index): channel ``c`` at ``b`` bits is modelled as
+    ``err[c] * 4 ** -b`` (a scalar quantiser's error falls 4x a bit). ``err``: what the channel's error costs
+    at 0 bits (its variance times the weight of its error downstream)."""
+    if total_bits > max_bits * err.numel():
+        raise ValueError(f"{total_bits} bits do not fit {err.numel()} channels of at most {max_bits}")
+    bits = torch.zeros(err.numel(), dtype=torch.long)
+    err = err.double().flatten()
+    for _ in range(total_bits):
+        gain = torch.where(bits < max_bits, err * 0.75 * 4.0 ** -bits.double(), -1.0)
+        bits[int(gain.argmax())] += 1
+    return bits
+
+
+def fit_allocated(x: torch.Tensor, weight: torch.Tensor, total_bits: int, iters: int = 12,
+                  max_bits: int = 8, max_rows: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-channel levels for rows ``x [N, H, D]`` with :func:`allocate`'s bits per channel (per head, ``total_bits``
+    a row), the error cost of channel ``c`` its variance times ``weight [H, D]``. Returns the bits ``[H, D]`` and
+    codebooks ``[H, D, 2 ** max_bits, 1]`` (fp16-rounded) usable by :func:`encode`/:func:`decode` with ``d = 1``: a
+    channel of ``b`` bits holds its ``2 ** b`` levels first, the rest copies of its first level (the lower index
+    wins a tie, so its codes stay below ``2 ** b``). A channel of 0 bits is its calibration mean."""
+    if x.shape[0] > max_rows:
+        x = x[torch.linspace(0, x.shape[0] - 1, max_rows).long()]
+    x = x.float()
+    h, dim = x.shape[1:]
+    bits = torch.stack([allocate(weight[i] * x[:, i].var(0), total_bits, max_bits) for i in range(h)])
+    cb = torch.empty(h, dim, 2 ** max_bits, 1)
+    for b in bits.unique().tolist():
+        hs, cs = (bits == b).nonzero(as_tuple=True)
+        levels = kmeans(x[:, hs, cs].T[..., None], 2 ** b, iters)  # [G_b, 2 ** b, 1]
+        cb[hs, cs] = torch.cat((levels, levels[:, :1].expand(-1, 2 ** max_bits - 2 ** b, 1)), 1)
+    return bits, cb.half().float()

@@ -1,0 +1,141 @@
+"""The codebook quantisers the 4-bit KV screen learns (benchmarks/kv_codebooks.py) pinned on hand-made data:
+sub-vector channel order (RoPE pairs), nearest-centroid codes and their range, the deterministic k-means
+start and fixed points worked out by hand, exact round trips where the codebook holds every row, the
+per-row scale, the error bound of a uniform level set, and the byte counts."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_codebooks.py"
+_spec = importlib.util.spec_from_file_location("kv_codebooks", _PATH)
+cbq = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cbq)
+
+
+def test_pair_order_groups_rope_pairs():
+    assert cbq.pair_order(8, 1).tolist() == list(range(8))
+    assert cbq.pair_order(8, 2).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert cbq.pair_order(8, 4).tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    for bad in (3, 16):
+        with pytest.raises(ValueError):
+            cbq.pair_order(8, bad)
+
+
+def test_subvectors_round_trip():
+    x = torch.arange(16.0).view(2, 8)
+    s = cbq.to_subvectors(x, 2)
+    assert s.shape == (2, 4, 2)
+    assert s[0].tolist() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert cbq.to_subvectors(x, 4)[1].tolist() == [[8, 12, 9, 13], [10, 14, 11, 15]]
+    for d in (1, 2, 4):
+        assert torch.equal(cbq.from_subvectors(cbq.to_subvectors(x, d)), x)
+
+
+def test_nearest_codes():
+    cb = torch.tensor([[[0.0, 0.0], [10.0, 0.0], [0.0, 10.0]]])
+    x = torch.tensor([[[1.0, 1.0], [9.0, 1.0], [1.0, 6.0], [-5.0, -5.0], [20.0, 19.0]]])
+    assert cbq.nearest(x, cb).tolist() == [[0, 1, 2, 0, 1]]
+    # chunking changes nothing
+    assert cbq.nearest(x, cb, chunk_elems=1).tolist() == [[0, 1, 2, 0, 1]]
+
+
+def test_grid_init_quantile_midpoints():
+    x = torch.arange(16.0).view(1, 16, 1)  # quantile q of 0..15 is 15 q (linear interpolation)
+    assert cbq.grid_init(x, 4).flatten().tolist() == [1.875, 5.625, 9.375, 13.125]
+    two = torch.stack((torch.arange(16.0), 100 + torch.arange(16.0)), -1)[None]  # 8 = 4 x 2 grid
+    got = cbq.grid_init(two, 8)[0].tolist()
+    assert got == [[a, b] for a in (1.875, 5.625, 9.375, 13.125) for b in (103.75, 111.25)]
+    with pytest.raises(ValueError):
+        cbq.grid_init(x, 6)
+
+
+def test_kmeans_fixed_points_by_hand():
+    # two clusters: the quantile start (1.25, 10.75) splits them; one round moves to their means
+    x = torch.tensor([0.0, 1, 2, 10, 11, 12]).view(1, 6, 1)
+    assert cbq.kmeans(x, 2).flatten().tolist() == [1.0, 11.0]
+    # four repeated points on a square: the grid start is already them
+    pts = torch.tensor([[0.0, 0], [0, 10], [10, 0], [10, 10]]).repeat(3, 1)[None]
+    assert sorted(map(tuple, cbq.kmeans(pts, 4)[0].tolist())) == [(0, 0), (0, 10), (10, 0), (10, 10)]
+    # centroids that win no point keep their place
+    x = torch.tensor([0.0, 0, 0, 10]).view(1, 4, 1)
+    assert cbq.kmeans(x, 4).flatten().tolist() == [0.0, 0.0, 0.0, 10.0]
+
+
+def test_fit_recovers_few_distinct_values_and_rounds_to_fp16():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 2, (64, 2, 8), generator=g).float() * 0.1  # every channel in {0, 0.1}
+    cb = cbq.fit(x, 1, 1, scaled=False)
+    assert cb.shape == (2, 8, 2, 1)
+    assert torch.equal(cb, cb.half().float())
+    assert cb[..., 0].tolist() == [[[0.0, torch.tensor(0.1).half().item()]] * 8] * 2
+    codes, s = cbq.encode(x, cb, scaled=False)
+    assert s is None and codes.shape == (64, 2, 8)
+    assert codes.min() >= 0 and codes.max() <= 1
+    assert torch.equal(codes, (x > 0).long())
+    assert torch.equal(cbq.decode(codes, cb, None), x.half().float())
+
+
+def test_round_trip_exact_when_the_codebook_holds_the_rows():
+    # D = 4, pairs (0, 2) and (1, 3); rows with RMS 2 and 0.5 (exact in fp16)
+    x = torch.tensor([[[2.0, -2.0, 2.0, -2.0]], [[0.5, 0.5, -0.5, 0.5]]])  # [N=2, H=1, D=4]
+    unit = torch.tensor([[1.0, 1.0], [-1.0, -1.0], [1.0, -1.0], [-1.0, 1.0]])
+    cb = unit.expand(1, 2, 4, 2).clone()  # [H, G, k, d]
+    codes, s = cbq.encode(x, cb, scaled=True)
+    assert s.flatten().tolist() == [2.0, 0.5]
+    assert codes.tolist() == [[[0, 1]], [[2, 0]]]
+    assert torch.equal(cbq.decode(codes, cb, s), x)
+    raw = unit.mul(2).expand(1, 2, 4, 2).clone()  # unscaled: the codebook holds the first row's pairs
+    c2, s2 = cbq.encode(x[:1], raw, scaled=False)
+    assert s2 is None and torch.equal(cbq.decode(c2, raw, None), x[:1])
+
+
+def test_uniform_levels_bound_the_error_by_half_a_step():
+    levels = torch.arange(16.0).view(1, 1, 16, 1).expand(1, 4, 16, 1).clone()  # per channel, step 1
+    x = torch.linspace(-0.4, 15.4, 400).view(100, 1, 4)
+    codes, _ = cbq.encode(x, levels, scaled=False)
+    assert codes.min() == 0 and codes.max() == 15
+    err = (cbq.decode(codes, levels, None) - x).abs().max().item()
+    assert err <= 0.5 + 1e-6
+
+
+def test_bytes():
+    assert cbq.code_bytes(64, 2, 8, False) == 32
+    assert cbq.code_bytes(64, 2, 9, False) == 36
+    assert cbq.code_bytes(64, 1, 4, True) == 34
+    assert cbq.codebook_bytes(30, 3, 64, 2, 8) == 30 * 3 * 32 * 256 * 2 * 2 == 2_949_120
+    assert cbq.codebook_bytes(30, 3, 64, 1, 4) == 30 * 3 * 64 * 16 * 2 == 184_320
+
+
+def test_allocate_greedy_by_hand():
+    # gains 0.75 * err * 4^-b: 12 | .75 .75 .75 -> ch0; 3 -> ch0; tie .75 (ch0 at b=2 and ch1..3) -> ch0; then ch1
+    assert cbq.allocate(torch.tensor([16.0, 1, 1, 1]), 4).tolist() == [3, 1, 0, 0]
+    assert cbq.allocate(torch.tensor([16.0, 1, 1, 1]), 8).tolist() == [4, 2, 1, 1]
+    assert cbq.allocate(torch.tensor([1.0, 1]), 4, max_bits=2).tolist() == [2, 2]  # the cap moves bits on
+    assert cbq.allocate(torch.tensor([5.0, 0.0]), 3).tolist() == [3, 0]
+    with pytest.raises(ValueError):
+        cbq.allocate(torch.tensor([1.0, 1]), 5, max_bits=2)
+
+
+def test_fit_allocated_codes_stay_in_each_channels_range():
+    # channel 0 constant (variance 0: no bits, its mean), channel 1 in {0, 1}, channel 2 in {0, 2, 4, 6}
+    g = torch.Generator().manual_seed(1)
+    n = 400
+    x = torch.stack((torch.full((n,), 3.0), torch.randint(0, 2, (n,), generator=g).float(),
+                     2 * torch.randint(0, 4, (n,), generator=g).float()), -1)[:, None, :]  # [N, H=1, D=3]
+    weight = torch.tensor([[1.0, 4.0, 1.0]])
+    bits, cb = cbq.fit_allocated(x, weight, total_bits=3, max_bits=4)
+    # err = weight * variance: 0, 4 * 0.25 = 1, ~5: ch2 gets the 1st bit (3.75 > .75), then 0.94 vs .75: ch2,
+    # then ch1 .75 vs ch2 .23
+    assert bits.tolist() == [[0, 1, 2]]
+    assert cb.shape == (1, 3, 16, 1)
+    assert cb[0, 0, :, 0].tolist() == [3.0] * 16
+    assert cb[0, 1, :2, 0].tolist() == [0.0, 1.0] and cb[0, 1, 2:, 0].tolist() == [0.0] * 14
+    assert cb[0, 2, :4, 0].tolist() == [0.0, 2.0, 4.0, 6.0] and cb[0, 2, 4:, 0].tolist() == [0.0] * 12
+    codes, _ = cbq.encode(x, cb, scaled=False)
+    assert codes[..., 0].max() == 0 and codes[..., 1].max() == 1 and codes[..., 2].max() == 3
+    assert torch.equal(cbq.decode(codes, cb, None), x)

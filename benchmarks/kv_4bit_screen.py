@@ -201,11 +201,24 @@ SINK_SEQ = 23040  # one token's K and V at bf16 over every layer and head: per s
 # variance times the query energy of the channel; values: times the squared norm of its o_proj columns).
 CODEBOOK = re.compile(r"^(?P<pre>p?)(?:pq(?P<d>\d)x(?P<bits>\d+)|nuq(?P<a>a?)(?P<nbits>\d+))(?P<s>s?)$")
 CODEBOOK_CACHE = Path("/tmp/kv_codebooks")
+# ``[p]kva{NN}``: keys per channel per 16-token block like KIVI (fp16 step and minimum), the bits of each channel
+# allocated on calibration texts (NN bytes a row, metadata included) by what its error costs (the block range
+# times the channel's query energy); channels given no bits are their calibration mean (no bytes).
+BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 
 
 def quantiser(name, slot):
     """The quantiser a scheme names for ``slot`` ("k" or "v"), with ``.bytes`` per token, head and layer."""
-    m = CODEBOOK.match(name)
+    m, ba = CODEBOOK.match(name), BLOCK_ALLOC.match(name)
+    if ba is not None and slot == "k":
+        pre, nbytes = bool(ba["pre"]), int(ba["nbytes"])
+
+        def fb(layer, x, ctx):
+            bits, mean, used = ctx["codebooks"]("kpre" if pre else "k", 0, nbytes, False, "block")[layer]
+            return cbq.block_allocated(x, bits, mean)
+
+        fb.pre_rope, fb.bytes = pre, nbytes  # the budget; the bytes used are printed when fitted
+        return fb
     if m is None:
         f = QUANT[name]
         f.bytes = BYTES[name]
@@ -271,7 +284,18 @@ def codebook_source(model, tok):
                         forward(model, ids, taps=layers)
                         taps.append(layers)
                 t0 = time.time()
-                if alloc:
+                if alloc == "block":  # (bits, mean, bytes a row used) per layer
+                    memo[key] = []
+                    for li in range(len(taps[0])):
+                        x = torch.cat([t[li][source] for t in taps])
+                        err = cbq.block_errors(x, importance(li, source))
+                        nb = torch.stack([cbq.allocate_table(e, 8 * bits, 1 + 32 / 16) for e in err])
+                        used = (nb.sum(-1) / 8 + (nb > 0).sum(-1) * 4 / 16).mean().item()
+                        memo[key].append((nb, x.float().mean(0).half().float(), used))
+                    print(f"  {source} kva{bits}: bits per channel " + " ".join(
+                        f"{v}:{int(sum((m[0] == v).sum() for m in memo[key]))}" for v in range(9)) +
+                        f"; bytes a row used {sum(m[2] for m in memo[key]) / len(memo[key]):.2f}", flush=True)
+                elif alloc:
                     memo[key] = [cbq.fit_allocated(torch.cat([t[li][source] for t in taps]),
                                                    importance(li, source), 64 * bits)[1] for li in range(len(taps[0]))]
                 else:

@@ -165,3 +165,54 @@ def fit_allocated(x: torch.Tensor, weight: torch.Tensor, total_bits: int, iters:
         levels = kmeans(x[:, hs, cs].T[..., None], 2 ** b, iters)  # [G_b, 2 ** b, 1]
         cb[hs, cs] = torch.cat((levels, levels[:, :1].expand(-1, 2 ** max_bits - 2 ** b, 1)), 1)
     return bits, cb.half().float()
+
+
+def allocate_table(err: torch.Tensor, budget: float, first_cost: float) -> torch.Tensor:
+    """Bits per channel from a table of modelled errors ``err [G, B + 1]`` (channel ``c`` at ``b`` bits), greedy:
+    each step buys the next bit of the channel whose error it cuts most per bit spent, while the ``budget``
+    (bits) lasts; a channel's first bit costs ``first_cost`` (1 plus its per-block metadata, per row), later
+    ones 1. Ties: the lower index."""
+    g, top = err.shape[0], err.shape[1] - 1
+    err = err.double()
+    bits = torch.zeros(g, dtype=torch.long)
+    rows = torch.arange(g)
+    left = float(budget)
+    while True:
+        cost = torch.where(bits == 0, first_cost, 1.0).double()
+        nxt = bits.clamp_max(top - 1) + 1
+        gain = (err[rows, bits] - err[rows, nxt]) / cost
+        gain = torch.where((bits < top) & (cost <= left + 1e-9), gain, -1.0)
+        c = int(gain.argmax())
+        if gain[c] <= 0:
+            return bits
+        left -= float(cost[c])
+        bits[c] += 1
+
+
+def block_errors(x: torch.Tensor, weight: torch.Tensor, bs: int = 16, max_bits: int = 8) -> torch.Tensor:
+    """Modelled error table ``[H, D, max_bits + 1]`` of rows ``x [N, H, D]`` under per-block (``bs`` rows) asymmetric
+    grids: at ``b >= 1`` bits ``weight * E[range^2] / (12 (2^b - 1)^2)`` (a uniform grid's error over the block's
+    range), at 0 bits ``weight * variance`` (the channel left at its calibration mean)."""
+    n = x.shape[0] // bs * bs
+    xb = x[:n].float().view(-1, bs, *x.shape[1:])
+    r2 = ((xb.amax(1) - xb.amin(1)) ** 2).mean(0)  # [H, D]
+    steps = (2.0 ** torch.arange(1, max_bits + 1) - 1) ** 2
+    err = torch.cat(((x.float().var(0))[..., None], r2[..., None] / (12 * steps)), -1)
+    return weight[..., None] * err
+
+
+def block_allocated(x: torch.Tensor, bits: torch.Tensor, mean: torch.Tensor, bs: int = 16) -> torch.Tensor:
+    """Rows ``x [N, H, D]`` through per-block (``bs`` rows) per-channel asymmetric grids of ``bits [H, D]`` bits
+    (fp16 step and minimum a channel and block; the last block padded with copies of the last row); channels of 0
+    bits are their calibration ``mean [H, D]``."""
+    t = x.shape[0]
+    pad = (-t) % bs
+    xp = torch.cat((x, x[-1:].expand(pad, *x.shape[1:]))) if pad else x
+    xb = xp.view(-1, bs, *x.shape[1:])
+    lo, hi = xb.amin(1, keepdim=True), xb.amax(1, keepdim=True)
+    n = (2.0 ** bits - 1).clamp_min(1)
+    s = ((hi - lo) / n).clamp_min(2.0 ** -14).half().float()  # fp16's smallest normal: a flat block stays finite
+    lo = lo.half().float()
+    q = ((xb - lo) / s).round().clamp(torch.zeros_like(n), n) * s + lo
+    q = torch.where(bits > 0, q, mean.expand_as(q))
+    return q.reshape(-1, *x.shape[1:])[:t]

@@ -139,3 +139,33 @@ def test_fit_allocated_codes_stay_in_each_channels_range():
     codes, _ = cbq.encode(x, cb, scaled=False)
     assert codes[..., 0].max() == 0 and codes[..., 1].max() == 1 and codes[..., 2].max() == 3
     assert torch.equal(cbq.decode(codes, cb, None), x)
+
+
+def test_allocate_table_pays_the_first_bit_its_metadata():
+    err = torch.tensor([[10.0, 1.0, 0.1], [1.0, 0.5, 0.2]])
+    # ch0's first bit: 9 / 3 = 3 a bit (3 spent); its second 0.9 (4 spent); ch1's first 0.5 / 3 needs 3 more
+    assert cbq.allocate_table(err, 4, 3).tolist() == [2, 0]
+    assert cbq.allocate_table(err, 6, 3).tolist() == [2, 0]
+    assert cbq.allocate_table(err, 7, 3).tolist() == [2, 1]
+    assert cbq.allocate_table(err, 100, 3).tolist() == [2, 2]  # the table's top
+    assert cbq.allocate_table(err, 2, 3).tolist() == [0, 0]
+
+
+def test_block_errors_by_hand():
+    x = torch.tensor([0.0, 2.0, 1.0, 1.0]).view(4, 1, 1)  # blocks of 2: ranges 2 and 0; variance 2 / 3
+    err = cbq.block_errors(x, torch.tensor([[3.0]]), bs=2, max_bits=2)
+    assert err.shape == (1, 1, 3)
+    assert torch.allclose(err[0, 0], torch.tensor([2.0, 3 * 2 / 12, 3 * 2 / (12 * 9)]))
+
+
+def test_block_allocated_grid_and_mean():
+    x = torch.tensor([[0.0, 7], [3, 8], [1, 9], [2, 1], [0.25, 4]]).view(5, 1, 2)
+    bits = torch.tensor([[2, 0]])
+    mean = torch.tensor([[5.0, 5.0]])
+    y = cbq.block_allocated(x, bits, mean, bs=4)
+    # block 0, channel 0: min 0, step 3 / 3 = 1, exact; block 1 is row 4 padded with itself: range 0
+    assert y[:, 0, 0].tolist() == [0.0, 3.0, 1.0, 2.0, 0.25]
+    assert y[:, 0, 1].tolist() == [5.0] * 5  # no bits: the calibration mean
+    one = cbq.block_allocated(torch.tensor([0.0, 0.4, 0.6, 1.0]).view(4, 1, 1), torch.tensor([[1]]),
+                              torch.zeros(1, 1), bs=4)
+    assert one.flatten().tolist() == [0.0, 0.0, 1.0, 1.0]  # 1 bit: the block's two ends

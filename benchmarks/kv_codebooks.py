@@ -168,25 +168,29 @@ def fit_allocated(x: torch.Tensor, weight: torch.Tensor, total_bits: int, iters:
 
 
 def allocate_table(err: torch.Tensor, budget: float, first_cost: float) -> torch.Tensor:
-    """Bits per channel from a table of modelled errors ``err [G, B + 1]`` (channel ``c`` at ``b`` bits), greedy:
-    each step buys the next bit of the channel whose error it cuts most per bit spent, while the ``budget``
-    (bits) lasts; a channel's first bit costs ``first_cost`` (1 plus its per-block metadata, per row), later
-    ones 1. Ties: the lower index."""
+    """Bits per channel from a table of modelled errors ``err [G, B + 1]`` (channel ``c`` at ``b`` bits), greedy on
+    the table's lower hull: each step buys, for some channel, the move from its bits ``b`` to the ``b' > b`` that
+    cuts the most error per bit spent (a jump of several bits when its first bits alone gain little: a 1-bit
+    grid over a block's range can be worse than none), while the ``budget`` (bits) lasts; a channel's first bit
+    costs ``first_cost`` (1 plus its per-block metadata, per row), later ones 1. Ties: the lower channel, then
+    the smaller move."""
     g, top = err.shape[0], err.shape[1] - 1
     err = err.double()
     bits = torch.zeros(g, dtype=torch.long)
     rows = torch.arange(g)
+    to = torch.arange(top + 1)
     left = float(budget)
     while True:
-        cost = torch.where(bits == 0, first_cost, 1.0).double()
-        nxt = bits.clamp_max(top - 1) + 1
-        gain = (err[rows, bits] - err[rows, nxt]) / cost
-        gain = torch.where((bits < top) & (cost <= left + 1e-9), gain, -1.0)
-        c = int(gain.argmax())
-        if gain[c] <= 0:
+        cost = (to[None, :] - bits[:, None]).double() + torch.where(bits == 0, first_cost - 1, 0.0).double()[:, None]
+        gain = (err[rows, bits][:, None] - err) / cost.clamp_min(1e-9)
+        ok = (to[None, :] > bits[:, None]) & (cost <= left + 1e-9)
+        gain = torch.where(ok, gain, -1.0)
+        best = int(gain.flatten().argmax())
+        c, nb = divmod(best, top + 1)
+        if gain[c, nb] <= 0:
             return bits
-        left -= float(cost[c])
-        bits[c] += 1
+        left -= float(cost[c, nb])
+        bits[c] = nb
 
 
 def block_errors(x: torch.Tensor, weight: torch.Tensor, bs: int = 16, max_bits: int = 8) -> torch.Tensor:

@@ -169,3 +169,12 @@ def test_block_allocated_grid_and_mean():
     one = cbq.block_allocated(torch.tensor([0.0, 0.4, 0.6, 1.0]).view(4, 1, 1), torch.tensor([[1]]),
                               torch.zeros(1, 1), bs=4)
     assert one.flatten().tolist() == [0.0, 0.0, 1.0, 1.0]  # 1 bit: the block's two ends
+
+
+def test_allocate_table_jumps_past_a_first_bit_that_gains_nothing():
+    # ch0 at 1 bit is worse than at 0 but at 2 bits far better: the move 0 -> 2 gains 0.99 / 2 a bit
+    err = torch.tensor([[1.0, 2.0, 0.01], [1.0, 0.9, 0.8]])
+    assert cbq.allocate_table(err, 2, 1).tolist() == [2, 0]
+    assert cbq.allocate_table(err, 3, 1).tolist() == [2, 1]  # then ch1 one bit at a time (0.1 a bit either way)
+    assert cbq.allocate_table(err, 4, 1).tolist() == [2, 2]
+    assert cbq.allocate_table(err, 1, 1).tolist() == [0, 1]  # the jump does not fit

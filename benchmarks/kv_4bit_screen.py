@@ -5,9 +5,11 @@ Python's ``textwrap.py`` and of the Apache-2.0 licence, and 4 ``tune`` peer prom
 ids. A scheme is ``KEYS/VALUES[/sinkN|/xsinkN]`` (quantiser names: :data:`QUANT`; ``sinkN`` keeps the first N
 tokens' K and V at bf16, ``xsinkN`` also leaves them out of block 0's per-channel ranges); each prints its KL,
 perplexity change and bytes per token (metadata included, :data:`BYTES`), then one JSON line of every figure.
+Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`) learn their levels on :func:`calibration_texts`, apart
+from every scored text; their per-model codebook bytes are reported apart from the bytes per token.
 Results and what they say: docs/kv_formats.md, "Screened since".
 
-Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,smooth4/tok4h] [--threads 2]
+Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,kva37/tok4h/sink1,ppq2x8/none] [--threads 2]
 """
 
 from __future__ import annotations
@@ -261,7 +263,8 @@ def codebook_source(model, tok):
     """A memoised ``(source, d, bits, scaled) -> [per-layer codebooks]``, fitted on :func:`calibration_texts`
     (their K/V rows tapped from the exact forward) and cached under :data:`CODEBOOK_CACHE`."""
     calib, taps, memo = calibration_texts(tok), [], {}
-    tag = hashlib.sha256(json.dumps(calib).encode()).hexdigest()[:12]
+    # the cache key covers the calibration ids and the quantisers' source: a changed fit never reads a stale file
+    tag = hashlib.sha256(json.dumps(calib).encode() + Path(cbq.__file__).read_bytes()).hexdigest()[:12]
 
     def importance(li, source):
         if source == "v":  # |o_proj column|^2 summed over the query heads that read this KV head

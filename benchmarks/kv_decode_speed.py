@@ -1,6 +1,6 @@
 """Decode speed of quantised KV formats against the fp32-KV engine, side by side in one invocation (issue 36).
 
-For every shape (batch sizes at --prompt tokens, then --long-batch sequences at --long tokens) it builds one
+For every shape (--batches sizes at --prompt tokens, then each of --long-batch sizes at --long tokens) it builds one
 engine per KV format (the uncompressed fp32 one first) on SmolLM2-135M, fp32 compute, and times greedy
 generation interleaved (fp32, int8, ..., fp32, int8, ...) so that load on a shared machine hits every
 format alike. Decode tok/s = B * (new - 1) / (fastest time of `new` tokens - fastest time of 1 token): the
@@ -12,7 +12,7 @@ Prints the CPU's vector flags that pick the decode kernels (AVX-512 VNNI: the in
 int8 (per-channel) / int4 keys and int8-token / 4-bit values; ``--int-dot off`` takes the float kernels), one line per
 shape with each format's ratio to fp32, the load average at start and end, then one JSON line of every figure.
 Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-token,int4,fp8-scaled] [--batches 1,8,32]
-       [--prompt 256] [--long 2048] [--long-batch 4] [--new 16] [--reps 3] [--threads 2] [--int-dot on|off]
+       [--prompt 256] [--long 2048] [--long-batch 4,8,32] [--new 16] [--reps 3] [--threads 2] [--int-dot on|off]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--prompt", type=int, default=256)
     ap.add_argument("--long", type=int, default=2048, help="context of the long shape (0: none)")
-    ap.add_argument("--long-batch", type=int, default=4)
+    ap.add_argument("--long-batch", default="4", help="batch sizes of the long shape, comma-separated")
     ap.add_argument("--new", type=int, default=16)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
@@ -64,7 +64,7 @@ def main() -> None:
     tokens = list(corpus_tokens(lambda text: tok(text, add_special_tokens=False).input_ids, key=str(ckpt.path)))
     shapes = [(int(b), args.prompt) for b in args.batches.split(",") if b.strip()]
     if args.long:
-        shapes.append((args.long_batch, args.long))
+        shapes += [(int(b), args.long) for b in args.long_batch.split(",") if b.strip()]
     figures: dict[str, object] = {"model": args.model, "threads": args.threads, "new": args.new, "reps": args.reps,
                                   "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "shapes": [],
                                   "cpu_flags": flags, "int_dot": int_dot}

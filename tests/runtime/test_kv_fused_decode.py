@@ -181,3 +181,53 @@ def test_a_small_decode_runs_unsplit_on_the_calling_thread(fmt: str) -> None:
     assert torch.equal(decode(300, -1), decode(300, 300))  # 600 rows: inline, unsplit
     assert not torch.equal(decode(300, 150), decode(300, 300))  # a split is visible in the bits
     assert not torch.equal(decode(2000, -1), decode(2000, 2000))  # 4,000 rows: split for the threads
+
+
+@pytest.mark.parametrize("window", [None, 200])
+@pytest.mark.parametrize("partition", [-1, 64])
+@pytest.mark.parametrize("fmt", QUANTISED)
+def test_decode_reads_every_block_of_every_kv_head_once(fmt: str, partition: int, window: int | None,
+                                                        int_dot) -> None:
+    """Every block of every KV head is read once, whatever the work split. With three KV heads, five sequences
+    of uneven length in scattered blocks, contexts whole or cut into partitions, a window, and two threads whose
+    shares of the work items begin and end inside a (sequence, partition)'s heads, the float kernels' output
+    equals dense attention over the store's rows to fp32 rounding: one block dropped or read twice for one head
+    moves that head's output by 2e-2 or more (measured on these rows, every format), as does a head given
+    another head's rows."""
+    int_dot(False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        kv_heads, group, dim = 3, 3, 64
+        spec = KVSpec(1, kv_heads, dim, kv_dtype=fmt, block_size=16, residual_dtype="fp32")
+        store = KVStore(spec, 80, residual_slots=8)
+        be = make_attention_backend("native", store)
+        be.partition = partition  # 64: 9 partitions, 135 items, 68 to the first thread (68 = 3 * 22 + 2)
+        gen = torch.Generator().manual_seed(3)
+        lens = [300, 45, 130, 17, 520]
+        ids = torch.randperm(80, generator=gen).tolist()
+        tables, used = [], 0
+        for n in lens:
+            need = -(-(n + 1) // 16)
+            tables.append(BlockTable(16, ids[used:used + need]))
+            used += need
+        q = torch.randn(sum(lens), kv_heads * group, dim, generator=gen)
+        k = torch.randn(q.shape[0], kv_heads, dim, generator=gen) + torch.arange(kv_heads)[:, None]
+        v = torch.randn(q.shape[0], kv_heads, dim, generator=gen) * (1 + torch.arange(kv_heads)[:, None])
+        slots = [s for t, n in zip(tables, lens, strict=True) for s in t.slot_mapping(0, n)]
+        be.plan(AttentionBatch([0] * len(lens), lens, [t.blocks for t in tables], torch.tensor(slots)))
+        be.forward(0, q, k, v, scale=dim ** -0.5)
+        qd = torch.randn(len(lens), kv_heads * group, dim, generator=gen)
+        kd, vd = (torch.randn(len(lens), kv_heads, dim, generator=gen) for _ in range(2))
+        dslots = [t.slot_mapping(n, n + 1)[0] for t, n in zip(tables, lens, strict=True)]
+        be.plan(AttentionBatch(lens, [1] * len(lens), [t.blocks for t in tables], torch.tensor(dslots)))
+        out = be.forward(0, qd, kd, vd, scale=dim ** -0.5, window=window)
+        for i, (t, n) in enumerate(zip(tables, lens, strict=True)):
+            rows = torch.tensor(t.slot_mapping(0, n + 1))[-window if window else 0:]
+            rk, rv = store.read(0, rows, torch.float32)
+            rk, rv = rk.repeat_interleave(group, 1), rv.repeat_interleave(group, 1)
+            w = (torch.einsum("hd,khd->hk", qd[i], rk) * dim ** -0.5).softmax(-1)
+            ref = torch.einsum("hk,khd->hd", w, rv)
+            assert (out[i] - ref).abs().max() < (5e-5 if "hadamard" in fmt else 2e-5), (i, n)
+    finally:
+        torch.set_num_threads(threads)

@@ -12,8 +12,10 @@
 // KVLEDGER_HELPER_SPIN_US (default 1000 us: a decode layer's gaps between products, attention included),
 // then sleeps on a condition variable; the caller wakes it, without waiting, when it publishes work.
 // So within a step the helper is awake, between steps it sleeps, and on a busy machine a descheduled
-// helper costs the caller nothing but the pieces it would have done. Both threads run their pieces with
-// one OpenMP thread. Results do not depend on which thread ran a piece.
+// helper costs the caller nothing but the pieces it would have done. A yield that returns late (another
+// thread held the core) ends the spin at once: on a contended core the helper sleeps between pieces, and the
+// scheduler runs a woken sleeper promptly where it would deschedule a spinner mid-piece. Both threads run
+// their pieces with one OpenMP thread. Results do not depend on which thread ran a piece.
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -133,8 +135,15 @@ class Helper {
       }
       if (std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - last).count() < spin_ns_) {
         for (int i = 0; i < 16 && !has_work(); ++i) _mm_pause();
-        if (!has_work()) sched_yield();  // a thread of the caller's process (OpenMP's) may want this core
-        continue;
+        if (has_work()) continue;
+        const auto before_yield = clock::now();
+        sched_yield();  // a thread of the caller's process (OpenMP's) may want this core
+        // A yield that took long ran another thread: the core is contended, and a spinning helper would be
+        // descheduled in the middle of a piece the caller then waits for, where a woken sleeper is run at
+        // once. So sleep until the next work instead.
+        if (std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - before_yield).count() <
+            kBusyYieldNs)
+          continue;
       }
       std::unique_lock<std::mutex> lk(mu_);
       sleeping_.store(true, std::memory_order_seq_cst);
@@ -144,6 +153,7 @@ class Helper {
     }
   }
 
+  static constexpr int64_t kBusyYieldNs = 100000;  // an idle core returns from sched_yield in ~1-5 us
   std::atomic<uint64_t> ticket_{0};  // epoch << 32 | pieces << 16 | next unclaimed piece
   std::atomic<int> done_{0};
   std::atomic<bool> sleeping_{false};

@@ -7,7 +7,8 @@ finishes in about as long as it takes to wake a second OpenMP thread under ``OMP
 (50-150 us on a shared 2-core machine), so such products skip OpenMP: cut in two column pieces that the
 calling thread and one helper thread of the native kernels claim as they come, or on the calling thread
 alone without the native build (:class:`kvledger.runtime.model.Linear`). Without AMX the arithmetic
-dominates and both threads pay off, so AVX-512 BF16 and AVX2-only CPUs keep today's path. On both ``amx``
+dominates and both threads pay off, so AVX-512 BF16 and AVX2-only CPUs keep a layer's products on OpenMP; on
+``avx512_bf16`` only the vocabulary-wide output projection is cut into pieces for the helper. On both ``amx``
 and ``avx512_bf16`` a bf16 decode's
 attention scores are AVX-512 BF16 dot products on the cached rows as stored (``paged_decode_bf16``); on
 ``avx2`` the rows are widened to fp32 first.

@@ -62,19 +62,31 @@ _PACKABLE = (torch.float32, torch.bfloat16)
 # OMP_WAIT_POLICY=PASSIVE (see cpu_features). 2-core Xeon with AMX, load ~2: 32 x 576 x 1728 took 130 us
 # on one thread against 193 us on two, 128 x 576 x 3072 438 against 487 us.
 AMX_ONE_THREAD_ROWS = 128
-# Those products go instead, where the native kernels are built, to a SplitLinear: the weight cut by output
-# columns into SPLIT_PIECES packed pieces that the calling thread and one helper thread claim as they come
-# (csrc/kvledger_helper_pool.h): both cores work with no OpenMP wake-up on the caller's path.
-# KVLEDGER_SPLIT_PRODUCTS=0 keeps them on one thread.
+# Decode-sized bf16 products on a CPU with bf16 matrix instructions (AMX or AVX-512 BF16) go instead, where the
+# native kernels are built, to a SplitLinear: the weight cut by output columns into packed pieces that the
+# calling thread and one helper thread claim as they come (csrc/kvledger_helper_pool.h): both cores work
+# with no OpenMP wake-up on the caller's path, and a helper that has no core costs the caller nothing but
+# the pieces it would have done. KVLEDGER_SPLIT_PRODUCTS=0 keeps them on OpenMP (or one thread on AMX).
 SPLIT_ENV = "KVLEDGER_SPLIT_PRODUCTS"
-# Two pieces: each claimed piece is one more oneDNN call (~10-20 us), and a helper that loses its core while
-# holding a piece makes the caller wait. Peer workload, bf16 at 32 running, load 9-12: two pieces x1.09 the
-# one-thread tok/s, four x0.80.
+# Two pieces for a layer's weights: each claimed piece is one more oneDNN call (~10-20 us), and a helper
+# that loses its core while holding a piece makes the caller wait. Peer workload, bf16 at 32 running, AMX,
+# load 9-12: two pieces x1.09 the one-thread tok/s, four x0.80.
 SPLIT_PIECES = int(os.environ.get("KVLEDGER_SPLIT_PIECES", "2"))
+# The output projection (tied to SmolLM2's 49,152 x 576 embeddings: ~57 MB in bf16, read once a step) is
+# cut finer: a piece is ~1-3 ms of work, so the call overhead is small and a late helper idles less. On OpenMP
+# it woke a third thread beside the helper still spinning from the step's attention. Peer workload, bf16 at 32
+# running, AVX-512 BF16 (2-core EPYC), load 8-10, alternating runs: split 96 and 107 tok/s against 90 and 87
+# (see docs/runtime.md for the runs with the helper's sleep on a contended core).
+WIDE_SPLIT_PIECES = int(os.environ.get("KVLEDGER_WIDE_SPLIT_PIECES", "8"))
 SPLIT_ALIGN = 64  # piece widths in whole 64-column blocks (oneDNN's AMX tiles are 16 or 32 wide)
 # Up to this many rows a piece's product is bit for bit the whole product's columns (at 128 rows oneDNN
-# blocks a narrow piece differently: 1-2 outputs in 10^5 moved by one bf16 ulp), so the split changes no result.
+# blocks a narrow piece differently on AMX: 1-2 outputs in 10^5 moved by one bf16 ulp), so the split changes
+# no result.
 SPLIT_MAX_ROWS = 64
+# Where a layer's products split: AMX. On AVX-512 BF16 (2-core EPYC, load 10-12) they were slower split than on
+# OpenMP (one decode step at 32 running, paired: x0.96), the output projection alone level (x0.99).
+NARROW_SPLIT_PATHS = ("amx",)
+WIDE_SPLIT_PATHS = ("amx", "avx512_bf16")
 
 
 class Linear(nn.Linear):
@@ -104,13 +116,15 @@ class Linear(nn.Linear):
         except (RuntimeError, AttributeError):  # an op this torch build lacks: keep F.linear
             return False
         self._packed = packed
-        amx = w.dtype == torch.bfloat16 and self.out_features < WIDE_OUT and bf16_path() == "amx"
-        self._one_thread_rows = AMX_ONE_THREAD_ROWS if amx else 0
-        self._split = self._split_pieces(w) if amx else None
+        path = bf16_path() if w.dtype == torch.bfloat16 else None
+        wide = self.out_features >= WIDE_OUT
+        self._one_thread_rows = AMX_ONE_THREAD_ROWS if path == "amx" and not wide else 0
+        self._split = self._split_pieces(w, WIDE_SPLIT_PIECES if wide else SPLIT_PIECES) \
+            if path in (WIDE_SPLIT_PATHS if wide else NARROW_SPLIT_PATHS) else None
         return True
 
-    def _split_pieces(self, w: torch.Tensor) -> object | None:
-        """The weight cut into SPLIT_PIECES column ranges, each packed, as one native SplitLinear (or None:
+    def _split_pieces(self, w: torch.Tensor, pieces: int) -> object | None:
+        """The weight cut into ``pieces`` column ranges, each packed, as one native SplitLinear (or None:
         no native build, switched off, or too narrow to cut)."""
         if os.environ.get(SPLIT_ENV, "1") == "0":
             return None
@@ -122,7 +136,7 @@ class Linear(nn.Linear):
         blocks = self.out_features // SPLIT_ALIGN
         if blocks < 2:
             return None
-        pieces = min(SPLIT_PIECES, blocks)
+        pieces = min(pieces, blocks)
         edges = [SPLIT_ALIGN * (blocks * i // pieces) for i in range(pieces)] + [self.out_features]
         with torch.no_grad():
             packed = [torch.ops.mkldnn._reorder_linear_weight(w.detach()[lo:hi].contiguous(), 32)
@@ -136,10 +150,10 @@ class Linear(nn.Linear):
         if (packed is not None and x.dim() == 2 and (x.shape[0] >= PACKED_MIN_ROWS or self.out_features >= WIDE_OUT)
                 and x.dtype == packed.dtype and not (torch.is_grad_enabled() and x.requires_grad)):
             threads = torch.get_num_threads()
+            if self._split is not None and 0 < x.shape[0] <= SPLIT_MAX_ROWS and threads > 1:
+                return self._split.forward(x)
             if x.shape[0] > self._one_thread_rows or threads == 1:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-            if self._split is not None and x.shape[0] <= SPLIT_MAX_ROWS:
-                return self._split.forward(x)
             torch.set_num_threads(1)  # restored at once (~0.2 us for the pair)
             try:
                 return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")

@@ -1,5 +1,5 @@
 """Eviction policies that see the prefix tree: LFU with dynamic aging, GreedyDual-Size-Frequency, ARC,
-S3-FIFO and SGLang-style priority (issue 38).
+S3-FIFO and SGLang-style priority.
 
 Why a tree: a cached block is useful only together with its ancestors (a prefix hit stops at the first
 missing block), so evicting a block whose child is still cached strands the child. Every policy here
@@ -23,8 +23,11 @@ What a "use" is here: the policy sees a block when it becomes retained (``add``:
 and when a request takes it back (``remove``). A block shared by running requests is never retained
 between those uses, so the policies count *releases*: a block released twice was used twice.
 
-The module is just past 600 lines because the five tree policies share one leaf rule (only a block with no
-cached child is evictable) and one interface with the C part; split per policy, each file would restate both.
+The module is just past 600 lines and kept whole: the five tree policies are small subclasses of one
+``TreePolicy`` that owns the leaf rule (only a block with no cached child is evictable), the lazy heaps and
+the hand-off to the C part, and they plug in through private hooks (``_place``, ``_evict_from``,
+``_on_evict``, ``_take``, ``_requeue``) whose contract is read against that base. Split per policy, each file
+would reach into another module's private hooks or restate them.
 """
 
 from __future__ import annotations

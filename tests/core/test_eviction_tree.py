@@ -159,6 +159,51 @@ def test_s3fifo_ghost_remembers_up_to_the_pools_size(fast: object) -> None:
     assert ghosts(s3) == [[key(f"d{b}") for b in range(2, 12)]]
 
 
+@pytest.mark.parametrize("name", ["arc", "s3fifo"])
+def test_thousands_of_ghosts_keep_put_order_through_hits_and_regrowth(name: str) -> None:
+    """Ghost lists thousands long (the C part's ring of ghosts grows, is compacted and wraps many times), some
+    ghosts taken from the middle by a hit, keys of 32 bytes and a few under 16 among them, chains whose
+    parents become leaves as their children go: both cores choose the same victims and keep the same ghost
+    lists, in put order, each bounded by the pool's size."""
+    if len(cores()) < 2:
+        pytest.skip("the C part is not loaded: nothing to compare")
+    runs = []
+    for _, fast in cores():
+        with core(fast):
+            policy = make_policy(name)
+        policy.configure(1500, 16)
+        rng = random.Random(38)
+        evicted: list[bytes] = []
+        victims: list[int] = []
+        hits = 0
+        block = 0
+        for _ in range(60):
+            parent = None
+            for depth in range(rng.randrange(40, 160)):
+                if evicted and rng.random() < 0.08:  # an identity evicted before comes back: a ghost hit
+                    digest = evicted.pop(rng.randrange(len(evicted)))
+                    hits += 1
+                elif block % 13:
+                    digest = block.to_bytes(8, "little") * 4
+                else:
+                    digest = f"s{block}".encode()  # under 16 bytes: an object key
+                policy.link(block, digest, parent, depth)
+                parent = block
+                block += 1
+            for b in range(block - 1, block - 1 - depth - 1, -1):  # a request's release, tail first
+                policy.add(b)
+            out = policy.pop_victims(max(0, len(policy) - rng.randrange(200, 1000)))
+            for b in out:
+                evicted.append(policy.digest(b))
+                policy.forget(b)
+            victims += out
+        lists = ghosts(policy)
+        assert 1400 < max(len(g) for g in lists) <= 1500  # bounded by the pool, and (nearly) reached
+        assert hits > 100 and len(victims) > 4000
+        runs.append((victims, lists))
+    assert runs[0] == runs[1]
+
+
 def test_s3fifo_promotes_a_reused_small_block_and_lets_a_ghost_back_into_main() -> None:
     s3 = S3FIFOPolicy()
     s3.configure(16, 16)

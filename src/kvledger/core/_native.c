@@ -985,16 +985,18 @@ static PyObject *native_prefix_hits(PyObject *Py_UNUSED(self), PyObject *args) {
  * are the reference (and the fallback), and the tests run both on the same random sequences and require
  * the same victims. Every per-block fact lives in one 64-byte Node indexed by block id (plain ints in
  * [0, 2**26); what a link or an eviction reads once, in a Cold beside it); each queue's evictable
- * blocks sit in an indexed 4-ary heap ordered by (k1, seq), so add, remove and each victim are O(log n).
+ * blocks sit in an indexed 4-ary heap ordered by (k1, seq), so add, remove and each victim are O(log n)
+ * (ARC and S3-FIFO, whose k1 is 0, first try the ends of a list sorted by seq: O(1), see q_push).
  * Where the Python classes keep stale heap entries and skip them lazily, this keeps exactly the evictable
  * set in the heap (a tree policy's retained leaves: retained blocks none of whose children are retained);
  * the minimum is the same either way, and so are the victims.
  *
  * Keys: LFU/GDSF k1 = L + uses x weight, seq = the entry's tick; ARC and SGLang seq = the tick drawn at
- * placement (ARC k1 = 0, SGLang k1 = the priority); S3-FIFO seq = the block's FIFO stamp; the priority
- * policy k1 = the level, seq = the tick at which the block joined that level, and its order needs no heap:
- * one FIFO list per level (the Python buckets), O(1) throughout. Ghost lists (ARC's B1/B2,
- * S3-FIFO's ghost) are ordered sets of ghost keys: slots on a linked list, found by hash. */
+ * placement (ARC k1 = 0, SGLang k1 = the priority); S3-FIFO k1 = 0, seq = the block's FIFO stamp (kept
+ * while the block is active); the priority policy k1 = the level, seq = the tick at which the block joined
+ * that level, and its order needs no heap: one FIFO list per level (the Python buckets), O(1) throughout.
+ * Ghost lists (ARC's B1/B2, S3-FIFO's ghost) are ordered sets of ghost keys: a ring in put order, found
+ * through an open-addressing table (see Ghost). */
 
 enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_DEFAULT_PRIORITY 35
@@ -1010,23 +1012,28 @@ enum { K_PRIORITY = 0, K_LFU, K_GDSF, K_ARC, K_S3FIFO, K_SGLANG, K_COUNT };
 #define PC_GHOST_KEY 16
 _Static_assert(PC_GHOST_KEY == 2 * sizeof(uint64_t), "a ghost key is two uint64");
 
-typedef struct { /* a ghost slot: its key, list links and (for the rare object key) its hash */
-    uint64_t k[2]; /* key == NULL: the key's 16 bytes; else k[0] = the key object's hash */
-    PyObject *key; /* NULL, or digest[:16] as an object (digests shorter than 16 bytes, or not bytes) */
-    int32_t prev, next;
-} GSlot;
+typedef struct { /* a ghost on the ring: its key's 16 bytes, or (an object key) k[0] = the object's hash */
+    uint64_t k[2];
+} GEntry;
 
 typedef struct { /* what is looked up or put: a 16-byte key, or an object key with its hash */
     uint64_t k[2];
     PyObject *obj; /* borrowed */
 } GKey;
 
-typedef struct { /* an ordered set of ghost keys: slots on a linked list, found through an open-addressing table */
-    GSlot *slot;
-    uint64_t *tab; /* 0 empty, else the hash's low 32 bits << 32 | slot + 1: probing and the backward shift
-                    * read the table alone; linear probing, backward-shift deletion */
-    int32_t head, tail, free_head;
-    Py_ssize_t cap, len, tabsize;
+/* An ordered set of ghost keys: a ring in put order (a put writes the next entry, dropping the oldest reads
+ * the first: both walk memory in order, so the oldest ghosts' hashes are known ahead and their table lines
+ * asked for early), found through an open-addressing table that holds exactly the live ones. A key taken
+ * from the middle (a hit) leaves a dead entry on the ring, passed over when the front reaches it; a full
+ * ring is compacted (or doubled) in put order. */
+typedef struct {
+    GEntry *ring;     /* ringcap entries (a power of two); serial s lies at s & (ringcap - 1) */
+    uint8_t *alive;   /* per ring position: 1 while its entry is in the set */
+    PyObject **obj;   /* NULL until an object key is put; then per ring position that key or NULL */
+    uint64_t *tab;    /* 0 empty, else the hash's low 32 bits << 32 | ring position + 1; linear probing,
+                       * backward-shift deletion */
+    uint64_t head, tail; /* serials: the oldest entry not yet passed; the next put's */
+    Py_ssize_t ringcap, len, tabsize;
 } Ghost;
 
 typedef struct {
@@ -1054,13 +1061,8 @@ typedef struct { /* one block's facts, together, on one 64-byte line (the nodes 
     double k1;       /* retained: the key, then */
     int64_t seq;     /* the tie-break */
     int64_t gen, pgen; /* linked: its generation, its parent's at link time */
-    union {
-        int64_t stamp; /* S3: FIFO position */
-        struct {
-            int32_t lprev, lnext; /* PRIO: its level's FIFO list */
-        };
-    };
-    int32_t hpos;    /* position in its queue's heap, -1 none */
+    int32_t lprev, lnext; /* PRIO: its level's FIFO list; ARC, S3: its queue's sorted list */
+    int32_t hpos;    /* position in its queue's heap, PC_LISTED on its queue's sorted list, -1 none */
     int32_t parent, kids; /* linked: parent block (-1 none); retained children */
     int32_t uses;    /* LFU, GDSF, ARC: releases counted (0: none) */
     int16_t prio;    /* SGLang: -1 = none given; PRIO: the wanted priority */
@@ -1113,25 +1115,23 @@ static PyTypeObject PolicyCoreType;
  * is held as its first 16 bytes, hashed by mixing them; anything else as the object digest[:16]. */
 static int ghost_init(Ghost *g) {
     memset(g, 0, sizeof *g);
-    g->head = g->tail = g->free_head = -1;
     return 0;
 }
 
 static void ghost_clear(Ghost *g) {
-    for (int32_t k = g->head; k >= 0; k = g->slot[k].next) Py_CLEAR(g->slot[k].key);
-    g->head = g->tail = -1;
-    g->len = 0;
-    g->free_head = -1;
-    for (Py_ssize_t i = g->cap - 1; i >= 0; i--) { /* every slot free again */
-        g->slot[i].next = g->free_head;
-        g->free_head = (int32_t)i;
-    }
+    if (g->obj != NULL)
+        for (Py_ssize_t i = 0; i < g->ringcap; i++) Py_CLEAR(g->obj[i]);
+    if (g->ringcap) memset(g->alive, 0, (size_t)g->ringcap);
     if (g->tabsize) memset(g->tab, 0, sizeof(uint64_t) * (size_t)g->tabsize);
+    g->head = g->tail = 0;
+    g->len = 0;
 }
 
 static void ghost_dealloc(Ghost *g) {
-    if (g->slot != NULL) ghost_clear(g);
-    PyMem_Free(g->slot);
+    ghost_clear(g);
+    PyMem_Free(g->ring);
+    PyMem_Free(g->alive);
+    PyMem_Free(g->obj);
     PyMem_Free(g->tab);
 }
 
@@ -1154,34 +1154,47 @@ static inline uint64_t ghost_mix(const uint64_t k[2]) {
 
 static inline uint64_t gkey_hash(const GKey *q) { return q->obj == NULL ? ghost_mix(q->k) : q->k[0]; }
 
-static inline uint64_t gslot_hash(const GSlot *x) { return x->key == NULL ? ghost_mix(x->k) : x->k[0]; }
+static inline PyObject *gentry_obj(const Ghost *g, Py_ssize_t pos) { return g->obj != NULL ? g->obj[pos] : NULL; }
 
-/* Whether slot k holds q: 1, 0, -1 error. */
-static inline int ghost_holds(Ghost *g, int32_t k, const GKey *q) {
-    const GSlot *x = &g->slot[k];
-    if (q->obj == NULL) return x->key == NULL && x->k[0] == q->k[0] && x->k[1] == q->k[1];
-    return x->key != NULL && x->k[0] == q->k[0] ? ghost_eq(x->key, q->obj) : 0;
+static inline uint64_t gentry_hash(const Ghost *g, Py_ssize_t pos) {
+    return gentry_obj(g, pos) == NULL ? ghost_mix(g->ring[pos].k) : g->ring[pos].k[0];
 }
 
-static inline uint64_t ghost_entry(uint64_t h, int32_t k) {
-    return (uint64_t)(uint32_t)h << 32 | (uint32_t)(k + 1);
+/* Whether ring position pos holds q: 1, 0, -1 error. */
+static inline int ghost_holds(Ghost *g, int32_t pos, const GKey *q) {
+    const GEntry *x = &g->ring[pos];
+    PyObject *o = gentry_obj(g, pos);
+    if (q->obj == NULL) return o == NULL && x->k[0] == q->k[0] && x->k[1] == q->k[1];
+    return o != NULL && x->k[0] == q->k[0] ? ghost_eq(o, q->obj) : 0;
+}
+
+static inline uint64_t ghost_entry(uint64_t h, int32_t pos) {
+    return (uint64_t)(uint32_t)h << 32 | (uint32_t)(pos + 1);
 }
 
 static inline int32_t ghost_entry_slot(uint64_t e) { return (int32_t)(uint32_t)e - 1; }
 
-/* Ask for the table line a probe for hash h starts on (the misses of two probes then overlap). */
+/* Ask for the table line a probe for hash h starts on. */
 static inline void ghost_prefetch(const Ghost *g, uint64_t h) {
     if (g->len) PC_PREFETCH(&g->tab[(size_t)(uint32_t)h & ((size_t)g->tabsize - 1)]);
 }
 
-/* The table position holding q (hash h), or -1 absent, -2 error. */
-static Py_ssize_t ghost_find(Ghost *g, const GKey *q, uint64_t h) {
-    if (g->len == 0) return -1;
+/* The table position holding q (hash h), or -1 absent (then *empty, when given and the table exists, is
+ * the empty position the probe ended on: where q goes), -2 error. */
+static Py_ssize_t ghost_find_at(Ghost *g, const GKey *q, uint64_t h, Py_ssize_t *empty) {
+    if (g->tabsize == 0) return -1;
     size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
+    if (g->len == 0) {
+        if (empty != NULL) *empty = (Py_ssize_t)i; /* the table holds exactly the live entries: all empty */
+        return -1;
+    }
     uint32_t low = (uint32_t)h;
     for (;;) {
         uint64_t e = g->tab[i];
-        if (e == 0) return -1;
+        if (e == 0) {
+            if (empty != NULL) *empty = (Py_ssize_t)i;
+            return -1;
+        }
         if ((uint32_t)(e >> 32) == low) {
             int eq = ghost_holds(g, ghost_entry_slot(e), q);
             if (eq < 0) return -2;
@@ -1191,11 +1204,13 @@ static Py_ssize_t ghost_find(Ghost *g, const GKey *q, uint64_t h) {
     }
 }
 
-static void ghost_tab_insert(Ghost *g, int32_t k) {
-    uint64_t h = gslot_hash(&g->slot[k]);
+static inline Py_ssize_t ghost_find(Ghost *g, const GKey *q, uint64_t h) { return ghost_find_at(g, q, h, NULL); }
+
+static void ghost_tab_insert(Ghost *g, int32_t pos) {
+    uint64_t h = gentry_hash(g, pos);
     size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)h & mask;
     while (g->tab[i] != 0) i = (i + 1) & mask;
-    g->tab[i] = ghost_entry(h, k);
+    g->tab[i] = ghost_entry(h, pos);
 }
 
 static void ghost_tab_delete(Ghost *g, size_t i) {
@@ -1215,87 +1230,126 @@ static void ghost_tab_delete(Ghost *g, size_t i) {
     g->tab[i] = 0;
 }
 
-/* Remove the slot at table position pos from the table and the list. */
-static void ghost_drop(Ghost *g, Py_ssize_t pos) {
-    int32_t k = ghost_entry_slot(g->tab[pos]);
-    ghost_tab_delete(g, (size_t)pos);
-    GSlot *x = &g->slot[k];
-    int32_t p = x->prev, n = x->next;
-    if (p >= 0) g->slot[p].next = n; else g->head = n;
-    if (n >= 0) g->slot[n].prev = p; else g->tail = p;
-    Py_CLEAR(x->key);
-    x->next = g->free_head;
-    g->free_head = k;
+/* Remove the entry at table position tpos from the table and the ring (its ring entry goes dead). */
+static void ghost_drop(Ghost *g, Py_ssize_t tpos) {
+    int32_t pos = ghost_entry_slot(g->tab[tpos]);
+    ghost_tab_delete(g, (size_t)tpos);
+    g->alive[pos] = 0;
+    if (g->obj != NULL) Py_CLEAR(g->obj[pos]);
     g->len--;
 }
 
 /* del ghosts[q] (q's hash h) if there: 1 deleted, 0 absent, -1 error. */
 static int ghost_take(Ghost *g, const GKey *q, uint64_t h) {
-    Py_ssize_t pos = ghost_find(g, q, h);
-    if (pos == -2) return -1;
-    if (pos < 0) return 0;
-    ghost_drop(g, pos);
+    Py_ssize_t tpos = ghost_find(g, q, h);
+    if (tpos == -2) return -1;
+    if (tpos < 0) return 0;
+    ghost_drop(g, tpos);
     return 1;
 }
 
-static int ghost_grow(Ghost *g) {
-    Py_ssize_t cap = g->cap ? 2 * g->cap : 64;
-    GSlot *slot = PyMem_Realloc(g->slot, sizeof(GSlot) * (size_t)cap);
-    if (slot == NULL) return PyErr_NoMemory(), -1;
-    g->slot = slot;
-    Py_ssize_t tabsize = 2 * cap; /* at most half full */
-    uint64_t *tab = PyMem_Calloc((size_t)tabsize, sizeof(uint64_t));
-    if (tab == NULL) return PyErr_NoMemory(), -1;
-    PyMem_Free(g->tab);
-    g->tab = tab;
-    g->tabsize = tabsize;
-    for (int32_t k = g->head; k >= 0; k = g->slot[k].next) ghost_tab_insert(g, k);
-    for (Py_ssize_t i = cap - 1; i >= g->cap; i--) {
-        g->slot[i].key = NULL;
-        g->slot[i].next = g->free_head;
-        g->free_head = (int32_t)i;
+/* The live entries, in put order, onto a ring of cap entries (>= 2 * (len + 1), a power of two) and a
+ * table of 2 * cap: serials start again at 0. */
+static int ghost_resize(Ghost *g, Py_ssize_t cap) {
+    GEntry *ring = PyMem_Malloc(sizeof(GEntry) * (size_t)cap);
+    uint8_t *alive = PyMem_Calloc((size_t)cap, 1);
+    uint64_t *tab = PyMem_Calloc((size_t)(2 * cap), sizeof(uint64_t));
+    PyObject **obj = g->obj != NULL ? PyMem_Calloc((size_t)cap, sizeof(PyObject *)) : NULL;
+    if (ring == NULL || alive == NULL || tab == NULL || (g->obj != NULL && obj == NULL)) {
+        PyMem_Free(ring);
+        PyMem_Free(alive);
+        PyMem_Free(tab);
+        PyMem_Free(obj);
+        return PyErr_NoMemory(), -1;
     }
-    g->cap = cap;
+    Py_ssize_t n = 0;
+    size_t mask = (size_t)g->ringcap - 1;
+    for (uint64_t sn = g->head; sn != g->tail; sn++) {
+        size_t pos = (size_t)sn & mask;
+        if (!g->alive[pos]) continue;
+        ring[n] = g->ring[pos];
+        alive[n] = 1;
+        if (obj != NULL) obj[n] = g->obj[pos]; /* the reference moves */
+        n++;
+    }
+    PyMem_Free(g->ring);
+    PyMem_Free(g->alive);
+    PyMem_Free(g->obj);
+    PyMem_Free(g->tab);
+    g->ring = ring;
+    g->alive = alive;
+    g->obj = obj;
+    g->tab = tab;
+    g->ringcap = cap;
+    g->tabsize = 2 * cap; /* at most a quarter full */
+    g->head = 0;
+    g->tail = (uint64_t)n;
+    for (Py_ssize_t i = 0; i < n; i++) ghost_tab_insert(g, (int32_t)i);
     return 0;
 }
 
 /* ghosts[q] = None (q's hash h): appended when absent, left in place when there. */
 static int ghost_put(Ghost *g, const GKey *q, uint64_t h) {
-    Py_ssize_t pos = ghost_find(g, q, h);
-    if (pos == -2) return -1;
-    if (pos >= 0) return 0;
-    if (g->free_head < 0 && ghost_grow(g) < 0) return -1;
-    int32_t k = g->free_head;
-    GSlot *x = &g->slot[k];
-    g->free_head = x->next;
-    x->k[0] = q->k[0];
-    x->k[1] = q->k[1];
-    x->key = Py_XNewRef(q->obj);
-    x->prev = g->tail;
-    x->next = -1;
-    if (g->tail >= 0) g->slot[g->tail].next = k; else g->head = k;
-    g->tail = k;
+    Py_ssize_t empty = -1, tpos = ghost_find_at(g, q, h, &empty);
+    if (tpos == -2) return -1;
+    if (tpos >= 0) return 0;
+    if (g->tail - g->head == (uint64_t)g->ringcap) { /* no room on the ring: compact it, doubled if need be */
+        Py_ssize_t cap = g->ringcap ? g->ringcap : 64;
+        while (cap < 2 * (g->len + 1)) cap *= 2;
+        if (ghost_resize(g, cap) < 0) return -1;
+        empty = -1; /* a new table: probe it afresh */
+    }
+    if (q->obj != NULL && g->obj == NULL) {
+        g->obj = PyMem_Calloc((size_t)g->ringcap, sizeof(PyObject *));
+        if (g->obj == NULL) return PyErr_NoMemory(), -1;
+    }
+    int32_t pos = (int32_t)(g->tail & (uint64_t)(g->ringcap - 1));
+    g->ring[pos].k[0] = q->k[0];
+    g->ring[pos].k[1] = q->k[1];
+    g->alive[pos] = 1;
+    if (q->obj != NULL) g->obj[pos] = Py_NewRef(q->obj);
+    g->tail++;
     g->len++;
-    ghost_tab_insert(g, k);
+    if (empty >= 0)
+        g->tab[empty] = ghost_entry(h, pos); /* where the probe for q ended: the first empty position */
+    else
+        ghost_tab_insert(g, pos);
     return 0;
 }
 
+#define GHOST_AHEAD 4 /* the front's table lines asked for this many entries ahead */
+
 /* popitem(last=False) */
 static int ghost_pop_front(Ghost *g) {
-    int32_t k = g->head;
-    if (k < 0) return 0;
-    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)gslot_hash(&g->slot[k]) & mask;
-    while (ghost_entry_slot(g->tab[i]) != k) i = (i + 1) & mask;
+    if (g->len == 0) return 0;
+    size_t rmask = (size_t)g->ringcap - 1;
+    while (!g->alive[g->head & rmask]) g->head++;
+    int32_t pos = (int32_t)(g->head & rmask);
+    size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)gentry_hash(g, pos) & mask;
+    while (ghost_entry_slot(g->tab[i]) != pos) i = (i + 1) & mask;
     ghost_drop(g, (Py_ssize_t)i);
+    g->head++;
+    if (g->tail - g->head > GHOST_AHEAD) { /* a later pop's line, on its way meanwhile */
+        size_t ahead = (size_t)(g->head + GHOST_AHEAD) & rmask;
+        PC_PREFETCH(&g->tab[(size_t)(uint32_t)gentry_hash(g, (Py_ssize_t)ahead) & mask]);
+    }
     return 0;
+}
+
+/* The hash of the entry a pop would take first (the front's, dead or alive); 0 when empty. */
+static inline uint64_t ghost_front_hash(const Ghost *g) {
+    return g->len ? gentry_hash(g, (Py_ssize_t)(g->head & (uint64_t)(g->ringcap - 1))) : 0;
 }
 
 static PyObject *ghost_list(Ghost *g) {
     PyObject *out = PyList_New(0);
     if (out == NULL) return NULL;
-    for (int32_t k = g->head; k >= 0; k = g->slot[k].next) {
-        PyObject *key = g->slot[k].key != NULL ? Py_NewRef(g->slot[k].key)
-                                               : PyBytes_FromStringAndSize((const char *)g->slot[k].k, PC_GHOST_KEY);
+    size_t mask = (size_t)g->ringcap - 1;
+    for (uint64_t sn = g->head; sn != g->tail; sn++) {
+        size_t pos = (size_t)sn & mask;
+        if (!g->alive[pos]) continue;
+        PyObject *o = gentry_obj(g, (Py_ssize_t)pos);
+        PyObject *key = o != NULL ? Py_NewRef(o) : PyBytes_FromStringAndSize((const char *)g->ring[pos].k, PC_GHOST_KEY);
         if (key == NULL || PyList_Append(out, key) < 0) {
             Py_XDECREF(key);
             Py_DECREF(out);
@@ -1380,7 +1434,7 @@ static void heap_down(PolicyCore *s, int q, Py_ssize_t i) {
     s->n[x.b].hpos = (int32_t)i;
 }
 
-static void heap_push(PolicyCore *s, int32_t b) {
+static void heap_push_raw(PolicyCore *s, int32_t b) {
     int q = s->n[b].queue;
     Py_ssize_t i = s->hlen[q]++;
     Slot x = {s->n[b].k1, s->n[b].seq, b};
@@ -1388,7 +1442,7 @@ static void heap_push(PolicyCore *s, int32_t b) {
     heap_up(s, q, i);
 }
 
-static void heap_remove(PolicyCore *s, int32_t b) {
+static void heap_remove_raw(PolicyCore *s, int32_t b) {
     int q = s->n[b].queue;
     Py_ssize_t i = s->n[b].hpos, last = --s->hlen[q];
     s->n[b].hpos = -1;
@@ -1400,6 +1454,65 @@ static void heap_remove(PolicyCore *s, int32_t b) {
         heap_up(s, q, i);
     else
         heap_down(s, q, i);
+}
+
+/* ---- a queue: ARC's and S3-FIFO's keys are (0, seq) with seq a tick, so a block that joins is nearly always
+ * the newest (the list's back) and a parent left a leaf by its child's eviction is nearly always older than
+ * every queued leaf (the list's front): those sit on a list sorted by seq, in O(1) and without sifting; a
+ * block that fits neither end goes to the heap. The queue's first block is the older of the two fronts, so
+ * the order (and every victim) is the heap's alone would give. The other kinds queue in the heap. */
+#define PC_LISTED INT32_MAX
+
+static inline int pc_lists(const PolicyCore *s) { return s->kind == K_ARC || s->kind == K_S3FIFO; }
+
+static void q_push(PolicyCore *s, int32_t b) {
+    if (pc_lists(s)) {
+        int q = s->n[b].queue;
+        int32_t h = s->lhead[q], t = s->ltail[q];
+        int64_t seq = s->n[b].seq;
+        if (t < 0) {
+            s->n[b].lprev = s->n[b].lnext = -1;
+            s->lhead[q] = s->ltail[q] = b;
+            s->n[b].hpos = PC_LISTED;
+            return;
+        }
+        if (seq > s->n[t].seq) {
+            s->n[b].lprev = t;
+            s->n[b].lnext = -1;
+            s->n[t].lnext = b;
+            s->ltail[q] = b;
+            s->n[b].hpos = PC_LISTED;
+            return;
+        }
+        if (seq < s->n[h].seq) {
+            s->n[b].lprev = -1;
+            s->n[b].lnext = h;
+            s->n[h].lprev = b;
+            s->lhead[q] = b;
+            s->n[b].hpos = PC_LISTED;
+            return;
+        }
+    }
+    heap_push_raw(s, b);
+}
+
+static void q_remove(PolicyCore *s, int32_t b) {
+    if (s->n[b].hpos != PC_LISTED) {
+        heap_remove_raw(s, b);
+        return;
+    }
+    int q = s->n[b].queue;
+    int32_t p = s->n[b].lprev, nx = s->n[b].lnext;
+    if (p >= 0) s->n[p].lnext = nx; else s->lhead[q] = nx;
+    if (nx >= 0) s->n[nx].lprev = p; else s->ltail[q] = p;
+    s->n[b].hpos = -1;
+}
+
+/* Queue q's first block (the next victim there unless S3-FIFO moves it on), -1 when empty. */
+static inline int32_t q_first(const PolicyCore *s, int q) {
+    int32_t l = pc_lists(s) ? s->lhead[q] : -1, hb = s->hlen[q] ? s->heap[q][0].b : -1;
+    if (l < 0 || hb < 0) return l < 0 ? hb : l;
+    return s->n[l].seq < s->heap[q][0].seq ? l : hb;
 }
 
 /* ---- the priority policy's levels: a block joins its level's back, the lowest level's front goes first */
@@ -1440,7 +1553,7 @@ static void pc_take(PolicyCore *s, int32_t b) {
     if (s->kind == K_PRIORITY)
         level_unlink(s, b);
     else if (s->n[b].hpos >= 0)
-        heap_remove(s, b);
+        q_remove(s, b);
     s->n[b].ret = 0;
     s->size[s->n[b].queue]--;
     s->count--;
@@ -1448,7 +1561,7 @@ static void pc_take(PolicyCore *s, int32_t b) {
     if (p >= 0) {
         if (--s->n[p].kids <= 0) {
             s->n[p].kids = 0;
-            if (s->n[p].ret && s->n[p].hpos < 0) heap_push(s, p);
+            if (s->n[p].ret && s->n[p].hpos < 0) q_push(s, p);
         }
     }
 }
@@ -1468,18 +1581,20 @@ static void pc_take_root(PolicyCore *s, int32_t b, int q) {
         s->n[p].kids = 0;
         push = s->n[p].ret && s->n[p].hpos < 0;
     }
-    if (push && s->n[p].queue == q) {
+    if (push && s->n[p].queue == q && s->n[b].hpos == 0) { /* b is the heap's root */
         s->n[b].hpos = -1;
         Slot x = {s->n[p].k1, s->n[p].seq, p};
         s->heap[q][0] = x;
         heap_down(s, q, 0);
     } else {
-        heap_remove(s, b);
-        if (push) heap_push(s, p);
+        q_remove(s, b);
+        if (push) q_push(s, p);
     }
-    if (s->hlen[q]) { /* the next victim is likely the new root: its parent's line on the way meanwhile */
-        int32_t up = s->n[s->heap[q][0].b].parent;
+    int32_t root = q_first(s, q);
+    if (root >= 0) { /* the next victim is likely the queue's new first: its parent's line on the way meanwhile */
+        int32_t up = s->n[root].parent;
         if (up >= 0 && up < s->cap) PC_PREFETCH(&s->n[up]);
+        if (s->kind == K_ARC || s->kind == K_S3FIFO) PC_PREFETCH(&s->c[root]); /* its ghost key, if it goes next */
     }
 }
 
@@ -1602,13 +1717,12 @@ static int pc_place(PolicyCore *s, int32_t b) {
         int f = (s->n[b].flag & 1) ? s->n[b].freq : -1;
         s->n[b].freq = (int8_t)(f + 1 < PC_MAX_FREQ ? f + 1 : PC_MAX_FREQ);
         s->n[b].flag |= 1;
-        if (!(s->n[b].flag & 4)) {
-            s->n[b].stamp = s->tick++;
+        if (!(s->n[b].flag & 4)) { /* its FIFO stamp: seq keeps it while the block is active */
+            s->n[b].seq = s->tick++;
             s->n[b].flag |= 4;
         }
         s->n[b].queue = (s->n[b].flag & 2) ? s->n[b].s3q : PC_SMALL;
         s->n[b].k1 = 0.0;
-        s->n[b].seq = s->n[b].stamp;
         return 0;
     }
     case K_SGLANG:
@@ -1652,13 +1766,13 @@ static int pc_add(PolicyCore *s, int32_t b) {
         level_append(s, b);
         return 0;
     }
-    if (p >= 0 && s->n[p].kids++ == 0 && s->n[p].hpos >= 0) heap_remove(s, p); /* no longer a leaf */
-    if (s->n[b].kids <= 0) heap_push(s, b);
+    if (p >= 0 && s->n[p].kids++ == 0 && s->n[p].hpos >= 0) q_remove(s, p); /* no longer a leaf */
+    if (s->n[b].kids <= 0) q_push(s, b);
     return 0;
 }
 
 static void pc_requeue(PolicyCore *s, int32_t b, int q, int64_t key) {
-    if (s->n[b].hpos >= 0 && s->n[b].queue == q) { /* same queue, a later key: sift down in place */
+    if (s->n[b].hpos >= 0 && s->n[b].hpos != PC_LISTED && s->n[b].queue == q) { /* same queue, a later key: sift down in place */
         Py_ssize_t i = s->n[b].hpos;
         s->n[b].k1 = 0.0;
         s->n[b].seq = key;
@@ -1670,35 +1784,33 @@ static void pc_requeue(PolicyCore *s, int32_t b, int q, int64_t key) {
             heap_down(s, q, i);
         return;
     }
-    if (s->n[b].hpos >= 0) heap_remove(s, b);
+    if (s->n[b].hpos >= 0) q_remove(s, b);
     s->size[s->n[b].queue]--;
     s->n[b].queue = (uint8_t)q;
     s->n[b].k1 = 0.0;
     s->n[b].seq = key;
     s->size[q]++;
-    heap_push(s, b);
+    q_push(s, b);
 }
 
 /* _evict_from: the queue's victim (taken), or -1 (none there). */
 static int32_t pc_evict_from(PolicyCore *s, int q) {
     for (;;) {
-        if (s->hlen[q] == 0) return -1;
-        int32_t b = s->heap[q][0].b;
+        int32_t b = q_first(s, q);
+        if (b < 0) return -1;
         if (s->kind == K_S3FIFO) {
             int f = (s->n[b].flag & 1) ? s->n[b].freq : 0;
             if (q == PC_SMALL && f > 0) { /* used again while small: to main's tail */
                 s->n[b].freq = 0;
                 s->n[b].s3q = PC_MAIN;
                 s->n[b].flag |= 2;
-                s->n[b].stamp = s->tick++;
-                pc_requeue(s, b, PC_MAIN, s->n[b].stamp);
+                pc_requeue(s, b, PC_MAIN, s->tick++);
                 if (!s->size[PC_SMALL]) return -1;
                 continue;
             }
             if (q == PC_MAIN && f > 0) { /* another round */
                 s->n[b].freq = (int8_t)(f - 1);
-                s->n[b].stamp = s->tick++;
-                pc_requeue(s, b, PC_MAIN, s->n[b].stamp);
+                pc_requeue(s, b, PC_MAIN, s->tick++);
                 continue;
             }
         }
@@ -1742,31 +1854,36 @@ static int pc_ghost_key(PolicyCore *s, int32_t b, GKey *q, uint64_t *h) {
 
 static int pc_link_ghosts(PolicyCore *s, int32_t b, const GKey *q, uint64_t h);
 
-static int pc_on_evict(PolicyCore *s, int32_t b) {
-    Ghost *g = NULL;
-    if (s->kind == K_LFU || s->kind == K_GDSF) {
-        if (s->entry_key > s->age) s->age = s->entry_key;
-        return 0;
-    }
-    if (s->kind == K_ARC)
-        g = &s->ghost[(s->n[b].uses > 1 || s->n[b].flag) ? 1 : 0];
-    else if (s->kind == K_S3FIFO && (s->n[b].flag & 2) && s->n[b].s3q == PC_SMALL)
-        g = &s->ghost[0];
-    if (g == NULL || !s->n[b].linked) return 0;
-    Py_ssize_t limit = pc_limit(s);
+/* The ghost list victim b joins (ARC, S3-FIFO), or NULL. */
+static inline Ghost *pc_victim_ghost(PolicyCore *s, int32_t b) {
+    if (!s->n[b].linked) return NULL;
+    if (s->kind == K_ARC) return &s->ghost[(s->n[b].uses > 1 || s->n[b].flag) ? 1 : 0];
+    if (s->kind == K_S3FIFO && (s->n[b].flag & 2) && s->n[b].s3q == PC_SMALL) return &s->ghost[0];
+    return NULL;
+}
+
+/* Victim b's ghost entry (ARC, S3-FIFO), the ghost list bounded by limit (pc_limit as b was taken). */
+static int pc_put_ghost(PolicyCore *s, int32_t b, Py_ssize_t limit) {
+    Ghost *g = pc_victim_ghost(s, b);
+    if (g == NULL) return 0;
     GKey q;
     uint64_t h;
     if (pc_ghost_key(s, b, &q, &h) < 0) return -1;
     ghost_prefetch(g, h);
-    if (g->len >= limit && g->head >= 0) ghost_prefetch(g, gslot_hash(&g->slot[g->head])); /* the pop's line too */
+    if (g->len >= limit) ghost_prefetch(g, ghost_front_hash(g)); /* the pop's line too */
     int rc = ghost_put(g, &q, h);
     Py_XDECREF(q.obj);
     if (rc < 0) return -1;
-    if (g->len > limit) {
-        ghost_pop_front(g);
-        if (g->head >= 0) PC_PREFETCH(&g->slot[g->head]); /* the next pop's slot */
-    }
+    if (g->len > limit) ghost_pop_front(g);
     return 0;
+}
+
+static int pc_on_evict(PolicyCore *s, int32_t b) {
+    if (s->kind == K_LFU || s->kind == K_GDSF) {
+        if (s->entry_key > s->age) s->age = s->entry_key;
+        return 0;
+    }
+    return pc_put_ghost(s, b, pc_limit(s));
 }
 
 static void pc_forget(PolicyCore *s, int32_t b);
@@ -1811,25 +1928,64 @@ static PyObject *pc_pop(PolicyCore *s, Py_ssize_t n, int forget) {
     }
     PyObject *out = PyList_New(n > 0 ? n : 0);
     if (out == NULL) return NULL;
+    /* ARC and S3-FIFO choose a call's victims first and put their ghosts after, in the same order with the
+     * same bounds: choosing reads no ghost, and a victim is a leaf, so nothing chosen later depends on an
+     * earlier one's ghost or its being forgotten. Apart, the ghosts' table lines and keys can be asked for
+     * a few victims ahead instead of each waiting for its own. */
+    int ghosts = s->kind == K_ARC || s->kind == K_S3FIFO;
+    int32_t *vict = NULL;
+    Py_ssize_t *limits = NULL;
+    if (ghosts && n > 0) {
+        vict = PyMem_Malloc(sizeof(int32_t) * (size_t)n);
+        limits = PyMem_Malloc(sizeof(Py_ssize_t) * (size_t)n);
+        if (vict == NULL || limits == NULL) {
+            PyMem_Free(vict);
+            PyMem_Free(limits);
+            Py_DECREF(out);
+            return PyErr_NoMemory();
+        }
+    }
     for (Py_ssize_t i = 0; i < n; i++) {
         int order[2], nq = pc_order(s, order);
         int32_t b = -1;
         for (int j = 0; j < nq && b < 0; j++) b = pc_evict_from(s, order[j]);
         if (b < 0) {
-            Py_DECREF(out);
             PyErr_SetString(s->error, "no evictable leaf among the retained blocks");
-            return NULL;
+            goto fail;
         }
         PyObject *num = pc_int(s, b);
-        if (num == NULL || pc_on_evict(s, b) < 0) {
-            Py_XDECREF(num);
-            Py_DECREF(out);
-            return NULL;
-        }
-        if (forget) pc_forget(s, b);
+        if (num == NULL) goto fail;
         PyList_SET_ITEM(out, i, num);
+        if (ghosts) {
+            vict[i] = b;
+            limits[i] = pc_limit(s);
+            continue;
+        }
+        if (pc_on_evict(s, b) < 0) goto fail;
+        if (forget) pc_forget(s, b);
+    }
+    if (ghosts) {
+        enum { KEYS_AHEAD = 8, LINES_AHEAD = 4 };
+        for (Py_ssize_t i = 0; i < n && i < KEYS_AHEAD; i++) PC_PREFETCH(&s->c[vict[i]]);
+        for (Py_ssize_t i = 0; i < n; i++) {
+            if (i + KEYS_AHEAD < n) PC_PREFETCH(&s->c[vict[i + KEYS_AHEAD]]);
+            if (i + LINES_AHEAD < n) { /* its key arrived meanwhile: its ghost table line now */
+                int32_t a = vict[i + LINES_AHEAD];
+                Ghost *g = pc_victim_ghost(s, a);
+                if (g != NULL && s->c[a].gkinl) ghost_prefetch(g, ghost_mix(s->c[a].gk));
+            }
+            if (pc_put_ghost(s, vict[i], limits[i]) < 0) goto fail;
+            if (forget) pc_forget(s, vict[i]);
+        }
+        PyMem_Free(vict);
+        PyMem_Free(limits);
     }
     return out;
+fail:
+    PyMem_Free(vict);
+    PyMem_Free(limits);
+    Py_DECREF(out);
+    return NULL;
 }
 
 static void pc_forget(PolicyCore *s, int32_t b) {
@@ -1904,19 +2060,20 @@ static int pc_link_ghosts(PolicyCore *s, int32_t b, const GKey *q, uint64_t h) {
         Ghost *b1 = &s->ghost[0], *b2 = &s->ghost[1];
         ghost_prefetch(b1, h);
         ghost_prefetch(b2, h);
-        double step = b1->len ? (double)b2->len / (double)b1->len : 0.0, limit = (double)pc_limit(s);
-        int in1 = ghost_take(b1, q, h); /* found: deleted (the step above was read before) */
+        Py_ssize_t len1 = b1->len, len2 = b2->len; /* the lengths before the take (the step reads them) */
+        int in1 = ghost_take(b1, q, h);
         if (in1 < 0) return -1;
         if (in1) {
+            double step = len1 ? (double)len2 / (double)len1 : 0.0, limit = (double)pc_limit(s);
             double grown = s->p + (1.0 >= step ? 1.0 : step);
             s->p = limit <= grown ? limit : grown;
             s->n[b].flag = 1;
             return 0;
         }
-        step = b2->len ? (double)b1->len / (double)b2->len : 0.0;
         int in2 = ghost_take(b2, q, h);
         if (in2 < 0) return -1;
         if (in2) {
+            double step = len2 ? (double)len1 / (double)len2 : 0.0;
             double shrunk = s->p - (1.0 >= step ? 1.0 : step);
             s->p = 0.0 >= shrunk ? 0.0 : shrunk;
             s->n[b].flag = 1;
@@ -1926,7 +2083,7 @@ static int pc_link_ghosts(PolicyCore *s, int32_t b, const GKey *q, uint64_t h) {
         if (in < 0) return -1;
         s->n[b].s3q = in ? PC_MAIN : PC_SMALL;
         s->n[b].freq = -1;
-        s->n[b].stamp = s->tick++;
+        s->n[b].seq = s->tick++; /* its FIFO stamp */
         s->n[b].flag = 1 | 2 | 4;
     }
     return 0;

@@ -425,15 +425,16 @@ class NativePagedAttention:
             kw, vw = (kv_quant.rotate(k.float()), v.float()) if fmt.rotates("k") else (k, v)
             if fmt.rotates("v"):
                 vw = kv_quant.rotate(v.float())
-            self.ops.kv_write_q(store.kv[layer], self._layout, store.block_size, plan.batch.slot_mapping, kw, vw)
+            self.ops.kv_write_q(store.layer_bytes[layer], self._layout, store.block_size, plan.batch.slot_mapping,
+                                kw, vw)
         else:
             store.write(layer, plan.batch.slot_mapping, k, v)
         # Keys stored turned by H: the kernels score the queries turned alike ((q H) . (k H) = q . k).
         # Smoothed keys ((k - mu) / s): the queries times s score them softmax-equal to q . k.
         qk = q if store.smoothing is None else store.smoothing.query(layer, q)
         qk = kv_quant.rotate(qk) if store.format.rotates("k") else qk
-        blocks = store.kv[layer]
-        residual = store.residual[layer] if store.residual_slots else self._no_residual
+        blocks = store.layer_bytes[layer]
+        residual = store.layer_residual[layer] if store.residual_slots else self._no_residual
         res_map = store.res_map if store.residual_slots else self._no_residual
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         pa = plan.prefill_args

@@ -155,6 +155,7 @@ class KVStore:
             self.dtype = torch.uint8
             self.kv = torch.zeros((L, num_blocks, spec.layer_block_bytes), dtype=torch.uint8, device=self.device)
             self.block_dim = 1
+            self.layer_bytes = list(self.kv.unbind(0))  # each layer's blocks, [num_blocks, bytes] views
             self.offsets: dict[tuple[str, str], tuple[int, tuple[int, ...], torch.dtype]] = {}
             at = 0
             for p in fmt.parts(B, H, D):
@@ -172,6 +173,11 @@ class KVStore:
             self._sealed = bytearray(num_blocks)  # 1: full and quantised (immutable until rewritten from row 0)
             self._free_pages = list(range(slots - 1, -1, -1))
             self._plan: _WritePlan | None = None
+            # Each layer's residual pages and their (K, V) halves, made once: a decode step reads and writes
+            # through them in every layer (a view costs microseconds to make).
+            self.layer_residual = list(self.residual.unbind(0))
+            self._res_views = [(r[0], r[1]) for r in self.layer_residual]
+        self._layers_parts: dict[str, torch.Tensor] | None = None
 
     # ---- sizes ------------------------------------------------------------------------------
     @property
@@ -204,6 +210,20 @@ class KVStore:
     def parts(self, layer: int) -> dict[str, torch.Tensor]:
         """Every part of one layer by ``'k.codes'``-style name (quantised formats)."""
         return {f"{kv}.{name}": self._part(layer, kv, name) for kv, name in self.offsets}
+
+    def layers_parts(self) -> dict[str, torch.Tensor]:
+        """Every part of every layer as ``[layers, num_blocks, *shape]`` views (quantised formats; made
+        once: the pool's bytes never move)."""
+        if self._layers_parts is None:
+            L, views = self.spec.layers, {}
+            for (kv, name), (at, shape, dtype) in self.offsets.items():
+                size = 1
+                for d in shape:
+                    size *= d
+                raw = self.kv[:, :, at:at + size * torch.empty((), dtype=dtype).element_size()]
+                views[f"{kv}.{name}"] = raw.view(dtype).view(L, self.num_blocks, *shape)
+            self._layers_parts = views
+        return self._layers_parts
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(K, V) of one layer as ``[num_slots, kv_heads, head_dim]`` views (plain formats, no copy)."""
@@ -393,37 +413,29 @@ class KVStore:
         writer = self.residual_writer
         if (plan.all_kept and writer is not None and self.residual.device.type == "cpu" and k.stride(-1) == 1
                 and v.stride(-1) == 1 and k.dtype in (torch.float32, torch.bfloat16, torch.float16)):
-            writer(self.residual[layer, 0], self.residual[layer, 1], plan.rows, k, v)
+            page_k, page_v = self._res_views[layer]
+            writer(page_k, page_v, plan.rows, k, v)
         elif bool((keep := plan.rows >= 0).any()):
             dst = plan.rows[keep]
             flat = (self.residual_slots * B, self.kv_heads, self.head_dim)
             self.residual[layer, 0].view(flat)[dst] = k[keep].to(self.residual.dtype)
             self.residual[layer, 1].view(flat)[dst] = v[keep].to(self.residual.dtype)
-        groups: list[tuple[int, torch.Tensor, torch.Tensor]] = []
-        for block, rows in plan.direct:
-            r = torch.tensor(rows, device=self.device)
-            groups.append((block, k[r], v[r]))
-        for block, page in plan.seal:
-            groups.append((block, self.residual[layer, 0, page], self.residual[layer, 1, page]))
-        if groups:
-            # The part views only when a block is packed: building them costs ~45 us of CPU a layer, which a
-            # decode step that only appends to residual pages (15 steps in 16) would pay for nothing.
-            p = self.parts(layer)
-            blocks = torch.tensor([g[0] for g in groups], device=self.device)
-            kb = torch.stack([g[1] for g in groups]).float()  # [n, B, H, D]
-            vb = torch.stack([g[2] for g in groups]).float()
-            if self.format.scales == "channel":
-                kc, ks, km = q.quant_channel(kb)
-                vr = q.rotate(vb) if self.format.rotates("v") else vb
-                vc, vs = q.quant_token(vr.flatten(0, 1), self.format.element)
-                p["k.codes"][blocks], p["k.scale"][blocks], p["k.min"][blocks] = kc, ks, km
-                p["v.codes"][blocks], p["v.scale"][blocks] = vc.view(vb.shape), vs.view(vb.shape[:3])
-            else:
-                kc, ks, km = q.quant_kivi_k(kb)
-                vc, vs, vm = q.quant_kivi_v(vb)
-                p["k.codes"][blocks], p["k.scale"][blocks], p["k.min"][blocks] = kc, ks, km
-                p["v.codes"][blocks], p["v.scale"][blocks], p["v.min"][blocks] = vc, vs, vm
+        if plan.direct:
+            # Blocks written whole this step are read packed by this layer's attention: packed now. (The
+            # part views only then: building them costs ~45 us of CPU a layer, for nothing in a decode
+            # step that only appends to residual pages.)
+            rows = [torch.tensor(r, device=self.device) for _, r in plan.direct]
+            blocks = torch.tensor([block for block, _ in plan.direct], device=self.device)
+            self._pack(self.parts(layer), blocks, torch.stack([k[r] for r in rows]).float(),
+                       torch.stack([v[r] for r in rows]).float())
         if layer == self.spec.layers - 1:  # the step's last layer: the sealed blocks are now packed everywhere
+            if plan.seal:
+                # A block whose last row came this step is read from its residual page by every layer of
+                # this step: all layers are packed at once, here, in one quantisation of [layers, n, B, H, D].
+                pages = torch.tensor([page for _, page in plan.seal], device=self.device)
+                blocks = torch.tensor([block for block, _ in plan.seal], device=self.device)
+                self._pack(self.layers_parts(), (slice(None), blocks), self.residual[:, 0, pages].float(),
+                           self.residual[:, 1, pages].float())
             for block, _rows in plan.direct:
                 self._release(block)
                 self._sealed[block] = 1
@@ -432,6 +444,23 @@ class KVStore:
                 self._free_pages.append(page)
                 self._sealed[block] = 1
             self._plan = None
+
+    def _pack(self, parts: dict[str, torch.Tensor], at: object, kb: torch.Tensor, vb: torch.Tensor) -> None:
+        """Quantise whole blocks ``kb``/``vb [..., n, B, H, D]`` (fp32) into ``parts[name][at]``."""
+        lead = kb.shape[:-3]  # [..., n]
+        flat = kb.flatten(0, len(lead) - 1)  # [N, B, H, D]: each block's B tokens on dim 1
+        if self.format.scales == "channel":
+            kc, ks, km = q.quant_channel(flat)
+            vr = q.rotate(vb) if self.format.rotates("v") else vb
+            vc, vs = q.quant_token(vr.flatten(0, -3), self.format.element)
+            values = {"v.codes": vc.view(vb.shape), "v.scale": vs.view(vb.shape[:-1])}
+        else:
+            kc, ks, km = q.quant_kivi_k(flat)
+            vc, vs, vm = q.quant_kivi_v(vb)
+            values = {"v.codes": vc, "v.scale": vs, "v.min": vm}
+        keys = {"k.codes": kc, "k.scale": ks, "k.min": km}
+        for name, x in (*keys.items(), *values.items()):
+            parts[name][at] = x.view(*lead, *x.shape[1:]) if name in keys else x
 
     # ---- residual pages (int4) ----------------------------------------------------------------
     def _take_page(self) -> int:

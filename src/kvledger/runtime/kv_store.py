@@ -21,9 +21,14 @@ int8-hadamard stores keys (and int8 its values) turned by the normalised Walsh-H
 (``kv_quant.rotate``); :meth:`read` turns them back, and a kernel reading int8-hadamard's codes in place turns
 the queries instead (same scores). int4-smooth stores keys smoothed by the model's static constants
 (``kv_smoothing``: ``(k - mu) / s`` before turning); :meth:`read` undoes them, the native kernels score ``q * s``.
+
+The module stays whole past 600 lines: one class owns the pool's bytes, the residual pages and every read,
+write and copy of them, and each of those reads the same layout (``offsets``, ``res_map``, the write plan).
 """
 
 from __future__ import annotations
+
+import math
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -198,30 +203,20 @@ class KVStore:
         return self.kv.movedim(self.block_dim, 0)
 
     # ---- per-layer views ----------------------------------------------------------------------
-    def _part(self, layer: int, kv: str, name: str) -> torch.Tensor:
-        """One part of one layer as ``[num_blocks, *shape]`` of its element type (a view)."""
-        at, shape, dtype = self.offsets[(kv, name)]
-        size = 1
-        for s in shape:
-            size *= s
-        raw = self.kv[layer][:, at:at + size * torch.empty((), dtype=dtype).element_size()]
-        return raw.view(dtype).view(self.num_blocks, *shape)
-
     def parts(self, layer: int) -> dict[str, torch.Tensor]:
-        """Every part of one layer by ``'k.codes'``-style name (quantised formats)."""
-        return {f"{kv}.{name}": self._part(layer, kv, name) for kv, name in self.offsets}
+        """Every part of one layer by ``'k.codes'``-style name (quantised formats): ``[num_blocks, *shape]``
+        views of its element type."""
+        return {name: view[layer] for name, view in self.layers_parts().items()}
 
     def layers_parts(self) -> dict[str, torch.Tensor]:
-        """Every part of every layer as ``[layers, num_blocks, *shape]`` views (quantised formats; made
-        once: the pool's bytes never move)."""
+        """Every part of every layer as ``[layers, num_blocks, *shape]`` views (made once: the pool's bytes
+        never move)."""
         if self._layers_parts is None:
-            L, views = self.spec.layers, {}
+            views = {}
             for (kv, name), (at, shape, dtype) in self.offsets.items():
-                size = 1
-                for d in shape:
-                    size *= d
-                raw = self.kv[:, :, at:at + size * torch.empty((), dtype=dtype).element_size()]
-                views[f"{kv}.{name}"] = raw.view(dtype).view(L, self.num_blocks, *shape)
+                nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                raw = self.kv[:, :, at:at + nbytes]
+                views[f"{kv}.{name}"] = raw.view(dtype).view(self.spec.layers, self.num_blocks, *shape)
             self._layers_parts = views
         return self._layers_parts
 

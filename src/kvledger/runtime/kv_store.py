@@ -29,7 +29,6 @@ write and copy of them, and each of those reads the same layout (``offsets``, ``
 from __future__ import annotations
 
 import math
-
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol

@@ -1319,14 +1319,22 @@ static int ghost_put(Ghost *g, const GKey *q, uint64_t h) {
 
 #define GHOST_AHEAD 4 /* the front's table lines asked for this many entries ahead */
 
-/* popitem(last=False) */
+/* popitem(last=False): 0, or -1 with SystemError set when the table lost a live ghost. */
 static int ghost_pop_front(Ghost *g) {
     if (g->len == 0) return 0;
     size_t rmask = (size_t)g->ringcap - 1;
     while (!g->alive[g->head & rmask]) g->head++;
     int32_t pos = (int32_t)(g->head & rmask);
     size_t mask = (size_t)g->tabsize - 1, i = (size_t)(uint32_t)gentry_hash(g, pos) & mask;
-    while (ghost_entry_slot(g->tab[i]) != pos) i = (i + 1) & mask;
+    for (;;) { /* a live entry is always in the table: an empty position first is a broken invariant */
+        uint64_t e = g->tab[i];
+        if (e == 0) {
+            PyErr_SetString(PyExc_SystemError, "kvledger: a live ghost is missing from its table (a bug)");
+            return -1;
+        }
+        if (ghost_entry_slot(e) == pos) break;
+        i = (i + 1) & mask;
+    }
     ghost_drop(g, (Py_ssize_t)i);
     g->head++;
     if (g->tail - g->head > GHOST_AHEAD) { /* a later pop's line, on its way meanwhile */
@@ -1874,8 +1882,7 @@ static int pc_put_ghost(PolicyCore *s, int32_t b, Py_ssize_t limit) {
     int rc = ghost_put(g, &q, h);
     Py_XDECREF(q.obj);
     if (rc < 0) return -1;
-    if (g->len > limit) ghost_pop_front(g);
-    return 0;
+    return g->len > limit ? ghost_pop_front(g) : 0;
 }
 
 static int pc_on_evict(PolicyCore *s, int32_t b) {

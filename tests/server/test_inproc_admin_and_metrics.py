@@ -115,8 +115,9 @@ def test_reset_prefix_cache(srv: InProcServer) -> None:
                                                          "type": "invalid_request_error",
                                                          "param": "reset_running_requests", "code": None}})
     with srv.http.stream("POST", srv.url + "/v1/completions", headers=srv.headers(KEYS["acme"]),
-                         json={"prompt": "Tell a long story.", "max_tokens": 40, "ignore_eos": True,
+                         json={"prompt": "Tell a long story.", "max_tokens": 160, "ignore_eos": True,
                                "temperature": 0, "stream": True}) as a:
+        # long enough to be running through all three refusals on a busy machine (40 tokens once finished first)
         lines = a.iter_lines()
         next(lines)
         for query in ("", "?reset_running_requests=false", "?reset_running_requests=0"):

@@ -7,9 +7,12 @@ tokens' K and V at bf16, ``xsinkN`` also leaves them out of block 0's per-channe
 perplexity change and bytes per token (metadata included, :data:`BYTES`), then one JSON line of every figure.
 Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`) learn their levels on :func:`calibration_texts`, apart
 from every scored text; their per-model codebook bytes are reported apart from the bytes per token.
+``--per-layer k:NAME,v:NAME,...`` measures each layer's share instead (one layer's keys or values quantised at a
+time) and the best per-layer mix of those grids within ``--ratio`` (:func:`allocate`).
 Results and what they say: docs/kv_formats.md, "Screened since".
 
 Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,kva37/tok4h/sink1,ppq2x8/none] [--threads 2]
+       python benchmarks/kv_4bit_screen.py --per-layer k:kivi4,k:tok4h,v:tok4h,v:tok3h [--ratio 3.5]
 """
 
 from __future__ import annotations
@@ -386,10 +389,73 @@ def kl_and_ppl(base, lg, ids):
     return kl, nll_b, nll_q
 
 
+def allocate(scan, layers, budget):
+    """The per-layer choice of one key and one value quantiser (from ``scan``: ``{"k:NAME" | "v:NAME": [KL with
+    only that layer quantised, per layer]}``) with the least summed KL within ``budget`` bytes per token and
+    layer-head on average (a knapsack over layers; the sum assumes the layers' KLs add, which the full scheme
+    then checks). Returns ``(summed KL, bytes used, [(key, value) per layer])`` or None when nothing fits."""
+    keys = [n.split(":", 1)[1] for n in scan if n.startswith("k:")]
+    values = [n.split(":", 1)[1] for n in scan if n.startswith("v:")]
+    cap = int(budget * layers)
+    best = {0: (0.0, [])}  # bytes so far -> (least KL, choices): only the non-dominated states are kept
+    for li in range(layers):
+        nxt = {}
+        for kn in keys:
+            for vn in values:
+                cost = BYTES[kn] + BYTES[vn]
+                kl = scan["k:" + kn][li] + scan["v:" + vn][li]
+                for used, (acc, picks) in best.items():
+                    if used + cost <= cap and (used + cost not in nxt or nxt[used + cost][0] > acc + kl):
+                        nxt[used + cost] = (acc + kl, picks + [(kn, vn)])
+        best, floor = {}, math.inf
+        for used, (acc, picks) in sorted(nxt.items()):
+            if acc < floor:
+                best[used], floor = (acc, picks), acc
+    if not best:
+        return None
+    used, (acc, picks) = min(best.items(), key=lambda kv: kv[1][0])
+    return acc, used / layers, picks
+
+
+def per_layer_scan(model, ctx, data, bases, variants, ratio):
+    """KL with one layer's keys (or values) quantised and everything else exact (the sink row kept, as
+    ``sink1``), for each ``k:NAME`` / ``v:NAME`` in ``variants`` and each layer; then the best per-layer mix
+    within ``ratio`` (bytes per token at most bf16's / ratio) by :func:`allocate`."""
+    scan = {}
+    for var in variants:
+        side, name = var.split(":")
+        fq = quantiser(name, side)
+        scan[var] = []
+        for li in range(len(model.layers)):
+            t0 = time.time()
+            kls = []
+            for (_, ids), base in zip(data, bases, strict=True):
+                pick = (fq, q_none) if side == "k" else (q_none, fq)
+                lg = forward(model, ids, None, None, ctx, sink=1, per_layer={li: pick})
+                kls.append(kl_and_ppl(base, lg, ids)[0])
+            scan[var].append(torch.cat(kls).mean().item())
+            print(f"{var:10s} layer {li:2d}  KL {scan[var][-1]:.2e}  ({time.time() - t0:.0f}s)", flush=True)
+        print(f"{var:10s} summed over layers {sum(scan[var]):.3e}", flush=True)
+    budget = BF16_TOKEN / ratio / 90  # bytes per token and layer-head (90 layer-heads in SmolLM2-135M)
+    mix = allocate(scan, len(model.layers), budget)
+    if mix is not None:
+        kl, used, picks = mix
+        counts = {f"{k}/{v}": picks.count((k, v)) for k, v in dict.fromkeys(picks)}
+        print(f"best per-layer mix within {ratio}x ({budget:.1f} B a layer-head): summed KL {kl:.3e} at {used:.1f} B: "
+              + ", ".join(f"{n} x{c}" for n, c in counts.items()), flush=True)
+    return {"per_layer_kl": scan, "ratio": ratio, "budget_bytes_per_layer_head": budget,
+            "best_mix": None if mix is None else {"summed_kl": mix[0], "bytes_per_layer_head": mix[1],
+                                                  "per_layer": [f"{k}/{v}" for k, v in mix[2]]}}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemes", default="tok4h/tok4h,kivi4/tok4h")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--per-layer", metavar="VARIANTS",
+                    help="instead of --schemes: k:NAME,v:NAME,... each quantised one layer at a time (KL per layer), "
+                         "then the best per-layer mix within --ratio")
+    ap.add_argument("--ratio", type=float, default=3.5, help="bytes bound of --per-layer's mix, as bf16's / ratio")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -401,6 +467,10 @@ def main():
     ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
     data = texts(tok)
     bases = [forward(model, ids) for _, ids in data]
+    if args.per_layer:
+        found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio)
+        print(json.dumps({"texts": [n for n, _ in data], **found}))
+        return
     results = []
     for scheme in args.schemes.split(","):
         t0 = time.time()

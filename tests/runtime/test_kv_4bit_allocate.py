@@ -1,0 +1,60 @@
+"""The per-layer mix of the 4-bit KV screen (benchmarks/kv_4bit_screen.py ``allocate``) on hand-made KL
+tables: the least summed KL within the bytes, worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def screen():
+    sys.path.insert(0, str(_BENCH))  # the screen imports kv_codebooks beside it
+    try:
+        spec = importlib.util.spec_from_file_location("kv_4bit_screen", _BENCH / "kv_4bit_screen.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(_BENCH))
+    return mod
+
+
+# keys: kivi4 48 B, tok4h 36 B; values: tok4h 36 B, tok3h 28 B (per token and layer-head)
+SCAN = {
+    "k:kivi4": [1.0, 1.0, 1.0],
+    "k:tok4h": [9.0, 2.0, 9.0],  # layer 1's keys lose little at 36 B
+    "v:tok4h": [1.0, 1.0, 1.0],
+    "v:tok3h": [1.5, 5.0, 4.0],  # layer 0's values lose little at 28 B
+}
+
+
+def test_room_for_everything_takes_the_best_of_each_layer(screen):
+    kl, used, picks = screen.allocate(SCAN, 3, 84)
+    assert picks == [("kivi4", "tok4h")] * 3
+    assert kl == pytest.approx(6.0)
+    assert used == pytest.approx(84)
+
+
+def test_each_saving_goes_where_it_costs_least(screen):
+    # 8 B short over three layers: one value downgrade (8 B), the cheapest one: layer 0's (+0.5)
+    kl, used, picks = screen.allocate(SCAN, 3, (3 * 84 - 8) / 3)
+    assert picks == [("kivi4", "tok3h"), ("kivi4", "tok4h"), ("kivi4", "tok4h")]
+    assert kl == pytest.approx(6.5)
+    # 12 B short: a key downgrade (12 B) at layer 1 (+1.0) beats two value downgrades (16 B, +0.5 +3.0)
+    kl, used, picks = screen.allocate(SCAN, 3, (3 * 84 - 12) / 3)
+    assert picks == [("kivi4", "tok4h"), ("tok4h", "tok4h"), ("kivi4", "tok4h")]
+    assert kl == pytest.approx(7.0)
+    # 20 B short: both of the above (+1.5), not layer 1's two downgrades (+5.0)
+    kl, used, picks = screen.allocate(SCAN, 3, (3 * 84 - 20) / 3)
+    assert picks == [("kivi4", "tok3h"), ("tok4h", "tok4h"), ("kivi4", "tok4h")]
+    assert kl == pytest.approx(7.5)
+    assert used * 3 == pytest.approx(3 * 84 - 20)
+
+
+def test_nothing_fits(screen):
+    assert screen.allocate(SCAN, 3, 63) is None  # the cheapest pair is 64 B

@@ -25,8 +25,11 @@ is vLLM's figure over ours. ``--rounds N`` alternates ours / vLLM N times so mac
 alike; the ratio reported is the median of the rounds' ratios. Every figure notes the load average.
 
 ``--eviction lru,gdsf,...`` (issue 38) runs every case with each registered eviction policy instead,
-alternating the policies within each round, and prints each one's median microseconds per request beside
-LRU's (the ratio is the median of the rounds' ratios to LRU in the same round).
+alternating the policies within each round (reversed every other round), and prints each one's median
+microseconds per request beside LRU's (the ratio is the median of the rounds' ratios to LRU in the same
+round, with their first and third quartiles). A case's prompts are made once per process, so many short
+rounds (``--requests 400 --rounds 40``) cost little more than the ledger calls they time and resolve a few
+percent on a busy machine where three long rounds spread by +-15%.
 
 ``--clock cpu`` times the ledger calls with the thread's CPU time (``time.thread_time``) instead of the
 wall clock: on a machine shared with other work, wall time also counts the time the process waited for
@@ -40,6 +43,7 @@ Usage: python benchmarks/ledger_ops.py [--requests N] [--cases base,n4,evict] [-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -70,6 +74,14 @@ def make_prompts(n: int, prompt_len: int, shared_len: int, n_prefixes: int, seed
     return prompts
 
 
+@functools.lru_cache(maxsize=4)
+def cached_prompts(n: int, prompt_len: int, shared_len: int, n_prefixes: int, seed: int,
+                   share: bool) -> tuple[tuple[int, ...], ...]:
+    """:func:`make_prompts` once per case and process, as the tuples a Request keeps: the runs of a comparison
+    differ only in what they time, and many short rounds cost little more than their ledger calls."""
+    return tuple(tuple(p) for p in make_prompts(n, prompt_len, shared_len, n_prefixes, seed, share))
+
+
 def run(args: argparse.Namespace, case: str = "base", policy: str = "lru") -> dict:
     branches = 4 if case == "n4" else 1
     share = case != "evict"
@@ -77,7 +89,7 @@ def run(args: argparse.Namespace, case: str = "base", policy: str = "lru") -> di
     if case == "evict":
         working_set = args.running * -(-(args.prompt + args.max_new) // args.block_size)
         pool_blocks = 2 * working_set
-    prompts = make_prompts(args.requests, args.prompt, args.shared, args.prefixes, args.seed, share)
+    prompts = cached_prompts(args.requests, args.prompt, args.shared, args.prefixes, args.seed, share)
     ctx = CacheContext(model="bench", trust_group="tenant-0")
     ledger = KVLedger(pool_blocks, args.block_size, prefix_caching=True, policy=policy)
     pending = deque(Request(f"r{i}", p, args.max_new, ctx, branches=branches) for i, p in enumerate(prompts))
@@ -302,11 +314,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def compare_policies(args: argparse.Namespace, cases: list[str], policies: list[str]) -> int:
-    """Each case with each policy, the policies alternating within a round; ratios to LRU's same round."""
+    """Each case with each policy, the policies alternating within a round (in reverse order every other
+    round, so a drift of the machine's speed within a round favours none); ratios to LRU's same round, their
+    median and first and third quartiles."""
     per: dict[tuple[str, str], list[dict]] = {}
     for rnd in range(args.rounds):
         for c in cases:
-            for p in policies:
+            for p in (policies if rnd % 2 == 0 else policies[::-1]):
                 print(f"round {rnd + 1}: case {c}, eviction {p} ...", file=sys.stderr, flush=True)
                 load = load_str()
                 result = run(args, c, p)
@@ -315,19 +329,22 @@ def compare_policies(args: argparse.Namespace, cases: list[str], policies: list[
     print(f"ledger_ops --eviction: {args.requests} requests of {args.prompt}+{args.max_new} tokens, block size "
           f"{args.block_size}, up to {args.running} running, {args.rounds} round(s), {args.clock} clock; "
           f"{native.status()}")
-    print(f"{'case':8s}{'policy':18s}{'us/request':>12s}{'vs lru':>9s}{'evictions':>11s}{'hit blocks/req':>16s}")
+    print(f"{'case':8s}{'policy':18s}{'us/request':>12s}{'vs lru':>9s}{'q1-q3':>13s}{'evictions':>11s}"
+          f"{'hit blocks/req':>16s}")
     summary: dict = {"core": "native" if native.available() else "python", "rounds": args.rounds,
                      "clock": args.clock}
     for c in cases:
         for p in policies:
             runs = per[(c, p)]
             us = statistics.median(r["us_per_request"] for r in runs)
-            ratio = statistics.median(r["us_per_request"] / lru["us_per_request"]
-                                      for r, lru in zip(runs, per[(c, "lru")], strict=True))
-            print(f"{c:8s}{p:18s}{us:12.1f}{ratio:9.2f}{runs[-1]['evictions']:11d}"
+            ratios = [r["us_per_request"] / lru["us_per_request"] for r, lru in zip(runs, per[(c, "lru")], strict=True)]
+            ratio = statistics.median(ratios)
+            q1, q3 = statistics.quantiles(ratios, n=4)[::2] if len(ratios) > 1 else (ratio, ratio)
+            print(f"{c:8s}{p:18s}{us:12.1f}{ratio:9.3f}{f'{q1:.3f}-{q3:.3f}':>13s}{runs[-1]['evictions']:11d}"
                   f"{runs[-1]['prefix_hit_blocks_per_request']:16.1f}")
             summary[f"us_per_request_{c}_{p}"] = round(us, 2)
             summary[f"ratio_to_lru_{c}_{p}"] = round(ratio, 3)
+            summary[f"ratio_to_lru_q1_q3_{c}_{p}"] = [round(q1, 3), round(q3, 3)]
     summary["load"] = load_str()
     print(json.dumps(summary))
     return 0

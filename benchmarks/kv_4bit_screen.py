@@ -389,11 +389,12 @@ def kl_and_ppl(base, lg, ids):
     return kl, nll_b, nll_q
 
 
-def allocate(scan, layers, budget):
+def allocate(scan, costs, layers, budget):
     """The per-layer choice of one key and one value quantiser (from ``scan``: ``{"k:NAME" | "v:NAME": [KL with
-    only that layer quantised, per layer]}``) with the least summed KL within ``budget`` bytes per token and
-    layer-head on average (a knapsack over layers; the sum assumes the layers' KLs add, which the full scheme
-    then checks). Returns ``(summed KL, bytes used, [(key, value) per layer])`` or None when nothing fits."""
+    only that layer quantised, per layer]}``, each costing ``costs[...]`` bytes per token and layer-head) with the
+    least summed KL within ``budget`` bytes per token and layer-head on average (a knapsack over layers; the sum
+    assumes the layers' KLs add, which the full scheme then checks). Returns ``(summed KL, bytes used, [(key,
+    value) per layer])`` or None when nothing fits."""
     keys = [n.split(":", 1)[1] for n in scan if n.startswith("k:")]
     values = [n.split(":", 1)[1] for n in scan if n.startswith("v:")]
     cap = int(budget * layers)
@@ -402,7 +403,7 @@ def allocate(scan, layers, budget):
         nxt = {}
         for kn in keys:
             for vn in values:
-                cost = BYTES[kn] + BYTES[vn]
+                cost = costs["k:" + kn] + costs["v:" + vn]
                 kl = scan["k:" + kn][li] + scan["v:" + vn][li]
                 for used, (acc, picks) in best.items():
                     if used + cost <= cap and (used + cost not in nxt or nxt[used + cost][0] > acc + kl):
@@ -421,11 +422,13 @@ def per_layer_scan(model, ctx, data, bases, variants, ratio):
     """KL with one layer's keys (or values) quantised and everything else exact (the sink row kept, as
     ``sink1``), for each ``k:NAME`` / ``v:NAME`` in ``variants`` and each layer; then the best per-layer mix
     within ``ratio`` (bytes per token at most bf16's / ratio) by :func:`allocate`."""
-    scan = {}
+    scan, costs = {}, {}
     for var in variants:
         side, name = var.split(":")
         fq = quantiser(name, side)
-        scan[var] = []
+        if fq.bytes is None:
+            raise SystemExit(f"--per-layer {var}: {name} has no byte figure to budget")
+        scan[var], costs[var] = [], fq.bytes
         for li in range(len(model.layers)):
             t0 = time.time()
             kls = []
@@ -436,13 +439,16 @@ def per_layer_scan(model, ctx, data, bases, variants, ratio):
             scan[var].append(torch.cat(kls).mean().item())
             print(f"{var:10s} layer {li:2d}  KL {scan[var][-1]:.2e}  ({time.time() - t0:.0f}s)", flush=True)
         print(f"{var:10s} summed over layers {sum(scan[var]):.3e}", flush=True)
-    budget = BF16_TOKEN / ratio / 90  # bytes per token and layer-head (90 layer-heads in SmolLM2-135M)
-    mix = allocate(scan, len(model.layers), budget)
+    layer_heads = len(model.layers) * model.layers[0].self_attn.kv_heads
+    budget = BF16_TOKEN / layer_heads / ratio  # bytes per token and layer-head
+    mix = allocate(scan, costs, len(model.layers), budget)
     if mix is not None:
         kl, used, picks = mix
         counts = {f"{k}/{v}": picks.count((k, v)) for k, v in dict.fromkeys(picks)}
         print(f"best per-layer mix within {ratio}x ({budget:.1f} B a layer-head): summed KL {kl:.3e} at {used:.1f} B: "
               + ", ".join(f"{n} x{c}" for n, c in counts.items()), flush=True)
+    else:
+        print(f"no mix of these grids fits within {ratio}x ({budget:.1f} B a layer-head)", flush=True)
     return {"per_layer_kl": scan, "ratio": ratio, "budget_bytes_per_layer_head": budget,
             "best_mix": None if mix is None else {"summed_kl": mix[0], "bytes_per_layer_head": mix[1],
                                                   "per_layer": [f"{k}/{v}" for k, v in mix[2]]}}

@@ -31,10 +31,11 @@ SCAN = {
     "v:tok4h": [1.0, 1.0, 1.0],
     "v:tok3h": [1.5, 5.0, 4.0],  # layer 0's values lose little at 28 B
 }
+COSTS = {"k:kivi4": 48, "k:tok4h": 36, "v:tok4h": 36, "v:tok3h": 28}
 
 
 def test_room_for_everything_takes_the_best_of_each_layer(screen):
-    kl, used, picks = screen.allocate(SCAN, 3, 84)
+    kl, used, picks = screen.allocate(SCAN, COSTS, 3, 84)
     assert picks == [("kivi4", "tok4h")] * 3
     assert kl == pytest.approx(6.0)
     assert used == pytest.approx(84)
@@ -42,19 +43,19 @@ def test_room_for_everything_takes_the_best_of_each_layer(screen):
 
 def test_each_saving_goes_where_it_costs_least(screen):
     # 8 B short over three layers: one value downgrade (8 B), the cheapest one: layer 0's (+0.5)
-    kl, used, picks = screen.allocate(SCAN, 3, (3 * 84 - 8) / 3)
+    kl, used, picks = screen.allocate(SCAN, COSTS, 3, (3 * 84 - 8) / 3)
     assert picks == [("kivi4", "tok3h"), ("kivi4", "tok4h"), ("kivi4", "tok4h")]
     assert kl == pytest.approx(6.5)
     # 12 B short: a key downgrade (12 B) at layer 1 (+1.0) beats two value downgrades (16 B, +0.5 +3.0)
-    kl, used, picks = screen.allocate(SCAN, 3, (3 * 84 - 12) / 3)
+    kl, used, picks = screen.allocate(SCAN, COSTS, 3, (3 * 84 - 12) / 3)
     assert picks == [("kivi4", "tok4h"), ("tok4h", "tok4h"), ("kivi4", "tok4h")]
     assert kl == pytest.approx(7.0)
     # 20 B short: both of the above (+1.5), not layer 1's two downgrades (+5.0)
-    kl, used, picks = screen.allocate(SCAN, 3, (3 * 84 - 20) / 3)
+    kl, used, picks = screen.allocate(SCAN, COSTS, 3, (3 * 84 - 20) / 3)
     assert picks == [("kivi4", "tok3h"), ("tok4h", "tok4h"), ("kivi4", "tok4h")]
     assert kl == pytest.approx(7.5)
     assert used * 3 == pytest.approx(3 * 84 - 20)
 
 
 def test_nothing_fits(screen):
-    assert screen.allocate(SCAN, 3, 63) is None  # the cheapest pair is 64 B
+    assert screen.allocate(SCAN, COSTS, 3, 63) is None  # the cheapest pair is 64 B

@@ -415,9 +415,7 @@ class KVStore:
             self.residual[layer, 0].view(flat)[dst] = k[keep].to(self.residual.dtype)
             self.residual[layer, 1].view(flat)[dst] = v[keep].to(self.residual.dtype)
         if plan.direct:
-            # Blocks written whole this step are read packed by this layer's attention: packed now. (The
-            # part views only then: building them costs ~45 us of CPU a layer, for nothing in a decode
-            # step that only appends to residual pages.)
+            # Blocks written whole this step (a prefill's) are read packed by this layer's attention: packed now.
             rows = [torch.tensor(r, device=self.device) for _, r in plan.direct]
             blocks = torch.tensor([block for block, _ in plan.direct], device=self.device)
             self._pack(self.parts(layer), blocks, torch.stack([k[r] for r in rows]).float(),

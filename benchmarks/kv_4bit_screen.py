@@ -5,13 +5,14 @@ Python's ``textwrap.py`` and of the Apache-2.0 licence, and 4 ``tune`` peer prom
 ids. A scheme is ``KEYS/VALUES[/sinkN|/xsinkN]`` (quantiser names: :data:`QUANT`; ``sinkN`` keeps the first N
 tokens' K and V at bf16, ``xsinkN`` also leaves them out of block 0's per-channel ranges); each prints its KL,
 perplexity change and bytes per token (metadata included, :data:`BYTES`), then one JSON line of every figure.
-Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`) learn their levels on :func:`calibration_texts`, apart
-from every scored text; their per-model codebook bytes are reported apart from the bytes per token.
+Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`, :data:`TRANSFORM`) learn their levels on
+:func:`calibration_texts`, apart from every scored text; their per-model codebook bytes are reported apart from the
+bytes per token.
 ``--per-layer k:NAME,v:NAME,...`` measures each layer's share instead (one layer's keys or values quantised at a
 time) and the best per-layer mix of those grids within ``--ratio`` (:func:`allocate`).
 Results and what they say: docs/kv_formats.md, "Screened since".
 
-Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,kva37/tok4h/sink1,ppq2x8/none] [--threads 2]
+Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,klt37/tok4h/sink1,ppq2x8/none] [--threads 2]
        python benchmarks/kv_4bit_screen.py --per-layer k:kivi4,k:tok4h,v:tok4h,v:tok3h [--ratio 3.5]
 """
 
@@ -210,11 +211,25 @@ CODEBOOK_CACHE = Path("/tmp/kv_codebooks")
 # allocated on calibration texts (NN bytes a row, metadata included) by what its error costs (the block range
 # times the channel's query energy); channels given no bits are their calibration mean (no bytes).
 BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
+# ``klt{NN}``: transform coding (``cbq.fit_transform``): centred, whitened by the error metric (keys: the queries'
+# second moment; values: the o_proj columns' Gram matrix), turned onto the principal axes, NN bytes a row of codes
+# water-filled over the coefficients, static k-means levels: no per-token or per-block metadata.
+TRANSFORM = re.compile(r"^klt(?P<nbytes>\d+)$")
 
 
 def quantiser(name, slot):
     """The quantiser a scheme names for ``slot`` ("k" or "v"), with ``.bytes`` per token, head and layer."""
-    m, ba = CODEBOOK.match(name), BLOCK_ALLOC.match(name)
+    m, ba, tr = CODEBOOK.match(name), BLOCK_ALLOC.match(name), TRANSFORM.match(name)
+    if tr is not None:
+        nbytes = int(tr["nbytes"])
+
+        def ft(layer, x, ctx):
+            fits = ctx["codebooks"](slot, 0, nbytes, False, "klt")[layer]
+            return torch.stack([cbq.transform_decode(cbq.transform_codes(x[:, h], fh), fh)
+                                for h, fh in enumerate(fits)], 1)
+
+        ft.pre_rope, ft.bytes, ft.model_bytes = False, nbytes, cbq.transform_bytes(30, 3, 64)
+        return ft
     if ba is not None and slot == "k":
         pre, nbytes = bool(ba["pre"]), int(ba["nbytes"])
 
@@ -277,10 +292,21 @@ def codebook_source(model, tok):
         e = sum(t[li]["qepre" if source == "kpre" else "qe"] for t in taps)
         return e / sum(len(t[li]["k"]) for t in taps)
 
+    def metric_of(li, source):
+        """``[KV heads, D, D]``: keys, the second moment of the (post-RoPE) queries that read each KV head;
+        values, the Gram matrix of the o_proj columns that read it."""
+        if source == "v":
+            a = model.layers[li].self_attn
+            w = a.o_proj.weight.float()
+            w = w.view(w.shape[0], a.kv_heads, -1, a.head_dim)
+            return torch.einsum("hgqd,hgqe->gde", w, w)
+        return sum(t[li]["qq"] for t in taps) / sum(len(t[li]["k"]) for t in taps)
+
     def get(source, d, bits, scaled, alloc=False):
         key = (source, d, bits, scaled, alloc)
         if key not in memo:
-            path = CODEBOOK_CACHE / f"{source}_{d}x{bits}{'a' if alloc else ''}{'s' if scaled else ''}_{tag}.pt"
+            kind = "t" if alloc == "klt" else "a" if alloc else ""
+            path = CODEBOOK_CACHE / f"{source}_{d}x{bits}{kind}{'s' if scaled else ''}_{tag}.pt"
             if path.exists():
                 memo[key] = torch.load(path)
             else:
@@ -290,7 +316,16 @@ def codebook_source(model, tok):
                         forward(model, ids, taps=layers)
                         taps.append(layers)
                 t0 = time.time()
-                if alloc == "block":  # (bits, mean, bytes a row used) per layer
+                if alloc == "klt":  # one transform per layer and KV head
+                    memo[key] = []
+                    for li in range(len(taps[0])):
+                        x = torch.cat([t[li][source] for t in taps])
+                        metric = metric_of(li, source)
+                        memo[key].append([cbq.fit_transform(x[:, h], metric[h], 8 * bits) for h in range(x.shape[1])])
+                    print(f"  {source} klt{bits}: bits per coefficient " + " ".join(
+                        f"{v}:{int(sum((f['bits'] == v).sum() for fl in memo[key] for f in fl))}" for v in range(9)),
+                        flush=True)
+                elif alloc == "block":  # (bits, mean, bytes a row used) per layer
                     memo[key] = []
                     for li in range(len(taps[0])):
                         x = torch.cat([t[li][source] for t in taps])
@@ -343,9 +378,11 @@ def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, excl
         k = rope(kpre, cos, sin)
         v = v.view(t, a.kv_heads, a.head_dim)
         if taps is not None:  # and each KV head's query energy per channel (summed over its query heads)
+            qg = q.reshape(t, a.kv_heads, -1, a.head_dim)  # and its queries' second moment (transform coding)
             taps.append({"kpre": kpre, "k": k, "v": v,
                          "qe": (q ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2)),
-                         "qepre": (qv ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2))})
+                         "qepre": (qv ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2)),
+                         "qq": torch.einsum("tgqd,tgqe->gde", qg, qg)})
         fk, fv = (per_layer or {}).get(li, (kq, vq))
         if fk is not None:
             kin, kpin, vin = k, kpre, v

@@ -220,3 +220,60 @@ def block_allocated(x: torch.Tensor, bits: torch.Tensor, mean: torch.Tensor, bs:
     q = ((xb - lo) / s).round().clamp(torch.zeros_like(n), n) * s + lo
     q = torch.where(bits > 0, q, mean.expand_as(q))
     return q.reshape(-1, *x.shape[1:])[:t]
+
+
+# ---- transform coding: a calibrated, metric-whitened KLT with water-filled bits and static levels ----
+
+def metric_root(metric: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(M^1/2, M^-1/2)`` of a symmetric positive semi-definite ``metric [D, D]`` (float64), its eigenvalues
+    floored at ``floor`` times the largest so the inverse stays finite."""
+    e, v = torch.linalg.eigh(metric.double())
+    e = e.clamp_min(e.max() * floor)
+    return (v * e.sqrt()) @ v.T, (v * e.rsqrt()) @ v.T
+
+
+def fit_transform(x: torch.Tensor, metric: torch.Tensor, total_bits: int, iters: int = 12, max_bits: int = 8,
+                  max_rows: int = 8192) -> dict:
+    """Transform coding of one head's rows ``x [N, D]`` under the error metric ``metric [D, D]`` (what an error
+    ``e`` costs is ``e M e^T``: for keys the queries' second moment, since a score moves by ``q . e``; for values
+    the ``o_proj`` columns' Gram matrix). Rows are centred on their calibration mean, whitened by ``M^1/2`` (so
+    the metric becomes the plain squared error) and turned onto the whitened rows' principal axes (the KLT,
+    whose coefficients are uncorrelated); :func:`allocate` hands ``total_bits`` a row to the coefficients by their
+    variance (reverse water-filling), and each coefficient of ``b`` bits gets ``2 ** b`` k-means levels (0 bits:
+    the coefficient is its mean, 0). No per-row metadata: a row is its codes alone. Returns ``mu [D]``, ``T [D, D]``
+    (``y = (x - mu) T``), ``Ti`` (``x = y Ti + mu``; ``Ti M Ti^T = I``), ``bits [D]`` and ``levels [D, 2 ** max_bits]``
+    (fp16-rounded; a coefficient's unused entries repeat its first level)."""
+    x = x.double()
+    mu = x.mean(0)
+    w, wi = metric_root(metric)
+    z = (x - mu) @ w
+    _, u = torch.linalg.eigh(z.T @ z / len(z))
+    t, ti = w @ u, u.T @ wi
+    y = ((x - mu) @ t).float()
+    bits = allocate(y.var(0), total_bits, max_bits)
+    if len(y) > max_rows:
+        y = y[torch.linspace(0, len(y) - 1, max_rows).long()]
+    levels = torch.zeros(y.shape[1], 2 ** max_bits)
+    for b in bits.unique().tolist():
+        if b == 0:
+            continue
+        cs = (bits == b).nonzero(as_tuple=True)[0]
+        lv = kmeans(y[:, cs].T[..., None].contiguous(), 2 ** b, iters)[..., 0]  # [G_b, 2 ** b]
+        levels[cs] = torch.cat((lv, lv[:, :1].expand(-1, 2 ** max_bits - 2 ** b)), 1)
+    return {"mu": mu.float(), "T": t.float(), "Ti": ti.float(), "bits": bits, "levels": levels.half().float()}
+
+
+def transform_codes(x: torch.Tensor, f: dict) -> torch.Tensor:
+    """Rows ``x [N, D]`` -> each coefficient's level index ``[N, D]`` (below ``2 ** bits`` of its coefficient)."""
+    y = (x.float() - f["mu"]) @ f["T"]
+    return (y[..., None] - f["levels"]).abs().argmin(-1)
+
+
+def transform_decode(codes: torch.Tensor, f: dict) -> torch.Tensor:
+    """Codes ``[N, D]`` -> rows ``[N, D]``: the levels, turned back and un-whitened, plus the mean."""
+    return f["levels"].gather(1, codes.T).T @ f["Ti"] + f["mu"]
+
+
+def transform_bytes(layers: int, heads: int, dim: int, max_bits: int = 8) -> int:
+    """Per-model bytes of the transforms at fp16: per layer and head ``T``, ``Ti``, the mean and the levels."""
+    return layers * heads * (2 * dim * dim + dim + dim * 2 ** max_bits) * 2

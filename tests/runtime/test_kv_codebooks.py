@@ -178,3 +178,81 @@ def test_allocate_table_jumps_past_a_first_bit_that_gains_nothing():
     assert cbq.allocate_table(err, 3, 1).tolist() == [2, 1]  # then ch1 one bit at a time (0.1 a bit either way)
     assert cbq.allocate_table(err, 4, 1).tolist() == [2, 2]
     assert cbq.allocate_table(err, 1, 1).tolist() == [0, 1]  # the jump does not fit
+
+
+def _correlated_rows(n=512, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(d, d, generator=g, dtype=torch.float64)
+    scale = torch.tensor([8.0, 4, 2, 1, 0.5, 0.25, 0.1, 0.01], dtype=torch.float64)[:d]
+    return (torch.randn(n, d, generator=g, dtype=torch.float64) * scale) @ mix + 3.0
+
+
+def _metric(d=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, d, generator=g, dtype=torch.float64)
+    return a @ a.T + 0.1 * torch.eye(d, dtype=torch.float64)
+
+
+def test_metric_root_squares_and_inverts():
+    m = _metric()
+    w, wi = cbq.metric_root(m)
+    assert torch.allclose(w @ w, m, atol=1e-9)
+    assert torch.allclose(w @ wi, torch.eye(8, dtype=torch.float64), atol=1e-9)
+    assert torch.allclose(w, w.T)
+    # a singular metric: the floor keeps the inverse finite
+    _, wi0 = cbq.metric_root(torch.diag(torch.tensor([1.0, 0.0], dtype=torch.float64)))
+    assert torch.isfinite(wi0).all() and wi0[1, 1] == 1e3
+
+
+def test_transform_whitens_the_metric_and_decorrelates_the_rows():
+    x, m = _correlated_rows(), _metric()
+    f = cbq.fit_transform(x.float(), m, total_bits=32, max_bits=8)
+    t, ti = f["T"].double(), f["Ti"].double()
+    assert torch.allclose(t @ ti, torch.eye(8, dtype=torch.float64), atol=1e-4)
+    # an error e in the coefficients costs |e|^2 under the metric: Ti M Ti^T = I
+    assert torch.allclose(ti @ m @ ti.T, torch.eye(8, dtype=torch.float64), atol=1e-4)
+    # the coefficients of the calibration rows are uncorrelated (the KLT)
+    y = (x - x.mean(0)) @ t
+    cov = y.T @ y / len(y)
+    assert torch.allclose(cov - torch.diag(cov.diagonal()), torch.zeros(8, 8, dtype=torch.float64),
+                          atol=1e-3 * cov.diagonal().max().item())
+    assert torch.allclose(f["mu"].double(), x.mean(0), atol=1e-4)
+
+
+def test_transform_bits_follow_the_variances_and_codes_stay_in_range():
+    x, m = _correlated_rows(), _metric()
+    f = cbq.fit_transform(x.float(), m, total_bits=24, max_bits=8)
+    bits = f["bits"]
+    assert int(bits.sum()) == 24 and bits.max() <= 8
+    y = ((x.float() - f["mu"]) @ f["T"])
+    var = y.var(0)
+    order = var.argsort(descending=True)
+    assert (bits[order][:-1] >= bits[order][1:]).all()  # more variance, never fewer bits
+    assert torch.equal(f["levels"], f["levels"].half().float())
+    codes = cbq.transform_codes(x.float(), f)
+    assert (codes < (2 ** bits)[None]).all() and codes.min() >= 0
+    # a coefficient of 0 bits decodes to 0: its level row is all zeros
+    for c in (bits == 0).nonzero(as_tuple=True)[0].tolist():
+        assert f["levels"][c].abs().max() == 0
+
+
+def test_transform_round_trip_is_exact_on_what_its_levels_hold_and_error_falls_with_bits():
+    x, m = _correlated_rows(), _metric()
+    f = cbq.fit_transform(x.float(), m, total_bits=24, max_bits=8)
+    # rows whose coefficients are exactly levels decode to themselves (up to fp32)
+    codes = torch.stack([torch.randint(0, 2 ** int(b), (16,), generator=torch.Generator().manual_seed(c))
+                         for c, b in enumerate(f["bits"].tolist())], 1)
+    rows = cbq.transform_decode(codes, f)
+    assert torch.equal(cbq.transform_codes(rows, f), codes)
+
+    def err(bits):
+        g = cbq.fit_transform(x.float(), m, total_bits=bits, max_bits=8)
+        e = (cbq.transform_decode(cbq.transform_codes(x.float(), g), g).double() - x)
+        return float(torch.einsum("nd,de,ne->", e, m, e) / len(x))
+    e8, e24, e48 = err(8), err(24), err(48)
+    assert e48 < e24 < e8
+
+
+def test_transform_bytes():
+    assert cbq.transform_bytes(1, 1, 64) == (2 * 64 * 64 + 64 + 64 * 256) * 2
+    assert cbq.transform_bytes(30, 3, 64) == 4_435_200

@@ -3,8 +3,11 @@
 For every shape (--batches sizes at --prompt tokens, then each of --long-batch sizes at --long tokens) it builds one
 engine per KV format (the uncompressed fp32 one first) on SmolLM2-135M, fp32 compute, and times greedy
 generation interleaved (fp32, int8, ..., fp32, int8, ...) so that load on a shared machine hits every
-format alike. Decode tok/s = B * (new - 1) / (fastest time of `new` tokens - fastest time of 1 token): the
-prefill (served from the prefix cache after the first call) and the first token are subtracted out. Both
+format alike (the order reversed every other repetition). Decode tok/s = B * (new - 1) / (fastest time of `new`
+tokens - fastest time of 1 token): the prefill (served from the prefix cache after the first call) and the first
+token are subtracted out. Beside the ratio of those fastest times, each format's **paired** ratio: every
+repetition's own fp32-over-format decode-time ratio (the two engines timed next to each other), as first quartile,
+median and third quartile over the repetitions (``--reps`` of 15 or more resolve a few percent on a busy host). Both
 clocks are kept: wall time, and the process's CPU time (both threads' work; far steadier than wall time
 on a shared, oversubscribed machine, where a descheduled thread stalls the other at every barrier).
 
@@ -24,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch starts OpenM
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 import json  # noqa: E402
+import statistics  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -32,6 +36,24 @@ from kvledger.runtime import native  # noqa: E402
 from kvledger.runtime.cpu_features import cpu_flags  # noqa: E402
 from kvledger.runtime.engine import Engine, resolve_model  # noqa: E402
 from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
+
+
+def paired_ratio(base: dict[str, list[tuple[float, float]]], other: dict[str, list[tuple[float, float]]],
+                 at: int) -> list[float] | None:
+    """First quartile, median and third quartile of the repetitions' own speed ratios (``base``'s decode time
+    over ``other``'s, each repetition's two engines timed next to each other): a slow spell on the host hits
+    both sides of one ratio, where the ratio of the fastest times compares two different moments. None with
+    fewer than 2 repetitions or a repetition whose decode time is not positive."""
+    ratios = []
+    for i in range(len(base["n"])):
+        db, do = base["n"][i][at] - base["one"][i][at], other["n"][i][at] - other["one"][i][at]
+        if db <= 0 or do <= 0:
+            return None
+        ratios.append(db / do)
+    if len(ratios) < 2:
+        return None
+    q1, med, q3 = statistics.quantiles(ratios, n=4)
+    return [round(q1, 3), round(statistics.median(ratios), 3), round(q3, 3)]
 
 
 def main() -> None:
@@ -84,10 +106,10 @@ def main() -> None:
             run(engine, 2)  # prefill once (the prefix cache serves it after) and initialise
         times: dict[str, dict[str, list[tuple[float, float]]]] = {f: {"one": [], "n": []} for f in formats}
         load0 = os.getloadavg()[0]
-        for _ in range(args.reps):
-            for f, engine in engines.items():
-                times[f]["one"].append(run(engine, 1))
-                times[f]["n"].append(run(engine, args.new))
+        for rep in range(args.reps):  # the order reversed every other repetition: no format always runs first
+            for f in (formats if rep % 2 == 0 else formats[::-1]):
+                times[f]["one"].append(run(engines[f], 1))
+                times[f]["n"].append(run(engines[f], args.new))
         row: dict[str, object] = {"batch": batch, "context": prompt}
         for clock, at in (("wall", 0), ("cpu", 1)):
             tps = {}
@@ -96,10 +118,13 @@ def main() -> None:
                 tps[f] = batch * (args.new - 1) / dt if dt > 0 else float("nan")
             row[f"{clock}_tokens_per_s"] = {f: round(v, 1) for f, v in tps.items()}
             row[f"{clock}_vs_fp32"] = {f: round(tps[f] / tps["fp32"], 3) for f in formats[1:]}
+            row[f"{clock}_vs_fp32_paired"] = {f: paired_ratio(times["fp32"], times[f], at) for f in formats[1:]}
         row["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
         figures["shapes"].append(row)  # type: ignore[attr-defined]
-        ratios = "; ".join(f"{f} x{row['cpu_vs_fp32'][f]} (wall x{row['wall_vs_fp32'][f]})"  # type: ignore[index]
-                           for f in formats[1:])
+        paired = row["cpu_vs_fp32_paired"]
+        ratios = "; ".join(f"{f} x{row['cpu_vs_fp32'][f]} (wall x{row['wall_vs_fp32'][f]}"  # type: ignore[index]
+                           + (f"; paired CPU x{paired[f][1]}, q1-q3 {paired[f][0]}-{paired[f][2]})"  # type: ignore[index]
+                              if paired[f] else ")") for f in formats[1:])  # type: ignore[index]
         print(f"batch {batch:>2} x {prompt:>4} tokens, CPU time (wall): fp32 "
               f"{row['cpu_tokens_per_s']['fp32']} tok/s per CPU-s ({row['wall_tokens_per_s']['fp32']} tok/s); "  # type: ignore[index]
               f"{ratios} (load {row['load'][0]} -> {row['load'][1]})", flush=True)

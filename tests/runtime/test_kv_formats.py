@@ -281,6 +281,43 @@ def test_attention_reads_what_the_store_holds(fmt: str, backend: str, dim: int) 
         assert store.open_blocks() == 2  # each sequence's tail
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_decode_steps_write_each_layers_rows_into_that_layers_residual_page(fmt: str, backend: str) -> None:
+    """A decode step over several layers (each with its own K/V, the way a forward pass runs) leaves every
+    layer's open-block rows in its own residual page, bit for bit, and each layer's attention reads them; the
+    step's last layer seals a block that fills (the native path appends the layers before the last apart)."""
+    need(backend)
+    layers, dim = 3, 64
+    store = KVStore(KVSpec(layers, 2, dim, kv_dtype=fmt, block_size=16, residual_dtype="fp32"), 8, residual_slots=2)
+    be = make_attention_backend(backend, store)
+    gen = torch.Generator().manual_seed(11)
+    table = BlockTable(16, [4, 1])
+    written = [([], []) for _ in range(layers)]
+    length = 0
+    for n in (13, 1, 1, 1, 1, 1):  # the prefill, then decodes: the third fills block 4, the rest open block 1
+        batch = AttentionBatch([length], [n], [table.blocks], torch.tensor(table.slot_mapping(length, length + n)))
+        be.plan(batch)
+        for layer in range(layers):
+            q = torch.randn(n, 4, dim, generator=gen)
+            k, v = torch.randn(n, 2, dim, generator=gen) + layer, torch.randn(n, 2, dim, generator=gen) - layer
+            written[layer][0].append(k)
+            written[layer][1].append(v)
+            out = be.forward(layer, q, k, v, scale=dim ** -0.5)
+            rk, rv = store.read(layer, torch.tensor(table.slot_mapping(0, length + n)), torch.float32)
+            assert (out - _dense(q, rk, rv, length)).abs().max() < decode_tol(backend, fmt, 1e-5)
+        length += n
+        if length > 16:  # block 1 is open: its rows are exactly what each layer wrote
+            assert store.res_map[4] == -1 and store.res_map[1] >= 0
+            for layer in range(layers):
+                rk, rv = store.read(layer, torch.tensor(table.slot_mapping(16, length)), torch.float32)
+                assert torch.equal(rk, torch.cat(written[layer][0])[16:length])
+                assert torch.equal(rv, torch.cat(written[layer][1])[16:length])
+    for layer in range(layers):  # the sealed block holds each layer's own rows, within the format's error
+        rk, _ = store.read(layer, torch.tensor(table.slot_mapping(0, 16)), torch.float32)
+        assert float((rk - torch.cat(written[layer][0])[:16]).abs().max()) < 0.5
+
+
 @pytest.mark.parametrize("fmt", [f for f in QUANTISED if f not in NO_NATIVE])
 def test_native_and_torch_paths_agree_on_quantised_stores(fmt: str) -> None:
     need("native")

@@ -106,6 +106,9 @@ class BlockBytes:
     residual: list[torch.Tensor | None]
 
 
+_WRITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # rows the native residual writer takes
+
+
 @dataclass(slots=True)
 class _WritePlan:
     """One step's writes into an int4 store, decided once (``begin_write``) and applied per layer."""
@@ -114,6 +117,9 @@ class _WritePlan:
     all_kept: bool  # every row goes to a residual page (a plain decode step)
     direct: list[tuple[int, list[int]]]  # blocks written whole this step: (block, the B rows in offset order)
     seal: list[tuple[int, int]]  # open blocks whose last row is written this step: (block, page)
+    # Every row goes to a residual page through the native writer and no block is written whole: the layers
+    # before the last only append rows (write's fast path; the last layer also seals).
+    rows_only: bool = False
 
 
 class KVStore:
@@ -351,13 +357,24 @@ class KVStore:
                 rows[i] = page * B + o
             if max(offsets) == B - 1:
                 seal.append((block, page))
-        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), all(r >= 0 for r in rows),
-                                direct, seal)
+        kept = all(r >= 0 for r in rows)
+        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), kept, direct, seal,
+                                kept and not direct and self.residual_writer is not None and self.device.type == "cpu")
 
     def write(
         self, layer: int, slots: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ) -> None:
         """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) for ``n`` tokens at flat ``slots``."""
+        plan = self._plan if self.residual_slots else None
+        if (plan is not None and plan.rows_only and layer < self.spec.layers - 1 and k.shape == v.shape
+                and k.shape[0] == plan.rows.numel() and k.shape[1:] == (self.kv_heads, self.head_dim)
+                and k.stride(-1) == 1 and v.stride(-1) == 1 and k.dtype in _WRITER_DTYPES and k.device == self.device):
+            # A planned decode step (begin_write checked its slots): each layer's rows straight into its residual
+            # pages, one native call, as a plain store's write is. Inside a decode step this path is most of a
+            # quantised store's write cost at batch 1 (tens of microseconds a layer with caches cold).
+            page_k, page_v = self._res_views[layer]
+            self.residual_writer(page_k, page_v, plan.rows, k, v)  # type: ignore[misc]
+            return
         idx = _index(slots, self.device)
         if k.shape != v.shape or k.shape[0] != idx.numel() or k.shape[1:] != (self.kv_heads, self.head_dim):
             raise ConfigError(
@@ -406,7 +423,7 @@ class KVStore:
         B = self.block_size
         writer = self.residual_writer
         if (plan.all_kept and writer is not None and self.residual.device.type == "cpu" and k.stride(-1) == 1
-                and v.stride(-1) == 1 and k.dtype in (torch.float32, torch.bfloat16, torch.float16)):
+                and v.stride(-1) == 1 and k.dtype in _WRITER_DTYPES):
             page_k, page_v = self._res_views[layer]
             writer(page_k, page_v, plan.rows, k, v)
         elif bool((keep := plan.rows >= 0).any()):

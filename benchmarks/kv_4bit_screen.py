@@ -8,11 +8,12 @@ perplexity change and bytes per token (metadata included, :data:`BYTES`), then o
 Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`, :data:`TRANSFORM`) learn their levels on
 :func:`calibration_texts`, apart from every scored text; their per-model codebook bytes are reported apart from the
 bytes per token.
+``--held-out`` scores 8 peer prompts kept apart from every tuning and calibration choice instead.
 ``--per-layer k:NAME,v:NAME,...`` measures each layer's share instead (one layer's keys or values quantised at a
 time) and the best per-layer mix of those grids within ``--ratio`` (:func:`allocate`).
 Results and what they say: docs/kv_formats.md, "Screened since".
 
-Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,klt37/tok4h/sink1,ppq2x8/none] [--threads 2]
+Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,pklt37/tok4h/sink1,ppq2x8/none] [--threads 2]
        python benchmarks/kv_4bit_screen.py --per-layer k:kivi4,k:tok4h,v:tok4h,v:tok3h [--ratio 3.5]
 """
 
@@ -214,21 +215,24 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 # ``klt{NN}``: transform coding (``cbq.fit_transform``): centred, whitened by the error metric (keys: the queries'
 # second moment; values: the o_proj columns' Gram matrix), turned onto the principal axes, NN bytes a row of codes
 # water-filled over the coefficients, static k-means levels: no per-token or per-block metadata.
-TRANSFORM = re.compile(r"^klt(?P<nbytes>\d+)$")
+# ``pklt{NN}``: the same on pre-RoPE keys (RoPE applied to the decoded key), whitened by what a pre-RoPE key error
+# costs: the second moment of ``R_n^T q_m`` (a query turned back to the key's position n <= m, sampled).
+TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<nbytes>\d+)$")
 
 
 def quantiser(name, slot):
     """The quantiser a scheme names for ``slot`` ("k" or "v"), with ``.bytes`` per token, head and layer."""
     m, ba, tr = CODEBOOK.match(name), BLOCK_ALLOC.match(name), TRANSFORM.match(name)
     if tr is not None:
-        nbytes = int(tr["nbytes"])
+        nbytes, pre = int(tr["nbytes"]), bool(tr["pre"]) and slot == "k"
+        source = "kpre" if pre else slot
 
         def ft(layer, x, ctx):
-            fits = ctx["codebooks"](slot, 0, nbytes, False, "klt")[layer]
+            fits = ctx["codebooks"](source, 0, nbytes, False, "klt")[layer]
             return torch.stack([cbq.transform_decode(cbq.transform_codes(x[:, h], fh), fh)
                                 for h, fh in enumerate(fits)], 1)
 
-        ft.pre_rope, ft.bytes, ft.model_bytes = False, nbytes, cbq.transform_bytes(30, 3, 64)
+        ft.pre_rope, ft.bytes, ft.model_bytes = pre, nbytes, cbq.transform_bytes(30, 3, 64)
         return ft
     if ba is not None and slot == "k":
         pre, nbytes = bool(ba["pre"]), int(ba["nbytes"])
@@ -300,7 +304,8 @@ def codebook_source(model, tok):
             w = a.o_proj.weight.float()
             w = w.view(w.shape[0], a.kv_heads, -1, a.head_dim)
             return torch.einsum("hgqd,hgqe->gde", w, w)
-        return sum(t[li]["qq"] for t in taps) / sum(len(t[li]["k"]) for t in taps)
+        moment = "qqpre" if source == "kpre" else "qq"
+        return sum(t[li][moment] for t in taps) / sum(len(t[li]["k"]) for t in taps)
 
     def get(source, d, bits, scaled, alloc=False):
         key = (source, d, bits, scaled, alloc)
@@ -351,6 +356,9 @@ def codebook_source(model, tok):
     return get
 
 
+TAP_KEYS = 8  # key positions sampled per query for the pre-RoPE key metric
+
+
 def rope(x, cos, sin):
     half = x.shape[-1] // 2
     rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -379,10 +387,16 @@ def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, excl
         v = v.view(t, a.kv_heads, a.head_dim)
         if taps is not None:  # and each KV head's query energy per channel (summed over its query heads)
             qg = q.reshape(t, a.kv_heads, -1, a.head_dim)  # and its queries' second moment (transform coding)
+            # A pre-RoPE key error e at position n moves the score of query m >= n by (R_n^T q_m) . e: the second
+            # moment of R_n^T q_m over 8 key positions n <= m per query (drawn with a fixed seed)
+            m_at = torch.arange(t).repeat_interleave(TAP_KEYS)
+            n_at = (torch.rand(len(m_at), generator=torch.Generator().manual_seed(li)) * (m_at + 1)).long()
+            qb = rope(q[m_at], cos[n_at], -sin[n_at]).reshape(len(m_at), a.kv_heads, -1, a.head_dim)
             taps.append({"kpre": kpre, "k": k, "v": v,
                          "qe": (q ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2)),
                          "qepre": (qv ** 2).view(t, a.kv_heads, -1, a.head_dim).sum((0, 2)),
-                         "qq": torch.einsum("tgqd,tgqe->gde", qg, qg)})
+                         "qq": torch.einsum("tgqd,tgqe->gde", qg, qg),
+                         "qqpre": torch.einsum("tgqd,tgqe->gde", qb, qb) / TAP_KEYS})
         fk, fv = (per_layer or {}).get(li, (kq, vq))
         if fk is not None:
             kin, kpin, vin = k, kpre, v
@@ -401,6 +415,16 @@ def forward(model, ids, kq=None, vq=None, ctx=None, sink=0, per_layer=None, excl
         x = x + a.o_proj(o.reshape(t, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.norm(x)).float()
+
+
+def held_out_texts(n=8):
+    """The first ``n`` peer prompts of the held-out half (2, 3, 6, 7, 10, ...: apart from the ``tune`` prompts that
+    :func:`texts` scores and :func:`calibration_texts` fits on), each with its 128 reference ids."""
+    wl = json.loads((PEERS / "workload.json").read_text())
+    ref = json.loads((PEERS / "reference_outputs_fp32.json").read_text())["outputs"]
+    held = [i for i in range(len(wl["requests"])) if (i // 2) % 2 == 1][:n]
+    return [(f"peer{i}", wl["requests"][i]["ids"] + list(ref[i]["ids"] if isinstance(ref[i], dict) else ref[i]))
+            for i in held]
 
 
 def texts(tok):
@@ -499,6 +523,8 @@ def main():
                     help="instead of --schemes: k:NAME,v:NAME,... each quantised one layer at a time (KL per layer), "
                          "then the best per-layer mix within --ratio")
     ap.add_argument("--ratio", type=float, default=3.5, help="bytes bound of --per-layer's mix, as bf16's / ratio")
+    ap.add_argument("--held-out", action="store_true",
+                    help="score 8 held-out peer prompts (never tuned or calibrated on) instead of the tuning texts")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -508,7 +534,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(str(ckpt.path))
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
     ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
-    data = texts(tok)
+    data = held_out_texts() if args.held_out else texts(tok)
     bases = [forward(model, ids) for _, ids in data]
     if args.per_layer:
         found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio)

@@ -59,3 +59,31 @@ def test_each_saving_goes_where_it_costs_least(screen):
 
 def test_nothing_fits(screen):
     assert screen.allocate(SCAN, COSTS, 3, 63) is None  # the cheapest pair is 64 B
+
+
+def test_transform_quantisers_name_their_rope_side_and_bytes(screen):
+    k, pk, pv = screen.quantiser("klt37", "k"), screen.quantiser("pklt37", "k"), screen.quantiser("pklt37", "v")
+    assert (k.pre_rope, k.bytes) == (False, 37)
+    assert (pk.pre_rope, pk.bytes) == (True, 37)  # keys before RoPE: RoPE applied to the decoded key
+    assert (pv.pre_rope, pv.bytes) == (False, 37)  # values have no RoPE side
+    assert pk.model_bytes == 4_435_200
+
+
+def test_a_query_turned_back_to_the_key_position_scores_a_pre_rope_key_error(screen):
+    """What the pre-RoPE key metric rests on: a pre-RoPE key error e at position n moves query m's score by
+    (R_n^T q_m) . e, R_n^T being RoPE at n with the sine negated."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    d, t = 8, 12
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)
+    ang = torch.arange(t).float()[:, None] * inv[None]
+    ang = torch.cat((ang, ang), -1)
+    cos, sin = ang.cos(), ang.sin()
+    q, k, e = (torch.randn(t, 1, d, generator=g, dtype=torch.float64) for _ in range(3))
+    cos, sin = cos.double(), sin.double()
+    m, n = 9, 4
+    moved = (screen.rope(q, cos, sin)[m] * (screen.rope(k + e, cos, sin)[n] - screen.rope(k, cos, sin)[n])).sum()
+    turned = screen.rope(screen.rope(q, cos, sin)[m:m + 1], cos[n:n + 1], -sin[n:n + 1])[0]
+    assert torch.allclose(moved, (turned * e[n]).sum(), atol=1e-12)
+    assert torch.allclose(screen.rope(screen.rope(k, cos, sin), cos, -sin), k, atol=1e-12)  # R^T R = I

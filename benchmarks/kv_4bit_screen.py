@@ -8,7 +8,8 @@ perplexity change and bytes per token (metadata included, :data:`BYTES`), then o
 Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`, :data:`TRANSFORM`) learn their levels on
 :func:`calibration_texts`, apart from every scored text; their per-model codebook bytes are reported apart from the
 bytes per token.
-``--held-out`` scores 8 peer prompts kept apart from every tuning and calibration choice instead.
+``--held-out`` scores 8 peer prompts kept apart from every tuning and calibration choice instead;
+``--contract-texts`` ``kvledger quality``'s texts at its contexts (fake-quantised here: an indication).
 ``--per-layer k:NAME,v:NAME,...`` measures each layer's share instead (one layer's keys or values quantised at a
 time) and the best per-layer mix of those grids within ``--ratio`` (:func:`allocate`).
 Results and what they say: docs/kv_formats.md, "Screened since".
@@ -427,6 +428,19 @@ def held_out_texts(n=8):
             for i in held]
 
 
+def contract_texts(tok):
+    """``kvledger quality``'s texts (prose, code, chat) cut to its contexts (256 and 2,048 tokens), as it cuts
+    them: an indication of the contract's per-text clause through this harness's fake quantisation, not the
+    contract's own measurement (that runs the store)."""
+    from kvledger.runtime.measure.quality import DEFAULT_CONTEXTS, quality_texts
+
+    out = []
+    for src in quality_texts(tok):
+        ids = tok(src.text, add_special_tokens=False).input_ids
+        out += [(f"{src.kind}:{n}", ids[:n]) for n in DEFAULT_CONTEXTS]
+    return out
+
+
 def texts(tok):
     out = []
     for p in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py", Path("/usr/share/common-licenses/Apache-2.0")):
@@ -525,6 +539,8 @@ def main():
     ap.add_argument("--ratio", type=float, default=3.5, help="bytes bound of --per-layer's mix, as bf16's / ratio")
     ap.add_argument("--held-out", action="store_true",
                     help="score 8 held-out peer prompts (never tuned or calibrated on) instead of the tuning texts")
+    ap.add_argument("--contract-texts", action="store_true",
+                    help="score kvledger quality's texts at its contexts (an indication, fake-quantised) instead")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
@@ -534,7 +550,7 @@ def main():
     tok = AutoTokenizer.from_pretrained(str(ckpt.path))
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
     ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
-    data = held_out_texts() if args.held_out else texts(tok)
+    data = held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts else texts(tok)
     bases = [forward(model, ids) for _, ids in data]
     if args.per_layer:
         found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio)

@@ -196,8 +196,8 @@ QUANT["prekivi4"].pre_rope = True
 
 # Bytes per token, KV head and layer of each quantiser at D = 64, 16-token blocks, metadata included
 # ("none": the side left exact, fp32 here; a screen of the other side alone has no byte figure).
-BYTES = {"none": None, "bf16": 128, "tok4h": 36, "tok4": 36, "tok5h": 44, "tok3h": 28, "smooth4": 36, "smooth5": 44, "mu4": 36,
-         "kivi4": 48, "kivi3": 40, "kivi5": 56, "chsym4": 36, "chsym4nc": 36, "chasym4": 40, "chasym4c": 40,
+BYTES = {"none": None, "bf16": 128, "tok4h": 36, "tok4": 36, "tok5h": 44, "tok3h": 28, "smooth4": 36, "smooth5": 44,
+         "mu4": 36, "kivi4": 48, "kivi3": 40, "kivi5": 56, "chsym4": 36, "chsym4nc": 36, "chasym4": 40, "chasym4c": 40,
          "chasym5": 48, "chasym3": 32, "vsym4l": 33, "kivi4o": 49, "kivi4o8": 50, "knf4": 48, "prekivi4": 48}
 BF16_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes
 SINK_SEQ = 23040  # one token's K and V at bf16 over every layer and head: per sequence

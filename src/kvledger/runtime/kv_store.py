@@ -111,7 +111,8 @@ _WRITER_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # rows the nati
 
 @dataclass(slots=True)
 class _WritePlan:
-    """One step's writes into an int4 store, decided once (``begin_write``) and applied per layer."""
+    """One step's writes into a store with residual pages (int4, int8), decided once (``begin_write``) and
+    applied per layer."""
 
     rows: torch.Tensor  # int64 [n]: residual row (page * block_size + offset) of each written row, -1: none
     all_kept: bool  # every row goes to a residual page (a plain decode step)

@@ -33,6 +33,7 @@ import kv_codebooks as cbq  # beside this script
 import torch
 import torch.nn.functional as F
 
+from kvledger.core.sizing.kv_formats import get_kv_format
 from kvledger.runtime.kv_smoothing import for_model
 from kvledger.runtime.loading import load_decoder, resolve_model
 
@@ -199,8 +200,38 @@ QUANT["prekivi4"].pre_rope = True
 BYTES = {"none": None, "bf16": 128, "tok4h": 36, "tok4": 36, "tok5h": 44, "tok3h": 28, "smooth4": 36, "smooth5": 44,
          "mu4": 36, "kivi4": 48, "kivi3": 40, "kivi5": 56, "chsym4": 36, "chsym4nc": 36, "chasym4": 40, "chasym4c": 40,
          "chasym5": 48, "chasym3": 32, "vsym4l": 33, "kivi4o": 49, "kivi4o8": 50, "knf4": 48, "prekivi4": 48}
-BF16_TOKEN = 23040  # SmolLM2-135M: 30 layers x 3 KV heads x 64 x 2 (K, V) x 2 bytes
-SINK_SEQ = 23040  # one token's K and V at bf16 over every layer and head: per sequence
+HEAD_DIM = 64  # the width BYTES and the Hadamard turn are written for
+
+
+class Shape:
+    """The screened model's KV geometry (layers, KV heads, head dim), read from the loaded model, and its bf16
+    bytes per token from the KV-format registry (``kvledger.core.sizing.kv_formats``, which owns every byte
+    figure): a bf16 sink token costs those bytes once per sequence, and a scheme's ratio is taken against them."""
+
+    __slots__ = ("layers", "kv_heads", "head_dim")
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int) -> None:
+        if head_dim != HEAD_DIM:
+            raise SystemExit(f"the screen's byte table is for head dim {HEAD_DIM}; this model's is {head_dim}")
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+
+    @classmethod
+    def of(cls, model) -> Shape:
+        attn = model.layers[0].self_attn
+        return cls(len(model.layers), attn.kv_heads, attn.head_dim)
+
+    @property
+    def layer_heads(self) -> int:
+        return self.layers * self.kv_heads
+
+    def token_bytes(self, fmt: str) -> int:
+        """Bytes per token of the registry's format ``fmt`` over every layer (16-token blocks, metadata included)."""
+        return self.layers * get_kv_format(fmt).layer_block_bytes(16, self.kv_heads, self.head_dim) // 16
+
+    def scheme_bytes(self, keys: str, values: str) -> int | None:
+        """Bytes per token of screen quantisers ``keys``/``values`` (:data:`BYTES`), None when either has none."""
+        k, v = quantiser_bytes(keys, "k"), quantiser_bytes(values, "v")
+        return None if k is None or v is None else (k + v) * self.layer_heads
 
 
 # Codebook quantisers (kv_codebooks.py), learned on calibration texts: ``[p]pq{d}x{bits}[s]`` product
@@ -222,7 +253,20 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<nbytes>\d+)$")
 
 
-def quantiser(name, slot):
+def quantiser_bytes(name, slot):
+    """Bytes per token and layer-head of quantiser ``name`` for ``slot`` (what :func:`quantiser` sets as ``.bytes``)."""
+    m, ba, tr = CODEBOOK.match(name), BLOCK_ALLOC.match(name), TRANSFORM.match(name)
+    if tr is not None:
+        return int(tr["nbytes"])
+    if ba is not None and slot == "k":
+        return int(ba["nbytes"])
+    if m is None:
+        return BYTES[name]
+    d, bits = (1, int(m["nbits"])) if m["nbits"] else (int(m["d"]), int(m["bits"]))
+    return cbq.code_bytes(HEAD_DIM, d, bits, bool(m["s"]))
+
+
+def quantiser(name, slot, shape=None):
     """The quantiser a scheme names for ``slot`` ("k" or "v"), with ``.bytes`` per token, head and layer."""
     m, ba, tr = CODEBOOK.match(name), BLOCK_ALLOC.match(name), TRANSFORM.match(name)
     if tr is not None:
@@ -234,7 +278,8 @@ def quantiser(name, slot):
             return torch.stack([cbq.transform_decode(cbq.transform_codes(x[:, h], fh), fh)
                                 for h, fh in enumerate(fits)], 1)
 
-        ft.pre_rope, ft.bytes, ft.model_bytes = pre, nbytes, cbq.transform_bytes(30, 3, 64)
+        ft.pre_rope, ft.bytes = pre, quantiser_bytes(name, slot)
+        ft.model_bytes = shape and cbq.transform_bytes(shape.layers, shape.kv_heads, shape.head_dim)
         return ft
     if ba is not None and slot == "k":
         pre, nbytes = bool(ba["pre"]), int(ba["nbytes"])
@@ -243,11 +288,11 @@ def quantiser(name, slot):
             bits, mean, used = ctx["codebooks"]("kpre" if pre else "k", 0, nbytes, False, "block")[layer]
             return cbq.block_allocated(x, bits, mean)
 
-        fb.pre_rope, fb.bytes = pre, nbytes  # the budget; the bytes used are printed when fitted
+        fb.pre_rope, fb.bytes = pre, quantiser_bytes(name, slot)  # the budget; the bytes used are printed when fitted
         return fb
     if m is None:
         f = QUANT[name]
-        f.bytes = BYTES[name]
+        f.bytes = quantiser_bytes(name, slot)
         return f
     d, bits = (1, int(m["nbits"])) if m["nbits"] else (int(m["d"]), int(m["bits"]))
     scaled, pre, alloc = bool(m["s"]), bool(m["pre"]) and slot == "k", bool(m["a"])
@@ -261,9 +306,9 @@ def quantiser(name, slot):
         return cbq.decode(codes, cb, s)
 
     f.pre_rope = pre
-    f.bytes = cbq.code_bytes(64, d, bits, scaled)
+    f.bytes = quantiser_bytes(name, slot)
     # allocated levels: stored here padded to 2 ** 8 a channel (the bound; fewer are used)
-    f.model_bytes = cbq.codebook_bytes(30, 3, 64, d, 8 if alloc else bits)
+    f.model_bytes = shape and cbq.codebook_bytes(shape.layers, shape.kv_heads, shape.head_dim, d, 8 if alloc else bits)
     return f
 
 
@@ -494,14 +539,14 @@ def allocate(scan, costs, layers, budget):
     return acc, used / layers, picks
 
 
-def per_layer_scan(model, ctx, data, bases, variants, ratio):
+def per_layer_scan(model, ctx, data, bases, variants, ratio, shape):
     """KL with one layer's keys (or values) quantised and everything else exact (the sink row kept, as
     ``sink1``), for each ``k:NAME`` / ``v:NAME`` in ``variants`` and each layer; then the best per-layer mix
     within ``ratio`` (bytes per token at most bf16's / ratio) by :func:`allocate`."""
     scan, costs = {}, {}
     for var in variants:
         side, name = var.split(":")
-        fq = quantiser(name, side)
+        fq = quantiser(name, side, shape)
         if fq.bytes is None:
             raise SystemExit(f"--per-layer {var}: {name} has no byte figure to budget")
         scan[var], costs[var] = [], fq.bytes
@@ -515,8 +560,7 @@ def per_layer_scan(model, ctx, data, bases, variants, ratio):
             scan[var].append(torch.cat(kls).mean().item())
             print(f"{var:10s} layer {li:2d}  KL {scan[var][-1]:.2e}  ({time.time() - t0:.0f}s)", flush=True)
         print(f"{var:10s} summed over layers {sum(scan[var]):.3e}", flush=True)
-    layer_heads = len(model.layers) * model.layers[0].self_attn.kv_heads
-    budget = BF16_TOKEN / layer_heads / ratio  # bytes per token and layer-head
+    budget = shape.token_bytes("bf16") / shape.layer_heads / ratio  # bytes per token and layer-head
     mix = allocate(scan, costs, len(model.layers), budget)
     if mix is not None:
         kl, used, picks = mix
@@ -549,12 +593,14 @@ def main():
     ckpt = resolve_model("smollm2-135m")
     model = load_decoder(ckpt, torch.float32, cached=False)
     tok = AutoTokenizer.from_pretrained(str(ckpt.path))
+    shape = Shape.of(model)
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
-    ctx = {"H": hadamard(64), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
+    ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
     data = held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts else texts(tok)
     bases = [forward(model, ids) for _, ids in data]
     if args.per_layer:
-        found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio)
+        found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio,
+                               shape)
         print(json.dumps({"texts": [n for n, _ in data], **found}))
         return
     results = []
@@ -562,7 +608,7 @@ def main():
         t0 = time.time()
         parts = scheme.split("/")
         kname, vname = parts[0], parts[1]
-        fk, fv = quantiser(kname, "k"), quantiser(vname, "v")
+        fk, fv = quantiser(kname, "k", shape), quantiser(vname, "v", shape)
         # sinkN: the first N rows kept bf16; xsinkN: and left out of block 0's per-channel ranges
         sink = int(parts[2].split("sink")[1]) if len(parts) > 2 and "sink" in parts[2] else 0
         exclude = len(parts) > 2 and parts[2].startswith("x")
@@ -576,11 +622,11 @@ def main():
             worst.append((math.exp(b.mean()) / math.exp(a.mean()) - 1) * 100)
         kl = torch.cat(kls).mean().item()
         ppl = (math.exp(torch.cat(nq).mean()) / math.exp(torch.cat(nb).mean()) - 1) * 100
-        per = None if fk.bytes is None or fv.bytes is None else fk.bytes + fv.bytes
-        bpt = None if per is None else round(per * 90)
-        model_bytes = getattr(fk, "model_bytes", 0) + getattr(fv, "model_bytes", 0)
-        results.append({"scheme": scheme, "bytes_per_token": bpt, "ratio": bpt and round(BF16_TOKEN / bpt, 3),
-                        "sink_bytes_per_sequence": SINK_SEQ * sink,
+        bpt = shape.scheme_bytes(kname, vname)
+        model_bytes = (getattr(fk, "model_bytes", 0) or 0) + (getattr(fv, "model_bytes", 0) or 0)
+        results.append({"scheme": scheme, "bytes_per_token": bpt,
+                        "ratio": bpt and round(shape.token_bytes("bf16") / bpt, 3),
+                        "sink_bytes_per_sequence": shape.token_bytes("bf16") * sink,
                         "codebook_bytes_per_model": model_bytes, "kl": kl, "ppl_pooled_pct": ppl,
                         "ppl_per_text_pct": worst})
         print(f"{scheme:28s} B/token {bpt}  KL {kl:.3e}  ppl pooled {ppl:+.2f}%  per text " +

@@ -62,11 +62,14 @@ def test_nothing_fits(screen):
 
 
 def test_transform_quantisers_name_their_rope_side_and_bytes(screen):
-    k, pk, pv = screen.quantiser("klt37", "k"), screen.quantiser("pklt37", "k"), screen.quantiser("pklt37", "v")
+    smollm2 = screen.Shape(30, 3, 64)
+    k, pk = screen.quantiser("klt37", "k"), screen.quantiser("pklt37", "k", smollm2)
+    pv = screen.quantiser("pklt37", "v")
     assert (k.pre_rope, k.bytes) == (False, 37)
     assert (pk.pre_rope, pk.bytes) == (True, 37)  # keys before RoPE: RoPE applied to the decoded key
     assert (pv.pre_rope, pv.bytes) == (False, 37)  # values have no RoPE side
-    assert pk.model_bytes == 4_435_200
+    assert pk.model_bytes == 4_435_200  # per model, from its shape
+    assert k.model_bytes is None  # no shape given, no per-model figure
 
 
 def test_a_query_turned_back_to_the_key_position_scores_a_pre_rope_key_error(screen):
@@ -87,3 +90,35 @@ def test_a_query_turned_back_to_the_key_position_scores_a_pre_rope_key_error(scr
     turned = screen.rope(screen.rope(q, cos, sin)[m:m + 1], cos[n:n + 1], -sin[n:n + 1])[0]
     assert torch.allclose(moved, (turned * e[n]).sum(), atol=1e-12)
     assert torch.allclose(screen.rope(screen.rope(k, cos, sin), cos, -sin), k, atol=1e-12)  # R^T R = I
+
+
+def test_the_screens_byte_figures_are_the_format_registrys(screen):
+    """The screen's bytes per token come from the model's shape and the KV-format registry, which owns every
+    byte figure: bf16's is the registry's, and its quantisers that mirror a shipped format's grids (KIVI keys per
+    channel over the block, 4-bit values per token: ``int4``; bf16 both sides) cost what that format does."""
+    shape = screen.Shape(30, 3, 64)  # SmolLM2-135M
+    assert shape.token_bytes("bf16") == 30 * 3 * 64 * 2 * 2 == 23040
+    assert shape.scheme_bytes("kivi4", "tok4") == shape.token_bytes("int4") == 7560
+    assert shape.scheme_bytes("bf16", "bf16") == shape.token_bytes("bf16")
+    assert shape.scheme_bytes("pklt37", "tok4h") == (37 + 36) * 90  # a transform code's bytes are its name's
+    assert shape.scheme_bytes("kva40", "tok4h") == (40 + 36) * 90
+    assert shape.scheme_bytes("none", "tok4h") is None  # a side left exact has no byte figure
+    assert screen.quantiser("kivi4", "k", shape).bytes == 48
+
+
+def test_the_screen_reads_its_shape_from_the_model(screen):
+    class Attn:
+        kv_heads, head_dim = 5, 64
+
+    class Layer:
+        self_attn = Attn()
+
+    class Model:
+        layers = [Layer()] * 7
+
+    shape = screen.Shape.of(Model())
+    assert (shape.layers, shape.kv_heads, shape.layer_heads) == (7, 5, 35)
+    assert shape.token_bytes("bf16") == 7 * 5 * 64 * 2 * 2
+    Attn.head_dim = 128
+    with pytest.raises(SystemExit, match="head dim 64"):
+        screen.Shape.of(Model())

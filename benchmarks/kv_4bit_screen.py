@@ -14,7 +14,11 @@ bytes per token.
 time) and the best per-layer mix of those grids within ``--ratio`` (:func:`allocate`).
 Results and what they say: docs/kv_formats.md, "Screened since".
 
-Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,pklt37/tok4h/sink1,ppq2x8/none] [--threads 2]
+``--more-tuning`` adds the 6 ``tune`` peer prompts nothing else uses, for choices the 6 tuning texts leave open.
+Entropy-coded schemes (``pklte{NN}``, ``klte{NN}``) code each block with a real rANS coder (constriction): their
+bytes are the coder's, not a model's.
+
+Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,pklte33/klte40/sink1,ppq2x8/none] [--threads 2]
        python benchmarks/kv_4bit_screen.py --per-layer k:kivi4,k:tok4h,v:tok4h,v:tok3h [--ratio 3.5]
 """
 
@@ -250,7 +254,9 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 # water-filled over the coefficients, static k-means levels: no per-token or per-block metadata.
 # ``pklt{NN}``: the same on pre-RoPE keys (RoPE applied to the decoded key), whitened by what a pre-RoPE key error
 # costs: the second moment of ``R_n^T q_m`` (a query turned back to the key's position n <= m, sampled).
-TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<nbytes>\d+)$")
+# ``[p]klte{NN}``: the same basis, entropy-coded (``cbq.fit_transform_ec``): one uniform step a 16-row block (a byte
+# naming it), the symbols range-coded under a static per-coefficient model, NN bytes a row a block, overhead included.
+TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)$")
 
 
 def quantiser_bytes(name, slot):
@@ -272,6 +278,20 @@ def quantiser(name, slot, shape=None):
     if tr is not None:
         nbytes, pre = int(tr["nbytes"]), bool(tr["pre"]) and slot == "k"
         source = "kpre" if pre else slot
+        if tr["ec"]:
+            def fe(layer, x, ctx):
+                fits = ctx["codebooks"](source, 0, nbytes, False, "klte")[layer]
+                out = [cbq.ec_quantise(x[:, h], fh) for h, fh in enumerate(fits)]
+                rows = torch.full((len(out[0][2]),), fits[0]["bs"])
+                rows[-1] = x.shape[0] - (len(rows) - 1) * fits[0]["bs"]
+                over = sum(int((used > fh["nbytes"] * rows).sum()) for (_, _, used), fh in zip(out, fits, strict=True))
+                if over:
+                    print(f"  {name} layer {layer}: {over} blocks over budget", flush=True)
+                return torch.stack([o[0] for o in out], 1)
+
+            fe.pre_rope, fe.bytes = pre, quantiser_bytes(name, slot)
+            fe.model_bytes = shape and cbq.transform_bytes(shape.layers, shape.kv_heads, shape.head_dim, 0)
+            return fe
 
         def ft(layer, x, ctx):
             fits = ctx["codebooks"](source, 0, nbytes, False, "klt")[layer]
@@ -357,7 +377,7 @@ def codebook_source(model, tok):
     def get(source, d, bits, scaled, alloc=False):
         key = (source, d, bits, scaled, alloc)
         if key not in memo:
-            kind = "t" if alloc == "klt" else "a" if alloc else ""
+            kind = {"klt": "t", "klte": "te"}.get(alloc, "a" if alloc else "")
             path = CODEBOOK_CACHE / f"{source}_{d}x{bits}{kind}{'s' if scaled else ''}_{tag}.pt"
             if path.exists():
                 memo[key] = torch.load(path)
@@ -377,6 +397,15 @@ def codebook_source(model, tok):
                     print(f"  {source} klt{bits}: bits per coefficient " + " ".join(
                         f"{v}:{int(sum((f['bits'] == v).sum() for fl in memo[key] for f in fl))}" for v in range(9)),
                         flush=True)
+                elif alloc == "klte":  # one entropy-coded transform per layer and KV head
+                    memo[key] = []
+                    for li in range(len(taps[0])):
+                        x = torch.cat([t[li][source] for t in taps])
+                        metric = metric_of(li, source)
+                        memo[key].append([cbq.fit_transform_ec(x[:, h], metric[h], bits) for h in range(x.shape[1])])
+                    print(f"  {source} klte{bits}: Laplacian coefficients "
+                          f"{int(sum(f['laplace'].sum() for fl in memo[key] for f in fl))} of "
+                          f"{sum(len(f['laplace']) for fl in memo[key] for f in fl)}", flush=True)
                 elif alloc == "block":  # (bits, mean, bytes a row used) per layer
                     memo[key] = []
                     for li in range(len(taps[0])):
@@ -487,14 +516,16 @@ def contract_texts(tok):
     return out
 
 
-def texts(tok):
+def texts(tok, more=False):
+    """The tuning texts; ``more``: also the ``tune`` peer prompts that neither these nor the calibration use (20, 21,
+    24, 25, 28 and 29), for choices these six do not resolve."""
     out = []
     for p in (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py", Path("/usr/share/common-licenses/Apache-2.0")):
         out.append(("text:" + p.name, tok(p.read_text(), add_special_tokens=False).input_ids[:512]))
     wl = json.loads((PEERS / "workload.json").read_text())
     ref = json.loads((PEERS / "reference_outputs_fp32.json").read_text())["outputs"]
-    tune = [i for i in range(len(wl["requests"])) if (i // 2) % 2 == 0][:4]
-    for i in tune:
+    tune = [i for i in range(len(wl["requests"])) if (i // 2) % 2 == 0]
+    for i in tune[:4] + (tune[10:] if more else []):
         r = ref[i]
         rid = r["ids"] if isinstance(r, dict) else r
         out.append((f"peer{i}", wl["requests"][i]["ids"] + list(rid)))
@@ -584,6 +615,8 @@ def main():
     ap.add_argument("--ratio", type=float, default=3.5, help="bytes bound of --per-layer's mix, as bf16's / ratio")
     ap.add_argument("--held-out", action="store_true",
                     help="score 8 held-out peer prompts (never tuned or calibrated on) instead of the tuning texts")
+    ap.add_argument("--more-tuning", action="store_true",
+                    help="score the tuning texts and 6 more tune peer prompts (20, 21, 24, 25, 28, 29)")
     ap.add_argument("--contract-texts", action="store_true",
                     help="score kvledger quality's texts at its contexts (an indication, fake-quantised) instead")
     args = ap.parse_args()
@@ -596,7 +629,8 @@ def main():
     shape = Shape.of(model)
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
     ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
-    data = held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts else texts(tok)
+    data = (held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts
+            else texts(tok, args.more_tuning))
     bases = [forward(model, ids) for _, ids in data]
     if args.per_layer:
         found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio,

@@ -5,10 +5,14 @@ codebook of ``2 ** bits`` entries: ``d = 2`` pairs channel ``j`` with ``j + D / 
 together, so a pre-RoPE codebook commutes with RoPE as CommVQ's does); ``d = 1`` is a per-channel
 non-uniform scalar grid (KVQuant-style levels). An optional per-row scale (the row's RMS, fp16) is divided out
 before the lookup and multiplied back after. Codebooks are per model (layer, KV head, sub-vector), not per
-token: their bytes are stated apart from the bytes per token.
+token: their bytes are stated apart from the bytes per token. Below them, transform coding in a calibrated,
+metric-whitened basis: fixed-rate levels (:func:`fit_transform`) and entropy-coded uniform steps under a byte budget
+a block (:func:`fit_transform_ec`, :func:`ec_quantise`; rANS by constriction).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -277,3 +281,176 @@ def transform_decode(codes: torch.Tensor, f: dict) -> torch.Tensor:
 def transform_bytes(layers: int, heads: int, dim: int, max_bits: int = 8) -> int:
     """Per-model bytes of the transforms at fp16: per layer and head ``T``, ``Ti``, the mean and the levels."""
     return layers * heads * (2 * dim * dim + dim + dim * 2 ** max_bits) * 2
+
+
+# ---- entropy-coded transform coding: the same basis, one uniform step a block under a byte budget ----
+# At ~4.6 bits a coefficient a fixed-rate scalar grid (the k-means levels above) loses to a uniform step whose
+# symbols are entropy-coded: for a Gaussian coefficient the error at equal rate is pi e / 6 against sqrt(3) pi / 2
+# times sigma^2 4^-R (1.9x), for a Laplacian more. A block (16 rows of one head) is its symbols coded by a real
+# rANS coder (constriction's AnsCoder) under a static per-coefficient model (Gaussian or Laplacian, fitted on
+# calibration rows) and one byte naming its step, the smallest of :data:`STEP_CODES` steps whose coded size fits
+# the block's bytes: a fixed number of bytes a block, as a paged store needs. One step for every coefficient is
+# what the whitened basis asks (equal error per coefficient is the least squared error at a given rate); a
+# coefficient much smaller than the step codes as 0 at almost no bits, so the water-filling happens by itself.
+
+STEP_CODES = 256  # the block's step: base * 2 ** ((code - 128) / 8), one byte
+STEP_BYTES = 1
+# what the coder adds to the modelled bits (its final state; measured ~4.7 B a block): the search's first guess
+FLUSH_BYTES = 4
+SYMBOL_RANGE = 2 ** 15  # symbols lie in [-SYMBOL_RANGE, SYMBOL_RANGE - 1] (clamped), the coder's alphabet
+MIN_PROB = 2.0 ** -24  # a symbol's least modelled probability (the coder's leaky floor is of this order)
+
+
+def symbol_bits(k: torch.Tensor, step: torch.Tensor, sigma: torch.Tensor, laplace: torch.Tensor) -> torch.Tensor:
+    """Bits a range coder spends on integer symbols ``k`` (a coefficient quantised to ``k * step``) under a zero-mean
+    Gaussian (or, where ``laplace``, Laplacian) of deviation ``sigma``: ``-log2 P(bin)``, the bin ``step`` wide
+    around ``k * step``, floored at :data:`MIN_PROB`. Broadcasts; float64."""
+    k, step, sigma = k.double().abs(), step.double(), sigma.double().clamp_min(1e-12)
+    # Gaussian: P = Phi((k + 1/2) step / sigma) - Phi((k - 1/2) step / sigma), by erfc for the tails' sake
+    a = ((k - 0.5).clamp_min(0) * step / sigma) / math.sqrt(2)
+    b = ((k + 0.5) * step / sigma) / math.sqrt(2)
+    pg = torch.where(k == 0, torch.special.erf(b), 0.5 * (torch.special.erfc(a) - torch.special.erfc(b)))
+    # Laplacian of scale beta = sigma / sqrt 2: P(0) = 1 - e^(-step / 2 beta), else e^(-(k - 1/2) step / beta) (1 -
+    # e^(-step / beta)) / 2, in logs
+    beta = sigma / math.sqrt(2)
+    lp0 = torch.log(-torch.expm1(-step / (2 * beta)))
+    lpk = math.log(0.5) - (k - 0.5) * step / beta + torch.log(-torch.expm1(-step / beta))
+    lpl = torch.where(k == 0, lp0, lpk)
+    lp = torch.where(laplace, lpl, torch.log(pg.clamp_min(MIN_PROB)))
+    return -lp.clamp_min(math.log(MIN_PROB)) / math.log(2)
+
+
+def step_of(base: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """The step a block's byte ``code`` names: ``base * 2 ** ((code - 128) / 8)``."""
+    return base * 2.0 ** ((code.double() - STEP_CODES // 2) / 8)
+
+
+def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int = 16) -> dict:
+    """Entropy-coded transform coding of one head's rows ``x [N, D]``: :func:`fit_transform`'s basis (centred,
+    whitened by ``metric``, turned onto the principal axes), each coefficient's model (Gaussian or Laplacian,
+    whichever codes the calibration coefficients in fewer bits at the base step, with their deviation) and the
+    base step (the one at which the calibration rows' modelled bits fill ``nbytes`` a row less a block's step byte
+    and flush, on average). Returns ``mu``, ``T``, ``Ti``, ``sigma [D]``, ``laplace [D]`` (bool), ``base`` (0-d),
+    ``nbytes`` and ``bs``."""
+    x = x.double()
+    mu = x.mean(0)
+    w, wi = metric_root(metric)
+    z = (x - mu) @ w
+    _, u = torch.linalg.eigh(z.T @ z / len(z))
+    t, ti = w @ u, u.T @ wi
+    y = (x - mu) @ t
+    sigma = y.std(0).clamp_min(1e-9)
+    target = (nbytes - (STEP_BYTES + FLUSH_BYTES) / bs) * 8  # bits a row
+    lo, hi = torch.tensor(1e-6, dtype=torch.float64), sigma.max() * 16
+    laplace = torch.zeros(y.shape[1], dtype=torch.bool)
+    for _ in range(60):  # bisect the base step on the log scale; the model choice follows the step
+        mid = (lo * hi).sqrt()
+        k = (y / mid).round()
+        g = symbol_bits(k, mid, sigma, torch.zeros_like(laplace)).mean(0)
+        lap = symbol_bits(k, mid, sigma, torch.ones_like(laplace)).mean(0)
+        laplace = lap < g
+        if torch.minimum(g, lap).sum() > target:
+            lo = mid
+        else:
+            hi = mid
+    return {"mu": mu.float(), "T": t.float(), "Ti": ti.float(), "sigma": sigma, "laplace": laplace,
+            "base": hi, "nbytes": nbytes, "bs": bs}
+
+
+def _coder_params(f: dict, step: float, rows: int):
+    """Per family (Laplacian, Gaussian): the columns it codes and the scales constriction takes, in symbols."""
+    import numpy as np
+
+    sig = (f["sigma"].double() / step).numpy()
+    lap = f["laplace"].numpy()
+    out = []
+    for is_lap, width in ((True, sig / math.sqrt(2)), (False, sig)):
+        cols = np.nonzero(lap == is_lap)[0]
+        out.append((is_lap, cols, np.ascontiguousarray(np.repeat(width[cols][None], rows, 0).ravel()).clip(1e-6)))
+    return out
+
+
+def _coder_model(is_lap: bool):
+    import constriction
+
+    m = constriction.stream.model
+    return (m.QuantizedLaplace if is_lap else m.QuantizedGaussian)(-SYMBOL_RANGE, SYMBOL_RANGE - 1)
+
+
+def ec_encode(k: torch.Tensor, f: dict, step: float):
+    """A block's symbols ``k [R, D]`` (integers in the coder's range) -> rANS words (``uint32``), coded under
+    ``f``'s per-coefficient models at ``step``."""
+    import constriction
+    import numpy as np
+
+    enc = constriction.stream.stack.AnsCoder()
+    kn = k.numpy().astype(np.int32)
+    for is_lap, cols, width in _coder_params(f, step, k.shape[0]):
+        if len(cols):
+            sym = np.ascontiguousarray(kn[:, cols].ravel())
+            enc.encode_reverse(sym, _coder_model(is_lap), np.zeros_like(width), width)
+    return enc.get_compressed()
+
+
+def ec_decode(words, f: dict, step: float, rows: int) -> torch.Tensor:
+    """:func:`ec_encode`'s inverse: ``rows`` rows of symbols ``[rows, D]`` (int64)."""
+    import constriction
+    import numpy as np
+
+    dec = constriction.stream.stack.AnsCoder(words)
+    k = np.zeros((rows, f["sigma"].numel()), dtype=np.int64)
+    for is_lap, cols, width in reversed(_coder_params(f, step, rows)):  # a stack: the last family coded comes first
+        if len(cols):
+            k[:, cols] = dec.decode(_coder_model(is_lap), np.zeros_like(width), width).reshape(rows, len(cols))
+    return torch.from_numpy(k)
+
+
+def ec_quantise(x: torch.Tensor, f: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``x [N, D]`` through :func:`fit_transform_ec`'s code: per block of ``bs`` rows (the last may be short)
+    the smallest step whose coded block (step byte plus rANS words) fits ``nbytes`` a row: the modelled bits pick a
+    first step, then the real coder's size moves it up until the block fits and down while the next smaller step
+    fits too (a coded size not monotone in the step could hide a smaller one further down; not searched). Returns
+    the decoded rows, each block's step code ``[B]`` and its bytes ``[B]`` (the step byte and the coder's words). A
+    block that fits at no step keeps the largest (its bytes then exceed the budget; the returned bytes say so)."""
+    n, bs = x.shape[0], f["bs"]
+    y = (x.double() - f["mu"].double()) @ f["T"].double()
+    nblocks = -(-n // bs)
+    rows = torch.tensor([min(bs, n - i * bs) for i in range(nblocks)], dtype=torch.float64)
+    pad = nblocks * bs - n
+    yb = torch.cat((y, torch.zeros(pad, y.shape[1], dtype=y.dtype))).view(-1, bs, y.shape[1])
+    live = (torch.arange(nblocks * bs) < n).view(-1, bs, 1)
+    budget = rows * f["nbytes"]  # bytes a block
+
+    def symbols(code):
+        step = step_of(f["base"], code).view(-1, 1, 1)
+        return (yb / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1), step
+
+    def modelled(code):
+        k, step = symbols(code)
+        return (symbol_bits(k, step, f["sigma"], f["laplace"]) * live).sum((1, 2))
+
+    lo = torch.zeros(nblocks, dtype=torch.long)  # the modelled answer lies in [lo, hi]
+    hi = torch.full((nblocks,), STEP_CODES - 1, dtype=torch.long)
+    while bool((lo < hi).any()):
+        mid = (lo + hi) // 2
+        fits = modelled(mid) <= (budget - STEP_BYTES - FLUSH_BYTES) * 8
+        hi = torch.where(fits & (lo < hi), mid, hi)
+        lo = torch.where(~fits & (lo < hi), mid + 1, lo)
+    code, used = lo.clone(), torch.zeros(nblocks, dtype=torch.long)
+
+    def real(b, c):
+        step = float(step_of(f["base"], torch.tensor([c]))[0])
+        k = (yb[b, :int(rows[b])] / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1).long()
+        return STEP_BYTES + 4 * len(ec_encode(k, f, step))
+
+    for b in range(nblocks):  # the real coder's size decides: up until it fits, down while the next one fits
+        c, size = int(code[b]), real(b, int(code[b]))
+        while size > budget[b] and c < STEP_CODES - 1:
+            c += 1
+            size = real(b, c)
+        while c > 0 and size <= budget[b] and (smaller := real(b, c - 1)) <= budget[b]:
+            c, size = c - 1, smaller
+        code[b], used[b] = c, size
+    k, step = symbols(code)
+    q = (k * step).reshape(-1, y.shape[1])[:n]
+    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code, used

@@ -6,6 +6,7 @@ per-row scale, the error bound of a uniform level set, and the byte counts."""
 from __future__ import annotations
 
 import importlib.util
+import math
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,101 @@ def test_transform_round_trip_is_exact_on_what_its_levels_hold_and_error_falls_w
 def test_transform_bytes():
     assert cbq.transform_bytes(1, 1, 64) == (2 * 64 * 64 + 64 + 64 * 256) * 2
     assert cbq.transform_bytes(30, 3, 64) == 4_435_200
+
+
+# ---- entropy-coded transform coding ----
+
+def test_symbol_bits_by_hand():
+    one, s2 = torch.tensor(1.0, dtype=torch.float64), torch.tensor(2.0 ** 0.5, dtype=torch.float64)
+    gauss, lap = torch.tensor(False), torch.tensor(True)
+    # Gaussian, step = sigma: P(0) = erf(1 / (2 sqrt 2)) = 0.382925
+    assert cbq.symbol_bits(torch.tensor(0), one, one, gauss).item() == pytest.approx(-math.log2(0.3829249225), 1e-9)
+    # P(1) = Phi(1.5) - Phi(0.5) = 0.241730
+    assert cbq.symbol_bits(torch.tensor(1), one, one, gauss).item() == pytest.approx(-math.log2(0.2417303375), 1e-8)
+    # Laplacian of sigma sqrt 2 (scale 1), step 1: P(0) = 1 - e^-1/2, P(+-2) = e^-3/2 (1 - e^-1) / 2
+    assert cbq.symbol_bits(torch.tensor(0), one, s2, lap).item() == pytest.approx(-math.log2(1 - math.exp(-0.5)))
+    p2 = math.exp(-1.5) * (1 - math.exp(-1)) / 2
+    assert cbq.symbol_bits(torch.tensor([2, -2]), one, s2, lap).tolist() == pytest.approx([-math.log2(p2)] * 2)
+    # far tails cost the floor's 24 bits, not infinity
+    assert cbq.symbol_bits(torch.tensor(10 ** 4), one, one, gauss).item() == pytest.approx(24.0)
+    # each model's probabilities sum to 1 over the symbols (to within the floor's mass on the far tail's few)
+    k = torch.arange(-60, 61)
+    for fam in (gauss, lap):
+        p = 2.0 ** -cbq.symbol_bits(k, torch.tensor(0.3, dtype=torch.float64), one, fam)
+        assert p.sum().item() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_step_codes_are_eighth_octaves_around_the_base():
+    base = torch.tensor(0.5, dtype=torch.float64)
+    steps = cbq.step_of(base, torch.tensor([0, 120, 128, 129, 136, 144, 255]))
+    assert steps.tolist() == pytest.approx([0.5 / 2 ** 16, 0.25, 0.5, 0.5 * 2 ** 0.125, 1.0, 2.0, 0.5 * 2 ** (127 / 8)])
+
+
+def _ec_fit(nbytes=4, n=2048, seed=0):
+    x, m = _correlated_rows(n=n, seed=seed), _metric()
+    return x, m, cbq.fit_transform_ec(x[: n // 2], m, nbytes)
+
+
+def _mixed_fit(nbytes=2, n=8192, seed=5):
+    """Two independent channels, a Gaussian of deviation 1 and a Laplacian of deviation 3: one of each model."""
+    g = torch.Generator().manual_seed(seed)
+    gauss = torch.randn(n, generator=g, dtype=torch.float64)
+    torch.manual_seed(seed)
+    lap = torch.distributions.Laplace(0.0, 3.0 / 2 ** 0.5).sample((n,)).double()
+    x = torch.stack((gauss, lap), 1)
+    return x, cbq.fit_transform_ec(x, torch.eye(2, dtype=torch.float64), nbytes)
+
+
+def test_ec_coder_round_trips_blocks_exactly_and_costs_about_the_modelled_bits():
+    _, f = _mixed_fit()
+    assert f["laplace"].tolist() == [False, True]  # both models, so the decoder's order of them matters
+    g = torch.Generator().manual_seed(3)
+    for rows in (16, 5):
+        step = float(f["base"])
+        y = torch.randn(rows, 2, generator=g, dtype=torch.float64) * f["sigma"]
+        k = (y / step).round().long()
+        k[0, 0], k[-1, -1] = cbq.SYMBOL_RANGE - 1, -cbq.SYMBOL_RANGE  # the alphabet's ends
+        words = cbq.ec_encode(k, f, step)
+        assert torch.equal(cbq.ec_decode(words, f, step, rows), k)
+        k[0, 0], k[-1, -1] = 0, 0
+        words = cbq.ec_encode(k, f, step)
+        assert torch.equal(cbq.ec_decode(words, f, step, rows), k)
+        modelled = cbq.symbol_bits(k, torch.tensor(step, dtype=torch.float64), f["sigma"], f["laplace"]).sum() / 8
+        assert modelled - 1 <= 4 * len(words) <= modelled + 8
+
+
+@pytest.mark.parametrize("flush_guess", [4, 40, -40])  # the search's first guess right, far too large, too small
+def test_ec_quantise_fits_every_block_with_the_smallest_step_and_bounds_each_coefficient(monkeypatch, flush_guess):
+    monkeypatch.setattr(cbq, "FLUSH_BYTES", flush_guess)
+    x, m, f = _ec_fit(nbytes=4)
+    held = x[1024:1024 + 16 * 12 + 7]  # 12 whole blocks and a short one
+    xq, code, used = cbq.ec_quantise(held, f)
+    rows = torch.tensor([16] * 12 + [7])
+    assert (used <= rows * 4).all()
+    y, yq = ((held - f["mu"].double()) @ f["T"].double(), (xq - f["mu"].double()) @ f["T"].double())
+    for b in range(13):
+        step = float(cbq.step_of(f["base"], code[b:b + 1])[0])
+        sl = slice(16 * b, 16 * b + int(rows[b]))
+        # each coefficient within half a step of its row's, on the block's step grid
+        assert ((y[sl] - yq[sl]).abs() <= step / 2 + 1e-4 * step).all()  # T and Ti are fp32
+        assert torch.allclose(yq[sl] / step, (yq[sl] / step).round(), atol=1e-4)
+        # and the next smaller step does not fit
+        k = (y[sl] / (step / 2 ** 0.125)).round().long()
+        assert code[b] == 0 or 1 + 4 * len(cbq.ec_encode(k, f, step / 2 ** 0.125)) > int(rows[b]) * 4
+        assert used[b] == 1 + 4 * len(cbq.ec_encode((y[sl] / step).round().long(), f, step))
+
+    def err(nbytes):
+        g = cbq.fit_transform_ec(x[:1024], m, nbytes)
+        e = cbq.ec_quantise(held, g)[0] - held
+        return float(torch.einsum("nd,de,ne->", e, m, e) / len(held))
+    assert err(6) < err(4) < err(2)
+
+
+def test_ec_fit_picks_each_coefficients_model_and_a_base_step_that_fills_the_budget():
+    x, f = _mixed_fit(nbytes=2)
+    # the principal axes are the channels (ascending variance): the Gaussian first, then the Laplacian
+    assert f["laplace"].tolist() == [False, True]
+    assert f["sigma"].tolist() == pytest.approx([1.0, 3.0], rel=0.05)
+    y = (x - f["mu"].double()) @ f["T"].double()
+    bits = cbq.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
+    assert bits.item() == pytest.approx((2 - 5 / 16) * 8, rel=1e-3)

@@ -256,7 +256,8 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 # costs: the second moment of ``R_n^T q_m`` (a query turned back to the key's position n <= m, sampled).
 # ``[p]klte{NN}``: the same basis, entropy-coded (``cbq.fit_transform_ec``): one uniform step a 16-row block (a byte
 # naming it), the symbols range-coded under a static per-coefficient model, NN bytes a row a block, overhead included.
-TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)$")
+# A trailing ``a`` (``pklte33a``): each block also names a multiplier of the model's deviations (one more byte).
+TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)(?P<adapt>a?)$")
 
 
 def quantiser_bytes(name, slot):
@@ -281,10 +282,10 @@ def quantiser(name, slot, shape=None):
         if tr["ec"]:
             def fe(layer, x, ctx):
                 fits = ctx["codebooks"](source, 0, nbytes, False, "klte")[layer]
-                out = [cbq.ec_quantise(x[:, h], fh) for h, fh in enumerate(fits)]
-                rows = torch.full((len(out[0][2]),), fits[0]["bs"])
+                out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"])) for h, fh in enumerate(fits)]
+                rows = torch.full((len(out[0][3]),), fits[0]["bs"])
                 rows[-1] = x.shape[0] - (len(rows) - 1) * fits[0]["bs"]
-                over = sum(int((used > fh["nbytes"] * rows).sum()) for (_, _, used), fh in zip(out, fits, strict=True))
+                over = sum(int((used > fh["nbytes"] * rows).sum()) for (_, _, _, used), fh in zip(out, fits, strict=True))
                 if over:
                     print(f"  {name} layer {layer}: {over} blocks over budget", flush=True)
                 return torch.stack([o[0] for o in out], 1)

@@ -295,6 +295,10 @@ def transform_bytes(layers: int, heads: int, dim: int, max_bits: int = 8) -> int
 
 STEP_CODES = 256  # the block's step: base * 2 ** ((code - 128) / 8), one byte
 STEP_BYTES = 1
+# An adaptive block (``adapt``) also names, in one more byte, a multiplier of every coefficient's deviation in the
+# coder's model, so a block whose coefficients are spread wider or narrower than the calibration rows' (another kind
+# of text) is coded under a model that fits it: the multiplier with the smallest modelled step is kept.
+MODEL_SCALES = 2.0 ** ((torch.arange(8, dtype=torch.float64) - 3) / 2)
 # what the coder adds to the modelled bits (its final state; measured ~4.7 B a block): the search's first guess
 FLUSH_BYTES = 4
 SYMBOL_RANGE = 2 ** 15  # symbols lie in [-SYMBOL_RANGE, SYMBOL_RANGE - 1] (clamped), the coder's alphabet
@@ -357,11 +361,11 @@ def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int
             "base": hi, "nbytes": nbytes, "bs": bs}
 
 
-def _coder_params(f: dict, step: float, rows: int):
+def _coder_params(f: dict, step: float, rows: int, scale: float = 1.0):
     """Per family (Laplacian, Gaussian): the columns it codes and the scales constriction takes, in symbols."""
     import numpy as np
 
-    sig = (f["sigma"].double() / step).numpy()
+    sig = (f["sigma"].double() * scale / step).numpy()
     lap = f["laplace"].numpy()
     out = []
     for is_lap, width in ((True, sig / math.sqrt(2)), (False, sig)):
@@ -377,42 +381,49 @@ def _coder_model(is_lap: bool):
     return (m.QuantizedLaplace if is_lap else m.QuantizedGaussian)(-SYMBOL_RANGE, SYMBOL_RANGE - 1)
 
 
-def ec_encode(k: torch.Tensor, f: dict, step: float):
+def ec_encode(k: torch.Tensor, f: dict, step: float, scale: float = 1.0):
     """A block's symbols ``k [R, D]`` (integers in the coder's range) -> rANS words (``uint32``), coded under
-    ``f``'s per-coefficient models at ``step``."""
+    ``f``'s per-coefficient models (their deviations times ``scale``) at ``step``."""
     import constriction
     import numpy as np
 
     enc = constriction.stream.stack.AnsCoder()
     kn = k.numpy().astype(np.int32)
-    for is_lap, cols, width in _coder_params(f, step, k.shape[0]):
+    for is_lap, cols, width in _coder_params(f, step, k.shape[0], scale):
         if len(cols):
             sym = np.ascontiguousarray(kn[:, cols].ravel())
             enc.encode_reverse(sym, _coder_model(is_lap), np.zeros_like(width), width)
     return enc.get_compressed()
 
 
-def ec_decode(words, f: dict, step: float, rows: int) -> torch.Tensor:
+def ec_decode(words, f: dict, step: float, rows: int, scale: float = 1.0) -> torch.Tensor:
     """:func:`ec_encode`'s inverse: ``rows`` rows of symbols ``[rows, D]`` (int64)."""
     import constriction
     import numpy as np
 
     dec = constriction.stream.stack.AnsCoder(words)
     k = np.zeros((rows, f["sigma"].numel()), dtype=np.int64)
-    for is_lap, cols, width in reversed(_coder_params(f, step, rows)):  # a stack: the last family coded comes first
+    for is_lap, cols, width in reversed(_coder_params(f, step, rows, scale)):  # a stack: the last family coded comes first
         if len(cols):
             k[:, cols] = dec.decode(_coder_model(is_lap), np.zeros_like(width), width).reshape(rows, len(cols))
     return torch.from_numpy(k)
 
 
-def ec_quantise(x: torch.Tensor, f: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``x [N, D]`` through :func:`fit_transform_ec`'s code: per block of ``bs`` rows (the last may be short)
-    the smallest step whose coded block (step byte plus rANS words) fits ``nbytes`` a row: the modelled bits pick a
+    the smallest step whose coded block (header plus rANS words) fits ``nbytes`` a row: the modelled bits pick a
     first step, then the real coder's size moves it up until the block fits and down while the next smaller step
-    fits too (a coded size not monotone in the step could hide a smaller one further down; not searched). Returns
-    the decoded rows, each block's step code ``[B]`` and its bytes ``[B]`` (the step byte and the coder's words). A
-    block that fits at no step keeps the largest (its bytes then exceed the budget; the returned bytes say so)."""
+    fits too (a coded size not monotone in the step could hide a smaller one further down; not searched). The header
+    is the step's byte and, where ``adapt``, a byte naming the model's deviation multiplier (:data:`MODEL_SCALES`;
+    the one whose modelled step is smallest, then whose modelled bits are fewest). Returns the decoded rows, each
+    block's step code ``[B]``, multiplier code ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and
+    bytes ``[B]`` (header and words). A block that fits at no step keeps the largest (its bytes then exceed the
+    budget; the returned bytes say so)."""
     n, bs = x.shape[0], f["bs"]
+    header = STEP_BYTES + (1 if adapt else 0)
+    unit = int((MODEL_SCALES == 1).nonzero()[0])
+    scales = MODEL_SCALES if adapt else MODEL_SCALES[unit:unit + 1]
     y = (x.double() - f["mu"].double()) @ f["T"].double()
     nblocks = -(-n // bs)
     rows = torch.tensor([min(bs, n - i * bs) for i in range(nblocks)], dtype=torch.float64)
@@ -420,28 +431,31 @@ def ec_quantise(x: torch.Tensor, f: dict) -> tuple[torch.Tensor, torch.Tensor, t
     yb = torch.cat((y, torch.zeros(pad, y.shape[1], dtype=y.dtype))).view(-1, bs, y.shape[1])
     live = (torch.arange(nblocks * bs) < n).view(-1, bs, 1)
     budget = rows * f["nbytes"]  # bytes a block
+    sig = f["sigma"].double()[None] * scales[:, None]  # [S, D]
 
     def symbols(code):
-        step = step_of(f["base"], code).view(-1, 1, 1)
+        step = step_of(f["base"], code)[..., None, None]
         return (yb / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1), step
 
-    def modelled(code):
+    def modelled(code):  # code [S, B] -> modelled bits [S, B]
         k, step = symbols(code)
-        return (symbol_bits(k, step, f["sigma"], f["laplace"]) * live).sum((1, 2))
+        return (symbol_bits(k, step, sig[:, None, None, :], f["laplace"]) * live).sum((-2, -1))
 
-    lo = torch.zeros(nblocks, dtype=torch.long)  # the modelled answer lies in [lo, hi]
-    hi = torch.full((nblocks,), STEP_CODES - 1, dtype=torch.long)
+    lo = torch.zeros(len(scales), nblocks, dtype=torch.long)  # the modelled answer lies in [lo, hi]
+    hi = torch.full((len(scales), nblocks), STEP_CODES - 1, dtype=torch.long)
     while bool((lo < hi).any()):
         mid = (lo + hi) // 2
-        fits = modelled(mid) <= (budget - STEP_BYTES - FLUSH_BYTES) * 8
+        fits = modelled(mid) <= (budget - header - FLUSH_BYTES) * 8
         hi = torch.where(fits & (lo < hi), mid, hi)
         lo = torch.where(~fits & (lo < hi), mid + 1, lo)
-    code, used = lo.clone(), torch.zeros(nblocks, dtype=torch.long)
+    pick = (lo * 2 ** 40 + modelled(lo).round().long()).argmin(0)  # the smallest step, then the fewest bits
+    code, used = lo[pick, torch.arange(nblocks)], torch.zeros(nblocks, dtype=torch.long)
+    scale_code = torch.where(torch.tensor(adapt), pick, torch.full_like(pick, unit))
 
     def real(b, c):
         step = float(step_of(f["base"], torch.tensor([c]))[0])
         k = (yb[b, :int(rows[b])] / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1).long()
-        return STEP_BYTES + 4 * len(ec_encode(k, f, step))
+        return header + 4 * len(ec_encode(k, f, step, float(MODEL_SCALES[scale_code[b]])))
 
     for b in range(nblocks):  # the real coder's size decides: up until it fits, down while the next one fits
         c, size = int(code[b]), real(b, int(code[b]))
@@ -453,4 +467,4 @@ def ec_quantise(x: torch.Tensor, f: dict) -> tuple[torch.Tensor, torch.Tensor, t
         code[b], used[b] = c, size
     k, step = symbols(code)
     q = (k * step).reshape(-1, y.shape[1])[:n]
-    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code, used
+    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code, scale_code, used

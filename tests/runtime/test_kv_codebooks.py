@@ -320,31 +320,52 @@ def test_ec_coder_round_trips_blocks_exactly_and_costs_about_the_modelled_bits()
         assert modelled - 1 <= 4 * len(words) <= modelled + 8
 
 
+@pytest.mark.parametrize("adapt", [False, True])
 @pytest.mark.parametrize("flush_guess", [4, 40, -40])  # the search's first guess right, far too large, too small
-def test_ec_quantise_fits_every_block_with_the_smallest_step_and_bounds_each_coefficient(monkeypatch, flush_guess):
+def test_ec_quantise_fits_every_block_with_the_smallest_step_and_bounds_each_coefficient(monkeypatch, flush_guess,
+                                                                                         adapt):
     monkeypatch.setattr(cbq, "FLUSH_BYTES", flush_guess)
     x, m, f = _ec_fit(nbytes=4)
     held = x[1024:1024 + 16 * 12 + 7]  # 12 whole blocks and a short one
-    xq, code, used = cbq.ec_quantise(held, f)
+    xq, code, scale_code, used = cbq.ec_quantise(held, f, adapt)
+    header = 2 if adapt else 1
     rows = torch.tensor([16] * 12 + [7])
     assert (used <= rows * 4).all()
+    if not adapt:
+        assert (cbq.MODEL_SCALES[scale_code] == 1).all()
     y, yq = ((held - f["mu"].double()) @ f["T"].double(), (xq - f["mu"].double()) @ f["T"].double())
     for b in range(13):
         step = float(cbq.step_of(f["base"], code[b:b + 1])[0])
+        scale = float(cbq.MODEL_SCALES[scale_code[b]])
         sl = slice(16 * b, 16 * b + int(rows[b]))
         # each coefficient within half a step of its row's, on the block's step grid
         assert ((y[sl] - yq[sl]).abs() <= step / 2 + 1e-4 * step).all()  # T and Ti are fp32
         assert torch.allclose(yq[sl] / step, (yq[sl] / step).round(), atol=1e-4)
-        # and the next smaller step does not fit
+        # the coded block decodes to those symbols, and the next smaller step does not fit
+        k = (y[sl] / step).round().long()
+        words = cbq.ec_encode(k, f, step, scale)
+        assert used[b] == header + 4 * len(words)
+        assert torch.equal(cbq.ec_decode(words, f, step, int(rows[b]), scale), k)
         k = (y[sl] / (step / 2 ** 0.125)).round().long()
-        assert code[b] == 0 or 1 + 4 * len(cbq.ec_encode(k, f, step / 2 ** 0.125)) > int(rows[b]) * 4
-        assert used[b] == 1 + 4 * len(cbq.ec_encode((y[sl] / step).round().long(), f, step))
+        assert code[b] == 0 or header + 4 * len(cbq.ec_encode(k, f, step / 2 ** 0.125, scale)) > int(rows[b]) * 4
 
     def err(nbytes):
         g = cbq.fit_transform_ec(x[:1024], m, nbytes)
-        e = cbq.ec_quantise(held, g)[0] - held
+        e = cbq.ec_quantise(held, g, adapt)[0] - held
         return float(torch.einsum("nd,de,ne->", e, m, e) / len(held))
     assert err(6) < err(4) < err(2)
+
+
+def test_ec_adaptive_blocks_name_the_deviation_their_rows_have():
+    x, _, f = _ec_fit(nbytes=4)
+    mu = f["mu"].double()
+    held = x[1024:1024 + 64]
+    for spread, side in ((8.0, 1), (1 / 8, -1)):  # rows spread 8x wider, or 8x narrower, than the calibration's
+        rows = mu + (held - mu) * spread
+        _, code, scale_code, used = cbq.ec_quantise(rows, f, adapt=True)
+        assert ((cbq.MODEL_SCALES[scale_code] - 1) * side > 0).all()
+        _, code1, _, _ = cbq.ec_quantise(rows, f, adapt=False)
+        assert (code <= code1).all() and (code < code1).any()  # a model that fits codes at finer steps
 
 
 def test_ec_fit_picks_each_coefficients_model_and_a_base_step_that_fills_the_budget():

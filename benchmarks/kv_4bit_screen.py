@@ -285,7 +285,7 @@ def quantiser(name, slot, shape=None):
                 out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"])) for h, fh in enumerate(fits)]
                 rows = torch.full((len(out[0][3]),), fits[0]["bs"])
                 rows[-1] = x.shape[0] - (len(rows) - 1) * fits[0]["bs"]
-                over = sum(int((used > fh["nbytes"] * rows).sum()) for (_, _, _, used), fh in zip(out, fits, strict=True))
+                over = sum(int((o[3] > fh["nbytes"] * rows).sum()) for o, fh in zip(out, fits, strict=True))
                 if over:
                     print(f"  {name} layer {layer}: {over} blocks over budget", flush=True)
                 return torch.stack([o[0] for o in out], 1)

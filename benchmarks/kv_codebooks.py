@@ -403,7 +403,8 @@ def ec_decode(words, f: dict, step: float, rows: int, scale: float = 1.0) -> tor
 
     dec = constriction.stream.stack.AnsCoder(words)
     k = np.zeros((rows, f["sigma"].numel()), dtype=np.int64)
-    for is_lap, cols, width in reversed(_coder_params(f, step, rows, scale)):  # a stack: the last family coded comes first
+    # a stack: the family coded last comes out first
+    for is_lap, cols, width in reversed(_coder_params(f, step, rows, scale)):
         if len(cols):
             k[:, cols] = dec.decode(_coder_model(is_lap), np.zeros_like(width), width).reshape(rows, len(cols))
     return torch.from_numpy(k)

@@ -333,12 +333,24 @@ def quantiser(name, slot, shape=None):
     return f
 
 
-def calibration_texts(tok):
+WIDE_LICENCES = ("MPL-2.0", "LGPL-2.1", "Artistic", "GFDL-1.3")  # more prose-like calibration (``--wide-calibration``)
+WIDE_CODE = ("shutil.py", "tarfile.py", "inspect.py", "statistics.py")
+
+
+def calibration_texts(tok, wide=False):
     """Texts the codebooks learn from, apart from every text the screen scores and from the quality
     contract's texts (bundled corpus, ``argparse.py``, Debian FAQs) and held-out prompts (peers 2, 3, 6, 7, ...):
     the first 1,024 tokens of ``difflib.py`` and of the GPL-3 licence, and the ``tune`` peer prompts 8, 9, 12,
-    13, 16 and 17 with their reference ids."""
+    13, 16 and 17 with their reference ids. ``wide``: also the first 1,024 tokens of four more licences and four
+    more standard-library modules (:data:`WIDE_LICENCES`, :data:`WIDE_CODE`), 12k tokens in all."""
     out = []
+    if wide:
+        for name in WIDE_LICENCES:
+            out.append(tok(Path("/usr/share/common-licenses", name).read_text(),
+                           add_special_tokens=False).input_ids[:1024])
+        for name in WIDE_CODE:
+            out.append(tok((Path(sysconfig.get_paths()["stdlib"]) / name).read_text(),
+                           add_special_tokens=False).input_ids[:1024])
     for p in (Path(sysconfig.get_paths()["stdlib"]) / "difflib.py", Path("/usr/share/common-licenses/GPL-3")):
         out.append(tok(p.read_text(), add_special_tokens=False).input_ids[:1024])
     wl = json.loads((PEERS / "workload.json").read_text())
@@ -349,10 +361,10 @@ def calibration_texts(tok):
     return out
 
 
-def codebook_source(model, tok):
+def codebook_source(model, tok, wide=False):
     """A memoised ``(source, d, bits, scaled) -> [per-layer codebooks]``, fitted on :func:`calibration_texts`
     (their K/V rows tapped from the exact forward) and cached under :data:`CODEBOOK_CACHE`."""
-    calib, taps, memo = calibration_texts(tok), [], {}
+    calib, taps, memo = calibration_texts(tok, wide), [], {}
     # the cache key covers the calibration ids and the quantisers' source: a changed fit never reads a stale file
     tag = hashlib.sha256(json.dumps(calib).encode() + Path(cbq.__file__).read_bytes()).hexdigest()[:12]
 
@@ -616,6 +628,8 @@ def main():
     ap.add_argument("--ratio", type=float, default=3.5, help="bytes bound of --per-layer's mix, as bf16's / ratio")
     ap.add_argument("--held-out", action="store_true",
                     help="score 8 held-out peer prompts (never tuned or calibrated on) instead of the tuning texts")
+    ap.add_argument("--wide-calibration", action="store_true",
+                    help="fit the codebooks on 8 more texts (4 licences, 4 standard-library modules) as well")
     ap.add_argument("--more-tuning", action="store_true",
                     help="score the tuning texts and 6 more tune peer prompts (20, 21, 24, 25, 28, 29)")
     ap.add_argument("--contract-texts", action="store_true",
@@ -629,7 +643,8 @@ def main():
     tok = AutoTokenizer.from_pretrained(str(ckpt.path))
     shape = Shape.of(model)
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
-    ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale, "codebooks": codebook_source(model, tok)}
+    ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale,
+           "codebooks": codebook_source(model, tok, args.wide_calibration)}
     data = (held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts
             else texts(tok, args.more_tuning))
     bases = [forward(model, ids) for _, ids in data]

@@ -236,6 +236,19 @@ def metric_root(metric: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor
     return (v * e.sqrt()) @ v.T, (v * e.rsqrt()) @ v.T
 
 
+def whitened_klt(x: torch.Tensor, metric: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One head's rows ``x [N, D]`` centred on their mean, whitened by ``M^1/2`` and turned onto the whitened rows'
+    principal axes: ``(mu, T, Ti, y)`` in float64 with ``y = (x - mu) T`` (uncorrelated coefficients) and ``x = y Ti
+    + mu``."""
+    x = x.double()
+    mu = x.mean(0)
+    w, wi = metric_root(metric)
+    z = (x - mu) @ w
+    _, u = torch.linalg.eigh(z.T @ z / len(z))
+    t, ti = w @ u, u.T @ wi
+    return mu, t, ti, (x - mu) @ t
+
+
 def fit_transform(x: torch.Tensor, metric: torch.Tensor, total_bits: int, iters: int = 12, max_bits: int = 8,
                   max_rows: int = 8192) -> dict:
     """Transform coding of one head's rows ``x [N, D]`` under the error metric ``metric [D, D]`` (what an error
@@ -247,13 +260,8 @@ def fit_transform(x: torch.Tensor, metric: torch.Tensor, total_bits: int, iters:
     the coefficient is its mean, 0). No per-row metadata: a row is its codes alone. Returns ``mu [D]``, ``T [D, D]``
     (``y = (x - mu) T``), ``Ti`` (``x = y Ti + mu``; ``Ti M Ti^T = I``), ``bits [D]`` and ``levels [D, 2 ** max_bits]``
     (fp16-rounded; a coefficient's unused entries repeat its first level)."""
-    x = x.double()
-    mu = x.mean(0)
-    w, wi = metric_root(metric)
-    z = (x - mu) @ w
-    _, u = torch.linalg.eigh(z.T @ z / len(z))
-    t, ti = w @ u, u.T @ wi
-    y = ((x - mu) @ t).float()
+    mu, t, ti, y = whitened_klt(x, metric)
+    y = y.float()
     bits = allocate(y.var(0), total_bits, max_bits)
     if len(y) > max_rows:
         y = y[torch.linspace(0, len(y) - 1, max_rows).long()]
@@ -336,13 +344,7 @@ def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int
     base step (the one at which the calibration rows' modelled bits fill ``nbytes`` a row less a block's step byte
     and flush, on average). Returns ``mu``, ``T``, ``Ti``, ``sigma [D]``, ``laplace [D]`` (bool), ``base`` (0-d),
     ``nbytes`` and ``bs``."""
-    x = x.double()
-    mu = x.mean(0)
-    w, wi = metric_root(metric)
-    z = (x - mu) @ w
-    _, u = torch.linalg.eigh(z.T @ z / len(z))
-    t, ti = w @ u, u.T @ wi
-    y = (x - mu) @ t
+    mu, t, ti, y = whitened_klt(x, metric)
     sigma = y.std(0).clamp_min(1e-9)
     target = (nbytes - (STEP_BYTES + FLUSH_BYTES) / bs) * 8  # bits a row
     lo, hi = torch.tensor(1e-6, dtype=torch.float64), sigma.max() * 16

@@ -283,15 +283,14 @@ def quantiser(name, slot, shape=None):
             def fe(layer, x, ctx):
                 fits = ctx["codebooks"](source, 0, nbytes, False, "klte")[layer]
                 out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"])) for h, fh in enumerate(fits)]
-                rows = torch.full((len(out[0][3]),), fits[0]["bs"])
-                rows[-1] = x.shape[0] - (len(rows) - 1) * fits[0]["bs"]
+                rows = cbq.block_rows(x.shape[0], fits[0]["bs"])
                 over = sum(int((o[3] > fh["nbytes"] * rows).sum()) for o, fh in zip(out, fits, strict=True))
                 if over:
                     print(f"  {name} layer {layer}: {over} blocks over budget", flush=True)
                 return torch.stack([o[0] for o in out], 1)
 
             fe.pre_rope, fe.bytes = pre, quantiser_bytes(name, slot)
-            fe.model_bytes = shape and cbq.transform_bytes(shape.layers, shape.kv_heads, shape.head_dim, 0)
+            fe.model_bytes = shape and cbq.transform_ec_bytes(shape.layers, shape.kv_heads, shape.head_dim)
             return fe
 
         def ft(layer, x, ctx):

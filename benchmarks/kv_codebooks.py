@@ -332,6 +332,25 @@ def symbol_bits(k: torch.Tensor, step: torch.Tensor, sigma: torch.Tensor, laplac
     return -lp.clamp_min(math.log(MIN_PROB)) / math.log(2)
 
 
+def block_rows(n: int, bs: int) -> torch.Tensor:
+    """Rows of each block of ``bs`` over ``n`` rows (the last may be short): ``[ceil(n / bs)]`` int64."""
+    rows = torch.full((-(-n // bs),), bs, dtype=torch.long)
+    if n % bs:
+        rows[-1] = n % bs
+    return rows
+
+
+def to_symbols(y: torch.Tensor, step: torch.Tensor | float) -> torch.Tensor:
+    """Coefficients ``y`` on the grid of ``step``: the nearest integers, clamped to the coder's alphabet."""
+    return (y / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1)
+
+
+def transform_ec_bytes(layers: int, heads: int, dim: int) -> int:
+    """Per-model bytes of the entropy-coded transforms: per layer and head ``T``, ``Ti``, the mean and each
+    coefficient's deviation at fp16, a byte a coefficient naming its model, and the base step at fp32."""
+    return layers * heads * ((2 * dim * dim + 2 * dim) * 2 + dim + 4)
+
+
 def step_of(base: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """The step a block's byte ``code`` names: ``base * 2 ** ((code - 128) / 8)``."""
     return base * 2.0 ** ((code.double() - STEP_CODES // 2) / 8)
@@ -428,8 +447,8 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
     unit = int((MODEL_SCALES == 1).nonzero()[0])
     scales = MODEL_SCALES if adapt else MODEL_SCALES[unit:unit + 1]
     y = (x.double() - f["mu"].double()) @ f["T"].double()
-    nblocks = -(-n // bs)
-    rows = torch.tensor([min(bs, n - i * bs) for i in range(nblocks)], dtype=torch.float64)
+    rows = block_rows(n, bs)
+    nblocks = len(rows)
     pad = nblocks * bs - n
     yb = torch.cat((y, torch.zeros(pad, y.shape[1], dtype=y.dtype))).view(-1, bs, y.shape[1])
     live = (torch.arange(nblocks * bs) < n).view(-1, bs, 1)
@@ -438,7 +457,7 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
 
     def symbols(code):
         step = step_of(f["base"], code)[..., None, None]
-        return (yb / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1), step
+        return to_symbols(yb, step), step
 
     def modelled(code):  # code [S, B] -> modelled bits [S, B]
         k, step = symbols(code)
@@ -453,11 +472,11 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
         lo = torch.where(~fits & (lo < hi), mid + 1, lo)
     pick = (lo * 2 ** 40 + modelled(lo).round().long()).argmin(0)  # the smallest step, then the fewest bits
     code, used = lo[pick, torch.arange(nblocks)], torch.zeros(nblocks, dtype=torch.long)
-    scale_code = torch.where(torch.tensor(adapt), pick, torch.full_like(pick, unit))
+    scale_code = pick if adapt else torch.full_like(pick, unit)
 
     def real(b, c):
         step = float(step_of(f["base"], torch.tensor([c]))[0])
-        k = (yb[b, :int(rows[b])] / step).round().clamp(-SYMBOL_RANGE, SYMBOL_RANGE - 1).long()
+        k = to_symbols(yb[b, :int(rows[b])], step).long()
         return header + 4 * len(ec_encode(k, f, step, float(MODEL_SCALES[scale_code[b]])))
 
     for b in range(nblocks):  # the real coder's size decides: up until it fits, down while the next one fits

@@ -376,3 +376,14 @@ def test_ec_fit_picks_each_coefficients_model_and_a_base_step_that_fills_the_bud
     y = (x - f["mu"].double()) @ f["T"].double()
     bits = cbq.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
     assert bits.item() == pytest.approx((2 - 5 / 16) * 8, rel=1e-3)
+
+
+def test_block_rows_symbols_and_model_bytes():
+    assert cbq.block_rows(32, 16).tolist() == [16, 16]
+    assert cbq.block_rows(39, 16).tolist() == [16, 16, 7]
+    assert cbq.block_rows(5, 16).tolist() == [5]
+    y = torch.tensor([0.49, 0.51, -1.6, 1e9, -1e9], dtype=torch.float64)
+    assert cbq.to_symbols(y, 1.0).tolist() == [0, 1, -2, cbq.SYMBOL_RANGE - 1, -cbq.SYMBOL_RANGE]
+    assert cbq.to_symbols(y[:3], 0.5).tolist() == [1, 1, -3]
+    # SmolLM2: 90 layer-heads of T, Ti, mean and deviations (fp16), a model byte a coefficient, a 4-byte base
+    assert cbq.transform_ec_bytes(30, 3, 64) == 90 * ((2 * 64 * 64 + 128) * 2 + 64 + 4) == 1_503_720

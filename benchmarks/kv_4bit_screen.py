@@ -15,8 +15,10 @@ time) and the best per-layer mix of those grids within ``--ratio`` (:func:`alloc
 Results and what they say: docs/kv_formats.md, "Screened since".
 
 ``--more-tuning`` adds the 6 ``tune`` peer prompts nothing else uses, for choices the 6 tuning texts leave open.
-Entropy-coded schemes (``pklte{NN}``, ``klte{NN}``) code each block with a real rANS coder (constriction): their
-bytes are the coder's, not a model's.
+Entropy-coded schemes (``pklte{NN}``, ``klte{NN}``) code each block with a real rANS coder (the native one of
+``kvledger.runtime.kv_entropy``): their bytes are the coder's, not a model's. ``--tuning-by-kind`` scores two tuning
+texts of each kind the contract scores instead (prose, code, chat; :func:`texts_by_kind`), ``--calibration kinds``
+fits on prose, code and chat in about equal shares (:func:`calibration_texts`).
 
 Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,pklte33/klte40/sink1,ppq2x8/none] [--threads 2]
        python benchmarks/kv_4bit_screen.py --per-layer k:kivi4,k:tok4h,v:tok4h,v:tok3h [--ratio 3.5]
@@ -336,20 +338,23 @@ WIDE_LICENCES = ("MPL-2.0", "LGPL-2.1", "Artistic", "GFDL-1.3")  # more prose-li
 WIDE_CODE = ("shutil.py", "tarfile.py", "inspect.py", "statistics.py")
 
 
-def calibration_texts(tok, wide=False):
+CALIBRATIONS = {"narrow": 0, "kinds": 1, "wide": 4}  # how many of each WIDE_ list a calibration adds
+
+
+def calibration_texts(tok, calibration="narrow"):
     """Texts the codebooks learn from, apart from every text the screen scores and from the quality
     contract's texts (bundled corpus, ``argparse.py``, Debian FAQs) and held-out prompts (peers 2, 3, 6, 7, ...):
     the first 1,024 tokens of ``difflib.py`` and of the GPL-3 licence, and the ``tune`` peer prompts 8, 9, 12,
-    13, 16 and 17 with their reference ids. ``wide``: also the first 1,024 tokens of four more licences and four
-    more standard-library modules (:data:`WIDE_LICENCES`, :data:`WIDE_CODE`), 12k tokens in all."""
+    13, 16 and 17 with their reference ids (``narrow``: 4.3k tokens, half of them chat). ``kinds`` also takes the
+    first 1,024 tokens of the first of :data:`WIDE_LICENCES` and of :data:`WIDE_CODE` (prose, code and chat about
+    a third each); ``wide`` of all four of each (12.5k tokens, chat a sixth)."""
     out = []
-    if wide:
-        for name in WIDE_LICENCES:
-            out.append(tok(Path("/usr/share/common-licenses", name).read_text(),
-                           add_special_tokens=False).input_ids[:1024])
-        for name in WIDE_CODE:
-            out.append(tok((Path(sysconfig.get_paths()["stdlib"]) / name).read_text(),
-                           add_special_tokens=False).input_ids[:1024])
+    n = CALIBRATIONS[calibration]
+    for name in WIDE_LICENCES[:n]:
+        out.append(tok(Path("/usr/share/common-licenses", name).read_text(), add_special_tokens=False).input_ids[:1024])
+    for name in WIDE_CODE[:n]:
+        out.append(tok((Path(sysconfig.get_paths()["stdlib"]) / name).read_text(),
+                       add_special_tokens=False).input_ids[:1024])
     for p in (Path(sysconfig.get_paths()["stdlib"]) / "difflib.py", Path("/usr/share/common-licenses/GPL-3")):
         out.append(tok(p.read_text(), add_special_tokens=False).input_ids[:1024])
     wl = json.loads((PEERS / "workload.json").read_text())
@@ -360,10 +365,10 @@ def calibration_texts(tok, wide=False):
     return out
 
 
-def codebook_source(model, tok, wide=False):
+def codebook_source(model, tok, calibration="narrow"):
     """A memoised ``(source, d, bits, scaled) -> [per-layer codebooks]``, fitted on :func:`calibration_texts`
     (their K/V rows tapped from the exact forward) and cached under :data:`CODEBOOK_CACHE`."""
-    calib, taps, memo = calibration_texts(tok, wide), [], {}
+    calib, taps, memo = calibration_texts(tok, calibration), [], {}
     # the cache key covers the calibration ids and the quantisers' source: a changed fit never reads a stale file
     tag = hashlib.sha256(json.dumps(calib).encode() + Path(cbq.__file__).read_bytes()).hexdigest()[:12]
 
@@ -544,6 +549,35 @@ def texts(tok, more=False):
     return out
 
 
+SEEDS = PEERS.parent / "seeds"  # the course module's text: prose no calibration, contract or held-out set uses
+
+
+def texts_by_kind(tok):
+    """Tuning texts in the contract's three kinds, two each, apart from every calibration text, every contract
+    text and every held-out prompt: prose (the first two 512-token pieces of the course module's first seed
+    text), code (the first 512 tokens of ``textwrap.py`` and of ``heapq.py``), chat (``tune`` peer prompts 0
+    and 1 with their reference ids). Each kind weighs the same in :func:`kind_balanced_kl`."""
+    seed = tok((SEEDS / "000_6bf96146bac364f5.txt").read_text(), add_special_tokens=False).input_ids
+    out = [("prose:seed0a", seed[:512]), ("prose:seed0b", seed[512:1024])]
+    for name in ("textwrap.py", "heapq.py"):
+        text = (Path(sysconfig.get_paths()["stdlib"]) / name).read_text()
+        out.append((f"code:{name}", tok(text, add_special_tokens=False).input_ids[:512]))
+    wl = json.loads((PEERS / "workload.json").read_text())
+    ref = json.loads((PEERS / "reference_outputs_fp32.json").read_text())["outputs"]
+    for i in (0, 1):
+        r = ref[i]
+        out.append((f"chat:peer{i}", wl["requests"][i]["ids"] + list(r["ids"] if isinstance(r, dict) else r)))
+    return out
+
+
+def kind_balanced_kl(names, kls):
+    """The mean over kinds (the text name's prefix before ``:``) of each kind's KL over its positions."""
+    kinds = {}
+    for name, kl in zip(names, kls, strict=True):
+        kinds.setdefault(name.split(":")[0], []).append(kl)
+    return sum(torch.cat(v).mean().item() for v in kinds.values()) / len(kinds)
+
+
 def kl_and_ppl(base, lg, ids):
     lp, lq = F.log_softmax(base[:-1], -1), F.log_softmax(lg[:-1], -1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
@@ -627,10 +661,15 @@ def main():
     ap.add_argument("--ratio", type=float, default=3.5, help="bytes bound of --per-layer's mix, as bf16's / ratio")
     ap.add_argument("--held-out", action="store_true",
                     help="score 8 held-out peer prompts (never tuned or calibrated on) instead of the tuning texts")
-    ap.add_argument("--wide-calibration", action="store_true",
+    ap.add_argument("--calibration", choices=list(CALIBRATIONS), default="narrow",
+                    help="the codebooks' calibration texts (calibration_texts): narrow, kinds (prose, code and chat "
+                         "a third each) or wide")
+    ap.add_argument("--wide-calibration", dest="calibration", action="store_const", const="wide",
                     help="fit the codebooks on 8 more texts (4 licences, 4 standard-library modules) as well")
     ap.add_argument("--more-tuning", action="store_true",
                     help="score the tuning texts and 6 more tune peer prompts (20, 21, 24, 25, 28, 29)")
+    ap.add_argument("--tuning-by-kind", action="store_true",
+                    help="score two tuning texts of each kind the contract scores (prose, code, chat) instead")
     ap.add_argument("--contract-texts", action="store_true",
                     help="score kvledger quality's texts at its contexts (an indication, fake-quantised) instead")
     args = ap.parse_args()
@@ -643,9 +682,9 @@ def main():
     shape = Shape.of(model)
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
     ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale,
-           "codebooks": codebook_source(model, tok, args.wide_calibration)}
+           "codebooks": codebook_source(model, tok, args.calibration)}
     data = (held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts
-            else texts(tok, args.more_tuning))
+            else texts_by_kind(tok) if args.tuning_by_kind else texts(tok, args.more_tuning))
     bases = [forward(model, ids) for _, ids in data]
     if args.per_layer:
         found = per_layer_scan(model, ctx, data, bases, [v.strip() for v in args.per_layer.split(",")], args.ratio,
@@ -677,9 +716,13 @@ def main():
                         "ratio": bpt and round(shape.token_bytes("bf16") / bpt, 3),
                         "sink_bytes_per_sequence": shape.token_bytes("bf16") * sink,
                         "codebook_bytes_per_model": model_bytes, "kl": kl, "ppl_pooled_pct": ppl,
-                        "ppl_per_text_pct": worst})
+                        "ppl_per_text_pct": worst, "kl_per_text": [k.mean().item() for k in kls]})
+        if args.tuning_by_kind:
+            results[-1]["kl_kind_balanced"] = kind_balanced_kl([n for n, _ in data], kls)
         print(f"{scheme:28s} B/token {bpt}  KL {kl:.3e}  ppl pooled {ppl:+.2f}%  per text " +
-              " ".join(f"{w:+.1f}" for w in worst) + f"  ({time.time() - t0:.0f}s)", flush=True)
+              " ".join(f"{w:+.1f}" for w in worst) + f"  ({time.time() - t0:.0f}s)"
+              + (f"  kind-balanced KL {results[-1]['kl_kind_balanced']:.3e}" if args.tuning_by_kind else ""),
+              flush=True)
     print(json.dumps({"texts": [n for n, _ in data], "results": results}))
 
 

@@ -7,7 +7,7 @@ non-uniform scalar grid (KVQuant-style levels). An optional per-row scale (the r
 before the lookup and multiplied back after. Codebooks are per model (layer, KV head, sub-vector), not per
 token: their bytes are stated apart from the bytes per token. Below them, transform coding in a calibrated,
 metric-whitened basis: fixed-rate levels (:func:`fit_transform`) and entropy-coded uniform steps under a byte budget
-a block (:func:`fit_transform_ec`, :func:`ec_quantise`; rANS by constriction).
+a block (:func:`fit_transform_ec`, :func:`ec_quantise`; rANS by ``kvledger.runtime.kv_entropy``'s native coder).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from kvledger.runtime import kv_entropy as ke
 
 
 def pair_order(dim: int, d: int) -> torch.Tensor:
@@ -295,21 +297,22 @@ def transform_bytes(layers: int, heads: int, dim: int, max_bits: int = 8) -> int
 # At ~4.6 bits a coefficient a fixed-rate scalar grid (the k-means levels above) loses to a uniform step whose
 # symbols are entropy-coded: for a Gaussian coefficient the error at equal rate is pi e / 6 against sqrt(3) pi / 2
 # times sigma^2 4^-R (1.9x), for a Laplacian more. A block (16 rows of one head) is its symbols coded by a real
-# rANS coder (constriction's AnsCoder) under a static per-coefficient model (Gaussian or Laplacian, fitted on
-# calibration rows) and one byte naming its step, the smallest of :data:`STEP_CODES` steps whose coded size fits
-# the block's bytes: a fixed number of bytes a block, as a paged store needs. One step for every coefficient is
-# what the whitened basis asks (equal error per coefficient is the least squared error at a given rate); a
-# coefficient much smaller than the step codes as 0 at almost no bits, so the water-filling happens by itself.
+# rANS coder (``kvledger.runtime.kv_entropy``: native, 16-bit words) under a static per-coefficient model (Gaussian
+# or Laplacian, fitted on calibration rows) and one byte naming its step, the smallest of :data:`STEP_CODES` steps
+# whose coded size fits the block's bytes: a fixed number of bytes a block, as a paged store needs. One step for
+# every coefficient is what the whitened basis asks (equal error per coefficient is the least squared error at a
+# given rate); a coefficient much smaller than the step codes as 0 at almost no bits, so the water-filling happens
+# by itself.
 
-STEP_CODES = 256  # the block's step: base * 2 ** ((code - 128) / 8), one byte
+STEP_CODES = ke.STEP_CODES  # the block's step: base * 2 ** ((code - 128) / 8), one byte
 STEP_BYTES = 1
 # An adaptive block (``adapt``) also names, in one more byte, a multiplier of every coefficient's deviation in the
 # coder's model, so a block whose coefficients are spread wider or narrower than the calibration rows' (another kind
 # of text) is coded under a model that fits it: the multiplier with the smallest modelled step is kept.
 MODEL_SCALES = 2.0 ** ((torch.arange(8, dtype=torch.float64) - 3) / 2)
-# what the coder adds to the modelled bits (its final state; measured ~4.7 B a block): the search's first guess
+# what the coder adds to the modelled bits (its final state): where a modelled search needs it
 FLUSH_BYTES = 4
-SYMBOL_RANGE = 2 ** 15  # symbols lie in [-SYMBOL_RANGE, SYMBOL_RANGE - 1] (clamped), the coder's alphabet
+SYMBOL_RANGE = ke.SYMBOL_MAX  # symbols lie in [-SYMBOL_RANGE, SYMBOL_RANGE - 1] (clamped), the coder's alphabet
 MIN_PROB = 2.0 ** -24  # a symbol's least modelled probability (the coder's leaky floor is of this order)
 
 
@@ -353,7 +356,7 @@ def transform_ec_bytes(layers: int, heads: int, dim: int) -> int:
 
 def step_of(base: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     """The step a block's byte ``code`` names: ``base * 2 ** ((code - 128) / 8)``."""
-    return base * 2.0 ** ((code.double() - STEP_CODES // 2) / 8)
+    return base * ke.step_rel(code)
 
 
 def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int = 16) -> dict:
@@ -382,111 +385,50 @@ def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int
             "base": hi, "nbytes": nbytes, "bs": bs}
 
 
-def _coder_params(f: dict, step: float, rows: int, scale: float = 1.0):
-    """Per family (Laplacian, Gaussian): the columns it codes and the scales constriction takes, in symbols."""
-    import numpy as np
-
-    sig = (f["sigma"].double() * scale / step).numpy()
-    lap = f["laplace"].numpy()
-    out = []
-    for is_lap, width in ((True, sig / math.sqrt(2)), (False, sig)):
-        cols = np.nonzero(lap == is_lap)[0]
-        out.append((is_lap, cols, np.ascontiguousarray(np.repeat(width[cols][None], rows, 0).ravel()).clip(1e-6)))
-    return out
-
-
-def _coder_model(is_lap: bool):
-    import constriction
-
-    m = constriction.stream.model
-    return (m.QuantizedLaplace if is_lap else m.QuantizedGaussian)(-SYMBOL_RANGE, SYMBOL_RANGE - 1)
-
-
-def ec_encode(k: torch.Tensor, f: dict, step: float, scale: float = 1.0):
-    """A block's symbols ``k [R, D]`` (integers in the coder's range) -> rANS words (``uint32``), coded under
-    ``f``'s per-coefficient models (their deviations times ``scale``) at ``step``."""
-    import constriction
-    import numpy as np
-
-    enc = constriction.stream.stack.AnsCoder()
-    kn = k.numpy().astype(np.int32)
-    for is_lap, cols, width in _coder_params(f, step, k.shape[0], scale):
-        if len(cols):
-            sym = np.ascontiguousarray(kn[:, cols].ravel())
-            enc.encode_reverse(sym, _coder_model(is_lap), np.zeros_like(width), width)
-    return enc.get_compressed()
-
-
-def ec_decode(words, f: dict, step: float, rows: int, scale: float = 1.0) -> torch.Tensor:
-    """:func:`ec_encode`'s inverse: ``rows`` rows of symbols ``[rows, D]`` (int64)."""
-    import constriction
-    import numpy as np
-
-    dec = constriction.stream.stack.AnsCoder(words)
-    k = np.zeros((rows, f["sigma"].numel()), dtype=np.int64)
-    # a stack: the family coded last comes out first
-    for is_lap, cols, width in reversed(_coder_params(f, step, rows, scale)):
-        if len(cols):
-            k[:, cols] = dec.decode(_coder_model(is_lap), np.zeros_like(width), width).reshape(rows, len(cols))
-    return torch.from_numpy(k)
-
-
 def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``x [N, D]`` through :func:`fit_transform_ec`'s code: per block of ``bs`` rows (the last may be short)
-    the smallest step whose coded block (header plus rANS words) fits ``nbytes`` a row: the modelled bits pick a
-    first step, then the real coder's size moves it up until the block fits and down while the next smaller step
-    fits too (a coded size not monotone in the step could hide a smaller one further down; not searched). The header
-    is the step's byte and, where ``adapt``, a byte naming the model's deviation multiplier (:data:`MODEL_SCALES`;
-    the one whose modelled step is smallest, then whose modelled bits are fewest). Returns the decoded rows, each
-    block's step code ``[B]``, multiplier code ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and
-    bytes ``[B]`` (header and words). A block that fits at no step keeps the largest (its bytes then exceed the
-    budget; the returned bytes say so)."""
+    the smallest step whose coded block (header plus the coder's 16-bit words, ``kvledger.runtime.kv_entropy``)
+    fits ``nbytes`` a row, found on the real coded sizes. The header is the step's byte and, where ``adapt``, a
+    byte naming the model's deviation multiplier (:data:`MODEL_SCALES`; the one whose modelled step is smallest,
+    then whose modelled bits are fewest). Returns the decoded rows, each block's step code ``[B]``, multiplier code
+    ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and bytes ``[B]`` (header and words). A block
+    that fits at no step keeps the largest (its bytes then exceed the budget; the returned bytes say so)."""
     n, bs = x.shape[0], f["bs"]
     header = STEP_BYTES + (1 if adapt else 0)
     unit = int((MODEL_SCALES == 1).nonzero()[0])
-    scales = MODEL_SCALES if adapt else MODEL_SCALES[unit:unit + 1]
-    y = (x.double() - f["mu"].double()) @ f["T"].double()
     rows = block_rows(n, bs)
     nblocks = len(rows)
-    pad = nblocks * bs - n
-    yb = torch.cat((y, torch.zeros(pad, y.shape[1], dtype=y.dtype))).view(-1, bs, y.shape[1])
-    live = (torch.arange(nblocks * bs) < n).view(-1, bs, 1)
+    y = (x.double() - f["mu"].double()) @ f["T"].double()
+    yb = torch.cat((y, torch.zeros(nblocks * bs - n, y.shape[1], dtype=y.dtype))).view(-1, bs, y.shape[1])
     budget = rows * f["nbytes"]  # bytes a block
-    sig = f["sigma"].double()[None] * scales[:, None]  # [S, D]
+    scale_code = model_scale_codes(yb, rows, f, budget - header) if adapt else torch.full((nblocks,), unit)
+    base = float(f["base"])
+    deviation = f["sigma"].double()[None] * MODEL_SCALES[scale_code][:, None] / base  # in base steps
+    code, nwords, _ = ke.fit_blocks(yb / base, rows, ke.class_of(deviation), f["laplace"], (budget - header) // 2)
+    k = ke.symbols(yb / base, code).double()
+    q = (k * step_of(f["base"], code.long())[:, None, None]).reshape(-1, y.shape[1])[:n]
+    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code.long(), scale_code, header + 2 * nwords.long()
 
-    def symbols(code):
-        step = step_of(f["base"], code)[..., None, None]
-        return to_symbols(yb, step), step
+
+def model_scale_codes(yb: torch.Tensor, rows: torch.Tensor, f: dict, budget: torch.Tensor) -> torch.Tensor:
+    """Per block of ``yb [B, bs, D]`` (coefficients; rows past ``rows[b]`` ignored) the :data:`MODEL_SCALES` code
+    whose modelled bits fit ``budget[b]`` bytes (less the coder's state) at the smallest step, then in the fewest
+    bits: the model that fits the block's spread."""
+    nblocks, bs = yb.shape[0], yb.shape[1]
+    live = (torch.arange(bs)[None] < rows[:, None])[..., None]
+    sig = f["sigma"].double()[None] * MODEL_SCALES[:, None]  # [S, D]
 
     def modelled(code):  # code [S, B] -> modelled bits [S, B]
-        k, step = symbols(code)
+        step = step_of(f["base"], code)[..., None, None]
+        k = to_symbols(yb, step)
         return (symbol_bits(k, step, sig[:, None, None, :], f["laplace"]) * live).sum((-2, -1))
 
-    lo = torch.zeros(len(scales), nblocks, dtype=torch.long)  # the modelled answer lies in [lo, hi]
-    hi = torch.full((len(scales), nblocks), STEP_CODES - 1, dtype=torch.long)
+    lo = torch.zeros(len(MODEL_SCALES), nblocks, dtype=torch.long)  # the modelled answer lies in [lo, hi]
+    hi = torch.full((len(MODEL_SCALES), nblocks), STEP_CODES - 1, dtype=torch.long)
     while bool((lo < hi).any()):
         mid = (lo + hi) // 2
-        fits = modelled(mid) <= (budget - header - FLUSH_BYTES) * 8
+        fits = modelled(mid) <= (budget - FLUSH_BYTES) * 8
         hi = torch.where(fits & (lo < hi), mid, hi)
         lo = torch.where(~fits & (lo < hi), mid + 1, lo)
-    pick = (lo * 2 ** 40 + modelled(lo).round().long()).argmin(0)  # the smallest step, then the fewest bits
-    code, used = lo[pick, torch.arange(nblocks)], torch.zeros(nblocks, dtype=torch.long)
-    scale_code = pick if adapt else torch.full_like(pick, unit)
-
-    def real(b, c):
-        step = float(step_of(f["base"], torch.tensor([c]))[0])
-        k = to_symbols(yb[b, :int(rows[b])], step).long()
-        return header + 4 * len(ec_encode(k, f, step, float(MODEL_SCALES[scale_code[b]])))
-
-    for b in range(nblocks):  # the real coder's size decides: up until it fits, down while the next one fits
-        c, size = int(code[b]), real(b, int(code[b]))
-        while size > budget[b] and c < STEP_CODES - 1:
-            c += 1
-            size = real(b, c)
-        while c > 0 and size <= budget[b] and (smaller := real(b, c - 1)) <= budget[b]:
-            c, size = c - 1, smaller
-        code[b], used[b] = c, size
-    k, step = symbols(code)
-    q = (k * step).reshape(-1, y.shape[1])[:n]
-    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code, scale_code, used
+    return (lo * 2 ** 40 + modelled(lo).round().long()).argmin(0)  # the smallest step, then the fewest bits

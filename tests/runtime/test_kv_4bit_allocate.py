@@ -122,3 +122,28 @@ def test_the_screen_reads_its_shape_from_the_model(screen):
     Attn.head_dim = 128
     with pytest.raises(SystemExit, match="head dim 64"):
         screen.Shape.of(Model())
+
+
+def test_kind_balanced_kl_weighs_each_kind_the_same(screen):
+    import torch
+
+    names = ["prose:a", "prose:b", "code:a", "chat:a"]
+    kls = [torch.tensor([1.0, 1.0]), torch.tensor([4.0]), torch.tensor([2.0, 2.0, 2.0, 2.0]), torch.tensor([0.0])]
+    # prose: (1 + 1 + 4) / 3 = 2 over its three positions; code 2; chat 0 -> (2 + 2 + 0) / 3
+    assert screen.kind_balanced_kl(names, kls) == pytest.approx(4 / 3)
+
+
+class _Tok:
+    """Token ids of a text: one per 4 characters (the calibration's structure, not real ids)."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Enc", (), {"input_ids": list(range(len(text) // 4))})()
+
+
+def test_calibrations_nest_and_add_one_prose_and_one_code_text_per_step(screen):
+    if not (screen.PEERS / "workload.json").exists():
+        pytest.skip("the peer workload (../shared/peers) is not here")
+    narrow, kinds, wide = (screen.calibration_texts(_Tok(), c) for c in ("narrow", "kinds", "wide"))
+    assert len(narrow) == 8 and len(kinds) == 10 and len(wide) == 16
+    assert kinds[2:] == narrow and wide[8:] == narrow  # the narrow texts last, in their order (cache keys)
+    assert kinds[:2] == [wide[0], wide[4]]  # the first licence and the first module

@@ -34,6 +34,7 @@
 
 #include "kvledger_bf16.h"
 #include "kvledger_helper_pool.h"
+#include "kv_rans.h"
 
 namespace {
 
@@ -1459,6 +1460,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("residual_add"), py::arg("weight"), py::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place", py::arg("x"), py::arg("cos"), py::arg("sin"));
   m.def("silu_mul", &silu_mul, "SwiGLU: silu(gate) * up", py::arg("out"), py::arg("gate_up"), py::arg("inter"));
+  m.def("ec_fit_blocks", &kvl_rans::ec_fit_blocks,
+        "entropy-coded KV blocks: per block the smallest step code whose rANS words fit its budget",
+        py::arg("y"), py::arg("rows"), py::arg("class0"), py::arg("family"), py::arg("cdf"), py::arg("lut"),
+        py::arg("nsym"), py::arg("shift"), py::arg("budget"), py::arg("codes"), py::arg("nwords"), py::arg("words"));
+  m.def("ec_encode_blocks", &kvl_rans::ec_encode_blocks, "entropy-coded KV blocks: their words at given step codes",
+        py::arg("y"), py::arg("rows"), py::arg("class0"), py::arg("family"), py::arg("cdf"), py::arg("lut"),
+        py::arg("nsym"), py::arg("shift"), py::arg("codes"), py::arg("nwords"), py::arg("words"));
+  m.def("ec_decode_blocks", &kvl_rans::ec_decode_blocks, "entropy-coded KV blocks: their symbols",
+        py::arg("words"), py::arg("nwords"), py::arg("codes"), py::arg("rows"), py::arg("class0"), py::arg("family"),
+        py::arg("cdf"), py::arg("lut"), py::arg("nsym"), py::arg("shift"), py::arg("k"));
   py::class_<kvl_pool::SplitLinear>(m, "SplitLinear",
                                     "a linear layer cut by output columns, run on the caller and one helper thread")
       .def(py::init<std::vector<at::Tensor>, std::vector<c10::optional<at::Tensor>>, std::vector<int64_t>>(),

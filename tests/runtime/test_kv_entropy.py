@@ -190,3 +190,5 @@ def test_corrupt_and_non_finite_blocks_are_refused():
     y[0, 0, 0] = float("nan")
     with pytest.raises(ConfigError, match="finite"):
         ke.fit_blocks(y, rows, c0, lap, torch.full((2,), 263, dtype=torch.int32))
+    with pytest.raises(ConfigError, match="finite"):
+        ke.encode_blocks(y, rows, c0, lap, codes, cap=263)

@@ -97,6 +97,14 @@ def class_of(deviation: torch.Tensor) -> torch.Tensor:
             - LOG2_MIN * CLASSES_PER_OCTAVE).round().to(torch.int32)
 
 
+def _coefficients(y: torch.Tensor) -> torch.Tensor:
+    """``y`` as the coder reads it (float64, contiguous); a non-finite value has no symbol."""
+    y = y.double().contiguous()
+    if not bool(torch.isfinite(y).all()):
+        raise ConfigError("entropy coding needs finite coefficients")
+    return y
+
+
 def _native():
     from . import native
 
@@ -109,9 +117,7 @@ def fit_blocks(y: torch.Tensor, rows: torch.Tensor, class0: torch.Tensor, laplac
     at code 128 ``class0 [N, D]`` and family ``laplace [D]``: per block the smallest step code whose words fit
     ``budget_words[b]`` (16-bit words, the 2 state words included). Returns ``codes [N]``, ``nwords [N]`` (over the
     budget only where no code fits: then code 255) and ``words [N, max budget]`` (int32 holding uint16)."""
-    y = y.double().contiguous()
-    if not bool(torch.isfinite(y).all()):
-        raise ConfigError("entropy coding needs finite coefficients")
+    y = _coefficients(y)
     n = y.shape[0]
     tb = tables()
     budget = budget_words.to(torch.int32).contiguous()
@@ -129,9 +135,7 @@ def encode_blocks(y: torch.Tensor, rows: torch.Tensor, class0: torch.Tensor, lap
                   codes: torch.Tensor, cap: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks' words at the given step ``codes`` (as :func:`fit_blocks` codes them): ``nwords [N]`` and
     ``words [N, cap]`` (a block over ``cap`` words has only its count)."""
-    y = y.double().contiguous()
-    if not bool(torch.isfinite(y).all()):
-        raise ConfigError("entropy coding needs finite coefficients")
+    y = _coefficients(y)
     tb = tables()
     nwords = torch.empty(y.shape[0], dtype=torch.int32)
     words = torch.zeros(y.shape[0], cap, dtype=torch.int32)

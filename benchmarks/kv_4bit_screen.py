@@ -15,6 +15,7 @@ time) and the best per-layer mix of those grids within ``--ratio`` (:func:`alloc
 Results and what they say: docs/kv_formats.md, "Screened since".
 
 ``--more-tuning`` adds the 6 ``tune`` peer prompts nothing else uses, for choices the 6 tuning texts leave open.
+``--slack W`` leaves W of each entropy-coded block's 16-bit words unused: a draw a few bytes from the budget.
 Entropy-coded schemes (``pklte{NN}``, ``klte{NN}``) code each block with a real rANS coder (the native one of
 ``kvledger.runtime.kv_entropy``): their bytes are the coder's, not a model's. ``--tuning-by-kind`` scores two tuning
 texts of each kind the contract scores instead (prose, code, chat; :func:`texts_by_kind`), ``--calibration kinds``
@@ -284,7 +285,8 @@ def quantiser(name, slot, shape=None):
         if tr["ec"]:
             def fe(layer, x, ctx):
                 fits = ctx["codebooks"](source, 0, nbytes, False, "klte")[layer]
-                out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"])) for h, fh in enumerate(fits)]
+                out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"]), ctx.get("slack", 0))
+                       for h, fh in enumerate(fits)]
                 rows = cbq.block_rows(x.shape[0], fits[0]["bs"])
                 over = sum(int((o[3] > fh["nbytes"] * rows).sum()) for o, fh in zip(out, fits, strict=True))
                 if over:
@@ -670,9 +672,14 @@ def main():
                     help="score the tuning texts and 6 more tune peer prompts (20, 21, 24, 25, 28, 29)")
     ap.add_argument("--tuning-by-kind", action="store_true",
                     help="score two tuning texts of each kind the contract scores (prose, code, chat) instead")
+    ap.add_argument("--slack", type=int, default=0, metavar="WORDS",
+                    help="entropy-coded blocks leave this many 16-bit words unused (0-16): a draw a few bytes from "
+                         "the budget, to see how far a figure moves with the rate")
     ap.add_argument("--contract-texts", action="store_true",
                     help="score kvledger quality's texts at its contexts (an indication, fake-quantised) instead")
     args = ap.parse_args()
+    if not 0 <= args.slack <= 16:
+        ap.error("--slack must be in [0, 16] words")
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
@@ -682,7 +689,7 @@ def main():
     shape = Shape.of(model)
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
     ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale,
-           "codebooks": codebook_source(model, tok, args.calibration)}
+           "codebooks": codebook_source(model, tok, args.calibration), "slack": args.slack}
     data = (held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts
             else texts_by_kind(tok) if args.tuning_by_kind else texts(tok, args.more_tuning))
     bases = [forward(model, ids) for _, ids in data]
@@ -716,7 +723,8 @@ def main():
                         "ratio": bpt and round(shape.token_bytes("bf16") / bpt, 3),
                         "sink_bytes_per_sequence": shape.token_bytes("bf16") * sink,
                         "codebook_bytes_per_model": model_bytes, "kl": kl, "ppl_pooled_pct": ppl,
-                        "ppl_per_text_pct": worst, "kl_per_text": [k.mean().item() for k in kls]})
+                        "ppl_per_text_pct": worst, "kl_per_text": [k.mean().item() for k in kls],
+                        "slack_words": args.slack})
         if args.tuning_by_kind:
             results[-1]["kl_kind_balanced"] = kind_balanced_kl([n for n, _ in data], kls)
         print(f"{scheme:28s} B/token {bpt}  KL {kl:.3e}  ppl pooled {ppl:+.2f}%  per text " +

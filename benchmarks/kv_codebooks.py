@@ -385,7 +385,7 @@ def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int
             "base": hi, "nbytes": nbytes, "bs": bs}
 
 
-def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
+def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False, slack_words: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``x [N, D]`` through :func:`fit_transform_ec`'s code: per block of ``bs`` rows (the last may be short)
     the smallest step whose coded block (header plus the coder's 16-bit words, ``kvledger.runtime.kv_entropy``)
@@ -393,7 +393,8 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
     byte naming the model's deviation multiplier (:data:`MODEL_SCALES`; the one whose modelled step is smallest,
     then whose modelled bits are fewest). Returns the decoded rows, each block's step code ``[B]``, multiplier code
     ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and bytes ``[B]`` (header and words). A block
-    that fits at no step keeps the largest (its bytes then exceed the budget; the returned bytes say so)."""
+    that fits at no step keeps the largest (its bytes then exceed the budget; the returned bytes say so).
+    ``slack_words`` leaves that many of a block's 16-bit words unused: a draw a few bytes from the budget."""
     n, bs = x.shape[0], f["bs"]
     header = STEP_BYTES + (1 if adapt else 0)
     unit = int((MODEL_SCALES == 1).nonzero()[0])
@@ -405,7 +406,8 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False
     scale_code = model_scale_codes(yb, rows, f, budget - header) if adapt else torch.full((nblocks,), unit)
     base = float(f["base"])
     deviation = f["sigma"].double()[None] * MODEL_SCALES[scale_code][:, None] / base  # in base steps
-    code, nwords, _ = ke.fit_blocks(yb / base, rows, ke.class_of(deviation), f["laplace"], (budget - header) // 2)
+    code, nwords, _ = ke.fit_blocks(yb / base, rows, ke.class_of(deviation), f["laplace"],
+                                    (budget - header) // 2 - slack_words)
     k = ke.symbols(yb / base, code).double()
     q = (k * step_of(f["base"], code.long())[:, None, None]).reshape(-1, y.shape[1])[:n]
     return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code.long(), scale_code, header + 2 * nwords.long()

@@ -376,3 +376,14 @@ def test_block_rows_symbols_and_model_bytes():
     assert cbq.to_symbols(y[:3], 0.5).tolist() == [1, 1, -3]
     # SmolLM2: 90 layer-heads of T, Ti, mean and deviations (fp16), a model byte a coefficient, a 4-byte base
     assert cbq.transform_ec_bytes(30, 3, 64) == 90 * ((2 * 64 * 64 + 128) * 2 + 64 + 4) == 1_503_720
+
+
+@needs_coder
+def test_ec_slack_leaves_words_unused_and_coarsens_no_block_less():
+    x, _, f = _ec_fit(nbytes=4)
+    held = x[1024:1024 + 16 * 8]
+    _, code0, _, used0 = cbq.ec_quantise(held, f)
+    _, code3, _, used3 = cbq.ec_quantise(held, f, slack_words=3)
+    words = (16 * 4 - 1) // 2  # a block's words: 64 bytes less the step's byte, 2 bytes a word
+    assert (used3 <= 1 + 2 * (words - 3)).all() and (used0 > 1 + 2 * (words - 3)).any()
+    assert (code3 >= code0).all() and (code3 > code0).any()

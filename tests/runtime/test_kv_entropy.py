@@ -192,3 +192,11 @@ def test_corrupt_and_non_finite_blocks_are_refused():
         ke.fit_blocks(y, rows, c0, lap, torch.full((2,), 263, dtype=torch.int32))
     with pytest.raises(ConfigError, match="finite"):
         ke.encode_blocks(y, rows, c0, lap, codes, cap=263)
+
+
+def test_the_kernels_and_the_tables_agree_on_the_format_or_the_coder_refuses(monkeypatch):
+    assert dict(native.load().EC_CONSTANTS) == ke.FORMAT
+    monkeypatch.setitem(ke.FORMAT, "codes_per_octave", 4)  # as if the tables were built for another step spacing
+    y, sig, lap = _blocks(n=1)
+    with pytest.raises(ConfigError, match="rebuild"):
+        ke.fit_blocks(y, torch.tensor([16]), _class0(sig, 1), lap, torch.tensor([263]))

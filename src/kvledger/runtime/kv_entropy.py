@@ -33,12 +33,17 @@ MAX_SYMBOLS = 256  # a table's symbols, its escape included
 STEP_CODES = 256
 CENTRE_CODE = STEP_CODES // 2
 SYMBOL_MAX = 2 ** 15  # symbols are clamped to [-SYMBOL_MAX, SYMBOL_MAX - 1]
+LUT_BITS = 8  # a decoder's first guess per table: one entry per 2 ** (PROB_BITS - LUT_BITS) slots
+# What the kernels must agree on (csrc/kv_rans.h exports its own as EC_CONSTANTS; :func:`_native` compares them).
+FORMAT = {"prob_bits": PROB_BITS, "step_codes": STEP_CODES, "codes_per_octave": CLASSES_PER_OCTAVE,
+          "symbol_max": SYMBOL_MAX, "lut_bits": LUT_BITS}
 
 
 @dataclass(frozen=True, slots=True)
 class Tables:
-    """``cdf [2 * CLASSES, MAX_SYMBOLS + 1]`` int32 (Gaussian tables first), ``lut [2 * CLASSES, 256]`` (the symbol
-    whose interval holds slot ``j << (PROB_BITS - 8)``: a decoder's first guess), ``nsym`` and ``shift``."""
+    """``cdf [2 * CLASSES, MAX_SYMBOLS + 1]`` int32 (Gaussian tables first), ``lut [2 * CLASSES, 2 ** LUT_BITS]``
+    (the symbol whose interval holds slot ``j << (PROB_BITS - LUT_BITS)``: a decoder's first guess), ``nsym`` and
+    ``shift``."""
 
     cdf: torch.Tensor
     lut: torch.Tensor
@@ -85,7 +90,8 @@ def tables() -> Tables:
             t = fam * CLASSES + c
             cdf[t, :len(row)] = torch.tensor(row, dtype=torch.int32)
             nsym[t], shift[t] = len(row) - 1, sh
-    slots = (torch.arange(256, dtype=torch.int32) << (PROB_BITS - 8)).expand(2 * CLASSES, -1).contiguous()
+    slots = (torch.arange(2 ** LUT_BITS, dtype=torch.int32) << (PROB_BITS - LUT_BITS)).expand(2 * CLASSES, -1)
+    slots = slots.contiguous()
     lut = (torch.searchsorted(cdf, slots, right=True) - 1).to(torch.int32)
     return Tables(cdf, lut, nsym, shift)
 
@@ -108,7 +114,12 @@ def _coefficients(y: torch.Tensor) -> torch.Tensor:
 def _native():
     from . import native
 
-    return native.require()
+    module = native.require()
+    theirs = dict(getattr(module, "EC_CONSTANTS", {}))
+    if theirs != FORMAT:
+        raise ConfigError(f"the native entropy coder's constants {theirs} differ from kv_entropy's {FORMAT}: rebuild "
+                          "the kernels (make install)")
+    return module
 
 
 def fit_blocks(y: torch.Tensor, rows: torch.Tensor, class0: torch.Tensor, laplace: torch.Tensor,

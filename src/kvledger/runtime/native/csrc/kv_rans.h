@@ -37,6 +37,8 @@ constexpr uint32_t kLow = 1u << 16;  // the state lives in [kLow, 2^32)
 constexpr int kStepCodes = 256;
 constexpr int kSymbolMax = 1 << 15;  // |k| <= kSymbolMax (symbols are clamped to [-kSymbolMax, kSymbolMax - 1])
 constexpr int kLutBits = 8;  // a decoder's first guess of a symbol: the top 8 bits of its slot
+constexpr int kCodesPerOctave = 8;  // step codes an octave apart; a code is one model class (kv_entropy.py agrees:
+                                    // it checks these constants against its own when it loads the kernels)
 
 struct Tables {
   const int32_t* cdf;    // [T, width]: cdf[t][0] = 0 ... cdf[t][nsym[t]] = kProbScale
@@ -236,7 +238,7 @@ inline BlockArgs check_coded(const at::Tensor& blocks, at::ScalarType dtype, con
 struct StepTable {  // a code's step in base steps
   double at[kStepCodes];
   StepTable() {
-    for (int c = 0; c < kStepCodes; ++c) at[c] = std::exp2((c - kStepCodes / 2) / 8.0);
+    for (int c = 0; c < kStepCodes; ++c) at[c] = std::exp2((c - kStepCodes / 2) / double(kCodesPerOctave));
   }
 };
 

@@ -1487,5 +1487,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("HAS_BF16_DOTS") = false;
 #endif
+  py::dict ec;  // the entropy coder's format constants, for kv_entropy.py to check against its own
+  ec["prob_bits"] = kvl_rans::kProbBits;
+  ec["step_codes"] = kvl_rans::kStepCodes;
+  ec["codes_per_octave"] = kvl_rans::kCodesPerOctave;
+  ec["symbol_max"] = kvl_rans::kSymbolMax;
+  ec["lut_bits"] = kvl_rans::kLutBits;
+  m.attr("EC_CONSTANTS") = ec;
   m.attr("ABI_VERSION") = 2;
 }

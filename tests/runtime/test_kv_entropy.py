@@ -194,6 +194,29 @@ def test_corrupt_and_non_finite_blocks_are_refused():
         ke.encode_blocks(y, rows, c0, lap, codes, cap=263)
 
 
+def test_a_slot_decodes_without_its_count_and_its_padding_must_be_zero():
+    y, sig, lap = _blocks(n=3, seed=6)
+    rows = torch.tensor([16, 16, 9], dtype=torch.int32)
+    c0 = _class0(sig, 3)
+    codes, nw, words = ke.fit_blocks(y, rows, c0, lap, torch.full((3,), 263, dtype=torch.int32))
+    assert bool((nw < 263).all())  # room for padding in every block
+    slot = torch.zeros(3, 300, dtype=torch.int32)  # the words, then zeros: what a fixed slot holds
+    for b in range(3):
+        slot[b, :nw[b]] = words[b, :nw[b]]
+    counted = ke.decode_blocks(words, nw, codes, rows, c0, lap, 16)
+    padded = ke.decode_blocks(slot, torch.zeros(3, dtype=torch.int32), codes, rows, c0, lap, 16)
+    assert torch.equal(padded, counted)
+    for b in range(3):
+        bad = slot.clone()
+        bad[b, int(nw[b]) + 5] = 1  # a padding word that is not zero
+        with pytest.raises(RuntimeError, match="corrupt"):
+            ke.decode_blocks(bad, torch.zeros(3, dtype=torch.int32), codes, rows, c0, lap, 16)
+    bad = slot.clone()
+    bad[1, 3] ^= 0x0100  # a used word
+    with pytest.raises(RuntimeError):
+        ke.decode_blocks(bad, torch.zeros(3, dtype=torch.int32), codes, rows, c0, lap, 16)
+
+
 def test_the_kernels_and_the_tables_agree_on_the_format_or_the_coder_refuses(monkeypatch):
     assert dict(native.load().EC_CONSTANTS) == ke.FORMAT
     monkeypatch.setitem(ke.FORMAT, "codes_per_octave", 4)  # as if the tables were built for another step spacing

@@ -159,7 +159,9 @@ def encode_blocks(y: torch.Tensor, rows: torch.Tensor, class0: torch.Tensor, lap
 def decode_blocks(words: torch.Tensor, nwords: torch.Tensor, codes: torch.Tensor, rows: torch.Tensor,
                   class0: torch.Tensor, laplace: torch.Tensor, max_rows: int) -> torch.Tensor:
     """:func:`fit_blocks`'s inverse: the symbols ``[N, max_rows, D]`` (int32; rows past ``rows[b]`` are 0). A block
-    whose words do not decode to exactly their count is an error (:class:`RuntimeError`)."""
+    whose words do not decode to exactly their count is an error (:class:`RuntimeError`). A count of 0 reads a
+    block kept in a fixed slot of ``words.shape[1]`` words without its count: the words it does not read must be
+    zero (the slot's padding), or it is an error too."""
     tb = tables()
     k = torch.empty(words.shape[0], max_rows, class0.shape[1], dtype=torch.int32)
     _native().ec_decode_blocks(words.to(torch.int32).contiguous(), nwords.to(torch.int32).contiguous(),

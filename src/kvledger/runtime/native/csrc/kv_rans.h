@@ -10,6 +10,8 @@
 //
 // Words: [state >> 16, state & 0xffff, then what the encoder emitted, last first]; the decoder reads forward
 // and must end on the initial state with every word read (a corrupt block is an error, never a wrong answer).
+// A block kept in a fixed slot may be decoded without its count (nwords 0): the slot's words past the ones read
+// must then be zero, the padding a slot is written with.
 //
 // Rate control: a block's step is base * 2^((code - 128) / 8), code a byte; each code down is one class up for
 // every coefficient (the deviation in steps grows by 2^(1/8)). ec_fit_blocks picks, per block, the smallest code
@@ -119,6 +121,12 @@ class Decoder {
     return lo;
   }
   bool clean() const { return x_ == kLow && pos_ == n_; }
+  bool clean_padded() const {  // the initial state, and only zero words left: a slot's padding
+    if (x_ != kLow) return false;
+    for (int64_t p = pos_; p < n_; ++p)
+      if (in_[p]) return false;
+    return true;
+  }
 
  private:
   const uint16_t* in_;
@@ -157,7 +165,7 @@ inline int64_t encode_block(const int32_t* k, int64_t rows, int64_t dim, const i
 }
 
 inline void decode_block(const uint16_t* in, int64_t n, int64_t rows, int64_t dim, const int32_t* tid,
-                         const Tables& tb, int32_t* k) {
+                         const Tables& tb, int32_t* k, bool padded = false) {
   Decoder dec(in, n);
   for (int64_t i = 0; i < rows * dim; ++i) {
     const int t = tid[i % dim];
@@ -173,7 +181,8 @@ inline void decode_block(const uint16_t* in, int64_t n, int64_t rows, int64_t di
     const bool neg = m && dec.raw(1);
     k[i] = neg ? -static_cast<int32_t>(m) : static_cast<int32_t>(m);
   }
-  if (!dec.clean()) throw std::runtime_error("rANS block: does not end on the initial state (corrupt block)");
+  if (!(padded ? dec.clean_padded() : dec.clean()))
+    throw std::runtime_error("rANS block: does not end on the initial state (corrupt block)");
 }
 
 inline Tables tables_of(const at::Tensor& cdf, const at::Tensor& lut, const at::Tensor& nsym,
@@ -351,18 +360,20 @@ inline void ec_decode_blocks(const at::Tensor& words, const at::Tensor& nwords, 
     std::vector<uint16_t> buf(cap);
     std::vector<int32_t> tid(a.dim);
     for (int64_t b = lo_b; b < hi_b; ++b) {
-      if (np[b] < 2 || np[b] > cap || cp[b] < 0 || cp[b] >= kStepCodes) {
+      const bool padded = np[b] == 0;  // a slot: every word of the cap, the unread ones zero
+      const int64_t n = padded ? cap : np[b];
+      if (n < 2 || n > cap || cp[b] < 0 || cp[b] >= kStepCodes) {
 #pragma omp critical
         error = "block " + std::to_string(b) + ": word count or step code out of range";
         continue;
       }
-      for (int64_t i = 0; i < np[b]; ++i) buf[i] = static_cast<uint16_t>(wp[b * cap + i]);
+      for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<uint16_t>(wp[b * cap + i]);
       for (int64_t c = 0; c < a.dim; ++c)
         tid[c] = table_of(tb, fam[c], c0[b * a.dim + c] - (cp[b] - kStepCodes / 2));
       int32_t* out = kp + b * a.rmax * a.dim;
       std::fill(out, out + a.rmax * a.dim, 0);
       try {
-        decode_block(buf.data(), np[b], rp[b], a.dim, tid.data(), tb, out);
+        decode_block(buf.data(), n, rp[b], a.dim, tid.data(), tb, out, padded);
       } catch (const std::exception& e) {
 #pragma omp critical
         error = "block " + std::to_string(b) + ": " + e.what();

@@ -2,8 +2,9 @@
 fake-quantised K/V (every position attends to the quantised rows, as the store's prefill does) against the
 fp32-KV forward. Tuning texts only (never the contract's texts or held-out prompts): the first 512 tokens of
 Python's ``textwrap.py`` and of the Apache-2.0 licence, and 4 ``tune`` peer prompts with their 128 reference
-ids. A scheme is ``KEYS/VALUES[/sinkN|/xsinkN]`` (quantiser names: :data:`QUANT`; ``sinkN`` keeps the first N
-tokens' K and V at bf16, ``xsinkN`` also leaves them out of block 0's per-channel ranges); each prints its KL,
+ids. A scheme is ``KEYS/VALUES[/sinkN|/xsinkN|/isinkN]`` (quantiser names: :data:`QUANT`; ``sinkN`` keeps the first N
+tokens' K and V at bf16, ``xsinkN`` also leaves them out of block 0's per-channel ranges, ``isinkN`` keeps them in
+block 0's own bytes, entropy-coded schemes only); each prints its KL,
 perplexity change and bytes per token (metadata included, :data:`BYTES`), then one JSON line of every figure.
 Codebook schemes (:data:`CODEBOOK`, :data:`BLOCK_ALLOC`, :data:`TRANSFORM`) learn their levels on
 :func:`calibration_texts`, apart from every scored text; their per-model codebook bytes are reported apart from the
@@ -19,7 +20,11 @@ Results and what they say: docs/kv_formats.md, "Screened since".
 Entropy-coded schemes (``pklte{NN}``, ``klte{NN}``) code each block with a real rANS coder (the native one of
 ``kvledger.runtime.kv_entropy``): their bytes are the coder's, not a model's. ``--tuning-by-kind`` scores two tuning
 texts of each kind the contract scores instead (prose, code, chat; :func:`texts_by_kind`), ``--calibration kinds``
-fits on prose, code and chat in about equal shares (:func:`calibration_texts`).
+fits on prose, code and chat in about equal shares (:func:`calibration_texts`). A trailing ``r`` (``pklte33r``)
+gives every layer-head of a side one whitened step (``cbq.fit_transforms_ec_shared``: each its own bytes a row, the
+side's budget on average); ``w`` weighs each layer's step by what its error costs (the KL a unit of whitened noise
+costs, measured layer by layer on the calibration texts and cached); ``j`` (both sides) pools the two budgets under
+one weighted step, so the split between keys and values is the allocation's too.
 
 Usage: python benchmarks/kv_4bit_screen.py [--schemes kivi4/tok4h/sink1,pklte33/klte40/sink1,ppq2x8/none] [--threads 2]
        python benchmarks/kv_4bit_screen.py --per-layer k:kivi4,k:tok4h,v:tok4h,v:tok3h [--ratio 3.5]
@@ -260,7 +265,10 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 # ``[p]klte{NN}``: the same basis, entropy-coded (``cbq.fit_transform_ec``): one uniform step a 16-row block (a byte
 # naming it), the symbols range-coded under a static per-coefficient model, NN bytes a row a block, overhead included.
 # A trailing ``a`` (``pklte33a``): each block also names a multiplier of the model's deviations (one more byte).
-TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)(?P<adapt>a?)$")
+# Before it, ``r``: one whitened step for every layer-head of the side, each its own bytes a row (NN on average);
+# ``w``: that step weighed per layer by the measured KL a unit of its whitened error costs; ``j``: both sides' budgets
+# pooled under one weighted step.
+TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)(?P<shared>[rwj]?)(?P<adapt>a?)$")
 
 
 def quantiser_bytes(name, slot):
@@ -281,14 +289,21 @@ def quantiser(name, slot, shape=None):
     m, ba, tr = CODEBOOK.match(name), BLOCK_ALLOC.match(name), TRANSFORM.match(name)
     if tr is not None:
         nbytes, pre = int(tr["nbytes"]), bool(tr["pre"]) and slot == "k"
+        if tr["shared"] and not tr["ec"]:
+            raise ValueError(f"{name}: a shared step (r, w) is for the entropy-coded transforms (klte) only")
         source = "kpre" if pre else slot
         if tr["ec"]:
             def fe(layer, x, ctx):
-                fits = ctx["codebooks"](source, 0, nbytes, False, "klte")[layer]
-                out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"]), ctx.get("slack", 0))
+                if tr["shared"] == "j":  # the scheme's two budgets, pooled: ctx["split"] is (key, value) bytes
+                    fits = ctx["codebooks"]("kv", 0, ctx["split"], False, "kltj")[source][layer]
+                else:
+                    fits = ctx["codebooks"](source, 0, nbytes, False,
+                                            {"r": "kltr", "w": "kltw"}.get(tr["shared"], "klte"))[layer]
+                out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"]), ctx.get("slack", 0), ctx.get("held", 0))
                        for h, fh in enumerate(fits)]
                 rows = cbq.block_rows(x.shape[0], fits[0]["bs"])
-                over = sum(int((o[3] > fh["nbytes"] * rows).sum()) for o, fh in zip(out, fits, strict=True))
+                over = sum(int((o[3] > cbq.block_budget(rows, fh["nbytes"])).sum())
+                           for o, fh in zip(out, fits, strict=True))
                 if over:
                     print(f"  {name} layer {layer}: {over} blocks over budget", flush=True)
                 return torch.stack([o[0] for o in out], 1)
@@ -393,11 +408,55 @@ def codebook_source(model, tok, calibration="narrow"):
         moment = "qqpre" if source == "kpre" else "qq"
         return sum(t[li][moment] for t in taps) / sum(len(t[li]["k"]) for t in taps)
 
+    # The sensitivities are keyed on the calibration ids alone, not on the quantisers' source as the fits are: every
+    # edit of kv_codebooks.py would re-measure them (12 minutes a side here). Delete them from the cache when the
+    # uniform fits or the measurement itself change.
+    sens_tag = hashlib.sha256(json.dumps(calib).encode() + b"sensitivity-v1").hexdigest()[:12]
+
+    def sensitivities(source):
+        """:func:`measure_sensitivities` at the uniform fit of ``SENSITIVITY_BYTES[source]`` (a unit of whitened error
+        costs about the same at nearby budgets: one measurement serves every budget), cached."""
+        bits = SENSITIVITY_BYTES[source]
+        path = CODEBOOK_CACHE / f"sens_{source}_{bits}_{sens_tag}.pt"
+        if not path.exists():
+            CODEBOOK_CACHE.mkdir(exist_ok=True)
+            torch.save(measure_sensitivities(source, get(source, 0, bits, False, "klte")), path)
+        return torch.load(path)
+
+    def measure_sensitivities(source, fits):
+        """Per layer-head, the KL a unit of whitened error costs: each layer's rows (that side only, the first row
+        kept exact as ``sink1``) get Gaussian noise in the whitened basis of ``fits`` (each head's coefficients a
+        deviation of its step over sqrt 12, what its quantiser leaves), and the mean KL on the first 512 tokens of
+        the first four calibration texts is divided by the noise's power; a layer's heads share its figure."""
+        sens = [(ids[:512], forward(model, ids[:512])) for ids in calib[:4]]
+        out = []
+        for li, fl in enumerate(fits):
+            def noisy(layer, x, ctx, fl=fl, li=li):
+                return whitened_noise(x, fl, torch.Generator().manual_seed(1000 + li))
+            noisy.pre_rope = source == "kpre"
+            pick = (noisy, q_none) if source != "v" else (q_none, noisy)
+            kl = torch.cat([kl_and_ppl(base, forward(model, ids, None, None, {}, sink=1, per_layer={li: pick}),
+                                       ids)[0] for ids, base in sens]).mean().item()
+            power = sum(float(fh["base"]) ** 2 / 12 * len(fh["sigma"]) for fh in fl)
+            out += [max(kl, 1e-12) / power] * len(fl)
+            print(f"  {source} layer {li:2d}: KL {kl:.2e} at whitened noise power {power:.3e}", flush=True)
+        return out
+
+    def head_rows(source):
+        """Every KV head's calibration rows ``[N, D]`` and error metric ``[D, D]`` of one side, layer by layer."""
+        xs, metrics = [], []
+        for li in range(len(taps[0])):
+            x, metric = torch.cat([t[li][source] for t in taps]), metric_of(li, source)
+            xs += [x[:, h] for h in range(x.shape[1])]
+            metrics += [metric[h] for h in range(x.shape[1])]
+        return xs, metrics
+
     def get(source, d, bits, scaled, alloc=False):
         key = (source, d, bits, scaled, alloc)
         if key not in memo:
-            kind = {"klt": "t", "klte": "te"}.get(alloc, "a" if alloc else "")
-            path = CODEBOOK_CACHE / f"{source}_{d}x{bits}{kind}{'s' if scaled else ''}_{tag}.pt"
+            kind = {"klt": "t", "klte": "te", "kltr": "tr", "kltw": "tw", "kltj": "tj"}.get(alloc, "a" if alloc else "")
+            label = "+".join(map(str, bits)) if isinstance(bits, tuple) else bits
+            path = CODEBOOK_CACHE / f"{source}_{d}x{label}{kind}{'s' if scaled else ''}_{tag}.pt"
             if path.exists():
                 memo[key] = torch.load(path)
             else:
@@ -425,6 +484,24 @@ def codebook_source(model, tok, calibration="narrow"):
                     print(f"  {source} klte{bits}: Laplacian coefficients "
                           f"{int(sum(f['laplace'].sum() for fl in memo[key] for f in fl))} of "
                           f"{sum(len(f['laplace']) for fl in memo[key] for f in fl)}", flush=True)
+                elif alloc in ("kltr", "kltw"):  # entropy-coded transforms, one step shared by every layer-head
+                    weights = sensitivities(source) if alloc == "kltw" else None
+                    fl = cbq.fit_transforms_ec_shared(*head_rows(source), bits, weights=weights)
+                    heads = len(fl) // len(taps[0])
+                    memo[key] = [fl[li * heads:(li + 1) * heads] for li in range(len(taps[0]))]
+                    print(f"  {source} klte{bits}{alloc[-1]}: bytes a row by layer " + " ".join(
+                        f"{sum(f['nbytes'] for f in fs) / heads:.1f}" for fs in memo[key]), flush=True)
+                elif alloc == "kltj":  # keys and values under one weighted step: bits is (key bytes, value bytes)
+                    (kx, km), (vx, vm) = head_rows("kpre"), head_rows("v")
+                    fl = cbq.fit_transforms_ec_shared(kx + vx, km + vm, sum(bits) / 2,
+                                                      weights=sensitivities("kpre") + sensitivities("v"))
+                    nl = len(taps[0])
+                    heads = len(fl) // (2 * nl)
+                    memo[key] = {side: [fl[(si * nl + li) * heads:(si * nl + li + 1) * heads] for li in range(nl)]
+                                 for si, side in enumerate(("kpre", "v"))}
+                    for side, fs in memo[key].items():
+                        print(f"  {side} joint {'+'.join(map(str, bits))}: bytes a row by layer " + " ".join(
+                            f"{sum(f['nbytes'] for f in fh) / heads:.1f}" for fh in fs), flush=True)
                 elif alloc == "block":  # (bits, mean, bytes a row used) per layer
                     memo[key] = []
                     for li in range(len(taps[0])):
@@ -451,7 +528,20 @@ def codebook_source(model, tok, calibration="narrow"):
     return get
 
 
+def whitened_noise(x, fits, generator):
+    """Rows ``x [N, H, D]`` plus Gaussian noise in each head's whitened basis (``fits[h]``'s ``Ti``): every
+    coefficient gets a deviation of the head's base step over sqrt 12, the error a uniform quantiser of that step
+    leaves, so the noise costs ``D * base ** 2 / 12`` a row in what an error costs."""
+    out = x.clone()
+    for h, fh in enumerate(fits):
+        e = torch.randn(x.shape[0], x.shape[2], generator=generator, dtype=torch.float64)
+        e = e * (float(fh["base"]) / 12 ** 0.5)
+        out[:, h] += (e @ fh["Ti"].double()).to(x.dtype)
+    return out
+
+
 TAP_KEYS = 8  # key positions sampled per query for the pre-RoPE key metric
+SENSITIVITY_BYTES = {"kpre": 33, "v": 40, "k": 33}  # the uniform fits the layers' sensitivities are measured at
 
 
 def rope(x, cos, sin):
@@ -704,9 +794,17 @@ def main():
         parts = scheme.split("/")
         kname, vname = parts[0], parts[1]
         fk, fv = quantiser(kname, "k", shape), quantiser(vname, "v", shape)
+        if kname.endswith("j") != vname.endswith("j"):
+            raise SystemExit(f"{scheme}: a joint budget (j) names both sides")
+        ctx["split"] = (quantiser_bytes(kname, "k"), quantiser_bytes(vname, "v"))
         # sinkN: the first N rows kept bf16; xsinkN: and left out of block 0's per-channel ranges
         sink = int(parts[2].split("sink")[1]) if len(parts) > 2 and "sink" in parts[2] else 0
         exclude = len(parts) > 2 and parts[2].startswith("x")
+        # isinkN: the sink rows live in block 0's own bytes (entropy-coded schemes), no page beside the blocks
+        in_block = len(parts) > 2 and parts[2].startswith("i")
+        if in_block and not all((m := TRANSFORM.match(n)) is not None and m["ec"] for n in (kname, vname)):
+            raise SystemExit(f"{scheme}: isinkN holds the sink in an entropy-coded block's bytes")
+        ctx["held"] = sink if in_block else 0
         kls, nb, nq, worst = [], [], [], []
         for (_, ids), base in zip(data, bases, strict=True):
             lg = forward(model, ids, fk, fv, ctx, sink, exclude=exclude)
@@ -721,7 +819,7 @@ def main():
         model_bytes = (getattr(fk, "model_bytes", 0) or 0) + (getattr(fv, "model_bytes", 0) or 0)
         results.append({"scheme": scheme, "bytes_per_token": bpt,
                         "ratio": bpt and round(shape.token_bytes("bf16") / bpt, 3),
-                        "sink_bytes_per_sequence": shape.token_bytes("bf16") * sink,
+                        "sink_bytes_per_sequence": 0 if in_block else shape.token_bytes("bf16") * sink,
                         "codebook_bytes_per_model": model_bytes, "kl": kl, "ppl_pooled_pct": ppl,
                         "ppl_per_text_pct": worst, "kl_per_text": [k.mean().item() for k in kls],
                         "slack_words": args.slack})

@@ -17,6 +17,7 @@ import math
 import torch
 
 from kvledger.runtime import kv_entropy as ke
+from kvledger.runtime import kv_transform as kt
 
 
 def pair_order(dim: int, d: int) -> torch.Tensor:
@@ -305,7 +306,7 @@ def transform_bytes(layers: int, heads: int, dim: int, max_bits: int = 8) -> int
 # by itself.
 
 STEP_CODES = ke.STEP_CODES  # the block's step: base * 2 ** ((code - 128) / 8), one byte
-STEP_BYTES = 1
+STEP_BYTES = kt.STEP_BYTES  # a block's step code
 # An adaptive block (``adapt``) also names, in one more byte, a multiplier of every coefficient's deviation in the
 # coder's model, so a block whose coefficients are spread wider or narrower than the calibration rows' (another kind
 # of text) is coded under a model that fits it: the multiplier with the smallest modelled step is kept.
@@ -385,32 +386,108 @@ def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int
             "base": hi, "nbytes": nbytes, "bs": bs}
 
 
-def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False, slack_words: int = 0
+def fit_transforms_ec_shared(xs: list[torch.Tensor], metrics: list[torch.Tensor], nbytes: int, bs: int = 16,
+                             min_bytes: float = 0.75, weights: list[float] | None = None) -> list[dict]:
+    """:func:`fit_transform_ec` for many heads at once (every layer's KV heads of one side) under one budget of
+    ``nbytes`` a row on average: every head's base step is the same whitened step, the one at which the heads'
+    calibration rows take the whole budget, and each head's bytes a row (``nbytes`` in its dict, a float; a block
+    gets its rows' share rounded down) are what its own rows take at that step, at least ``min_bytes`` more than
+    a block's header and flush. Equal step in the whitened basis is equal error per coefficient in what the error
+    costs, the least total cost at the total rate; a head whose rows vary little (a first layer's) then codes in
+    fewer bytes and a busy one in more, where equal bytes a head give every head a different step. ``weights``
+    (one a head: what a unit of its whitened error costs downstream, e.g. a measured KL per unit) make the
+    weighted error least instead: head ``h``'s step is the shared one over ``sqrt(weights[h])``."""
+    over = (STEP_BYTES + FLUSH_BYTES) / bs  # a block's header and flush, a row's share
+    w = torch.tensor(weights if weights is not None else [1.0] * len(xs), dtype=torch.float64)
+    if len(w) != len(xs) or not bool((w > 0).all()):
+        raise ValueError("one positive weight a head")
+    rel = (w.log().mean() - w.log()).mul(0.5).exp()  # each head's step over the shared one (geometric mean 1)
+    heads = []
+    for x, metric in zip(xs, metrics, strict=True):
+        mu, t, ti, y = whitened_klt(x, metric)
+        heads.append((mu, t, ti, y, y.std(0).clamp_min(1e-9)))
+
+    def rates(step):  # modelled bits a row of each head, and each coefficient's better model
+        out = []
+        for (*_, y, sigma), r in zip(heads, rel.tolist(), strict=True):
+            st = step * r
+            k = (y / st).round()
+            g = symbol_bits(k, st, sigma, torch.zeros(y.shape[1], dtype=torch.bool)).mean(0)
+            lap = symbol_bits(k, st, sigma, torch.ones(y.shape[1], dtype=torch.bool)).mean(0)
+            out.append((torch.minimum(g, lap).sum().item(), lap < g))
+        return out
+
+    def row_bytes(r):
+        return max(r / 8 + over, over + min_bytes)
+
+    lo = torch.tensor(1e-6, dtype=torch.float64)
+    hi = max(h[4].max() for h in heads) * 16
+    for _ in range(50):  # bisect the shared step on the log scale
+        mid = (lo * hi).sqrt()
+        if sum(row_bytes(r) for r, _ in rates(mid)) > nbytes * len(heads):
+            lo = mid
+        else:
+            hi = mid
+    return [{"mu": mu.float(), "T": t.float(), "Ti": ti.float(), "sigma": sigma, "laplace": laplace,
+             "base": hi * rh, "nbytes": row_bytes(r), "bs": bs}
+            for (mu, t, ti, _, sigma), (r, laplace), rh in zip(heads, rates(hi), rel, strict=True)]
+
+
+block_budget = kt.block_bytes  # bytes of a block of ``rows`` rows at ``nbytes`` a row, rounded down
+
+
+def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False, slack_words: int = 0, held: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``x [N, D]`` through :func:`fit_transform_ec`'s code: per block of ``bs`` rows (the last may be short)
     the smallest step whose coded block (header plus the coder's 16-bit words, ``kvledger.runtime.kv_entropy``)
     fits ``nbytes`` a row, found on the real coded sizes. The header is the step's byte and, where ``adapt``, a
     byte naming the model's deviation multiplier (:data:`MODEL_SCALES`; the one whose modelled step is smallest,
     then whose modelled bits are fewest). Returns the decoded rows, each block's step code ``[B]``, multiplier code
-    ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and bytes ``[B]`` (header and words). A block
-    that fits at no step keeps the largest (its bytes then exceed the budget; the returned bytes say so).
-    ``slack_words`` leaves that many of a block's 16-bit words unused: a draw a few bytes from the budget."""
-    n, bs = x.shape[0], f["bs"]
-    header = STEP_BYTES + (1 if adapt else 0)
+    ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and bytes ``[B]`` (header, held rows and
+    words). Without ``adapt`` the blocks are the runtime's slots (``kvledger.runtime.kv_transform.SideCode``), written
+    and read back, and a block that fits at no step is an error; an ``adapt`` block that fits at none keeps the
+    largest (its bytes then exceed the budget; the returned bytes say so). ``slack_words`` leaves that many of a
+    block's 16-bit words unused: a draw a few bytes from the budget. ``held`` first rows (a sequence's first
+    tokens, kept at bf16) are not coded: block 0 holds them at bf16 in its own bytes (``2 D`` a row) and codes its
+    other rows in the rest, so they cost no page beside the blocks."""
+    n, bs, d = x.shape[0], f["bs"], x.shape[1]
+    if not 0 <= held < min(bs, n):
+        raise ValueError(f"held rows {held} must leave block 0 a row to code")
     unit = int((MODEL_SCALES == 1).nonzero()[0])
-    rows = block_rows(n, bs)
+    full = block_rows(n, bs)  # each block's rows, held ones included: what its bytes are
+    if not adapt:  # the runtime's slots (kvledger.runtime.kv_transform), written and read back
+        code = kt.SideCode.from_heads([[f]], bs)
+        xb = torch.cat((x, torch.zeros(len(full) * bs - n, d, dtype=x.dtype))).view(-1, bs, d)
+        parts = [(slice(0, 1), held), (slice(1, None), 0)] if held else [(slice(None), 0)]
+        out = []
+        for sl, h in parts:
+            if len(full[sl]):
+                slots, codes, used = code.encode(0, 0, xb[sl], full[sl], held=h, spare_words=slack_words)
+                out.append((code.decode(0, 0, slots, full[sl], held=h), codes, used))
+        xq = torch.cat([o[0] for o in out]).reshape(-1, d)[:n]
+        codes = torch.cat([o[1] for o in out])
+        return xq.to(x.dtype), codes, torch.full((len(full),), unit), torch.cat([o[2] for o in out])
+    header = STEP_BYTES + 1
+    rows = full.clone()
+    rows[0] -= held
     nblocks = len(rows)
     y = (x.double() - f["mu"].double()) @ f["T"].double()
-    yb = torch.cat((y, torch.zeros(nblocks * bs - n, y.shape[1], dtype=y.dtype))).view(-1, bs, y.shape[1])
-    budget = rows * f["nbytes"]  # bytes a block
-    scale_code = model_scale_codes(yb, rows, f, budget - header) if adapt else torch.full((nblocks,), unit)
+    pad = torch.zeros(nblocks * bs - n + held, d, dtype=y.dtype)
+    # block 0's coded rows first in their block (the coder reads a block's first rows), the rest padded after
+    yb = torch.cat((y[held:int(full[0])], pad[:held], y[int(full[0]):], pad[held:])).view(-1, bs, d)
+    budget = block_budget(full, f["nbytes"])  # bytes a block
+    budget[0] -= held * d * 2
+    scale_code = model_scale_codes(yb, rows, f, budget - header)
     base = float(f["base"])
     deviation = f["sigma"].double()[None] * MODEL_SCALES[scale_code][:, None] / base  # in base steps
     code, nwords, _ = ke.fit_blocks(yb / base, rows, ke.class_of(deviation), f["laplace"],
                                     (budget - header) // 2 - slack_words)
     k = ke.symbols(yb / base, code).double()
-    q = (k * step_of(f["base"], code.long())[:, None, None]).reshape(-1, y.shape[1])[:n]
-    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code.long(), scale_code, header + 2 * nwords.long()
+    qb = k * step_of(f["base"], code.long())[:, None, None]
+    q = torch.cat((y[:held], qb[0, :int(rows[0])], qb[1:].reshape(-1, d)))[:n]
+    used = header + 2 * nwords.long()
+    used[0] += held * d * 2  # the held rows' bytes, as the slots count them
+    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code.long(), scale_code, used
 
 
 def model_scale_codes(yb: torch.Tensor, rows: torch.Tensor, f: dict, budget: torch.Tensor) -> torch.Tensor:

@@ -147,3 +147,28 @@ def test_calibrations_nest_and_add_one_prose_and_one_code_text_per_step(screen):
     assert len(narrow) == 8 and len(kinds) == 10 and len(wide) == 16
     assert kinds[2:] == narrow and wide[8:] == narrow  # the narrow texts last, in their order (cache keys)
     assert kinds[:2] == [wide[0], wide[4]]  # the first licence and the first module
+
+
+def test_shared_step_quantisers_parse_and_refuse_the_fixed_rate_transform(screen):
+    for tail in ("r", "w", "j"):
+        k, v = screen.quantiser(f"pklte33{tail}", "k"), screen.quantiser(f"klte40{tail}", "v")
+        assert (k.pre_rope, k.bytes, v.pre_rope, v.bytes) == (True, 33, False, 40)  # the average a row
+    with pytest.raises(ValueError, match="entropy-coded"):
+        screen.quantiser("klt37w", "k")
+
+
+def test_whitened_noise_has_a_uniform_quantisers_power_in_what_an_error_costs(screen):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    d, n = 8, 20000
+    fits = []
+    for h in range(2):
+        t = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))[0] * (1 + h)  # whitening * turn
+        fits.append({"T": t, "Ti": torch.linalg.inv(t), "base": torch.tensor(0.3 * (1 + h), dtype=torch.float64)})
+    x = torch.randn(n, 2, d, generator=g)
+    out = screen.whitened_noise(x, fits, torch.Generator().manual_seed(1))
+    for h, f in enumerate(fits):
+        y = (out[:, h] - x[:, h]).double() @ f["T"]  # the noise in the head's whitened coefficients
+        assert y.std(0).tolist() == pytest.approx([float(f["base"]) / 12 ** 0.5] * d, rel=0.03)
+        assert y.mean(0).abs().max().item() < 0.01

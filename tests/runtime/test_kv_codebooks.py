@@ -387,3 +387,87 @@ def test_ec_slack_leaves_words_unused_and_coarsens_no_block_less():
     words = (16 * 4 - 1) // 2  # a block's words: 64 bytes less the step's byte, 2 bytes a word
     assert (used3 <= 1 + 2 * (words - 3)).all() and (used0 > 1 + 2 * (words - 3)).any()
     assert (code3 >= code0).all() and (code3 > code0).any()
+
+
+def _heads(spreads, n=1024, seed=3):
+    """Heads of correlated rows, head ``h`` spread ``spreads[h]`` times the first's, under one metric."""
+    x, m = _correlated_rows(n=n, seed=seed), _metric()
+    mu = x.mean(0)
+    return [mu + (x - mu) * s for s in spreads], [m] * len(spreads)
+
+
+def _modelled_bytes(x, m, f):
+    """A head's modelled bytes a row at its base step (each coefficient under its fitted model), plus a block's
+    header and flush a row."""
+    y = (x - f["mu"].double()) @ f["T"].double()
+    bits = cbq.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
+    return bits.item() / 8 + (cbq.STEP_BYTES + cbq.FLUSH_BYTES) / 16
+
+
+def test_shared_step_spends_the_budget_where_the_rows_vary_and_equal_steps_everywhere():
+    xs, ms = _heads([1.0, 4.0, 16.0])
+    fl = cbq.fit_transforms_ec_shared(xs, ms, 4)
+    # one step for every head, and each head's bytes what its rows take at it: the budget in all
+    assert [float(f["base"]) for f in fl] == pytest.approx([float(fl[0]["base"])] * 3, rel=1e-12)
+    assert sum(f["nbytes"] for f in fl) == pytest.approx(3 * 4, rel=1e-3)
+    for x, m, f in zip(xs, ms, fl, strict=True):
+        assert f["nbytes"] == pytest.approx(_modelled_bytes(x, m, f), rel=1e-4)  # T, mu kept at fp32
+    # a head spread 4x wider takes 2 bits more a coefficient (8 coefficients: 2 bytes a row), give or take
+    # the coefficients near the step
+    assert fl[0]["nbytes"] < fl[1]["nbytes"] < fl[2]["nbytes"]
+    assert fl[2]["nbytes"] - fl[1]["nbytes"] == pytest.approx(2.0, abs=0.35)
+
+
+def test_weights_set_each_heads_step_and_a_quiet_head_keeps_its_floor():
+    xs, ms = _heads([1.0, 1.0, 1e-6])
+    fl = cbq.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 16.0, 1.0], min_bytes=0.5)
+    # the weighted step is shared: a head whose error costs 16x gets a step 4x finer, and 2 bits more a coefficient
+    steps = [float(f["base"]) * w ** 0.5 for f, w in zip(fl, (1.0, 16.0, 1.0), strict=True)]
+    assert steps == pytest.approx([steps[0]] * 3, rel=1e-12)
+    assert fl[1]["nbytes"] - fl[0]["nbytes"] == pytest.approx(2.0, abs=0.35)
+    # rows that barely vary code in a block's header, flush and the floor
+    assert fl[2]["nbytes"] == pytest.approx((cbq.STEP_BYTES + cbq.FLUSH_BYTES) / 16 + 0.5)
+    assert sum(f["nbytes"] for f in fl) == pytest.approx(12, rel=1e-3)
+    with pytest.raises(ValueError, match="positive weight"):
+        cbq.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 0.0, 1.0])
+    with pytest.raises(ValueError, match="positive weight"):
+        cbq.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 1.0])
+
+
+def test_block_budget_rounds_a_heads_share_down():
+    assert cbq.block_budget(torch.tensor([16, 16, 7]), 4).tolist() == [64, 64, 28]
+    assert cbq.block_budget(torch.tensor([16, 7]), 2.53).tolist() == [40, 17]  # 40.48 and 17.71, down
+    assert cbq.block_budget(torch.tensor([16]), 36.6875).tolist() == [587]  # exact products stay exact
+
+
+@needs_coder
+def test_ec_quantise_keeps_a_fractional_share_within_its_bytes():
+    xs, ms = _heads([1.0, 3.0], n=2048)
+    fl = cbq.fit_transforms_ec_shared([x[:1024] for x in xs], ms, 4)
+    for x, f in zip(xs, fl, strict=True):
+        assert f["nbytes"] != int(f["nbytes"])
+        held = x[1024:1024 + 16 * 6 + 5]
+        _, _, _, used = cbq.ec_quantise(held, f)
+        budget = cbq.block_budget(cbq.block_rows(len(held), 16), f["nbytes"])
+        assert (used <= budget).all() and (used >= budget - 2).all()  # a word short at most: the words are 2 bytes
+
+
+@needs_coder
+def test_ec_held_rows_take_their_bytes_from_block_zero_and_come_back_as_given():
+    x, _, f = _ec_fit(nbytes=6)
+    held_rows = x[1024:1024 + 16 * 3 + 5]
+    xq0, code0, _, used0 = cbq.ec_quantise(held_rows, f)
+    xq, code, _, used = cbq.ec_quantise(held_rows, f, held=2)
+    d = held_rows.shape[1]
+    # block 0 holds 2 rows at bf16 and codes 14 in the rest of its 96 bytes: a coarser step than with all 16 coded
+    assert used[0] <= 16 * 6 and used0[0] <= 16 * 6 and code[0] > code0[0]
+    assert torch.equal(code[1:], code0[1:]) and torch.equal(used[1:], used0[1:])  # the others unchanged
+    assert torch.equal(xq[:2], held_rows[:2].bfloat16().to(xq.dtype))  # the held rows, at bf16
+    assert d == 8
+    assert torch.allclose(xq[16:], xq0[16:])
+    y = (held_rows - f["mu"].double()) @ f["T"].double()
+    yq = (xq - f["mu"].double()) @ f["T"].double()
+    step = float(cbq.step_of(f["base"], code[:1])[0])
+    assert ((y[2:16] - yq[2:16]).abs() <= step / 2 + 1e-4 * step).all()  # block 0's coded rows on its step's grid
+    with pytest.raises(ValueError, match="held rows"):
+        cbq.ec_quantise(held_rows, f, held=16)

@@ -20,9 +20,9 @@ Results and what they say: docs/kv_formats.md, "Screened since".
 Entropy-coded schemes (``pklte{NN}``, ``klte{NN}``) code each block with a real rANS coder (the native one of
 ``kvledger.runtime.kv_entropy``): their bytes are the coder's, not a model's. ``--tuning-by-kind`` scores two tuning
 texts of each kind the contract scores instead (prose, code, chat; :func:`texts_by_kind`), ``--calibration kinds``
-fits on prose, code and chat in about equal shares (:func:`calibration_texts`). A trailing ``r`` (``pklte33r``)
-gives every layer-head of a side one whitened step (``cbq.fit_transforms_ec_shared``: each its own bytes a row, the
-side's budget on average); ``w`` weighs each layer's step by what its error costs (the KL a unit of whitened noise
+fits on prose, code and chat in about equal shares (:func:`calibration_texts`). A trailing ``r`` (``pklte33r``) gives
+every layer-head of a side one whitened step (``kv_transform_fit.fit_transforms_ec_shared``: each its own bytes a row,
+the side's budget on average); ``w`` weighs each layer's step by what its error costs (the KL a unit of whitened noise
 costs, measured layer by layer on the calibration texts and cached); ``j`` (both sides) pools the two budgets under
 one weighted step, so the split between keys and values is the allocation's too.
 
@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from kvledger.core.sizing.kv_formats import get_kv_format
+from kvledger.runtime import kv_transform_fit as ktf
 from kvledger.runtime.kv_smoothing import for_model
 from kvledger.runtime.loading import load_decoder, resolve_model
 
@@ -262,8 +263,9 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 # water-filled over the coefficients, static k-means levels: no per-token or per-block metadata.
 # ``pklt{NN}``: the same on pre-RoPE keys (RoPE applied to the decoded key), whitened by what a pre-RoPE key error
 # costs: the second moment of ``R_n^T q_m`` (a query turned back to the key's position n <= m, sampled).
-# ``[p]klte{NN}``: the same basis, entropy-coded (``cbq.fit_transform_ec``): one uniform step a 16-row block (a byte
-# naming it), the symbols range-coded under a static per-coefficient model, NN bytes a row a block, overhead included.
+# ``[p]klte{NN}``: the same basis, entropy-coded (``kv_transform_fit.fit_transform_ec``): one uniform step a 16-row
+# block (a byte naming it), the symbols range-coded under a static per-coefficient model, NN bytes a row a block,
+# overhead included.
 # A trailing ``a`` (``pklte33a``): each block also names a multiplier of the model's deviations (one more byte).
 # Before it, ``r``: one whitened step for every layer-head of the side, each its own bytes a row (NN on average);
 # ``w``: that step weighed per layer by the measured KL a unit of its whitened error costs; ``j``: both sides' budgets
@@ -480,20 +482,20 @@ def codebook_source(model, tok, calibration="narrow"):
                     for li in range(len(taps[0])):
                         x = torch.cat([t[li][source] for t in taps])
                         metric = metric_of(li, source)
-                        memo[key].append([cbq.fit_transform_ec(x[:, h], metric[h], bits) for h in range(x.shape[1])])
+                        memo[key].append([ktf.fit_transform_ec(x[:, h], metric[h], bits) for h in range(x.shape[1])])
                     print(f"  {source} klte{bits}: Laplacian coefficients "
                           f"{int(sum(f['laplace'].sum() for fl in memo[key] for f in fl))} of "
                           f"{sum(len(f['laplace']) for fl in memo[key] for f in fl)}", flush=True)
                 elif alloc in ("kltr", "kltw"):  # entropy-coded transforms, one step shared by every layer-head
                     weights = sensitivities(source) if alloc == "kltw" else None
-                    fl = cbq.fit_transforms_ec_shared(*head_rows(source), bits, weights=weights)
+                    fl = ktf.fit_transforms_ec_shared(*head_rows(source), bits, weights=weights)
                     heads = len(fl) // len(taps[0])
                     memo[key] = [fl[li * heads:(li + 1) * heads] for li in range(len(taps[0]))]
                     print(f"  {source} klte{bits}{alloc[-1]}: bytes a row by layer " + " ".join(
                         f"{sum(f['nbytes'] for f in fs) / heads:.1f}" for fs in memo[key]), flush=True)
                 elif alloc == "kltj":  # keys and values under one weighted step: bits is (key bytes, value bytes)
                     (kx, km), (vx, vm) = head_rows("kpre"), head_rows("v")
-                    fl = cbq.fit_transforms_ec_shared(kx + vx, km + vm, sum(bits) / 2,
+                    fl = ktf.fit_transforms_ec_shared(kx + vx, km + vm, sum(bits) / 2,
                                                       weights=sensitivities("kpre") + sensitivities("v"))
                     nl = len(taps[0])
                     heads = len(fl) // (2 * nl)

@@ -7,17 +7,17 @@ non-uniform scalar grid (KVQuant-style levels). An optional per-row scale (the r
 before the lookup and multiplied back after. Codebooks are per model (layer, KV head, sub-vector), not per
 token: their bytes are stated apart from the bytes per token. Below them, transform coding in a calibrated,
 metric-whitened basis: fixed-rate levels (:func:`fit_transform`) and entropy-coded uniform steps under a byte budget
-a block (:func:`fit_transform_ec`, :func:`ec_quantise`; rANS by ``kvledger.runtime.kv_entropy``'s native coder).
+a block (fitted by ``kvledger.runtime.kv_transform_fit``, coded by :func:`ec_quantise` into the runtime's slots,
+``kvledger.runtime.kv_transform``; rANS by ``kvledger.runtime.kv_entropy``'s native coder).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from kvledger.runtime import kv_entropy as ke
 from kvledger.runtime import kv_transform as kt
+from kvledger.runtime.kv_transform_fit import FLUSH_BYTES, symbol_bits, whitened_klt
 
 
 def pair_order(dim: int, d: int) -> torch.Tensor:
@@ -231,27 +231,6 @@ def block_allocated(x: torch.Tensor, bits: torch.Tensor, mean: torch.Tensor, bs:
 
 # ---- transform coding: a calibrated, metric-whitened KLT with water-filled bits and static levels ----
 
-def metric_root(metric: torch.Tensor, floor: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M^1/2, M^-1/2)`` of a symmetric positive semi-definite ``metric [D, D]`` (float64), its eigenvalues
-    floored at ``floor`` times the largest so the inverse stays finite."""
-    e, v = torch.linalg.eigh(metric.double())
-    e = e.clamp_min(e.max() * floor)
-    return (v * e.sqrt()) @ v.T, (v * e.rsqrt()) @ v.T
-
-
-def whitened_klt(x: torch.Tensor, metric: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """One head's rows ``x [N, D]`` centred on their mean, whitened by ``M^1/2`` and turned onto the whitened rows'
-    principal axes: ``(mu, T, Ti, y)`` in float64 with ``y = (x - mu) T`` (uncorrelated coefficients) and ``x = y Ti
-    + mu``."""
-    x = x.double()
-    mu = x.mean(0)
-    w, wi = metric_root(metric)
-    z = (x - mu) @ w
-    _, u = torch.linalg.eigh(z.T @ z / len(z))
-    t, ti = w @ u, u.T @ wi
-    return mu, t, ti, (x - mu) @ t
-
-
 def fit_transform(x: torch.Tensor, metric: torch.Tensor, total_bits: int, iters: int = 12, max_bits: int = 8,
                   max_rows: int = 8192) -> dict:
     """Transform coding of one head's rows ``x [N, D]`` under the error metric ``metric [D, D]`` (what an error
@@ -295,15 +274,10 @@ def transform_bytes(layers: int, heads: int, dim: int, max_bits: int = 8) -> int
 
 
 # ---- entropy-coded transform coding: the same basis, one uniform step a block under a byte budget ----
-# At ~4.6 bits a coefficient a fixed-rate scalar grid (the k-means levels above) loses to a uniform step whose
-# symbols are entropy-coded: for a Gaussian coefficient the error at equal rate is pi e / 6 against sqrt(3) pi / 2
-# times sigma^2 4^-R (1.9x), for a Laplacian more. A block (16 rows of one head) is its symbols coded by a real
-# rANS coder (``kvledger.runtime.kv_entropy``: native, 16-bit words) under a static per-coefficient model (Gaussian
-# or Laplacian, fitted on calibration rows) and one byte naming its step, the smallest of :data:`STEP_CODES` steps
-# whose coded size fits the block's bytes: a fixed number of bytes a block, as a paged store needs. One step for
-# every coefficient is what the whitened basis asks (equal error per coefficient is the least squared error at a
-# given rate); a coefficient much smaller than the step codes as 0 at almost no bits, so the water-filling happens
-# by itself.
+# The fits (basis, models, base step, shared weighted steps) are the runtime's (kvledger.runtime.kv_transform_fit,
+# which says why a uniform step, entropy-coded, beats fixed-rate levels); a block is coded into the runtime's slots
+# (kvledger.runtime.kv_transform): one byte naming its step, the smallest of :data:`STEP_CODES` whose coded words
+# fit the block's bytes, as a paged store needs.
 
 STEP_CODES = ke.STEP_CODES  # the block's step: base * 2 ** ((code - 128) / 8), one byte
 STEP_BYTES = kt.STEP_BYTES  # a block's step code
@@ -311,29 +285,7 @@ STEP_BYTES = kt.STEP_BYTES  # a block's step code
 # coder's model, so a block whose coefficients are spread wider or narrower than the calibration rows' (another kind
 # of text) is coded under a model that fits it: the multiplier with the smallest modelled step is kept.
 MODEL_SCALES = 2.0 ** ((torch.arange(8, dtype=torch.float64) - 3) / 2)
-# what the coder adds to the modelled bits (its final state): where a modelled search needs it
-FLUSH_BYTES = 4
 SYMBOL_RANGE = ke.SYMBOL_MAX  # symbols lie in [-SYMBOL_RANGE, SYMBOL_RANGE - 1] (clamped), the coder's alphabet
-MIN_PROB = 2.0 ** -24  # a symbol's least modelled probability (the coder's leaky floor is of this order)
-
-
-def symbol_bits(k: torch.Tensor, step: torch.Tensor, sigma: torch.Tensor, laplace: torch.Tensor) -> torch.Tensor:
-    """Bits a range coder spends on integer symbols ``k`` (a coefficient quantised to ``k * step``) under a zero-mean
-    Gaussian (or, where ``laplace``, Laplacian) of deviation ``sigma``: ``-log2 P(bin)``, the bin ``step`` wide
-    around ``k * step``, floored at :data:`MIN_PROB`. Broadcasts; float64."""
-    k, step, sigma = k.double().abs(), step.double(), sigma.double().clamp_min(1e-12)
-    # Gaussian: P = Phi((k + 1/2) step / sigma) - Phi((k - 1/2) step / sigma), by erfc for the tails' sake
-    a = ((k - 0.5).clamp_min(0) * step / sigma) / math.sqrt(2)
-    b = ((k + 0.5) * step / sigma) / math.sqrt(2)
-    pg = torch.where(k == 0, torch.special.erf(b), 0.5 * (torch.special.erfc(a) - torch.special.erfc(b)))
-    # Laplacian of scale beta = sigma / sqrt 2: P(0) = 1 - e^(-step / 2 beta), else e^(-(k - 1/2) step / beta) (1 -
-    # e^(-step / beta)) / 2, in logs
-    beta = sigma / math.sqrt(2)
-    lp0 = torch.log(-torch.expm1(-step / (2 * beta)))
-    lpk = math.log(0.5) - (k - 0.5) * step / beta + torch.log(-torch.expm1(-step / beta))
-    lpl = torch.where(k == 0, lp0, lpk)
-    lp = torch.where(laplace, lpl, torch.log(pg.clamp_min(MIN_PROB)))
-    return -lp.clamp_min(math.log(MIN_PROB)) / math.log(2)
 
 
 def block_rows(n: int, bs: int) -> torch.Tensor:
@@ -360,96 +312,23 @@ def step_of(base: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
     return base * ke.step_rel(code)
 
 
-def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int = 16) -> dict:
-    """Entropy-coded transform coding of one head's rows ``x [N, D]``: :func:`fit_transform`'s basis (centred,
-    whitened by ``metric``, turned onto the principal axes), each coefficient's model (Gaussian or Laplacian,
-    whichever codes the calibration coefficients in fewer bits at the base step, with their deviation) and the
-    base step (the one at which the calibration rows' modelled bits fill ``nbytes`` a row less a block's step byte
-    and flush, on average). Returns ``mu``, ``T``, ``Ti``, ``sigma [D]``, ``laplace [D]`` (bool), ``base`` (0-d),
-    ``nbytes`` and ``bs``."""
-    mu, t, ti, y = whitened_klt(x, metric)
-    sigma = y.std(0).clamp_min(1e-9)
-    target = (nbytes - (STEP_BYTES + FLUSH_BYTES) / bs) * 8  # bits a row
-    lo, hi = torch.tensor(1e-6, dtype=torch.float64), sigma.max() * 16
-    laplace = torch.zeros(y.shape[1], dtype=torch.bool)
-    for _ in range(60):  # bisect the base step on the log scale; the model choice follows the step
-        mid = (lo * hi).sqrt()
-        k = (y / mid).round()
-        g = symbol_bits(k, mid, sigma, torch.zeros_like(laplace)).mean(0)
-        lap = symbol_bits(k, mid, sigma, torch.ones_like(laplace)).mean(0)
-        laplace = lap < g
-        if torch.minimum(g, lap).sum() > target:
-            lo = mid
-        else:
-            hi = mid
-    return {"mu": mu.float(), "T": t.float(), "Ti": ti.float(), "sigma": sigma, "laplace": laplace,
-            "base": hi, "nbytes": nbytes, "bs": bs}
-
-
-def fit_transforms_ec_shared(xs: list[torch.Tensor], metrics: list[torch.Tensor], nbytes: int, bs: int = 16,
-                             min_bytes: float = 0.75, weights: list[float] | None = None) -> list[dict]:
-    """:func:`fit_transform_ec` for many heads at once (every layer's KV heads of one side) under one budget of
-    ``nbytes`` a row on average: every head's base step is the same whitened step, the one at which the heads'
-    calibration rows take the whole budget, and each head's bytes a row (``nbytes`` in its dict, a float; a block
-    gets its rows' share rounded down) are what its own rows take at that step, at least ``min_bytes`` more than
-    a block's header and flush. Equal step in the whitened basis is equal error per coefficient in what the error
-    costs, the least total cost at the total rate; a head whose rows vary little (a first layer's) then codes in
-    fewer bytes and a busy one in more, where equal bytes a head give every head a different step. ``weights``
-    (one a head: what a unit of its whitened error costs downstream, e.g. a measured KL per unit) make the
-    weighted error least instead: head ``h``'s step is the shared one over ``sqrt(weights[h])``."""
-    over = (STEP_BYTES + FLUSH_BYTES) / bs  # a block's header and flush, a row's share
-    w = torch.tensor(weights if weights is not None else [1.0] * len(xs), dtype=torch.float64)
-    if len(w) != len(xs) or not bool((w > 0).all()):
-        raise ValueError("one positive weight a head")
-    rel = (w.log().mean() - w.log()).mul(0.5).exp()  # each head's step over the shared one (geometric mean 1)
-    heads = []
-    for x, metric in zip(xs, metrics, strict=True):
-        mu, t, ti, y = whitened_klt(x, metric)
-        heads.append((mu, t, ti, y, y.std(0).clamp_min(1e-9)))
-
-    def rates(step):  # modelled bits a row of each head, and each coefficient's better model
-        out = []
-        for (*_, y, sigma), r in zip(heads, rel.tolist(), strict=True):
-            st = step * r
-            k = (y / st).round()
-            g = symbol_bits(k, st, sigma, torch.zeros(y.shape[1], dtype=torch.bool)).mean(0)
-            lap = symbol_bits(k, st, sigma, torch.ones(y.shape[1], dtype=torch.bool)).mean(0)
-            out.append((torch.minimum(g, lap).sum().item(), lap < g))
-        return out
-
-    def row_bytes(r):
-        return max(r / 8 + over, over + min_bytes)
-
-    lo = torch.tensor(1e-6, dtype=torch.float64)
-    hi = max(h[4].max() for h in heads) * 16
-    for _ in range(50):  # bisect the shared step on the log scale
-        mid = (lo * hi).sqrt()
-        if sum(row_bytes(r) for r, _ in rates(mid)) > nbytes * len(heads):
-            lo = mid
-        else:
-            hi = mid
-    return [{"mu": mu.float(), "T": t.float(), "Ti": ti.float(), "sigma": sigma, "laplace": laplace,
-             "base": hi * rh, "nbytes": row_bytes(r), "bs": bs}
-            for (mu, t, ti, _, sigma), (r, laplace), rh in zip(heads, rates(hi), rel, strict=True)]
-
-
 block_budget = kt.block_bytes  # bytes of a block of ``rows`` rows at ``nbytes`` a row, rounded down
 
 
 def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False, slack_words: int = 0, held: int = 0
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows ``x [N, D]`` through :func:`fit_transform_ec`'s code: per block of ``bs`` rows (the last may be short)
-    the smallest step whose coded block (header plus the coder's 16-bit words, ``kvledger.runtime.kv_entropy``)
-    fits ``nbytes`` a row, found on the real coded sizes. The header is the step's byte and, where ``adapt``, a
-    byte naming the model's deviation multiplier (:data:`MODEL_SCALES`; the one whose modelled step is smallest,
-    then whose modelled bits are fewest). Returns the decoded rows, each block's step code ``[B]``, multiplier code
-    ``[B]`` (0 .. 7; where not ``adapt`` always the multiplier 1's) and bytes ``[B]`` (header, held rows and
-    words). Without ``adapt`` the blocks are the runtime's slots (``kvledger.runtime.kv_transform.SideCode``), written
-    and read back, and a block that fits at no step is an error; an ``adapt`` block that fits at none keeps the
-    largest (its bytes then exceed the budget; the returned bytes say so). ``slack_words`` leaves that many of a
-    block's 16-bit words unused: a draw a few bytes from the budget. ``held`` first rows (a sequence's first
-    tokens, kept at bf16) are not coded: block 0 holds them at bf16 in its own bytes (``2 D`` a row) and codes its
-    other rows in the rest, so they cost no page beside the blocks."""
+    """Rows ``x [N, D]`` through ``kv_transform_fit.fit_transform_ec``'s code: per block of ``bs`` rows (the last may be
+    short) the smallest step whose coded block (header plus the coder's 16-bit words, ``kvledger.runtime.kv_entropy``)
+    fits ``nbytes`` a row, found on the real coded sizes. The header is the step's byte and, where ``adapt``, a byte
+    naming the model's deviation multiplier (:data:`MODEL_SCALES`; the one whose modelled step is smallest, then whose
+    modelled bits are fewest). Returns the decoded rows, each block's step code ``[B]``, multiplier code ``[B]`` (0 ..
+    7; where not ``adapt`` always the multiplier 1's) and bytes ``[B]`` (header, held rows and words). Without ``adapt``
+    the blocks are the runtime's slots (``kvledger.runtime.kv_transform.SideCode``), written and read back, and a block
+    that fits at no step is an error; an ``adapt`` block that fits at none keeps the largest (its bytes then exceed the
+    budget; the returned bytes say so). ``slack_words`` leaves that many of a block's 16-bit words unused: a draw a few
+    bytes from the budget. ``held`` first rows (a sequence's first tokens, kept at bf16) are not coded: block 0 holds
+    them at bf16 in its own bytes (``2 D`` a row) and codes its other rows in the rest, so they cost no page beside the
+    blocks."""
     n, bs, d = x.shape[0], f["bs"], x.shape[1]
     if not 0 <= held < min(bs, n):
         raise ValueError(f"held rows {held} must leave block 0 a row to code")

@@ -14,10 +14,10 @@ import math
 import os
 import time
 
-import kv_codebooks as cbq  # beside this script: the models' bits (symbol_bits)
 import torch
 
 from kvledger.runtime import kv_entropy as ke
+from kvledger.runtime import kv_transform_fit as ktf
 
 ROWS, DIM = 16, 64
 RANGES = ((-5, 4), (-2, 2), (0, 6), (3, 8))  # log2 of the coefficients' deviations, in steps, lowest to highest
@@ -35,7 +35,7 @@ def blocks(n, lo, hi, seed=0):
 
 def ideal_bits(k, sig, lap):
     """-log2 of each integer symbol's bin under its continuous model (step 1), summed per block."""
-    return cbq.symbol_bits(k, torch.tensor(1.0, dtype=torch.float64), sig, lap).sum((1, 2))
+    return ktf.symbol_bits(k, torch.tensor(1.0, dtype=torch.float64), sig, lap).sum((1, 2))
 
 
 def constriction_blocks(k, sig, lap):

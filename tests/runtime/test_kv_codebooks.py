@@ -1,7 +1,9 @@
 """The codebook quantisers the 4-bit KV screen learns (benchmarks/kv_codebooks.py) pinned on hand-made data:
 sub-vector channel order (RoPE pairs), nearest-centroid codes and their range, the deterministic k-means
 start and fixed points worked out by hand, exact round trips where the codebook holds every row, the
-per-row scale, the error bound of a uniform level set, and the byte counts."""
+per-row scale, the error bound of a uniform level set, and the byte counts; and the runtime's fits of the
+transform-coded tables (kvledger.runtime.kv_transform_fit: the whitened basis, the coefficients' models, one step
+shared by many heads) on the same hand-made rows."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 import torch
 
 from kvledger.runtime import kv_entropy as ke
+from kvledger.runtime import kv_transform_fit as ktf
 from kvledger.runtime import native
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "kv_codebooks.py"
@@ -201,12 +204,12 @@ def _metric(d=8, seed=1):
 
 def test_metric_root_squares_and_inverts():
     m = _metric()
-    w, wi = cbq.metric_root(m)
+    w, wi = ktf.metric_root(m)
     assert torch.allclose(w @ w, m, atol=1e-9)
     assert torch.allclose(w @ wi, torch.eye(8, dtype=torch.float64), atol=1e-9)
     assert torch.allclose(w, w.T)
     # a singular metric: the floor keeps the inverse finite
-    _, wi0 = cbq.metric_root(torch.diag(torch.tensor([1.0, 0.0], dtype=torch.float64)))
+    _, wi0 = ktf.metric_root(torch.diag(torch.tensor([1.0, 0.0], dtype=torch.float64)))
     assert torch.isfinite(wi0).all() and wi0[1, 1] == 1e3
 
 
@@ -270,19 +273,19 @@ def test_symbol_bits_by_hand():
     one, s2 = torch.tensor(1.0, dtype=torch.float64), torch.tensor(2.0 ** 0.5, dtype=torch.float64)
     gauss, lap = torch.tensor(False), torch.tensor(True)
     # Gaussian, step = sigma: P(0) = erf(1 / (2 sqrt 2)) = 0.382925
-    assert cbq.symbol_bits(torch.tensor(0), one, one, gauss).item() == pytest.approx(-math.log2(0.3829249225), 1e-9)
+    assert ktf.symbol_bits(torch.tensor(0), one, one, gauss).item() == pytest.approx(-math.log2(0.3829249225), 1e-9)
     # P(1) = Phi(1.5) - Phi(0.5) = 0.241730
-    assert cbq.symbol_bits(torch.tensor(1), one, one, gauss).item() == pytest.approx(-math.log2(0.2417303375), 1e-8)
+    assert ktf.symbol_bits(torch.tensor(1), one, one, gauss).item() == pytest.approx(-math.log2(0.2417303375), 1e-8)
     # Laplacian of sigma sqrt 2 (scale 1), step 1: P(0) = 1 - e^-1/2, P(+-2) = e^-3/2 (1 - e^-1) / 2
-    assert cbq.symbol_bits(torch.tensor(0), one, s2, lap).item() == pytest.approx(-math.log2(1 - math.exp(-0.5)))
+    assert ktf.symbol_bits(torch.tensor(0), one, s2, lap).item() == pytest.approx(-math.log2(1 - math.exp(-0.5)))
     p2 = math.exp(-1.5) * (1 - math.exp(-1)) / 2
-    assert cbq.symbol_bits(torch.tensor([2, -2]), one, s2, lap).tolist() == pytest.approx([-math.log2(p2)] * 2)
+    assert ktf.symbol_bits(torch.tensor([2, -2]), one, s2, lap).tolist() == pytest.approx([-math.log2(p2)] * 2)
     # far tails cost the floor's 24 bits, not infinity
-    assert cbq.symbol_bits(torch.tensor(10 ** 4), one, one, gauss).item() == pytest.approx(24.0)
+    assert ktf.symbol_bits(torch.tensor(10 ** 4), one, one, gauss).item() == pytest.approx(24.0)
     # each model's probabilities sum to 1 over the symbols (to within the floor's mass on the far tail's few)
     k = torch.arange(-60, 61)
     for fam in (gauss, lap):
-        p = 2.0 ** -cbq.symbol_bits(k, torch.tensor(0.3, dtype=torch.float64), one, fam)
+        p = 2.0 ** -ktf.symbol_bits(k, torch.tensor(0.3, dtype=torch.float64), one, fam)
         assert p.sum().item() == pytest.approx(1.0, abs=1e-5)
 
 
@@ -294,7 +297,7 @@ def test_step_codes_are_eighth_octaves_around_the_base():
 
 def _ec_fit(nbytes=4, n=2048, seed=0):
     x, m = _correlated_rows(n=n, seed=seed), _metric()
-    return x, m, cbq.fit_transform_ec(x[: n // 2], m, nbytes)
+    return x, m, ktf.fit_transform_ec(x[: n // 2], m, nbytes)
 
 
 def _mixed_fit(nbytes=2, n=8192, seed=5):
@@ -304,7 +307,7 @@ def _mixed_fit(nbytes=2, n=8192, seed=5):
     torch.manual_seed(seed)
     lap = torch.distributions.Laplace(0.0, 3.0 / 2 ** 0.5).sample((n,)).double()
     x = torch.stack((gauss, lap), 1)
-    return x, cbq.fit_transform_ec(x, torch.eye(2, dtype=torch.float64), nbytes)
+    return x, ktf.fit_transform_ec(x, torch.eye(2, dtype=torch.float64), nbytes)
 
 
 @needs_coder
@@ -338,7 +341,7 @@ def test_ec_quantise_fits_every_block_with_the_smallest_step_and_bounds_each_coe
         assert code[b] == 0 or header + 2 * int(finer[0]) > int(rows[b]) * 4
 
     def err(nbytes):
-        g = cbq.fit_transform_ec(x[:1024], m, nbytes)
+        g = ktf.fit_transform_ec(x[:1024], m, nbytes)
         e = cbq.ec_quantise(held, g, adapt)[0] - held
         return float(torch.einsum("nd,de,ne->", e, m, e) / len(held))
     assert err(6) < err(4) < err(2)
@@ -363,7 +366,7 @@ def test_ec_fit_picks_each_coefficients_model_and_a_base_step_that_fills_the_bud
     assert f["laplace"].tolist() == [False, True]
     assert f["sigma"].tolist() == pytest.approx([1.0, 3.0], rel=0.05)
     y = (x - f["mu"].double()) @ f["T"].double()
-    bits = cbq.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
+    bits = ktf.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
     assert bits.item() == pytest.approx((2 - 5 / 16) * 8, rel=1e-3)
 
 
@@ -400,13 +403,13 @@ def _modelled_bytes(x, m, f):
     """A head's modelled bytes a row at its base step (each coefficient under its fitted model), plus a block's
     header and flush a row."""
     y = (x - f["mu"].double()) @ f["T"].double()
-    bits = cbq.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
-    return bits.item() / 8 + (cbq.STEP_BYTES + cbq.FLUSH_BYTES) / 16
+    bits = ktf.symbol_bits((y / f["base"]).round(), f["base"], f["sigma"], f["laplace"]).sum(1).mean()
+    return bits.item() / 8 + (cbq.STEP_BYTES + ktf.FLUSH_BYTES) / 16
 
 
 def test_shared_step_spends_the_budget_where_the_rows_vary_and_equal_steps_everywhere():
     xs, ms = _heads([1.0, 4.0, 16.0])
-    fl = cbq.fit_transforms_ec_shared(xs, ms, 4)
+    fl = ktf.fit_transforms_ec_shared(xs, ms, 4)
     # one step for every head, and each head's bytes what its rows take at it: the budget in all
     assert [float(f["base"]) for f in fl] == pytest.approx([float(fl[0]["base"])] * 3, rel=1e-12)
     assert sum(f["nbytes"] for f in fl) == pytest.approx(3 * 4, rel=1e-3)
@@ -420,18 +423,18 @@ def test_shared_step_spends_the_budget_where_the_rows_vary_and_equal_steps_every
 
 def test_weights_set_each_heads_step_and_a_quiet_head_keeps_its_floor():
     xs, ms = _heads([1.0, 1.0, 1e-6])
-    fl = cbq.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 16.0, 1.0], min_bytes=0.5)
+    fl = ktf.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 16.0, 1.0], min_bytes=0.5)
     # the weighted step is shared: a head whose error costs 16x gets a step 4x finer, and 2 bits more a coefficient
     steps = [float(f["base"]) * w ** 0.5 for f, w in zip(fl, (1.0, 16.0, 1.0), strict=True)]
     assert steps == pytest.approx([steps[0]] * 3, rel=1e-12)
     assert fl[1]["nbytes"] - fl[0]["nbytes"] == pytest.approx(2.0, abs=0.35)
     # rows that barely vary code in a block's header, flush and the floor
-    assert fl[2]["nbytes"] == pytest.approx((cbq.STEP_BYTES + cbq.FLUSH_BYTES) / 16 + 0.5)
+    assert fl[2]["nbytes"] == pytest.approx((cbq.STEP_BYTES + ktf.FLUSH_BYTES) / 16 + 0.5)
     assert sum(f["nbytes"] for f in fl) == pytest.approx(12, rel=1e-3)
     with pytest.raises(ValueError, match="positive weight"):
-        cbq.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 0.0, 1.0])
+        ktf.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 0.0, 1.0])
     with pytest.raises(ValueError, match="positive weight"):
-        cbq.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 1.0])
+        ktf.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 1.0])
 
 
 def test_block_budget_rounds_a_heads_share_down():
@@ -443,7 +446,7 @@ def test_block_budget_rounds_a_heads_share_down():
 @needs_coder
 def test_ec_quantise_keeps_a_fractional_share_within_its_bytes():
     xs, ms = _heads([1.0, 3.0], n=2048)
-    fl = cbq.fit_transforms_ec_shared([x[:1024] for x in xs], ms, 4)
+    fl = ktf.fit_transforms_ec_shared([x[:1024] for x in xs], ms, 4)
     for x, f in zip(xs, fl, strict=True):
         assert f["nbytes"] != int(f["nbytes"])
         held = x[1024:1024 + 16 * 6 + 5]

@@ -355,7 +355,7 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False, slack_words: int 
     # block 0's coded rows first in their block (the coder reads a block's first rows), the rest padded after
     yb = torch.cat((y[held:int(full[0])], pad[:held], y[int(full[0]):], pad[held:])).view(-1, bs, d)
     budget = block_budget(full, f["nbytes"])  # bytes a block
-    budget[0] -= held * d * 2
+    budget[0] -= held * d * kt.HELD_ELEMENT_BYTES
     scale_code = model_scale_codes(yb, rows, f, budget - header)
     base = float(f["base"])
     deviation = f["sigma"].double()[None] * MODEL_SCALES[scale_code][:, None] / base  # in base steps
@@ -365,8 +365,10 @@ def ec_quantise(x: torch.Tensor, f: dict, adapt: bool = False, slack_words: int 
     qb = k * step_of(f["base"], code.long())[:, None, None]
     q = torch.cat((y[:held], qb[0, :int(rows[0])], qb[1:].reshape(-1, d)))[:n]
     used = header + 2 * nwords.long()
-    used[0] += held * d * 2  # the held rows' bytes, as the slots count them
-    return (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype), code.long(), scale_code, used
+    used[0] += held * d * kt.HELD_ELEMENT_BYTES  # the held rows' bytes, as the slots count them
+    xq = (q @ f["Ti"].double() + f["mu"].double()).to(x.dtype)
+    xq[:held] = x[:held].to(torch.bfloat16).to(x.dtype)  # the held rows at bf16, as the slots keep them
+    return xq, code.long(), scale_code, used
 
 
 def model_scale_codes(yb: torch.Tensor, rows: torch.Tensor, f: dict, budget: torch.Tensor) -> torch.Tensor:

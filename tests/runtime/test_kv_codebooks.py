@@ -456,11 +456,12 @@ def test_ec_quantise_keeps_a_fractional_share_within_its_bytes():
 
 
 @needs_coder
-def test_ec_held_rows_take_their_bytes_from_block_zero_and_come_back_as_given():
+@pytest.mark.parametrize("adapt", [False, True])
+def test_ec_held_rows_take_their_bytes_from_block_zero_and_come_back_as_given(adapt):
     x, _, f = _ec_fit(nbytes=6)
     held_rows = x[1024:1024 + 16 * 3 + 5]
-    xq0, code0, _, used0 = cbq.ec_quantise(held_rows, f)
-    xq, code, _, used = cbq.ec_quantise(held_rows, f, held=2)
+    xq0, code0, _, used0 = cbq.ec_quantise(held_rows, f, adapt)
+    xq, code, _, used = cbq.ec_quantise(held_rows, f, adapt, held=2)
     d = held_rows.shape[1]
     # block 0 holds 2 rows at bf16 and codes 14 in the rest of its 96 bytes: a coarser step than with all 16 coded
     assert used[0] <= 16 * 6 and used0[0] <= 16 * 6 and code[0] > code0[0]
@@ -473,4 +474,4 @@ def test_ec_held_rows_take_their_bytes_from_block_zero_and_come_back_as_given():
     step = float(cbq.step_of(f["base"], code[:1])[0])
     assert ((y[2:16] - yq[2:16]).abs() <= step / 2 + 1e-4 * step).all()  # block 0's coded rows on its step's grid
     with pytest.raises(ValueError, match="held rows"):
-        cbq.ec_quantise(held_rows, f, held=16)
+        cbq.ec_quantise(held_rows, f, adapt, held=16)

@@ -29,6 +29,7 @@ from ..errors import ConfigError
 from . import kv_entropy as ke
 
 STEP_BYTES = 1  # the slot's first byte: its step code
+STATE_BYTES = 4  # the coder's final state, the two 16-bit words every coded block starts with
 HELD_ELEMENT_BYTES = 2  # a held row's values at bf16
 
 
@@ -59,7 +60,7 @@ class SideCode:
             raise ConfigError(f"block_size must be at least 1, got {self.block_size}")
         if not bool((self.base > 0).all()) or not bool((self.sigma > 0).all()):
             raise ConfigError("steps and deviations must be positive")
-        least = STEP_BYTES + 2 * 2  # the step code and the coder's two state words
+        least = STEP_BYTES + STATE_BYTES
         if bool((self.slot_bytes < least).any()):
             raise ConfigError(f"every slot needs at least {least} bytes; the smallest is {int(self.slot_bytes.min())}")
 

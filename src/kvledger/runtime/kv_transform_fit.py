@@ -21,10 +21,9 @@ import math
 
 import torch
 
-from .kv_transform import STEP_BYTES
+from .kv_transform import STATE_BYTES, STEP_BYTES
 
-# what the coder adds to the modelled bits (its final state): where a modelled search needs it
-FLUSH_BYTES = 4
+FLUSH_BYTES = STATE_BYTES  # what the coder adds to the modelled bits (its final state), for modelled searches
 MIN_PROB = 2.0 ** -24  # a symbol's least modelled probability (the coder's leaky floor is of this order)
 
 

@@ -745,6 +745,27 @@ def per_layer_scan(model, ctx, data, bases, variants, ratio, shape):
                                                   "per_layer": [f"{k}/{v}" for k, v in mix[2]]}}
 
 
+def write_tables(source, ckpt, out, calibration):
+    """kvtc's tables: the weighted entropy-coded transforms of pre-RoPE keys and of values at the format's page
+    shares (``CODED_KEY_BYTES`` / ``CODED_VALUE_BYTES`` a head-row per 64 channels), saved for the runtime."""
+    from kvledger.core.sizing.kv_formats import coded_row_bytes
+    from kvledger.runtime import kv_transform_pages as ktp
+    from kvledger.runtime.kv_transform import SideCode
+    from kvledger.runtime.measure.quality_records import weights_revision
+
+    kb, vb = coded_row_bytes("k", HEAD_DIM), coded_row_bytes("v", HEAD_DIM)
+    keys = SideCode.from_heads(source("kpre", 0, kb, False, "kltw"), 16)
+    values = SideCode.from_heads(source("v", 0, vb, False, "kltw"), 16)
+    revision = weights_revision(ckpt)
+    path = Path(out) if out else ktp.path_for(revision)
+    tables = ktp.TransformTables(keys, values, str(path))
+    tables.to_file(path, revision=revision, calibration=calibration, key_bytes=kb, value_bytes=vb,
+                   command="python benchmarks/kv_4bit_screen.py --write-tables")
+    used = ktp.POSITION_BYTES + int(keys.slot_bytes.sum()) + int(values.slot_bytes.sum())
+    heads = keys.mu.shape[0] * keys.mu.shape[1]
+    print(f"wrote {path}: a page uses {used} of {16 * heads * (kb + vb)} bytes", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--schemes", default="tok4h/tok4h,kivi4/tok4h")
@@ -767,6 +788,10 @@ def main():
     ap.add_argument("--slack", type=int, default=0, metavar="WORDS",
                     help="entropy-coded blocks leave this many 16-bit words unused (0-16): a draw a few bytes from "
                          "the budget, to see how far a figure moves with the rate")
+    ap.add_argument("--write-tables", nargs="?", const="", metavar="PATH",
+                    help="instead of scoring: fit kvtc's tables (pklte/klte at the format's bytes, each layer weighed "
+                         "by its measured cost) and write them where the runtime looks (default "
+                         "kvledger/data/kv_transform/<weights revision>.pt)")
     ap.add_argument("--contract-texts", action="store_true",
                     help="score kvledger quality's texts at its contexts (an indication, fake-quantised) instead")
     args = ap.parse_args()
@@ -782,6 +807,9 @@ def main():
     sm = for_model(model)  # int4-smooth's shipped constants for these weights
     ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale,
            "codebooks": codebook_source(model, tok, args.calibration), "slack": args.slack}
+    if args.write_tables is not None:
+        write_tables(ctx["codebooks"], ckpt, args.write_tables, args.calibration)
+        return
     data = (held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts
             else texts_by_kind(tok) if args.tuning_by_kind else texts(tok, args.more_tuning))
     bases = [forward(model, ids) for _, ids in data]

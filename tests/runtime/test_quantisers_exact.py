@@ -18,6 +18,7 @@ import torch
 
 from kvledger.core import KVSpec
 from kvledger.core.sizing.kv_formats import KV_FORMATS
+from kvledger.errors import ConfigError
 from kvledger.runtime import KVStore
 from kvledger.runtime import kv_quant as q
 from kvledger.runtime.kv_smoothing import KVSmoothing
@@ -114,6 +115,9 @@ DOCUMENTED_PARTS = {
     # (their exact tests: tests/runtime/test_kv_int4_smooth.py).
     "int4-smooth": [(f"{kv}.{n}", b) for kv in "kv" for n, b in (("codes", B8 * H2 * D32 // 2),
                                                                 ("scale", 2 * B8 * H2), ("min", 2 * B8 * H2))],
+    # A head-row's share of the page, 33 bytes of keys and 40 of values per 64 channels; the slots inside it are
+    # as wide as the model's tables give them (tests/runtime/test_kv_transform_pages.py pins the page).
+    "kvtc": [("k.slots", B8 * H2 * (33 * D32 // 64)), ("v.slots", B8 * H2 * (40 * D32 // 64))],
 }
 
 
@@ -129,6 +133,10 @@ def test_a_formats_parts_and_bytes_are_the_documented_ones(fmt: str) -> None:
     assert [(f"{p.kv}.{p.name}", p.nbytes) for p in parts] == DOCUMENTED_PARTS[fmt]
     per_layer = sum(n for _, n in DOCUMENTED_PARTS[fmt])
     assert f.layer_block_bytes(B8, H2, D32) == per_layer
+    if f.scales == "coded":  # shares per 64 channels; its store needs a model's tables (test_kv_transform_pages.py)
+        with pytest.raises(ConfigError, match="multiple of 64"):
+            KVSpec(3, H2, D32, kv_dtype=fmt, block_size=B8)
+        return
     spec = KVSpec(3, H2, D32, kv_dtype=fmt, block_size=B8, residual_dtype="bf16")
     assert spec.block_bytes == 3 * per_layer
     smoothing = None

@@ -182,7 +182,7 @@ class TorchPagedAttention:
                 decode_slots[row, : lens[row]] = ctx[i]
             decode_lens = torch.tensor(lens, dtype=torch.long, device=dev)
         self._plan = _Plan(batch, prefill, ctx, decode, decode_rows, decode_slots, decode_lens)
-        self.store.begin_write(batch.slot_mapping)
+        self.store.begin_write(batch.slot_mapping, batch.positions)
 
     def _decode_mask(self, plan: _Plan, window: int | None) -> torch.Tensor:
         """``[B, 1, 1, max context]``: each row's own context (hides the padding), within the window."""
@@ -384,7 +384,7 @@ class NativePagedAttention:
             lens = torch.tensor(ctx, dtype=torch.int32)
             tables = _table_tensor([batch.block_tables[i] for i in decode], ctx, bs)
         self._plan = _NativePlan(batch, prefills, prefill_args, rows, tables, lens)
-        self.store.begin_write(batch.slot_mapping)
+        self.store.begin_write(batch.slot_mapping, batch.positions)
 
     def _mask(self, plan: _NativePlan, p: _Prefill, window: int | None) -> torch.Tensor | None:
         """Mask for a prefill chunk; ``None`` when SDPA's own causal flag is exact."""

@@ -21,6 +21,8 @@ int8-hadamard stores keys (and int8 its values) turned by the normalised Walsh-H
 (``kv_quant.rotate``); :meth:`read` turns them back, and a kernel reading int8-hadamard's codes in place turns
 the queries instead (same scores). int4-smooth stores keys smoothed by the model's static constants
 (``kv_smoothing``: ``(k - mu) / s`` before turning); :meth:`read` undoes them, the native kernels score ``q * s``.
+kvtc codes each whole block into its page (``kv_transform_pages``: keys turned back to before RoPE, so a write
+plan that seals blocks needs each row's position) and :meth:`read` decodes the blocks it touches.
 
 The module stays whole past 600 lines: one class owns the pool's bytes, the residual pages and every read,
 write and copy of them, and each of those reads the same layout (``offsets``, ``res_map``, the write plan).
@@ -39,6 +41,7 @@ from ..core.sizing.geometry import KVSpec
 from ..errors import ConfigError, InvariantError
 from . import kv_quant as q
 from .kv_smoothing import KVSmoothing
+from .kv_transform_pages import CodedPages, TransformTables
 
 # Element names of the core's formats -> torch storage dtypes.
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -118,6 +121,7 @@ class _WritePlan:
     all_kept: bool  # every row goes to a residual page (a plain decode step)
     direct: list[tuple[int, list[int]]]  # blocks written whole this step: (block, the B rows in offset order)
     seal: list[tuple[int, int]]  # open blocks whose last row is written this step: (block, page)
+    first: dict[int, int]  # block -> position of its row 0, for the blocks written whole or sealed (when known)
     # Every row goes to a residual page through the native writer and no block is written whole: the layers
     # before the last only append rows (write's fast path; the last layer also seals).
     rows_only: bool = False
@@ -127,9 +131,11 @@ class KVStore:
     """All K/V pages of one rank. Block ids and slots come from the ledger's tables."""
 
     def __init__(self, spec: KVSpec, num_blocks: int, device: str | torch.device = "cpu", *,
-                 residual_slots: int | None = None, smoothing: KVSmoothing | None = None) -> None:
+                 residual_slots: int | None = None, smoothing: KVSmoothing | None = None,
+                 transform: TransformTables | None = None, rope_inv_freq: torch.Tensor | None = None) -> None:
         """``smoothing``: the model's static key constants, required by (and only used for) a format that
-        smooths keys (int4-smooth)."""
+        smooths keys (int4-smooth). ``transform`` and ``rope_inv_freq``: the model's coding tables and RoPE
+        frequencies, required by (and only used for) kvtc."""
         if spec.attention == "mla":
             raise ConfigError("the runtime KV store holds K and V heads; MLA latent caches are not supported")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
@@ -167,6 +173,12 @@ class KVStore:
             self.kv = torch.zeros((L, num_blocks, spec.layer_block_bytes), dtype=torch.uint8, device=self.device)
             self.block_dim = 1
             self.layer_bytes = list(self.kv.unbind(0))  # each layer's blocks, [num_blocks, bytes] views
+            self.coded: CodedPages | None = None
+            if fmt.scales == "coded":
+                if transform is None or rope_inv_freq is None:
+                    raise ConfigError(f"{fmt.name} codes K/V with the model's transform tables and RoPE; the store "
+                                      "was given " + ("none" if transform is None else "no RoPE frequencies"))
+                self.coded = CodedPages(transform, L, H, D, B, num_blocks, spec.layer_block_bytes, rope_inv_freq)
             self.offsets: dict[tuple[str, str], tuple[int, tuple[int, ...], torch.dtype]] = {}
             at = 0
             for p in fmt.parts(B, H, D):
@@ -277,7 +289,9 @@ class KVStore:
             if self.smoothing is not None:
                 k = self.smoothing.unsmooth(layer, k)
             return k.to(dtype), v.to(dtype)
-        if self.format.scales == "channel":
+        if self.format.scales == "coded":
+            k, v = self._read_coded(layer, block, off)
+        elif self.format.scales == "channel":
             k = q.dequant_channel(p["k.codes"][block, off], p["k.scale"][block], p["k.min"][block])
             v = q.dequant_token(p["v.codes"][block, off], p["v.scale"][block, off])
             if self.format.rotates("v"):
@@ -295,6 +309,23 @@ class KVStore:
             mask = open_[..., None, None]
             k, v = torch.where(mask, rk, k), torch.where(mask, rv, v)
         return k.to(dtype), v.to(dtype)
+
+    def _read_coded(self, layer: int, block: torch.Tensor, off: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kvtc: the sealed blocks among ``block`` decoded once each (other rows zero: open ones are read from
+        their residual page by the caller, and no reader asks for rows never written)."""
+        assert self.coded is not None
+        used, where = torch.unique(block, return_inverse=True)
+        # A block a prefill writes whole is coded layer by layer, before each layer's attention reads it, and
+        # marked sealed after the step's last layer.
+        coding = {b for b, _ in self._plan.direct} if self._plan is not None else set()
+        sealed = torch.tensor([(self._sealed[b] == 1 or b in coding) and int(self.res_map[b]) < 0
+                               for b in used.tolist()], dtype=torch.bool, device=self.device)
+        shape = (used.numel(), self.block_size, self.kv_heads, self.head_dim)
+        kd = torch.zeros(shape, device=self.device)
+        vd = torch.zeros(shape, device=self.device)
+        if bool(sealed.any()):
+            kd[sealed], vd[sealed] = self.coded.read(self.kv, layer, used[sealed])
+        return kd[where, off], vd[where, off]
 
     def gather(
         self, layer: int, blocks: Sequence[int] | torch.Tensor, num_tokens: int | None = None,
@@ -320,14 +351,20 @@ class KVStore:
         return self.read(layer, slots, dtype or torch.float32)
 
     # ---- writes -------------------------------------------------------------------------------
-    def begin_write(self, slots: torch.Tensor | Sequence[int]) -> None:
+    def begin_write(self, slots: torch.Tensor | Sequence[int],
+                    positions: torch.Tensor | Sequence[int] | None = None) -> None:
         """Decide once per step where each new row goes (int4: residual page or a whole block quantised
         directly) and bind residual pages to newly opened blocks. Backends call it from ``plan``; every
-        layer's :meth:`write` then applies it. A no-op for other formats."""
+        layer's :meth:`write` then applies it. A no-op for other formats. ``positions`` (each row's, as
+        the batch's): kvtc seals blocks with them, and refuses a step that seals a block without them."""
         if not self.format.has_residual:
             return
         B = self.block_size
         values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        where = None if positions is None else (positions.tolist() if isinstance(positions, torch.Tensor)
+                                                 else list(positions))
+        if where is not None and len(where) != len(values):
+            raise ConfigError(f"{len(where)} positions for {len(values)} slots")
         if values and not 0 <= min(values) <= max(values) < self.num_slots:
             raise ConfigError(f"slots must be in [0, {self.num_slots}), got {min(values)}..{max(values)}")
         by_block: dict[int, list[tuple[int, int]]] = {}
@@ -359,13 +396,25 @@ class KVStore:
             if max(offsets) == B - 1:
                 seal.append((block, page))
         kept = all(r >= 0 for r in rows)
-        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), kept, direct, seal,
+        first: dict[int, int] = {}
+        if where is not None:
+            for block, items in by_block.items():
+                o, i = items[0]
+                first[block] = where[i] - o
+        if self.coded is not None:
+            missing = [b for b in [b for b, _ in direct] + [b for b, _ in seal] if b not in first]
+            if missing:
+                raise ConfigError(f"{self.format.name} seals blocks with their rows' positions (keys are coded before "
+                                  f"RoPE); this write of block {missing[0]} gave none")
+        self._plan = _WritePlan(torch.tensor(rows, dtype=torch.long, device=self.device), kept, direct, seal, first,
                                 kept and not direct and self.residual_writer is not None and self.device.type == "cpu")
 
     def write(
         self, layer: int, slots: Sequence[int] | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+        positions: Sequence[int] | torch.Tensor | None = None,
     ) -> None:
-        """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) for ``n`` tokens at flat ``slots``."""
+        """Store ``k``/``v`` (``[n, kv_heads, head_dim]``) for ``n`` tokens at flat ``slots``. ``positions``:
+        each row's, for a write with no plan from :meth:`begin_write` (kvtc needs them to seal a block)."""
         plan = self._plan if self.residual_slots else None
         if (plan is not None and plan.rows_only and layer < self.spec.layers - 1 and k.shape == v.shape
                 and k.shape[0] == plan.rows.numel() and k.shape[1:] == (self.kv_heads, self.head_dim)
@@ -409,16 +458,17 @@ class KVStore:
                 p[f"{name}.scale"][block, off] = scale
                 p[f"{name}.min"][block, off] = low
             return
-        self._write_kivi(layer, idx, k, v)
+        self._write_kivi(layer, idx, k, v, positions)
 
     def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
         """Keys as the format quantises them before any turning: smoothed (fp32) when it smooths, else ``k``."""
         return k if self.smoothing is None else self.smoothing.smooth(layer, k)
 
-    def _write_kivi(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _write_kivi(self, layer: int, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    positions: Sequence[int] | torch.Tensor | None = None) -> None:
         plan = self._plan
         if plan is None or plan.rows.numel() != idx.numel():
-            self.begin_write(idx)  # a direct caller (no backend plan): one write, every layer alike
+            self.begin_write(idx, positions)  # a direct caller (no backend plan): one write, every layer alike
             plan = self._plan
             assert plan is not None
         B = self.block_size
@@ -436,16 +486,25 @@ class KVStore:
             # Blocks written whole this step (a prefill's) are read packed by this layer's attention: packed now.
             rows = [torch.tensor(r, device=self.device) for _, r in plan.direct]
             blocks = torch.tensor([block for block, _ in plan.direct], device=self.device)
-            self._pack(self.parts(layer), blocks, torch.stack([k[r] for r in rows]).float(),
-                       torch.stack([v[r] for r in rows]).float())
+            kb, vb = torch.stack([k[r] for r in rows]).float(), torch.stack([v[r] for r in rows]).float()
+            if self.coded is not None:
+                first = torch.tensor([plan.first[block] for block, _ in plan.direct])
+                self.coded.seal(self.kv, [layer], blocks, kb[None], vb[None], first)
+            else:
+                self._pack(self.parts(layer), blocks, kb, vb)
         if layer == self.spec.layers - 1:  # the step's last layer: the sealed blocks are now packed everywhere
             if plan.seal:
                 # A block whose last row came this step is read from its residual page by every layer of
                 # this step: all layers are packed at once, here, in one quantisation of [layers, n, B, H, D].
                 pages = torch.tensor([page for _, page in plan.seal], device=self.device)
                 blocks = torch.tensor([block for block, _ in plan.seal], device=self.device)
-                self._pack(self.layers_parts(), (slice(None), blocks), self.residual[:, 0, pages].float(),
-                           self.residual[:, 1, pages].float())
+                if self.coded is not None:
+                    first = torch.tensor([plan.first[block] for block, _ in plan.seal])
+                    self.coded.seal(self.kv, range(self.spec.layers), blocks, self.residual[:, 0, pages].float(),
+                                    self.residual[:, 1, pages].float(), first)
+                else:
+                    self._pack(self.layers_parts(), (slice(None), blocks), self.residual[:, 0, pages].float(),
+                               self.residual[:, 1, pages].float())
             for block, _rows in plan.direct:
                 self._release(block)
                 self._sealed[block] = 1

@@ -366,7 +366,13 @@ class ModelRunner:
             from .kv_smoothing import for_model
 
             smoothing = for_model(model)
-        self.store = KVStore(spec, num_blocks, device, residual_slots=residual_slots, smoothing=smoothing)
+        transform = None
+        if spec.format.scales == "coded":
+            from .kv_transform_pages import for_model as transform_for
+
+            transform = transform_for(model)
+        self.store = KVStore(spec, num_blocks, device, residual_slots=residual_slots, smoothing=smoothing,
+                             transform=transform, rope_inv_freq=model.inv_freq if transform is not None else None)
         factory = attention_backend_factory(backend or "auto") if backend is None or isinstance(backend, str) \
             else backend
         self.backend: AttentionBackend = factory(self.store) if self.layout is None else \

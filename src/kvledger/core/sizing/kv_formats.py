@@ -47,6 +47,15 @@ Formats (the registry :data:`KV_FORMATS`; ``--kv-cache-dtype`` takes its names a
     ``q . mu`` (softmax unchanged), and dividing a channel by ``s`` is undone by multiplying the query's
     channel by ``s``, so scores are unchanged in exact arithmetic; the rotation then no longer spreads a
     channel's large steady offset over the row. Same bytes as ``int4-hadamard``.
+``kvtc``
+    Transform coding (``runtime.kv_transform``), 3.5x fewer bytes than bf16: per layer and KV head, keys turned
+    back to before RoPE and values are taken into a calibrated basis whitened by what an error costs there (the
+    model's own tables, fitted once per weights revision like ``int4-smooth``'s constants), and each head's block
+    of rows is entropy-coded at the smallest step whose words fit a slot of fixed bytes. A layer's parts are its
+    share of the block's page (:data:`CODED_KEY_BYTES` and :data:`CODED_VALUE_BYTES` a head-row per 64 channels);
+    the store lays every layer-head's slot, each as wide as its table gives it, over the block's whole page, the
+    block's first position in front. A block that is not yet full keeps its rows unquantised in a residual page,
+    as ``int4``. A sequence's first row is kept at bf16 inside its first block's bytes.
 ``int4``
     KIVI-style asymmetric 4-bit, two values per byte. Keys per channel within the block (the block is
     the quantisation group: ``B`` tokens share a scale and minimum per channel), values per token (one
@@ -75,6 +84,10 @@ ELEMENT_BYTES: dict[str, int] = {
     "fp32": 4, "bf16": 2, "fp16": 2, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1, "uint8": 1,
 }
 RESIDUAL_DTYPES = ("fp32", "bf16", "fp16")  # what an unquantised residual page may be stored as
+# kvtc's page, a head-row's share per 64 channels: 33 bytes of keys and 40 of values (4.125 and 5 bits a value),
+# 73 a head and token, 3.507x fewer than bf16's 256. Keys take less: before RoPE they are the more predictable.
+CODED_KEY_BYTES = 33
+CODED_VALUE_BYTES = 40
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +122,8 @@ class KVFormat:
     K and V asymmetric 4-bit per token and head). ``rotation``: which of K and V
     are turned per head by the normalised Walsh-Hadamard matrix before quantisation (``""``, ``k``, ``v``,
     ``kv``). ``smooth``: which of K and V are stored smoothed by static calibrated per-channel constants
-    (``(x - mu) / s``, the model's own, see ``runtime.kv_smoothing``): ``""`` or ``k``."""
+    (``(x - mu) / s``, the model's own, see ``runtime.kv_smoothing``): ``""`` or ``k``. ``coded`` (kvtc): every
+    layer-head's block in an entropy-coded slot of the page (``runtime.kv_transform``)."""
 
     name: str
     summary: str
@@ -131,7 +145,7 @@ class KVFormat:
     @property
     def has_residual(self) -> bool:
         """A block that is not yet full keeps its rows unquantised in a per-sequence residual page."""
-        return self.scales in ("kivi", "channel")
+        return self.scales in ("kivi", "channel", "coded")
 
     def check(self, block_size: int, heads: int, head_dim: int, *, mla: bool = False) -> None:
         if self.scales in ("kivi", "token4"):
@@ -140,6 +154,12 @@ class KVFormat:
                                   "cache is neither (use fp8-scaled or int8-token)")
             if head_dim % 2:
                 raise ConfigError(f"int4 packs two values per byte: head_dim must be even, got {head_dim}")
+        if self.scales == "coded":
+            if mla:
+                raise ConfigError(f"{self.name} codes K before RoPE and V per KV head; an MLA latent cache is neither")
+            if head_dim % 64:
+                raise ConfigError(f"{self.name} gives a head-row its page share per 64 channels: head_dim must be a "
+                                  f"multiple of 64, got {head_dim}")
         if self.smooth and mla:
             raise ConfigError(f"{self.name} smooths keys per KV head and channel; an MLA latent cache has neither")
         if self.scales == "channel" and mla:
@@ -162,6 +182,9 @@ class KVFormat:
         if self.scales == "token4":
             return tuple(p for kv in "kv" for p in (Part(kv, "codes", (B, H, D // 2), "uint8"),
                                                     Part(kv, "scale", (B, H), "fp16"), Part(kv, "min", (B, H), "fp16")))
+        if self.scales == "coded":
+            return (Part("k", "slots", (B, H, coded_row_bytes("k", D)), "uint8"),
+                    Part("v", "slots", (B, H, coded_row_bytes("v", D)), "uint8"))
         if self.scales == "channel":
             return (Part("k", "codes", (B, H, D), "uint8"), Part("k", "scale", (H, D), "fp16"),
                     Part("k", "min", (H, D), "fp16"),
@@ -198,12 +221,20 @@ class KVFormat:
         if self.scales == "token4":
             smooth = f",smooth={self.smooth}:(x-mu)/s,static/channel,calib=v1" if self.smooth else ""
             return f"{self.name}:k=v=asym4/token-head,rot=hadamard/{self.rotation or '-'}{smooth},meta=fp16"
+        if self.scales == "coded":
+            return (f"{self.name}:k=pre-rope,v;klt/whitened,rans/{CODED_KEY_BYTES}+{CODED_VALUE_BYTES}B-per-64,"
+                    f"tables=weights-revision,held=1,residual={residual_dtype}/{block_size}")
         if self.scales == "channel":
             rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""
             return (f"{self.name}:k=asym/channel/group{block_size},v=sym/token-head{rot},meta=fp16,"
                     f"residual={residual_dtype}/{block_size}")
         return (f"int4:kivi,k=asym/channel/group{block_size},v=asym/token,meta=fp16,"
                 f"residual={residual_dtype}/{block_size}")
+
+
+def coded_row_bytes(kv: str, head_dim: int) -> int:
+    """kvtc's page share of one head-row of ``kv`` ('k' or 'v'), in bytes (``head_dim`` a multiple of 64)."""
+    return (CODED_KEY_BYTES if kv == "k" else CODED_VALUE_BYTES) * head_dim // 64
 
 
 def _fmt(name: str, summary: str, bits: int, quantized: bool, scales: str, element: str,
@@ -231,6 +262,9 @@ for _format in (
          "and head (fp16 scale and minimum), no residual page", 4, True, "token4", "uint8", "kv"),
     _fmt("int4-smooth", "int4-hadamard with keys first smoothed by the model's calibrated per-channel mean and scale "
          "(static, scores unchanged)", 4, True, "token4", "uint8", "kv", "k"),
+    _fmt("kvtc", "transform-coded: keys before RoPE and values in the model's calibrated whitened bases, entropy-coded "
+         "into fixed slots (3.5x fewer bytes than bf16, tables per weights revision), unquantised residual for the "
+         "partly written block", 4, True, "coded", "uint8"),
     _fmt("int4", "KIVI-style 4-bit: K per channel per block, V per token, fp16 scale and minimum, "
          "unquantised residual for the partly written block", 4, True, "kivi", "uint8"),
 ):
@@ -268,5 +302,6 @@ def quantized_formats() -> list[str]:
     return [name for name, f in KV_FORMATS.items() if f.quantized]
 
 
-__all__ = ["ELEMENT_BYTES", "KV_FORMATS", "RENAMED", "RESIDUAL_DTYPES", "UNTURNED", "VLLM_NAMES", "KVFormat", "Part",
-           "get_kv_format", "quantized_formats", "vllm_serves"]
+__all__ = ["CODED_KEY_BYTES", "CODED_VALUE_BYTES", "ELEMENT_BYTES", "KV_FORMATS", "RENAMED", "RESIDUAL_DTYPES",
+           "UNTURNED", "VLLM_NAMES", "KVFormat", "Part", "coded_row_bytes", "get_kv_format", "quantized_formats",
+           "vllm_serves"]

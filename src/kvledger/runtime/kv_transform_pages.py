@@ -1,0 +1,210 @@
+"""kvtc's pages: a model's transform-coding tables, and where each layer-head's slot sits in a block's page.
+
+A block of the ``kvtc`` format (``core.sizing.kv_formats``) owns ``layers * layer_block_bytes`` bytes, its page,
+stored as the pool stores every format (``kv[layer, block, layer_block_bytes]``, layer after layer). The page is
+one run of bytes: first the block's first position (int32, little-endian: keys are coded before RoPE, so reading
+them back needs it), then, layer by layer, keys then values, head by head, each layer-head's slot as wide as the
+tables give it (``SideCode.slot_bytes``: a busy layer's heads wider, a quiet one's narrower). So a slot may lie
+across two layers' parts of the pool; the page, not a layer's part, is the unit the format fills. A block at
+position 0 keeps its first row (the attention sink) at bf16 inside its own slots.
+
+The tables (a :class:`TransformTables`: keys' and values' ``SideCode``) are the model's, fitted once per weights
+revision from calibration texts apart from every text a contract or a held-out set scores, and ship beside the
+package (``kvledger/data/kv_transform/<revision>.pt``; ``python benchmarks/kv_4bit_screen.py --write-tables``
+fits them; docs/kv_formats.md, "kvtc").
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import ConfigError
+from .kv_transform import HELD_ELEMENT_BYTES, STATE_BYTES, STEP_BYTES, SideCode
+
+TABLES_DIR = Path(__file__).resolve().parent.parent / "data" / "kv_transform"
+POSITION_BYTES = 4  # the page's first bytes: the block's first position, int32 little-endian
+HELD_ROWS = 1  # a sequence's first row (its attention sink) kept at bf16 in the first block's slots
+
+
+@dataclass(frozen=True, slots=True)
+class TransformTables:
+    """One model's kvtc tables: ``keys`` (before RoPE) and ``values``, per layer and KV head."""
+
+    keys: SideCode
+    values: SideCode
+    source: str = ""
+
+    def check(self, layers: int, heads: int, head_dim: int, block_size: int) -> None:
+        for side, code in (("keys", self.keys), ("values", self.values)):
+            shape = tuple(code.mu.shape)
+            if shape != (layers, heads, head_dim) or code.block_size != block_size:
+                raise ConfigError(f"kvtc tables {self.source or ''} hold {side} for {list(shape)} in blocks of "
+                                  f"{code.block_size}; this pool is [{layers}, {heads}, {head_dim}] in blocks of "
+                                  f"{block_size}")
+
+    def to_file(self, path: str | Path, **meta: Any) -> None:
+        """Save (the turns, means and deviations as fp32, the steps and bytes a row exact; the turns' inverses are
+        computed again on load, so a read always undoes the turn its write made)."""
+        def side(code: SideCode) -> dict[str, Any]:
+            d = code.to_dict()
+            d.pop("back")
+            return {k: v.float() if k in ("mu", "turn", "sigma") else v for k, v in d.items()}
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"version": 1, "keys": side(self.keys), "values": side(self.values), "meta": meta}, str(path))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> TransformTables:
+        try:
+            data = torch.load(str(path), weights_only=True)
+            sides = []
+            for name in ("keys", "values"):
+                d = {k: v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                     for k, v in data[name].items()}
+                d["back"] = torch.linalg.inv(d["turn"])
+                sides.append(SideCode.from_dict(d))
+        except (OSError, RuntimeError, KeyError, TypeError, ValueError, EOFError, pickle.UnpicklingError) as exc:
+            raise ConfigError(f"kvtc tables {path} are unreadable: {str(exc)[:160]}") from None
+        return cls(sides[0], sides[1], str(path))
+
+
+def path_for(revision: str) -> Path:
+    return TABLES_DIR / f"{revision.split(':')[-1]}.pt"
+
+
+def load_for(revision: str) -> TransformTables:
+    """The shipped tables for weights ``revision``, or one ConfigError line saying how to make them."""
+    p = path_for(revision)
+    if not p.is_file():
+        raise ConfigError(f"kvtc needs transform-coding tables fitted for these weights ({revision}); none ship: "
+                          "fit them with `python benchmarks/kv_4bit_screen.py --write-tables`")
+    return TransformTables.from_file(p)
+
+
+def for_model(model: Any) -> TransformTables:
+    """The tables of a decoder that :func:`~kvledger.runtime.loading.load_decoder` loaded (it records the
+    checkpoint), or one ConfigError line."""
+    found = getattr(model, "kv_transform", None)
+    if found is not None:
+        return found
+    ckpt = getattr(model, "checkpoint", None)
+    if ckpt is None:
+        raise ConfigError("kvtc needs the model's transform-coding tables; this decoder has none (set "
+                          "model.kv_transform, or load it through kvledger so its weights are known)")
+    from .measure.quality_records import weights_revision
+
+    found = load_for(weights_revision(ckpt))
+    model.kv_transform = found
+    return found
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class CodedPages:
+    """The slot layout of a pool's pages (``num_blocks`` of ``layers * layer_bytes``) and their seal and read.
+
+    ``inv_freq`` is the model's RoPE (half-split, as the model applies it): keys arrive after RoPE, are turned
+    back at seal and forward again at read."""
+
+    def __init__(self, tables: TransformTables, layers: int, heads: int, head_dim: int, block_size: int,
+                 num_blocks: int, layer_bytes: int, inv_freq: torch.Tensor) -> None:
+        tables.check(layers, heads, head_dim, block_size)
+        if tuple(inv_freq.shape) != (head_dim // 2,):
+            raise ConfigError(f"kvtc needs the model's RoPE frequencies [{head_dim // 2}], got "
+                              f"{list(inv_freq.shape)}")
+        self.tables = tables
+        self.layers, self.heads, self.head_dim, self.block_size = layers, heads, head_dim, block_size
+        self.layer_bytes = layer_bytes
+        self.inv_freq = inv_freq.detach().double().cpu()
+        self._stride = num_blocks * layer_bytes  # one layer of the pool, in bytes
+        at = POSITION_BYTES
+        # slots[side][layer][head]: the page offsets of one slot, as flat pool offsets of block 0
+        self.slots: dict[str, list[list[torch.Tensor]]] = {"k": [], "v": []}
+        for layer in range(layers):
+            for side, code in (("k", tables.keys), ("v", tables.values)):
+                row = []
+                for h in range(heads):
+                    width = int(code.slot_bytes[layer, h])
+                    row.append(self._flat(torch.arange(at, at + width)))
+                    at += width
+                self.slots[side].append(row)
+        sink = STEP_BYTES + HELD_ROWS * head_dim * HELD_ELEMENT_BYTES + STATE_BYTES
+        narrow = min(int(c.slot_bytes.min()) for c in (tables.keys, tables.values))
+        if narrow < sink:
+            raise ConfigError(f"kvtc tables {tables.source}: a slot of {narrow} bytes cannot hold a sequence's first "
+                              f"row at bf16 ({sink} bytes with the step and the coder's state)")
+        if at > layers * layer_bytes:
+            raise ConfigError(f"kvtc tables {tables.source} need {at} bytes a page (position included); the format "
+                              f"gives {layers * layer_bytes}")
+        self.page_bytes_used = at
+        self._position = self._flat(torch.arange(POSITION_BYTES))
+
+    def _flat(self, page_offsets: torch.Tensor) -> torch.Tensor:
+        """Page offsets -> flat offsets into ``kv.view(-1)`` for block 0 (add ``block * layer_bytes``)."""
+        return (page_offsets // self.layer_bytes) * self._stride + page_offsets % self.layer_bytes
+
+    def _index(self, flat0: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        return flat0[None, :] + blocks.long().cpu()[:, None] * self.layer_bytes
+
+    def _rope(self, x: torch.Tensor, first: torch.Tensor, sign: float) -> torch.Tensor:
+        """Rows ``x [n, B, H, D]`` of blocks starting at ``first [n]`` turned by RoPE (``sign`` -1: back)."""
+        pos = first.double()[:, None] + torch.arange(self.block_size, dtype=torch.float64)[None, :]
+        ang = pos[..., None] * self.inv_freq
+        ang = torch.cat((ang, ang), dim=-1)[:, :, None, :]  # [n, B, 1, D]
+        x = x.double()
+        return x * ang.cos() + sign * _rotate_half(x) * ang.sin()
+
+    def positions(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        raw = kv.view(-1)[self._index(self._position, blocks)].to(torch.int64)  # [n, 4]
+        value = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
+        return torch.where(value >= 2 ** 31, value - 2 ** 32, value)
+
+    def seal(self, kv: torch.Tensor, layers: range | list[int], blocks: torch.Tensor, k: torch.Tensor,
+             v: torch.Tensor, first: torch.Tensor) -> None:
+        """Code whole blocks into their pages: ``k``/``v [len(layers), n, B, H, D]`` (keys after RoPE) of
+        ``blocks [n]`` whose first rows sit at positions ``first [n]``."""
+        flat = kv.view(-1)
+        blocks, first = blocks.long().cpu(), first.long().cpu()
+        if bool((first < 0).any()) or bool((first >= 2 ** 31).any()):
+            raise ConfigError("kvtc positions must be in [0, 2**31)")
+        raw = torch.stack([(first >> s) & 0xFF for s in (0, 8, 16, 24)], 1).to(torch.uint8)
+        flat[self._index(self._position, blocks)] = raw.to(kv.device)
+        held = first == 0
+        for i, layer in enumerate(layers):
+            pre = self._rope(k[i].cpu(), first, -1.0)
+            for side, code, x in (("k", self.tables.keys, pre), ("v", self.tables.values, v[i].cpu())):
+                for h in range(self.heads):
+                    for mask, n_held in ((held, HELD_ROWS), (~held, 0)):
+                        if not bool(mask.any()):
+                            continue
+                        out, _, _ = code.encode(layer, h, x[mask][:, :, h], held=n_held)
+                        flat[self._index(self.slots[side][layer][h], blocks[mask])] = out.to(kv.device)
+
+    def read(self, kv: torch.Tensor, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sealed ``blocks [n]`` of one layer back as ``(k, v) [n, B, H, D]`` float32, keys after RoPE."""
+        flat = kv.view(-1)
+        blocks = blocks.long().cpu()
+        n, B, H, D = blocks.numel(), self.block_size, self.heads, self.head_dim
+        first = self.positions(kv, blocks)
+        held = first == 0
+        out = {"k": torch.empty(n, B, H, D, dtype=torch.float64), "v": torch.empty(n, B, H, D, dtype=torch.float64)}
+        for side, code in (("k", self.tables.keys), ("v", self.tables.values)):
+            for h in range(H):
+                for mask, n_held in ((held, HELD_ROWS), (~held, 0)):
+                    if not bool(mask.any()):
+                        continue
+                    slots = flat[self._index(self.slots[side][layer][h], blocks[mask])].cpu()
+                    out[side][mask, :, h] = code.decode(layer, h, slots, held=n_held).double()
+        k = self._rope(out["k"], first, 1.0)
+        return k.float().to(kv.device), out["v"].float().to(kv.device)
+
+
+__all__ = ["HELD_ROWS", "POSITION_BYTES", "TABLES_DIR", "CodedPages", "TransformTables", "for_model", "load_for",
+           "path_for"]

@@ -301,6 +301,11 @@ def quantiser(name, slot, shape=None):
                 else:
                     fits = ctx["codebooks"](source, 0, nbytes, False,
                                             {"r": "kltr", "w": "kltw"}.get(tr["shared"], "klte"))[layer]
+                if ctx.get("first_bytes"):  # fsinkN: block 0's page allocated apart, its held rows paid by all heads
+                    if tr["shared"] != "w":
+                        raise ValueError(f"{name}: fsinkN allocates block 0 by the weighted step (w) only")
+                    firsts = ctx["codebooks"](source, 0, nbytes, False, "kltwf")[layer]
+                    fits = [dict(f, nbytes_first=g["nbytes"]) for f, g in zip(fits, firsts, strict=True)]
                 out = [cbq.ec_quantise(x[:, h], fh, bool(tr["adapt"]), ctx.get("slack", 0), ctx.get("held", 0))
                        for h, fh in enumerate(fits)]
                 rows = cbq.block_rows(x.shape[0], fits[0]["bs"])
@@ -456,7 +461,8 @@ def codebook_source(model, tok, calibration="narrow"):
     def get(source, d, bits, scaled, alloc=False):
         key = (source, d, bits, scaled, alloc)
         if key not in memo:
-            kind = {"klt": "t", "klte": "te", "kltr": "tr", "kltw": "tw", "kltj": "tj"}.get(alloc, "a" if alloc else "")
+            kind = {"klt": "t", "klte": "te", "kltr": "tr", "kltw": "tw", "kltwf": "twf", "kltj": "tj"}.get(
+                alloc, "a" if alloc else "")
             label = "+".join(map(str, bits)) if isinstance(bits, tuple) else bits
             path = CODEBOOK_CACHE / f"{source}_{d}x{label}{kind}{'s' if scaled else ''}_{tag}.pt"
             if path.exists():
@@ -492,6 +498,12 @@ def codebook_source(model, tok, calibration="narrow"):
                     heads = len(fl) // len(taps[0])
                     memo[key] = [fl[li * heads:(li + 1) * heads] for li in range(len(taps[0]))]
                     print(f"  {source} klte{bits}{alloc[-1]}: bytes a row by layer " + " ".join(
+                        f"{sum(f['nbytes'] for f in fs) / heads:.1f}" for fs in memo[key]), flush=True)
+                elif alloc == "kltwf":  # kltw's step for a sequence's first block, its sink row held at bf16
+                    fl = ktf.fit_transforms_ec_shared(*head_rows(source), bits, weights=sensitivities(source), held=1)
+                    heads = len(fl) // len(taps[0])
+                    memo[key] = [fl[li * heads:(li + 1) * heads] for li in range(len(taps[0]))]
+                    print(f"  {source} klte{bits}wf: a first block's bytes a row by layer " + " ".join(
                         f"{sum(f['nbytes'] for f in fs) / heads:.1f}" for fs in memo[key]), flush=True)
                 elif alloc == "kltj":  # keys and values under one weighted step: bits is (key bytes, value bytes)
                     (kx, km), (vx, vm) = head_rows("kpre"), head_rows("v")
@@ -754,6 +766,8 @@ def write_tables(source, ckpt, out, calibration):
     from kvledger.runtime.measure.quality_records import weights_revision
 
     kb, vb = coded_row_bytes("k", HEAD_DIM), coded_row_bytes("v", HEAD_DIM)
+    # The sink row held in block 0's own slots (isink1, chosen on the tuning texts over fsink1: a first block laid
+    # out apart, its held rows paid by every head, which the tables could carry as first_row_bytes)
     keys = SideCode.from_heads(source("kpre", 0, kb, False, "kltw"), 16)
     values = SideCode.from_heads(source("v", 0, vb, False, "kltw"), 16)
     revision = weights_revision(ckpt)
@@ -762,8 +776,9 @@ def write_tables(source, ckpt, out, calibration):
     tables.to_file(path, revision=revision, calibration=calibration, key_bytes=kb, value_bytes=vb,
                    command="python benchmarks/kv_4bit_screen.py --write-tables")
     used = ktp.POSITION_BYTES + int(keys.slot_bytes.sum()) + int(values.slot_bytes.sum())
+    first = ktp.POSITION_BYTES + int(keys.first_slot_bytes.sum()) + int(values.first_slot_bytes.sum())
     heads = keys.mu.shape[0] * keys.mu.shape[1]
-    print(f"wrote {path}: a page uses {used} of {16 * heads * (kb + vb)} bytes", flush=True)
+    print(f"wrote {path}: a page uses {used} of {16 * heads * (kb + vb)} bytes (a first block's {first})", flush=True)
 
 
 def main():
@@ -830,8 +845,10 @@ def main():
         # sinkN: the first N rows kept bf16; xsinkN: and left out of block 0's per-channel ranges
         sink = int(parts[2].split("sink")[1]) if len(parts) > 2 and "sink" in parts[2] else 0
         exclude = len(parts) > 2 and parts[2].startswith("x")
-        # isinkN: the sink rows live in block 0's own bytes (entropy-coded schemes), no page beside the blocks
-        in_block = len(parts) > 2 and parts[2].startswith("i")
+        # isinkN: the sink rows live in block 0's own bytes (entropy-coded schemes), no page beside the blocks;
+        # fsinkN: and block 0's page is allocated apart, the held rows' bytes spread over every head by the step
+        in_block = len(parts) > 2 and parts[2][:1] in ("i", "f")
+        ctx["first_bytes"] = len(parts) > 2 and parts[2].startswith("f")
         if in_block and not all((m := TRANSFORM.match(n)) is not None and m["ec"] for n in (kname, vname)):
             raise SystemExit(f"{scheme}: isinkN holds the sink in an entropy-coded block's bytes")
         ctx["held"] = sink if in_block else 0

@@ -437,6 +437,21 @@ def test_weights_set_each_heads_step_and_a_quiet_head_keeps_its_floor():
         ktf.fit_transforms_ec_shared(xs, ms, 4, weights=[1.0, 1.0])
 
 
+def test_a_first_blocks_held_rows_are_paid_by_every_head_at_one_coarser_step():
+    xs, ms = _heads([1.0, 4.0, 16.0])
+    plain = ktf.fit_transforms_ec_shared(xs, ms, 4)
+    first = ktf.fit_transforms_ec_shared(xs, ms, 4, held=1)
+    d = xs[0].shape[1]
+    assert sum(f["nbytes"] for f in first) == pytest.approx(3 * 4, rel=1e-3)  # the same budget
+    assert [float(f["base"]) for f in first] == pytest.approx([float(first[0]["base"])] * 3, rel=1e-12)
+    assert float(first[0]["base"]) > float(plain[0]["base"])  # the held rows' 2 d bytes a head come out of it
+    for x, m, f in zip(xs, ms, first, strict=True):
+        # 15 coded rows at the step, then a block's header, flush and its held row at bf16: a row's share of each
+        coded = _modelled_bytes(x, m, f) - (cbq.STEP_BYTES + ktf.FLUSH_BYTES) / 16
+        assert f["nbytes"] == pytest.approx(coded * 15 / 16 + (cbq.STEP_BYTES + ktf.FLUSH_BYTES + 2 * d) / 16,
+                                            rel=1e-4)
+
+
 def test_block_budget_rounds_a_heads_share_down():
     assert cbq.block_budget(torch.tensor([16, 16, 7]), 4).tolist() == [64, 64, 28]
     assert cbq.block_budget(torch.tensor([16, 7]), 2.53).tolist() == [40, 17]  # 40.48 and 17.71, down

@@ -4,6 +4,8 @@ share, held rows kept at bf16 from the block's own bytes, corrupt slots refused,
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -106,6 +108,22 @@ def test_held_rows_stay_bf16_from_the_blocks_own_bytes():
                  <= step / 2 * (1 + 1e-5) + 1e-6).all())
     with pytest.raises(RuntimeError):  # the held row is not words: read as words, the slot does not decode
         code.decode(0, 0, slots)
+
+
+def test_a_first_blocks_slot_is_sized_apart_where_the_tables_say():
+    code = dataclasses.replace(_code(((6.0625, 5.5),)), first_row_bytes=torch.tensor([[9.0, 4.0]], dtype=torch.float64))
+    assert code.slot_bytes.tolist() == [[97, 88]] and code.first_slot_bytes.tolist() == [[144, 64]]
+    x = _rows(code, 3)
+    slots, codes, used = code.encode(0, 0, x, held=1)  # a block holding rows: the first block's slot
+    assert slots.shape == (3, 144) and bool((used <= 144).all()) and bool((used > 140).any())
+    assert torch.equal(code.decode(0, 0, slots, held=1)[:, 0], x[:, 0].bfloat16().float())
+    plain, _, _ = code.encode(0, 0, x)  # every other block: its own slot
+    assert plain.shape == (3, 97)
+    wider = dataclasses.replace(code, first_row_bytes=torch.tensor([[6.0625, 4.0]], dtype=torch.float64))
+    assert bool((codes < wider.encode(0, 0, x, held=1)[1]).all())  # more bytes, a finer step
+    assert torch.equal(kt.SideCode.from_dict(code.to_dict()).first_row_bytes, code.first_row_bytes)
+    with pytest.raises(ConfigError, match="first_row_bytes"):
+        dataclasses.replace(code, first_row_bytes=torch.ones(2, 2, dtype=torch.float64))
 
 
 def test_corrupt_slots_are_refused():

@@ -5,6 +5,8 @@ their last decoded row, copies and swaps carrying a page to another block, and t
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,6 +41,11 @@ def _side(row_bytes, seed) -> kt.SideCode:
 
 
 TABLES = ktp.TransformTables(_side(KEY_ROWS, 0), _side(VALUE_ROWS, 1), "test")
+# A sequence's first block laid out apart: its sink row paid by every head (layer 1's keys wider than elsewhere).
+FIRST = ktp.TransformTables(
+    dataclasses.replace(TABLES.keys, first_row_bytes=torch.tensor(((48.0, 30.5), (30.0, 30.0)), dtype=torch.float64)),
+    dataclasses.replace(TABLES.values, first_row_bytes=torch.tensor(((34.0, 36.0), (34.0, 37.0)),
+                                                                     dtype=torch.float64)), "first")
 SPEC = KVSpec(layers=L, kv_heads=H, head_dim=D, block_size=B, kv_dtype="kvtc", residual_dtype="fp32")
 
 
@@ -69,7 +76,7 @@ def _write(store, slots, pos, k, v):
         store.write(layer, slots, k[layer], v[layer])
 
 
-def _expected(k, v, first):
+def _expected(k, v, first, tables=TABLES):
     """What a sealed block of rows ``k``/``v [L, B, H, D]`` at ``first`` reads back: each layer-head coded by the
     tables directly (keys before RoPE; the sink row held at position 0), RoPE applied again."""
     pos = torch.arange(first, first + B)
@@ -77,9 +84,9 @@ def _expected(k, v, first):
     ks, vs = [], []
     for layer in range(L):
         pre = _rope(k[layer], pos, -1.0).float()
-        kh = torch.stack([TABLES.keys.decode(layer, h, TABLES.keys.encode(layer, h, pre[None, :, h], held=held)[0],
+        kh = torch.stack([tables.keys.decode(layer, h, tables.keys.encode(layer, h, pre[None, :, h], held=held)[0],
                                              held=held)[0] for h in range(H)], 1)
-        vh = torch.stack([TABLES.values.decode(layer, h, TABLES.values.encode(layer, h, v[layer][None, :, h],
+        vh = torch.stack([tables.values.decode(layer, h, tables.values.encode(layer, h, v[layer][None, :, h],
                                                                               held=held)[0], held=held)[0]
                           for h in range(H)], 1)
         ks.append(_rope(kh, pos).float())
@@ -115,14 +122,15 @@ def test_a_page_lays_every_slot_once_across_the_layers_parts_behind_the_position
     assert spans == {0, 1}  # layer 0's value slots run on into layer 1's part of the page
 
 
-def test_a_prefill_seals_its_whole_blocks_as_the_tables_code_them_and_keeps_the_tail():
-    store = _store()
+@pytest.mark.parametrize("tables", [TABLES, FIRST], ids=["one-layout", "first-block-apart"])
+def test_a_prefill_seals_its_whole_blocks_as_the_tables_code_them_and_keeps_the_tail(tables):
+    store = _store(tables=tables)
     k, v = _rows(20, seed=2)
     _write(store, list(range(8, 28)), list(range(20)), k, v)  # blocks 1, 2 whole (positions 0-15), block 3 open
     assert store.open_blocks() == 1
     for block, first in ((1, 0), (2, 8)):
         got_k, got_v = _read(store, block)
-        want_k, want_v = _expected(k[:, first:first + B], v[:, first:first + B], first)
+        want_k, want_v = _expected(k[:, first:first + B], v[:, first:first + B], first, tables)
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
         torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
         assert int(store.coded.positions(store.kv, torch.tensor([block]))[0]) == first
@@ -132,6 +140,15 @@ def test_a_prefill_seals_its_whole_blocks_as_the_tables_code_them_and_keeps_the_
     assert not torch.equal(sink_k[:, 1], k[:, 1].bfloat16().float())  # the others are coded
     tail_k, tail_v = _read(store, 3)
     assert torch.equal(tail_k[:, :4], k[:, 16:20]) and torch.equal(tail_v[:, :4], v[:, 16:20])  # fp32 residual
+
+
+def test_a_first_block_has_its_own_layout_in_the_same_page():
+    pages = _store(tables=FIRST).coded
+    widths = [int(w) for layer in range(L) for c in (FIRST.keys, FIRST.values) for w in c.first_slot_bytes[layer]]
+    assert widths[4:6] == [240, 240] and pages.first_page_bytes_used == ktp.POSITION_BYTES + sum(widths)
+    assert pages.first_slots["k"][1][0].tolist() != pages.slots["k"][1][0].tolist()
+    assert pages.first_page_bytes_used <= L * SPEC.layer_block_bytes
+    assert pages.page_bytes_used == _store().coded.page_bytes_used  # every other block: as before
 
 
 def test_a_prefills_attention_reads_each_layers_coded_blocks_before_the_step_ends():

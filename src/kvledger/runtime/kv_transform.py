@@ -45,6 +45,9 @@ class SideCode:
     base: torch.Tensor  # [L, H] float64: the step that code 128 names
     row_bytes: torch.Tensor  # [L, H] float64: the head's bytes a row (a block of R rows: floor(R * row_bytes))
     block_size: int
+    # [L, H] float64: the same for a block with held rows (a sequence's first), its page laid out apart (None: as
+    # every block): the held rows' bytes spread over every head by the shared step, not each head paying its own
+    first_row_bytes: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.mu.dim() != 3:
@@ -53,7 +56,9 @@ class SideCode:
         lh, d = lhd[:2], lhd[2]
         for name, t, shape in (("turn", self.turn, (*lhd, d)), ("back", self.back, (*lhd, d)),
                                ("sigma", self.sigma, lhd), ("laplace", self.laplace, lhd), ("base", self.base, lh),
-                               ("row_bytes", self.row_bytes, lh)):
+                               ("row_bytes", self.row_bytes, lh),
+                               *((("first_row_bytes", self.first_row_bytes, lh),)
+                                 if self.first_row_bytes is not None else ())):
             if tuple(t.shape) != shape:
                 raise ConfigError(f"{name} must be {list(shape)}, got {list(t.shape)}")
         if self.block_size < 1:
@@ -61,7 +66,7 @@ class SideCode:
         if not bool((self.base > 0).all()) or not bool((self.sigma > 0).all()):
             raise ConfigError("steps and deviations must be positive")
         least = STEP_BYTES + STATE_BYTES
-        if bool((self.slot_bytes < least).any()):
+        if bool((self.slot_bytes < least).any()) or bool((self.first_slot_bytes < least).any()):
             raise ConfigError(f"every slot needs at least {least} bytes; the smallest is {int(self.slot_bytes.min())}")
 
     @classmethod
@@ -70,14 +75,23 @@ class SideCode:
         ``nbytes``: what the calibration's fits return)."""
         def stack(key: str, dtype: torch.dtype) -> torch.Tensor:
             return torch.stack([torch.stack([torch.as_tensor(h[key]).to(dtype) for h in layer]) for layer in heads])
+        first = stack("nbytes_first", torch.float64) if "nbytes_first" in heads[0][0] else None
         return cls(stack("mu", torch.float64), stack("T", torch.float64), stack("Ti", torch.float64),
                    stack("sigma", torch.float64), stack("laplace", torch.bool), stack("base", torch.float64),
-                   stack("nbytes", torch.float64), block_size)
+                   stack("nbytes", torch.float64), block_size, first)
 
     @property
     def slot_bytes(self) -> torch.Tensor:
         """``[L, H]`` int64: the bytes of a whole block's slot."""
         return block_bytes(torch.tensor(self.block_size), self.row_bytes)
+
+    @property
+    def first_slot_bytes(self) -> torch.Tensor:
+        """``[L, H]`` int64: the bytes of a whole block's slot where the block holds rows at bf16."""
+        return block_bytes(torch.tensor(self.block_size), self._rows_bytes(True))
+
+    def _rows_bytes(self, held: bool) -> torch.Tensor:
+        return self.first_row_bytes if held and self.first_row_bytes is not None else self.row_bytes
 
     def _head(self, layer: int, head: int) -> tuple[torch.Tensor, ...]:
         return (self.mu[layer, head], self.turn[layer, head], self.back[layer, head], self.sigma[layer, head],
@@ -98,7 +112,8 @@ class SideCode:
         if n and (not bool(((rows >= 1) & (rows <= r)).all()) or not 0 <= held < int(rows.min())):
             raise ConfigError(f"each block needs 1 to {r} rows and more than its {held} held rows")
         mu, turn, _, sigma, laplace, base = self._head(layer, head)
-        budget = block_bytes(rows, self.row_bytes[layer, head]) - STEP_BYTES - held * d * HELD_ELEMENT_BYTES
+        per_row = self._rows_bytes(held > 0)[layer, head]
+        budget = block_bytes(rows, per_row) - STEP_BYTES - held * d * HELD_ELEMENT_BYTES
         words = budget // 2 - spare_words
         y = (x.double() - mu) @ turn / base
         coded = torch.zeros_like(y)  # the coded rows first in their block (the coder reads a block's first rows)
@@ -108,7 +123,7 @@ class SideCode:
         if bool((nwords > words).any()):
             bad = int((nwords > words).nonzero()[0])
             raise ConfigError(f"layer {layer} head {head} block {bad}: fits its {int(budget[bad])} bytes at no step")
-        slot = int(self.slot_bytes[layer, head])
+        slot = int(block_bytes(torch.tensor(self.block_size), per_row))
         out = torch.zeros(n, slot, dtype=torch.uint8)
         out[:, 0] = codes.to(torch.uint8)
         at = STEP_BYTES
@@ -148,7 +163,7 @@ class SideCode:
 
     def to_dict(self) -> dict:
         return {name: getattr(self, name) for name in ("mu", "turn", "back", "sigma", "laplace", "base", "row_bytes",
-                                                        "block_size")}
+                                                        "block_size", "first_row_bytes")}
 
     @classmethod
     def from_dict(cls, d: dict) -> SideCode:

@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .kv_transform import STATE_BYTES, STEP_BYTES
+from .kv_transform import HELD_ELEMENT_BYTES, STATE_BYTES, STEP_BYTES
 
 FLUSH_BYTES = STATE_BYTES  # what the coder adds to the modelled bits (its final state), for modelled searches
 MIN_PROB = 2.0 ** -24  # a symbol's least modelled probability (the coder's leaky floor is of this order)
@@ -94,7 +94,8 @@ def fit_transform_ec(x: torch.Tensor, metric: torch.Tensor, nbytes: int, bs: int
 
 
 def fit_transforms_ec_shared(xs: list[torch.Tensor], metrics: list[torch.Tensor], nbytes: int, bs: int = 16,
-                             min_bytes: float = 0.75, weights: list[float] | None = None) -> list[dict]:
+                             min_bytes: float = 0.75, weights: list[float] | None = None,
+                             held: int = 0) -> list[dict]:
     """:func:`fit_transform_ec` for many heads at once (every layer's KV heads of one side) under one budget of
     ``nbytes`` a row on average: every head's base step is the same whitened step, the one at which the heads'
     calibration rows take the whole budget, and each head's bytes a row (``nbytes`` in its dict, a float; a block
@@ -103,8 +104,12 @@ def fit_transforms_ec_shared(xs: list[torch.Tensor], metrics: list[torch.Tensor]
     costs, the least total cost at the total rate; a head whose rows vary little (a first layer's) then codes in
     fewer bytes and a busy one in more, where equal bytes a head give every head a different step. ``weights``
     (one a head: what a unit of its whitened error costs downstream, e.g. a measured KL per unit) make the
-    weighted error least instead: head ``h``'s step is the shared one over ``sqrt(weights[h])``."""
-    over = (STEP_BYTES + FLUSH_BYTES) / bs  # a block's header and flush, a row's share
+    weighted error least instead: head ``h``'s step is the shared one over ``sqrt(weights[h])``. ``held``: the
+    blocks' first rows kept at bf16 in their own bytes (a sequence's first block): each head pays them, and its
+    other rows share what is left at the shared step, so the bytes a row are a first block's share."""
+    d = xs[0].shape[1] if xs else 0
+    over = (STEP_BYTES + FLUSH_BYTES + held * d * HELD_ELEMENT_BYTES) / bs  # a block's header, flush and held rows
+    coded = (bs - held) / bs  # the rows a block codes, a row's share
     w = torch.tensor(weights if weights is not None else [1.0] * len(xs), dtype=torch.float64)
     if len(w) != len(xs) or not bool((w > 0).all()):
         raise ValueError("one positive weight a head")
@@ -125,7 +130,7 @@ def fit_transforms_ec_shared(xs: list[torch.Tensor], metrics: list[torch.Tensor]
         return out
 
     def row_bytes(r):
-        return max(r / 8 + over, over + min_bytes)
+        return max(r * coded / 8 + over, over + min_bytes)
 
     lo = torch.tensor(1e-6, dtype=torch.float64)
     hi = max(h[4].max() for h in heads) * 16

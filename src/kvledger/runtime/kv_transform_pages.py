@@ -124,27 +124,34 @@ class CodedPages:
         self.layer_bytes = layer_bytes
         self.inv_freq = inv_freq.detach().double().cpu()
         self._stride = num_blocks * layer_bytes  # one layer of the pool, in bytes
-        at = POSITION_BYTES
-        # slots[side][layer][head]: the page offsets of one slot, as flat pool offsets of block 0
-        self.slots: dict[str, list[list[torch.Tensor]]] = {"k": [], "v": []}
-        for layer in range(layers):
-            for side, code in (("k", tables.keys), ("v", tables.values)):
-                row = []
-                for h in range(heads):
-                    width = int(code.slot_bytes[layer, h])
-                    row.append(self._flat(torch.arange(at, at + width)))
-                    at += width
-                self.slots[side].append(row)
+        # slots[side][layer][head]: the page offsets of one slot, as flat pool offsets of block 0; first_slots: the
+        # same for a sequence's first block (the sink row held), laid out apart where the tables size it apart
+        self.slots, used = self._layout(False)
+        self.first_slots, used_first = self._layout(True)
         sink = STEP_BYTES + HELD_ROWS * head_dim * HELD_ELEMENT_BYTES + STATE_BYTES
-        narrow = min(int(c.slot_bytes.min()) for c in (tables.keys, tables.values))
+        narrow = min(int(c.first_slot_bytes.min()) for c in (tables.keys, tables.values))
         if narrow < sink:
             raise ConfigError(f"kvtc tables {tables.source}: a slot of {narrow} bytes cannot hold a sequence's first "
                               f"row at bf16 ({sink} bytes with the step and the coder's state)")
-        if at > layers * layer_bytes:
-            raise ConfigError(f"kvtc tables {tables.source} need {at} bytes a page (position included); the format "
-                              f"gives {layers * layer_bytes}")
-        self.page_bytes_used = at
+        if max(used, used_first) > layers * layer_bytes:
+            raise ConfigError(f"kvtc tables {tables.source} need {max(used, used_first)} bytes a page (position "
+                              f"included); the format gives {layers * layer_bytes}")
+        self.page_bytes_used = used
+        self.first_page_bytes_used = used_first
         self._position = self._flat(torch.arange(POSITION_BYTES))
+
+    def _layout(self, first: bool) -> tuple[dict[str, list[list[torch.Tensor]]], int]:
+        at = POSITION_BYTES
+        slots: dict[str, list[list[torch.Tensor]]] = {"k": [], "v": []}
+        for layer in range(self.layers):
+            for side, code in (("k", self.tables.keys), ("v", self.tables.values)):
+                row = []
+                for h in range(self.heads):
+                    width = int((code.first_slot_bytes if first else code.slot_bytes)[layer, h])
+                    row.append(self._flat(torch.arange(at, at + width)))
+                    at += width
+                slots[side].append(row)
+        return slots, at
 
     def _flat(self, page_offsets: torch.Tensor) -> torch.Tensor:
         """Page offsets -> flat offsets into ``kv.view(-1)`` for block 0 (add ``block * layer_bytes``)."""
@@ -181,11 +188,11 @@ class CodedPages:
             pre = self._rope(k[i].cpu(), first, -1.0)
             for side, code, x in (("k", self.tables.keys, pre), ("v", self.tables.values, v[i].cpu())):
                 for h in range(self.heads):
-                    for mask, n_held in ((held, HELD_ROWS), (~held, 0)):
+                    for mask, n_held, lay in ((held, HELD_ROWS, self.first_slots), (~held, 0, self.slots)):
                         if not bool(mask.any()):
                             continue
                         out, _, _ = code.encode(layer, h, x[mask][:, :, h], held=n_held)
-                        flat[self._index(self.slots[side][layer][h], blocks[mask])] = out.to(kv.device)
+                        flat[self._index(lay[side][layer][h], blocks[mask])] = out.to(kv.device)
 
     def read(self, kv: torch.Tensor, layer: int, blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Sealed ``blocks [n]`` of one layer back as ``(k, v) [n, B, H, D]`` float32, keys after RoPE."""
@@ -197,10 +204,10 @@ class CodedPages:
         out = {"k": torch.empty(n, B, H, D, dtype=torch.float64), "v": torch.empty(n, B, H, D, dtype=torch.float64)}
         for side, code in (("k", self.tables.keys), ("v", self.tables.values)):
             for h in range(H):
-                for mask, n_held in ((held, HELD_ROWS), (~held, 0)):
+                for mask, n_held, lay in ((held, HELD_ROWS, self.first_slots), (~held, 0, self.slots)):
                     if not bool(mask.any()):
                         continue
-                    slots = flat[self._index(self.slots[side][layer][h], blocks[mask])].cpu()
+                    slots = flat[self._index(lay[side][layer][h], blocks[mask])].cpu()
                     out[side][mask, :, h] = code.decode(layer, h, slots, held=n_held).double()
         k = self._rope(out["k"], first, 1.0)
         return k.float().to(kv.device), out["v"].float().to(kv.device)

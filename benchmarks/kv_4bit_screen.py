@@ -270,7 +270,7 @@ BLOCK_ALLOC = re.compile(r"^(?P<pre>p?)kva(?P<nbytes>\d+)$")
 # Before it, ``r``: one whitened step for every layer-head of the side, each its own bytes a row (NN on average);
 # ``w``: that step weighed per layer by the measured KL a unit of its whitened error costs; ``j``: both sides' budgets
 # pooled under one weighted step.
-TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)(?P<shared>[rwj]?)(?P<adapt>a?)$")
+TRANSFORM = re.compile(r"^(?P<pre>p?)klt(?P<ec>e?)(?P<nbytes>\d+)(?P<shared>[rwjh]?)(?P<adapt>a?)$")
 
 
 def quantiser_bytes(name, slot):
@@ -300,7 +300,7 @@ def quantiser(name, slot, shape=None):
                     fits = ctx["codebooks"]("kv", 0, ctx["split"], False, "kltj")[source][layer]
                 else:
                     fits = ctx["codebooks"](source, 0, nbytes, False,
-                                            {"r": "kltr", "w": "kltw"}.get(tr["shared"], "klte"))[layer]
+                                            {"r": "kltr", "w": "kltw", "h": "kltwh"}.get(tr["shared"], "klte"))[layer]
                 if ctx.get("first_bytes"):  # fsinkN: block 0's page allocated apart, its held rows paid by all heads
                     if tr["shared"] != "w":
                         raise ValueError(f"{name}: fsinkN allocates block 0 by the weighted step (w) only")
@@ -420,24 +420,38 @@ def codebook_source(model, tok, calibration="narrow"):
     # uniform fits or the measurement itself change.
     sens_tag = hashlib.sha256(json.dumps(calib).encode() + b"sensitivity-v1").hexdigest()[:12]
 
-    def sensitivities(source):
+    def sensitivities(source, per_head=False):
         """:func:`measure_sensitivities` at the uniform fit of ``SENSITIVITY_BYTES[source]`` (a unit of whitened error
         costs about the same at nearby budgets: one measurement serves every budget), cached."""
         bits = SENSITIVITY_BYTES[source]
-        path = CODEBOOK_CACHE / f"sens_{source}_{bits}_{sens_tag}.pt"
+        path = CODEBOOK_CACHE / f"sens_{source}_{bits}{'_h' if per_head else ''}_{sens_tag}.pt"
         if not path.exists():
             CODEBOOK_CACHE.mkdir(exist_ok=True)
-            torch.save(measure_sensitivities(source, get(source, 0, bits, False, "klte")), path)
+            torch.save(measure_sensitivities(source, get(source, 0, bits, False, "klte"), per_head), path)
         return torch.load(path)
 
-    def measure_sensitivities(source, fits):
+    def measure_sensitivities(source, fits, per_head=False):
         """Per layer-head, the KL a unit of whitened error costs: each layer's rows (that side only, the first row
         kept exact as ``sink1``) get Gaussian noise in the whitened basis of ``fits`` (each head's coefficients a
         deviation of its step over sqrt 12, what its quantiser leaves), and the mean KL on the first 512 tokens of
-        the first four calibration texts is divided by the noise's power; a layer's heads share its figure."""
+        the first four calibration texts is divided by the noise's power; a layer's heads share its figure
+        (``per_head``: each head's rows alone get the noise, one figure a head, three times the work)."""
         sens = [(ids[:512], forward(model, ids[:512])) for ids in calib[:4]]
         out = []
         for li, fl in enumerate(fits):
+            if per_head:
+                for h, fh in enumerate(fl):
+                    def one(layer, x, ctx, fl=fl, li=li, h=h):
+                        return whitened_noise(x, fl, torch.Generator().manual_seed(1000 + 8 * li + h), only=h)
+                    one.pre_rope = source == "kpre"
+                    pick = (one, q_none) if source != "v" else (q_none, one)
+                    kl = torch.cat([kl_and_ppl(base, forward(model, ids, None, None, {}, sink=1, per_layer={li: pick}),
+                                               ids)[0] for ids, base in sens]).mean().item()
+                    power = float(fh["base"]) ** 2 / 12 * len(fh["sigma"])
+                    out.append(max(kl, 1e-12) / power)
+                    print(f"  {source} layer {li:2d} head {h}: KL {kl:.2e} at whitened noise power {power:.3e}",
+                          flush=True)
+                continue
             def noisy(layer, x, ctx, fl=fl, li=li):
                 return whitened_noise(x, fl, torch.Generator().manual_seed(1000 + li))
             noisy.pre_rope = source == "kpre"
@@ -461,7 +475,8 @@ def codebook_source(model, tok, calibration="narrow"):
     def get(source, d, bits, scaled, alloc=False):
         key = (source, d, bits, scaled, alloc)
         if key not in memo:
-            kind = {"klt": "t", "klte": "te", "kltr": "tr", "kltw": "tw", "kltwf": "twf", "kltj": "tj"}.get(
+            kind = {"klt": "t", "klte": "te", "kltr": "tr", "kltw": "tw", "kltwh": "twh", "kltwf": "twf",
+                    "kltj": "tj"}.get(
                 alloc, "a" if alloc else "")
             label = "+".join(map(str, bits)) if isinstance(bits, tuple) else bits
             path = CODEBOOK_CACHE / f"{source}_{d}x{label}{kind}{'s' if scaled else ''}_{tag}.pt"
@@ -492,8 +507,8 @@ def codebook_source(model, tok, calibration="narrow"):
                     print(f"  {source} klte{bits}: Laplacian coefficients "
                           f"{int(sum(f['laplace'].sum() for fl in memo[key] for f in fl))} of "
                           f"{sum(len(f['laplace']) for fl in memo[key] for f in fl)}", flush=True)
-                elif alloc in ("kltr", "kltw"):  # entropy-coded transforms, one step shared by every layer-head
-                    weights = sensitivities(source) if alloc == "kltw" else None
+                elif alloc in ("kltr", "kltw", "kltwh"):  # entropy-coded transforms, one step shared by all heads
+                    weights = None if alloc == "kltr" else sensitivities(source, per_head=alloc == "kltwh")
                     fl = ktf.fit_transforms_ec_shared(*head_rows(source), bits, weights=weights)
                     heads = len(fl) // len(taps[0])
                     memo[key] = [fl[li * heads:(li + 1) * heads] for li in range(len(taps[0]))]
@@ -542,12 +557,14 @@ def codebook_source(model, tok, calibration="narrow"):
     return get
 
 
-def whitened_noise(x, fits, generator):
+def whitened_noise(x, fits, generator, only=None):
     """Rows ``x [N, H, D]`` plus Gaussian noise in each head's whitened basis (``fits[h]``'s ``Ti``): every
     coefficient gets a deviation of the head's base step over sqrt 12, the error a uniform quantiser of that step
     leaves, so the noise costs ``D * base ** 2 / 12`` a row in what an error costs."""
     out = x.clone()
     for h, fh in enumerate(fits):
+        if only is not None and h != only:
+            continue
         e = torch.randn(x.shape[0], x.shape[2], generator=generator, dtype=torch.float64)
         e = e * (float(fh["base"]) / 12 ** 0.5)
         out[:, h] += (e @ fh["Ti"].double()).to(x.dtype)

@@ -774,7 +774,7 @@ def per_layer_scan(model, ctx, data, bases, variants, ratio, shape):
                                                   "per_layer": [f"{k}/{v}" for k, v in mix[2]]}}
 
 
-def write_tables(source, ckpt, out, calibration):
+def write_tables(source, ckpt, out, calibration, split=None):
     """kvtc's tables: the weighted entropy-coded transforms of pre-RoPE keys and of values at the format's page
     shares (``CODED_KEY_BYTES`` / ``CODED_VALUE_BYTES`` a head-row per 64 channels), saved for the runtime."""
     from kvledger.core.sizing.kv_formats import coded_row_bytes
@@ -782,7 +782,10 @@ def write_tables(source, ckpt, out, calibration):
     from kvledger.runtime.kv_transform import SideCode
     from kvledger.runtime.measure.quality_records import weights_revision
 
-    kb, vb = coded_row_bytes("k", HEAD_DIM), coded_row_bytes("v", HEAD_DIM)
+    kb, vb = split or (coded_row_bytes("k", HEAD_DIM), coded_row_bytes("v", HEAD_DIM))
+    page = coded_row_bytes("k", HEAD_DIM) + coded_row_bytes("v", HEAD_DIM)
+    if kb + vb != page:
+        raise SystemExit(f"--split {kb}/{vb}: the page holds {page} bytes a head-row")
     # The sink row held in block 0's own slots (isink1, chosen on the tuning texts over fsink1: a first block laid
     # out apart, its held rows paid by every head, which the tables could carry as first_row_bytes)
     keys = SideCode.from_heads(source("kpre", 0, kb, False, "kltw"), 16)
@@ -824,6 +827,9 @@ def main():
                     help="instead of scoring: fit kvtc's tables (pklte/klte at the format's bytes, each layer weighed "
                          "by its measured cost) and write them where the runtime looks (default "
                          "kvledger/data/kv_transform/<weights revision>.pt)")
+    ap.add_argument("--split", default=None, metavar="K/V",
+                    help="with --write-tables: the keys' and values' bytes a head-row (default the format's, 33/40 at "
+                         "64 channels; the page holds their sum)")
     ap.add_argument("--contract-texts", action="store_true",
                     help="score kvledger quality's texts at its contexts (an indication, fake-quantised) instead")
     args = ap.parse_args()
@@ -840,7 +846,8 @@ def main():
     ctx = {"H": hadamard(shape.head_dim), "mu": sm.mean, "s": sm.scale,
            "codebooks": codebook_source(model, tok, args.calibration), "slack": args.slack}
     if args.write_tables is not None:
-        write_tables(ctx["codebooks"], ckpt, args.write_tables, args.calibration)
+        split = tuple(int(b) for b in args.split.split("/")) if args.split else None
+        write_tables(ctx["codebooks"], ckpt, args.write_tables, args.calibration, split)
         return
     data = (held_out_texts() if args.held_out else contract_texts(tok) if args.contract_texts
             else texts_by_kind(tok) if args.tuning_by_kind else texts(tok, args.more_tuning))

@@ -63,10 +63,10 @@ FORBIDDEN = {  # (the core, workloads and placement: anything outside the standa
 STDLIB_ONLY = {"core", "workloads", "placement", "cachedir"}
 # What the rest of the runtime may import from its measuring room: the engine checks a quantised KV format's
 # quality record before it runs one. (file, kvledger module)
-# int4-smooth's calibrated key constants and kvtc's tables are found by the weights' revision, as the records are.
+# int4-smooth's calibrated key constants and kvtc's tables are found by the weights' revision, as the records are
+# (one lookup for both: kv_smoothing.calibrated_for).
 MEASURE_READERS = {("runtime/engine.py", ("runtime", "measure", "quality_records")),
-                   ("runtime/kv_smoothing.py", ("runtime", "measure", "quality_records")),
-                   ("runtime/kv_transform_pages.py", ("runtime", "measure", "quality_records"))}
+                   ("runtime/kv_smoothing.py", ("runtime", "measure", "quality_records"))}
 
 # The core's two halves: sizing (core/sizing/: formats, geometry, weights, engines, GPUs, models, inventory,
 # capacity, the contiguous allocator) and the ledger (the rest of core/). Of the ledger half, sizing reads only
@@ -203,10 +203,10 @@ def test_the_sizing_half_reads_of_the_ledger_just_what_the_rule_allows() -> None
 
 def test_the_engine_may_read_its_quality_records() -> None:
     """The imports the runtime makes from its measuring room are allowed (and only they): the engine's record
-    check, int4-smooth's constants and kvtc's tables, all found by the weights' revision."""
+    check and the lookup of a model's calibrated artefacts (int4-smooth's constants, kvtc's tables), both found by
+    the weights' revision."""
     assert MEASURE_READERS == {("runtime/engine.py", ("runtime", "measure", "quality_records")),
-                               ("runtime/kv_smoothing.py", ("runtime", "measure", "quality_records")),
-                               ("runtime/kv_transform_pages.py", ("runtime", "measure", "quality_records"))}
+                               ("runtime/kv_smoothing.py", ("runtime", "measure", "quality_records"))}
     assert all((SRC / path).is_file() and (SRC.joinpath(*module[:-1]) / f"{module[-1]}.py").is_file()
                for path, module in MEASURE_READERS)
 

@@ -218,3 +218,14 @@ def test_tables_saved_and_loaded_code_the_same_slots(tmp_path):
         ktp.TransformTables.from_file(tmp_path / "bad.pt")
     with pytest.raises(ConfigError, match="none ship"):
         ktp.load_for("sha256:0000000000000000")
+
+
+def test_a_models_tables_are_found_on_it_or_refused_in_one_line():
+    class Decoder:
+        pass
+
+    bare = Decoder()
+    with pytest.raises(ConfigError, match="kvtc needs the model's transform-coding tables; this decoder has none"):
+        ktp.for_model(bare)
+    bare.kv_transform = TABLES
+    assert ktp.for_model(bare) is TABLES  # set on the model (or loaded once): kept there

@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sysconfig
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -199,21 +199,28 @@ def load_for(revision: str) -> KVSmoothing:
     return KVSmoothing.from_dict(data, str(p))
 
 
-def for_model(model: Any) -> KVSmoothing:
-    """The constants of a decoder that :func:`~kvledger.runtime.loading.load_decoder` loaded (it records
-    the checkpoint), or one ConfigError line."""
-    found = getattr(model, "kv_smoothing", None)
+def calibrated_for(model: Any, attr: str, load: Callable[[str], Any], need: str) -> Any:
+    """A decoder's calibrated artefact (``model.<attr>``, else ``load(weights revision)`` once, kept there) for a
+    decoder that :func:`~kvledger.runtime.loading.load_decoder` loaded (it records the checkpoint), or one
+    ConfigError line. ``need`` says who needs what (int4-smooth's constants, kvtc's tables)."""
+    found = getattr(model, attr, None)
     if found is not None:
         return found
     ckpt = getattr(model, "checkpoint", None)
     if ckpt is None:
-        raise ConfigError("int4-smooth needs the model's key smoothing constants; this decoder has none "
-                          "(set model.kv_smoothing, or load it through kvledger so its weights are known)")
+        raise ConfigError(f"{need}; this decoder has none (set model.{attr}, or load it through kvledger so its "
+                          "weights are known)")
     from .measure.quality_records import weights_revision
 
-    found = load_for(weights_revision(ckpt))
-    model.kv_smoothing = found
+    found = load(weights_revision(ckpt))
+    setattr(model, attr, found)
     return found
+
+
+def for_model(model: Any) -> KVSmoothing:
+    """The constants of a decoder that :func:`~kvledger.runtime.loading.load_decoder` loaded, or one ConfigError
+    line."""
+    return calibrated_for(model, "kv_smoothing", load_for, "int4-smooth needs the model's key smoothing constants")
 
 
 def _main(argv: Sequence[str] | None = None) -> None:  # pragma: no cover - a developer's command
@@ -240,4 +247,5 @@ if __name__ == "__main__":  # pragma: no cover
     _main()
 
 
-__all__ = ["ALPHA", "KVSmoothing", "calibrate", "calibration_ids", "constants_from_stats", "for_model", "load_for"]
+__all__ = ["ALPHA", "KVSmoothing", "calibrate", "calibrated_for", "calibration_ids", "constants_from_stats",
+           "for_model", "load_for"]

@@ -26,6 +26,9 @@ plan that seals blocks needs each row's position) and :meth:`read` decodes the b
 
 The module stays whole past 600 lines: one class owns the pool's bytes, the residual pages and every read,
 write and copy of them, and each of those reads the same layout (``offsets``, ``res_map``, the write plan).
+Splitting it by format would give each piece a copy of the residual-page and write-plan bookkeeping that every
+residual format shares; what is one format's own (kvtc's page layout, coding and RoPE) lives beside it instead
+(``kv_transform_pages.CodedPages``), and the store only routes to it.
 """
 
 from __future__ import annotations
@@ -361,8 +364,9 @@ class KVStore:
             return
         B = self.block_size
         values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-        where = None if positions is None else (positions.tolist() if isinstance(positions, torch.Tensor)
-                                                 else list(positions))
+        # Only kvtc seals with positions: other formats never turn them into a list (a step's hot path).
+        where = None if positions is None or self.coded is None else (
+            positions.tolist() if isinstance(positions, torch.Tensor) else list(positions))
         if where is not None and len(where) != len(values):
             raise ConfigError(f"{len(where)} positions for {len(values)} slots")
         if values and not 0 <= min(values) <= max(values) < self.num_slots:

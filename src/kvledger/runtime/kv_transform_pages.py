@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import ConfigError
+from .kv_smoothing import calibrated_for
 from .kv_transform import HELD_ELEMENT_BYTES, STATE_BYTES, STEP_BYTES, SideCode
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "data" / "kv_transform"
@@ -86,20 +87,9 @@ def load_for(revision: str) -> TransformTables:
 
 
 def for_model(model: Any) -> TransformTables:
-    """The tables of a decoder that :func:`~kvledger.runtime.loading.load_decoder` loaded (it records the
-    checkpoint), or one ConfigError line."""
-    found = getattr(model, "kv_transform", None)
-    if found is not None:
-        return found
-    ckpt = getattr(model, "checkpoint", None)
-    if ckpt is None:
-        raise ConfigError("kvtc needs the model's transform-coding tables; this decoder has none (set "
-                          "model.kv_transform, or load it through kvledger so its weights are known)")
-    from .measure.quality_records import weights_revision
-
-    found = load_for(weights_revision(ckpt))
-    model.kv_transform = found
-    return found
+    """The tables of a decoder that :func:`~kvledger.runtime.loading.load_decoder` loaded, or one ConfigError line
+    (found by weights revision as int4-smooth's constants are: ``kv_smoothing.calibrated_for``)."""
+    return calibrated_for(model, "kv_transform", load_for, "kvtc needs the model's transform-coding tables")
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -70,7 +70,7 @@ def test_table_probabilities_by_hand():
 def test_round_trip_is_exact_for_both_families_short_blocks_and_the_alphabets_ends():
     y, sig, lap = _blocks()
     n = y.shape[0]
-    y[0, 0, 0] = 1e9  # clamped to the top symbol, then an escape
+    y[0, 0, 0] = 1e9  # the rate control steps up until it is in the alphabet (at the top end, an escape)
     y[0, 1, 0] = -1e9
     y[1, 3, 5] = 2000 * float(sig[5])  # far in the tail of a small coefficient
     rows = torch.full((n,), 16, dtype=torch.int32)
@@ -83,7 +83,15 @@ def test_round_trip_is_exact_for_both_families_short_blocks_and_the_alphabets_en
     for b in range(n):
         assert torch.equal(k[b, :rows[b]], want[b, :rows[b]])
         assert bool((k[b, rows[b]:] == 0).all())
+    assert int(want[0, 0, 0]) >= ke.SYMBOL_MAX // 2 and int(want[0, 1, 0]) <= -ke.SYMBOL_MAX // 2
+    # at a code the caller names, the far values clamp to the alphabet's two ends, and those round-trip too
+    at = torch.full((n,), ke.CENTRE_CODE, dtype=torch.int32)
+    nw, words = ke.encode_blocks(y, rows, _class0(sig, n), lap, at, cap=4096)
+    k = ke.decode_blocks(words, nw, at, rows, _class0(sig, n), lap, 16)
+    want = ke.symbols(y, at)
     assert int(want[0, 0, 0]) == ke.SYMBOL_MAX - 1 and int(want[0, 1, 0]) == -ke.SYMBOL_MAX
+    for b in range(n):
+        assert torch.equal(k[b, :rows[b]], want[b, :rows[b]])
 
 
 def _reference_words(k, tids):
@@ -150,6 +158,32 @@ def test_fit_picks_the_smallest_code_that_fits_each_budget():
     assert torch.equal(at, nw)
     assert bool((nw <= budget).all()) and bool((below > budget).all())
     assert (codes[torch.argsort(budget)].diff() <= 0).all()  # more words, a finer step
+
+
+def test_the_rate_control_never_picks_a_step_at_which_a_symbol_clamps():
+    # A generous budget: at the finest codes every symbol clamps to the alphabet's end and the block still fits
+    # (a clamped symbol costs an escape like any far one), so "the smallest code that fits" alone would code
+    # values it cannot give back. Block 0 holds one coefficient far out, which needs a step near the base's.
+    y, sig, lap = _blocks(n=4, seed=3)
+    y[0, 5, 7] = 3.0e4
+    n = y.shape[0]
+    rows = torch.full((n,), 16, dtype=torch.int32)
+    c0 = _class0(sig, n)
+    codes, nw, words = ke.fit_blocks(y, rows, c0, lap, torch.full((n,), 4000, dtype=torch.int32))
+    assert bool((nw <= 4000).all())
+    k = ke.decode_blocks(words, nw, codes, rows, c0, lap, 16).double()
+    step = ke.step_rel(codes)[:, None, None]
+    assert bool(((y - k * step).abs() <= step / 2 * (1 + 1e-9)).all())  # every value within half a step
+    # the finest code whose symbols stay in the alphabet: one finer would clamp (the budget does not bind here)
+    peak = y.abs().amax((1, 2))
+    assert bool((peak / ke.step_rel(codes) <= ke.SYMBOL_MAX - 1).all())
+    assert bool((peak / ke.step_rel(codes - 1) > ke.SYMBOL_MAX - 1).all())
+    assert int(codes[0]) > int(codes[1:].max())  # the far value asks block 0 for a coarser step
+    # a value no code's step keeps in the alphabet fits at no step (refused by the caller), never clamped
+    far = y[:1].clone()
+    far[0, 0, 0] = 1.0e12
+    _, nw_far, _ = ke.fit_blocks(far, rows[:1], c0[:1], lap, torch.full((1,), 4000, dtype=torch.int32))
+    assert int(nw_far[0]) > 4000
 
 
 def test_coded_size_is_the_models_bits_plus_the_state():

@@ -15,8 +15,8 @@
 //
 // Rate control: a block's step is base * 2^((code - 128) / 8), code a byte; each code down is one class up for
 // every coefficient (the deviation in steps grows by 2^(1/8)). ec_fit_blocks picks, per block, the smallest code
-// whose coded words fit the block's budget (bisection; a coded size that is not monotone in the step could hide
-// a smaller fitting code, which is not searched).
+// at which no symbol clamps whose coded words fit the block's budget (bisection; a coded size that is not
+// monotone in the step could hide a smaller fitting code, which is not searched).
 
 #pragma once
 
@@ -294,12 +294,19 @@ inline void ec_fit_blocks(const at::Tensor& y, const at::Tensor& rows, const at:
                     tid.data());
         return encode_block(k.data(), r, a.dim, tid.data(), tb, out, bud[b]);
       };
+      // No code at which a symbol would clamp: at fine enough steps every symbol clamps and the block fits
+      // anyway (a clamped symbol costs an escape like any far one), but it would decode wrong.
+      const double* yb = yp + b * a.rmax * a.dim;
+      double peak = 0;
+      for (int64_t i = 0; i < r * a.dim; ++i) peak = std::max(peak, std::fabs(yb[i]));
       int lo = 0, hi = kStepCodes - 1;
+      while (lo < hi && peak / step.at[lo] > kSymbolMax - 1) ++lo;
+      const bool in_range = peak / step.at[lo] <= kSymbolMax - 1;
       while (lo < hi) {
         const int mid = (lo + hi) / 2;
         if (size_at(mid, buf.data()) <= bud[b]) hi = mid; else lo = mid + 1;
       }
-      const int64_t n = size_at(lo, buf.data());
+      const int64_t n = in_range ? size_at(lo, buf.data()) : bud[b] + 1;  // out of range at every code: no fit
       cp[b] = lo;
       np[b] = static_cast<int32_t>(n);
       int32_t* row = wp + b * cap;

@@ -1,7 +1,8 @@
 """kvtc through the KV store (runtime/kv_transform_pages.py, kv_store.py) on hand-made tables: a block's page holds
 what the tables code (keys turned back to before RoPE, forward again at read), slots laid over the whole page
-across layers' parts, the block's first position in front, the sink row exact, blocks sealed by a prefill or by
-their last decoded row, copies and swaps carrying a page to another block, and the refusals."""
+across layers' parts, the block's first position and sink entry in front, the sink row exact from the store's
+sink table (shared by equal first rows; held at bf16 in the slots where the table is full), blocks sealed by a
+prefill or by their last decoded row, copies and swaps carrying a page to another block, and the refusals."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from kvledger.core.sizing.geometry import KVSpec
-from kvledger.errors import ConfigError
+from kvledger.errors import ConfigError, InvariantError
 from kvledger.runtime import kv_transform as kt
 from kvledger.runtime import kv_transform_pages as ktp
 from kvledger.runtime import native
@@ -76,21 +77,26 @@ def _write(store, slots, pos, k, v):
         store.write(layer, slots, k[layer], v[layer])
 
 
-def _expected(k, v, first, tables=TABLES):
+def _expected(k, v, first, tables=TABLES, table_full=False):
     """What a sealed block of rows ``k``/``v [L, B, H, D]`` at ``first`` reads back: each layer-head coded by the
-    tables directly (keys before RoPE; the sink row held at position 0), RoPE applied again."""
+    tables directly (keys before RoPE), RoPE applied again. At position 0 the sink row is exact (the store's sink
+    table) and the other rows have the whole slot; where the table is full, the sink row is held at bf16 in the
+    slots (the first block's own layout)."""
     pos = torch.arange(first, first + B)
-    held = ktp.HELD_ROWS if first == 0 else 0
+    held = ktp.HELD_ROWS if first == 0 and table_full else 0
+    skip = 1 if first == 0 and not table_full else 0
     ks, vs = [], []
     for layer in range(L):
         pre = _rope(k[layer], pos, -1.0).float()
-        kh = torch.stack([tables.keys.decode(layer, h, tables.keys.encode(layer, h, pre[None, :, h], held=held)[0],
-                                             held=held)[0] for h in range(H)], 1)
-        vh = torch.stack([tables.values.decode(layer, h, tables.values.encode(layer, h, v[layer][None, :, h],
-                                                                              held=held)[0], held=held)[0]
-                          for h in range(H)], 1)
-        ks.append(_rope(kh, pos).float())
-        vs.append(vh)
+        rows = []
+        for code, x in ((tables.keys, pre), (tables.values, v[layer])):
+            got = torch.stack([code.decode(layer, h, code.encode(layer, h, x[None, :, h], held=held, skip=skip)[0],
+                                           held=held, skip=skip)[0] for h in range(H)], 1)
+            if skip:
+                got[0] = x[0]
+            rows.append(got)
+        ks.append(_rope(rows[0], pos).float())
+        vs.append(rows[1].float())
     return torch.stack(ks), torch.stack(vs)
 
 
@@ -100,7 +106,7 @@ def _read(store, block):
     return torch.stack([g[0] for g in got]), torch.stack([g[1] for g in got])
 
 
-def test_a_page_lays_every_slot_once_across_the_layers_parts_behind_the_position():
+def test_a_page_lays_every_slot_once_across_the_layers_parts_behind_its_header():
     store = _store()
     pages = store.coded
     layer_bytes = SPEC.layer_block_bytes
@@ -113,8 +119,9 @@ def test_a_page_lays_every_slot_once_across_the_layers_parts_behind_the_position
                 flat = pages.slots[side][layer][h]
                 page += ((flat // stride) * layer_bytes + flat % layer_bytes).tolist()
     widths = [int(w) for layer in range(L) for c in (TABLES.keys, TABLES.values) for w in c.slot_bytes[layer]]
-    assert page == list(range(ktp.POSITION_BYTES, ktp.POSITION_BYTES + sum(widths)))  # disjoint, in order
-    assert pages.page_bytes_used == ktp.POSITION_BYTES + sum(widths) <= L * layer_bytes
+    assert ktp.HEADER_BYTES == 6  # the first position (int32) and the sink entry (int16)
+    assert page == list(range(ktp.HEADER_BYTES, ktp.HEADER_BYTES + sum(widths)))  # disjoint, in order
+    assert pages.page_bytes_used == ktp.HEADER_BYTES + sum(widths) <= L * layer_bytes
     assert store.nbytes == store.num_blocks * L * layer_bytes + 2 * L * 2 * B * H * D * 4  # 2 fp32 residual pages
     first_key = pages.slots["k"][0][0]
     assert int(first_key[0]) // stride == 0 and sum(widths[:2]) > 0
@@ -135,9 +142,9 @@ def test_a_prefill_seals_its_whole_blocks_as_the_tables_code_them_and_keeps_the_
         torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
         assert int(store.coded.positions(store.kv, torch.tensor([block]))[0]) == first
     sink_k, sink_v = _read(store, 1)
-    assert torch.equal(sink_k[:, 0], k[:, 0].bfloat16().float())  # position 0: RoPE turns nothing, held at bf16
-    assert torch.equal(sink_v[:, 0], v[:, 0].bfloat16().float())
-    assert not torch.equal(sink_k[:, 1], k[:, 1].bfloat16().float())  # the others are coded
+    assert torch.equal(sink_k[:, 0], k[:, 0]) and torch.equal(sink_v[:, 0], v[:, 0])  # exact, from the sink table
+    assert not torch.equal(sink_k[:, 1], k[:, 1])  # the others are coded
+    assert store.coded.entries(store.kv, torch.tensor([1, 2])).tolist() == [0, -1]
     tail_k, tail_v = _read(store, 3)
     assert torch.equal(tail_k[:, :4], k[:, 16:20]) and torch.equal(tail_v[:, :4], v[:, 16:20])  # fp32 residual
 
@@ -145,7 +152,7 @@ def test_a_prefill_seals_its_whole_blocks_as_the_tables_code_them_and_keeps_the_
 def test_a_first_block_has_its_own_layout_in_the_same_page():
     pages = _store(tables=FIRST).coded
     widths = [int(w) for layer in range(L) for c in (FIRST.keys, FIRST.values) for w in c.first_slot_bytes[layer]]
-    assert widths[4:6] == [240, 240] and pages.first_page_bytes_used == ktp.POSITION_BYTES + sum(widths)
+    assert widths[4:6] == [240, 240] and pages.first_page_bytes_used == ktp.HEADER_BYTES + sum(widths)
     assert pages.first_slots["k"][1][0].tolist() != pages.slots["k"][1][0].tolist()
     assert pages.first_page_bytes_used <= L * SPEC.layer_block_bytes
     assert pages.page_bytes_used == _store().coded.page_bytes_used  # every other block: as before
@@ -174,6 +181,45 @@ def test_a_block_sealed_by_its_last_decoded_row_reads_as_one_written_whole():
     want_k, want_v = _expected(k[:, 16:24], v[:, 16:24], 56)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
+
+
+def test_first_rows_are_kept_once_in_the_sink_table_and_held_in_the_slots_when_it_is_full(monkeypatch):
+    monkeypatch.setattr(ktp, "SINK_ENTRIES", 2)
+    store = _store(blocks=8)
+    k, v = _rows(B, seed=8)
+    other_k, other_v = _rows(B, seed=9)
+    # sequences a and b start with the same row (the same first token) and differ after it; c and d with others
+    seqs = {"a": (k, v), "b": (torch.cat((k[:, :1], other_k[:, 1:]), 1), torch.cat((v[:, :1], other_v[:, 1:]), 1)),
+            "c": (other_k, other_v), "d": _rows(B, seed=10)}
+    for block, (sk, sv) in enumerate(seqs.values()):
+        _write(store, list(range(block * B, block * B + B)), list(range(B)), sk, sv)
+    assert store.coded.entries(store.kv, torch.arange(4)).tolist() == [0, 0, 1, -1]  # d: the table was full
+    assert store.coded.sink_entries == 2 and store.coded.constant_bytes == 2 * L * 2 * H * D * 4
+    for block, (sk, sv) in enumerate(seqs.values()):
+        got_k, got_v = _read(store, block)
+        want_k, want_v = _expected(sk, sv, 0, table_full=block == 3)
+        torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
+    assert torch.equal(_read(store, 3)[0][:, 0], seqs["d"][0][:, 0].bfloat16().float())  # held at bf16
+    # a first row equal at layer 0 but not after it is no token's: refused, never read back as another's
+    bad_k = k.clone()
+    bad_k[1, 0] += 5.0
+    with pytest.raises(InvariantError, match="token alone"):
+        _write(store, list(range(4 * B, 5 * B)), list(range(B)), bad_k, v)
+
+
+def test_a_first_block_sealed_by_its_last_decoded_row_keeps_its_sink_row_exact():
+    store = _store()
+    k, v = _rows(B, seed=11)
+    _write(store, list(range(B, B + 5)), list(range(5)), k[:, :5], v[:, :5])  # block 1 open: 5 rows
+    for i in range(5, B):
+        _write(store, [B + i], [i], k[:, i:i + 1], v[:, i:i + 1])
+    assert store.open_blocks() == 0 and store.coded.entries(store.kv, torch.tensor([1])).tolist() == [0]
+    got_k, got_v = _read(store, 1)
+    want_k, want_v = _expected(k, v, 0)
+    torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
+    assert torch.equal(got_k[:, 0], k[:, 0])
 
 
 def test_copies_and_swaps_carry_a_page_and_its_position_to_other_blocks():

@@ -127,8 +127,9 @@ def fit_blocks(y: torch.Tensor, rows: torch.Tensor, class0: torch.Tensor, laplac
     """Blocks ``y [N, R, D]`` (coefficients in base steps; rows past ``rows[b]`` ignored), each coefficient's class
     at code 128 ``class0 [N, D]`` and family ``laplace [D]``: per block the smallest step code whose words fit
     ``budget_words[b]`` (16-bit words, the 2 state words included) and at which no symbol clamps to the alphabet
-    (a block with a value past the alphabet at every code fits at no code). Returns ``codes [N]``, ``nwords [N]`` (over the
-    budget only where no code fits: then code 255) and ``words [N, max budget]`` (int32 holding uint16)."""
+    (a block with a value past the alphabet at every code fits at no code). Returns ``codes [N]``,
+    ``nwords [N]`` (over the budget only where no code fits: then code 255) and ``words [N, max budget]`` (int32
+    holding uint16)."""
     y = _coefficients(y)
     n = y.shape[0]
     tb = tables()

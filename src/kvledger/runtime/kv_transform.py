@@ -98,28 +98,32 @@ class SideCode:
                 self.laplace[layer, head], self.base[layer, head])
 
     def encode(self, layer: int, head: int, x: torch.Tensor, rows: torch.Tensor | None = None,
-               held: int = 0, spare_words: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               held: int = 0, spare_words: int = 0, skip: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Blocks ``x [N, R, D]`` of one head (``R <= block_size``; block ``b`` holds its first ``rows[b]`` rows,
         all ``R`` by default) into slots ``[N, slot_bytes]`` uint8, each at the smallest step whose words fit its
         bytes: ``floor(rows * row_bytes)``, less ``held`` rows at bf16 (its first rows, kept exact; ``held <
-        rows``) and ``spare_words`` words left unused. Returns the slots, each block's step code ``[N]`` and the
-        bytes it uses ``[N]``. A block that fits at no step is a :class:`ConfigError` (its rows are not finite-
-        sized for this code: values no calibration row came near)."""
+        rows``) and ``spare_words`` words left unused. ``skip``: the block's first rows are not in the slot at all
+        (the caller keeps them; the other rows have the whole slot). Returns the slots, each block's step code
+        ``[N]`` and the bytes it uses ``[N]``. A block that fits at no step is a :class:`ConfigError` (its rows
+        are not finite-sized for this code: values no calibration row came near)."""
         n, r, d = x.shape
         if r > self.block_size:
             raise ConfigError(f"a block holds at most {self.block_size} rows, got {r}")
         rows = torch.full((n,), r, dtype=torch.long) if rows is None else rows.long()
-        if n and (not bool(((rows >= 1) & (rows <= r)).all()) or not 0 <= held < int(rows.min())):
-            raise ConfigError(f"each block needs 1 to {r} rows and more than its {held} held rows")
+        if held and skip:
+            raise ConfigError("a block's first rows are held in its slot or kept apart, not both")
+        apart = held + skip
+        if n and (not bool(((rows >= 1) & (rows <= r)).all()) or not 0 <= apart < int(rows.min())):
+            raise ConfigError(f"each block needs 1 to {r} rows and more than its {apart} held rows")
         mu, turn, _, sigma, laplace, base = self._head(layer, head)
         per_row = self._rows_bytes(held > 0)[layer, head]
         budget = block_bytes(rows, per_row) - STEP_BYTES - held * d * HELD_ELEMENT_BYTES
         words = budget // 2 - spare_words
         y = (x.double() - mu) @ turn / base
         coded = torch.zeros_like(y)  # the coded rows first in their block (the coder reads a block's first rows)
-        coded[:, :r - held] = y[:, held:]
+        coded[:, :r - apart] = y[:, apart:]
         class0 = ke.class_of(sigma / base)[None].expand(n, d)
-        codes, nwords, w = ke.fit_blocks(coded, rows - held, class0, laplace, words)
+        codes, nwords, w = ke.fit_blocks(coded, rows - apart, class0, laplace, words)
         if bool((nwords > words).any()):
             bad = int((nwords > words).nonzero()[0])
             raise ConfigError(f"layer {layer} head {head} block {bad}: fits its {int(budget[bad])} bytes at no step")
@@ -138,9 +142,18 @@ class SideCode:
         return out, codes.long(), at + 2 * nwords.long()
 
     def decode(self, layer: int, head: int, slots: torch.Tensor, rows: torch.Tensor | None = None,
-               held: int = 0) -> torch.Tensor:
+               held: int = 0, skip: int = 0) -> torch.Tensor:
         """:meth:`encode`'s inverse: slots ``[N, slot_bytes]`` uint8 -> rows ``[N, R, D]`` float32 (``R`` the
-        block size; rows past ``rows[b]`` decode as symbols 0, the mean). A corrupt slot is a :class:`RuntimeError`."""
+        block size; rows past ``rows[b]`` decode as symbols 0, the mean; the ``skip`` rows kept apart are zero).
+        A corrupt slot is a :class:`RuntimeError`."""
+        if held and skip:
+            raise ConfigError("a block's first rows are held in its slot or kept apart, not both")
+        if skip:
+            n, r = slots.shape[0], self.block_size
+            coded = (torch.full((n,), r, dtype=torch.long) if rows is None else rows.long()) - skip
+            x = torch.zeros(n, r, self.mu.shape[2])
+            x[:, skip:] = self.decode(layer, head, slots, coded)[:, :r - skip]
+            return x
         n, d, r = slots.shape[0], self.mu.shape[2], self.block_size
         rows = torch.full((n,), r, dtype=torch.long) if rows is None else rows.long()
         mu, _, back, sigma, laplace, base = self._head(layer, head)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from kvledger.core.sizing.geometry import KVSpec
 from kvledger.core.sizing.kv_formats import get_kv_format
 from kvledger.runtime.measure import quality_records as qr
 
@@ -26,6 +27,16 @@ def test_the_int8_record_ships_for_the_bundled_weights() -> None:
     assert "int8" in formats
     assert formats["int8"]["model"] == "smollm2-135m"
     assert formats["int8"]["kv_format"].startswith("int8:k=asym/channel/")  # int8 is the per-channel-key format
+
+
+def test_the_kvtc_record_ships_with_the_4bit_target_met() -> None:
+    formats = {rec["format"]: rec for _, rec in shipped()}
+    rec = formats["kvtc"]
+    assert rec["model"] == "smollm2-135m" and "sink=exact/table" in rec["kv_format"]
+    smollm2 = KVSpec(layers=30, kv_heads=3, head_dim=64, block_size=16, kv_dtype="kvtc")
+    assert 23040 / smollm2.bytes_per_token >= 3.5  # 3.5x fewer bytes than bf16, everything in the page counted
+    assert max(c["ppl_rel_change"] for c in rec["cases"]) <= 0.03  # every text within 3%
+    assert rec["held_out"]["summary"]["ppl_rel_change_pooled"] <= 0.01  # held out, pooled within 1%
 
 
 @pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")

@@ -73,3 +73,25 @@ def test_a_shipped_record_names_its_format_as_defined_now(path: Path, record: di
         f"{path.name} vouches for {record['kv_format']!r}, but {record['format']} is now "
         f"{fmt.identity(16, residual)!r}: measure it again")
     assert record["weights_revision"].startswith("sha256:")
+
+
+@pytest.mark.parametrize(("path", "record"), shipped(), ids=lambda x: x.name if isinstance(x, Path) else "")
+def test_a_shipped_record_names_the_calibrated_file_shipped_now(path: Path, record: dict) -> None:
+    # kvtc's tables (int4-smooth's constants) are part of what a record vouches for: fitted again, they need a new one
+    now = qr.calibration_digest(record["format"], record["weights_revision"])
+    assert record.get("calibration") == now, f"{path.name} was measured with other tables: measure it again"
+    assert (now is None) == (record["format"] == "int8")
+
+
+def test_a_record_serves_only_the_calibrated_file_it_was_measured_with(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVLEDGER_CACHE", str(tmp_path))
+    fid = get_kv_format("kvtc").identity(16, "fp32")
+    report = {"model": "m", "weights_revision": "sha256:0123456789abcdef", "format": "kvtc", "kv_format": fid,
+              "calibration": "aaaaaaaaaaaaaaaa", "passed": True, "cases": [], "contract": {},
+              "protocol": {"complete": True}, "held_out": {"cases": [{"prompt": 0}]}, "verdict": []}
+    saved = qr.save_record(report)
+    assert json.loads(saved.read_text())["calibration"] == "aaaaaaaaaaaaaaaa"
+    assert qr.find_record("sha256:0123456789abcdef", fid, "aaaaaaaaaaaaaaaa")[0] == saved
+    assert qr.find_record("sha256:0123456789abcdef", fid, "bbbbbbbbbbbbbbbb") is None  # tables fitted again
+    assert qr.find_record("sha256:0123456789abcdef", fid) is None
+

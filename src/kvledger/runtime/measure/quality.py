@@ -400,14 +400,16 @@ class QualityRun:
                           "attn_rel_err_mean": sum(layers) / len(layers), "attn_rel_err_by_layer": layers,
                           "greedy_matching": match, "greedy_new_tokens": new_tokens,
                           "greedy_agreement": match / new_tokens, "first_divergence": first})
-        from .quality_records import kvledger_version, weights_revision
+        from .quality_records import calibration_digest, kvledger_version, weights_revision
 
         protocol = {"kinds": list(kinds), "contexts": list(contexts), "new_tokens": new_tokens,
                     "greedy": "format decodes along the baseline's greedy path"}
         complete = (all(k in kinds for k in KINDS) and new_tokens >= DEFAULT_NEW_TOKENS
                     and any(c <= 512 for c in contexts) and any(c >= 2048 for c in contexts))
-        return {"model": self.model_name, "weights_revision": weights_revision(self.ckpt), "format": spec.kv_dtype,
-                "kv_format": spec.kv_format_id, "baseline": base_spec.kv_format_id, "compute_dtype": str(self.dtype),
+        revision = weights_revision(self.ckpt)
+        return {"model": self.model_name, "weights_revision": revision, "format": spec.kv_dtype,
+                "kv_format": spec.kv_format_id, "calibration": calibration_digest(spec.kv_dtype, revision),
+                "baseline": base_spec.kv_format_id, "compute_dtype": str(self.dtype),
                 "block_size": self.block_size, "kvledger_version": kvledger_version(),
                 "bytes_per_token": spec.bytes_per_token, "baseline_bytes_per_token": base_spec.bytes_per_token,
                 "attention_backend": type(_runner(self._model, spec, 1, self.backend)[0].backend).__name__,

@@ -235,11 +235,30 @@ def _records(folder: Path) -> list[tuple[Path, dict[str, Any]]]:
     return out
 
 
-def find_record(revision: str, format_id: str) -> tuple[Path, dict[str, Any]] | None:
-    """A passing record for these weights and this exact format: the user's first, then the shipped ones."""
+def calibration_digest(kv_dtype: str, revision: str) -> str | None:
+    """The sha256 (first 16 hex digits) of the calibrated file a format reads for these weights -- kvtc's tables,
+    int4-smooth's constants -- or None for a format that reads none (or whose file is missing: then it cannot run).
+    A record names it, so tables fitted again are never vouched for by a record of the old ones."""
+    from ...core.sizing.kv_formats import get_kv_format
+
+    fmt = get_kv_format(kv_dtype)
+    if fmt.scales == "coded":
+        from ..kv_transform_pages import path_for
+    elif fmt.smooth:
+        from ..kv_smoothing import path_for
+    else:
+        return None
+    path = path_for(revision)
+    return _sha256(path)[:16] if path.is_file() else None
+
+
+def find_record(revision: str, format_id: str, calibration: str | None = None) -> tuple[Path, dict[str, Any]] | None:
+    """A passing record for these weights, this exact format and the calibrated file it reads (``calibration``:
+    :func:`calibration_digest`): the user's first, then the shipped ones."""
     for folder in (user_records(), SHIPPED_RECORDS):
         for path, data in _records(folder):
-            if data.get("weights_revision") == revision and data.get("kv_format") == format_id:
+            if (data.get("weights_revision") == revision and data.get("kv_format") == format_id
+                    and data.get("calibration") == calibration):
                 return path, data
     return None
 
@@ -307,8 +326,8 @@ def save_record(report: dict[str, Any], folder: Path | None = None) -> Path:
     folder = user_records() if folder is None else folder
     folder.mkdir(parents=True, exist_ok=True)
     name = f"{report['format']}-{report['weights_revision'].split(':')[-1]}-{int(time.time())}.json"
-    keys = ("model", "weights_revision", "format", "kv_format", "kvledger_version", "contract", "verdict",
-            "summary", "cases", "texts", "passed", "protocol", "measured_at", "held_out", "verdict_line")
+    keys = ("model", "weights_revision", "format", "kv_format", "calibration", "kvledger_version", "contract",
+            "verdict", "summary", "cases", "texts", "passed", "protocol", "measured_at", "held_out", "verdict_line")
     record = {k: report[k] for k in keys if k in report}
     path = folder / name
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -326,13 +345,16 @@ def require_record(spec: KVSpec, ckpt: Checkpoint | None, model_name: str) -> tu
         raise ConfigError(f"KV format {fmt} is quantised and the engine cannot identify its weights to find a "
                           f"quality record: {how}")
     revision = weights_revision(ckpt)
-    found = find_record(revision, spec.kv_format_id)
+    calibration = calibration_digest(fmt, revision)
+    found = find_record(revision, spec.kv_format_id, calibration)
     if found is None:
+        tables = f", calibration {calibration}" if calibration else ""
         raise ConfigError(f"KV format {fmt} ({spec.kv_format_id}) has no passing quality record for "
-                          f"{model_name or ckpt.path} (weights {revision}): {how}")
+                          f"{model_name or ckpt.path} (weights {revision}{tables}): {how}")
     return found
 
 
-__all__ = ["CONTRACTS", "HELD_OUT_SET", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "evaluate",
+__all__ = ["CONTRACTS", "HELD_OUT_SET", "METRICS", "SHIPPED_RECORDS", "Contract", "Threshold", "calibration_digest",
+           "evaluate",
            "find_record", "kvledger_version", "load_contract", "parse_contract", "record_blocker", "require_any_record",
            "require_record", "save_record", "user_records", "weights_revision"]

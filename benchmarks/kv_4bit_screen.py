@@ -795,8 +795,8 @@ def write_tables(source, ckpt, out, calibration, split=None):
     tables = ktp.TransformTables(keys, values, str(path))
     tables.to_file(path, revision=revision, calibration=calibration, key_bytes=kb, value_bytes=vb,
                    command="python benchmarks/kv_4bit_screen.py --write-tables")
-    used = ktp.POSITION_BYTES + int(keys.slot_bytes.sum()) + int(values.slot_bytes.sum())
-    first = ktp.POSITION_BYTES + int(keys.first_slot_bytes.sum()) + int(values.first_slot_bytes.sum())
+    used = ktp.HEADER_BYTES + int(keys.slot_bytes.sum()) + int(values.slot_bytes.sum())
+    first = ktp.HEADER_BYTES + int(keys.first_slot_bytes.sum()) + int(values.first_slot_bytes.sum())
     heads = keys.mu.shape[0] * keys.mu.shape[1]
     print(f"wrote {path}: a page uses {used} of {16 * heads * (kb + vb)} bytes (a first block's {first})", flush=True)
 

@@ -53,7 +53,7 @@ def _tokens(ckpt, prompts, kv_dtype: str, sinks: list | None = None, **kwargs) -
     out = [r.output for r in engine.generate(prompts[:1], NEW) + engine.generate(prompts[1:], NEW)]
     engine.check()
     if sinks is not None:
-        sinks.append(engine.runner.store.coded.sink_entries)
+        sinks.append(engine.runner.store.coded)
     return out
 
 
@@ -63,7 +63,11 @@ def test_generation_through_a_kvtc_store_keeps_near_the_fp32_caches_tokens(smol,
     ref = _tokens(ckpt, prompts, "fp32")
     sinks: list[int] = []
     got = _tokens(ckpt, prompts, "kvtc", sinks)
-    assert sinks == [1]  # three sequences, one first token: one exact sink row in the store's table
+    coded = sinks[0]
+    assert coded.sink_tokens == [prompts[0][0]]  # three sequences, one first token: one cached sink row
+    # what the cache held (sealed from the prefill) is what the model gives one token at position 0
+    held = coded._sink[prompts[0][0]][0].clone()
+    torch.testing.assert_close(coded.recompute(prompts[0][0]), held, rtol=1e-4, atol=1e-4)
 
     def agreement(runs):
         return sum(a == b for r, g in zip(ref, runs, strict=True) for a, b in zip(r, g, strict=True)) / (NEW * 3)

@@ -1,8 +1,9 @@
 """kvtc through the KV store (runtime/kv_transform_pages.py, kv_store.py) on hand-made tables: a block's page holds
 what the tables code (keys turned back to before RoPE, forward again at read), slots laid over the whole page
-across layers' parts, the block's first position and sink entry in front, the sink row exact from the store's
-sink table (shared by equal first rows; held at bf16 in the slots where the table is full), blocks sealed by a
-prefill or by their last decoded row, copies and swaps carrying a page to another block, and the refusals."""
+across layers' parts, the block's first position and first token in front, the sink row exact from the store's
+cache of first tokens' rows (shared by sequences with one first token, recomputed once evicted; held at bf16 in the
+slots where the writer named no token), blocks sealed by a prefill or by their last decoded row, copies and swaps
+carrying a page to another block, and the refusals."""
 
 from __future__ import annotations
 
@@ -71,20 +72,25 @@ def _rows(n, seed):
     return k, v
 
 
-def _write(store, slots, pos, k, v):
+FIRST_TOKEN = 7  # the first token _write names for a write at position 0
+
+
+def _write(store, slots, pos, k, v, token=FIRST_TOKEN):
+    if pos[0] == 0 and token is not None:
+        store.note_first_tokens([(slots[0], token)])
     store.begin_write(torch.tensor(slots), torch.tensor(pos))
     for layer in range(L):
         store.write(layer, slots, k[layer], v[layer])
 
 
-def _expected(k, v, first, tables=TABLES, table_full=False):
+def _expected(k, v, first, tables=TABLES, untold=False):
     """What a sealed block of rows ``k``/``v [L, B, H, D]`` at ``first`` reads back: each layer-head coded by the
-    tables directly (keys before RoPE), RoPE applied again. At position 0 the sink row is exact (the store's sink
-    table) and the other rows have the whole slot; where the table is full, the sink row is held at bf16 in the
-    slots (the first block's own layout)."""
+    tables directly (keys before RoPE), RoPE applied again. At position 0 the sink row is exact (the store's cache of
+    first tokens' rows) and the other rows have the whole slot; where the writer named no first token
+    (``untold``), the sink row is held at bf16 in the slots (the first block's own layout)."""
     pos = torch.arange(first, first + B)
-    held = ktp.HELD_ROWS if first == 0 and table_full else 0
-    skip = 1 if first == 0 and not table_full else 0
+    held = ktp.HELD_ROWS if first == 0 and untold else 0
+    skip = 1 if first == 0 and not untold else 0
     ks, vs = [], []
     for layer in range(L):
         pre = _rope(k[layer], pos, -1.0).float()
@@ -119,7 +125,7 @@ def test_a_page_lays_every_slot_once_across_the_layers_parts_behind_its_header()
                 flat = pages.slots[side][layer][h]
                 page += ((flat // stride) * layer_bytes + flat % layer_bytes).tolist()
     widths = [int(w) for layer in range(L) for c in (TABLES.keys, TABLES.values) for w in c.slot_bytes[layer]]
-    assert ktp.HEADER_BYTES == 6  # the first position (int32) and the sink entry (int16)
+    assert ktp.HEADER_BYTES == 8  # the first position and the first token (int32 each)
     assert page == list(range(ktp.HEADER_BYTES, ktp.HEADER_BYTES + sum(widths)))  # disjoint, in order
     assert pages.page_bytes_used == ktp.HEADER_BYTES + sum(widths) <= L * layer_bytes
     assert store.nbytes == store.num_blocks * L * layer_bytes + 2 * L * 2 * B * H * D * 4  # 2 fp32 residual pages
@@ -144,7 +150,7 @@ def test_a_prefill_seals_its_whole_blocks_as_the_tables_code_them_and_keeps_the_
     sink_k, sink_v = _read(store, 1)
     assert torch.equal(sink_k[:, 0], k[:, 0]) and torch.equal(sink_v[:, 0], v[:, 0])  # exact, from the sink table
     assert not torch.equal(sink_k[:, 1], k[:, 1])  # the others are coded
-    assert store.coded.entries(store.kv, torch.tensor([1, 2])).tolist() == [0, -1]
+    assert store.coded.tokens(store.kv, torch.tensor([1, 2])).tolist() == [FIRST_TOKEN, -1]
     tail_k, tail_v = _read(store, 3)
     assert torch.equal(tail_k[:, :4], k[:, 16:20]) and torch.equal(tail_v[:, :4], v[:, 16:20])  # fp32 residual
 
@@ -161,6 +167,7 @@ def test_a_first_block_has_its_own_layout_in_the_same_page():
 def test_a_prefills_attention_reads_each_layers_coded_blocks_before_the_step_ends():
     store = _store()
     k, v = _rows(8, seed=7)
+    store.note_first_tokens([(0, FIRST_TOKEN)])  # as the model runner does before a step
     store.begin_write(torch.arange(8), torch.arange(8))
     for layer in range(L):  # as a backend: write one layer, read it back at once
         store.write(layer, list(range(8)), k[layer], v[layer])
@@ -183,29 +190,52 @@ def test_a_block_sealed_by_its_last_decoded_row_reads_as_one_written_whole():
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
 
 
-def test_first_rows_are_kept_once_in_the_sink_table_and_held_in_the_slots_when_it_is_full(monkeypatch):
+def test_first_rows_are_cached_by_token_recomputed_once_evicted_and_held_in_the_slots_when_untold(monkeypatch):
     monkeypatch.setattr(ktp, "SINK_ENTRIES", 2)
     store = _store(blocks=8)
     k, v = _rows(B, seed=8)
     other_k, other_v = _rows(B, seed=9)
-    # sequences a and b start with the same row (the same first token) and differ after it; c and d with others
-    seqs = {"a": (k, v), "b": (torch.cat((k[:, :1], other_k[:, 1:]), 1), torch.cat((v[:, :1], other_v[:, 1:]), 1)),
-            "c": (other_k, other_v), "d": _rows(B, seed=10)}
-    for block, (sk, sv) in enumerate(seqs.values()):
-        _write(store, list(range(block * B, block * B + B)), list(range(B)), sk, sv)
-    assert store.coded.entries(store.kv, torch.arange(4)).tolist() == [0, 0, 1, -1]  # d: the table was full
-    assert store.coded.sink_entries == 2 and store.coded.constant_bytes == 2 * L * 2 * H * D * 4
-    for block, (sk, sv) in enumerate(seqs.values()):
+    # a and b start with token 5 (so with one first row) and differ after it; c with token 6; d names no token
+    seqs = {"a": ((k, v), 5),
+            "b": ((torch.cat((k[:, :1], other_k[:, 1:]), 1), torch.cat((v[:, :1], other_v[:, 1:]), 1)), 5),
+            "c": ((other_k, other_v), 6), "d": (_rows(B, seed=10), None)}
+    for block, ((sk, sv), token) in enumerate(seqs.values()):
+        _write(store, list(range(block * B, block * B + B)), list(range(B)), sk, sv, token)
+    assert store.coded.tokens(store.kv, torch.arange(4)).tolist() == [5, 5, 6, -1]
+    assert store.coded.sink_tokens == [5, 6]  # one cached row a first token
+    assert store.coded.constant_bytes == 2 * L * 2 * H * D * 4
+
+    def check(block):
+        (sk, sv), token = list(seqs.values())[block]
         got_k, got_v = _read(store, block)
-        want_k, want_v = _expected(sk, sv, 0, table_full=block == 3)
+        want_k, want_v = _expected(sk, sv, 0, untold=token is None)
         torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)
         torch.testing.assert_close(got_v, want_v, rtol=0, atol=1e-5)
-    assert torch.equal(_read(store, 3)[0][:, 0], seqs["d"][0][:, 0].bfloat16().float())  # held at bf16
-    # a first row equal at layer 0 but not after it is no token's: refused, never read back as another's
+
+    for block in range(4):
+        check(block)
+    assert torch.equal(_read(store, 3)[0][:, 0], seqs["d"][0][0][:, 0].bfloat16().float())  # held at bf16
+    # a third first token evicts the least recently used (5, read before 6): its rows come back from recompute
+    e_k, e_v = _rows(B, seed=12)
+    _write(store, list(range(4 * B, 5 * B)), list(range(B)), e_k, e_v, 9)
+    assert store.coded.sink_tokens == [6, 9]
+    with pytest.raises(InvariantError, match="no longer cached"):
+        _read(store, 0)
+    asked = []
+
+    def recompute(token):
+        asked.append(token)
+        return torch.stack((k[:, 0], v[:, 0]), 1)  # [layers, 2, heads, dim]: token 5's rows
+
+    store.coded.recompute = recompute
+    check(0)
+    check(1)
+    assert asked == [5] and store.coded.recomputed == 1  # once for every layer, then cached again
+    # the same token with another first row is no token's: refused, never read back as another's
     bad_k = k.clone()
     bad_k[1, 0] += 5.0
     with pytest.raises(InvariantError, match="token alone"):
-        _write(store, list(range(4 * B, 5 * B)), list(range(B)), bad_k, v)
+        _write(store, list(range(5 * B, 6 * B)), list(range(B)), bad_k, v, 5)
 
 
 def test_a_first_block_sealed_by_its_last_decoded_row_keeps_its_sink_row_exact():
@@ -214,7 +244,7 @@ def test_a_first_block_sealed_by_its_last_decoded_row_keeps_its_sink_row_exact()
     _write(store, list(range(B, B + 5)), list(range(5)), k[:, :5], v[:, :5])  # block 1 open: 5 rows
     for i in range(5, B):
         _write(store, [B + i], [i], k[:, i:i + 1], v[:, i:i + 1])
-    assert store.open_blocks() == 0 and store.coded.entries(store.kv, torch.tensor([1])).tolist() == [0]
+    assert store.open_blocks() == 0 and store.coded.tokens(store.kv, torch.tensor([1])).tolist() == [FIRST_TOKEN]
     got_k, got_v = _read(store, 1)
     want_k, want_v = _expected(k, v, 0)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=1e-5)

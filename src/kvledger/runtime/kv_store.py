@@ -199,6 +199,10 @@ class KVStore:
             self._sealed = bytearray(num_blocks)  # 1: full and quantised (immutable until rewritten from row 0)
             self._free_pages = list(range(slots - 1, -1, -1))
             self._plan: _WritePlan | None = None
+            # kvtc: the token at position 0 of each first block written, bound when its row 0 is written (the
+            # writer names it through note_first_tokens), read when the block is sealed
+            self._first_tokens: dict[int, int] = {}
+            self._noted: dict[int, int] = {}
             # Each layer's residual pages and their (K, V) halves, made once: a decode step reads and writes
             # through them in every layer (a view costs microseconds to make).
             self.layer_residual = list(self.residual.unbind(0))
@@ -354,6 +358,13 @@ class KVStore:
         return self.read(layer, slots, dtype or torch.float32)
 
     # ---- writes -------------------------------------------------------------------------------
+    def note_first_tokens(self, pairs: Iterable[tuple[int, int]]) -> None:
+        """kvtc: the next write's rows at position 0, as ``(slot, token)``: a first block's page names its token
+        and keeps the sink row out of its slots (K/V at position 0 are the token's alone). A first block written
+        without one holds its sink row in its slots. A no-op for other formats."""
+        if getattr(self, "coded", None) is not None:
+            self._noted = {int(slot) // self.block_size: int(token) for slot, token in pairs}
+
     def begin_write(self, slots: torch.Tensor | Sequence[int],
                     positions: torch.Tensor | Sequence[int] | None = None) -> None:
         """Decide once per step where each new row goes (int4: residual page or a whole block quantised
@@ -374,6 +385,11 @@ class KVStore:
         by_block: dict[int, list[tuple[int, int]]] = {}
         for i, s in enumerate(values):
             by_block.setdefault(s // B, []).append((s % B, i))
+        if self.coded is not None:  # a block's row 0 written now binds its first token (or none, unnoted)
+            for block, items in by_block.items():
+                if any(o == 0 for o, _ in items):
+                    self._first_tokens[block] = self._noted.get(block, -1)
+            self._noted = {}
         rows = [-1] * len(values)
         direct: list[tuple[int, list[int]]] = []
         seal: list[tuple[int, int]] = []
@@ -493,7 +509,8 @@ class KVStore:
             kb, vb = torch.stack([k[r] for r in rows]).float(), torch.stack([v[r] for r in rows]).float()
             if self.coded is not None:
                 first = torch.tensor([plan.first[block] for block, _ in plan.direct])
-                self.coded.seal(self.kv, [layer], blocks, kb[None], vb[None], first)
+                tokens = torch.tensor([self._first_tokens.get(block, -1) for block, _ in plan.direct])
+                self.coded.seal(self.kv, [layer], blocks, kb[None], vb[None], first, tokens)
             else:
                 self._pack(self.parts(layer), blocks, kb, vb)
         if layer == self.spec.layers - 1:  # the step's last layer: the sealed blocks are now packed everywhere
@@ -504,8 +521,9 @@ class KVStore:
                 blocks = torch.tensor([block for block, _ in plan.seal], device=self.device)
                 if self.coded is not None:
                     first = torch.tensor([plan.first[block] for block, _ in plan.seal])
+                    tokens = torch.tensor([self._first_tokens.get(block, -1) for block, _ in plan.seal])
                     self.coded.seal(self.kv, range(self.spec.layers), blocks, self.residual[:, 0, pages].float(),
-                                    self.residual[:, 1, pages].float(), first)
+                                    self.residual[:, 1, pages].float(), first, tokens)
                 else:
                     self._pack(self.layers_parts(), (slice(None), blocks), self.residual[:, 0, pages].float(),
                                self.residual[:, 1, pages].float())

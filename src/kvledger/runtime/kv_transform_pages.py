@@ -3,17 +3,18 @@
 A block of the ``kvtc`` format (``core.sizing.kv_formats``) owns ``layers * layer_block_bytes`` bytes, its page,
 stored as the pool stores every format (``kv[layer, block, layer_block_bytes]``, layer after layer). The page is
 one run of bytes: first the block's first position (int32, little-endian: keys are coded before RoPE, so reading
-them back needs it) and its sink entry (int16, below), then, layer by layer, keys then values, head by head, each
+them back needs it) and its first token (int32, below), then, layer by layer, keys then values, head by head, each
 layer-head's slot as wide as the tables give it (``SideCode.slot_bytes``: a busy layer's heads wider, a quiet
 one's narrower). So a slot may lie across two layers' parts of the pool; the page, not a layer's part, is the unit
 the format fills.
 
 A sequence's first row (the attention sink, which every later query reads) is kept exact, and not in the page:
 its K and V at position 0 are a function of its token alone (causal attention there sees only itself, and RoPE at
-0 is the identity), so the store keeps each distinct first row once, in a small table of the model's constants
-(``SINK_ENTRIES`` rows of every layer, fp32, matched on layer 0's K and V), and a first block's page names its
-entry; the block's other 15 rows have the whole slot. Where the table is full a first block holds its sink row at
-bf16 inside its own slots instead (entry -1), as every first block did before the table.
+0 is the identity), so a first block's page names the token and the block's other 15 rows have the whole slot.
+The rows come from a small cache of that pure function (``SINK_ENTRIES`` tokens, every layer, fp32, least recently
+used out first), filled by the seal itself and, for a token it no longer holds, by ``recompute`` (the model runner
+runs the one token at position 0). A first block whose token the writer did not give (token -1) holds its sink row
+at bf16 inside its own slots instead.
 
 The tables (a :class:`TransformTables`: keys' and values' ``SideCode``) are the model's, fitted once per weights
 revision from calibration texts apart from every text a contract or a held-out set scores, and ship beside the
@@ -24,27 +25,26 @@ fits them; docs/kv_formats.md, "kvtc").
 from __future__ import annotations
 
 import pickle
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..core.sizing.kv_formats import CODED_SINK_ENTRIES
 from ..errors import ConfigError, InvariantError
 from .kv_smoothing import calibrated_for
 from .kv_transform import HELD_ELEMENT_BYTES, STATE_BYTES, STEP_BYTES, SideCode
 
 TABLES_DIR = Path(__file__).resolve().parent.parent / "data" / "kv_transform"
 POSITION_BYTES = 4  # the page's first bytes: the block's first position, int32 little-endian
-SINK_INDEX_BYTES = 2  # then its sink entry, int16 little-endian (-1: none, the sink row held in the slots)
-HEADER_BYTES = POSITION_BYTES + SINK_INDEX_BYTES
-HELD_ROWS = 1  # a sequence's first row (its attention sink) kept at bf16 in the first block's slots (no entry)
-SINK_ENTRIES = CODED_SINK_ENTRIES  # distinct first rows kept exact per store (fp32, every layer): 1.5 MB for SmolLM2
-# A first row matches an entry when layer 0's K and V agree within this share of the entry's largest value (the
-# same token in another batch differs by rounding only); deeper layers then agree within SINK_AGREE, or the model
-# is not one whose position-0 rows depend on the token alone, and the store refuses to go on.
-SINK_MATCH = 1e-2
+FIRST_TOKEN_BYTES = 4  # then a first block's token, int32 little-endian (-1: none, the sink row held in the slots)
+HEADER_BYTES = POSITION_BYTES + FIRST_TOKEN_BYTES
+HELD_ROWS = 1  # a sequence's first row (its attention sink) kept at bf16 in the first block's slots (no token)
+SINK_ENTRIES = 32  # first tokens whose rows a store's cache keeps (fp32, every layer): 1.5 MB for SmolLM2
+# The same token's first row sealed again (another batch: rounding apart) agrees with the cached one within this
+# share of its largest value, or the model's position-0 rows do not depend on the token alone and the store refuses.
 SINK_AGREE = 0.25
 
 
@@ -145,18 +145,22 @@ class CodedPages:
         self.page_bytes_used = used
         self.first_page_bytes_used = used_first
         self._position = self._flat(torch.arange(POSITION_BYTES))
-        self._sink_index = self._flat(torch.arange(POSITION_BYTES, HEADER_BYTES))
-        # the sink table: entry e's first row of every layer, [e, layer, k|v, head, dim]; _sink_key: its layer-0
-        # K and V, flat, that a new first row is matched on
-        self.sink = torch.zeros(SINK_ENTRIES, layers, 2, heads, head_dim)
-        self._sink_filled = torch.zeros(SINK_ENTRIES, layers, dtype=torch.bool)
-        self._sink_key = torch.zeros(SINK_ENTRIES, 2 * heads * head_dim)
-        self.sink_entries = 0
+        self._first_token = self._flat(torch.arange(POSITION_BYTES, HEADER_BYTES))
+        # token -> (its first row of every layer [layer, k|v, head, dim], which layers hold it), least recent first
+        self._sink: OrderedDict[int, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        # token -> its first row of every layer [layers, 2, heads, head_dim] (the model runner's); None: none
+        self.recompute: Callable[[int], torch.Tensor] | None = None
+        self.recomputed = 0  # rows the cache had lost and recompute gave back
 
     @property
     def constant_bytes(self) -> int:
-        """Bytes the sink table holds beside the pool (a model's constants, like its tables: not per sequence)."""
-        return self.sink.numel() * self.sink.element_size()
+        """Bytes the sink cache may hold beside the pool (a model's constants, like its tables: not per sequence)."""
+        return SINK_ENTRIES * self.layers * 2 * self.heads * self.head_dim * 4
+
+    @property
+    def sink_tokens(self) -> list[int]:
+        """The first tokens whose rows the cache holds now, least recently used first."""
+        return list(self._sink)
 
     def _layout(self, first: bool) -> tuple[dict[str, list[list[torch.Tensor]]], int]:
         at = HEADER_BYTES
@@ -191,52 +195,61 @@ class CodedPages:
         value = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
         return torch.where(value >= 2 ** 31, value - 2 ** 32, value)
 
-    def entries(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-        """Each block's sink entry (-1: none)."""
-        raw = kv.view(-1)[self._index(self._sink_index, blocks)].to(torch.int64)  # [n, 2]
-        value = raw[:, 0] | (raw[:, 1] << 8)
-        return torch.where(value >= 2 ** 15, value - 2 ** 16, value)
+    def tokens(self, kv: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+        """Each block's first token, as its header names it (-1: none)."""
+        raw = kv.view(-1)[self._index(self._first_token, blocks)].to(torch.int64)  # [n, 4]
+        value = raw[:, 0] | (raw[:, 1] << 8) | (raw[:, 2] << 16) | (raw[:, 3] << 24)
+        return torch.where(value >= 2 ** 31, value - 2 ** 32, value)
 
-    def _entry_for(self, k0: torch.Tensor, v0: torch.Tensor) -> int:
-        """The sink entry of a first row whose layer-0 K and V are ``k0``, ``v0`` ``[H, D]``: a matching one, a
-        new one, or -1 where the table is full."""
-        row = torch.cat((k0.flatten(), v0.flatten())).float().cpu()
-        if self.sink_entries:
-            keys = self._sink_key[:self.sink_entries]
-            gap = (keys - row).abs().amax(1)
-            near = (gap <= SINK_MATCH * keys.abs().amax(1).clamp_min(1.0)).nonzero()
-            if near.numel():
-                return int(near[0])
-        if self.sink_entries == SINK_ENTRIES:
-            return -1
-        e = self.sink_entries
-        self._sink_key[e] = row
-        self.sink_entries += 1
-        return e
+    def _entry(self, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self._sink.get(token)
+        if entry is None:
+            if len(self._sink) >= SINK_ENTRIES:
+                self._sink.popitem(last=False)
+            entry = (torch.zeros(self.layers, 2, self.heads, self.head_dim),
+                     torch.zeros(self.layers, dtype=torch.bool))
+            self._sink[token] = entry
+        self._sink.move_to_end(token)
+        return entry
 
-    def _keep_sink(self, e: int, layer: int, k0: torch.Tensor, v0: torch.Tensor) -> None:
-        """Entry ``e``'s row at ``layer`` (``k0`` before RoPE: at position 0 the same): kept the first time,
-        checked against it after."""
+    def _keep_sink(self, token: int, layer: int, k0: torch.Tensor, v0: torch.Tensor) -> None:
+        """``token``'s first row at ``layer`` (``k0`` before RoPE: at position 0 the same): cached, or checked
+        against the cached one."""
+        rows, filled = self._entry(token)
         row = torch.stack((k0, v0)).float().cpu()
-        if not bool(self._sink_filled[e, layer]):
-            self.sink[e, layer] = row
-            self._sink_filled[e, layer] = True
+        if not bool(filled[layer]):
+            rows[layer] = row
+            filled[layer] = True
             return
-        ref = self.sink[e, layer]
+        ref = rows[layer]
         if float((ref - row).abs().max()) > SINK_AGREE * max(1.0, float(ref.abs().max())):
-            raise InvariantError(f"kvtc: two first rows equal at layer 0 differ at layer {layer}; this model's "
-                                 "position-0 K/V do not depend on the token alone, which kvtc's sink table needs")
+            raise InvariantError(f"kvtc: token {token}'s first row differs between two sequences at layer {layer}; "
+                                 "this model's position-0 K/V do not depend on the token alone, which kvtc needs")
 
-    def _groups(self, first: torch.Tensor, entry: torch.Tensor) -> list[tuple[torch.Tensor, int, int, dict]]:
+    def _sink_row(self, token: int, layer: int) -> torch.Tensor:
+        """``token``'s first row at ``layer`` ``[2, H, D]``: cached, or recomputed (every layer) and cached."""
+        rows, filled = self._entry(token)
+        if not bool(filled[layer]):
+            if self.recompute is None:
+                raise InvariantError(f"kvtc: the first row of token {token} is no longer cached and this store was "
+                                     "given no model to recompute it (ModelRunner sets CodedPages.recompute)")
+            rows.copy_(self.recompute(token).float().cpu())
+            filled.fill_(True)
+            self.recomputed += 1
+        return rows[layer]
+
+    def _groups(self, first: torch.Tensor, token: torch.Tensor) -> list[tuple[torch.Tensor, int, int, dict]]:
         """(blocks, held rows, skipped rows, layout) for each way a block is laid out."""
         zero = first == 0
-        kept = zero & (entry >= 0)
+        kept = zero & (token >= 0)
         return [(zero & ~kept, HELD_ROWS, 0, self.first_slots), (kept, 0, 1, self.slots), (~zero, 0, 0, self.slots)]
 
     def seal(self, kv: torch.Tensor, layers: range | list[int], blocks: torch.Tensor, k: torch.Tensor,
-             v: torch.Tensor, first: torch.Tensor) -> None:
+             v: torch.Tensor, first: torch.Tensor, first_token: torch.Tensor | None = None) -> None:
         """Code whole blocks into their pages: ``k``/``v [len(layers), n, B, H, D]`` (keys after RoPE) of
-        ``blocks [n]`` whose first rows sit at positions ``first [n]``."""
+        ``blocks [n]`` whose first rows sit at positions ``first [n]``; ``first_token [n]``: a first block's
+        token (-1 or None: not given, its sink row held in its slots). Layer 0 is always a block's first seal in
+        a step: it writes the header, later layers read it."""
         flat = kv.view(-1)
         blocks, first = blocks.long().cpu(), first.long().cpu()
         if bool((first < 0).any()) or bool((first >= 2 ** 31).any()):
@@ -245,21 +258,20 @@ class CodedPages:
         flat[self._index(self._position, blocks)] = raw.to(kv.device)
         layers = list(layers)
         zero = first == 0
-        if 0 in layers:  # layer 0 (always a step's first seal of a block) finds each first block's sink entry
-            i0 = layers.index(0)
-            entry = torch.tensor([self._entry_for(k[i0, j, 0], v[i0, j, 0]) if bool(zero[j]) else -1
-                                  for j in range(blocks.numel())], dtype=torch.long)
-            raw = torch.stack([entry & 0xFF, (entry >> 8) & 0xFF], 1).to(torch.uint8)
-            flat[self._index(self._sink_index, blocks)] = raw.to(kv.device)
+        if 0 in layers:
+            given = torch.full_like(first, -1) if first_token is None else first_token.long().cpu()
+            token = torch.where(zero, given, -1)
+            raw = torch.stack([(token >> s) & 0xFF for s in (0, 8, 16, 24)], 1).to(torch.uint8)
+            flat[self._index(self._first_token, blocks)] = raw.to(kv.device)
         else:
-            entry = torch.where(zero, self.entries(kv, blocks), -1)
+            token = torch.where(zero, self.tokens(kv, blocks), -1)
         for i, layer in enumerate(layers):
-            for j in (zero & (entry >= 0)).nonzero().flatten().tolist():
-                self._keep_sink(int(entry[j]), layer, k[i, j, 0], v[i, j, 0])
+            for j in (zero & (token >= 0)).nonzero().flatten().tolist():
+                self._keep_sink(int(token[j]), layer, k[i, j, 0], v[i, j, 0])
             pre = self._rope(k[i].cpu(), first, -1.0)
             for side, code, x in (("k", self.tables.keys, pre), ("v", self.tables.values, v[i].cpu())):
                 for h in range(self.heads):
-                    for mask, n_held, n_skip, lay in self._groups(first, entry):
+                    for mask, n_held, n_skip, lay in self._groups(first, token):
                         if not bool(mask.any()):
                             continue
                         out, _, _ = code.encode(layer, h, x[mask][:, :, h], held=n_held, skip=n_skip)
@@ -271,20 +283,21 @@ class CodedPages:
         blocks = blocks.long().cpu()
         n, B, H, D = blocks.numel(), self.block_size, self.heads, self.head_dim
         first = self.positions(kv, blocks)
-        entry = torch.where(first == 0, self.entries(kv, blocks), -1)
+        token = torch.where(first == 0, self.tokens(kv, blocks), -1)
+        sink = {t: self._sink_row(t, layer) for t in token[token >= 0].unique().tolist()}
         out = {"k": torch.empty(n, B, H, D, dtype=torch.float64), "v": torch.empty(n, B, H, D, dtype=torch.float64)}
         for s, (side, code) in enumerate((("k", self.tables.keys), ("v", self.tables.values))):
             for h in range(H):
-                for mask, n_held, n_skip, lay in self._groups(first, entry):
+                for mask, n_held, n_skip, lay in self._groups(first, token):
                     if not bool(mask.any()):
                         continue
                     slots = flat[self._index(lay[side][layer][h], blocks[mask])].cpu()
                     out[side][mask, :, h] = code.decode(layer, h, slots, held=n_held, skip=n_skip).double()
-                    if n_skip:  # the sink row from the table (keys before RoPE: at position 0 the same)
-                        out[side][mask, 0, h] = self.sink[entry[mask], layer, s, h].double()
+                    if n_skip:  # the sink row from the cache (keys before RoPE: at position 0 the same)
+                        out[side][mask, 0, h] = torch.stack([sink[int(t)][s, h] for t in token[mask]]).double()
         k = self._rope(out["k"], first, 1.0)
         return k.float().to(kv.device), out["v"].float().to(kv.device)
 
 
-__all__ = ["HEADER_BYTES", "HELD_ROWS", "POSITION_BYTES", "SINK_ENTRIES", "TABLES_DIR", "CodedPages",
-           "TransformTables", "for_model", "load_for", "path_for"]
+__all__ = ["FIRST_TOKEN_BYTES", "HEADER_BYTES", "HELD_ROWS", "POSITION_BYTES", "SINK_ENTRIES", "TABLES_DIR",
+           "CodedPages", "TransformTables", "for_model", "load_for", "path_for"]

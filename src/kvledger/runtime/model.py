@@ -334,6 +334,23 @@ class Decoder(nn.Module):
         self.inv_freq = self.cfg.inv_freq().to(device)  # computed, not stored in checkpoints
 
 
+class _FirstRows:
+    """An attention backend for one token at position 0 (:meth:`ModelRunner.first_rows`): keeps each layer's K and
+    V and answers with V, which is what attention over that one position returns."""
+
+    def __init__(self, groups: int) -> None:
+        self.groups = groups
+        self.rows: list[torch.Tensor] = []
+
+    def plan(self, batch: AttentionBatch) -> None:
+        pass
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        self.rows.append(torch.stack((k[0], v[0])).float())
+        return v.repeat_interleave(self.groups, dim=1)
+
+
 class ModelRunner:
     """A decoder bound to one KV store: ``forward(steps)`` runs one batched step of the engine."""
 
@@ -378,6 +395,21 @@ class ModelRunner:
         self.backend: AttentionBackend = factory(self.store) if self.layout is None else \
             GroupedAttention(factory, self.store, self.layout)
         self.kernels: LayerKernels = kernels if kernels is not None else default_kernels(device)
+        coded = getattr(self.store, "coded", None)
+        if coded is not None:
+            coded.recompute = self.first_rows
+
+    @torch.inference_mode()
+    def first_rows(self, token: int) -> torch.Tensor:
+        """K and V at position 0 of a sequence whose first token is ``token``, every layer: ``[layers, 2,
+        kv_heads, head_dim]`` (kvtc's sink rows, recomputed where its cache lost them). Attention at position 0
+        sees only itself, so each layer's output is its own V: the model's forward on one token, no store."""
+        rec = _FirstRows(self.config.num_heads // self.config.num_kv_heads)
+        dev = self.model.embed_tokens.weight.device
+        batch = AttentionBatch(starts=[0], query_lens=[1], block_tables=[[0]],
+                               slot_mapping=torch.zeros(1, dtype=torch.long, device=dev))
+        self.model.forward_with(torch.tensor([token], dtype=torch.long, device=dev), batch, rec, self.kernels)
+        return torch.stack(rec.rows)
 
     @classmethod
     def from_pretrained(
@@ -468,6 +500,7 @@ class ModelRunner:
             keep = torch.tensor([r for i in every_position for r in range(starts[i], starts[i + 1])],
                                 dtype=torch.long, device=dev)
         self.model.kept = None
+        self.store.note_first_tokens((s.slot_mapping[0], s.token_ids[0]) for s in steps if s.start == 0)
         return self.model.forward_with(ids, batch, self.backend, self.kernels, keep)
 
     def position_logits(self, lo: int, hi: int) -> torch.Tensor:

@@ -88,9 +88,6 @@ RESIDUAL_DTYPES = ("fp32", "bf16", "fp16")  # what an unquantised residual page 
 # 73 a head and token, 3.507x fewer than bf16's 256. Keys take less: before RoPE they are the more predictable.
 CODED_KEY_BYTES = 33
 CODED_VALUE_BYTES = 40
-# kvtc keeps a sequence's first row (its attention sink: K/V at position 0 depend on the token alone) exact in a
-# per-store table of this many distinct first rows, not in the page; a first block beyond them holds it at bf16.
-CODED_SINK_ENTRIES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +223,7 @@ class KVFormat:
             return f"{self.name}:k=v=asym4/token-head,rot=hadamard/{self.rotation or '-'}{smooth},meta=fp16"
         if self.scales == "coded":
             return (f"{self.name}:k=pre-rope,v;klt/whitened,rans/{CODED_KEY_BYTES}+{CODED_VALUE_BYTES}B-per-64,"
-                    f"tables=weights-revision,sink=exact/table{CODED_SINK_ENTRIES},else-held=1,"
+                    f"tables=weights-revision,sink=exact/first-token,else-held=1,"
                     f"residual={residual_dtype}/{block_size}")
         if self.scales == "channel":
             rot = f",rot=hadamard/{self.rotation}" if self.rotation else ""

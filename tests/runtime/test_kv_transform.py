@@ -110,6 +110,22 @@ def test_held_rows_stay_bf16_from_the_blocks_own_bytes():
         code.decode(0, 0, slots)
 
 
+def test_rows_kept_apart_leave_the_whole_slot_to_the_others():
+    code = _code(((6.0625, 5.5),))  # a 97-byte slot
+    x = _rows(code, 3)
+    _, held_codes, _ = code.encode(0, 0, x, held=1)
+    slots, codes, used = code.encode(0, 0, x, skip=1)
+    assert slots.shape == (3, 97) and bool((used <= 97).all())
+    assert bool((codes <= held_codes).all()) and bool((codes < held_codes).any())  # no bf16 row: a finer step
+    xq = code.decode(0, 0, slots, skip=1)
+    assert bool((xq[:, 0] == 0).all())  # the caller's row: not in the slot
+    step = (0.5 * ke.step_rel(codes))[:, None, None]
+    assert bool(((_coefficients(code, x[:, 1:]) - _coefficients(code, xq[:, 1:])).abs()
+                 <= step / 2 * (1 + 1e-5) + 1e-6).all())  # rows 1.. in place, each within half a step
+    with pytest.raises(ConfigError, match="not both"):
+        code.encode(0, 0, x, held=1, skip=1)
+
+
 def test_a_first_blocks_slot_is_sized_apart_where_the_tables_say():
     code = dataclasses.replace(_code(((6.0625, 5.5),)), first_row_bytes=torch.tensor([[9.0, 4.0]], dtype=torch.float64))
     assert code.slot_bytes.tolist() == [[97, 88]] and code.first_slot_bytes.tolist() == [[144, 64]]

@@ -647,7 +647,8 @@ def contract_texts(tok):
     """``kvledger quality``'s texts (prose, code, chat) cut to its contexts (256 and 2,048 tokens), as it cuts
     them: an indication of the contract's per-text clause through this harness's fake quantisation, not the
     contract's own measurement (that runs the store)."""
-    from kvledger.runtime.measure.quality import DEFAULT_CONTEXTS, quality_texts
+    from kvledger.runtime.measure.quality import DEFAULT_CONTEXTS
+    from kvledger.runtime.measure.quality_texts import quality_texts
 
     out = []
     for src in quality_texts(tok):

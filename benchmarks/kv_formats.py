@@ -131,8 +131,9 @@ def main() -> None:
 
     run = None
     if not args.skip_quality:
-        from kvledger.runtime.measure.quality import QualityRun, judge, load_held_out
+        from kvledger.runtime.measure.quality import QualityRun, judge
         from kvledger.runtime.measure.quality_records import load_contract, record_blocker, save_record
+        from kvledger.runtime.measure.quality_texts import load_held_out
 
         run = QualityRun(ckpt, args.model, block_size=bs)
         held = None if args.no_held_out else load_held_out(args.held_out)

@@ -158,7 +158,7 @@ def test_held_out_and_no_held_out_exclude_each_other(capsys: pytest.CaptureFixtu
 
 def test_the_default_held_out_set_ships_with_the_package() -> None:
     """A clean clone (no ../shared/peers) still has the held-out chat prompts: a bundled slice of them."""
-    from kvledger.runtime.measure.quality import DEFAULT_HELD_OUT, HELD_OUT_FILE, load_held_out
+    from kvledger.runtime.measure.quality_texts import DEFAULT_HELD_OUT, HELD_OUT_FILE, load_held_out
 
     prompts, origin = load_held_out()
     assert len(prompts) == DEFAULT_HELD_OUT == 4 and "bundled" in origin

@@ -34,7 +34,7 @@ def _contexts(text: str) -> list[int]:
 
 
 def _kinds(text: str) -> list[str]:
-    from ..runtime.measure.quality import KINDS
+    from ..runtime.measure.quality_texts import KINDS
 
     kinds = [k.strip() for k in text.split(",") if k.strip()]
     bad = [k for k in kinds if k not in KINDS]
@@ -129,7 +129,7 @@ def quality_cmd(model: str, kv_dtype: str, block_size: int, contexts: str, new_t
     kind_list = _kinds(kinds)
     if held_out is not None and no_held_out:
         raise ConfigError("--held-out FILE and --no-held-out exclude each other")
-    from ..runtime.measure.quality import load_held_out
+    from ..runtime.measure.quality_texts import load_held_out
 
     held = None if no_held_out else load_held_out(held_out)
     prepare_torch(threads)

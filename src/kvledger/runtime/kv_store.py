@@ -22,13 +22,16 @@ int8-hadamard stores keys (and int8 its values) turned by the normalised Walsh-H
 the queries instead (same scores). int4-smooth stores keys smoothed by the model's static constants
 (``kv_smoothing``: ``(k - mu) / s`` before turning); :meth:`read` undoes them, the native kernels score ``q * s``.
 kvtc codes each whole block into its page (``kv_transform_pages``: keys turned back to before RoPE, so a write
-plan that seals blocks needs each row's position) and :meth:`read` decodes the blocks it touches.
+plan that seals blocks needs each row's position, and a first block's page names its first token, which the
+writer gives through :meth:`note_first_tokens` and the block keeps until it is sealed) and :meth:`read` decodes the
+blocks it touches.
 
 The module stays whole past 600 lines: one class owns the pool's bytes, the residual pages and every read,
 write and copy of them, and each of those reads the same layout (``offsets``, ``res_map``, the write plan).
 Splitting it by format would give each piece a copy of the residual-page and write-plan bookkeeping that every
-residual format shares; what is one format's own (kvtc's page layout, coding and RoPE) lives beside it instead
-(``kv_transform_pages.CodedPages``), and the store only routes to it.
+residual format shares; what is one format's own (kvtc's page layout, coding, RoPE and first-row cache) lives
+beside it instead (``kv_transform_pages.CodedPages``), and the store only routes to it (and remembers, with the
+write plan, which token opened a first block).
 """
 
 from __future__ import annotations

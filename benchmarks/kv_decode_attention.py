@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from kvledger.core import BlockTable, KVSpec  # noqa: E402
 from kvledger.runtime import KVStore, native  # noqa: E402
 from kvledger.runtime.attention import _quant_layout  # noqa: E402
+from kvledger.runtime.cpu_features import cpu_model  # noqa: E402
 
 KV_HEADS, GROUP, DIM, BS = 3, 3, 64, 16
 
@@ -86,7 +87,8 @@ def main() -> None:
     n = args.layers * args.batch * args.context * KV_HEADS
     figures: dict[str, object] = {"batch": args.batch, "context": args.context, "layers": args.layers,
                                   "threads": args.threads, "reps": args.reps, "same_layer": args.same_layer,
-                                  "shuffle": args.shuffle, "ns_per_token_head": {}, "cpu_vs_fp32": {}}
+                                  "cpu": cpu_model(), "shuffle": args.shuffle, "ns_per_token_head": {},
+                                  "cpu_vs_fp32": {}}
     best = {f: (min(x[0] for x in t) / n * 1e9, min(x[1] for x in t) / n * 1e9) for f, t in times.items()}
     for f in formats:
         wall, cpu = best[f]

@@ -33,7 +33,7 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from kvledger.runtime import native  # noqa: E402
-from kvledger.runtime.cpu_features import cpu_flags  # noqa: E402
+from kvledger.runtime.cpu_features import cpu_flags, cpu_model  # noqa: E402
 from kvledger.runtime.engine import Engine, resolve_model  # noqa: E402
 from kvledger.runtime.measure.corpus import corpus_tokens  # noqa: E402
 
@@ -75,6 +75,7 @@ def main() -> None:
     int_dot = bool(ops.int_dot(1 if args.int_dot == "on" else 0)) if ops is not None and hasattr(ops, "int_dot") \
         else False
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx_vnni")))
+    print(f"CPU: {cpu_model() or 'unknown'}, {os.cpu_count()} logical CPUs", flush=True)
     print(f"CPU flags: {' '.join(flags) or 'none of AVX-512 / AMX'}; integer-dot kernels {'on' if int_dot else 'off'}",
           flush=True)
     torch.set_num_threads(args.threads)
@@ -88,8 +89,8 @@ def main() -> None:
     if args.long:
         shapes += [(int(b), args.long) for b in args.long_batch.split(",") if b.strip()]
     figures: dict[str, object] = {"model": args.model, "threads": args.threads, "new": args.new, "reps": args.reps,
-                                  "load_average_at_start": [round(x, 2) for x in os.getloadavg()], "shapes": [],
-                                  "cpu_flags": flags, "int_dot": int_dot}
+                                  "cpu": cpu_model(), "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+                                  "shapes": [], "cpu_flags": flags, "int_dot": int_dot}
     for batch, prompt in shapes:
         text = tokens * (1 + prompt // max(1, len(tokens)))
         prompts = [text[(i * 997) % (len(text) - prompt + 1):][:prompt] for i in range(batch)]

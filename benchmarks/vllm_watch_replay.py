@@ -52,16 +52,6 @@ def load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
 def http_json(url: str, body: dict | None = None, timeout: float = 600.0) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -244,6 +234,8 @@ def render_view(server: Server, listener: Listener, prompt: list[int], path: Pat
 
 
 def main() -> None:
+    from kvledger.runtime import cpu_features  # kvledger is on PYTHONPATH (see the usage above)
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PY", "/tmp/peers-vllm/bin/python"))
     ap.add_argument("--model", default=os.environ.get("PEERS_MODEL_DIR", "/tmp/peers-smol"))
@@ -353,7 +345,7 @@ def main() -> None:
         "replays": sub.stats.replays, "vllm_prefix_hit_rate": (
             round(final.prefix_hits / final.prefix_queries, 4) if final.prefix_queries else None),
         "startup_s": round(startup, 1), "pass1_s": round(pass1_s, 1), "pass2_s": round(pass2_s, 1),
-        "loadavg_start": load0, "loadavg_end": load(), "cpu": cpu_model(), "log": str(server.log),
+        "loadavg_start": load0, "loadavg_end": load(), "cpu": cpu_features.cpu_model(), "log": str(server.log),
     }
     if args.out is not None:
         args.out.write_text(json.dumps({**result, "rows": rows, "set_checks": sets}, indent=1) + "\n")

@@ -327,3 +327,22 @@ def test_int4_layout_names_every_part_of_k_and_v() -> None:
     assert layout("int4") == [
         ("k", "codes", [4, 2, 4]), ("k", "scale", [2, 8]), ("k", "min", [2, 8]),
         ("v", "codes", [4, 2, 4]), ("v", "scale", [4, 2]), ("v", "min", [4, 2])]
+
+
+def test_kvtc_pools_pay_for_the_cache_of_first_rows_beside_blocks_and_residual_pages() -> None:
+    """A kvtc store caches the K and V rows of 32 first tokens (every layer, fp32) whatever its blocks: the pool it
+    is sized in pays for them once (SmolLM2: 1.41 MiB), so a pool of exactly that, the residual pages and one block
+    holds one block, and a byte less holds none and says what is beside it. No other format keeps such bytes."""
+    spec = KVSpec(layers=30, kv_heads=3, head_dim=64, kv_dtype="kvtc")
+    cache = 32 * 30 * 2 * 3 * 64 * 4
+    assert spec.store_constant_bytes == cache == 1_474_560
+    assert spec.pool_bytes_for(10, 2) == 10 * spec.block_bytes + 2 * spec.residual_page_bytes + cache
+    exact = spec.pool_bytes_for(1, 2)
+    assert spec.pool_blocks(exact, 2) == 1
+    with pytest.raises(ConfigError, match=r"beside 2 kvtc residual page\(s\) .* and the 1.41 MiB cache of first rows"):
+        spec.pool_blocks(exact - 1, 2)
+    assert spec.pool_blocks(f"{512 * MiB}", 8) == (512 * MiB - 8 * spec.residual_page_bytes - cache) // spec.block_bytes
+    for name in ("bf16", "int8", "int4", "int4-smooth"):
+        other = KVSpec(layers=30, kv_heads=3, head_dim=64, kv_dtype=name)
+        assert other.store_constant_bytes == 0
+        assert other.pool_bytes_for(10, 2) == 10 * other.block_bytes + (2 * other.residual_page_bytes)

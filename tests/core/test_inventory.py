@@ -567,6 +567,24 @@ def test_hand_params_with_a_pool_weigh_bf16_by_default() -> None:
     assert terms_by_key(inv)["weights"].bytes == 2_000
 
 
+def test_kvtc_kv_charges_its_cache_of_first_rows_once_in_a_pool_and_in_a_device_budget() -> None:
+    """kvtc keeps 32 first tokens' rows (K and V, every layer, fp32) beside its blocks: a term of its own, taken out
+    of a given pool before its blocks and out of a device's budget like the residual pages (SmolLM2: 1.41 MiB)."""
+    spec = KVSpec(layers=30, kv_heads=3, head_dim=64, kv_dtype="kvtc")
+    cache = 32 * 30 * 2 * 3 * 64 * 4
+    inv = build_inventory(spec, pool_bytes="512MiB", residual_slots=8)
+    term = terms_by_key(inv)["first_rows"]
+    assert term.bytes == cache and term.formula == "32 first tokens x K and V of 30 layers, fp32"
+    assert inv.pool_blocks == (512 * MiB - 8 * spec.residual_page_bytes - cache) // spec.block_bytes
+    assert inv.slack_bytes < spec.block_bytes  # the cache is not reported as slack
+    cfg = load_model_config("smollm2-135m")
+    on_gpu = build_inventory(spec, cfg, gpu="L4", engine="kvledger", max_seqs=8)
+    bare = build_inventory(KVSpec(layers=30, kv_heads=3, head_dim=64, kv_dtype="int4"), cfg, gpu="L4",
+                           engine="kvledger", max_seqs=8)
+    assert terms_by_key(on_gpu)["first_rows"].in_budget
+    assert on_gpu.kv_budget_bytes == bare.kv_budget_bytes - cache  # int4's residual pages are as large as kvtc's
+
+
 def test_int4_kv_charges_one_residual_page_per_running_sequence() -> None:
     """int4 KV keeps an unquantised bf16 page per running sequence: 32 layers x 2 (K, V) x 16 tokens x 8
     heads x 128 x 2 B = 2 MiB per page; 4 slots cost 8 MiB, and the term says so."""

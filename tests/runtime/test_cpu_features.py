@@ -7,7 +7,7 @@ import torch
 
 from kvledger.errors import ConfigError
 from kvledger.runtime import cpu_features
-from kvledger.runtime.cpu_features import PATH_ENV, bf16_path, cpu_flags, path_for_flags
+from kvledger.runtime.cpu_features import PATH_ENV, bf16_path, cpu_flags, cpu_model, path_for_flags
 from kvledger.runtime.model import AMX_ONE_THREAD_ROWS, Linear
 
 SAPPHIRE_RAPIDS = "fpu avx2 avx512f avx512_bf16 amx_bf16 avx512_fp16 amx_tile amx_int8"
@@ -20,6 +20,13 @@ EPYC_ZEN2 = "fpu avx2 fma"
 def test_the_path_follows_the_flags(flags: str, path: str) -> None:
     cpuinfo = f"processor\t: 0\nmodel name\t: x\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n"
     assert path_for_flags(cpu_flags(cpuinfo)) == path
+
+
+def test_the_model_name_is_the_first_processors() -> None:
+    cpuinfo = "processor\t: 0\nmodel name\t: AMD EPYC 9R14 96-Core Processor\nflags\t: avx2\n\nprocessor\t: 1\n" \
+              "model name\t: other\n"
+    assert cpu_model(cpuinfo) == "AMD EPYC 9R14 96-Core Processor"
+    assert cpu_model("Features\t: fp asimd\n") is None  # an ARM board names no model this way
 
 
 def test_this_machine_is_detected_as_torch_sees_it(monkeypatch: pytest.MonkeyPatch) -> None:

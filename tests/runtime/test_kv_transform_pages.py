@@ -128,7 +128,10 @@ def test_a_page_lays_every_slot_once_across_the_layers_parts_behind_its_header()
     assert ktp.HEADER_BYTES == 8  # the first position and the first token (int32 each)
     assert page == list(range(ktp.HEADER_BYTES, ktp.HEADER_BYTES + sum(widths)))  # disjoint, in order
     assert pages.page_bytes_used == ktp.HEADER_BYTES + sum(widths) <= L * layer_bytes
-    assert store.nbytes == store.num_blocks * L * layer_bytes + 2 * L * 2 * B * H * D * 4  # 2 fp32 residual pages
+    # the blocks, 2 fp32 residual pages and the cache of 32 first tokens' rows (fp32), as the spec sizes the pool
+    cache = 32 * L * 2 * H * D * 4
+    assert store.nbytes == store.num_blocks * L * layer_bytes + 2 * L * 2 * B * H * D * 4 + cache
+    assert store.nbytes == SPEC.pool_bytes_for(store.num_blocks, 2) and pages.constant_bytes == cache
     first_key = pages.slots["k"][0][0]
     assert int(first_key[0]) // stride == 0 and sum(widths[:2]) > 0
     spans = {int(o) // stride for h in range(H) for o in pages.slots["v"][0][h]}

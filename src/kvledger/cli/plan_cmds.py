@@ -173,6 +173,9 @@ def _memory_table(inv: Any, gpu: Any, explain: bool) -> Any:
         t.add_row("residual pages", f"{inv.residual_slots:,} running sequences x "
                   f"{format_bytes(inv.spec.residual_page_bytes)} = {format_bytes(inv.residual_bytes)} "
                   "(--max-num-seqs sets the count)")
+    for term in inv.terms:
+        if term.key == "first_rows":  # kvtc: a store's constant bytes, charged to the pool it is sized in
+            t.add_row(term.label, f"{format_bytes(term.bytes)} ({term.formula})")
     return t
 
 

@@ -42,6 +42,20 @@ def cpu_flags(cpuinfo: str | None = None) -> frozenset[str]:
     return frozenset()
 
 
+def cpu_model(cpuinfo: str | None = None) -> str | None:
+    """The ``model name`` line of ``/proc/cpuinfo`` (``Intel(R) Xeon(R) Processor``, ``AMD EPYC 9R14``), None where
+    there is none: benchmarks name the machine their figures come from beside its flags and load."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    for line in cpuinfo.splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
 def path_for_flags(flags: Iterable[str]) -> str:
     """``amx`` needs tiles with bf16 (and the kernel's permission, which a listed flag implies on Linux);
     ``avx512_bf16`` the AVX-512 bf16 dot products; anything else is ``avx2`` (today's path)."""

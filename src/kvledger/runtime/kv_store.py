@@ -219,10 +219,14 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the pool occupies: ``spec.pool_bytes_for(num_blocks, residual_slots)`` by construction."""
+        """Bytes the pool occupies: ``spec.pool_bytes_for(num_blocks, residual_slots)`` by construction (kvtc's
+        cache of first rows counted at its capacity: it fills as sequences start)."""
         total = self.kv.numel() * self.kv.element_size()
         if self.residual_slots:
             total += self.residual.numel() * self.residual.element_size()
+        coded: CodedPages | None = getattr(self, "coded", None)
+        if coded is not None:
+            total += coded.constant_bytes
         return total
 
     @property

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from ..core.sizing.kv_formats import FIRST_ROW_CACHE_TOKENS
 from ..errors import ConfigError, InvariantError
 from .kv_smoothing import calibrated_for
 from .kv_transform import HELD_ELEMENT_BYTES, STATE_BYTES, STEP_BYTES, SideCode
@@ -42,7 +43,7 @@ POSITION_BYTES = 4  # the page's first bytes: the block's first position, int32 
 FIRST_TOKEN_BYTES = 4  # then a first block's token, int32 little-endian (-1: none, the sink row held in the slots)
 HEADER_BYTES = POSITION_BYTES + FIRST_TOKEN_BYTES
 HELD_ROWS = 1  # a sequence's first row (its attention sink) kept at bf16 in the first block's slots (no token)
-SINK_ENTRIES = 32  # first tokens whose rows a store's cache keeps (fp32, every layer): 1.5 MB for SmolLM2
+SINK_ENTRIES = FIRST_ROW_CACHE_TOKENS  # first tokens whose rows a store's cache keeps (the pool pays for them)
 # The same token's first row sealed again (another batch: rounding apart) agrees with the cached one within this
 # share of its largest value, or the model's position-0 rows do not depend on the token alone and the store refuses.
 SINK_AGREE = 0.25
@@ -154,7 +155,8 @@ class CodedPages:
 
     @property
     def constant_bytes(self) -> int:
-        """Bytes the sink cache may hold beside the pool (a model's constants, like its tables: not per sequence)."""
+        """Bytes the sink cache may hold (not per sequence; ``KVSpec.store_constant_bytes`` charges them to the pool
+        the store is sized in, and ``KVStore.nbytes`` counts them)."""
         return SINK_ENTRIES * self.layers * 2 * self.heads * self.head_dim * 4
 
     @property

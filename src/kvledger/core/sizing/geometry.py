@@ -224,11 +224,17 @@ class KVSpec:
         return self.format.residual_page_bytes(self.block_size, self.kv_heads_per_rank, self.head_dim,
                                                self.layers, self.residual_dtype)
 
+    @property
+    def store_constant_bytes(self) -> int:
+        """Bytes a store keeps beside its blocks and residual pages whatever their number (kvtc's cache of first
+        rows, see `KVFormat.store_constant_bytes`); 0 for every other format."""
+        return self.format.store_constant_bytes(self.kv_heads_per_rank, self.head_dim, self.layers)
+
     def pool_bytes_for(self, num_blocks: int, residual_slots: int = 0) -> int:
         """Bytes of a pool of `num_blocks` blocks and `residual_slots` residual pages (what the runtime's
-        store allocates; residual pages exist only for formats that keep one)."""
+        store allocates; residual pages exist only for formats that keep one), plus the store's constant bytes."""
         pages = residual_slots if self.format.has_residual else 0
-        return num_blocks * self.block_bytes + pages * self.residual_page_bytes
+        return num_blocks * self.block_bytes + pages * self.residual_page_bytes + self.store_constant_bytes
 
     # ---- blocks and pools -------------------------------------------------------------------
 
@@ -238,18 +244,23 @@ class KVSpec:
 
     def pool_blocks(self, pool_bytes: int | str, residual_slots: int = 0) -> int:
         """Whole blocks that fit in `pool_bytes` (floor) beside `residual_slots` residual pages (formats
-        with a residual only); a pool below one block is an error."""
+        with a residual only) and the store's constant bytes; a pool below one block is an error."""
         size = parse_bytes(pool_bytes)
         residual = self.pool_bytes_for(0, residual_slots)
         blocks = (size - residual) // self.block_bytes
         if blocks < 1:
             block = format_bytes(self.block_bytes)
-            if residual:
+            constant = self.store_constant_bytes
+            cache = f" and the {format_bytes(constant)} cache of first rows" if constant else ""
+            if residual - constant:
                 raise ConfigError(
                     f"pool of {format_bytes(size)} holds no {block} KV block beside {residual_slots} "
                     f"{self.kv_dtype} residual page(s) of {format_bytes(self.residual_page_bytes)} (one per running "
-                    f"sequence, {format_bytes(residual)}): give a larger pool or fewer running sequences "
-                    "(--max-num-seqs)")
+                    f"sequence, {format_bytes(residual - constant)}){cache}: give a larger pool or fewer running "
+                    "sequences (--max-num-seqs)")
+            if constant:
+                raise ConfigError(f"pool of {format_bytes(size)} holds no {block} KV block beside the "
+                                  f"{format_bytes(constant)} cache of first rows {self.kv_dtype} keeps")
             raise ConfigError(f"pool of {format_bytes(size)} is smaller than one KV block ({block})")
         return blocks
 

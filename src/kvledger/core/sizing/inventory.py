@@ -32,6 +32,7 @@ from .engines import (
 )
 from .geometry import KVSpec, dtype_bytes
 from .gpus import GPU, GPUS, get_gpu
+from .kv_formats import FIRST_ROW_CACHE_TOKENS
 from .params import (
     ParamCount,
     count_parameters,
@@ -279,6 +280,11 @@ def build_inventory(
                               "the partly written block of each running sequence stays unquantised until it is "
                               "full (core.kv_formats)")]
     residual = slots * spec.residual_page_bytes
+    constant = spec.store_constant_bytes  # kvtc's cache of first rows: the store holds it whatever its blocks
+    if constant:
+        terms = [*terms, Term("first_rows", f"{spec.kv_dtype} cache of first rows", constant,
+                              f"{FIRST_ROW_CACHE_TOKENS} first tokens x K and V of {spec.layers} layers, fp32",
+                              "a sequence's first row is kept exact outside its page (core.kv_formats)")]
     by_key = {t.key: t.bytes for t in terms}
     weights = by_key.get("weights", 0)
     workspace = by_key.get("activation", by_key.get("workspace", 0))
@@ -287,7 +293,7 @@ def build_inventory(
 
     if pool_bytes is not None:
         budget = _size(pool_bytes, "pool_bytes")
-        available = budget - residual
+        available = budget - residual - constant
         reserve = 0  # the pool was given directly: nothing is subtracted from it
         kv_budget = budget
         if available < spec.block_bytes:
@@ -305,7 +311,7 @@ def build_inventory(
                 f"= {format_gib(available)} for the KV cache" + ("" if available <= 0 else
                                                                f", less than one {format_gib(spec.block_bytes)} "
                                                                "block"), terms)
-    blocks = spec.pool_blocks(available)
+    blocks = available // spec.block_bytes  # the residual pages and the constant bytes are already out
     pool = blocks * spec.block_bytes
     return Inventory(
         spec=spec, device_bytes=device, budget_bytes=budget, weights_bytes_per_rank=weights,

@@ -88,6 +88,9 @@ RESIDUAL_DTYPES = ("fp32", "bf16", "fp16")  # what an unquantised residual page 
 # 73 a head and token, 3.507x fewer than bf16's 256. Keys take less: before RoPE they are the more predictable.
 CODED_KEY_BYTES = 33
 CODED_VALUE_BYTES = 40
+# kvtc keeps a sequence's first row out of its page: a store caches the rows of this many first tokens (K and V of
+# every layer, fp32), whatever its number of blocks, and the pool it is sized in pays for them (1.5 MB for SmolLM2).
+FIRST_ROW_CACHE_TOKENS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +213,14 @@ class KVFormat:
             return 0
         return layers * 2 * block_size * heads * head_dim * ELEMENT_BYTES[residual_dtype]
 
+    def store_constant_bytes(self, heads: int, head_dim: int, layers: int) -> int:
+        """Bytes a store of this format keeps beside its blocks and residual pages whatever their number: kvtc's
+        cache of first rows (:data:`FIRST_ROW_CACHE_TOKENS` tokens' K and V, every layer, fp32); 0 for the others.
+        A model's constant tables (kvtc's bases, int4-smooth's constants) are the model's, not the pool's."""
+        if self.scales != "coded":
+            return 0
+        return FIRST_ROW_CACHE_TOKENS * layers * 2 * heads * head_dim * ELEMENT_BYTES["fp32"]
+
     def identity(self, block_size: int, residual_dtype: str | None) -> str:
         """The exact format and its parameters, as the prefix-cache identity records it."""
         if self.scales == "none":
@@ -303,6 +314,6 @@ def quantized_formats() -> list[str]:
     return [name for name, f in KV_FORMATS.items() if f.quantized]
 
 
-__all__ = ["CODED_KEY_BYTES", "CODED_VALUE_BYTES", "ELEMENT_BYTES", "KV_FORMATS", "RENAMED", "RESIDUAL_DTYPES",
-           "UNTURNED", "VLLM_NAMES", "KVFormat", "Part", "coded_row_bytes", "get_kv_format", "quantized_formats",
-           "vllm_serves"]
+__all__ = ["CODED_KEY_BYTES", "CODED_VALUE_BYTES", "ELEMENT_BYTES", "FIRST_ROW_CACHE_TOKENS", "KV_FORMATS", "RENAMED",
+           "RESIDUAL_DTYPES", "UNTURNED", "VLLM_NAMES", "KVFormat", "Part", "coded_row_bytes", "get_kv_format",
+           "quantized_formats", "vllm_serves"]

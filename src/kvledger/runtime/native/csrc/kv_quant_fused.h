@@ -655,7 +655,10 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
 #endif
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs, cnt = stop - t;
-        if (stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
+        if ((blk + kPrefetchBlocks) * bs < hi) {
+          kc.prefetch(table[blk + kPrefetchBlocks], h, bs, D);
+          kc.prefetch_meta(table[blk + kPrefetchBlocks], h);
+        }
         const int64_t id = table[blk];
         float* s = scores.data() + (t - lo);
         if (kc.res_map && kc.res_map[id] >= 0) {
@@ -700,7 +703,10 @@ void fused_decode_impl(torch::Tensor& out, const torch::Tensor& q, const QuantCa
       bool any_plain = false;
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs, cnt = stop - t;
-        if (stop < hi) vc.prefetch(table[blk + 1], h, bs, D);
+        if ((blk + kPrefetchBlocks) * bs < hi) {
+          vc.prefetch(table[blk + kPrefetchBlocks], h, bs, D);
+          vc.prefetch_meta(table[blk + kPrefetchBlocks], h);
+        }
         const int64_t id = table[blk];
         const float* pr = scores.data() + (t - lo);
         if (vc.res_map && vc.res_map[id] >= 0) {

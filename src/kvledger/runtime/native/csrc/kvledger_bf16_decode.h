@@ -109,7 +109,7 @@ void decode(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
       float* s = scores_buf.data();
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
-        if (stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
+        if ((blk + kPrefetchBlocks) * bs < hi) kc.prefetch(table[blk + kPrefetchBlocks], h, bs, D);
         const c10::BFloat16* kr = kc.p + table[blk] * kc.v.s_block + off * kc.v.s_slot + h * kc.v.s_head;
         scores<G, D>(qrow, q_s1, kr, kc.v.s_slot, stop - t, fscale, s + (t - lo), n);
         t = stop;
@@ -121,7 +121,7 @@ void decode(torch::Tensor& out, const torch::Tensor& q, const torch::Tensor& k_c
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
-        if (stop < hi) vc.prefetch(table[blk + 1], h, bs, D);
+        if ((blk + kPrefetchBlocks) * bs < hi) vc.prefetch(table[blk + kPrefetchBlocks], h, bs, D);
         const c10::BFloat16* vr = vc.p + table[blk] * vc.v.s_block + off * vc.v.s_slot + h * vc.v.s_head;
         accumulate<G, D>(acc.data(), s + (t - lo), n, vr, vc.v.s_slot, stop - t);
         t = stop;

@@ -188,13 +188,18 @@ inline void dots(const float* q, int64_t G, const float* k, int64_t D, float* ou
   }
 }
 
+// How far ahead decode asks for a head's next rows, and where to: two blocks ahead, into L2 (prefetcht1). Measured
+// on SmolLM2's shape (4 x 2,048 tokens, 30 layers, 2-core Xeon): fp32, int8 and int4 attention 6-11% faster than
+// one block ahead into L1, whose fill buffers the kernels' own loads need; 4, 8 or 16 blocks ahead no better.
+constexpr int64_t kPrefetchBlocks = 2;
+#define KVL_PREFETCH(p) __builtin_prefetch((p), 0, 2)
 // Ask for the cache lines of one head's rows in a block (the blocks of a table are scattered).
 template <typename C>
 inline void prefetch_rows(const C* base, int64_t rows, int64_t row_stride, int64_t D) {
   const int64_t bytes = D * static_cast<int64_t>(sizeof(C));
   for (int64_t r = 0; r < rows; ++r) {
     const char* p = reinterpret_cast<const char*>(base + r * row_stride);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+    for (int64_t off = 0; off < bytes; off += 64) KVL_PREFETCH(p + off);
   }
 }
 
@@ -425,7 +430,23 @@ struct QuantCache {
     const int64_t rb = (kind == kKiviK || kind == kKiviV || kind == kKiviVRot) ? D_ / 2 : D_;
     const char* p = reinterpret_cast<const char*>(base + blk * R + codes_off + h * rb);
     for (int64_t i = 0; i < n; ++i)
-      for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + i * H * rb + o, 0, 3);
+      for (int64_t o = 0; o < rb; o += 64) KVL_PREFETCH(p + i * H * rb + o);
+  }
+  // The block's metadata lines a head reads: per-channel scales and minimums (D fp16 each), or the per-token scales
+  // (and minimums) of its rows.
+  inline void prefetch_meta(int64_t blk, int64_t h) const {
+    const char* b = reinterpret_cast<const char*>(base + blk * R);
+    if (kind == kChanK || kind == kKiviK) {
+      for (int64_t o = 0; o < D * 2; o += 64) {
+        KVL_PREFETCH(b + scale_off + h * D * 2 + o);
+        KVL_PREFETCH(b + min_off + h * D * 2 + o);
+      }
+    } else {
+      for (int64_t o = 0; o < bs * H * 2; o += 64) {
+        KVL_PREFETCH(b + scale_off + o);
+        if (kind == kKiviV || kind == kKiviVRot) KVL_PREFETCH(b + min_off + o);
+      }
+    }
   }
 };
 
@@ -578,7 +599,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const KC& kc,
       for (int64_t t = lo; t < hi;) {
         // Block by block: one head's rows of a block sit at a fixed stride; fetch the next block early.
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
-        if (stop < hi) kc.prefetch(table[blk + 1], h, bs, D);
+        if ((blk + kPrefetchBlocks) * bs < hi) kc.prefetch(table[blk + kPrefetchBlocks], h, bs, D);
         int64_t ks = 0;
         const float* kr = kc.rows(table[blk], off, h, stop - t, D, tile.data(), &ks);
         if (kern.scores)
@@ -597,7 +618,7 @@ void paged_decode_impl(torch::Tensor& out, const torch::Tensor& q, const KC& kc,
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t t = lo; t < hi;) {
         const int64_t blk = t / bs, stop = std::min(hi, (blk + 1) * bs), off = t % bs;
-        if (stop < hi) vc.prefetch(table[blk + 1], h, bs, D);
+        if ((blk + kPrefetchBlocks) * bs < hi) vc.prefetch(table[blk + kPrefetchBlocks], h, bs, D);
         int64_t vs = 0;
         const float* vr = vc.rows(table[blk], off, h, stop - t, D, tile.data(), &vs);
         if (kern.accumulate)

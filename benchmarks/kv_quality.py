@@ -46,15 +46,19 @@ SETS = ("tune", "heldout", "all")
 
 # Variants measured while choosing int8's scheme, registered only in this process (--formats may name them).
 EXPERIMENTS = {
-    "x-int8-hadamard-kv": ("token-head", "kv"),  # K and V turned, one scale per token
-    "x-int8-channel-k": ("channel", ""),  # int8 (per-channel keys) with values not turned
+    "x-int8-hadamard-kv": ("token-head", "kv", ""),  # K and V turned, one scale per token
+    "x-int8-channel-k": ("channel", "", ""),  # int8 (per-channel keys) with values not turned
+    # keys smoothed by int4-smooth's static constants, then K and V turned, one scale per token: no per-block fold
+    # of the query in decode (the per-token integer kernels)
+    "x-int8-smooth": ("token-head", "kv", "k"),
 }
 
 
 def register_experiments() -> None:
-    for name, (scales, rotation) in EXPERIMENTS.items():
+    for name, (scales, rotation, smooth) in EXPERIMENTS.items():
         if name not in KV_FORMATS:
-            KV_FORMATS.register(name, KVFormat(name, "experiment", 8, True, scales, "int8", rotation), "experiment")
+            KV_FORMATS.register(name, KVFormat(name, "experiment", 8, True, scales, "int8", rotation, smooth),
+                                "experiment")
 
 
 def in_set(i: int, name: str) -> bool:

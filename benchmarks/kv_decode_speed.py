@@ -14,6 +14,7 @@ on a shared, oversubscribed machine, where a descheduled thread stalls the other
 Prints the CPU's vector flags that pick the decode kernels (AVX-512 VNNI: the integer-dot kernels for
 int8 (per-channel) / int4 keys and int8-token / 4-bit values; ``--int-dot off`` takes the float kernels), one line per
 shape with each format's ratio to fp32, the load average at start and end, then one JSON line of every figure.
+``--formats`` may name ``benchmarks/kv_quality.py``'s experiments (``x-...``), registered in this process only.
 Usage: python benchmarks/kv_decode_speed.py [--formats int8,int8-token,int4,fp8-scaled] [--batches 1,8,32]
        [--prompt 256] [--long 2048] [--long-batch 4,8,32] [--new 16] [--reps 3] [--threads 2] [--int-dot on|off]
 """
@@ -80,6 +81,10 @@ def main() -> None:
           flush=True)
     torch.set_num_threads(args.threads)
     formats = ["fp32", *[f.strip() for f in args.formats.split(",") if f.strip()]]
+    if any(f.startswith("x-") for f in formats):  # kv_quality.py's experiments, registered in this process only
+        from kv_quality import register_experiments  # this folder is on sys.path when a benchmark runs as a script
+
+        register_experiments()
     ckpt = resolve_model(args.model)
     from transformers import AutoTokenizer
 

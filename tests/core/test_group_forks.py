@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from kvledger.core import KVLedger, Request
+from kvledger.core import CacheContext, KVLedger, Request
 from kvledger.core.groups import NULL_BLOCK, KVCacheGroup
-from kvledger.errors import AdmissionError, OutOfBlocksError
+from kvledger.errors import AdmissionError, LedgerError, OutOfBlocksError
 
 BS = 4
 GROUPS = (KVCacheGroup("full", 2), KVCacheGroup("sliding", 2, 5), KVCacheGroup("full", 2),
@@ -202,3 +202,20 @@ def test_the_random_operations_fork_copy_and_swap() -> None:
         totals[1] += m.copies
         totals[2] += m.swaps
     assert totals[0] > 20 and totals[1] > 20 and totals[2] > 10, totals
+
+
+def test_a_hybrid_pool_refuses_a_pin_it_could_not_keep() -> None:
+    """A prefix hit on a hybrid pool needs every group's blocks (a sliding group's window too), so pinning only the
+    full-attention group's blocks would hold memory without keeping the hit: refused in one clear error, nothing
+    held. (Before: the first group's blocks were pinned and the count returned as if the prefix were kept.)"""
+    led = KVLedger(40, BS, prefix_caching=True, kv_groups=GROUPS, step_tokens=STEP)
+    prompt = list(range(1, 18))
+    assert led.admit(Request("a", prompt, 2)).admitted
+    for start in range(0, len(prompt), STEP):
+        end = min(start + STEP, len(prompt))
+        led.group_tables("a", start, end)
+        led.mark_computed("a", end)
+    led.release("a")  # the prompt's blocks stay in the prefix index, retained
+    with pytest.raises(LedgerError, match="a hybrid KV pool pins no prefixes yet"):
+        led.pin("system", prompt, CacheContext())
+    assert led.pins() == {} and led.check() is None

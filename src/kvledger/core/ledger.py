@@ -871,6 +871,9 @@ class KVLedger:
         they are never evicted. Returns the number of blocks pinned (0 if nothing is cached yet)."""
         if not self.prefix_caching:
             raise LedgerError("pinning needs prefix caching")
+        if self.groups is not None:  # a hit needs every group's blocks; a pin would hold the first group's alone
+            raise LedgerError("a hybrid KV pool pins no prefixes yet: a prefix hit needs every group's blocks, and a "
+                              "pin would hold only the full-attention group's")
         if type(name) is not str or not name:
             raise ConfigError(f"a pin is named by a non-empty string, got {show(name)}")
         if not isinstance(context, CacheContext):

@@ -192,6 +192,14 @@ def test_vllm_spellings_of_the_dtypes(command: str) -> None:
     assert _parsed(cmd, *extra)["kv_dtype"] is None
 
 
+def test_generate_takes_vllms_max_tokens_for_its_output_allowance() -> None:
+    assert _parsed("generate", "x", "--max-tokens", "5")["max_new"] == _parsed("generate", "x", "--max-new", "5")[
+        "max_new"] == 5
+    assert _parsed("generate", "x")["max_new"] == 64
+    with pytest.raises(click.BadParameter):
+        _parsed("generate", "x", "--max-tokens", "0")
+
+
 @pytest.mark.parametrize("spelling, ours", [("bfloat16", "bf16"), ("half", "fp16"), ("float32", "fp32"),
                                             ("bf16", "bf16")])
 def test_compute_dtype_spellings(spelling: str, ours: str) -> None:

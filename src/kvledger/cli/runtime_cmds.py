@@ -96,7 +96,8 @@ def _tier_lines(summary: dict[str, Any]) -> list[str]:
 ))
 @click.argument("prompt")
 @model_option()
-@click.option("--max-new", type=Int(1, 100_000), default=64, show_default=True, help="Most tokens to generate.")
+@click.option("--max-new", "--max-tokens", "max_new", type=Int(1, 100_000), default=64, show_default=True,
+              help="Most tokens to generate (--max-tokens: vLLM's and OpenAI's name).")
 @click.option("--temperature", type=Float(0.0, 100.0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=Float(0.0, 1.0, lo_open=True), default=1.0, show_default=True,
               help="Nucleus sampling: keep the smallest set of tokens with this much probability.")

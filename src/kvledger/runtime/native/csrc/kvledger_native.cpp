@@ -190,7 +190,7 @@ inline void dots(const float* q, int64_t G, const float* k, int64_t D, float* ou
 
 // How far ahead decode asks for a head's next rows, and where to: two blocks ahead, into L2 (prefetcht1). Measured
 // on SmolLM2's shape (4 x 2,048 tokens, 30 layers, 2-core Xeon): fp32, int8 and int4 attention 6-11% faster than
-// one block ahead into L1, whose fill buffers the kernels' own loads need; 4, 8 or 16 blocks ahead no better.
+// one block ahead into L1 (why is not measured); 4, 8 or 16 blocks ahead no better (docs/kv_formats.md).
 constexpr int64_t kPrefetchBlocks = 2;
 #define KVL_PREFETCH(p) __builtin_prefetch((p), 0, 2)
 // Ask for the cache lines of one head's rows in a block (the blocks of a table are scattered).
